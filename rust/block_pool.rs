@@ -1,0 +1,396 @@
+//! The block pool: an arena of `num_blocks` blocks (struct of arrays), the free queue,
+//! the prefix index, and the KV cache event queue. Mirrors vLLM's `BlockPool`.
+//!
+//! Invariants (checked by `invariants::check`):
+//! - block 0 is the null block: never queued, never hashed, its ref count unused;
+//! - a non-null block is in the free queue iff its ref count is 0;
+//! - a block has a hash key iff the prefix index maps that key to it;
+//! - free blocks without a hash sit before hashed ones only as vLLM's order dictates
+//!   (freed unhashed blocks go to the front, hashed ones to the back).
+//!
+//! Cost: `get_new_blocks` O(n) (each popped block's lazy eviction O(1)); `touch`,
+//! `free_blocks` O(blocks given); `cache_full_blocks` O(blocks cached); `reset` O(num_blocks).
+#![forbid(unsafe_code)]
+
+use crate::free_queue::FreeQueue;
+use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, NULL_BLOCK};
+use crate::prefix_index::{HashKey, PrefixIndex};
+
+/// A KV cache event, in the order vLLM emits them. `Stored` carries what the vLLM adapter
+/// needs to build `BlockStored` (token ids and extra keys come from the request there).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// Blocks `block_indices` of a request's table became cached.
+    Stored {
+        /// The request whose blocks were cached.
+        req: ReqHandle,
+        /// The KV cache group.
+        group: GroupId,
+        /// Tokens per block of the group.
+        block_size: u32,
+        /// First token of the range (`num_cached_blocks * block_size`).
+        start_token: u32,
+        /// End of the range (`num_full_blocks * block_size`).
+        end_token: u32,
+        /// Hash of block `num_cached_blocks - 1`, if any.
+        parent: Option<BlockHash>,
+        /// Hashes of the blocks cached (null / masked blocks skipped).
+        hashes: Vec<BlockHash>,
+        /// Table indices of those blocks.
+        block_indices: Vec<u32>,
+    },
+    /// A cached block lost its hash (lazy eviction or explicit eviction).
+    Removed {
+        /// The removed hash.
+        hash: BlockHash,
+        /// Its group.
+        group: GroupId,
+    },
+    /// The prefix cache was reset.
+    AllCleared,
+}
+
+/// The arena of blocks with their free queue and prefix index.
+#[derive(Clone, Debug)]
+pub struct BlockPool {
+    /// Blocks in the pool, the null block included.
+    num_blocks: u32,
+    /// Reference count of each block (requests holding it in a table, plus extra refs).
+    pub(crate) ref_cnt: Vec<u32>,
+    /// The hash key a block is cached under, if any.
+    pub(crate) hash: Vec<Option<HashKey>>,
+    /// Prefix tokens the block's hash covers (`block_hash_num_tokens`), 0 when unhashed.
+    pub(crate) hash_tokens: Vec<u32>,
+    /// Free blocks in eviction order.
+    pub(crate) queue: FreeQueue,
+    /// Cached blocks by hash key.
+    pub(crate) index: PrefixIndex,
+    /// Prefix caching on.
+    enable_caching: bool,
+    /// Record events.
+    enable_events: bool,
+    /// Events not yet taken.
+    events: Vec<Event>,
+    /// Scratch buffers for `free_blocks` (kept to avoid allocating per call).
+    scratch_first: Vec<BlockId>,
+    scratch_last: Vec<BlockId>,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` blocks (`>= 1`); block 0 is taken as the null block.
+    pub fn new(num_blocks: u32, enable_caching: bool, enable_events: bool) -> Self {
+        let mut queue = FreeQueue::new(num_blocks);
+        let null = queue.pop_front();
+        debug_assert_eq!(null, Some(NULL_BLOCK));
+        Self {
+            num_blocks,
+            ref_cnt: vec![0; num_blocks as usize],
+            hash: vec![None; num_blocks as usize],
+            hash_tokens: vec![0; num_blocks as usize],
+            queue,
+            index: PrefixIndex::new(),
+            enable_caching,
+            enable_events,
+            events: Vec::new(),
+            scratch_first: Vec::new(),
+            scratch_last: Vec::new(),
+        }
+    }
+
+    /// Blocks in the pool, the null block included.
+    pub fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    /// Free blocks (cached-but-unused ones included).
+    #[inline]
+    pub fn num_free_blocks(&self) -> u32 {
+        self.queue.len()
+    }
+
+    /// Fraction of the pool in use, the null block excluded (vLLM's `get_usage`).
+    pub fn usage(&self) -> f64 {
+        let total = self.num_blocks - 1;
+        if total == 0 {
+            return 0.0;
+        }
+        1.0 - (self.num_free_blocks() as f64 / total as f64)
+    }
+
+    /// Reference count of `b`.
+    pub fn ref_cnt(&self, b: BlockId) -> u32 {
+        self.ref_cnt[b as usize]
+    }
+
+    /// Hash key of `b`, if cached.
+    pub fn block_hash(&self, b: BlockId) -> Option<&HashKey> {
+        self.hash[b as usize].as_ref()
+    }
+
+    /// Prefix tokens covered by `b`'s hash (0 when unhashed).
+    pub fn block_hash_num_tokens(&self, b: BlockId) -> u32 {
+        self.hash_tokens[b as usize]
+    }
+
+    /// Free blocks in eviction order (tests).
+    pub fn free_queue_order(&self) -> Vec<BlockId> {
+        self.queue.iter().collect()
+    }
+
+    /// The first cached block for `hash` in every group of `groups`, or `None` on any miss
+    /// (vLLM's `get_cached_block`). Writes into `out` (cleared first).
+    #[inline]
+    pub fn get_cached_block(&self, hash: &BlockHash, groups: &[GroupId], out: &mut Vec<BlockId>) -> bool {
+        out.clear();
+        for &g in groups {
+            match self.index.get_one(&(*hash, g)) {
+                Some(b) => out.push(b),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Pops `n` blocks from the front of the free queue, evicting their cached hashes,
+    /// and gives each a reference; appends them to `out`. The caller has checked
+    /// `n <= num_free_blocks()`.
+    pub fn get_new_blocks(&mut self, n: u32, out: &mut Vec<BlockId>) {
+        assert!(n <= self.num_free_blocks(), "get_new_blocks: {n} blocks asked, fewer free");
+        for _ in 0..n {
+            let b = self.queue.pop_front().expect("free queue shorter than its count");
+            if self.enable_caching {
+                self.maybe_evict_cached_block(b);
+            }
+            assert_eq!(self.ref_cnt[b as usize], 0, "free block {b} had references");
+            self.ref_cnt[b as usize] = 1;
+            out.push(b);
+        }
+    }
+
+    /// Drops `b`'s hash from the prefix index (emitting `Removed`); returns whether it had one.
+    pub fn maybe_evict_cached_block(&mut self, b: BlockId) -> bool {
+        let Some(key) = self.hash[b as usize].take() else { return false };
+        self.hash_tokens[b as usize] = 0;
+        if self.index.remove(&key, b) && self.enable_events {
+            self.events.push(Event::Removed { hash: key.0, group: key.1 });
+        }
+        true
+    }
+
+    /// Takes a reference on each block (a cache hit), pulling free ones out of the queue.
+    pub fn touch(&mut self, blocks: &[BlockId]) {
+        for &b in blocks {
+            if b == NULL_BLOCK {
+                continue;
+            }
+            if self.ref_cnt[b as usize] == 0 {
+                self.queue.remove(b);
+            }
+            self.ref_cnt[b as usize] += 1;
+        }
+    }
+
+    /// Drops one reference from each block, in eviction-priority order: blocks reaching 0
+    /// go to the front of the queue when unhashed (or caching is off), to the back when
+    /// hashed (vLLM's `free_blocks`). The caller guarantees each non-null block has a
+    /// reference to drop.
+    pub fn free_blocks<I: IntoIterator<Item = BlockId>>(&mut self, ordered: I) {
+        let mut first = std::mem::take(&mut self.scratch_first);
+        let mut last = std::mem::take(&mut self.scratch_last);
+        for b in ordered {
+            if b == NULL_BLOCK {
+                continue;
+            }
+            let rc = &mut self.ref_cnt[b as usize];
+            assert!(*rc > 0, "free of block {b} whose reference count is 0");
+            *rc -= 1;
+            if *rc == 0 {
+                if self.hash[b as usize].is_none() || !self.enable_caching {
+                    first.push(b);
+                } else {
+                    last.push(b);
+                }
+            }
+        }
+        self.queue.push_front_n(&first);
+        self.queue.push_back_n(&last);
+        first.clear();
+        last.clear();
+        self.scratch_first = first;
+        self.scratch_last = last;
+    }
+
+    /// Caches blocks `num_cached..num_full` of a table (vLLM's `cache_full_blocks`):
+    /// each non-null, unmasked block gets the hash of its position and joins the index.
+    /// `hash_of(i)` gives the hash of table block `i` at this group's block size.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cache_full_blocks(
+        &mut self,
+        req: ReqHandle,
+        blocks: &[BlockId],
+        num_cached: u32,
+        num_full: u32,
+        block_size: u32,
+        group: GroupId,
+        mask: Option<&[bool]>,
+        hash_of: impl Fn(u32) -> BlockHash,
+    ) {
+        if num_cached >= num_full {
+            return;
+        }
+        let mut ev_hashes = Vec::new();
+        let mut ev_idx = Vec::new();
+        for i in num_cached..num_full {
+            let b = blocks[i as usize];
+            if b == NULL_BLOCK {
+                continue;
+            }
+            if let Some(m) = mask {
+                if !m[(i - num_cached) as usize] {
+                    continue;
+                }
+            }
+            let h = hash_of(i);
+            let key = (h, group);
+            assert!(
+                self.hash[b as usize].is_none(),
+                "cache_full_blocks: block {b} already cached (partial promotion is not served)"
+            );
+            self.hash[b as usize] = Some(key);
+            self.hash_tokens[b as usize] = (i + 1) * block_size;
+            self.index.insert(key, b);
+            if self.enable_events {
+                ev_hashes.push(h);
+                ev_idx.push(i);
+            }
+        }
+        if self.enable_events {
+            let parent = if num_cached == 0 { None } else { Some(hash_of(num_cached - 1)) };
+            self.events.push(Event::Stored {
+                req,
+                group,
+                block_size,
+                start_token: num_cached * block_size,
+                end_token: num_full * block_size,
+                parent,
+                hashes: ev_hashes,
+                block_indices: ev_idx,
+            });
+        }
+    }
+
+    /// Drops the hashes of the given blocks from the prefix cache; blocks in use stay
+    /// allocated (vLLM's `evict_blocks`). Ids were range-checked by the caller.
+    pub fn evict_blocks(&mut self, ids: &[BlockId]) {
+        for &b in ids {
+            self.maybe_evict_cached_block(b);
+        }
+    }
+
+    /// Clears the prefix cache if every block but the null block is free; returns whether
+    /// it did (vLLM's `reset_prefix_cache`).
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        let used = self.num_blocks - self.num_free_blocks();
+        if used != 1 {
+            return false;
+        }
+        self.index.clear();
+        for h in self.hash.iter_mut() {
+            *h = None;
+        }
+        for t in self.hash_tokens.iter_mut() {
+            *t = 0;
+        }
+        if self.enable_events {
+            self.events.push(Event::AllCleared);
+        }
+        true
+    }
+
+    /// Whether events are recorded.
+    pub fn events_enabled(&self) -> bool {
+        self.enable_events
+    }
+
+    /// Whether any event waits.
+    pub fn has_events(&self) -> bool {
+        !self.events.is_empty()
+    }
+
+    /// Takes every queued event.
+    pub fn take_events(&mut self) -> Vec<Event> {
+        std::mem::take(&mut self.events)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_pool_reserves_null_block() {
+        let p = BlockPool::new(4, true, false);
+        assert_eq!(p.num_free_blocks(), 3);
+        assert_eq!(p.free_queue_order(), vec![1, 2, 3]);
+        assert_eq!(p.usage(), 0.0);
+    }
+
+    #[test]
+    fn free_blocks_unhashed_front_hashed_back() {
+        let mut p = BlockPool::new(6, true, true);
+        let mut got = Vec::new();
+        p.get_new_blocks(4, &mut got);
+        assert_eq!(got, vec![1, 2, 3, 4]);
+        p.cache_full_blocks(0, &got, 0, 2, 16, 0, None, |i| BlockHash::from_u64(i as u64 + 100));
+        // Free the table tail first, as a request does.
+        p.free_blocks(got.iter().rev().copied());
+        // Unhashed 4, 3 go to the front in that order; hashed 2, 1 to the back.
+        assert_eq!(p.free_queue_order(), vec![4, 3, 5, 2, 1]);
+        let ev = p.take_events();
+        assert_eq!(ev.len(), 1);
+        assert!(matches!(&ev[0], Event::Stored { hashes, parent: None, .. } if hashes.len() == 2));
+    }
+
+    #[test]
+    fn get_new_blocks_evicts_lazily_with_event() {
+        let mut p = BlockPool::new(3, true, true);
+        let mut got = Vec::new();
+        p.get_new_blocks(2, &mut got);
+        p.cache_full_blocks(0, &got, 0, 2, 16, 1, None, |i| BlockHash::from_u64(i as u64));
+        p.free_blocks(got.iter().rev().copied());
+        p.take_events();
+        let mut again = Vec::new();
+        p.get_new_blocks(1, &mut again);
+        // The tail block (2) was freed first, so it is evicted first.
+        assert_eq!(again, vec![2]);
+        assert!(p.block_hash(2).is_none());
+        assert_eq!(p.take_events(), vec![Event::Removed { hash: BlockHash::from_u64(1), group: 1 }]);
+        let mut hit = Vec::new();
+        assert!(p.get_cached_block(&BlockHash::from_u64(0), &[1], &mut hit));
+        assert_eq!(hit, vec![1]);
+        assert!(!p.get_cached_block(&BlockHash::from_u64(1), &[1], &mut hit));
+    }
+
+    #[test]
+    fn touch_pulls_free_block_out_of_queue() {
+        let mut p = BlockPool::new(4, true, false);
+        let mut got = Vec::new();
+        p.get_new_blocks(1, &mut got);
+        p.free_blocks([1]);
+        assert_eq!(p.num_free_blocks(), 3);
+        p.touch(&[1, NULL_BLOCK]);
+        assert_eq!(p.ref_cnt(1), 1);
+        assert_eq!(p.num_free_blocks(), 2);
+    }
+
+    #[test]
+    fn reset_prefix_cache_refuses_when_blocks_in_use() {
+        let mut p = BlockPool::new(4, true, true);
+        let mut got = Vec::new();
+        p.get_new_blocks(1, &mut got);
+        assert!(!p.reset_prefix_cache());
+        p.free_blocks([1]);
+        assert!(p.reset_prefix_cache());
+        assert_eq!(p.take_events(), vec![Event::AllCleared]);
+    }
+}

@@ -1,0 +1,214 @@
+//! Configuration of an allocator: the pool size, the KV cache groups and their attention
+//! types, and the scheduler-level knobs vLLM's `KVCacheManager` is built with.
+//! Validation happens once, in [`Config::validate`]; everything after may rely on it.
+#![forbid(unsafe_code)]
+
+use crate::error::{Error, Result};
+
+/// The attention type of one KV cache group, with the parameters its manager needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionKind {
+    /// Full attention (also MLA, which allocates the same way): every block is kept.
+    Full,
+    /// Sliding-window attention: blocks wholly before `window - 1 + extra_retained_tokens`
+    /// tokens of the newest computed token are recycled.
+    SlidingWindow { window: u32, extra_retained_tokens: u32 },
+    /// Chunked local attention (Llama 4): blocks of earlier chunks are recycled.
+    ChunkedLocal { chunk: u32 },
+    /// Cross attention (encoder-decoder): a static allocation from the encoder length,
+    /// never prefix cached.
+    Cross,
+}
+
+impl AttentionKind {
+    /// Whether vLLM treats this kind as a `FullAttentionSpec` in the hybrid hit search.
+    pub fn is_full(&self) -> bool {
+        matches!(self, AttentionKind::Full)
+    }
+}
+
+/// One KV cache group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupSpec {
+    /// The attention type and its parameters.
+    pub kind: AttentionKind,
+    /// Tokens per block of this group (a multiple of `hash_block_size`).
+    pub block_size: u32,
+    /// Groups whose specs are equal in vLLM (same key here) are looked up together,
+    /// as vLLM's `HybridKVCacheCoordinator` batches them into one `SpecGroup`.
+    pub spec_key: u32,
+}
+
+/// Everything an allocator is built from; mirrors `KVCacheManager.__init__`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Blocks in the pool, the null block included (`>= 1`).
+    pub num_blocks: u32,
+    /// The KV cache groups, in vLLM's order.
+    pub groups: Vec<GroupSpec>,
+    /// Tokens per block hash.
+    pub hash_block_size: u32,
+    /// The scheduling granularity: a multiple of every group's block size.
+    pub scheduler_block_size: u32,
+    /// Longest sequence the model serves.
+    pub max_model_len: u32,
+    /// Tokens scheduled but not yet settled (sets the SWA / chunked admission cap).
+    pub max_in_flight_tokens: u32,
+    /// Prefix caching on or off.
+    pub enable_caching: bool,
+    /// Record KV cache events.
+    pub enable_events: bool,
+    /// Free blocks kept back when admitting waiting or preempted requests.
+    pub watermark_blocks: u32,
+    /// `KVCacheConfig.prefix_cache_retention_interval`: `None` dense, `Some(0)` only
+    /// replay boundaries, `Some(n)` also every `n` tokens (sliding window only).
+    pub retention_interval: Option<u32>,
+}
+
+/// Which coordinator vLLM would build for this config.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CoordinatorKind {
+    /// Prefix caching off.
+    NoPrefixCache,
+    /// Caching on, one group.
+    Unitary,
+    /// Caching on, several groups.
+    Hybrid,
+}
+
+fn cdiv(a: u64, b: u64) -> u64 {
+    a.div_ceil(b)
+}
+
+impl Config {
+    /// The coordinator vLLM picks (`get_kv_cache_coordinator`).
+    pub fn coordinator_kind(&self) -> CoordinatorKind {
+        if !self.enable_caching {
+            CoordinatorKind::NoPrefixCache
+        } else if self.groups.len() == 1 {
+            CoordinatorKind::Unitary
+        } else {
+            CoordinatorKind::Hybrid
+        }
+    }
+
+    /// The alignment (in tokens) of cache-hit lengths. Without Mamba "align" groups
+    /// vLLM never enables partial hash hits, so this is the scheduler block size.
+    pub fn cache_hit_alignment_tokens(&self) -> u32 {
+        self.scheduler_block_size
+    }
+
+    /// The recycling-aware per-request admission cap of a group, in blocks
+    /// (`SlidingWindowSpec` / `ChunkedLocalAttentionSpec.max_admission_blocks_per_request`).
+    pub fn max_admission_blocks(&self, g: &GroupSpec) -> Option<u32> {
+        let inflight = self.max_in_flight_tokens as u64;
+        let mml = self.max_model_len as u64;
+        let bs = g.block_size as u64;
+        match g.kind {
+            AttentionKind::SlidingWindow { window, extra_retained_tokens } => {
+                let n = (window as u64 - 1 + extra_retained_tokens as u64 + inflight).min(mml);
+                Some((cdiv(n, bs) + 1) as u32)
+            }
+            AttentionKind::ChunkedLocal { chunk } => {
+                let n = (chunk as u64 + inflight).min(mml);
+                Some(cdiv(n, bs) as u32)
+            }
+            _ => None,
+        }
+    }
+
+    /// Checks the config; the allocator relies on every rule here.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for what vLLM would reject too, [`Error::Unsupported`] for
+    /// what vLLM serves but this core does not (the vLLM plugin falls back on it).
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidConfig(m));
+        if self.num_blocks == 0 {
+            return bad("num_blocks must be at least 1 (block 0 is the null block)".into());
+        }
+        if self.groups.is_empty() {
+            return bad("at least one KV cache group is required".into());
+        }
+        if self.groups.len() > 64 {
+            return bad(format!("{} groups; at most 64 are supported", self.groups.len()));
+        }
+        if self.hash_block_size == 0 || self.scheduler_block_size == 0 {
+            return bad("hash_block_size and scheduler_block_size must be positive".into());
+        }
+        if self.max_model_len == 0 {
+            return bad("max_model_len must be positive".into());
+        }
+        if self.scheduler_block_size % self.hash_block_size != 0 {
+            return bad(format!(
+                "scheduler_block_size {} is not a multiple of hash_block_size {}",
+                self.scheduler_block_size, self.hash_block_size
+            ));
+        }
+        for (i, g) in self.groups.iter().enumerate() {
+            if g.block_size == 0 {
+                return bad(format!("group {i}: block_size must be positive"));
+            }
+            if self.scheduler_block_size % g.block_size != 0 {
+                return bad(format!(
+                    "group {i}: scheduler_block_size {} is not a multiple of block_size {}",
+                    self.scheduler_block_size, g.block_size
+                ));
+            }
+            match g.kind {
+                AttentionKind::SlidingWindow { window, .. } if window == 0 => {
+                    return bad(format!("group {i}: sliding window must be positive"));
+                }
+                AttentionKind::ChunkedLocal { chunk } if chunk == 0 => {
+                    return bad(format!("group {i}: attention chunk size must be positive"));
+                }
+                _ => {}
+            }
+            if self.enable_caching {
+                if g.block_size % self.hash_block_size != 0 {
+                    return bad(format!(
+                        "group {i}: block_size {} is not a multiple of hash_block_size {}",
+                        g.block_size, self.hash_block_size
+                    ));
+                }
+                if matches!(g.kind, AttentionKind::Cross) {
+                    return Err(Error::Unsupported(format!(
+                        "group {i}: cross attention with prefix caching on"
+                    )));
+                }
+                if matches!(g.kind, AttentionKind::ChunkedLocal { .. })
+                    && g.block_size != self.cache_hit_alignment_tokens()
+                {
+                    return Err(Error::Unsupported(format!(
+                        "group {i}: chunked local attention with a block size ({}) other than \
+                         the scheduler block size ({})",
+                        g.block_size, self.scheduler_block_size
+                    )));
+                }
+            }
+        }
+        if self.coordinator_kind() == CoordinatorKind::Unitary
+            && self.hash_block_size != self.groups[0].block_size
+        {
+            return bad("a single cached group needs hash_block_size == block_size".into());
+        }
+        if let Some(r) = self.retention_interval {
+            let has_sparse =
+                self.groups.iter().any(|g| matches!(g.kind, AttentionKind::SlidingWindow { .. }));
+            if !has_sparse && r != 0 {
+                return bad(
+                    "prefix_cache_retention_interval is set but no sliding-window group exists"
+                        .into(),
+                );
+            }
+            if has_sparse && r % self.scheduler_block_size != 0 {
+                return bad(format!(
+                    "prefix_cache_retention_interval ({r}) must be a multiple of \
+                     scheduler_block_size ({})",
+                    self.scheduler_block_size
+                ));
+            }
+        }
+        Ok(())
+    }
+}

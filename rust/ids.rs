@@ -1,0 +1,57 @@
+//! Integer handles and the block-hash value type.
+//!
+//! Block ids are `u32` indices into the pool's struct-of-arrays metadata; block 0 is the
+//! null block, as in vLLM. A [`BlockHash`] holds the bytes vLLM computed for one hash block
+//! (32 for sha256, 16 for xxhash), inline, so hashing and comparing it never allocates.
+#![forbid(unsafe_code)]
+
+/// Index of a block in the pool (`0..num_blocks`); 0 is the null block.
+pub type BlockId = u32;
+
+/// The null block: a placeholder that fills table slots whose block was freed
+/// (out of a window). Never in the free queue, never hashed, never ref-counted.
+pub const NULL_BLOCK: BlockId = 0;
+
+/// Dense handle of a request inside the coordinator (a slab index).
+pub type ReqHandle = u32;
+
+/// Index of a KV cache group.
+pub type GroupId = u32;
+
+/// Longest hash the core stores inline (sha256).
+pub const MAX_HASH_LEN: usize = 32;
+
+/// The hash of one `hash_block_size` block, chained over the whole prefix (vLLM's
+/// `BlockHash`). Invariant: bytes past `len` are zero, so derived `Eq`/`Hash` are exact.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct BlockHash {
+    bytes: [u8; MAX_HASH_LEN],
+    len: u8,
+}
+
+impl BlockHash {
+    /// Builds a hash from its bytes.
+    ///
+    /// # Errors
+    /// `None` if `bytes` is empty or longer than [`MAX_HASH_LEN`].
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        if bytes.is_empty() || bytes.len() > MAX_HASH_LEN {
+            return None;
+        }
+        let mut b = [0u8; MAX_HASH_LEN];
+        b[..bytes.len()].copy_from_slice(bytes);
+        Some(Self { bytes: b, len: bytes.len() as u8 })
+    }
+
+    /// The hash bytes, exactly as vLLM produced them.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+
+    /// A hash made from an integer (tests and benches).
+    pub fn from_u64(x: u64) -> Self {
+        let mut b = [0u8; MAX_HASH_LEN];
+        b[..8].copy_from_slice(&x.to_be_bytes());
+        Self { bytes: b, len: 8 }
+    }
+}

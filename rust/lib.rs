@@ -1,0 +1,63 @@
+//! # hybrid_alloc
+//!
+//! The KV cache block allocator of vLLM V1 (0.32.0), in Rust, for models whose layers mix
+//! attention types: full attention, sliding window, chunked local, cross attention. Same
+//! semantics as vLLM's Python `KVCacheManager` (same block ids, hits, free counts, events),
+//! at a fraction of its cost. `rust/py` (feature `python`) exposes it to Python; the vLLM
+//! integration lives in `python/hybrid_alloc/vllm`.
+//!
+//! ## Architecture
+//! ```text
+//!  Allocator (coordinator.rs)        one per vLLM KVCacheManager
+//!   |- requests: slab of handles     block hashes, pending cache hit
+//!   |- managers[g] (manager/)        one per KV cache group: block tables, num_cached,
+//!   |                                  attention-type rules (full | SWA | chunked | cross)
+//!   '- BlockPool (block_pool.rs)     shared by all groups
+//!        |- ref_cnt / hash / hash_tokens  struct of arrays, indexed by block id
+//!        |- FreeQueue (free_queue.rs)     index-linked list = free list + LRU order
+//!        |- PrefixIndex (prefix_index.rs) (hash, group) -> blocks, duplicates allowed
+//!        '- events                         BlockStored / BlockRemoved / AllBlocksCleared
+//! ```
+//!
+//! ## Invariants (checked by `invariants::check`)
+//! - Block 0 is the null block: never free-queued, hashed or ref-counted.
+//! - A non-null block is in the free queue iff its ref count is 0; its ref count equals the
+//!   table slots holding it.
+//! - A block has a hash iff the prefix index maps that hash to it.
+//! - Tables are positional: out-of-window blocks become the null block in place.
+//!
+//! ## Complexity
+//! | operation | cost |
+//! |---|---|
+//! | `allocate_slots` (decode, no new block) | O(groups), no allocation |
+//! | `allocate_slots` (new blocks) | O(new blocks + freed out-of-window blocks) |
+//! | `find_longest_cache_hit` | O(blocks scanned) (full: hit + 1; SWA: right-to-left scan) |
+//! | `free` | O(table) |
+//! | pool pop / touch / free of one block | O(1) |
+//! | `reset_prefix_cache` | O(num_blocks) |
+//!
+//! ## Performance notes
+//! - Per-request state is dense (handles into a slab, `Vec` tables); the hot decode path
+//!   reuses output buffers, so it allocates nothing.
+//! - Hashes are stored inline (`[u8; 32]`), keyed with `FxHash`: a lookup hashes 36 bytes.
+//! - The Python boundary is crossed once per vLLM call, with ints and flat lists.
+#![deny(unsafe_code)]
+
+pub mod block_pool;
+pub mod config;
+pub mod coordinator;
+pub mod error;
+pub mod free_queue;
+pub mod ids;
+pub mod invariants;
+pub mod manager;
+pub mod prefix_index;
+
+#[cfg(feature = "python")]
+mod py;
+
+pub use block_pool::Event;
+pub use config::{AttentionKind, Config, CoordinatorKind, GroupSpec};
+pub use coordinator::{AllocateArgs, Allocator, Hit, NewComputed};
+pub use error::{Error, Result};
+pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, NULL_BLOCK};

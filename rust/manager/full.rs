@@ -1,0 +1,38 @@
+//! Full attention (and MLA, which allocates the same way): every block is kept until the
+//! request ends; a cache hit is the longest run of cached blocks from the start.
+//!
+//! Cost: the hit search is O(hit blocks + 1) (chained hashes: the first miss ends it).
+#![forbid(unsafe_code)]
+
+use super::{cdiv, HashView};
+use crate::block_pool::BlockPool;
+use crate::ids::{BlockId, GroupId};
+
+/// vLLM's `FullAttentionManager.find_longest_cache_hit` (block-aligned, no EAGLE drop).
+pub fn find_longest_cache_hit(
+    pool: &BlockPool,
+    view: HashView<'_>,
+    max_length: u32,
+    group_ids: &[GroupId],
+    block_size: u32,
+    alignment_tokens: u32,
+    out: &mut [Vec<BlockId>],
+) -> u32 {
+    let n = (max_length / block_size).min(view.len());
+    let mut hit = Vec::with_capacity(group_ids.len());
+    for i in 0..n {
+        if !pool.get_cached_block(&view.get(i), group_ids, &mut hit) {
+            break;
+        }
+        for (o, &b) in out.iter_mut().zip(hit.iter()) {
+            o.push(b);
+        }
+    }
+    let mut hit_length = out[0].len() as u32 * block_size;
+    hit_length -= hit_length % alignment_tokens;
+    let keep = cdiv(hit_length as u64, block_size as u64) as usize;
+    for o in out.iter_mut() {
+        o.truncate(keep);
+    }
+    hit_length
+}

@@ -1,0 +1,384 @@
+//! One manager per KV cache group, with the rules of its attention type (vLLM's
+//! `SingleTypeKVCacheManager` and subclasses). The shared bookkeeping lives in
+//! [`SingleTypeManager`]; what differs per attention type (how many leading tokens fall out
+//! of use, how a cache hit is found, which full blocks are worth caching) lives in one file
+//! per type and is dispatched statically on [`AttentionKind`].
+//!
+//! Per request (by handle) a manager keeps its block table and `num_cached_block`.
+//! Invariants: every non-null block in a table holds one reference for that slot; a
+//! table's first `num_cached` blocks are cached or null; tables only grow, except that
+//! out-of-window blocks become the null block in place (tables stay positional).
+//!
+//! Cost: every method is O(blocks it touches); `remove_skipped_blocks` stops at the first
+//! null block it meets walking backwards, so a decode step costs O(1) amortised.
+#![forbid(unsafe_code)]
+
+pub mod chunked_local;
+pub mod cross;
+pub mod full;
+pub mod sliding_window;
+
+use crate::block_pool::BlockPool;
+use crate::config::{AttentionKind, GroupSpec};
+use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, NULL_BLOCK};
+
+/// Marker for "no `num_cached_block` entry" (vLLM: request id absent from the dict).
+const ABSENT: u32 = u32::MAX;
+
+#[inline]
+pub(crate) fn cdiv(a: u64, b: u64) -> u64 {
+    a.div_ceil(b)
+}
+
+/// The view of a request's block hashes at a group's block size: block `i` of the group
+/// has hash `hashes[(i + 1) * scale - 1]` (vLLM's `BlockHashListWithBlockSize`).
+#[derive(Clone, Copy)]
+pub struct HashView<'a> {
+    /// The request's hashes at `hash_block_size` granularity.
+    pub hashes: &'a [BlockHash],
+    /// `block_size / hash_block_size`.
+    pub scale: u32,
+}
+
+impl HashView<'_> {
+    /// Number of whole group blocks hashed.
+    #[inline]
+    pub fn len(&self) -> u32 {
+        self.hashes.len() as u32 / self.scale
+    }
+
+    /// Whether no whole group block is hashed.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Hash of group block `i` (`i < len()`).
+    #[inline]
+    pub fn get(&self, i: u32) -> BlockHash {
+        self.hashes[((i + 1) * self.scale - 1) as usize]
+    }
+}
+
+/// Finds the longest cache hit for one spec group (groups with equal specs), as the
+/// attention type's `find_longest_cache_hit` classmethod. Fills `out[k]` for each group
+/// id `group_ids[k]` and returns the hit length in tokens.
+pub fn find_longest_cache_hit(
+    kind: AttentionKind,
+    pool: &BlockPool,
+    view: HashView<'_>,
+    max_length: u32,
+    group_ids: &[GroupId],
+    block_size: u32,
+    alignment_tokens: u32,
+    out: &mut [Vec<BlockId>],
+) -> u32 {
+    for o in out.iter_mut() {
+        o.clear();
+    }
+    match kind {
+        AttentionKind::Full => {
+            full::find_longest_cache_hit(pool, view, max_length, group_ids, block_size, alignment_tokens, out)
+        }
+        AttentionKind::SlidingWindow { window, .. } => sliding_window::find_longest_cache_hit(
+            pool, view, max_length, group_ids, block_size, alignment_tokens, window, out,
+        ),
+        AttentionKind::ChunkedLocal { chunk } => {
+            chunked_local::find_longest_cache_hit(pool, view, max_length, group_ids, block_size, chunk, out)
+        }
+        AttentionKind::Cross => 0,
+    }
+}
+
+/// The bookkeeping of one KV cache group.
+#[derive(Clone, Debug)]
+pub struct SingleTypeManager {
+    /// The group's spec.
+    pub spec: GroupSpec,
+    /// The group's index.
+    pub group_id: GroupId,
+    /// Recycling-aware admission cap in blocks (SWA, chunked local), if any.
+    pub max_admission_blocks: Option<u32>,
+    /// Prefix caching on for this manager.
+    pub enable_caching: bool,
+    /// Alignment of cache hits in tokens (the coordinator's).
+    pub cache_hit_alignment_tokens: u32,
+    /// `req_blocks[h]`: the block table of request `h` (empty when it has none).
+    req_blocks: Vec<Vec<BlockId>>,
+    /// `num_cached[h]`: blocks of the table already cached, or `ABSENT`.
+    num_cached: Vec<u32>,
+    /// Scratch for freed blocks (reused, so decode steps do not allocate).
+    scratch: Vec<BlockId>,
+}
+
+impl SingleTypeManager {
+    /// A manager for group `group_id`.
+    pub fn new(
+        spec: GroupSpec,
+        group_id: GroupId,
+        max_admission_blocks: Option<u32>,
+        enable_caching: bool,
+        cache_hit_alignment_tokens: u32,
+    ) -> Self {
+        Self {
+            spec,
+            group_id,
+            max_admission_blocks,
+            enable_caching,
+            cache_hit_alignment_tokens,
+            req_blocks: Vec::new(),
+            num_cached: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Tokens per block.
+    #[inline]
+    pub fn block_size(&self) -> u32 {
+        self.spec.block_size
+    }
+
+    /// Makes room for handle `h` (a new request slot).
+    pub fn ensure_slot(&mut self, h: ReqHandle) {
+        let n = h as usize + 1;
+        if self.req_blocks.len() < n {
+            self.req_blocks.resize_with(n, Vec::new);
+            self.num_cached.resize(n, ABSENT);
+        }
+    }
+
+    /// The block table of `h`.
+    #[inline]
+    pub fn blocks(&self, h: ReqHandle) -> &[BlockId] {
+        &self.req_blocks[h as usize]
+    }
+
+    /// Whether `h` has a `num_cached_block` entry (vLLM: "a running request").
+    #[inline]
+    pub fn is_tracked(&self, h: ReqHandle) -> bool {
+        self.num_cached[h as usize] != ABSENT
+    }
+
+    /// `num_cached_block` of `h` (0 when absent).
+    #[inline]
+    pub fn num_cached(&self, h: ReqHandle) -> u32 {
+        let n = self.num_cached[h as usize];
+        if n == ABSENT {
+            0
+        } else {
+            n
+        }
+    }
+
+    /// Tokens before the attention window of the next token (`get_num_skipped_tokens`).
+    #[inline]
+    pub fn num_skipped_tokens(&self, num_computed_tokens: u32) -> u32 {
+        match self.spec.kind {
+            AttentionKind::Full | AttentionKind::Cross => 0,
+            AttentionKind::SlidingWindow { window, extra_retained_tokens } => {
+                sliding_window::num_skipped_tokens(num_computed_tokens, window, extra_retained_tokens)
+            }
+            AttentionKind::ChunkedLocal { chunk } => chunked_local::num_skipped_tokens(num_computed_tokens, chunk),
+        }
+    }
+
+    fn count_evictable(pool: &BlockPool, blocks: &[BlockId]) -> u32 {
+        blocks.iter().filter(|&&b| b != NULL_BLOCK && pool.ref_cnt(b) == 0).count() as u32
+    }
+
+    /// Blocks this group must take from the pool to give `h` `num_tokens` slots, counting
+    /// cache-hit blocks that are still in the free queue (vLLM's `get_num_blocks_to_allocate`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn get_num_blocks_to_allocate(
+        &self,
+        pool: &BlockPool,
+        h: ReqHandle,
+        num_tokens: u32,
+        new_computed: &[BlockId],
+        total_computed_tokens: u32,
+        apply_admission_cap: bool,
+    ) -> u32 {
+        let bs = self.block_size() as u64;
+        let mut required = cdiv(num_tokens as u64, bs) as i64;
+        if apply_admission_cap {
+            if let Some(cap) = self.max_admission_blocks {
+                required = required.min(cap as i64);
+            }
+        }
+        let num_req_blocks = self.req_blocks[h as usize].len() as i64;
+        if self.is_tracked(h) {
+            return (required - num_req_blocks).max(0) as u32;
+        }
+        let skipped_blocks = (self.num_skipped_tokens(total_computed_tokens) as u64 / bs) as i64;
+        let local_blocks = new_computed.len() as i64 + num_req_blocks;
+        let num_new = (required - skipped_blocks.max(local_blocks)).max(0);
+        let skip_new = (skipped_blocks - num_req_blocks).max(0) as usize;
+        let evictable = Self::count_evictable(pool, new_computed.get(skip_new..).unwrap_or(&[]));
+        num_new as u32 + evictable
+    }
+
+    /// Adds a request's cache-hit blocks to its (empty) table, touching them; blocks that
+    /// are already out of the window become null (vLLM's `add_local_computed_blocks`).
+    pub fn add_local_computed_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        h: ReqHandle,
+        new_computed: &[BlockId],
+        num_local_computed_tokens: u32,
+        num_external_computed_tokens: u32,
+    ) {
+        if matches!(self.spec.kind, AttentionKind::Cross) {
+            assert!(new_computed.is_empty(), "cross attention never has cache hits");
+            return;
+        }
+        let total = num_local_computed_tokens + num_external_computed_tokens;
+        let skipped_blocks = self.num_skipped_tokens(total) / self.spec.block_size;
+        let table = &mut self.req_blocks[h as usize];
+        assert!(table.is_empty(), "add_local_computed_blocks on a request that has blocks");
+        let kept = new_computed.get(skipped_blocks as usize..).unwrap_or(&[]);
+        if self.enable_caching {
+            pool.touch(kept);
+        } else {
+            assert!(kept.is_empty(), "computed blocks with prefix caching off");
+        }
+        table.extend(std::iter::repeat_n(NULL_BLOCK, skipped_blocks as usize));
+        table.extend_from_slice(kept);
+        self.num_cached[h as usize] = table.len() as u32;
+    }
+
+    /// Allocates blocks for tokens a KV connector computed (vLLM's
+    /// `allocate_external_computed_blocks`).
+    pub fn allocate_external_computed_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        h: ReqHandle,
+        num_local_computed_tokens: u32,
+        num_external_computed_tokens: u32,
+    ) {
+        if matches!(self.spec.kind, AttentionKind::Cross) {
+            return;
+        }
+        let total = num_local_computed_tokens + num_external_computed_tokens;
+        let skipped = self.num_skipped_tokens(total);
+        let mut ext = num_external_computed_tokens as i64;
+        if skipped > 0 {
+            ext = ext.min(total as i64 - skipped as i64);
+        }
+        if ext <= 0 {
+            return;
+        }
+        let table = &mut self.req_blocks[h as usize];
+        let need = cdiv(total as u64, self.spec.block_size as u64) as i64 - table.len() as i64;
+        if need > 0 {
+            pool.get_new_blocks(need as u32, table);
+        }
+    }
+
+    /// Grows `h`'s table to `num_tokens` slots; appends the new block ids to `out`
+    /// (vLLM's `allocate_new_blocks`). The caller checked capacity.
+    pub fn allocate_new_blocks(&mut self, pool: &mut BlockPool, h: ReqHandle, num_tokens: u32, out: &mut Vec<BlockId>) {
+        let table = &mut self.req_blocks[h as usize];
+        let required = cdiv(num_tokens as u64, self.spec.block_size as u64) as usize;
+        if required > table.len() {
+            let start = table.len();
+            pool.get_new_blocks((required - start) as u32, table);
+            out.extend_from_slice(&table[start..]);
+        }
+    }
+
+    /// Caches the full blocks of `h` up to `num_tokens` (vLLM's `cache_blocks`), with the
+    /// sliding-window retention mask.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cache_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        h: ReqHandle,
+        hashes: &[BlockHash],
+        hash_block_size: u32,
+        num_tokens: u32,
+        retention_interval: Option<u32>,
+        reachable_boundaries: &[u32],
+    ) {
+        if matches!(self.spec.kind, AttentionKind::Cross) {
+            return;
+        }
+        let bs = self.spec.block_size;
+        let num_cached = self.num_cached(h);
+        let view = HashView { hashes, scale: bs / hash_block_size };
+        // vLLM 0.32 indexes the request's hashes without a bound; the scheduler always has
+        // them. Capping here (as vLLM 0.33 does) keeps a short hash list from panicking.
+        let num_full = (num_tokens / bs).min(view.len());
+        if num_cached >= num_full {
+            return;
+        }
+        let mask = match self.spec.kind {
+            AttentionKind::SlidingWindow { window, .. } => sliding_window::reachable_block_mask(
+                num_cached,
+                num_full,
+                self.cache_hit_alignment_tokens,
+                bs,
+                window,
+                retention_interval,
+                reachable_boundaries,
+            ),
+            _ => None,
+        };
+        pool.cache_full_blocks(
+            h,
+            &self.req_blocks[h as usize],
+            num_cached,
+            num_full,
+            bs,
+            self.group_id,
+            mask.as_deref(),
+            |i| view.get(i),
+        );
+        self.num_cached[h as usize] = num_full;
+    }
+
+    /// Frees the blocks of `h` that fell out of the attention window, replacing them with
+    /// the null block (vLLM's `remove_skipped_blocks`).
+    pub fn remove_skipped_blocks(&mut self, pool: &mut BlockPool, h: ReqHandle, processed_computed_tokens: u32) {
+        let skipped = self.num_skipped_tokens(processed_computed_tokens);
+        if skipped == 0 {
+            return;
+        }
+        let table = &mut self.req_blocks[h as usize];
+        let n = ((skipped / self.spec.block_size) as usize).min(table.len());
+        let mut freed = std::mem::take(&mut self.scratch);
+        for i in (0..n).rev() {
+            if table[i] == NULL_BLOCK {
+                break;
+            }
+            freed.push(table[i]);
+            table[i] = NULL_BLOCK;
+        }
+        if !freed.is_empty() {
+            pool.free_blocks(freed.iter().copied());
+        }
+        freed.clear();
+        self.scratch = freed;
+    }
+
+    /// Frees every block of `h`, tail first, and forgets its bookkeeping (vLLM's `free`).
+    pub fn free(&mut self, pool: &mut BlockPool, h: ReqHandle) {
+        let table = &mut self.req_blocks[h as usize];
+        pool.free_blocks(table.iter().rev().copied());
+        table.clear();
+        self.num_cached[h as usize] = ABSENT;
+    }
+
+    /// Forgets `h`'s bookkeeping and moves its table into `out`, without freeing
+    /// (vLLM's `pop_blocks_for_free`).
+    pub fn pop_blocks(&mut self, h: ReqHandle, out: &mut Vec<BlockId>) {
+        let table = &mut self.req_blocks[h as usize];
+        out.extend_from_slice(table);
+        table.clear();
+        self.num_cached[h as usize] = ABSENT;
+    }
+
+    /// Every live table (invariant checks).
+    pub fn tables(&self) -> impl Iterator<Item = (ReqHandle, &[BlockId])> + '_ {
+        self.req_blocks.iter().enumerate().map(|(h, t)| (h as ReqHandle, t.as_slice()))
+    }
+}

@@ -1,0 +1,152 @@
+//! Sliding-window attention: a token attends to the `window - 1` tokens before it, so
+//! blocks wholly before that range go back to the pool and their table slots become the
+//! null block. A cache hit needs `cdiv(window - 1, block_size)` contiguous cached blocks
+//! ending at the hit point, searched right to left; cached blocks before a hit are not
+//! needed and come back as null blocks.
+//!
+//! Cost: the hit search is O(blocks scanned) (vLLM's too); `num_skipped_tokens` O(1);
+//! the retention mask O(blocks cached).
+#![forbid(unsafe_code)]
+
+use super::{cdiv, HashView};
+use crate::block_pool::BlockPool;
+use crate::ids::{BlockId, GroupId, NULL_BLOCK};
+
+/// Tokens before the window of the next token: `max(0, n - window + 1 - extra)`.
+#[inline]
+pub fn num_skipped_tokens(num_computed_tokens: u32, window: u32, extra_retained_tokens: u32) -> u32 {
+    (num_computed_tokens as i64 - window as i64 + 1 - extra_retained_tokens as i64).max(0) as u32
+}
+
+/// Contiguous cached blocks a hit needs (no EAGLE).
+#[inline]
+pub fn contiguous_blocks_for_hit(window: u32, block_size: u32) -> u32 {
+    cdiv(window as u64 - 1, block_size as u64) as u32
+}
+
+/// vLLM's `SlidingWindowManager.find_longest_cache_hit` (no EAGLE drop).
+#[allow(clippy::too_many_arguments)]
+pub fn find_longest_cache_hit(
+    pool: &BlockPool,
+    view: HashView<'_>,
+    max_length: u32,
+    group_ids: &[GroupId],
+    block_size: u32,
+    alignment_tokens: u32,
+    window: u32,
+    out: &mut [Vec<BlockId>],
+) -> u32 {
+    let need = contiguous_blocks_for_hit(window, block_size);
+    let max_num_blocks = max_length / block_size;
+    debug_assert!(max_num_blocks <= view.len());
+    let max_num_blocks = max_num_blocks.min(view.len());
+    for o in out.iter_mut() {
+        o.resize(max_num_blocks as usize, NULL_BLOCK);
+    }
+    let mut contiguous = 0u32;
+    let mut found = false;
+    let mut hit = Vec::with_capacity(group_ids.len());
+    for i in (0..max_num_blocks).rev() {
+        if pool.get_cached_block(&view.get(i), group_ids, &mut hit) {
+            if contiguous == 0 && block_size != alignment_tokens && ((i + 1) * block_size) % alignment_tokens != 0
+            {
+                continue;
+            }
+            for (o, &b) in out.iter_mut().zip(hit.iter()) {
+                o[i as usize] = b;
+            }
+            contiguous += 1;
+            if contiguous >= need {
+                for o in out.iter_mut() {
+                    o.truncate((i + contiguous) as usize);
+                }
+                found = true;
+                break;
+            }
+        } else {
+            contiguous = 0;
+        }
+    }
+    if !found {
+        for o in out.iter_mut() {
+            o.truncate(contiguous as usize);
+        }
+        while block_size != alignment_tokens && (out[0].len() as u32 * block_size) % alignment_tokens != 0 {
+            for o in out.iter_mut() {
+                o.pop();
+            }
+        }
+    }
+    out[0].len() as u32 * block_size
+}
+
+/// Which blocks in `start..end` are worth caching (`SlidingWindowManager.reachable_block_mask`
+/// without EAGLE): `None` means all of them. With `retention_interval` `Some(0)` (vLLM's
+/// default) only the `need` blocks ending at each reachable boundary are cached.
+pub fn reachable_block_mask(
+    start: u32,
+    end: u32,
+    alignment_tokens: u32,
+    block_size: u32,
+    window: u32,
+    retention_interval: Option<u32>,
+    reachable_boundaries: &[u32],
+) -> Option<Vec<bool>> {
+    if alignment_tokens % block_size != 0 {
+        return None;
+    }
+    let need = contiguous_blocks_for_hit(window, block_size) as i64;
+    let mut mask = vec![false; (end - start) as usize];
+    let segment_tokens = match retention_interval {
+        None => Some(alignment_tokens),
+        Some(0) => None,
+        Some(r) => Some(r),
+    };
+    if let Some(seg) = segment_tokens {
+        let per_segment = (seg / block_size) as i64;
+        if need >= per_segment {
+            return None;
+        }
+        for i in start..end {
+            if (i as i64) % per_segment >= per_segment - need {
+                mask[(i - start) as usize] = true;
+            }
+        }
+    }
+    if retention_interval.is_some() {
+        for &boundary in reachable_boundaries {
+            let aligned = boundary / alignment_tokens * alignment_tokens;
+            let e = (aligned / block_size) as i64;
+            let lo = (start as i64).max(e - need);
+            let hi = (end as i64).min(e);
+            for j in lo..hi {
+                mask[(j - start as i64) as usize] = true;
+            }
+        }
+    }
+    Some(mask)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn num_skipped_tokens_window_4_at_7_is_4() {
+        assert_eq!(num_skipped_tokens(7, 4, 0), 4);
+        assert_eq!(num_skipped_tokens(2, 4, 0), 0);
+        assert_eq!(num_skipped_tokens(7, 4, 2), 2);
+    }
+
+    #[test]
+    fn reachable_block_mask_retention_zero_keeps_replay_tail() {
+        // window 33 at block 16 needs 2 blocks; boundary 99 -> aligned 96 -> blocks 4, 5.
+        let m = reachable_block_mask(0, 7, 16, 16, 33, Some(0), &[99]).unwrap();
+        assert_eq!(m, vec![false, false, false, false, true, true, false]);
+    }
+
+    #[test]
+    fn reachable_block_mask_dense_is_none_when_window_spans_segment() {
+        assert_eq!(reachable_block_mask(0, 7, 16, 16, 33, None, &[99]), None);
+    }
+}
