@@ -209,6 +209,14 @@ impl Allocator {
         }
     }
 
+    /// Checks that `h` is a live request.
+    ///
+    /// # Errors
+    /// Unknown handle.
+    pub fn check_handle(&self, h: ReqHandle) -> Result<()> {
+        self.check(h)
+    }
+
     /// Whether `h` is a live request.
     pub fn is_live(&self, h: ReqHandle) -> bool {
         self.check(h).is_ok()
@@ -236,6 +244,17 @@ impl Allocator {
         }
         let st = &mut self.reqs[h as usize];
         st.hashes.extend(bytes.chunks_exact(hash_len).map(|c| BlockHash::from_bytes(c).expect("length checked")));
+        Ok(())
+    }
+
+    /// Drops hashes of `h` past the first `n` (undoes an append when a later step of the
+    /// same call fails, so a failed call leaves no trace).
+    ///
+    /// # Errors
+    /// Unknown handle.
+    pub fn truncate_hashes(&mut self, h: ReqHandle, n: usize) -> Result<()> {
+        self.check(h)?;
+        self.reqs[h as usize].hashes.truncate(n);
         Ok(())
     }
 

@@ -1,0 +1,32 @@
+"""The exception hierarchy: every error the core raises is a :class:`HybridAllocError`.
+
+- :class:`InvalidConfigError`: the configuration is invalid.
+- :class:`UnsupportedConfigError`: valid for vLLM, not served natively (the vLLM plugin
+  falls back to vLLM's own manager on it).
+- :class:`UnknownRequestError`: a request handle that is not live (a double free is one).
+- :class:`OutOfRangeError`: a count or index outside its range.
+- :class:`InvalidBlockError`: a block id outside the pool, or freed more often than held.
+- :class:`InvariantError`: an internal invariant is broken (a bug; please report it).
+
+A call that raises leaves the allocator as it was.
+"""
+
+from hybrid_alloc._core import (
+    HybridAllocError,
+    InvalidBlockError,
+    InvalidConfigError,
+    InvariantError,
+    OutOfRangeError,
+    UnknownRequestError,
+    UnsupportedConfigError,
+)
+
+__all__ = [
+    "HybridAllocError",
+    "InvalidBlockError",
+    "InvalidConfigError",
+    "InvariantError",
+    "OutOfRangeError",
+    "UnknownRequestError",
+    "UnsupportedConfigError",
+]

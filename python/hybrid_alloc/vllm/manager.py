@@ -1,0 +1,754 @@
+"""A drop-in ``KVCacheManager`` for vLLM 0.32.0 backed by the native core.
+
+:class:`HybridKVCacheManager` takes the constructor arguments of vLLM's
+``vllm.v1.core.kv_cache_manager.KVCacheManager`` and serves every method and attribute
+vLLM's ``Scheduler``, ``AsyncScheduler``, engine core and stats use, with vLLM's return
+types. Each call crosses into Rust once; ints, bytes and flat lists cross the boundary.
+
+Block objects (``block_id``, ``block_hash``, ``ref_cnt``, ``is_null``) are made only where
+a caller reads ``KVCacheBlocks.blocks``; ``get_block_ids`` hands out the id lists directly.
+
+For a configuration the core does not serve exactly, ``HybridKVCacheManager(...)`` returns
+vLLM's own ``KVCacheManager`` instead and logs one line saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from vllm.distributed.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from vllm.v1.core import kv_cache_manager as _vllm_kvm
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import (
+    generate_block_hash_extra_keys,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
+)
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupRole,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import Request, RequestStatus
+
+from hybrid_alloc._core import Allocator, UnsupportedConfigError
+
+logger = logging.getLogger("hybrid_alloc")
+
+# The vLLM class this adapter replaces (captured before the plugin patches anything).
+VllmKVCacheManager = _vllm_kvm.KVCacheManager
+
+_WAITING_OR_PREEMPTED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+# Spec classes whose exact type the core serves as full attention.
+_FULL_TYPES = (FullAttentionSpec, MLAAttentionSpec)
+
+# Set by the plugin around ``Scheduler.__init__``: the config being scheduled, so the
+# manager can see what its constructor arguments do not say (a KV connector, ...).
+current_vllm_config: Any = None
+
+
+class Unsupported(Exception):
+    """A configuration the core does not serve; the message names the reason."""
+
+
+def _group_kind(spec: KVCacheSpec) -> tuple[str, int, int]:
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        kinds = {_group_kind(s) for s in spec.kv_cache_specs.values()}
+        if len(kinds) != 1:
+            raise Unsupported(f"a uniform-type group mixing {sorted(kinds)}")
+        return kinds.pop()
+    t = type(spec)
+    if t in _FULL_TYPES:
+        return ("full", 0, 0)
+    if t is SlidingWindowSpec:
+        return ("sliding_window", spec.sliding_window, spec.extra_retained_tokens)
+    if t is ChunkedLocalAttentionSpec:
+        return ("chunked_local", spec.attention_chunk_size, 0)
+    if t is CrossAttentionSpec:
+        return ("cross", 0, 0)
+    raise Unsupported(f"KV cache spec {t.__name__}")
+
+
+def native_config_or_reason(
+    kv_cache_config: KVCacheConfig,
+    max_model_len: int,
+    scheduler_block_size: int,
+    hash_block_size: int,
+    max_in_flight_tokens: int | None = None,
+    enable_caching: bool = True,
+    use_eagle: bool = False,
+    num_prefill_lookahead: int = 0,
+    log_stats: bool = False,
+    enable_kv_cache_events: bool = False,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
+    metrics_collector: Any = None,
+    watermark: float = 0.0,
+    enable_mamba_shared_prefix_checkpoint: bool = False,
+) -> tuple[dict[str, Any] | None, str]:
+    """The native allocator's arguments for a ``KVCacheManager`` construction, or ``None``
+    and the reason the core cannot serve it exactly."""
+    try:
+        vc = current_vllm_config
+        if vc is not None and getattr(vc, "kv_transfer_config", None) is not None:
+            raise Unsupported("a KV connector is configured")
+        if use_eagle:
+            raise Unsupported("EAGLE/MTP prefix-cache block drop")
+        if num_prefill_lookahead > 1:
+            raise Unsupported("multi-token prefill lookahead")
+        if dcp_world_size > 1 or pcp_world_size > 1:
+            raise Unsupported("decode/prefill context parallelism")
+        if metrics_collector is not None:
+            raise Unsupported("KV cache residency metrics")
+        if kv_cache_config.needs_kv_cache_zeroing:
+            raise Unsupported("KV cache zeroing (Mamba or mixed-precision groups)")
+        groups: list[tuple[str, int, int, int, int]] = []
+        seen_specs: list[KVCacheSpec] = []
+        for i, g in enumerate(kv_cache_config.kv_cache_groups):
+            spec = g.kv_cache_spec
+            if g.role != KVCacheGroupRole.DEFAULT or g.host_resident:
+                raise Unsupported(f"group {i} has role {g.role.name} (HiSparse)")
+            if not spec.prefix_cacheable:
+                raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
+            kind, p1, p2 = _group_kind(spec)
+            if kind == "full" and enable_caching and spec.block_size != hash_block_size:
+                raise Unsupported(
+                    f"group {i}: full attention with block size {spec.block_size} over "
+                    f"hash block size {hash_block_size} (partial-block prefix entries)"
+                )
+            key = next((k for k, s in enumerate(seen_specs) if s == spec), None)
+            if key is None:
+                seen_specs.append(spec)
+                key = len(seen_specs) - 1
+            groups.append((kind, spec.block_size, key, p1, p2))
+        if not groups:
+            raise Unsupported("no KV cache groups (attention-free model)")
+        args = dict(
+            num_blocks=kv_cache_config.num_blocks,
+            groups=groups,
+            hash_block_size=hash_block_size,
+            scheduler_block_size=scheduler_block_size,
+            max_model_len=max_model_len,
+            max_in_flight_tokens=max_model_len if max_in_flight_tokens is None else max_in_flight_tokens,
+            enable_caching=enable_caching,
+            enable_events=enable_kv_cache_events,
+            watermark_blocks=int(watermark * kv_cache_config.num_blocks),
+            retention_interval=kv_cache_config.prefix_cache_retention_interval,
+        )
+        Allocator(**args)  # validates; UnsupportedConfigError names what is not served
+        return args, ""
+    except Unsupported as e:
+        return None, str(e)
+    except UnsupportedConfigError as e:
+        return None, str(e)
+
+
+class NativeBlock:
+    """A block handed to a caller that reads ``KVCacheBlocks.blocks``: an id-backed view
+    of the pool, made on demand (never on the hot path)."""
+
+    __slots__ = ("_alloc", "block_id")
+
+    def __init__(self, alloc: Allocator, block_id: int) -> None:
+        self._alloc = alloc
+        self.block_id = block_id
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == 0
+
+    @property
+    def ref_cnt(self) -> int:
+        return self._alloc.ref_cnt(self.block_id)
+
+    @property
+    def block_hash(self) -> bytes | None:
+        h = self._alloc.block_hash(self.block_id)
+        return None if h is None else make_block_hash_with_group_id(h[0], h[1])
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        return self._alloc.block_hash_num_tokens(self.block_id)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NativeBlock) and other.block_id == self.block_id
+
+    def __hash__(self) -> int:
+        return hash(self.block_id)
+
+    def __repr__(self) -> str:
+        return f"NativeBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class NativeKVCacheBlocks(KVCacheBlocks):
+    """``KVCacheBlocks`` whose content is block ids; ``blocks`` makes block views lazily."""
+
+    __slots__ = ("_alloc", "_ids", "_blocks")
+
+    def __init__(self, alloc: Allocator, ids: tuple[list[int], ...]) -> None:
+        # Deliberately not calling the dataclass __init__: ``blocks`` is lazy.
+        self._alloc = alloc
+        self._ids = ids
+        self._blocks: tuple[list[NativeBlock], ...] | None = None
+
+    @property  # type: ignore[override]
+    def blocks(self) -> tuple[Sequence[Any], ...]:
+        if self._blocks is None:
+            a = self._alloc
+            self._blocks = tuple([NativeBlock(a, b) for b in g] for g in self._ids)
+        return self._blocks
+
+    def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None) -> Any:
+        groups = self._ids if group_ids is None else tuple(self._ids[g] for g in group_ids)
+        if allow_none and not any(groups):
+            return None
+        return tuple(list(g) for g in groups)
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        other_ids = other.get_block_ids()
+        return NativeKVCacheBlocks(self._alloc, tuple(a + b for a, b in zip(self._ids, other_ids)))
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        assert len(self._ids) == 1, "Only one group is supported"
+        a = self._alloc
+        return [b for b in self._ids[0] if a.block_hash(b) is None]
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        a = self._alloc
+        return [[b for b in g if b != 0 and a.block_hash(b) is None] for g in self._ids]
+
+    def new_empty(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(() for _ in range(len(self._ids))))
+
+    def __repr__(self) -> str:
+        return f"NativeKVCacheBlocks({self._ids})"
+
+
+class _HitBlocks(NativeKVCacheBlocks):
+    """The result of ``get_computed_blocks``: remembers the request it was found for, so
+    ``allocate_slots`` can reuse the hit stored in Rust instead of sending ids back."""
+
+    __slots__ = ("_gen",)
+
+    def __init__(self, alloc: Allocator, ids: tuple[list[int], ...], gen: int) -> None:
+        super().__init__(alloc, ids)
+        self._gen = gen
+
+
+class _NativeBlockPool:
+    """The ``block_pool`` attributes and methods the scheduler reaches through."""
+
+    def __init__(self, mgr: HybridKVCacheManager, hash_block_size: int, num_blocks: int) -> None:
+        self._mgr = mgr
+        self._alloc = mgr._alloc
+        self.hash_block_size = hash_block_size
+        self.num_gpu_blocks = num_blocks
+        self.enable_caching = mgr.enable_caching
+        self.null_block = NativeBlock(self._alloc, 0)
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        self._alloc.free_block_ids([b.block_id for b in ordered_blocks])
+
+    def get_num_free_blocks(self) -> int:
+        return self._alloc.num_free_blocks
+
+    def get_usage(self) -> float:
+        return self._alloc.usage
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self._mgr.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self._mgr.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._mgr.take_events()
+
+
+class _NativeSingleTypeManager:
+    """What callers read from ``coordinator.single_type_managers[g]``."""
+
+    def __init__(self, group_id: int, spec: KVCacheSpec, pool: _NativeBlockPool) -> None:
+        self.kv_cache_group_id = group_id
+        self.kv_cache_spec = spec
+        self.block_size = spec.block_size
+        self.block_pool = pool
+        self.dcp_world_size = 1
+        self.pcp_world_size = 1
+        self.use_eagle = False
+        self.retains_longer_hit = False
+
+
+class _NativeCoordinator:
+    """The ``coordinator`` attributes and methods the scheduler reaches through."""
+
+    enable_partial_hash_hits = False
+    num_reprefillable_tokens = 0
+
+    def __init__(self, mgr: HybridKVCacheManager, kv_cache_config: KVCacheConfig) -> None:
+        self._mgr = mgr
+        self.kv_cache_config = kv_cache_config
+        self.block_pool = mgr.block_pool
+        self.single_type_managers = tuple(
+            _NativeSingleTypeManager(i, g.kv_cache_spec, mgr.block_pool)
+            for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        )
+        self.eagle_group_ids: set[int] = set()
+        self.full_attention_group_id = next(
+            (i for i, g in enumerate(kv_cache_config.kv_cache_groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)),
+            None,
+        )
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[Any], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int = 0,
+        num_tokens_main_model: int = 0,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        assert not any(new_computed_blocks), "the scheduler only asks this without a new hit"
+        st = self._mgr._reqs.get(request_id)
+        alloc = self._mgr._alloc
+        if st is None:
+            # An unknown request holds nothing: the count for an empty table.
+            h = alloc.add_request()
+            try:
+                return alloc.get_num_blocks_to_allocate(h, num_tokens, num_encoder_tokens, total_computed_tokens, apply_admission_cap)
+            finally:
+                alloc.free(h)
+        return alloc.get_num_blocks_to_allocate(st[0], num_tokens, num_encoder_tokens, total_computed_tokens, apply_admission_cap)
+
+    def get_blocks(self, request_id: str) -> tuple[list[Any], ...]:
+        return self._mgr.get_blocks(request_id).blocks  # type: ignore[return-value]
+
+
+class HybridKVCacheManager:
+    """vLLM 0.32.0's ``KVCacheManager``, served by the native core.
+
+    Constructed with ``KVCacheManager``'s arguments. When the core cannot serve the
+    configuration exactly, the constructor returns vLLM's own ``KVCacheManager`` and logs
+    one line that names the reason.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        native, reason = native_config_or_reason(*args, **kwargs)
+        if native is None:
+            logger.warning("hybrid_alloc: falling back to vLLM's KVCacheManager: %s", reason)
+            return VllmKVCacheManager(*args, **kwargs)
+        self = super().__new__(cls)
+        self._native_args = native
+        return self
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+    ) -> None:
+        native = self._native_args
+        self._alloc = Allocator(**native)
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.metrics_collector = metrics_collector
+        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.mamba_shared_prefix_checkpoint = False
+        self.retained_hit_group_ids: tuple[int, ...] = ()
+        self.watermark_blocks = native["watermark_blocks"]
+        self.kv_cache_event_metadata = tuple(
+            (get_kv_cache_spec_kind(g.kv_cache_spec).value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+            for g in kv_cache_config.kv_cache_groups
+        )
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+        self._empty_ids: tuple[list[int], ...] = tuple([] for _ in range(self.num_kv_cache_groups))
+        # request_id -> [handle, number of block hashes already sent, generation of the
+        # cache hit stored in Rust for it (-1: none)]
+        self._reqs: dict[str, list[int]] = {}
+        self._hit_gen = 0
+        self._events: list[KVCacheEvent] = []
+        self._hash_len = 32
+        self.block_pool = _NativeBlockPool(self, hash_block_size, kv_cache_config.num_blocks)
+        self.coordinator = _NativeCoordinator(self, kv_cache_config)
+        logger.info(
+            "hybrid_alloc: native KV cache manager serving %d group(s): %s; %d blocks, prefix caching %s",
+            self.num_kv_cache_groups,
+            ", ".join(
+                f"{k}" + (f"(window={p1})" if k == "sliding_window" else f"(chunk={p1})" if k == "chunked_local" else "")
+                + f"/bs={bs}"
+                for k, bs, _, p1, _ in native["groups"]
+            ),
+            kv_cache_config.num_blocks,
+            "on" if enable_caching else "off",
+        )
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _state(self, request: Request) -> list[int]:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = [self._alloc.add_request(), 0, -1]
+            self._reqs[request.request_id] = st
+        return st
+
+    def _new_hashes(self, request: Request, st: list[int]) -> bytes | None:
+        bh = request.block_hashes
+        n = len(bh)
+        if n == st[1]:
+            return None
+        new = bh[st[1] :]
+        self._hash_len = len(new[0])
+        st[1] = n
+        return b"".join(new)
+
+    def _drain_events(self, request: Request | None) -> None:
+        for ev in self._alloc.take_events():
+            tag = ev[0]
+            if tag == "removed":
+                self._events.append(
+                    BlockRemoved(block_hashes=[maybe_convert_block_hash(ev[1])], medium=MEDIUM_GPU, group_idx=ev[2])
+                )
+            elif tag == "cleared":
+                self._events.append(AllBlocksCleared())
+            else:
+                _, _h, group, block_size, start, end, parent, hashes, idxs = ev
+                assert request is not None
+                extra: list[Any] = []
+                mm_idx = 0
+                for i in idxs:
+                    k, mm_idx = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, mm_idx)
+                    extra.append(k)
+                lora = request.lora_request
+                self._events.append(
+                    BlockStored(
+                        block_hashes=[maybe_convert_block_hash(h) for h in hashes],
+                        parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                        token_ids=request.all_token_ids[start:end],
+                        block_size=block_size,
+                        lora_id=lora.adapter_id if lora else None,
+                        medium=MEDIUM_GPU,
+                        lora_name=lora.name if lora else None,
+                        extra_keys=to_event_extra_keys(extra),
+                        group_idx=group,
+                        session_id=request.session_id,
+                    )
+                )
+
+    # ---- KVCacheManager API -------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        return self._alloc.usage
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        assert self.prefix_cache_stats is not None
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0
+        )
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_kv_cache_blocks, 0, 0
+        st = self._state(request)
+        hit, uncached, ids, counts = self._alloc.get_computed_blocks(
+            st[0], self._new_hashes(request, st), self._hash_len, request.num_tokens - 1
+        )
+        if hit > 0 and self.enable_kv_cache_events and getattr(request, "kv_cache_report_mode", "incremental") == "full":
+            self._emit_cached_block_events(request, counts)
+        boundary = hit + uncached if uncached else 0
+        if not ids:
+            st[2] = -1
+            return self.empty_kv_cache_blocks, hit, boundary
+        self._hit_gen += 1
+        st[2] = self._hit_gen
+        groups: list[list[int]] = []
+        off = 0
+        for c in counts:
+            groups.append(ids[off : off + c])
+            off += c
+        return _HitBlocks(self._alloc, tuple(groups), self._hit_gen), hit, boundary
+
+    def _emit_cached_block_events(self, request: Request, counts: list[int]) -> None:
+        hashes = request.block_hashes
+        for g, n in enumerate(counts):
+            if n == 0:
+                continue
+            bs = self.kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size
+            scale = bs // self.block_pool.hash_block_size
+            extra: list[Any] = []
+            mm_idx = 0
+            for i in range(n):
+                k, mm_idx = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
+                extra.append(k)
+            lora = request.lora_request
+            self._events.append(
+                BlockStored(
+                    block_hashes=[maybe_convert_block_hash(hashes[(i + 1) * scale - 1]) for i in range(n)],
+                    parent_block_hash=None,
+                    token_ids=request.all_token_ids[0 : n * bs],
+                    block_size=bs,
+                    lora_id=lora.adapter_id if lora else None,
+                    medium=MEDIUM_GPU,
+                    lora_name=lora.name if lora else None,
+                    extra_keys=to_event_extra_keys(extra),
+                    group_idx=g,
+                    session_id=request.session_id,
+                )
+            )
+
+    def get_computed_blocks_for_connector(self, request: Request) -> tuple[KVCacheBlocks, int, int, bool]:
+        return *self.get_computed_blocks(request), False
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._state(request)
+        bh = request.block_hashes
+        if len(bh) != st[1]:
+            new_hashes: bytes | None = self._new_hashes(request, st)
+        else:
+            new_hashes = None
+        hit_mode = 0
+        hit_ids = hit_counts = None
+        if new_computed_blocks is not None and new_computed_blocks is not self.empty_kv_cache_blocks:
+            if type(new_computed_blocks) is _HitBlocks and new_computed_blocks._gen == st[2]:
+                hit_mode = 1
+            else:
+                groups = new_computed_blocks.get_block_ids()
+                if any(groups):
+                    hit_mode = 2
+                    hit_ids = [b for g in groups for b in g]
+                    hit_counts = [len(g) for g in groups]
+        watermark = (
+            self.watermark_blocks > 0 and has_scheduled_reqs and request.status in _WAITING_OR_PREEMPTED
+        )
+        res = self._alloc.allocate_slots(
+            st[0],
+            new_hashes,
+            self._hash_len,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hit_mode,
+            hit_ids,
+            hit_counts,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            watermark,
+            request.num_computed_tokens,
+            request.num_in_flight_tokens,
+            request.num_prompt_tokens,
+            request.num_tokens,
+            request.shared_prefix_boundary,
+        )
+        if self.enable_kv_cache_events and self._alloc.has_events:
+            self._drain_events(request)
+        if res is None:
+            return None
+        if res == 0:
+            return self.empty_kv_cache_blocks
+        return NativeKVCacheBlocks(self._alloc, res)
+
+    def free(self, request: Request) -> None:
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None:
+            self._alloc.free(st[0])
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        st = self._reqs.get(request_id)
+        if st is not None:
+            self._alloc.remove_skipped_blocks(st[0], processed_computed_tokens)
+
+    def pop_blocks_for_free(self, request: Request) -> list[Any]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return []
+        ids = self._alloc.pop_blocks_for_free(st[0])
+        return [NativeBlock(self._alloc, b) for b in ids]
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self._alloc.evict_blocks(list(block_ids))
+        if self.enable_kv_cache_events and self._alloc.has_events:
+            self._drain_events(None)
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self._alloc.reset_prefix_cache()
+        if self.enable_kv_cache_events and self._alloc.has_events:
+            self._drain_events(None)
+        if not ok:
+            logger.warning("Failed to reset prefix cache because some blocks are not freed yet")
+            return False
+        if self.log_stats:
+            assert self.prefix_cache_stats is not None
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [0] * self.num_kv_cache_groups
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if not self.enable_kv_cache_events:
+            return []
+        events = self._events
+        self._events = []
+        meta = self.kv_cache_event_metadata
+        for ev in events:
+            if isinstance(ev, BlockStored) and ev.group_idx is not None and 0 <= ev.group_idx < len(meta):
+                ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window = meta[ev.group_idx]
+        return events
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        st = self._reqs.get(request_id)
+        if st is None:
+            return self.empty_kv_cache_blocks
+        ids = self._alloc.block_ids(st[0])
+        if not any(ids):
+            return self.empty_kv_cache_blocks
+        return NativeKVCacheBlocks(self._alloc, ids)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        st = self._reqs.get(request_id)
+        if st is None:
+            return tuple([] for _ in range(self.num_kv_cache_groups))
+        return self._alloc.block_ids(st[0])
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
+        ids = self.get_block_ids(request_id)
+        out: list[list[int]] = []
+        for g, group_ids in zip(self.kv_cache_config.kv_cache_groups, ids):
+            spec = g.kv_cache_spec
+            if isinstance(spec, CrossAttentionSpec):
+                out.append(group_ids)
+            else:
+                out.append(group_ids[: -(-num_computed_tokens // spec.block_size)])
+        return tuple(out)
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return 0
+        return self._alloc.estimate_cached_tokens(st[0])
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        st = self._state(request)
+        self._alloc.cache_blocks(
+            st[0],
+            self._new_hashes(request, st),
+            self._hash_len,
+            num_computed_tokens,
+            request.num_prompt_tokens,
+            request.shared_prefix_boundary,
+        )
+        if self.enable_kv_cache_events and self._alloc.has_events:
+            self._drain_events(request)
+
+    def create_kv_cache_blocks(self, blocks: tuple[list[Any], ...]) -> KVCacheBlocks:
+        if not any(blocks):
+            return self.empty_kv_cache_blocks
+        return NativeKVCacheBlocks(self._alloc, tuple([b.block_id for b in g] for g in blocks))
+
+    def truncate_computed_blocks(self, blocks: KVCacheBlocks, num_computed_tokens: int) -> KVCacheBlocks:
+        ids = blocks.get_block_ids()
+        out: list[list[int]] = []
+        for group_ids, g in zip(ids, self.kv_cache_config.kv_cache_groups):
+            bs = g.kv_cache_spec.block_size
+            assert num_computed_tokens % bs == 0
+            n = num_computed_tokens // bs
+            assert n <= len(group_ids)
+            out.append(group_ids[:n])
+        if not any(out):
+            return self.empty_kv_cache_blocks
+        return NativeKVCacheBlocks(self._alloc, tuple(out))
+
+    def take_new_block_ids(self) -> list[int]:
+        return []
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        return None
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        return {}
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        return []
+
+    def new_step_starts(self) -> None:
+        return None
+
+    def check_invariants(self) -> None:
+        """Checks the native core's invariants (tests)."""
+        self._alloc.check_invariants(exact_refs=False)

@@ -1,0 +1,275 @@
+"""A seeded random mini-scheduler that drives vLLM's KVCacheManager and ours with the same
+calls on the same vLLM Request objects, and asserts identical outputs after every call:
+block ids per group, cache-hit lengths, free block count, usage and KV cache events; every
+``full_check_every`` operations also every live block table, the free queue's eviction
+order and the native invariants. A mismatch raises ``AssertionError`` naming the seed and
+the operation number."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import Any
+
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_harness import Setup
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+class ParityRun:
+    def __init__(self, setup: Setup, seed: int, full_check_every: int = 64) -> None:
+        self.setup = setup
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.ref, self.ours = setup.build(events=True)
+        self.ops = 0
+        self.full_check_every = full_check_every
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.next_id = 0
+        r = self.rng
+        self.prefixes = [[r.randrange(1, 5000) for _ in range(r.randrange(16, 400))] for _ in range(5)]
+        self.stats = {"hits": 0, "hit_tokens": 0, "preempt": 0, "finish": 0, "none": 0, "reset_ok": 0}
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def fail(self, what: str, a: Any, b: Any) -> None:
+        raise Mismatch(
+            f"[{self.setup.name}] seed={self.seed} op={self.ops}: {what} differs\n vllm: {a!r}\n ours: {b!r}"
+        )
+
+    def eq(self, what: str, a: Any, b: Any) -> None:
+        if a != b:
+            self.fail(what, a, b)
+
+    @staticmethod
+    def ids(blocks: Any) -> Any:
+        return None if blocks is None else blocks.get_block_ids()
+
+    def after_op(self) -> None:
+        self.ops += 1
+        self.eq("free blocks", self.ref.block_pool.get_num_free_blocks(), self.ours.block_pool.get_num_free_blocks())
+        self.eq("usage", self.ref.usage, self.ours.usage)
+        self.eq("events", self.ref.take_events(), self.ours.take_events())
+        if self.ops % self.full_check_every == 0:
+            self.full_check()
+
+    def full_check(self) -> None:
+        for req in list(self.running) + list(self.waiting):
+            rid = req.request_id
+            self.eq(f"blocks of {rid}", self.ref.get_block_ids(rid), self.ours.get_block_ids(rid))
+        ref_q = [b.block_id for b in self.ref.block_pool.free_block_queue.get_all_free_blocks()]
+        self.eq("free queue order", ref_q, self.ours._alloc.free_queue_order())
+        self.ours._alloc.check_invariants()
+        a, b = self.ref.make_prefix_cache_stats(), self.ours.make_prefix_cache_stats()
+        self.eq("prefix cache stats", vars(a), vars(b))
+
+    def new_request(self) -> Request:
+        r = self.rng
+        toks: list[int] = []
+        if r.random() < 0.8:
+            toks += self.prefixes[r.randrange(len(self.prefixes))]
+        toks += [r.randrange(1, 5000) for _ in range(r.randrange(1, 300))]
+        self.next_id += 1
+        return self.setup.make_request(f"r{self.next_id}", toks, max_tokens=r.randrange(1, 64))
+
+    # ---- operations --------------------------------------------------------------------
+
+    def admit(self) -> None:
+        r = self.rng
+        if not self.waiting or r.random() < 0.3:
+            self.waiting.append(self.new_request())
+        req = self.waiting[0]
+        hit_ref, n_ref, hit_ours, n_ours = self.ref.empty_kv_cache_blocks, 0, self.ours.empty_kv_cache_blocks, 0
+        if req.num_computed_tokens == 0:
+            hit_ref, n_ref, sb_ref = self.ref.get_computed_blocks(req)
+            hit_ours, n_ours, sb_ours = self.ours.get_computed_blocks(req)
+            self.eq("hit tokens", n_ref, n_ours)
+            self.eq("hit blocks", self.ids(hit_ref), self.ids(hit_ours))
+            self.eq("shared prefix boundary", sb_ref, sb_ours)
+            req.shared_prefix_boundary = sb_ref
+            self.ref.record_prefix_cache_stats(req, n_ref)
+            self.ours.record_prefix_cache_stats(req, n_ref)
+            self.after_op()
+            if n_ref:
+                self.stats["hits"] += 1
+                self.stats["hit_tokens"] += n_ref
+        remaining = req.num_tokens - req.num_computed_tokens - n_ref
+        num_new = min(remaining, r.choice([16, 48, 64, 128, 256, 512]))
+        kw = dict(
+            num_new_computed_tokens=n_ref,
+            num_lookahead_tokens=r.choice([0, 0, 0, 2]),
+            full_sequence_must_fit=r.random() < 0.3,
+            has_scheduled_reqs=bool(self.running),
+        )
+        a = self.ref.allocate_slots(req, num_new, new_computed_blocks=hit_ref, **kw)
+        b = self.ours.allocate_slots(req, num_new, new_computed_blocks=hit_ours, **kw)
+        self.eq("admit allocate_slots", self.ids(a), self.ids(b))
+        self.after_op()
+        if a is None:
+            self.stats["none"] += 1
+            if r.random() < 0.5:
+                self.waiting.rotate(-1)
+            return
+        self.waiting.popleft()
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens += n_ref + num_new
+        self.running.append(req)
+        self.maybe_sample(req)
+
+    def maybe_sample(self, req: Request) -> None:
+        if req.num_computed_tokens >= req.num_tokens:
+            req.append_output_token_ids(self.rng.randrange(1, 5000))
+            if req.num_output_tokens >= req.max_tokens:
+                self.finish(req)
+
+    def finish(self, req: Request) -> None:
+        self.running.remove(req)
+        req.status = RequestStatus.FINISHED_STOPPED
+        self.ref.free(req)
+        self.ours.free(req)
+        self.stats["finish"] += 1
+        self.after_op()
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.ref.free(req)
+        self.ours.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self.stats["preempt"] += 1
+        self.after_op()
+
+    def run_one(self) -> None:
+        r = self.rng
+        if not self.running:
+            return self.admit()
+        req = r.choice(self.running)
+        remaining = req.num_tokens - req.num_computed_tokens
+        num_new = min(remaining, r.choice([1, 16, 64, 200])) if remaining > 1 else 1
+        la = r.choice([0, 0, 0, 1, 3])
+        a = self.ref.allocate_slots(req, num_new, num_lookahead_tokens=la)
+        b = self.ours.allocate_slots(req, num_new, num_lookahead_tokens=la)
+        self.eq("allocate_slots", self.ids(a), self.ids(b))
+        self.after_op()
+        if a is None:
+            self.stats["none"] += 1
+            victim = self.running[-1] if r.random() < 0.7 else r.choice(self.running)
+            self.preempt(victim)
+            return
+        req.num_computed_tokens += num_new
+        self.maybe_sample(req)
+
+    def abort(self) -> None:
+        r = self.rng
+        pool = list(self.running) + list(self.waiting)
+        if not pool:
+            return
+        req = r.choice(pool)
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        for _ in range(2):  # the second free is a double free: a no-op in both
+            self.ref.free(req)
+            self.ours.free(req)
+            self.after_op()
+
+    def misc(self) -> None:
+        r = self.rng
+        x = r.random()
+        if x < 0.05:
+            ok_a, ok_b = self.ref.reset_prefix_cache(), self.ours.reset_prefix_cache()
+            self.eq("reset_prefix_cache", ok_a, ok_b)
+            self.stats["reset_ok"] += ok_a
+        elif x < 0.15:
+            ids = {r.randrange(1, self.setup.num_blocks) for _ in range(r.randrange(1, 6))}
+            self.ref.evict_blocks(ids)
+            self.ours.evict_blocks(ids)
+        elif x < 0.4 and self.running:
+            req = r.choice(self.running)
+            self.ref.cache_blocks(req, req.num_computed_tokens)
+            self.ours.cache_blocks(req, req.num_computed_tokens)
+        elif x < 0.6 and self.running:
+            req = r.choice(self.running)
+            self.ref.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
+            self.ours.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
+        elif x < 0.8 and self.running:
+            req = r.choice(self.running)
+            self.eq("estimate_cached_tokens", self.ref.estimate_cached_tokens(req), self.ours.estimate_cached_tokens(req))
+            n = r.randrange(0, req.num_computed_tokens + 1)
+            self.eq(
+                "get_block_ids_for_computed_tokens",
+                self.ref.get_block_ids_for_computed_tokens(req.request_id, n),
+                self.ours.get_block_ids_for_computed_tokens(req.request_id, n),
+            )
+        else:
+            req = r.choice(self.running) if self.running else None
+            if req is not None:
+                self.eq("get_blocks", self.ids(self.ref.get_blocks(req.request_id)), self.ids(self.ours.get_blocks(req.request_id)))
+                kw = dict(
+                    request_id=req.request_id,
+                    num_tokens=req.num_tokens + 1,
+                    new_computed_blocks=self.ref.empty_kv_cache_blocks.blocks,
+                    num_encoder_tokens=0,
+                    total_computed_tokens=req.num_computed_tokens,
+                    num_local_computed_tokens=req.num_computed_tokens,
+                    num_tokens_main_model=req.num_tokens + 1,
+                    apply_admission_cap=True,
+                    prefill_end=req.num_prompt_tokens,
+                )
+                self.eq(
+                    "coordinator.get_num_blocks_to_allocate",
+                    self.ref.coordinator.get_num_blocks_to_allocate(**kw),
+                    self.ours.coordinator.get_num_blocks_to_allocate(**kw),
+                )
+        self.after_op()
+
+    def drain_and_reset(self) -> None:
+        """Aborts everything, then resets the prefix cache (which must succeed)."""
+        for req in list(self.running) + list(self.waiting):
+            self.ref.free(req)
+            self.ours.free(req)
+            self.after_op()
+        self.running.clear()
+        self.waiting.clear()
+        ok_a, ok_b = self.ref.reset_prefix_cache(), self.ours.reset_prefix_cache()
+        self.eq("reset_prefix_cache on an idle pool", ok_a, ok_b)
+        assert ok_a, "reset on an idle pool must succeed"
+        self.stats["reset_ok"] += 1
+        self.after_op()
+
+    def run(self, num_ops: int) -> dict[str, int]:
+        r = self.rng
+        while self.ops < num_ops:
+            x = r.random()
+            if x < 0.0015:
+                self.drain_and_reset()
+            elif x < 0.2:
+                self.admit()
+            elif x < 0.85:
+                self.run_one()
+            elif x < 0.88:
+                self.abort()
+            else:
+                self.misc()
+            if len(self.running) + len(self.waiting) > 48:
+                self.abort()
+        self.full_check()
+        # Drain: finish everything, then the pools must agree and be empty of requests.
+        for req in list(self.running):
+            self.finish(req)
+        for req in list(self.waiting):
+            self.ref.free(req)
+            self.ours.free(req)
+        self.waiting.clear()
+        self.full_check()
+        self.eq("all free at the end", self.ref.block_pool.get_num_free_blocks(), self.setup.num_blocks - 1)
+        return self.stats

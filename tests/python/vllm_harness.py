@@ -1,0 +1,125 @@
+"""Builds vLLM 0.32.0's own KVCacheManager and ours from one KVCacheConfig, and real vLLM
+Requests (with vLLM's own block hasher) to drive them with. Used by the parity tests and
+the pytest-benchmark benches; never an imitation of vLLM: every object here is vLLM's."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+
+import torch  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request  # noqa: E402
+
+from hybrid_alloc.vllm.manager import HybridKVCacheManager  # noqa: E402
+
+_HASH_FN = get_hash_fn_by_name("sha256")
+init_none_hash(_HASH_FN)
+
+
+def full(bs: int = 16) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+
+
+def mla(bs: int = 16) -> MLAAttentionSpec:
+    return MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+
+
+def swa(window: int, bs: int = 16) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, sliding_window=window)
+
+
+def chunked(chunk: int, bs: int = 16) -> ChunkedLocalAttentionSpec:
+    return ChunkedLocalAttentionSpec(
+        block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, attention_chunk_size=chunk
+    )
+
+
+@dataclass
+class Setup:
+    """One configuration of the differential tests."""
+
+    name: str
+    specs: list[Any]
+    num_blocks: int
+    enable_caching: bool = True
+    hash_block_size: int = 16
+    scheduler_block_size: int = 16
+    max_model_len: int = 4096
+    max_in_flight_tokens: int = 2048
+    watermark: float = 0.0
+    retention_interval: int | None = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def kv_cache_config(self) -> KVCacheConfig:
+        groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(self.specs)]
+        return KVCacheConfig(
+            num_blocks=self.num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=groups,
+            prefix_cache_retention_interval=self.retention_interval,
+        )
+
+    def manager_kwargs(self, events: bool = True) -> dict[str, Any]:
+        return dict(
+            kv_cache_config=self.kv_cache_config(),
+            max_model_len=self.max_model_len,
+            scheduler_block_size=self.scheduler_block_size,
+            hash_block_size=self.hash_block_size,
+            max_in_flight_tokens=self.max_in_flight_tokens,
+            enable_caching=self.enable_caching,
+            use_eagle=False,
+            num_prefill_lookahead=0,
+            log_stats=True,
+            enable_kv_cache_events=events,
+            dcp_world_size=1,
+            pcp_world_size=1,
+            metrics_collector=None,
+            watermark=self.watermark,
+            enable_mamba_shared_prefix_checkpoint=False,
+        )
+
+    def build(self, events: bool = True) -> tuple[KVCacheManager, HybridKVCacheManager]:
+        ref = KVCacheManager(**self.manager_kwargs(events))
+        ours = HybridKVCacheManager(**self.manager_kwargs(events))
+        assert type(ours) is HybridKVCacheManager, f"{self.name}: fell back to vLLM's manager"
+        return ref, ours
+
+    def make_request(self, request_id: str, tokens: list[int], max_tokens: int = 64) -> Request:
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(tokens),
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(self.hash_block_size, _HASH_FN),
+        )
+
+
+SETUPS: list[Setup] = [
+    Setup("full_bs16", [full(16)], num_blocks=300),
+    Setup("full_swa_bs16", [full(16), swa(64, 16)], num_blocks=400),
+    Setup("swa_only_bs16", [swa(48, 16)], num_blocks=200),
+    Setup("full_chunked_bs16", [full(16), chunked(64, 16)], num_blocks=400),
+    Setup("mla_bs16", [mla(16)], num_blocks=300),
+    Setup("full_swa_bs32", [full(32), swa(96, 32)], num_blocks=240, hash_block_size=32, scheduler_block_size=32),
+    Setup("full_swa_nocache_bs16", [full(16), swa(64, 16)], num_blocks=400, enable_caching=False),
+    Setup("full_only_nocache_bs32", [full(32)], num_blocks=200, enable_caching=False, hash_block_size=32, scheduler_block_size=32),
+    Setup("gemma3_full_swa_swa_bs16", [full(16), swa(80, 16), swa(80, 16)], num_blocks=500, watermark=0.02),
+    Setup("full_swa_dense_retention", [full(16), swa(40, 16)], num_blocks=400, retention_interval=None),
+    Setup("full_swa_retention_64", [full(16), swa(40, 16)], num_blocks=400, retention_interval=64),
+    Setup("swa_bs32_over_full_bs16", [full(16), swa(64, 32)], num_blocks=500, hash_block_size=16, scheduler_block_size=32),
+]
