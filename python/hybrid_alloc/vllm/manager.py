@@ -14,10 +14,10 @@ vLLM's own ``KVCacheManager`` instead and logs one line saying why.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm.distributed.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -51,7 +51,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc._core import Allocator, UnsupportedConfigError
 
-logger = logging.getLogger("hybrid_alloc")
+logger = init_logger("vllm.hybrid_alloc")
 
 # The vLLM class this adapter replaces (captured before the plugin patches anything).
 VllmKVCacheManager = _vllm_kvm.KVCacheManager

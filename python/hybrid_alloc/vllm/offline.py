@@ -1,0 +1,276 @@
+"""Builds vLLM 0.32.0's real ``Scheduler`` offline (no GPU, no hub) for a model shape, with
+vLLM's own manager, ours, or "no hybrid allocation", and drives it with fabricated model
+outputs. Used by ``hybrid-alloc bench`` and by the tests.
+
+A model shape is a list of per-layer attention kinds; the model folder handed to vLLM's
+``ModelConfig`` holds only a ``config.json`` (a Llama-style stub: the scheduler reads
+nothing from it but the context length), and the KV cache specs are built here from the
+shape, then grouped and sized by vLLM's own planner (``get_kv_cache_groups``,
+``get_kv_cache_config_from_groups``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config.kv_events import KVEventsConfig  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_kv_cache_config_from_groups,
+    get_kv_cache_groups,
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched import scheduler as sched_mod  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from hybrid_alloc.vllm import manager as native_manager  # noqa: E402
+
+ManagerName = Literal["vllm", "hybrid_alloc", "no_hybrid"]
+MANAGERS: tuple[ManagerName, ...] = ("vllm", "hybrid_alloc", "no_hybrid")
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One attention layer: ``kind`` is "full", "sliding_window" or "chunked_local"."""
+
+    kind: str
+    window: int = 0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The KV-cache-relevant shape of a model."""
+
+    name: str
+    layers: tuple[LayerKind, ...]
+    num_kv_heads: int
+    head_size: int
+    weight_bytes: int
+    max_model_len: int = 8192
+    dtype: torch.dtype = torch.bfloat16
+    description: str = ""
+
+    def kv_cache_specs(self, block_size: int, no_hybrid: bool = False) -> dict[str, KVCacheSpec]:
+        specs: dict[str, KVCacheSpec] = {}
+        for i, layer in enumerate(self.layers):
+            common = dict(block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size, dtype=self.dtype)
+            spec: KVCacheSpec
+            if layer.kind == "full" or no_hybrid:
+                spec = FullAttentionSpec(**common)
+            elif layer.kind == "sliding_window":
+                spec = SlidingWindowSpec(**common, sliding_window=layer.window)
+            elif layer.kind == "chunked_local":
+                spec = ChunkedLocalAttentionSpec(**common, attention_chunk_size=layer.window)
+            else:
+                raise ValueError(f"unknown layer kind {layer.kind!r}")
+            specs[f"model.layers.{i}.self_attn.attn"] = spec
+        return specs
+
+    def kv_bytes_per_token(self) -> int:
+        return len(self.layers) * 2 * self.num_kv_heads * self.head_size * torch.finfo(self.dtype).bits // 8
+
+
+def alternating(n: int, window: int, kind: str = "sliding_window", every: int = 2) -> tuple[LayerKind, ...]:
+    """``n`` layers where every ``every``-th layer (from layer ``every - 1``) is full and the
+    rest are local of ``kind`` with ``window``."""
+    return tuple(LayerKind("full") if i % every == every - 1 else LayerKind(kind, window) for i in range(n))
+
+
+GiB = 1 << 30
+SHAPES: dict[str, ModelShape] = {
+    "gemma-2-27b": ModelShape(
+        "gemma-2-27b", alternating(46, 4096), num_kv_heads=16, head_size=128, weight_bytes=int(54.5 * GiB),
+        description="46 layers, sliding window 4096 and full attention alternating, 16 KV heads of 128",
+    ),
+    "llama-3.1-8b": ModelShape(
+        "llama-3.1-8b", tuple(LayerKind("full") for _ in range(32)), num_kv_heads=8, head_size=128,
+        weight_bytes=int(16.1 * GiB), description="32 full-attention layers, 8 KV heads of 128",
+    ),
+    "gpt-oss-120b": ModelShape(
+        "gpt-oss-120b", alternating(36, 128), num_kv_heads=8, head_size=64, weight_bytes=int(65.3 * GiB),
+        description="36 layers, 128-token sliding window and full attention alternating, 8 KV heads of 64",
+    ),
+    "llama-4-scout": ModelShape(
+        "llama-4-scout", alternating(48, 8192, kind="chunked_local", every=4), num_kv_heads=8, head_size=128,
+        weight_bytes=int(40.0 * GiB), max_model_len=16384,
+        description="48 layers, chunked local attention (chunk 8192) with every 4th layer full, 8 KV heads of 128",
+    ),
+    "mistral-sw": ModelShape(
+        "mistral-sw", alternating(32, 4096, every=4), num_kv_heads=8, head_size=128, weight_bytes=int(14.5 * GiB),
+        description="32 layers, sliding window 4096 with every 4th layer full (Mistral/Ministral style), 8 KV heads of 128",
+    ),
+}
+
+
+_STUB_DIRS: dict[int, str] = {}
+
+
+def stub_model_dir(max_model_len: int) -> str:
+    """A folder holding only a Llama-style ``config.json`` (cached per context length)."""
+    if max_model_len in _STUB_DIRS:
+        return _STUB_DIRS[max_model_len]
+    d = tempfile.mkdtemp(prefix="hybrid_alloc_stub_")
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 32000,
+        "max_position_embeddings": max_model_len, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+    }
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    _STUB_DIRS[max_model_len] = d
+    return d
+
+
+@contextmanager
+def scheduler_manager(name: ManagerName) -> Iterator[None]:
+    """Makes ``Scheduler`` build the named manager while the block runs."""
+    from hybrid_alloc.vllm import plugin
+
+    if name == "hybrid_alloc":
+        plugin.apply()
+        try:
+            yield
+        finally:
+            plugin.remove()
+    else:
+        plugin.remove()
+        yield
+
+
+@dataclass
+class SchedulerSetup:
+    """Everything needed to build a real vLLM Scheduler for one run."""
+
+    shape: ModelShape
+    manager: ManagerName = "vllm"
+    num_blocks: int | None = None
+    kv_budget_bytes: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    async_scheduling: bool = False
+    kv_events: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def vllm_config(self) -> VllmConfig:
+        mml = self.shape.max_model_len
+        mc = ModelConfig(
+            model=stub_model_dir(mml), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=mml
+        )
+        sc = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=mml,
+            enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=self.async_scheduling,
+        )
+        kwargs: dict[str, Any] = {}
+        if self.kv_events:
+            kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        vc = VllmConfig(
+            model_config=mc, scheduler_config=sc,
+            cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching),
+            device_config=DeviceConfig(device="cpu"), **kwargs,
+        )
+        vc.cache_config.kv_cache_layout = "LBHNC"
+        vc.scheduler_config.disable_hybrid_kv_cache_manager = self.manager == "no_hybrid"
+        # vLLM's CPU platform turns async scheduling off; put back what was asked for.
+        vc.scheduler_config.async_scheduling = self.async_scheduling
+        return vc
+
+    def kv_cache_config(self, vc: VllmConfig) -> KVCacheConfig:
+        specs = self.shape.kv_cache_specs(self.block_size, no_hybrid=self.manager == "no_hybrid")
+        groups = get_kv_cache_groups(vc, specs)
+        if self.num_blocks is not None:
+            probe = get_kv_cache_config_from_groups(vc, groups, 1 << 40)
+            per_block = (1 << 40) // probe.num_blocks
+            budget = per_block * self.num_blocks
+        else:
+            assert self.kv_budget_bytes is not None
+            budget = self.kv_budget_bytes
+        return get_kv_cache_config_from_groups(vc, groups, budget)
+
+    def build(self) -> Scheduler:
+        vc = self.vllm_config()
+        kvc = self.kv_cache_config(vc)
+        vc.cache_config.num_gpu_blocks = kvc.num_blocks
+        sbs, hbs = resolve_kv_cache_block_sizes(kvc, vc)
+        cls = AsyncScheduler if self.async_scheduling else Scheduler
+        with scheduler_manager(self.manager):
+            sched = cls(
+                vllm_config=vc, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(vc),
+                block_size=sbs, hash_block_size=hbs, log_stats=True,
+            )
+        hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        sched._hybrid_alloc_block_hasher = get_request_block_hasher(hbs, hash_fn)  # type: ignore[attr-defined]
+        return sched
+
+
+def make_request(sched: Scheduler, request_id: str, prompt: list[int], max_tokens: int) -> Request:
+    """A vLLM Request hashed with the scheduler's block hasher."""
+    return Request(
+        request_id=request_id, prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), pooling_params=None,
+        block_hasher=sched._hybrid_alloc_block_hasher,  # type: ignore[attr-defined]
+    )
+
+
+def fake_token(req_id: str, position: int, vocab: int = 32000) -> int:
+    """A deterministic "sampled" token, equal across runs."""
+    return (hash((req_id, position)) & 0x7FFFFFFF) % (vocab - 1) + 1
+
+
+def fabricate_output(sched: Scheduler, so: Any) -> ModelRunnerOutput:
+    """The model output of a step: one token for each request whose prompt is done."""
+    ids = list(so.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for rid in ids:
+        req = sched.requests[rid]
+        done = req.num_computed_tokens >= req.num_tokens
+        sampled.append([fake_token(rid, req.num_tokens)] if done else [])
+    return ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
+        logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
+    )
+
+
+def is_native(sched: Scheduler) -> bool:
+    return isinstance(sched.kv_cache_manager, native_manager.HybridKVCacheManager)
+
+
+__all__ = [
+    "MANAGERS",
+    "SHAPES",
+    "LayerKind",
+    "ModelShape",
+    "SchedulerSetup",
+    "fabricate_output",
+    "fake_token",
+    "is_native",
+    "make_request",
+    "sched_mod",
+]
