@@ -414,8 +414,9 @@ impl Allocator {
     ///
     /// # Errors
     /// Unknown handle; nothing to do (`num_new_tokens == 0` with nothing to adopt); an
-    /// explicit hit with the wrong number of groups or an invalid block id. Errors are
-    /// raised before any change.
+    /// explicit hit with the wrong number of groups or an invalid block id; cache-hit blocks
+    /// with prefix caching off, or for a request that already holds blocks (computed tokens
+    /// are adopted only into an empty table). Errors are raised before any change.
     pub fn allocate_slots(&mut self, h: ReqHandle, a: &AllocateArgs, new_computed: NewComputed<'_>) -> Result<Option<u32>> {
         self.check(h)?;
         if a.num_new_tokens == 0 && a.num_external_computed_tokens == 0 && a.num_new_computed_tokens == 0 {
@@ -464,8 +465,18 @@ impl Allocator {
             }
         };
         let has_new_computed = nc.iter().any(|v| !v.is_empty());
-        if has_new_computed && self.managers.iter().any(|m| m.is_tracked(h)) {
+        if has_new_computed && !self.cfg.enable_caching {
+            return Err(Error::OutOfRange("cache-hit blocks given with prefix caching off".into()));
+        }
+        let tracked = self.managers.iter().any(|m| m.is_tracked(h));
+        if has_new_computed && tracked {
             return Err(Error::OutOfRange("a running request cannot adopt new cache-hit blocks".into()));
+        }
+        // Not tracked yet (nothing cached) but holding blocks: adoption would need an empty
+        // table (`add_local_computed_blocks`; vLLM asserts it), so refuse before any change.
+        let adopts = has_new_computed || a.num_external_computed_tokens > 0;
+        if adopts && !tracked && self.managers.iter().any(|m| !m.blocks(h).is_empty()) {
+            return Err(Error::OutOfRange("a request that already holds blocks cannot adopt computed tokens".into()));
         }
         Ok(self.allocate_slots_inner(h, a, nc, has_new_computed))
     }
@@ -523,6 +534,22 @@ impl Allocator {
                 m.allocate_external_computed_blocks(&mut self.pool, h, num_local, num_external);
             }
         }
+    }
+
+    /// The limits under which a plain decode/prefill step of `h` changes nothing (the
+    /// component-wise minimum of every group's [`SingleTypeManager::noop_limits`]). The vLLM
+    /// adapter answers such steps without crossing into Rust.
+    ///
+    /// # Errors
+    /// Unknown handle.
+    pub fn noop_limits(&self, h: ReqHandle) -> Result<(u32, u32, u32)> {
+        self.check(h)?;
+        let mut lim = (u32::MAX, u32::MAX, u32::MAX);
+        for m in &self.managers {
+            let (a, b, c) = m.noop_limits(h);
+            lim = (lim.0.min(a), lim.1.min(b), lim.2.min(c));
+        }
+        Ok(lim)
     }
 
     /// New block ids of the last successful `allocate_slots`, groups concatenated.

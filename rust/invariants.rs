@@ -49,6 +49,19 @@ pub fn check_with(a: &Allocator, exact_refs: bool) -> Result<(), String> {
             return Err(format!("index maps a key to block {b}, whose hash differs"));
         }
     }
+    for h in a.live_handles() {
+        let (slots, _, _) = a.noop_limits(h).map_err(|e| e.to_string())?;
+        for (g, m) in a.managers().iter().enumerate() {
+            let t = m.blocks(h);
+            let np = m.null_prefix(h) as usize;
+            if np > t.len() || t[..np].iter().any(|&b| b != NULL_BLOCK) {
+                return Err(format!("handle {h} group {g}: null prefix {np} does not match the table"));
+            }
+            if !matches!(m.spec.kind, crate::config::AttentionKind::Cross) && slots as usize > t.len() * m.block_size() as usize {
+                return Err(format!("handle {h}: slot limit {slots} beyond group {g}'s table"));
+            }
+        }
+    }
     let mut refs = vec![0u32; n as usize];
     for m in a.managers() {
         for (h, table) in m.tables() {

@@ -1,5 +1,18 @@
 """Type stubs of the compiled module (checked with ``mypy.stubtest``)."""
 
+from typing import TypeAlias, final
+
+__all__ = [
+    "Allocator",
+    "HybridAllocError",
+    "InvalidBlockError",
+    "InvalidConfigError",
+    "InvariantError",
+    "OutOfRangeError",
+    "UnknownRequestError",
+    "UnsupportedConfigError",
+    "__version__",
+]
 __version__: str
 
 class HybridAllocError(Exception): ...
@@ -10,8 +23,9 @@ class OutOfRangeError(HybridAllocError): ...
 class InvalidBlockError(HybridAllocError): ...
 class InvariantError(HybridAllocError): ...
 
-EventTuple = tuple[object, ...]
+_EventTuple: TypeAlias = tuple[object, ...]
 
+@final
 class Allocator:
     def __new__(
         cls,
@@ -24,7 +38,7 @@ class Allocator:
         enable_caching: bool = True,
         enable_events: bool = False,
         watermark_blocks: int = 0,
-        retention_interval: int | None = 0,
+        retention_interval: int | None = ...,
     ) -> Allocator: ...
     def add_request(self) -> int: ...
     def append_hashes(self, handle: int, new_hashes: bytes, hash_len: int) -> None: ...
@@ -54,7 +68,21 @@ class Allocator:
         num_prompt_tokens: int,
         num_tokens: int,
         shared_prefix_boundary: int,
-    ) -> None | int | tuple[list[int], ...]: ...
+    ) -> tuple[None | int | tuple[list[int], ...], int, int, int]: ...
+    def noop_limits(self, handle: int) -> tuple[int, int, int]: ...
+    def step(
+        self,
+        handle: int,
+        new_hashes: bytes | None,
+        hash_len: int,
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        num_computed_tokens: int,
+        num_in_flight_tokens: int,
+        num_prompt_tokens: int,
+        num_tokens: int,
+        shared_prefix_boundary: int,
+    ) -> tuple[None | int | tuple[list[int], ...], int, int, int]: ...
     def cache_blocks(
         self,
         handle: int,
@@ -96,5 +124,5 @@ class Allocator:
     def block_hash(self, block_id: int) -> tuple[bytes, int] | None: ...
     def block_hash_num_tokens(self, block_id: int) -> int | None: ...
     def free_queue_order(self) -> list[int]: ...
-    def take_events(self) -> list[EventTuple]: ...
+    def take_events(self) -> list[_EventTuple]: ...
     def check_invariants(self, exact_refs: bool = True) -> None: ...

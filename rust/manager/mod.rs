@@ -107,6 +107,9 @@ pub struct SingleTypeManager {
     req_blocks: Vec<Vec<BlockId>>,
     /// `num_cached[h]`: blocks of the table already cached, or `ABSENT`.
     num_cached: Vec<u32>,
+    /// `null_prefix[h]`: table slots `0..null_prefix[h]` hold the null block (out-of-window
+    /// blocks only ever become null as a prefix of the table).
+    null_prefix: Vec<u32>,
     /// Scratch for freed blocks (reused, so decode steps do not allocate).
     scratch: Vec<BlockId>,
 }
@@ -128,6 +131,7 @@ impl SingleTypeManager {
             cache_hit_alignment_tokens,
             req_blocks: Vec::new(),
             num_cached: Vec::new(),
+            null_prefix: Vec::new(),
             scratch: Vec::new(),
         }
     }
@@ -144,6 +148,7 @@ impl SingleTypeManager {
         if self.req_blocks.len() < n {
             self.req_blocks.resize_with(n, Vec::new);
             self.num_cached.resize(n, ABSENT);
+            self.null_prefix.resize(n, 0);
         }
     }
 
@@ -157,6 +162,12 @@ impl SingleTypeManager {
     #[inline]
     pub fn is_tracked(&self, h: ReqHandle) -> bool {
         self.num_cached[h as usize] != ABSENT
+    }
+
+    /// Leading null slots of `h`'s table.
+    #[inline]
+    pub fn null_prefix(&self, h: ReqHandle) -> u32 {
+        self.null_prefix[h as usize]
     }
 
     /// `num_cached_block` of `h` (0 when absent).
@@ -243,6 +254,7 @@ impl SingleTypeManager {
         }
         table.extend(std::iter::repeat_n(NULL_BLOCK, skipped_blocks as usize));
         table.extend_from_slice(kept);
+        self.null_prefix[h as usize] = table.iter().take_while(|&&b| b == NULL_BLOCK).count() as u32;
         self.num_cached[h as usize] = table.len() as u32;
     }
 
@@ -358,6 +370,8 @@ impl SingleTypeManager {
         }
         freed.clear();
         self.scratch = freed;
+        let np = &mut self.null_prefix[h as usize];
+        *np = (*np).max(n as u32);
     }
 
     /// Frees every block of `h`, tail first, and forgets its bookkeeping (vLLM's `free`).
@@ -366,6 +380,7 @@ impl SingleTypeManager {
         pool.free_blocks(table.iter().rev().copied());
         table.clear();
         self.num_cached[h as usize] = ABSENT;
+        self.null_prefix[h as usize] = 0;
     }
 
     /// Forgets `h`'s bookkeeping and moves its table into `out`, without freeing
@@ -375,6 +390,31 @@ impl SingleTypeManager {
         out.extend_from_slice(table);
         table.clear();
         self.num_cached[h as usize] = ABSENT;
+        self.null_prefix[h as usize] = 0;
+    }
+
+    /// The limits under which a plain step of `h` (no new hit, no external tokens, no
+    /// encoder tokens, no admission gate, no reserve, no watermark) changes nothing in this
+    /// group: `(slots, processed, cached)` such that a step with
+    /// `need_slot <= slots`, `processed < processed_limit` and `to_cache < cached` allocates,
+    /// frees and caches nothing. Conservative: a step outside them may still be a no-op.
+    pub fn noop_limits(&self, h: ReqHandle) -> (u32, u32, u32) {
+        let bs = self.spec.block_size as u64;
+        let clamp = |x: u64| x.min(u32::MAX as u64) as u32;
+        if matches!(self.spec.kind, AttentionKind::Cross) {
+            return (u32::MAX, u32::MAX, u32::MAX);
+        }
+        let slots = clamp(self.req_blocks[h as usize].len() as u64 * bs);
+        let k1 = self.null_prefix[h as usize] as u64 + 1;
+        let processed = match self.spec.kind {
+            AttentionKind::SlidingWindow { window, extra_retained_tokens } => {
+                clamp(k1 * bs + window as u64 - 1 + extra_retained_tokens as u64)
+            }
+            AttentionKind::ChunkedLocal { chunk } => clamp(cdiv(k1 * bs, chunk as u64) * chunk as u64),
+            _ => u32::MAX,
+        };
+        let cached = if self.enable_caching { clamp((self.num_cached(h) as u64 + 1) * bs) } else { u32::MAX };
+        (slots, processed, cached)
     }
 
     /// Every live table (invariant checks).

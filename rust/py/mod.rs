@@ -179,9 +179,10 @@ impl PyAllocator {
     }
 
     /// vLLM's `allocate_slots`. `hit_mode`: 0 no new hit, 1 the stored hit, 2 the explicit
-    /// `hit_ids` (groups concatenated, split by `hit_counts`). Returns `None` when the
-    /// blocks do not fit, `0` when no block was added, else a tuple with one list of new
-    /// block ids per group.
+    /// `hit_ids` (groups concatenated, split by `hit_counts`). Returns `(result, slots,
+    /// processed, cached)`: result is `None` when the blocks do not fit, `0` when no block
+    /// was added, else a tuple with one list of new block ids per group; the three limits
+    /// bound the next plain steps that change nothing (see `noop_limits`).
     #[pyo3(signature = (handle, new_hashes, hash_len, num_new_tokens, num_new_computed_tokens,
         hit_mode, hit_ids, hit_counts, num_lookahead_tokens, num_external_computed_tokens,
         delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
@@ -265,14 +266,57 @@ impl PyAllocator {
                 return Err(to_py(e));
             }
         };
-        match res {
-            None => Ok(py.None().into_bound(py)),
-            Some(0) => Ok(0i64.into_pyobject(py)?.into_any()),
-            Some(_) => {
-                let t = self.groups_tuple(py, self.inner.new_block_ids(), self.inner.new_block_counts())?;
-                Ok(t.into_any())
-            }
-        }
+        let res: Bound<'py, PyAny> = match res {
+            None => py.None().into_bound(py),
+            Some(0) => 0i64.into_pyobject(py)?.into_any(),
+            Some(_) => self.groups_tuple(py, self.inner.new_block_ids(), self.inner.new_block_counts())?.into_any(),
+        };
+        let (slots, processed, cached) = self.inner.noop_limits(h).map_err(to_py)?;
+        Ok((res, slots, processed, cached).into_pyobject(py)?.into_any())
+    }
+
+    /// The plain step of a running request (the scheduler's decode / chunked-prefill call:
+    /// no new hit, no external or encoder tokens, no admission gate, reserve or watermark):
+    /// `allocate_slots` with its other arguments at their defaults, in fewer arguments.
+    /// Returns what `allocate_slots` returns.
+    #[allow(clippy::too_many_arguments)]
+    fn step<'py>(
+        &mut self,
+        py: Python<'py>,
+        handle: i64,
+        new_hashes: Option<&[u8]>,
+        hash_len: usize,
+        num_new_tokens: i64,
+        num_lookahead_tokens: i64,
+        num_computed_tokens: i64,
+        num_in_flight_tokens: i64,
+        num_prompt_tokens: i64,
+        num_tokens: i64,
+        shared_prefix_boundary: i64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.allocate_slots(
+            py,
+            handle,
+            new_hashes,
+            hash_len,
+            num_new_tokens,
+            0,
+            0,
+            None,
+            None,
+            num_lookahead_tokens,
+            0,
+            false,
+            0,
+            false,
+            0,
+            false,
+            num_computed_tokens,
+            num_in_flight_tokens,
+            num_prompt_tokens,
+            num_tokens,
+            shared_prefix_boundary,
+        )
     }
 
     /// Appends `new_hashes` and caches full blocks up to `num_computed_tokens`.
@@ -291,6 +335,13 @@ impl PyAllocator {
         let s = u32_arg("shared_prefix_boundary", shared_prefix_boundary)?;
         self.push_hashes(h, new_hashes, hash_len)?;
         self.inner.cache_blocks(h, n, p, s).map_err(to_py)
+    }
+
+    /// `(slots, processed, cached)`: a plain step (no new hit, external or encoder tokens,
+    /// admission gate, reserve or watermark) with `need_slot <= slots`, `processed <
+    /// processed` and `to_cache < cached` changes nothing.
+    fn noop_limits(&self, handle: i64) -> PyResult<(u32, u32, u32)> {
+        self.inner.noop_limits(self.handle(handle)?).map_err(to_py)
     }
 
     /// Frees out-of-window blocks (vLLM's `remove_skipped_blocks`).

@@ -28,7 +28,7 @@ def alloc(kind: str = "full", window: int = 0, num_blocks: int = 16, caching: bo
 def allocate(a: Allocator, h: int, n: int, *, computed: int = 0, hit: int = 0, mode: int = 0, new: bytes | None = None,
              prompt: int = 0, tokens: int = 0):  # type: ignore[no-untyped-def]
     return a.allocate_slots(h, new, H, n, hit, mode, None, None, 0, 0, False, 0, False, 0, False,
-                            computed, 0, prompt or n, tokens or (computed + hit + n), 0)
+                            computed, 0, prompt or n, tokens or (computed + hit + n), 0)[0]
 
 
 def snapshot(a: Allocator, handles: list[int]) -> tuple:  # type: ignore[type-arg]

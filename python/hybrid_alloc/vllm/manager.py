@@ -401,7 +401,8 @@ class HybridKVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
         self._empty_ids: tuple[list[int], ...] = tuple([] for _ in range(self.num_kv_cache_groups))
         # request_id -> [handle, number of block hashes already sent, generation of the
-        # cache hit stored in Rust for it (-1: none)]
+        # cache hit stored in Rust for it (-1: none), then the no-op limits of its next
+        # plain step (slots, processed tokens, cached tokens; -1: cross into Rust)]
         self._reqs: dict[str, list[int]] = {}
         self._hit_gen = 0
         self._events: list[KVCacheEvent] = []
@@ -425,7 +426,7 @@ class HybridKVCacheManager:
     def _state(self, request: Request) -> list[int]:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = [self._alloc.add_request(), 0, -1]
+            st = [self._alloc.add_request(), 0, -1, -1, -1, -1]
             self._reqs[request.request_id] = st
         return st
 
@@ -556,6 +557,48 @@ class HybridKVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        **rest: Any,
+    ) -> KVCacheBlocks | None:
+        """vLLM's ``allocate_slots``. A plain step of a running request (the scheduler's
+        decode and chunked-prefill call) that the last crossing proved changes nothing is
+        answered here without crossing into Rust (see ``Allocator.noop_limits``)."""
+        st = self._reqs.get(request.request_id)
+        if st is not None and new_computed_blocks is None and not num_new_computed_tokens and not rest:
+            nc = request.num_computed_tokens
+            to_cache = nc + num_new_tokens
+            if (
+                to_cache + num_lookahead_tokens <= st[3]
+                and nc - request.num_in_flight_tokens < st[4]
+                and (to_cache < st[5] or request.num_tokens < st[5])
+                and num_new_tokens
+            ):
+                return self.empty_kv_cache_blocks
+            # A plain step that does change something: one crossing, short form.
+            bh = request.block_hashes
+            new_hashes = self._new_hashes(request, st) if len(bh) != st[1] else None
+            res, st[3], st[4], st[5] = self._alloc.step(
+                st[0], new_hashes, self._hash_len, num_new_tokens, num_lookahead_tokens, nc,
+                request.num_in_flight_tokens, request.num_prompt_tokens, request.num_tokens,
+                request.shared_prefix_boundary,
+            )
+            if self.enable_kv_cache_events and self._alloc.has_events:
+                self._drain_events(request)
+            if res is None:
+                return None
+            if res == 0:
+                return self.empty_kv_cache_blocks
+            return NativeKVCacheBlocks(self._alloc, res)
+        return self._allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens, **rest
+        )
+
+    def _allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
@@ -564,14 +607,8 @@ class HybridKVCacheManager:
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
-        st = self._reqs.get(request.request_id)
-        if st is None:
-            st = self._state(request)
-        bh = request.block_hashes
-        if len(bh) != st[1]:
-            new_hashes: bytes | None = self._new_hashes(request, st)
-        else:
-            new_hashes = None
+        st = self._state(request)
+        new_hashes = self._new_hashes(request, st)
         hit_mode = 0
         hit_ids = hit_counts = None
         if new_computed_blocks is not None and new_computed_blocks is not self.empty_kv_cache_blocks:
@@ -583,10 +620,8 @@ class HybridKVCacheManager:
                     hit_mode = 2
                     hit_ids = [b for g in groups for b in g]
                     hit_counts = [len(g) for g in groups]
-        watermark = (
-            self.watermark_blocks > 0 and has_scheduled_reqs and request.status in _WAITING_OR_PREEMPTED
-        )
-        res = self._alloc.allocate_slots(
+        watermark = self.watermark_blocks > 0 and has_scheduled_reqs and request.status in _WAITING_OR_PREEMPTED
+        res, st[3], st[4], st[5] = self._alloc.allocate_slots(
             st[0],
             new_hashes,
             self._hash_len,
@@ -626,6 +661,7 @@ class HybridKVCacheManager:
     ) -> None:
         st = self._reqs.get(request_id)
         if st is not None:
+            st[3] = -1
             self._alloc.remove_skipped_blocks(st[0], processed_computed_tokens)
 
     def pop_blocks_for_free(self, request: Request) -> list[Any]:
@@ -702,6 +738,7 @@ class HybridKVCacheManager:
         if not self.enable_caching:
             return
         st = self._state(request)
+        st[3] = -1
         self._alloc.cache_blocks(
             st[0],
             self._new_hashes(request, st),

@@ -1,0 +1,22 @@
+"""The ``hybrid-alloc`` command: ``hybrid-alloc bench [options]`` (see ``--help``)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: hybrid-alloc bench [options]   (hybrid-alloc bench --help for the options)")
+        return 0 if argv else 2
+    if argv[0] == "bench":
+        from hybrid_alloc.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    print(f"hybrid-alloc: unknown command {argv[0]!r}; try `hybrid-alloc bench --help`", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
