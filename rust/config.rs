@@ -156,10 +156,10 @@ impl Config {
                 ));
             }
             match g.kind {
-                AttentionKind::SlidingWindow { window, .. } if window == 0 => {
+                AttentionKind::SlidingWindow { window: 0, .. } => {
                     return bad(format!("group {i}: sliding window must be positive"));
                 }
-                AttentionKind::ChunkedLocal { chunk } if chunk == 0 => {
+                AttentionKind::ChunkedLocal { chunk: 0 } => {
                     return bad(format!("group {i}: attention chunk size must be positive"));
                 }
                 _ => {}
@@ -172,9 +172,7 @@ impl Config {
                     ));
                 }
                 if matches!(g.kind, AttentionKind::Cross) {
-                    return Err(Error::Unsupported(format!(
-                        "group {i}: cross attention with prefix caching on"
-                    )));
+                    return Err(Error::Unsupported(format!("group {i}: cross attention with prefix caching on")));
                 }
                 if matches!(g.kind, AttentionKind::ChunkedLocal { .. })
                     && g.block_size != self.cache_hit_alignment_tokens()
@@ -187,19 +185,13 @@ impl Config {
                 }
             }
         }
-        if self.coordinator_kind() == CoordinatorKind::Unitary
-            && self.hash_block_size != self.groups[0].block_size
-        {
+        if self.coordinator_kind() == CoordinatorKind::Unitary && self.hash_block_size != self.groups[0].block_size {
             return bad("a single cached group needs hash_block_size == block_size".into());
         }
         if let Some(r) = self.retention_interval {
-            let has_sparse =
-                self.groups.iter().any(|g| matches!(g.kind, AttentionKind::SlidingWindow { .. }));
+            let has_sparse = self.groups.iter().any(|g| matches!(g.kind, AttentionKind::SlidingWindow { .. }));
             if !has_sparse && r != 0 {
-                return bad(
-                    "prefix_cache_retention_interval is set but no sliding-window group exists"
-                        .into(),
-                );
+                return bad("prefix_cache_retention_interval is set but no sliding-window group exists".into());
             }
             if has_sparse && r % self.scheduler_block_size != 0 {
                 return bad(format!(

@@ -132,12 +132,17 @@ impl Allocator {
             if matches!(g.kind, AttentionKind::Cross) {
                 continue;
             }
-            match spec_groups
-                .iter_mut()
-                .find(|s| s.kind == g.kind && s.block_size == g.block_size && cfg.groups[s.group_ids[0] as usize].spec_key == g.spec_key)
-            {
+            match spec_groups.iter_mut().find(|s| {
+                s.kind == g.kind
+                    && s.block_size == g.block_size
+                    && cfg.groups[s.group_ids[0] as usize].spec_key == g.spec_key
+            }) {
                 Some(s) => s.group_ids.push(i as GroupId),
-                None => spec_groups.push(SpecGroup { kind: g.kind, block_size: g.block_size, group_ids: vec![i as GroupId] }),
+                None => spec_groups.push(SpecGroup {
+                    kind: g.kind,
+                    block_size: g.block_size,
+                    group_ids: vec![i as GroupId],
+                }),
             }
         }
         spec_groups.sort_by_key(|s| !s.kind.is_full());
@@ -306,7 +311,16 @@ impl Allocator {
                 let m = &self.managers[0];
                 let bs = m.block_size();
                 let view = HashView { hashes: &self.reqs[h as usize].hashes, scale: bs / self.cfg.hash_block_size };
-                let n = find_longest_cache_hit(m.spec.kind, &self.pool, view, max_cache_hit_length, &[0], bs, bs, &mut hit[..1]);
+                let n = find_longest_cache_hit(
+                    m.spec.kind,
+                    &self.pool,
+                    view,
+                    max_cache_hit_length,
+                    &[0],
+                    bs,
+                    bs,
+                    &mut hit[..1],
+                );
                 Hit { num_tokens: n, num_uncached_common_prefix_tokens: 0 }
             }
             CoordinatorKind::Hybrid => self.hybrid_hit(h, max_cache_hit_length, &mut hit),
@@ -335,8 +349,16 @@ impl Allocator {
                 }
                 let view = HashView { hashes, scale: sg.block_size / self.cfg.hash_block_size };
                 let k = sg.group_ids.len();
-                let new_len =
-                    find_longest_cache_hit(sg.kind, &self.pool, view, curr, &sg.group_ids, sg.block_size, align, &mut tmp[..k]);
+                let new_len = find_longest_cache_hit(
+                    sg.kind,
+                    &self.pool,
+                    view,
+                    curr,
+                    &sg.group_ids,
+                    sg.block_size,
+                    align,
+                    &mut tmp[..k],
+                );
                 curr = new_len;
                 for (j, &gid) in sg.group_ids.iter().enumerate() {
                     std::mem::swap(&mut out[gid as usize], &mut tmp[j]);
@@ -404,7 +426,14 @@ impl Allocator {
         apply_admission_cap: bool,
     ) -> Result<u64> {
         self.check(h)?;
-        Ok(self.num_blocks_to_allocate(h, num_tokens, &[], num_encoder_tokens, total_computed_tokens, apply_admission_cap))
+        Ok(self.num_blocks_to_allocate(
+            h,
+            num_tokens,
+            &[],
+            num_encoder_tokens,
+            total_computed_tokens,
+            apply_admission_cap,
+        ))
     }
 
     /// vLLM's `KVCacheManager.allocate_slots`. On success the new blocks are in
@@ -417,7 +446,12 @@ impl Allocator {
     /// explicit hit with the wrong number of groups or an invalid block id; cache-hit blocks
     /// with prefix caching off, or for a request that already holds blocks (computed tokens
     /// are adopted only into an empty table). Errors are raised before any change.
-    pub fn allocate_slots(&mut self, h: ReqHandle, a: &AllocateArgs, new_computed: NewComputed<'_>) -> Result<Option<u32>> {
+    pub fn allocate_slots(
+        &mut self,
+        h: ReqHandle,
+        a: &AllocateArgs,
+        new_computed: NewComputed<'_>,
+    ) -> Result<Option<u32>> {
         self.check(h)?;
         if a.num_new_tokens == 0 && a.num_external_computed_tokens == 0 && a.num_new_computed_tokens == 0 {
             return Err(Error::OutOfRange(
@@ -458,7 +492,10 @@ impl Allocator {
                 }
                 for &b in v.iter().flatten() {
                     if b >= self.pool.num_blocks() {
-                        return Err(Error::InvalidBlock(format!("block id {b} >= num_blocks {}", self.pool.num_blocks())));
+                        return Err(Error::InvalidBlock(format!(
+                            "block id {b} >= num_blocks {}",
+                            self.pool.num_blocks()
+                        )));
                     }
                 }
                 v
@@ -481,7 +518,13 @@ impl Allocator {
         Ok(self.allocate_slots_inner(h, a, nc, has_new_computed))
     }
 
-    fn allocate_slots_inner(&mut self, h: ReqHandle, a: &AllocateArgs, nc: &[Vec<BlockId>], has_new_computed: bool) -> Option<u32> {
+    fn allocate_slots_inner(
+        &mut self,
+        h: ReqHandle,
+        a: &AllocateArgs,
+        nc: &[Vec<BlockId>],
+        has_new_computed: bool,
+    ) -> Option<u32> {
         let num_local = a.num_computed_tokens + a.num_new_computed_tokens;
         let unclamped_total = num_local + a.num_external_computed_tokens;
         let total_computed = unclamped_total.min(self.cfg.max_model_len);
@@ -562,7 +605,13 @@ impl Allocator {
         &self.out_counts
     }
 
-    fn cache_blocks_inner(&mut self, h: ReqHandle, num_tokens: u32, num_prompt_tokens: u32, shared_prefix_boundary: u32) {
+    fn cache_blocks_inner(
+        &mut self,
+        h: ReqHandle,
+        num_tokens: u32,
+        num_prompt_tokens: u32,
+        shared_prefix_boundary: u32,
+    ) {
         if !self.cfg.enable_caching {
             return;
         }

@@ -142,6 +142,6 @@ mod tests {
         assert!(!ix.remove(&key(2), 4));
         assert_eq!(ix.get_one(&key(2)), Some(3));
         assert!(ix.contains(&key(2), 3));
-        assert!(!ix.contains(&key((3) as u64), 3));
+        assert!(!ix.contains(&key(3), 3));
     }
 }

@@ -4,6 +4,7 @@ from typing import TypeAlias, final
 
 __all__ = [
     "Allocator",
+    "FastAllocate",
     "HybridAllocError",
     "InvalidBlockError",
     "InvalidConfigError",
@@ -44,13 +45,12 @@ class Allocator:
     def append_hashes(self, handle: int, new_hashes: bytes, hash_len: int) -> None: ...
     def num_hashes(self, handle: int) -> int: ...
     def get_computed_blocks(
-        self, handle: int, new_hashes: bytes | None, hash_len: int, max_length: int
+        self, handle: int, block_hashes: list[bytes] | None, max_length: int
     ) -> tuple[int, int, list[int], list[int]]: ...
     def allocate_slots(
         self,
         handle: int,
-        new_hashes: bytes | None,
-        hash_len: int,
+        block_hashes: list[bytes] | None,
         num_new_tokens: int,
         num_new_computed_tokens: int,
         hit_mode: int,
@@ -73,8 +73,7 @@ class Allocator:
     def step(
         self,
         handle: int,
-        new_hashes: bytes | None,
-        hash_len: int,
+        block_hashes: list[bytes] | None,
         num_new_tokens: int,
         num_lookahead_tokens: int,
         num_computed_tokens: int,
@@ -86,8 +85,7 @@ class Allocator:
     def cache_blocks(
         self,
         handle: int,
-        new_hashes: bytes | None,
-        hash_len: int,
+        block_hashes: list[bytes] | None,
         num_computed_tokens: int,
         num_prompt_tokens: int,
         shared_prefix_boundary: int,
@@ -126,3 +124,16 @@ class Allocator:
     def free_queue_order(self) -> list[int]: ...
     def take_events(self) -> list[_EventTuple]: ...
     def check_invariants(self, exact_refs: bool = True) -> None: ...
+
+@final
+class FastAllocate:
+    def __new__(cls, alloc: Allocator, empty: object, slow: object, make_blocks: object, on_events: object) -> FastAllocate: ...
+    def __call__(
+        self,
+        request: object,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: object | None = None,
+        num_lookahead_tokens: int = 0,
+        **rest: object,
+    ) -> object: ...

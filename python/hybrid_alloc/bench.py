@@ -405,8 +405,9 @@ def plot(results: list[RunResult], path: str) -> None:
         for r in results:
             if (r.model, r.scenario) != key:
                 continue
-            axes[i][0].plot(r.usage, label=r.manager, linewidth=1)
-            axes[i][1].plot(r.running, label=r.manager, linewidth=1)
+            style = {"vllm": "-", "hybrid_alloc": "--", "no_hybrid": ":"}.get(r.manager, "-")
+            axes[i][0].plot(r.usage, style, label=r.manager, linewidth=1.2)
+            axes[i][1].plot(r.running, style, label=r.manager, linewidth=1.2)
         axes[i][0].set_title(f"{key[0]} / {key[1]}: KV cache usage")
         axes[i][1].set_title(f"{key[0]} / {key[1]}: running requests")
         for ax in axes[i]:

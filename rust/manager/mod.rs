@@ -63,6 +63,7 @@ impl HashView<'_> {
 /// Finds the longest cache hit for one spec group (groups with equal specs), as the
 /// attention type's `find_longest_cache_hit` classmethod. Fills `out[k]` for each group
 /// id `group_ids[k]` and returns the hit length in tokens.
+#[allow(clippy::too_many_arguments)]
 pub fn find_longest_cache_hit(
     kind: AttentionKind,
     pool: &BlockPool,
@@ -81,7 +82,14 @@ pub fn find_longest_cache_hit(
             full::find_longest_cache_hit(pool, view, max_length, group_ids, block_size, alignment_tokens, out)
         }
         AttentionKind::SlidingWindow { window, .. } => sliding_window::find_longest_cache_hit(
-            pool, view, max_length, group_ids, block_size, alignment_tokens, window, out,
+            pool,
+            view,
+            max_length,
+            group_ids,
+            block_size,
+            alignment_tokens,
+            window,
+            out,
         ),
         AttentionKind::ChunkedLocal { chunk } => {
             chunked_local::find_longest_cache_hit(pool, view, max_length, group_ids, block_size, chunk, out)

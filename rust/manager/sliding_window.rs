@@ -48,8 +48,7 @@ pub fn find_longest_cache_hit(
     let mut hit = Vec::with_capacity(group_ids.len());
     for i in (0..max_num_blocks).rev() {
         if pool.get_cached_block(&view.get(i), group_ids, &mut hit) {
-            if contiguous == 0 && block_size != alignment_tokens && ((i + 1) * block_size) % alignment_tokens != 0
-            {
+            if contiguous == 0 && block_size != alignment_tokens && ((i + 1) * block_size) % alignment_tokens != 0 {
                 continue;
             }
             for (o, &b) in out.iter_mut().zip(hit.iter()) {

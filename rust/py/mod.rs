@@ -6,8 +6,9 @@
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::block_pool::Event;
 use crate::config::{AttentionKind, Config, GroupSpec};
@@ -64,16 +65,42 @@ fn parse_kind(kind: &str, p1: i64, p2: i64) -> PyResult<AttentionKind> {
 #[pyclass(module = "hybrid_alloc._core", name = "Allocator")]
 pub struct PyAllocator {
     inner: Allocator,
+    /// `limits[h]`: the no-op limits of request `h`'s next plain step, as of its last
+    /// crossing (`(0, 0, 0)`: unknown, the next step must cross).
+    limits: Vec<(u32, u32, u32)>,
 }
 
 impl PyAllocator {
+    fn clear_limits(&mut self, h: u32) {
+        if let Some(l) = self.limits.get_mut(h as usize) {
+            *l = (0, 0, 0);
+        }
+    }
+
     fn handle(&self, h: i64) -> PyResult<u32> {
         u32::try_from(h).map_err(|_| UnknownRequestError::new_err(format!("unknown request handle {h}")))
     }
 
-    fn push_hashes(&mut self, h: u32, new_hashes: Option<&[u8]>, hash_len: usize) -> PyResult<()> {
-        if let Some(b) = new_hashes {
-            self.inner.append_hashes(h, b, hash_len).map_err(to_py)?;
+    /// Brings the core's copy of a request's block hashes up to `block_hashes` (vLLM's
+    /// `request.block_hashes`, a list of bytes that only grows): only the new tail is read.
+    fn push_hashes(&mut self, h: u32, block_hashes: Option<&Bound<'_, PyList>>) -> PyResult<()> {
+        let Some(list) = block_hashes else { return Ok(()) };
+        let known = self.inner.num_hashes(h).map_err(to_py)?;
+        let n = list.len();
+        if n < known {
+            return self.inner.truncate_hashes(h, n).map_err(to_py);
+        }
+        for i in known..n {
+            let item = list.get_item(i)?;
+            let appended = match item.cast::<PyBytes>() {
+                Ok(b) => self.inner.append_hashes(h, b.as_bytes(), b.as_bytes().len()).map_err(to_py),
+                Err(_) => Err(OutOfRangeError::new_err(format!("block hash {i} is not bytes"))),
+            };
+            if let Err(e) = appended {
+                // A failed call leaves the request as it was.
+                self.inner.truncate_hashes(h, known).map_err(to_py)?;
+                return Err(e);
+            }
         }
         Ok(())
     }
@@ -114,7 +141,11 @@ impl PyAllocator {
     ) -> PyResult<Self> {
         let mut gs = Vec::with_capacity(groups.len());
         for (kind, bs, key, p1, p2) in groups {
-            gs.push(GroupSpec { kind: parse_kind(&kind, p1, p2)?, block_size: u32_arg("block_size", bs)?, spec_key: u32_arg("spec_key", key)? });
+            gs.push(GroupSpec {
+                kind: parse_kind(&kind, p1, p2)?,
+                block_size: u32_arg("block_size", bs)?,
+                spec_key: u32_arg("spec_key", key)?,
+            });
         }
         let cfg = Config {
             num_blocks: u32_arg("num_blocks", num_blocks)?,
@@ -132,12 +163,17 @@ impl PyAllocator {
             Error::InvalidConfig(_) | Error::Unsupported(_) => to_py(e),
             other => InvalidConfigError::new_err(other.to_string()),
         })?;
-        Ok(Self { inner })
+        Ok(Self { inner, limits: Vec::new() })
     }
 
     /// Registers a request; returns its handle.
     fn add_request(&mut self) -> u32 {
-        self.inner.add_request()
+        let h = self.inner.add_request();
+        if self.limits.len() <= h as usize {
+            self.limits.resize(h as usize + 1, (0, 0, 0));
+        }
+        self.clear_limits(h);
+        h
     }
 
     /// Appends block hashes (`hash_len` bytes each, concatenated) to a request.
@@ -151,7 +187,7 @@ impl PyAllocator {
         self.inner.num_hashes(self.handle(handle)?).map_err(to_py)
     }
 
-    /// Appends `new_hashes`, finds the longest cache hit not longer than `max_length`
+    /// Syncs the request's `block_hashes`, finds the longest cache hit not longer than `max_length`
     /// tokens and stores it as the request's pending hit. Returns `(hit_tokens,
     /// uncached_common_prefix_tokens, hit block ids of all groups concatenated, per-group
     /// counts)`.
@@ -159,13 +195,12 @@ impl PyAllocator {
         &mut self,
         py: Python<'py>,
         handle: i64,
-        new_hashes: Option<&[u8]>,
-        hash_len: usize,
+        block_hashes: Option<&Bound<'_, PyList>>,
         max_length: i64,
     ) -> PyResult<(u32, u32, Bound<'py, PyList>, Bound<'py, PyList>)> {
         let h = self.handle(handle)?;
         let max_length = u32_arg("max_length", max_length)?;
-        self.push_hashes(h, new_hashes, hash_len)?;
+        self.push_hashes(h, block_hashes)?;
         let hit = self.inner.find_longest_cache_hit(h, max_length).map_err(to_py)?;
         let ng = self.inner.num_groups();
         let mut ids: Vec<BlockId> = Vec::new();
@@ -183,7 +218,7 @@ impl PyAllocator {
     /// processed, cached)`: result is `None` when the blocks do not fit, `0` when no block
     /// was added, else a tuple with one list of new block ids per group; the three limits
     /// bound the next plain steps that change nothing (see `noop_limits`).
-    #[pyo3(signature = (handle, new_hashes, hash_len, num_new_tokens, num_new_computed_tokens,
+    #[pyo3(signature = (handle, block_hashes, num_new_tokens, num_new_computed_tokens,
         hit_mode, hit_ids, hit_counts, num_lookahead_tokens, num_external_computed_tokens,
         delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
         apply_watermark, num_computed_tokens, num_in_flight_tokens, num_prompt_tokens,
@@ -193,8 +228,7 @@ impl PyAllocator {
         &mut self,
         py: Python<'py>,
         handle: i64,
-        new_hashes: Option<&[u8]>,
-        hash_len: usize,
+        block_hashes: Option<&Bound<'_, PyList>>,
         num_new_tokens: i64,
         num_new_computed_tokens: i64,
         hit_mode: u8,
@@ -257,7 +291,7 @@ impl PyAllocator {
             m => return Err(OutOfRangeError::new_err(format!("hit_mode {m} (0, 1 or 2)"))),
         };
         let before = self.inner.num_hashes(h).map_err(to_py)?;
-        self.push_hashes(h, new_hashes, hash_len)?;
+        self.push_hashes(h, block_hashes)?;
         let res = match self.inner.allocate_slots(h, &args, nc) {
             Ok(r) => r,
             Err(e) => {
@@ -272,6 +306,7 @@ impl PyAllocator {
             Some(_) => self.groups_tuple(py, self.inner.new_block_ids(), self.inner.new_block_counts())?.into_any(),
         };
         let (slots, processed, cached) = self.inner.noop_limits(h).map_err(to_py)?;
+        self.limits[h as usize] = (slots, processed, cached);
         Ok((res, slots, processed, cached).into_pyobject(py)?.into_any())
     }
 
@@ -284,8 +319,7 @@ impl PyAllocator {
         &mut self,
         py: Python<'py>,
         handle: i64,
-        new_hashes: Option<&[u8]>,
-        hash_len: usize,
+        block_hashes: Option<&Bound<'_, PyList>>,
         num_new_tokens: i64,
         num_lookahead_tokens: i64,
         num_computed_tokens: i64,
@@ -297,8 +331,7 @@ impl PyAllocator {
         self.allocate_slots(
             py,
             handle,
-            new_hashes,
-            hash_len,
+            block_hashes,
             num_new_tokens,
             0,
             0,
@@ -319,12 +352,11 @@ impl PyAllocator {
         )
     }
 
-    /// Appends `new_hashes` and caches full blocks up to `num_computed_tokens`.
+    /// Syncs the request's `block_hashes` and caches full blocks up to `num_computed_tokens`.
     fn cache_blocks(
         &mut self,
         handle: i64,
-        new_hashes: Option<&[u8]>,
-        hash_len: usize,
+        block_hashes: Option<&Bound<'_, PyList>>,
         num_computed_tokens: i64,
         num_prompt_tokens: i64,
         shared_prefix_boundary: i64,
@@ -333,7 +365,8 @@ impl PyAllocator {
         let n = u32_arg("num_computed_tokens", num_computed_tokens)?;
         let p = u32_arg("num_prompt_tokens", num_prompt_tokens)?;
         let s = u32_arg("shared_prefix_boundary", shared_prefix_boundary)?;
-        self.push_hashes(h, new_hashes, hash_len)?;
+        self.push_hashes(h, block_hashes)?;
+        self.clear_limits(h);
         self.inner.cache_blocks(h, n, p, s).map_err(to_py)
     }
 
@@ -348,6 +381,7 @@ impl PyAllocator {
     fn remove_skipped_blocks(&mut self, handle: i64, processed_computed_tokens: i64) -> PyResult<()> {
         let h = self.handle(handle)?;
         let n = u32_arg("processed_computed_tokens", processed_computed_tokens)?;
+        self.clear_limits(h);
         self.inner.remove_skipped_blocks(h, n).map_err(to_py)
     }
 
@@ -376,7 +410,9 @@ impl PyAllocator {
     /// Frees every block of the request, tail first, and releases its handle.
     fn free(&mut self, handle: i64) -> PyResult<()> {
         let h = self.handle(handle)?;
-        self.inner.free(h).map_err(to_py)
+        self.inner.free(h).map_err(to_py)?;
+        self.clear_limits(h);
+        Ok(())
     }
 
     /// Releases the handle and returns its blocks (groups concatenated) without freeing.
@@ -384,6 +420,7 @@ impl PyAllocator {
         let h = self.handle(handle)?;
         let mut out = Vec::new();
         self.inner.pop_blocks_for_free(h, &mut out).map_err(to_py)?;
+        self.clear_limits(h);
         PyList::new(py, out)
     }
 
@@ -510,7 +547,9 @@ impl PyAllocator {
                     )
                         .into_pyobject(py)?
                 }
-                Event::Removed { hash, group } => ("removed", PyBytes::new(py, hash.as_bytes()), group).into_pyobject(py)?,
+                Event::Removed { hash, group } => {
+                    ("removed", PyBytes::new(py, hash.as_bytes()), group).into_pyobject(py)?
+                }
                 Event::AllCleared => ("cleared",).into_pyobject(py)?,
             };
             out.append(item)?;
@@ -537,10 +576,145 @@ impl PyAllocator {
     }
 }
 
+/// `allocate_slots` for the vLLM adapter, called by the scheduler for every request every
+/// step. A plain step of a running request (no new hit, no other keyword) is served here:
+/// answered without any work when the core proved it changes nothing (see `noop_limits`;
+/// 15 of 16 decode steps at block size 16), else with one call into the core, reading the
+/// request's fields and new block hashes directly. Every other call goes to the Python
+/// implementation `slow`. The request carries its handle in `_hybrid_alloc_handle` (-1 or
+/// absent: not registered, so `slow` handles it).
+#[pyclass(module = "hybrid_alloc._core", name = "FastAllocate", frozen)]
+pub struct FastAllocate {
+    alloc: Py<PyAllocator>,
+    empty: Py<PyAny>,
+    slow: Py<PyAny>,
+    make_blocks: Py<PyAny>,
+    on_events: Py<PyAny>,
+}
+
+fn get_i64(py: Python<'_>, obj: &Bound<'_, PyAny>, name: &Bound<'_, pyo3::types::PyString>) -> PyResult<i64> {
+    let _ = py;
+    obj.getattr(name)?.extract()
+}
+
+impl FastAllocate {
+    fn handle_of(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<i64> {
+        Ok(match request.getattr_opt(intern!(py, "_hybrid_alloc_handle"))? {
+            Some(v) => v.extract()?,
+            None => -1,
+        })
+    }
+
+    fn is_noop(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        h: i64,
+        num_new_tokens: i64,
+        num_lookahead_tokens: i64,
+    ) -> PyResult<bool> {
+        let alloc = self.alloc.bind(py).try_borrow()?;
+        let Some(&(slots, processed, cached)) = alloc.limits.get(h as usize) else { return Ok(false) };
+        drop(alloc);
+        let nc = get_i64(py, request, intern!(py, "num_computed_tokens"))?;
+        let to_cache = nc + num_new_tokens;
+        if to_cache + num_lookahead_tokens > slots as i64 {
+            return Ok(false);
+        }
+        let inflight = get_i64(py, request, intern!(py, "num_in_flight_tokens"))?;
+        if nc - inflight >= processed as i64 {
+            return Ok(false);
+        }
+        if to_cache < cached as i64 {
+            return Ok(true);
+        }
+        Ok(get_i64(py, request, intern!(py, "num_tokens"))? < cached as i64)
+    }
+
+    fn cross(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        h: i64,
+        num_new_tokens: i64,
+        num_lookahead_tokens: i64,
+    ) -> PyResult<Py<PyAny>> {
+        let bh = request.getattr(intern!(py, "block_hashes"))?;
+        let bh = bh.cast::<PyList>().map_err(|_| OutOfRangeError::new_err("request.block_hashes must be a list"))?;
+        let nc = get_i64(py, request, intern!(py, "num_computed_tokens"))?;
+        let inflight = get_i64(py, request, intern!(py, "num_in_flight_tokens"))?;
+        let prompt = get_i64(py, request, intern!(py, "num_prompt_tokens"))?;
+        let tokens = get_i64(py, request, intern!(py, "num_tokens"))?;
+        let spb = get_i64(py, request, intern!(py, "shared_prefix_boundary"))?;
+        let (res, has_events) = {
+            let mut a = self.alloc.bind(py).try_borrow_mut()?;
+            let out =
+                a.step(py, h, Some(bh), num_new_tokens, num_lookahead_tokens, nc, inflight, prompt, tokens, spb)?;
+            let res = out.cast::<PyTuple>()?.get_item(0)?;
+            (res, a.inner.has_events())
+        };
+        if has_events && !self.on_events.is_none(py) {
+            self.on_events.bind(py).call1((request,))?;
+        }
+        if res.is_none() {
+            return Ok(py.None());
+        }
+        if res.is_instance_of::<PyTuple>() {
+            return Ok(self.make_blocks.bind(py).call1((res,))?.unbind());
+        }
+        Ok(self.empty.clone_ref(py))
+    }
+}
+
+#[pymethods]
+impl FastAllocate {
+    #[new]
+    fn new(
+        alloc: Py<PyAllocator>,
+        empty: Py<PyAny>,
+        slow: Py<PyAny>,
+        make_blocks: Py<PyAny>,
+        on_events: Py<PyAny>,
+    ) -> Self {
+        Self { alloc, empty, slow, make_blocks, on_events }
+    }
+
+    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
+        num_lookahead_tokens=0, **rest))]
+    #[allow(clippy::too_many_arguments)]
+    fn __call__(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        num_new_tokens: i64,
+        num_new_computed_tokens: i64,
+        new_computed_blocks: Option<Py<PyAny>>,
+        num_lookahead_tokens: i64,
+        rest: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Py<PyAny>> {
+        let plain = new_computed_blocks.is_none()
+            && num_new_computed_tokens == 0
+            && num_new_tokens > 0
+            && rest.is_none_or(|d| d.is_empty());
+        if plain {
+            let h = self.handle_of(py, request)?;
+            if h >= 0 {
+                if self.is_noop(py, request, h, num_new_tokens, num_lookahead_tokens)? {
+                    return Ok(self.empty.clone_ref(py));
+                }
+                return self.cross(py, request, h, num_new_tokens, num_lookahead_tokens);
+            }
+        }
+        let args = (request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens);
+        Ok(self.slow.bind(py).call(args, rest)?.unbind())
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<PyAllocator>()?;
+    m.add_class::<FastAllocate>()?;
     m.add("HybridAllocError", py.get_type::<HybridAllocError>())?;
     m.add("InvalidConfigError", py.get_type::<InvalidConfigError>())?;
     m.add("UnsupportedConfigError", py.get_type::<UnsupportedConfigError>())?;

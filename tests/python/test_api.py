@@ -14,8 +14,8 @@ from hybrid_alloc import Allocator
 H = 32  # hash length (sha256)
 
 
-def hashes(*xs: int) -> bytes:
-    return b"".join(x.to_bytes(H, "big") for x in xs)
+def hashes(*xs: int) -> list[bytes]:
+    return [x.to_bytes(H, "big") for x in xs]
 
 
 def alloc(kind: str = "full", window: int = 0, num_blocks: int = 16, caching: bool = True) -> Allocator:
@@ -25,9 +25,9 @@ def alloc(kind: str = "full", window: int = 0, num_blocks: int = 16, caching: bo
     return Allocator(num_blocks, groups, 16, 16, 4096, 4096, caching, True, 0, 0)
 
 
-def allocate(a: Allocator, h: int, n: int, *, computed: int = 0, hit: int = 0, mode: int = 0, new: bytes | None = None,
+def allocate(a: Allocator, h: int, n: int, *, computed: int = 0, hit: int = 0, mode: int = 0, new: list[bytes] | None = None,
              prompt: int = 0, tokens: int = 0):  # type: ignore[no-untyped-def]
-    return a.allocate_slots(h, new, H, n, hit, mode, None, None, 0, 0, False, 0, False, 0, False,
+    return a.allocate_slots(h, new, n, hit, mode, None, None, 0, 0, False, 0, False, 0, False,
                             computed, 0, prompt or n, tokens or (computed + hit + n), 0)[0]
 
 
@@ -41,7 +41,7 @@ def test_allocate_prefix_hit_and_free_order() -> None:
     assert allocate(a, r1, 40, new=hashes(1, 2), prompt=40, tokens=40) == ([1, 2, 3],)
     assert a.num_free_blocks == 12
     r2 = a.add_request()
-    hit, uncached, ids, counts = a.get_computed_blocks(r2, hashes(1, 2), H, 39)
+    hit, uncached, ids, counts = a.get_computed_blocks(r2, hashes(1, 2), 39)
     assert (hit, uncached, ids, counts) == (32, 0, [1, 2], [2])
     assert allocate(a, r2, 8, hit=32, mode=1, prompt=40, tokens=40) == ([4],)
     assert a.ref_cnt(1) == 2 and a.block_ids(r2) == ([1, 2, 4],)
@@ -88,16 +88,19 @@ def test_bad_counts_raise_and_leave_state() -> None:
     snap = snapshot(a, [r])
     n_hashes = a.num_hashes(r)
     with pytest.raises(ha.OutOfRangeError):
-        allocate(a, r, 0, computed=20, new=hashes(10))  # nothing to compute or adopt
+        allocate(a, r, 0, computed=20, new=hashes(9, 10))  # nothing to compute or adopt
     assert a.num_hashes(r) == n_hashes  # the hashes sent with the failed call were dropped
     with pytest.raises(ha.OutOfRangeError):
         allocate(a, r, -5)
     with pytest.raises(ha.OutOfRangeError):
         a.append_hashes(r, b"x" * 33, 32)
     with pytest.raises(ha.OutOfRangeError):
-        a.allocate_slots(r, None, H, 1, 0, 7, None, None, 0, 0, False, 0, False, 0, False, 20, 0, 20, 21, 0)
+        a.allocate_slots(r, None, 1, 0, 7, None, None, 0, 0, False, 0, False, 0, False, 20, 0, 20, 21, 0)
     with pytest.raises(ha.OutOfRangeError):
-        a.allocate_slots(r, None, H, 1, 16, 2, [1, 2], [5], 0, 0, False, 0, False, 0, False, 0, 0, 20, 21, 0)
+        a.allocate_slots(r, None, 1, 16, 2, [1, 2], [5], 0, 0, False, 0, False, 0, False, 0, 0, 20, 21, 0)
+    with pytest.raises(ha.OutOfRangeError):
+        allocate(a, r, 1, computed=20, new=hashes(9, 10) + ["not bytes"])  # type: ignore[list-item]
+    assert a.num_hashes(r) == n_hashes
     assert snapshot(a, [r]) == snap
     a.check_invariants()
 

@@ -1,0 +1,633 @@
+//! Deterministic integration tests of the coordinator, one scenario each: cache hits for
+//! full attention, sliding window and chunked local attention and their hybrids, positional
+//! tables with null blocks after recycling, `None` on a pool too small, the free-queue order,
+//! events, and bad inputs that must fail without changing anything.
+
+use hybrid_alloc::invariants;
+use hybrid_alloc::{
+    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Error, Event, GroupSpec, NewComputed,
+    ReqHandle, NULL_BLOCK,
+};
+
+const BS: u32 = 16;
+
+fn full() -> AttentionKind {
+    AttentionKind::Full
+}
+
+fn swa(window: u32) -> AttentionKind {
+    AttentionKind::SlidingWindow { window, extra_retained_tokens: 0 }
+}
+
+fn chunked(chunk: u32) -> AttentionKind {
+    AttentionKind::ChunkedLocal { chunk }
+}
+
+/// A config with block size 16 everywhere, caching on, events off, no watermark.
+fn config(kinds: &[AttentionKind], num_blocks: u32) -> Config {
+    Config {
+        num_blocks,
+        groups: kinds
+            .iter()
+            .enumerate()
+            .map(|(i, &kind)| GroupSpec { kind, block_size: BS, spec_key: i as u32 })
+            .collect(),
+        hash_block_size: BS,
+        scheduler_block_size: BS,
+        max_model_len: 8192,
+        max_in_flight_tokens: 8192,
+        enable_caching: true,
+        enable_events: false,
+        watermark_blocks: 0,
+        retention_interval: None,
+    }
+}
+
+fn alloc(cfg: Config) -> Allocator {
+    Allocator::new(cfg).expect("valid config")
+}
+
+/// Chained hashes of the full blocks of a request whose blocks have these contents.
+fn chain(contents: &[u64], num_tokens: u32) -> Vec<BlockHash> {
+    let mut prev = 0x5EEDu64;
+    contents
+        .iter()
+        .take((num_tokens / BS) as usize)
+        .map(|&c| {
+            prev = prev.rotate_left(5) ^ c.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xABCD;
+            BlockHash::from_u64(prev)
+        })
+        .collect()
+}
+
+/// A new request of `num_tokens` tokens whose blocks have these contents.
+fn add(a: &mut Allocator, contents: &[u64], num_tokens: u32) -> ReqHandle {
+    let h = a.add_request();
+    let bytes: Vec<u8> = chain(contents, num_tokens).iter().flat_map(|x| x.as_bytes().to_vec()).collect();
+    a.append_hashes(h, &bytes, 8).unwrap();
+    h
+}
+
+fn args(num_new: u32, computed: u32, prompt: u32, num_tokens: u32) -> AllocateArgs {
+    AllocateArgs {
+        num_new_tokens: num_new,
+        num_computed_tokens: computed,
+        num_prompt_tokens: prompt,
+        num_tokens,
+        ..Default::default()
+    }
+}
+
+/// Schedules the whole prompt of a new request, without looking for a hit.
+fn prefill(a: &mut Allocator, h: ReqHandle, num_tokens: u32) -> Option<u32> {
+    a.allocate_slots(h, &args(num_tokens, 0, num_tokens, num_tokens), NewComputed::Empty).unwrap()
+}
+
+/// `get_computed_blocks` then `allocate_slots` for the whole prompt, as the scheduler does.
+fn admit(a: &mut Allocator, h: ReqHandle, num_tokens: u32) -> (u32, Option<u32>) {
+    let hit = a.find_longest_cache_hit(h, num_tokens - 1).unwrap().num_tokens;
+    let mut x = args(num_tokens - hit, 0, num_tokens, num_tokens);
+    x.num_new_computed_tokens = hit;
+    (hit, a.allocate_slots(h, &x, NewComputed::Stored).unwrap())
+}
+
+fn table(a: &Allocator, h: ReqHandle, g: usize) -> Vec<BlockId> {
+    a.blocks(h, g).unwrap().to_vec()
+}
+
+fn ok(a: &Allocator) {
+    invariants::check(a).unwrap();
+}
+
+// ---- full attention -------------------------------------------------------------------
+
+#[test]
+fn find_longest_cache_hit_full_after_cache_blocks_hits_cached_prefix() {
+    let mut a = alloc(config(&[full()], 64));
+    let contents = [1, 2, 3, 4, 5];
+    let r1 = add(&mut a, &contents, 65);
+    assert_eq!(prefill(&mut a, r1, 65), Some(5));
+    let t1 = table(&a, r1, 0);
+    assert_eq!(a.managers()[0].num_cached(r1), 4);
+
+    // Same 65 tokens: the 4 full blocks hit (the limit is num_tokens - 1 = 64).
+    let r2 = add(&mut a, &contents, 65);
+    let hit = a.find_longest_cache_hit(r2, 64).unwrap();
+    assert_eq!(hit.num_tokens, 64);
+    assert_eq!(hit.num_uncached_common_prefix_tokens, 0);
+    assert_eq!(a.stored_hit(r2, 0).unwrap(), &t1[..4]);
+    let free = a.num_free_blocks();
+    let mut x = args(1, 0, 65, 65);
+    x.num_new_computed_tokens = 64;
+    assert_eq!(a.allocate_slots(r2, &x, NewComputed::Stored).unwrap(), Some(1));
+    let t2 = table(&a, r2, 0);
+    assert_eq!(&t2[..4], &t1[..4]);
+    assert_ne!(t2[4], t1[4]);
+    assert_eq!(a.num_free_blocks(), free - 1, "shared blocks were in use: only the tail is new");
+    for &b in &t1[..4] {
+        assert_eq!(a.pool().ref_cnt(b), 2);
+    }
+    assert!(a.stored_hit(r2, 0).unwrap().is_empty(), "a used hit is cleared");
+
+    // Exactly 64 tokens: the last block cannot hit (limit 63).
+    let r3 = add(&mut a, &contents, 64);
+    assert_eq!(a.find_longest_cache_hit(r3, 63).unwrap().num_tokens, 48);
+    // A different second block: only the first block hits.
+    let r4 = add(&mut a, &[1, 9, 3, 4, 5], 65);
+    assert_eq!(a.find_longest_cache_hit(r4, 64).unwrap().num_tokens, 16);
+    ok(&a);
+}
+
+#[test]
+fn find_longest_cache_hit_after_free_takes_blocks_from_free_queue() {
+    let mut a = alloc(config(&[full()], 16));
+    let contents = [1, 2, 3];
+    let r1 = add(&mut a, &contents, 40);
+    prefill(&mut a, r1, 40);
+    let t1 = table(&a, r1, 0);
+    a.free(r1).unwrap();
+    assert_eq!(a.num_free_blocks(), 15);
+    let r2 = add(&mut a, &contents, 40);
+    let (hit, res) = admit(&mut a, r2, 40);
+    assert_eq!((hit, res), (32, Some(1)));
+    assert_eq!(&table(&a, r2, 0)[..2], &t1[..2]);
+    assert_eq!(a.num_free_blocks(), 12, "two hit blocks left the free queue, one block is new");
+    ok(&a);
+}
+
+#[test]
+fn free_puts_unhashed_tail_first_and_hashed_blocks_last_in_lru_order() {
+    let mut a = alloc(config(&[full()], 8));
+    let r = add(&mut a, &[1, 2, 3], 40);
+    prefill(&mut a, r, 40);
+    assert_eq!(table(&a, r, 0), vec![1, 2, 3]);
+    a.free(r).unwrap();
+    // Block 3 (partial, unhashed) is reused first; hashed 2 then 1 (tail first) go last.
+    assert_eq!(a.pool().free_queue_order(), vec![3, 4, 5, 6, 7, 2, 1]);
+    ok(&a);
+}
+
+// ---- sliding window -------------------------------------------------------------------
+
+#[test]
+fn remove_skipped_blocks_sliding_window_frees_exactly_out_of_window_blocks() {
+    let mut cfg = config(&[swa(32)], 16);
+    cfg.enable_caching = false;
+    let mut a = alloc(cfg);
+    let r = add(&mut a, &[], 128);
+    assert_eq!(prefill(&mut a, r, 128), Some(8));
+    let t = table(&a, r, 0);
+    let free = a.num_free_blocks();
+    // The next token (128) sees tokens 97..=128: blocks 0..6 (tokens 0..96) are out.
+    a.remove_skipped_blocks(r, 128).unwrap();
+    let after = table(&a, r, 0);
+    assert_eq!(&after[..6], &[NULL_BLOCK; 6]);
+    assert_eq!(&after[6..], &t[6..]);
+    assert_eq!(a.num_free_blocks(), free + 6);
+    // Freed tail first, to the front (unhashed): block 5 is reused first.
+    let q = a.pool().free_queue_order();
+    assert_eq!(&q[..6], &[t[5], t[4], t[3], t[2], t[1], t[0]]);
+    ok(&a);
+    // Idempotent; block 6 (tokens 96..112) falls out once 143 tokens are computed.
+    a.remove_skipped_blocks(r, 128).unwrap();
+    a.remove_skipped_blocks(r, 142).unwrap();
+    assert_eq!(table(&a, r, 0), after);
+    a.remove_skipped_blocks(r, 143).unwrap();
+    assert_eq!(table(&a, r, 0)[6], NULL_BLOCK);
+    assert_eq!(table(&a, r, 0)[7], t[7]);
+    ok(&a);
+}
+
+#[test]
+fn allocate_slots_sliding_window_decode_keeps_table_positional() {
+    let mut a = alloc(config(&[swa(32)], 12));
+    let r = add(&mut a, &[1, 2], 20);
+    prefill(&mut a, r, 20);
+    let mut computed = 20;
+    while computed < 400 {
+        let res = a.allocate_slots(r, &args(1, computed, 20, computed + 1), NewComputed::Empty).unwrap();
+        assert!(res.is_some(), "a sliding window decode never runs out at token {computed}");
+        computed += 1;
+        let t = table(&a, r, 0);
+        assert_eq!(t.len() as u32, computed.div_ceil(BS), "positional table");
+        let live = t.iter().filter(|&&b| b != NULL_BLOCK).count();
+        assert!(live <= 4, "window 32 holds at most 4 blocks, got {t:?}");
+        let first_live = t.iter().position(|&b| b != NULL_BLOCK).unwrap();
+        assert!(t[first_live..].iter().all(|&b| b != NULL_BLOCK), "nulls form a prefix: {t:?}");
+        ok(&a);
+    }
+}
+
+#[test]
+fn find_longest_cache_hit_hybrid_full_swa_is_min_and_swa_starts_with_nulls() {
+    let mut a = alloc(config(&[full(), swa(32)], 64));
+    let contents: Vec<u64> = (1..=11).collect();
+    let r1 = add(&mut a, &contents, 161);
+    prefill(&mut a, r1, 161);
+    let (f1, s1) = (table(&a, r1, 0), table(&a, r1, 1));
+    a.free(r1).unwrap();
+
+    let r2 = add(&mut a, &contents, 161);
+    let hit = a.find_longest_cache_hit(r2, 160).unwrap();
+    assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (160, 0));
+    assert_eq!(a.stored_hit(r2, 0).unwrap(), &f1[..10]);
+    let mut swa_hit = vec![NULL_BLOCK; 8];
+    swa_hit.extend_from_slice(&s1[8..10]);
+    assert_eq!(a.stored_hit(r2, 1).unwrap(), &swa_hit[..], "window 32 needs the last 2 blocks only");
+
+    // Drop the SWA block 9: SWA now hits at 144 (blocks 7, 8), and so does the hybrid.
+    a.evict_blocks(&[s1[9]]).unwrap();
+    let hit = a.find_longest_cache_hit(r2, 160).unwrap();
+    assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (144, 16));
+    assert_eq!(a.stored_hit(r2, 0).unwrap(), &f1[..9], "full attention is cut to the hybrid hit");
+    let mut swa_hit = vec![NULL_BLOCK; 7];
+    swa_hit.extend_from_slice(&s1[7..9]);
+    assert_eq!(a.stored_hit(r2, 1).unwrap(), &swa_hit[..]);
+
+    let mut x = args(17, 0, 161, 161);
+    x.num_new_computed_tokens = 144;
+    assert_eq!(a.allocate_slots(r2, &x, NewComputed::Stored).unwrap(), Some(4));
+    // 144 computed: tokens 0..113 are out of the window, so blocks 0..7 are null.
+    let t = table(&a, r2, 1);
+    assert_eq!(&t[..7], &[NULL_BLOCK; 7]);
+    assert_eq!(&t[7..9], &s1[7..9]);
+    assert_eq!(t.len(), 11);
+    assert_eq!(&table(&a, r2, 0)[..9], &f1[..9]);
+    ok(&a);
+}
+
+#[test]
+fn cache_blocks_swa_retention_zero_caches_only_replay_tail() {
+    let mut cfg = config(&[full(), swa(32)], 64);
+    cfg.retention_interval = Some(0);
+    cfg.enable_events = true;
+    let mut a = alloc(cfg);
+    let contents: Vec<u64> = (1..=11).collect();
+    let r = add(&mut a, &contents, 161);
+    prefill(&mut a, r, 161);
+    let hashes = chain(&contents, 161);
+    let ev = a.take_events();
+    assert_eq!(ev.len(), 2);
+    assert_eq!(
+        ev[1],
+        Event::Stored {
+            req: r,
+            group: 1,
+            block_size: BS,
+            start_token: 0,
+            end_token: 160,
+            parent: None,
+            hashes: hashes[8..10].to_vec(),
+            block_indices: vec![8, 9],
+        },
+        "the prompt boundary 160 is reachable from blocks 8 and 9 only"
+    );
+    let s = table(&a, r, 1);
+    assert!(s[..8].iter().all(|&b| a.pool().block_hash(b).is_none()));
+    assert!(s[8..10].iter().all(|&b| a.pool().block_hash(b).is_some()));
+    ok(&a);
+}
+
+// ---- chunked local attention ----------------------------------------------------------
+
+#[test]
+fn remove_skipped_blocks_chunked_local_frees_previous_chunks() {
+    let mut a = alloc(config(&[chunked(64)], 32));
+    let r = add(&mut a, &[], 100);
+    assert_eq!(prefill(&mut a, r, 100), Some(7));
+    let t = table(&a, r, 0);
+    a.remove_skipped_blocks(r, 100).unwrap();
+    let after = table(&a, r, 0);
+    assert_eq!(&after[..4], &[NULL_BLOCK; 4], "chunk 0 (tokens 0..64) is done");
+    assert_eq!(&after[4..], &t[4..]);
+    a.remove_skipped_blocks(r, 127).unwrap();
+    assert_eq!(table(&a, r, 0), after, "still inside chunk 1");
+    ok(&a);
+}
+
+#[test]
+fn find_longest_cache_hit_full_chunked_hit_starts_at_chunk_boundary() {
+    let mut a = alloc(config(&[full(), chunked(64)], 64));
+    let contents: Vec<u64> = (1..=7).collect();
+    let r1 = add(&mut a, &contents, 100);
+    prefill(&mut a, r1, 100);
+    let c1 = table(&a, r1, 1);
+    a.free(r1).unwrap();
+    let r2 = add(&mut a, &contents, 100);
+    let hit = a.find_longest_cache_hit(r2, 99).unwrap();
+    assert_eq!(hit.num_tokens, 96);
+    let mut expect = vec![NULL_BLOCK; 4];
+    expect.extend_from_slice(&c1[4..6]);
+    assert_eq!(a.stored_hit(r2, 1).unwrap(), &expect[..], "chunk 1 starts at block 4");
+    assert_eq!(a.stored_hit(r2, 0).unwrap().len(), 6);
+    ok(&a);
+}
+
+// ---- pressure -------------------------------------------------------------------------
+
+#[test]
+fn allocate_slots_pool_too_small_returns_none_without_changing_tables() {
+    let mut a = alloc(config(&[full()], 8));
+    let r1 = add(&mut a, &[1, 2, 3, 4], 64);
+    assert_eq!(prefill(&mut a, r1, 64), Some(4));
+    let t1 = table(&a, r1, 0);
+    let q = a.pool().free_queue_order();
+    // A second request of 4 blocks does not fit in the 3 left.
+    let r2 = add(&mut a, &[5, 6, 7, 8], 64);
+    assert_eq!(prefill(&mut a, r2, 64), None);
+    assert!(table(&a, r2, 0).is_empty());
+    // Neither does a 64-token chunk of the first.
+    assert_eq!(a.allocate_slots(r1, &args(64, 64, 64, 128), NewComputed::Empty).unwrap(), None);
+    assert_eq!(table(&a, r1, 0), t1);
+    assert_eq!(a.pool().free_queue_order(), q);
+    ok(&a);
+}
+
+#[test]
+fn allocate_slots_none_still_frees_out_of_window_blocks() {
+    let mut cfg = config(&[swa(32)], 10);
+    cfg.enable_caching = false;
+    let mut a = alloc(cfg);
+    let r = add(&mut a, &[], 128);
+    assert_eq!(prefill(&mut a, r, 128), Some(8));
+    assert_eq!(a.num_free_blocks(), 1);
+    // 200 more tokens need 13 blocks: recycling 6 is not enough, but happens anyway.
+    assert_eq!(a.allocate_slots(r, &args(200, 128, 128, 328), NewComputed::Empty).unwrap(), None);
+    let t = table(&a, r, 0);
+    assert_eq!(t.len(), 8);
+    assert_eq!(&t[..6], &[NULL_BLOCK; 6]);
+    assert_eq!(a.num_free_blocks(), 7);
+    ok(&a);
+}
+
+#[test]
+fn allocate_slots_full_sequence_must_fit_uses_sliding_window_admission_cap() {
+    // Window 32, 64 tokens in flight: a request never holds more than 7 blocks.
+    let mut cfg = config(&[swa(32)], 10);
+    cfg.max_in_flight_tokens = 64;
+    let mut a = alloc(cfg.clone());
+    let r = add(&mut a, &[], 1000);
+    let mut x = args(64, 0, 1000, 1000);
+    x.full_sequence_must_fit = true;
+    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty).unwrap(), Some(4));
+    // The same request with full attention would need all 63 blocks.
+    cfg.groups[0].kind = full();
+    let mut b = alloc(cfg);
+    let r = add(&mut b, &[], 1000);
+    assert_eq!(b.allocate_slots(r, &x, NewComputed::Empty).unwrap(), None);
+    ok(&a);
+    ok(&b);
+}
+
+#[test]
+fn allocate_slots_watermark_and_reserved_blocks_refuse_admission() {
+    let mut cfg = config(&[full()], 8);
+    cfg.watermark_blocks = 3;
+    let mut a = alloc(cfg);
+    let r = add(&mut a, &[], 80);
+    let mut x = args(80, 0, 80, 80);
+    x.apply_watermark = true;
+    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty).unwrap(), None, "5 + watermark 3 > 7");
+    x.apply_watermark = false;
+    x.reserved_blocks = 3;
+    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty).unwrap(), None, "5 > 7 - 3 reserved");
+    x.reserved_blocks = 2;
+    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty).unwrap(), Some(5));
+    ok(&a);
+}
+
+// ---- pop / free / reset -----------------------------------------------------------------
+
+#[test]
+fn pop_blocks_for_free_then_free_block_ids_restores_pool() {
+    let mut a = alloc(config(&[full(), swa(32)], 32));
+    let r = add(&mut a, &[1, 2, 3], 40);
+    prefill(&mut a, r, 40);
+    let expect = [table(&a, r, 0), table(&a, r, 1)].concat();
+    let mut out = Vec::new();
+    a.pop_blocks_for_free(r, &mut out).unwrap();
+    assert_eq!(out, expect);
+    assert!(!a.is_live(r));
+    assert_eq!(a.num_free_blocks(), 31 - 6, "popped blocks are not free yet");
+    invariants::check_with(&a, false).unwrap();
+    assert!(invariants::check(&a).is_err(), "exact ref counts fail while blocks are outstanding");
+    a.free_block_ids(&out).unwrap();
+    assert_eq!(a.num_free_blocks(), 31);
+    ok(&a);
+}
+
+#[test]
+fn reset_prefix_cache_refused_while_blocks_in_use() {
+    let mut cfg = config(&[full()], 8);
+    cfg.enable_events = true;
+    let mut a = alloc(cfg);
+    let r = add(&mut a, &[1, 2], 32);
+    prefill(&mut a, r, 32);
+    a.take_events();
+    assert!(!a.reset_prefix_cache());
+    assert!(!a.has_events());
+    a.free(r).unwrap();
+    assert!(a.reset_prefix_cache());
+    assert_eq!(a.take_events(), vec![Event::AllCleared]);
+    assert!((1..8).all(|b| a.pool().block_hash(b).is_none()));
+    let r = add(&mut a, &[1, 2], 32);
+    assert_eq!(a.find_longest_cache_hit(r, 31).unwrap().num_tokens, 0);
+    ok(&a);
+}
+
+// ---- events ---------------------------------------------------------------------------
+
+#[test]
+fn events_stored_removed_all_cleared_carry_blocks_hashes_and_order() {
+    let mut cfg = config(&[full()], 6);
+    cfg.enable_events = true;
+    let mut a = alloc(cfg);
+    let contents = [1, 2, 3];
+    let h = chain(&contents, 48);
+    let r = add(&mut a, &contents, 40);
+    prefill(&mut a, r, 40);
+    assert_eq!(
+        a.take_events(),
+        vec![Event::Stored {
+            req: r,
+            group: 0,
+            block_size: BS,
+            start_token: 0,
+            end_token: 32,
+            parent: None,
+            hashes: h[..2].to_vec(),
+            block_indices: vec![0, 1],
+        }]
+    );
+    // Decode to 48 tokens: block 2 becomes full, its parent is block 1.
+    a.append_hashes(r, h[2].as_bytes(), 8).unwrap();
+    assert_eq!(a.allocate_slots(r, &args(8, 40, 40, 48), NewComputed::Empty).unwrap(), Some(0));
+    assert_eq!(
+        a.take_events(),
+        vec![Event::Stored {
+            req: r,
+            group: 0,
+            block_size: BS,
+            start_token: 32,
+            end_token: 48,
+            parent: Some(h[1]),
+            hashes: vec![h[2]],
+            block_indices: vec![2],
+        }]
+    );
+    // Freed tail first: the queue is [4, 5, 3, 2, 1]; a 5-block request evicts 3, 2, 1.
+    a.free(r).unwrap();
+    assert!(!a.has_events());
+    let r2 = add(&mut a, &[], 80);
+    assert_eq!(prefill(&mut a, r2, 80), Some(5));
+    assert_eq!(table(&a, r2, 0), vec![4, 5, 3, 2, 1]);
+    assert_eq!(
+        a.take_events(),
+        vec![
+            Event::Removed { hash: h[2], group: 0 },
+            Event::Removed { hash: h[1], group: 0 },
+            Event::Removed { hash: h[0], group: 0 },
+        ],
+        "no Stored: this request sent no hashes"
+    );
+    a.free(r2).unwrap();
+    assert!(a.reset_prefix_cache());
+    assert_eq!(a.take_events(), vec![Event::AllCleared]);
+    ok(&a);
+}
+
+#[test]
+fn events_evict_blocks_emits_removed_once() {
+    let mut cfg = config(&[full()], 6);
+    cfg.enable_events = true;
+    let mut a = alloc(cfg);
+    let contents = [1, 2];
+    let h = chain(&contents, 32);
+    let r = add(&mut a, &contents, 33);
+    prefill(&mut a, r, 33);
+    a.take_events();
+    let t = table(&a, r, 0);
+    a.evict_blocks(&[t[1], t[1], t[2], NULL_BLOCK]).unwrap();
+    assert_eq!(a.take_events(), vec![Event::Removed { hash: h[1], group: 0 }]);
+    assert_eq!(a.pool().ref_cnt(t[1]), 1, "an evicted block in use stays allocated");
+    ok(&a);
+}
+
+// ---- bad inputs -----------------------------------------------------------------------
+
+/// The state observable from outside, to show a failed call changed nothing.
+#[derive(Debug, PartialEq)]
+struct State {
+    queue: Vec<BlockId>,
+    ref_cnt: Vec<u32>,
+    hashed: Vec<bool>,
+    /// Per live request, per group.
+    tables: Vec<Vec<Vec<BlockId>>>,
+}
+
+fn state(a: &Allocator) -> State {
+    let p = a.pool();
+    let n = p.num_blocks();
+    State {
+        queue: p.free_queue_order(),
+        ref_cnt: (0..n).map(|b| p.ref_cnt(b)).collect(),
+        hashed: (0..n).map(|b| p.block_hash(b).is_some()).collect(),
+        tables: a.live_handles().map(|h| (0..a.num_groups()).map(|g| table(a, h, g)).collect()).collect(),
+    }
+}
+
+#[test]
+fn bad_inputs_return_errors_and_change_nothing() {
+    let mut a = alloc(config(&[full(), swa(32)], 32));
+    let r = add(&mut a, &[1, 2, 3], 40);
+    prefill(&mut a, r, 40);
+    let gone = add(&mut a, &[1], 16);
+    a.free(gone).unwrap();
+    let s = state(&a);
+    assert_eq!(a.free(gone), Err(Error::UnknownRequest(gone)), "double free");
+    assert!(matches!(a.allocate_slots(99, &args(1, 0, 1, 1), NewComputed::Empty), Err(Error::UnknownRequest(99))));
+    assert!(matches!(a.allocate_slots(r, &AllocateArgs::default(), NewComputed::Empty), Err(Error::OutOfRange(_))));
+    assert!(matches!(a.evict_blocks(&[1, 32]), Err(Error::InvalidBlock(_))));
+    assert!(matches!(a.free_block_ids(&[2, 40]), Err(Error::InvalidBlock(_))));
+    let b = table(&a, r, 0)[0];
+    assert!(matches!(a.free_block_ids(&[b, b]), Err(Error::InvalidBlock(_))), "one reference, two frees");
+    assert!(matches!(a.free_block_ids(&[31]), Err(Error::InvalidBlock(_))), "a free block");
+    assert!(matches!(a.append_hashes(r, &[0; 10], 8), Err(Error::OutOfRange(_))));
+    assert!(matches!(a.append_hashes(r, &[0; 66], 33), Err(Error::OutOfRange(_))));
+    let wrong_groups = vec![vec![1]];
+    assert!(a.allocate_slots(r, &args(1, 40, 40, 41), NewComputed::Explicit(&wrong_groups)).is_err());
+    let out_of_range = vec![vec![32], vec![]];
+    let w = add(&mut a, &[], 20);
+    let s2 = state(&a);
+    assert!(matches!(
+        a.allocate_slots(w, &args(1, 0, 20, 20), NewComputed::Explicit(&out_of_range)),
+        Err(Error::InvalidBlock(_))
+    ));
+    assert_eq!(state(&a), s2);
+    a.free(w).unwrap();
+    assert_eq!(state(&a), s);
+    ok(&a);
+}
+
+#[test]
+fn allocate_slots_running_request_adopting_hit_errs_unchanged() {
+    let mut a = alloc(config(&[full()], 32));
+    let r1 = add(&mut a, &[1, 2, 3], 48);
+    prefill(&mut a, r1, 48);
+    let r2 = add(&mut a, &[1, 2, 3], 48);
+    prefill(&mut a, r2, 48);
+    assert!(a.managers()[0].is_tracked(r2));
+    let hit = a.find_longest_cache_hit(r2, 47).unwrap();
+    assert_eq!(hit.num_tokens, 32);
+    let s = state(&a);
+    let mut x = args(1, 48, 48, 49);
+    x.num_new_computed_tokens = 32;
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Stored), Err(Error::OutOfRange(_))));
+    assert_eq!(state(&a), s);
+    assert_eq!(a.stored_hit(r2, 0).unwrap().len(), 2, "a refused hit stays stored");
+    ok(&a);
+}
+
+#[test]
+fn allocate_slots_hit_for_request_holding_uncached_blocks_errs_unchanged() {
+    // r2 ran a 10-token chunk: it holds a block but has cached no full block yet, so it is
+    // not "tracked". Adopting a hit now would put hit blocks after the block it holds.
+    let mut a = alloc(config(&[full(), swa(32)], 32));
+    let r1 = add(&mut a, &[1, 2, 3], 48);
+    prefill(&mut a, r1, 48);
+    let r2 = add(&mut a, &[1, 2, 3], 48);
+    assert_eq!(a.allocate_slots(r2, &args(10, 0, 48, 48), NewComputed::Empty).unwrap(), Some(2));
+    assert!(!a.managers()[0].is_tracked(r2));
+    let hit = a.find_longest_cache_hit(r2, 47).unwrap();
+    assert_eq!(hit.num_tokens, 32);
+    let s = state(&a);
+    let mut x = args(16, 0, 48, 48);
+    x.num_new_computed_tokens = 32;
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Stored), Err(Error::OutOfRange(_))));
+    assert_eq!(state(&a), s);
+    assert_eq!(a.stored_hit(r2, 0).unwrap().len(), 2, "a refused hit stays stored");
+    let explicit = vec![table(&a, r1, 0)[..2].to_vec(), vec![]];
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Explicit(&explicit)), Err(Error::OutOfRange(_))));
+    x.num_new_computed_tokens = 0;
+    x.num_external_computed_tokens = 32;
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Empty), Err(Error::OutOfRange(_))));
+    assert_eq!(state(&a), s);
+    ok(&a);
+}
+
+#[test]
+fn allocate_slots_explicit_hit_with_caching_off_errs_unchanged() {
+    let mut cfg = config(&[full()], 16);
+    cfg.enable_caching = false;
+    let mut a = alloc(cfg);
+    let r1 = add(&mut a, &[], 32);
+    prefill(&mut a, r1, 32);
+    let r2 = add(&mut a, &[], 48);
+    let s = state(&a);
+    let explicit = vec![table(&a, r1, 0)];
+    let mut x = args(16, 0, 48, 48);
+    x.num_new_computed_tokens = 32;
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Explicit(&explicit)), Err(Error::OutOfRange(_))));
+    assert_eq!(state(&a), s);
+    ok(&a);
+}
