@@ -26,6 +26,8 @@ class InvariantError(HybridAllocError): ...
 
 _EventTuple: TypeAlias = tuple[object, ...]
 
+def _noop(*_args: object, **_kwargs: object) -> None: ...
+
 @final
 class Allocator:
     def __new__(
