@@ -13,6 +13,7 @@ __all__ = [
     "UnknownRequestError",
     "UnsupportedConfigError",
     "__version__",
+    "_noop",
 ]
 __version__: str
 

@@ -44,6 +44,11 @@ fn u32_arg(name: &str, v: i64) -> PyResult<u32> {
     u32::try_from(v).map_err(|_| OutOfRangeError::new_err(format!("{name}={v} is outside 0..=4294967295")))
 }
 
+/// Block ids from Python ints; a negative or too large one is an `InvalidBlockError`.
+fn block_ids_arg(ids: &[i64]) -> PyResult<Vec<BlockId>> {
+    ids.iter().map(|&b| u32::try_from(b).map_err(|_| InvalidBlockError::new_err(format!("block id {b}")))).collect()
+}
+
 fn parse_kind(kind: &str, p1: i64, p2: i64) -> PyResult<AttentionKind> {
     Ok(match kind {
         "full" | "mla" => AttentionKind::Full,
@@ -278,12 +283,8 @@ impl PyAllocator {
                 let mut off = 0usize;
                 let mut groups = Vec::with_capacity(counts.len());
                 for &c in &counts {
-                    let mut g = Vec::with_capacity(c as usize);
-                    for &b in &ids[off..off + c as usize] {
-                        g.push(u32::try_from(b).map_err(|_| InvalidBlockError::new_err(format!("block id {b}")))?);
-                    }
+                    groups.push(block_ids_arg(&ids[off..off + c as usize])?);
                     off += c as usize;
-                    groups.push(g);
                 }
                 explicit = groups;
                 NewComputed::Explicit(&explicit)
@@ -426,11 +427,7 @@ impl PyAllocator {
 
     /// Drops one reference from each block, in eviction order.
     fn free_block_ids(&mut self, ids: Vec<i64>) -> PyResult<()> {
-        let mut v = Vec::with_capacity(ids.len());
-        for b in ids {
-            v.push(u32::try_from(b).map_err(|_| InvalidBlockError::new_err(format!("block id {b}")))?);
-        }
-        self.inner.free_block_ids(&v).map_err(to_py)
+        self.inner.free_block_ids(&block_ids_arg(&ids)?).map_err(to_py)
     }
 
     /// The block tables of a request, one list per group.
@@ -446,11 +443,7 @@ impl PyAllocator {
 
     /// Drops the prefix-cache hashes of these blocks.
     fn evict_blocks(&mut self, ids: Vec<i64>) -> PyResult<()> {
-        let mut v = Vec::with_capacity(ids.len());
-        for b in ids {
-            v.push(u32::try_from(b).map_err(|_| InvalidBlockError::new_err(format!("block id {b}")))?);
-        }
-        self.inner.evict_blocks(&v).map_err(to_py)
+        self.inner.evict_blocks(&block_ids_arg(&ids)?).map_err(to_py)
     }
 
     /// Clears the prefix cache if no block is in use; returns whether it did.

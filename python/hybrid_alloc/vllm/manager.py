@@ -399,7 +399,6 @@ class HybridKVCacheManager:
             for g in kv_cache_config.kv_cache_groups
         )
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
-        self._empty_ids: tuple[list[int], ...] = tuple([] for _ in range(self.num_kv_cache_groups))
         # request_id -> [handle, generation of the cache hit stored in Rust for it (-1:
         # none)]. The request also carries its handle as ``_hybrid_alloc_handle`` for
         # FastAllocate (-1 once freed). The core reads ``request.block_hashes`` itself and
