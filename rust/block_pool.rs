@@ -88,7 +88,7 @@ impl BlockPool {
             hash: vec![None; num_blocks as usize],
             hash_tokens: vec![0; num_blocks as usize],
             queue,
-            index: PrefixIndex::new(),
+            index: if enable_caching { PrefixIndex::with_capacity(num_blocks as usize) } else { PrefixIndex::new() },
             enable_caching,
             enable_events,
             events: Vec::new(),
@@ -294,7 +294,7 @@ impl BlockPool {
         if used != 1 {
             return false;
         }
-        self.index.clear();
+        self.index.clear(); // keeps its capacity
         for h in self.hash.iter_mut() {
             *h = None;
         }

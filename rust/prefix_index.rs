@@ -32,6 +32,12 @@ impl PrefixIndex {
         Self::default()
     }
 
+    /// An empty index with room for `n` keys: a pool of `n` blocks never holds more (each
+    /// block has at most one hash), so inserts never rehash on the hot path.
+    pub fn with_capacity(n: usize) -> Self {
+        Self { map: FxHashMap::with_capacity_and_hasher(n, Default::default()) }
+    }
+
     /// The earliest-inserted block cached under `key`.
     #[inline]
     pub fn get_one(&self, key: &HashKey) -> Option<BlockId> {
