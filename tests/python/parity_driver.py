@@ -75,7 +75,9 @@ class ParityRun:
             toks += self.prefixes[r.randrange(len(self.prefixes))]
         toks += [r.randrange(1, 5000) for _ in range(r.randrange(1, 300))]
         self.next_id += 1
-        return self.setup.make_request(f"r{self.next_id}", toks, max_tokens=r.randrange(1, 64))
+        return self.setup.make_request(
+            f"r{self.next_id}", toks, max_tokens=r.randrange(1, 64), report_full=r.random() < 0.2
+        )
 
     # ---- operations --------------------------------------------------------------------
 

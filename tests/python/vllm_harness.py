@@ -99,11 +99,14 @@ class Setup:
         assert type(ours) is HybridKVCacheManager, f"{self.name}: fell back to vLLM's manager"
         return ref, ours
 
-    def make_request(self, request_id: str, tokens: list[int], max_tokens: int = 64) -> Request:
+    def make_request(self, request_id: str, tokens: list[int], max_tokens: int = 64, report_full: bool = False) -> Request:
+        """A vLLM Request; ``report_full`` sets ``kv_cache_report_mode="full"`` (reused
+        prefix blocks are reported in BlockStored events too)."""
+        extra = {"kv_cache_report_mode": "full"} if report_full else None
         return Request(
             request_id=request_id,
             prompt_token_ids=list(tokens),
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra),
             pooling_params=None,
             block_hasher=get_request_block_hasher(self.hash_block_size, _HASH_FN),
         )

@@ -126,6 +126,8 @@ def native_config_or_reason(
             spec = g.kv_cache_spec
             if g.role != KVCacheGroupRole.DEFAULT or g.host_resident:
                 raise Unsupported(f"group {i} has role {g.role.name} (HiSparse)")
+            if g.is_eagle_group:
+                raise Unsupported(f"group {i} holds EAGLE/MTP draft layers (prefix-cache block drop)")
             if not spec.prefix_cacheable:
                 raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
             kind, p1, p2 = _group_kind(spec)
