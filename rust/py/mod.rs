@@ -70,6 +70,10 @@ fn parse_kind(kind: &str, p1: i64, p2: i64) -> PyResult<AttentionKind> {
 #[pyclass(module = "hybrid_alloc._core", name = "Allocator")]
 pub struct PyAllocator {
     inner: Allocator,
+    /// A number unique to this allocator in the process: the vLLM adapter tags requests
+    /// with `serial << 32 | handle`, so a request registered with another allocator is
+    /// never mistaken for one of ours.
+    serial: u64,
     /// `limits[h]`: the no-op limits of request `h`'s next plain step, as of its last
     /// crossing (`(0, 0, 0)`: unknown, the next step must cross).
     limits: Vec<(u32, u32, u32)>,
@@ -168,7 +172,9 @@ impl PyAllocator {
             Error::InvalidConfig(_) | Error::Unsupported(_) => to_py(e),
             other => InvalidConfigError::new_err(other.to_string()),
         })?;
-        Ok(Self { inner, limits: Vec::new() })
+        static NEXT_SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let serial = NEXT_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Self { inner, serial, limits: Vec::new() })
     }
 
     /// Registers a request; returns its handle.
@@ -456,6 +462,12 @@ impl PyAllocator {
         self.inner.estimate_cached_tokens(self.handle(handle)?).map_err(to_py)
     }
 
+    /// This allocator's tag for request handles (see `FastAllocate`).
+    #[getter]
+    fn serial(&self) -> u64 {
+        self.serial
+    }
+
     /// Free blocks.
     #[getter]
     fn num_free_blocks(&self) -> u32 {
@@ -574,8 +586,8 @@ impl PyAllocator {
 /// answered without any work when the core proved it changes nothing (see `noop_limits`;
 /// 15 of 16 decode steps at block size 16), else with one call into the core, reading the
 /// request's fields and new block hashes directly. Every other call goes to the Python
-/// implementation `slow`. The request carries its handle in `_hybrid_alloc_handle` (-1 or
-/// absent: not registered, so `slow` handles it).
+/// implementation `slow`. The request carries `serial << 32 | handle` in
+/// `_hybrid_alloc_handle` (-1, absent or another allocator's serial: `slow` handles it).
 #[pyclass(module = "hybrid_alloc._core", name = "FastAllocate", frozen)]
 pub struct FastAllocate {
     alloc: Py<PyAllocator>,
@@ -592,10 +604,14 @@ fn get_i64(py: Python<'_>, obj: &Bound<'_, PyAny>, name: &Bound<'_, pyo3::types:
 
 impl FastAllocate {
     fn handle_of(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<i64> {
-        Ok(match request.getattr_opt(intern!(py, "_hybrid_alloc_handle"))? {
+        let tag: i64 = match request.getattr_opt(intern!(py, "_hybrid_alloc_handle"))? {
             Some(v) => v.extract()?,
-            None => -1,
-        })
+            None => return Ok(-1),
+        };
+        if tag < 0 || (tag as u64) >> 32 != self.alloc.bind(py).try_borrow()?.serial {
+            return Ok(-1);
+        }
+        Ok(tag & 0xFFFF_FFFF)
     }
 
     fn is_noop(

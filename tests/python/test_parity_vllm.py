@@ -47,3 +47,35 @@ def test_parity_random_trace(name: str) -> None:
     assert total["preempt"] > 0, f"{name}: no preemption happened; the pool is too large"
     if setup.enable_caching:
         assert total["hits"] > 0, f"{name}: no prefix-cache hit happened"
+
+
+def test_two_native_managers_on_the_same_requests_stay_apart() -> None:
+    """Requests are tagged with the allocator's serial: a second native manager driving the
+    same Request objects never answers from the first one's limits."""
+    from vllm.v1.request import RequestStatus
+
+    from hybrid_alloc.vllm.manager import HybridKVCacheManager
+    from vllm_harness import SETUPS
+
+    s = next(s for s in SETUPS if s.name == "full_swa_bs16")
+    ref = s.build(events=False)[0]
+    a = HybridKVCacheManager(**s.manager_kwargs(events=False))
+    b = HybridKVCacheManager(**s.manager_kwargs(events=False))
+    reqs = [s.make_request(f"x{i}", list(range(1 + i, 40 + i)), 100) for i in range(4)]
+    for r in reqs:
+        ids = [m.allocate_slots(r, 39).get_block_ids() for m in (ref, a)]
+        assert ids[0] == ids[1]
+        r.num_computed_tokens = 39
+        r.status = RequestStatus.RUNNING
+        r.append_output_token_ids(5)
+    for step in range(40):
+        for r in reqs:
+            want = ref.allocate_slots(r, 1)
+            got_a = a.allocate_slots(r, 1)
+            assert want.get_block_ids(allow_none=True) == got_a.get_block_ids(allow_none=True)
+            # b has never seen these requests: it must allocate them from scratch.
+            got_b = b.allocate_slots(r, 1) if step == 0 else None
+            if got_b is not None:
+                assert len(got_b.get_block_ids()[0]) == (r.num_computed_tokens + 1 + 15) // 16
+            r.num_computed_tokens += 1
+            r.append_output_token_ids(5)

@@ -402,8 +402,8 @@ class HybridKVCacheManager:
         )
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
         # request_id -> [handle, generation of the cache hit stored in Rust for it (-1:
-        # none)]. The request also carries its handle as ``_hybrid_alloc_handle`` for
-        # FastAllocate (-1 once freed). The core reads ``request.block_hashes`` itself and
+        # none)]. The request also carries ``serial << 32 | handle`` as
+        # ``_hybrid_alloc_handle`` for FastAllocate (-1 once freed). The core reads ``request.block_hashes`` itself and
         # takes only the hashes it has not seen.
         self._reqs: dict[str, list[int]] = {}
         self._hit_gen = 0
@@ -438,7 +438,7 @@ class HybridKVCacheManager:
         if st is None:
             st = [self._alloc.add_request(), -1]
             self._reqs[request.request_id] = st
-            request._hybrid_alloc_handle = st[0]
+            request._hybrid_alloc_handle = (self._alloc.serial << 32) | st[0]
         return st
 
     def _drain_events(self, request: Request | None) -> None:
