@@ -28,7 +28,6 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 DEFAULT_MODELS = ("gemma-2-27b", "llama-3.1-8b")
@@ -158,7 +157,7 @@ def kv_budget_bytes(shape: Any, gpu_memory_gib: float, utilization: float, reser
 def run_scenario(
     shape: Any, manager: str, scenario: str, requests: list[tuple[str, list[int], int]], *,
     num_blocks: int | None, kv_budget: int | None, max_num_seqs: int, max_num_batched_tokens: int,
-    measure_from_running: int = 0, max_steps: int = 200000, progress: Callable[[int], None] | None = None,
+    measure_from_running: int = 0, max_steps: int = 200000,
     decode_steps: int | None = None,
 ) -> RunResult:
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
@@ -219,8 +218,6 @@ def run_scenario(
         running.append(n_run)
         usage.append(mgr.usage)
         step += 1
-        if progress:
-            progress(1)
         if decode_steps is not None and measured >= decode_steps:
             break
     finished = not sched.get_num_unfinished_requests() or decode_steps is not None
@@ -254,7 +251,8 @@ def shared_prefix_requests(n: int, num_prefixes: int, prefix_len: int, suffix_le
     ]
 
 
-def decode_pool_blocks(shape: Any, n: int, ctx: int, out: int, block_size: int) -> int:
+def decode_pool_blocks(n: int, ctx: int, out: int, block_size: int) -> int:
+    """Blocks for ``n`` requests of ``ctx + out`` tokens in two groups, with headroom."""
     per_req = -(-(ctx + out + 64) // block_size) + 2
     return n * per_req * 2 + 64
 
@@ -340,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ctx = args.decode_context
             reqs = throughput_requests(n, ctx, 100000, seed=n)
-            r = run_scenario(shape, mg, scen, reqs, num_blocks=decode_pool_blocks(shape, n, ctx, 4 * args.decode_steps, 16),
+            r = run_scenario(shape, mg, scen, reqs, num_blocks=decode_pool_blocks(n, ctx, 4 * args.decode_steps, 16),
                              kv_budget=None, max_num_seqs=n, max_num_batched_tokens=max(args.max_num_batched_tokens, n),
                              measure_from_running=n, decode_steps=args.decode_steps)
             r.extra["running_requests"] = n

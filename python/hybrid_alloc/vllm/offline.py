@@ -33,7 +33,6 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     init_none_hash,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.core.sched import scheduler as sched_mod  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
@@ -272,5 +271,4 @@ __all__ = [
     "fake_token",
     "is_native",
     "make_request",
-    "sched_mod",
 ]
