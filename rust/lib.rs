@@ -40,7 +40,15 @@
 //! - Per-request state is dense (handles into a slab, `Vec` tables); the hot decode path
 //!   reuses output buffers, so it allocates nothing.
 //! - Hashes are stored inline (`[u8; 32]`), keyed with `FxHash`: a lookup hashes 36 bytes.
-//! - The Python boundary is crossed once per vLLM call, with ints and flat lists.
+//! - The Python boundary is crossed at most once per vLLM call, with ints and flat lists;
+//!   the scheduler's per-request `allocate_slots` is answered without any crossing when
+//!   `Allocator::noop_limits` proves the step changes nothing (measured: about 0.35 us per
+//!   running request per step against about 10 us for vLLM's Python manager, 1024 requests,
+//!   gemma-2 shape; the Rust work itself is 0.1-0.2 us, the rest is CPython's call and the
+//!   `Request` attribute reads).
+//! - The prefix index reserves one key per block at construction (a pool never holds more),
+//!   so inserts never rehash inside a scheduler step (a rehash of ~10^5 keys showed up as a
+//!   millisecond spike on the step where every request filled a block).
 #![deny(unsafe_code)]
 
 pub mod block_pool;
