@@ -66,6 +66,9 @@ fn parse_kind(kind: &str, p1: i64, p2: i64) -> PyResult<AttentionKind> {
     })
 }
 
+/// `(slots, processed, cached)`: see `Allocator::noop_limits`.
+type NoopLimits = (u32, u32, u32);
+
 /// The native allocator: one per vLLM `KVCacheManager`.
 #[pyclass(module = "hybrid_alloc._core", name = "Allocator")]
 pub struct PyAllocator {
@@ -76,7 +79,7 @@ pub struct PyAllocator {
     serial: u64,
     /// `limits[h]`: the no-op limits of request `h`'s next plain step, as of its last
     /// crossing (`(0, 0, 0)`: unknown, the next step must cross).
-    limits: Vec<(u32, u32, u32)>,
+    limits: Vec<NoopLimits>,
 }
 
 impl PyAllocator {
@@ -597,47 +600,48 @@ pub struct FastAllocate {
     on_events: Py<PyAny>,
 }
 
-fn get_i64(py: Python<'_>, obj: &Bound<'_, PyAny>, name: &Bound<'_, pyo3::types::PyString>) -> PyResult<i64> {
-    let _ = py;
+fn get_i64(obj: &Bound<'_, PyAny>, name: &Bound<'_, pyo3::types::PyString>) -> PyResult<i64> {
     obj.getattr(name)?.extract()
 }
 
 impl FastAllocate {
-    fn handle_of(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<i64> {
+    /// The request's handle in this allocator and the no-op limits of its next plain step,
+    /// or `None` when the request is not registered here.
+    fn registered(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Option<(i64, NoopLimits)>> {
         let tag: i64 = match request.getattr_opt(intern!(py, "_hybrid_alloc_handle"))? {
             Some(v) => v.extract()?,
-            None => return Ok(-1),
+            None => return Ok(None),
         };
-        if tag < 0 || (tag as u64) >> 32 != self.alloc.bind(py).try_borrow()?.serial {
-            return Ok(-1);
+        let alloc = self.alloc.bind(py).try_borrow()?;
+        if tag < 0 || (tag as u64) >> 32 != alloc.serial {
+            return Ok(None);
         }
-        Ok(tag & 0xFFFF_FFFF)
+        let h = tag & 0xFFFF_FFFF;
+        Ok(alloc.limits.get(h as usize).map(|&l| (h, l)))
     }
 
+    /// Whether a plain step changes nothing: `need_slot <= slots`, `processed < processed`
+    /// and `to_cache < cached` (see `Allocator::noop_limits`).
     fn is_noop(
-        &self,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
-        h: i64,
+        (slots, processed, cached): NoopLimits,
         num_new_tokens: i64,
         num_lookahead_tokens: i64,
     ) -> PyResult<bool> {
-        let alloc = self.alloc.bind(py).try_borrow()?;
-        let Some(&(slots, processed, cached)) = alloc.limits.get(h as usize) else { return Ok(false) };
-        drop(alloc);
-        let nc = get_i64(py, request, intern!(py, "num_computed_tokens"))?;
+        let nc = get_i64(request, intern!(py, "num_computed_tokens"))?;
         let to_cache = nc + num_new_tokens;
         if to_cache + num_lookahead_tokens > slots as i64 {
             return Ok(false);
         }
-        let inflight = get_i64(py, request, intern!(py, "num_in_flight_tokens"))?;
+        let inflight = get_i64(request, intern!(py, "num_in_flight_tokens"))?;
         if nc - inflight >= processed as i64 {
             return Ok(false);
         }
         if to_cache < cached as i64 {
             return Ok(true);
         }
-        Ok(get_i64(py, request, intern!(py, "num_tokens"))? < cached as i64)
+        Ok(get_i64(request, intern!(py, "num_tokens"))? < cached as i64)
     }
 
     fn cross(
@@ -650,11 +654,11 @@ impl FastAllocate {
     ) -> PyResult<Py<PyAny>> {
         let bh = request.getattr(intern!(py, "block_hashes"))?;
         let bh = bh.cast::<PyList>().map_err(|_| OutOfRangeError::new_err("request.block_hashes must be a list"))?;
-        let nc = get_i64(py, request, intern!(py, "num_computed_tokens"))?;
-        let inflight = get_i64(py, request, intern!(py, "num_in_flight_tokens"))?;
-        let prompt = get_i64(py, request, intern!(py, "num_prompt_tokens"))?;
-        let tokens = get_i64(py, request, intern!(py, "num_tokens"))?;
-        let spb = get_i64(py, request, intern!(py, "shared_prefix_boundary"))?;
+        let nc = get_i64(request, intern!(py, "num_computed_tokens"))?;
+        let inflight = get_i64(request, intern!(py, "num_in_flight_tokens"))?;
+        let prompt = get_i64(request, intern!(py, "num_prompt_tokens"))?;
+        let tokens = get_i64(request, intern!(py, "num_tokens"))?;
+        let spb = get_i64(request, intern!(py, "shared_prefix_boundary"))?;
         let (res, has_events) = {
             let mut a = self.alloc.bind(py).try_borrow_mut()?;
             let out =
@@ -706,9 +710,8 @@ impl FastAllocate {
             && num_new_tokens > 0
             && rest.is_none_or(|d| d.is_empty());
         if plain {
-            let h = self.handle_of(py, request)?;
-            if h >= 0 {
-                if self.is_noop(py, request, h, num_new_tokens, num_lookahead_tokens)? {
+            if let Some((h, limits)) = self.registered(py, request)? {
+                if Self::is_noop(py, request, limits, num_new_tokens, num_lookahead_tokens)? {
                     return Ok(self.empty.clone_ref(py));
                 }
                 return self.cross(py, request, h, num_new_tokens, num_lookahead_tokens);

@@ -245,8 +245,9 @@ class NativeKVCacheBlocks(KVCacheBlocks):
 
 
 class _HitBlocks(NativeKVCacheBlocks):
-    """The result of ``get_computed_blocks``: remembers the request it was found for, so
-    ``allocate_slots`` can reuse the hit stored in Rust instead of sending ids back."""
+    """The result of ``get_computed_blocks``: carries the generation of the hit stored in
+    Rust, so ``allocate_slots`` can reuse that hit instead of sending the ids back when it is
+    handed the latest lookup of the same request."""
 
     __slots__ = ("_gen",)
 
@@ -556,39 +557,6 @@ class HybridKVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
-        **rest: Any,
-    ) -> KVCacheBlocks | None:
-        """vLLM's ``allocate_slots``.
-
-        The instance attribute ``allocate_slots`` is a ``FastAllocate`` made in
-        ``__init__``: it answers, in Rust, a plain step of a running request that the core
-        proved changes nothing (15 of 16 decode steps at block size 16) and calls this
-        method for everything else. A plain step crosses in the short form ``step``."""
-        st = self._reqs.get(request.request_id)
-        if st is not None and new_computed_blocks is None and not num_new_computed_tokens and not rest:
-            res = self._alloc.step(
-                st[0], request.block_hashes, num_new_tokens, num_lookahead_tokens, request.num_computed_tokens,
-                request.num_in_flight_tokens, request.num_prompt_tokens, request.num_tokens,
-                request.shared_prefix_boundary,
-            )[0]
-            if self.enable_kv_cache_events and self._alloc.has_events:
-                self._drain_events(request)
-            if res is None:
-                return None
-            if res == 0:
-                return self.empty_kv_cache_blocks
-            return NativeKVCacheBlocks(self._alloc, res)
-        return self._allocate_slots(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens, **rest
-        )
-
-    def _allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | None = None,
-        num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
@@ -597,6 +565,11 @@ class HybridKVCacheManager:
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
+        """vLLM's ``allocate_slots``.
+
+        The instance attribute ``allocate_slots`` is a ``FastAllocate`` made in
+        ``__init__``: it serves, in Rust, a plain step of a running request (no new hit, no
+        other keyword) and calls this method for everything else."""
         st = self._state(request)
         hit_mode = 0
         hit_ids = hit_counts = None
