@@ -1,21 +1,26 @@
-"""``hybrid-alloc bench``: vLLM 0.32.0's real scheduler, with fabricated model outputs, under
-three KV cache managers in one run -- vLLM's own, hybrid_alloc, and "no hybrid allocation"
-(every layer treated as full attention, as ``--disable-hybrid-kv-cache-manager`` does).
+"""``hybrid-alloc bench``: vLLM's real scheduler, with fabricated model outputs, under three KV
+cache managers in one run -- vLLM's own, hybrid_alloc, and "no hybrid allocation" (every layer
+treated as full attention, as ``--disable-hybrid-kv-cache-manager`` does).
 
 Scenarios (all on the CPU; the GPU only sets the KV budget):
 - ``throughput``: vLLM's ``benchmark_throughput`` shape, ``--input-len 6144 --output-len 1024
   --num-prompts 50``: every prompt arrives at once, random tokens.
 - ``shared-prefix``: a few long system prompts shared by many requests.
-- ``decode-N``: N requests decoding together (default N = 256 and 1024): the KV-manager CPU
-  time per scheduler step with N running requests, the number vLLM's Python manager makes
-  large.
+- ``decode-N``: N requests decoding together (default N = 256 and 1024, 2048-token prompts):
+  the KV-manager CPU time per scheduler step with N running requests, the number vLLM's
+  Python manager makes large.
 
 KV budget: ``gpu_memory_gib * gpu_memory_utilization - weights - reserve`` (weights of the
 model shape at bf16; ``reserve`` stands for activations and the CUDA context). The decode-N
 scenario sizes its pool to hold all N requests instead.
 
-KV-manager time is the time spent inside the manager's methods called by the scheduler
-(measured by wrapping them; the wrapper's own cost, calibrated at start, is subtracted).
+KV time counts what the scheduler pays for the manager: the time inside every call into it
+(and into the ``coordinator`` / ``block_pool`` methods the scheduler reaches through it), plus
+the time inside every method the scheduler calls on the ``KVCacheBlocks`` the manager returned
+(``get_block_ids(allow_none=True)`` for each running request, ``+``, ``.blocks``, ...). Steps
+alternate: even steps run with the timing wrappers (their calibrated cost subtracted, call by
+call), odd steps run bare and give the whole step's time (``schedule()`` +
+``update_from_output()``).
 """
 
 from __future__ import annotations
@@ -41,72 +46,167 @@ _TIMED = (
     "record_prefix_cache_stats", "make_prefix_cache_stats", "estimate_cached_tokens", "remove_skipped_blocks",
     "truncate_computed_blocks",
 )
+# What the scheduler (and connectors) call on the ``KVCacheBlocks`` the manager returns:
+# timed on ``KVCacheBlocks`` and on every subclass that defines them (ours, lazily built).
+_RESULT_METHODS = (
+    "get_block_ids", "__add__", "get_unhashed_block_ids", "get_unhashed_block_ids_all_groups", "new_empty", "blocks",
+)
+# Properties of the manager the scheduler reads every step (``make_stats``).
+_MANAGER_PROPERTIES = ("usage",)
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(c for c in _subclasses(sub) if c not in out)
+    return out
 
 
 class ManagerClock:
-    """Accumulates the time spent inside a manager's methods."""
+    """Accumulates everything the scheduler pays for a KV cache manager: the time inside each
+    call into the manager (its methods, wrapped on the instance, and ``coordinator`` /
+    ``block_pool`` methods the scheduler reaches through it), and the time inside each method
+    the scheduler calls on the ``KVCacheBlocks`` the manager returned (wrapped on
+    ``KVCacheBlocks`` and its subclasses: vLLM's ``get_block_ids`` runs in vLLM's class, ours in
+    ours). A call made inside a timed call is counted by the outer one.
+
+    The wrappers are installed with :meth:`on` and removed with :meth:`off`, so steps can be
+    timed with none installed. Each timed call's own timer cost (two ``perf_counter_ns`` reads
+    and the call through the wrapper), calibrated per wrapper form around a C function that
+    does nothing, is subtracted from what it measured."""
 
     def __init__(self) -> None:
-        self.ns = 0
+        self.ns = 0.0
         self.calls = 0
         self.last_calls = 0
         self.depth = 0
+        # Calibrated timer cost per call: instance-attribute wrappers (manager methods) and
+        # class-attribute wrappers (methods of the returned blocks, properties).
         self.overhead_ns = 0.0
+        self.overhead_method_ns = 0.0
+        # name -> [ns, calls] since the last take_breakdown.
+        self.by_name: dict[str, list[float]] = {}
+        self._patches: list[tuple[Any, str, bool, Any, Any]] = []
+        self._installed = False
 
-    def wrap(self, obj: Any, name: str) -> None:
-        f = getattr(obj, name, None)
-        if f is None:
-            return
+    def _timed(self, name: str, f: Any, method: bool) -> Any:
         pc = time.perf_counter_ns
+        clock = self
+        entry = self.by_name.setdefault(name, [0.0, 0])
 
         def timed(*a: Any, **k: Any) -> Any:
-            if self.depth:  # a manager method calling another: counted by the outer one
+            if clock.depth:  # a call inside a timed call: counted by the outer one
                 return f(*a, **k)
-            self.depth = 1
+            clock.depth = 1
             t = pc()
             try:
                 return f(*a, **k)
             finally:
-                self.ns += pc() - t
-                self.calls += 1
-                self.depth = 0
+                dt = pc() - t - (clock.overhead_method_ns if method else clock.overhead_ns)
+                clock.depth = 0
+                clock.ns += dt
+                clock.calls += 1
+                entry[0] += dt
+                entry[1] += 1
 
-        setattr(obj, name, timed)
+        return timed
+
+    def _patch(self, obj: Any, name: str, label: str, method: bool) -> None:
+        own = obj.__dict__ if isinstance(obj, type) else getattr(obj, "__dict__", {})
+        had_own = name in own
+        orig = own[name] if had_own else getattr(obj, name, None)
+        if orig is None:
+            return
+        if isinstance(orig, property):
+            if orig.fget is None:
+                return
+            wrapper: Any = property(self._timed(label, orig.fget, True), orig.fset, orig.fdel, orig.__doc__)
+        else:
+            wrapper = self._timed(label, orig, method)
+        self._patches.append((obj, name, had_own, orig, wrapper))
 
     def install(self, mgr: Any) -> None:
+        """Prepares the wrappers for ``mgr`` (and the blocks classes) and calibrates them."""
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
         for name in _TIMED:
-            self.wrap(mgr, name)
-        self.wrap(mgr.coordinator, "get_num_blocks_to_allocate")
-        self.wrap(mgr.block_pool, "free_blocks")
+            self._patch(mgr, name, name, False)
+        self._patch(mgr.coordinator, "get_num_blocks_to_allocate", "coordinator.get_num_blocks_to_allocate", False)
+        self._patch(mgr.block_pool, "free_blocks", "block_pool.free_blocks", False)
+        for prop in _MANAGER_PROPERTIES:
+            for cls in type(mgr).__mro__:
+                if isinstance(cls.__dict__.get(prop), property):
+                    self._patch(cls, prop, prop, True)
+                    break
+        for cls in _subclasses(KVCacheBlocks):
+            for name in _RESULT_METHODS:
+                if name in cls.__dict__:
+                    self._patch(cls, name, f"blocks.{name}", True)
         self.calibrate()
 
+    def on(self) -> None:
+        if self._installed:
+            return
+        for obj, name, _, _, wrapper in self._patches:
+            setattr(obj, name, wrapper)
+        self._installed = True
+
+    def off(self) -> None:
+        if not self._installed:
+            return
+        for obj, name, had_own, orig, _ in reversed(self._patches):
+            if had_own:
+                setattr(obj, name, orig)
+            else:
+                delattr(obj, name)
+        self._installed = False
+
     def calibrate(self) -> None:
-        """The wrapper's own cost per call, measured around a C function that does nothing
-        (so what is subtracted is the timing, not the callee; the few ns of the empty
-        callee are subtracted too, for both managers alike)."""
+        """The timer's own cost per call, for each wrapper form, measured around a C function
+        that does nothing (so what is subtracted is the timing, not the callee; the few ns of
+        the empty callee are subtracted too, for both managers alike)."""
         from types import SimpleNamespace
 
         from hybrid_alloc._core import _noop
 
         probe = ManagerClock()
         o = SimpleNamespace(f=_noop)
-        probe.wrap(o, "f")
+        probe._patch(o, "f", "probe", False)
+
+        class Probe:
+            g = _noop
+
+        probe._patch(Probe, "g", "probe", True)
+        probe.on()
+        p = Probe()
         req = SimpleNamespace(num_computed_tokens=1)
-        best = float("inf")
-        for _ in range(5):
-            probe.ns = probe.calls = 0
-            for _ in range(20000):
-                o.f(req, 1, num_lookahead_tokens=0)
-            best = min(best, probe.ns / probe.calls)
-        self.overhead_ns = best
+        best_attr = best_method = float("inf")
+        try:
+            for _ in range(7):
+                probe.ns, probe.calls = 0.0, 0
+                for _ in range(20000):
+                    o.f(req, 1, num_lookahead_tokens=0)
+                best_attr = min(best_attr, probe.ns / probe.calls)
+                probe.ns, probe.calls = 0.0, 0
+                for _ in range(20000):
+                    p.g(allow_none=True)
+                best_method = min(best_method, probe.ns / probe.calls)
+        finally:
+            probe.off()
+        self.overhead_ns = best_attr
+        self.overhead_method_ns = best_method
 
     def take(self) -> float:
-        """Nanoseconds since the last take, wrapper cost subtracted."""
-        v = max(0.0, self.ns - self.calls * self.overhead_ns)
+        """Nanoseconds since the last take, the timer's cost subtracted."""
+        v = max(0.0, self.ns)
         self.last_calls = self.calls
-        self.ns = 0
+        self.ns = 0.0
         self.calls = 0
         return v
+
+    def reset_breakdown(self) -> None:
+        for e in self.by_name.values():
+            e[0], e[1] = 0.0, 0
 
 
 @dataclasses.dataclass
@@ -160,8 +260,10 @@ def run_scenario(
     measure_from_running: int = 0, max_steps: int = 200000,
     decode_steps: int | None = None,
 ) -> RunResult:
-    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
-
+    """Runs the scheduler to the end (or for ``decode_steps`` measured steps once
+    ``measure_from_running`` requests run with their prompts done). Steps alternate: on even
+    steps the manager's calls and the methods called on its results are timed (KV time); odd
+    steps run with no wrapper installed and give the whole step's time."""
     from hybrid_alloc.vllm.offline import SchedulerSetup, fabricate_output, make_request
 
     setup = SchedulerSetup(shape, manager=manager, num_blocks=num_blocks, kv_budget_bytes=kv_budget,  # type: ignore[arg-type]
@@ -169,10 +271,7 @@ def run_scenario(
     sched = setup.build()
     mgr = sched.kv_cache_manager
     kvc = mgr.kv_cache_config
-    try:
-        conc = float(get_max_concurrency_for_kv_cache_config(sched.vllm_config, kvc))
-    except Exception:  # noqa: BLE001 - informational only
-        conc = float("nan")
+    conc = _max_concurrency(sched.vllm_config, kvc)
     hits = {"hits": 0, "queries": 0}
     orig_record = mgr.record_prefix_cache_stats
 
@@ -187,6 +286,7 @@ def run_scenario(
     for rid, toks, out_len in requests:
         sched.add_request(make_request(sched, rid, toks, out_len))
     kv_ns: list[float] = []
+    kv_per_req_ns: list[float] = []
     raw_calls: list[int] = []
     step_ns: list[float] = []
     running: list[int] = []
@@ -195,31 +295,49 @@ def run_scenario(
     measuring = measure_from_running == 0
     measured = 0
     pc = time.perf_counter_ns
-    while sched.get_num_unfinished_requests() and step < max_steps:
-        clock.take()
-        t0 = pc()
-        so = sched.schedule()
-        t1 = pc()
-        out = fabricate_output(sched, so)
-        t2 = pc()
-        sched.update_from_output(so, out)
-        t3 = pc()
-        kv = clock.take()
-        n_run = len(sched.running)
-        if not measuring and n_run >= measure_from_running and all(
-            r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running
-        ):
-            measuring = True
-        if measuring:
-            kv_ns.append(kv)
-            raw_calls.append(clock.last_calls)
-            step_ns.append((t1 - t0) + (t3 - t2))
-            measured += 1
-        running.append(n_run)
-        usage.append(mgr.usage)
-        step += 1
-        if decode_steps is not None and measured >= decode_steps:
-            break
+    try:
+        while sched.get_num_unfinished_requests() and step < max_steps:
+            timed = step % 2 == 0
+            if timed:
+                clock.on()
+            else:
+                clock.off()
+            clock.take()
+            t0 = pc()
+            so = sched.schedule()
+            t1 = pc()
+            out = fabricate_output(sched, so)
+            t2 = pc()
+            sched.update_from_output(so, out)
+            t3 = pc()
+            kv = clock.take()
+            n_run = len(sched.running)
+            if measuring:
+                if timed:
+                    kv_ns.append(kv)
+                    kv_per_req_ns.append(kv / max(1, len(so.num_scheduled_tokens)))
+                    raw_calls.append(clock.last_calls)
+                else:
+                    step_ns.append((t1 - t0) + (t3 - t2))
+                measured += 1
+            elif n_run >= measure_from_running and all(
+                r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running
+            ):  # measured from the next step on
+                measuring = True
+                clock.reset_breakdown()
+            running.append(n_run)
+            usage.append(mgr.usage)
+            step += 1
+            if decode_steps is not None and measured >= decode_steps:
+                break
+    finally:
+        clock.off()
+    n_timed = max(1, len(kv_ns))
+    breakdown = {
+        name: {"us_per_step": ns / n_timed / 1e3, "calls_per_step": calls / n_timed}
+        for name, (ns, calls) in sorted(clock.by_name.items(), key=lambda kv: -kv[1][0])
+        if calls
+    }
     finished = not sched.get_num_unfinished_requests() or decode_steps is not None
     return RunResult(
         model=shape.name, scenario=scenario, manager=manager, num_blocks=kvc.num_blocks,
@@ -230,10 +348,26 @@ def run_scenario(
         extra={
             "native": type(mgr).__name__ == "HybridKVCacheManager",
             "timer_overhead_ns_per_call": clock.overhead_ns,
+            "timer_overhead_ns_per_method_call": clock.overhead_method_ns,
             "manager_calls_per_step_median": sorted(raw_calls)[len(raw_calls) // 2] if raw_calls else 0,
             "kv_us_mean": statistics.fmean(kv_ns) / 1e3 if kv_ns else 0.0,
+            "kv_us_per_scheduled_request_median": _median(kv_per_req_ns) / 1e3,
+            "kv_breakdown": breakdown,
         },
     )
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def _max_concurrency(vllm_config: Any, kvc: Any) -> float:
+    try:
+        from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+        return float(get_max_concurrency_for_kv_cache_config(vllm_config, kvc))
+    except Exception:  # noqa: BLE001 - informational only (moved or changed between releases)
+        return float("nan")
 
 
 def throughput_requests(n: int, input_len: int, output_len: int, seed: int = 0) -> list[tuple[str, list[int], int]]:
@@ -249,6 +383,14 @@ def shared_prefix_requests(n: int, num_prefixes: int, prefix_len: int, suffix_le
         (f"sp{i}", prefixes[i % num_prefixes] + [rng.randrange(1, 30000) for _ in range(suffix_len)], output_len)
         for i in range(n)
     ]
+
+
+def decode_requests(n: int, ctx: int, seed: int) -> list[tuple[str, list[int], int]]:
+    """``n`` requests of ``ctx`` to ``ctx + 15`` prompt tokens that never finish: clients that
+    arrived at different times, so each decode step crosses a block boundary for about one
+    request in 16 (block size 16), not for all of them at once."""
+    rng = random.Random(seed)
+    return [(f"dc{i}", [rng.randrange(1, 30000) for _ in range(ctx + i % 16)], 100000) for i in range(n)]
 
 
 def decode_pool_blocks(n: int, ctx: int, out: int, block_size: int) -> int:
@@ -278,8 +420,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--decode-concurrency", type=int, action="append",
                    help="running requests for the decode scenario (repeatable; default 256 and 1024)")
-    p.add_argument("--decode-context", type=int, default=1024, help="prompt length in the decode scenario")
-    p.add_argument("--decode-steps", type=int, default=30, help="decode steps measured per concurrency")
+    p.add_argument("--decode-context", type=int, default=2048,
+                   help="prompt length in the decode scenario (request i gets i %% 16 more tokens)")
+    p.add_argument("--decode-steps", type=int, default=48,
+                   help="decode steps measured per concurrency (half timed for KV time, half bare for the step time)")
     p.add_argument("--shared-prefixes", type=int, default=4)
     p.add_argument("--shared-requests", type=int, default=200)
     p.add_argument("--managers", default="vllm,hybrid_alloc,no_hybrid")
@@ -337,8 +481,8 @@ def main(argv: list[str] | None = None) -> int:
                              max_num_batched_tokens=args.max_num_batched_tokens)
         else:
             ctx = args.decode_context
-            reqs = throughput_requests(n, ctx, 100000, seed=n)
-            r = run_scenario(shape, mg, scen, reqs, num_blocks=decode_pool_blocks(n, ctx, 4 * args.decode_steps, 16),
+            reqs = decode_requests(n, ctx, seed=n)
+            r = run_scenario(shape, mg, scen, reqs, num_blocks=decode_pool_blocks(n, ctx + 16, 4 * args.decode_steps, 16),
                              kv_budget=None, max_num_seqs=n, max_num_batched_tokens=max(args.max_num_batched_tokens, n),
                              measure_from_running=n, decode_steps=args.decode_steps)
             r.extra["running_requests"] = n
@@ -352,86 +496,134 @@ def main(argv: list[str] | None = None) -> int:
 def _ratios(rows: list[dict[str, Any]]) -> None:
     base = {(r["model"], r["scenario"]): r for r in rows if r["manager"] == "vllm"}
     for r in rows:
+        n = r.get("running_requests")
+        if n:
+            r["kv_us_per_running_request"] = r["kv_us_median"] / n
         b = base.get((r["model"], r["scenario"]))
         if b is None:
             continue
         r["kv_speedup_vs_vllm"] = b["kv_us_median"] / r["kv_us_median"] if r["kv_us_median"] else float("inf")
         r["step_speedup_vs_vllm"] = b["step_us_median"] / r["step_us_median"] if r["step_us_median"] else float("inf")
-        n = r.get("running_requests")
-        if n:
-            r["kv_us_per_running_request"] = r["kv_us_median"] / n
 
 
 def report(results: list[RunResult], args: argparse.Namespace) -> None:
     rows = [r.summary() for r in results]
     _ratios(rows)
     os.makedirs(args.out_dir, exist_ok=True)
+    import vllm
+
     meta = {
+        "vllm_version": getattr(vllm, "__version__", "?"),
         "assumptions": {
             "gpu_memory_gib": args.gpu_memory_gib, "gpu_memory_utilization": args.gpu_memory_utilization,
             "reserve_gib": args.reserve_gib, "weights": "bf16 parameters of the model shape",
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
+            "decode_context": args.decode_context, "decode_steps": args.decode_steps,
         },
+        "counting": "KV time: every call into the manager (and the coordinator/block_pool methods the "
+        "scheduler reaches through it) plus every method the scheduler calls on the KVCacheBlocks it "
+        "returned, on alternate steps, each call's calibrated timer cost subtracted; step time: "
+        "schedule() + update_from_output() on the other steps, with no wrapper installed",
         "results": rows,
     }
     jpath = os.path.join(args.out_dir, "bench.json")
     with open(jpath, "w") as f:
         json.dump(meta, f, indent=1, default=float)
-    print_table(rows)
+    print_table(rows, meta["vllm_version"])
+    print_breakdown(rows)
     print(f"\nJSON: {jpath}")
     if not args.no_plot:
         ppath = os.path.join(args.out_dir, "bench.png")
-        plot(results, ppath)
+        plot(results, rows, ppath)
         print(f"plot: {ppath}")
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
+def print_table(rows: list[dict[str, Any]], vllm_version: str = "") -> None:
     cols = [
         ("model", "model", "{}"), ("scenario", "scenario", "{}"), ("manager", "manager", "{}"),
         ("num_blocks", "blocks", "{}"), ("max_concurrency", "fit@len", "{:.1f}"), ("peak_running", "peak run", "{}"),
         ("mean_usage", "mean KV use", "{:.2f}"), ("hit_rate", "hit rate", "{:.3f}"), ("steps", "steps", "{}"),
         ("kv_us_median", "KV us p50", "{:.1f}"), ("kv_us_p99", "KV us p99", "{:.1f}"),
+        ("kv_us_per_running_request", "KV us/req", "{:.3f}"),
         ("step_us_median", "step us p50", "{:.0f}"), ("step_us_p99", "step us p99", "{:.0f}"),
         ("kv_speedup_vs_vllm", "KV x vs vLLM", "{:.1f}"), ("step_speedup_vs_vllm", "step x vs vLLM", "{:.2f}"),
     ]
+    timer = [r["timer_overhead_ns_per_call"] for r in rows] + [r["timer_overhead_ns_per_method_call"] for r in rows]
+    caption = (f"timer cost subtracted per timed call: {min(timer):.0f}-{max(timer):.0f} ns" if timer else "")
+    title = f"hybrid-alloc bench (vLLM {vllm_version} scheduler, fabricated outputs)"
     try:
         from rich.console import Console
         from rich.table import Table
 
-        t = Table(title="hybrid-alloc bench (vLLM 0.32.0 scheduler, fabricated outputs)")
+        t = Table(title=title, caption=caption)
         for _, head, _ in cols:
             t.add_column(head, justify="right")
         for r in rows:
             t.add_row(*[fmt.format(r[k]) if k in r else "" for k, _, fmt in cols])
-        Console(width=200).print(t)
+        Console(width=220).print(t)
     except ImportError:
+        print(title)
         print(" | ".join(h for _, h, _ in cols))
         for r in rows:
             print(" | ".join(fmt.format(r[k]) if k in r else "" for k, _, fmt in cols))
+        print(caption)
 
 
-def plot(results: list[RunResult], path: str) -> None:
+def print_breakdown(rows: list[dict[str, Any]]) -> None:
+    """Where the KV time of each decode scenario goes: us per step and calls per step, by call."""
+    for r in rows:
+        if not r.get("running_requests") or r["manager"] == "no_hybrid":
+            continue
+        parts = ", ".join(
+            f"{name} {v['us_per_step']:.1f} us ({v['calls_per_step']:.0f} calls)"
+            for name, v in list(r.get("kv_breakdown", {}).items())[:6]
+        )
+        print(f"{r['model']} {r['scenario']} {r['manager']}: KV {r['kv_us_median']:.0f} us/step = {parts}")
+
+
+def plot(results: list[RunResult], rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     keys = sorted({(r.model, r.scenario) for r in results if not r.scenario.startswith("decode")})
-    if not keys:
-        keys = sorted({(r.model, r.scenario) for r in results})
-    fig, axes = plt.subplots(len(keys), 2, figsize=(13, 3.2 * len(keys)), squeeze=False)
+    fig = plt.figure(figsize=(13, 3.2 * (len(keys) + 1)))
+    grid = fig.add_gridspec(len(keys) + 1, 2)
     for i, key in enumerate(keys):
+        ax_use, ax_run = fig.add_subplot(grid[i, 0]), fig.add_subplot(grid[i, 1])
         for r in results:
             if (r.model, r.scenario) != key:
                 continue
             style = {"vllm": "-", "hybrid_alloc": "--", "no_hybrid": ":"}.get(r.manager, "-")
-            axes[i][0].plot(r.usage, style, label=r.manager, linewidth=1.2)
-            axes[i][1].plot(r.running, style, label=r.manager, linewidth=1.2)
-        axes[i][0].set_title(f"{key[0]} / {key[1]}: KV cache usage")
-        axes[i][1].set_title(f"{key[0]} / {key[1]}: running requests")
-        for ax in axes[i]:
+            ax_use.plot(r.usage, style, label=r.manager, linewidth=1.2)
+            ax_run.plot(r.running, style, label=r.manager, linewidth=1.2)
+        ax_use.set_title(f"{key[0]} / {key[1]}: KV cache usage")
+        ax_run.set_title(f"{key[0]} / {key[1]}: running requests")
+        for ax in (ax_use, ax_run):
             ax.set_xlabel("scheduler step")
             ax.legend()
+    # KV time per step, vLLM's manager against ours, in every scenario and at each scale.
+    ax = fig.add_subplot(grid[len(keys), :])
+    scen = sorted({(r["model"], r["scenario"]) for r in rows if r["manager"] in ("vllm", "hybrid_alloc")},
+                  key=lambda k: (k[0], k[1].startswith("decode"), int(k[1].split("-")[1]) if k[1].startswith("decode") else 0, k[1]))
+    by = {(r["model"], r["scenario"], r["manager"]): r for r in rows}
+    width = 0.38
+    for j, (mg, color) in enumerate((("vllm", "tab:blue"), ("hybrid_alloc", "tab:orange"))):
+        xs = [i + (j - 0.5) * width for i in range(len(scen))]
+        ys = [by[(m, s, mg)]["kv_us_median"] if (m, s, mg) in by else 0.0 for m, s in scen]
+        bars = ax.bar(xs, ys, width, label=mg, color=color)
+        for b, (m, s) in zip(bars, scen):
+            r = by.get((m, s, mg))
+            if r and mg == "hybrid_alloc" and r.get("kv_speedup_vs_vllm"):
+                ax.annotate(f"{r['kv_speedup_vs_vllm']:.0f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+                            ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(scen)))
+    ax.set_xticklabels([f"{m}\n{s}" for m, s in scen], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("KV time per step (us, median)")
+    ax.set_title("KV cache manager time per scheduler step (calls + methods on its results), vLLM vs hybrid_alloc")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)

@@ -242,7 +242,8 @@ class NativeKVCacheBlocks(KVCacheBlocks):
         groups = self._ids if group_ids is None else tuple(self._ids[g] for g in group_ids)
         if allow_none and not any(groups):
             return None
-        return tuple(list(g) for g in groups)
+        # Fresh lists, as vLLM's; ``map`` builds them in C (half the cost of a generator).
+        return tuple(map(list, groups))
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         other_ids = other.get_block_ids()

@@ -1,0 +1,106 @@
+"""The bench counts what the scheduler pays for a KV cache manager: every call into it and
+every method the scheduler calls on the KVCacheBlocks it returned, for vLLM's manager and
+ours alike, with the timer's own cost calibrated; and its wrappers come off again."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+
+from hybrid_alloc import bench  # noqa: E402
+from hybrid_alloc.vllm import manager as native  # noqa: E402
+from hybrid_alloc.vllm.offline import SHAPES  # noqa: E402
+
+logging.getLogger("vllm").setLevel(logging.ERROR)
+
+N = 24
+
+
+def _decode(manager: str) -> bench.RunResult:
+    reqs = bench.decode_requests(N, 80, seed=1)
+    return bench.run_scenario(
+        SHAPES["gpt-oss-120b"], manager, "decode", reqs, num_blocks=bench.decode_pool_blocks(N, 96, 64, 16),
+        kv_budget=None, max_num_seqs=N, max_num_batched_tokens=4096, measure_from_running=N, decode_steps=32,
+    )
+
+
+@pytest.mark.parametrize("manager", ["vllm", "hybrid_alloc"])
+def test_decode_counts_allocate_and_get_block_ids_per_running_request(manager: str) -> None:
+    r = _decode(manager)
+    assert r.extra["native"] == (manager == "hybrid_alloc")
+    bd = r.extra["kv_breakdown"]
+    # Each running request, each timed step: one allocate_slots, and one get_block_ids on
+    # what it returned (vLLM's class for vLLM, ours for ours).
+    assert bd["allocate_slots"]["calls_per_step"] == N
+    assert bd["blocks.get_block_ids"]["calls_per_step"] == N
+    assert bd["new_step_starts"]["calls_per_step"] == 1
+    assert len(r.kv_ns) == 16 and len(r.step_ns) == 16  # timed and bare steps alternate
+    assert all(ns > 0 for ns in r.kv_ns)
+    assert 0 < r.extra["timer_overhead_ns_per_call"] < 5000
+    assert 0 < r.extra["timer_overhead_ns_per_method_call"] < 5000
+
+
+def test_wrappers_come_off() -> None:
+    before = {
+        cls: {k: v for k, v in vars(cls).items() if k in bench._RESULT_METHODS}
+        for cls in (KVCacheBlocks, native.NativeKVCacheBlocks, native.EmptyKVCacheBlocks)
+    }
+    usage = native.HybridKVCacheManager.__dict__["usage"]
+    _decode("hybrid_alloc")
+    for cls, attrs in before.items():
+        assert {k: v for k, v in vars(cls).items() if k in bench._RESULT_METHODS} == attrs
+    assert native.HybridKVCacheManager.__dict__["usage"] is usage
+
+
+def test_clock_subtracts_its_calibrated_cost() -> None:
+    """Timing a C function that does nothing measures about nothing once the calibrated
+    cost is subtracted, in both wrapper forms (a loose bound: the machine may be busy)."""
+    from types import SimpleNamespace
+
+    from hybrid_alloc._core import _noop
+
+    clock = bench.ManagerClock()
+    clock.calibrate()
+    o = SimpleNamespace(f=_noop)
+
+    class P:
+        g = _noop
+
+    clock._patch(o, "f", "f", False)
+    clock._patch(P, "g", "g", True)
+    clock.on()
+    try:
+        p = P()
+        for _ in range(20000):
+            o.f(1, 2, num_lookahead_tokens=0)
+            p.g(allow_none=True)
+    finally:
+        clock.off()
+    assert P.__dict__["g"] is _noop and vars(o)["f"] is _noop
+    per_call = clock.take() / 40000
+    raw = clock.overhead_ns + clock.overhead_method_ns
+    assert abs(per_call) < raw, (per_call, raw)
+
+
+def test_empty_result_is_vllms_empty_blocks_with_a_cheap_get_block_ids() -> None:
+    e = native.EmptyKVCacheBlocks(3)
+    assert isinstance(e, KVCacheBlocks)
+    assert e.blocks == ((), (), ())
+    assert e.get_block_ids(allow_none=True) is None
+    assert e.get_block_ids() == ([], [], [])
+    assert e.get_block_ids(group_ids=[2]) == ([],)
+    assert e.get_block_ids(True, group_ids=[0, 1]) is None
+    with pytest.raises(IndexError):
+        e.get_block_ids(True, group_ids=[5])
+    a, b = e.get_block_ids(), e.get_block_ids()
+    assert a[0] is not b[0]  # fresh lists, as vLLM's
+    ref = KVCacheBlocks(((), (), ()))
+    assert (e + ref).get_block_ids() == (ref + ref).get_block_ids()
+    assert e.new_empty().blocks == ((), (), ())
+    assert e.get_unhashed_block_ids_all_groups() == [[], [], []]
