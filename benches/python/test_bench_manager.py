@@ -1,7 +1,7 @@
 """pytest-benchmark: what the scheduler pays for the KV cache manager, on the identical call
 trace, through vLLM's own KVCacheManager and through hybrid_alloc's, in the same run.
 
-    pytest benches/python --benchmark-only --benchmark-group-by=func,param:n,param:case
+    pytest benches/python --benchmark-only [--benchmark-timer time.process_time]
 
 The terminal summary pairs each of our figures with vLLM's (median of each, and the ratio).
 
@@ -96,6 +96,7 @@ def test_decode_step(benchmark, manager: str, n: int) -> None:  # type: ignore[n
         for r in reqs:
             m.allocate_slots(r, 1, num_lookahead_tokens=0).get_block_ids(allow_none=True)
 
+    benchmark.group = f"decode step, {n} running"
     benchmark.extra_info["running_requests"] = n
     benchmark.extra_info["timer_overhead_ns_per_round"] = _timer_overhead_ns()
     benchmark.pedantic(step, setup=advance, rounds=96, iterations=1, warmup_rounds=2)
@@ -195,6 +196,7 @@ def test_admission(benchmark, manager: str, shape: str, phase: str, case: str) -
             a.live = None
 
     rounds = 12 if prompt_len > 100000 else 40
+    benchmark.group = f"admission {shape} {case}: {phase}"
     benchmark.extra_info["prompt_tokens"] = prompt_len
     benchmark.extra_info["timer_overhead_ns_per_round"] = _timer_overhead_ns()
     benchmark.pedantic(run, setup=lambda: a.setup_for(phase), rounds=rounds, iterations=1, warmup_rounds=1)
