@@ -634,8 +634,10 @@ impl FastAllocate {
         if to_cache + num_lookahead_tokens > slots as i64 {
             return Ok(false);
         }
-        let inflight = get_i64(request, intern!(py, "num_in_flight_tokens"))?;
-        if nc - inflight >= processed as i64 {
+        // `num_in_flight_tokens` (>= 0) only lowers `nc - inflight`: below the limit with `nc`
+        // alone, it need not be read (decode steps of full attention and of windows longer
+        // than the context never read it).
+        if nc >= processed as i64 && nc - get_i64(request, intern!(py, "num_in_flight_tokens"))? >= processed as i64 {
             return Ok(false);
         }
         if to_cache < cached as i64 {
