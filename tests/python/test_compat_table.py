@@ -150,6 +150,15 @@ def test_kv_connector_row() -> None:
     assert f'"{reason}"' in _cell("a KV connector")
 
 
+def test_routed_experts_row() -> None:
+    from types import SimpleNamespace
+
+    vc = SimpleNamespace(kv_transfer_config=None, aux_output_config=SimpleNamespace(enabled=True))
+    native, reason = _decide(_kwargs(_specs("full")), vllm_config=vc)
+    assert not native and reason == "auxiliary outputs (--enable-return-routed-experts)"
+    assert f'"{reason}"' in _cell("routed experts")
+
+
 def test_lookahead_hashes_row_on_033() -> None:
     """0.33: EAGLE-style lookahead block hashes (``use_eagle=False``, ``num_hash_lookahead_tokens>0``)."""
     if _release() == "0.32.0":
