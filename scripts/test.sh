@@ -5,8 +5,9 @@
 # by scripts/test-env.sh; a run whose vLLM tests would be skipped fails instead).
 #
 # HYBRID_ALLOC_VLLM_RELEASES narrows the releases (default "0.32.0 0.33.0"); extra arguments go to
-# pytest. HYBRID_ALLOC_DEBUG_PROPTEST_CASES bounds the property tests' cases in the debug run only
-# (default 64; the release run keeps the tests' own default). Every step runs even if an earlier
+# pytest. The property tests bound their own cases in debug builds (tests/model.rs, `cases()`);
+# HYBRID_ALLOC_DEBUG_PROPTEST_CASES, if set, overrides that count in the debug run only (it becomes
+# PROPTEST_CASES there; the release run keeps the tests' own default). Every step runs even if an earlier
 # one failed (except what needs the wheel); the summary at the end gives each step's status and
 # time, and the exit status is 0 only if every step passed.
 #
@@ -16,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
 RELEASES=${HYBRID_ALLOC_VLLM_RELEASES:-0.32.0 0.33.0}
-DEBUG_CASES=${HYBRID_ALLOC_DEBUG_PROPTEST_CASES:-64}
+DEBUG_CASES=${HYBRID_ALLOC_DEBUG_PROPTEST_CASES:-}
 LOGDIR=target/test-logs
 mkdir -p "$LOGDIR"
 T0=$SECONDS
@@ -60,7 +61,11 @@ run "cargo fmt --check" cargo fmt --all -- --check
 run "cargo clippy (core, tests, benches)" cargo clippy --all-targets -- -D warnings
 run "cargo clippy (python binding)" cargo clippy --features python --lib -- -D warnings
 run "cargo test --release" cargo test --release
-run "cargo test (debug, PROPTEST_CASES=$DEBUG_CASES)" env PROPTEST_CASES="$DEBUG_CASES" cargo test
+if [ -n "$DEBUG_CASES" ]; then
+  run "cargo test (debug, PROPTEST_CASES=$DEBUG_CASES)" env PROPTEST_CASES="$DEBUG_CASES" cargo test
+else
+  run "cargo test (debug: overflow checks, debug asserts)" cargo test
+fi
 
 pytest_release() {
   local release=$1 py=$2 rc
