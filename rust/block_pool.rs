@@ -95,6 +95,14 @@ impl BlockPool {
             }
         };
         let n = num_blocks as usize;
+        // The largest buffers first, so a pool that cannot fit fails before memory is written.
+        let index = if enable_caching {
+            PrefixIndex::try_with_capacity(n).map_err(oom("the prefix index"))?
+        } else {
+            PrefixIndex::new()
+        };
+        let hash = try_filled(n, None).map_err(oom("block hashes"))?;
+        let hash_tokens = try_filled(n, 0).map_err(oom("block hashes"))?;
         let mut queue = FreeQueue::try_new(num_blocks).map_err(oom("the free queue"))?;
         let null = queue.pop_front();
         debug_assert_eq!(null, Some(NULL_BLOCK));
@@ -102,14 +110,10 @@ impl BlockPool {
             num_blocks,
             ref_cnt: try_filled(n, 0).map_err(oom("reference counts"))?,
             loose: try_filled(n, 0).map_err(oom("reference counts"))?,
-            hash: try_filled(n, None).map_err(oom("block hashes"))?,
-            hash_tokens: try_filled(n, 0).map_err(oom("block hashes"))?,
+            hash,
+            hash_tokens,
             queue,
-            index: if enable_caching {
-                PrefixIndex::try_with_capacity(n).map_err(oom("the prefix index"))?
-            } else {
-                PrefixIndex::new()
-            },
+            index,
             enable_caching,
             enable_events,
             events: Vec::new(),

@@ -4,8 +4,9 @@
 :mod:`hybrid_alloc.vllm` and is switched on with ``HYBRID_ALLOC=1``.
 """
 
-from hybrid_alloc._core import Allocator, __version__
+from hybrid_alloc._core import Allocator, Hit, __version__
 from hybrid_alloc.errors import (
+    ConcurrentUseError,
     HybridAllocError,
     InvalidBlockError,
     InvalidConfigError,
@@ -17,6 +18,8 @@ from hybrid_alloc.errors import (
 
 __all__ = [
     "Allocator",
+    "ConcurrentUseError",
+    "Hit",
     "HybridAllocError",
     "InvalidBlockError",
     "InvalidConfigError",
