@@ -135,7 +135,7 @@ def main() -> None:
             not_popped = next(b for b in iter(lambda: rng.randrange(1, args.blocks), None) if b not in loose)
             bad: list[Any] = [
                 lambda: a.free(rng.randrange(1 << 40)),
-                lambda: a.free_block_ids([not_popped]),
+                lambda b=not_popped: a.free_block_ids([b]),
                 lambda: a.allocate_slots(running[0].handle if running else 0, 0),
                 lambda: a.allocate_slots(running[0].handle if running else 0, 2**32 - 1, num_computed_tokens=5),
                 lambda: a.get_computed_blocks(waiting[0].handle if waiting else 0, 100, block_hashes=[b""]),

@@ -10,9 +10,8 @@ import gc
 import os
 import weakref
 
-from vllm_harness import SETUPS, Setup, full, swa
-
 from hybrid_alloc.vllm.manager import HybridKVCacheManager
+from vllm_harness import SETUPS, Setup, full, swa
 
 
 def rss_mib() -> float:

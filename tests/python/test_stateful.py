@@ -16,13 +16,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from hypothesis import HealthCheck, event, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 import hybrid_alloc as ha
 from hybrid_alloc import Allocator, Hit
 from hybrid_alloc._core import FastAllocate
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 BS = 16
 MML = 512
