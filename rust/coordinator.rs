@@ -1005,7 +1005,6 @@ impl Allocator {
                 boundaries,
             );
         }
-        self.refresh_noop(s);
     }
 
     /// Caches the full blocks of `h` up to `num_computed_tokens` (vLLM's `cache_blocks`).
@@ -1057,6 +1056,7 @@ impl Allocator {
             }
         }
         self.cache_blocks_inner(s, num_computed_tokens, num_prompt_tokens, shared_prefix_boundary);
+        self.refresh_noop(s);
         Ok(())
     }
 
