@@ -70,3 +70,24 @@ def test_block_hashes_cleared_regrown_and_truncated_match_vllm() -> None:
     assert lookup(ref, r_ref) == lookup(ours, r_ours)
     assert ours._alloc.num_hashes(ours._reqs["r2"][0]) == 3  # the core followed the truncation
     ours.check_invariants()
+
+
+def test_cross_attention_with_prefix_caching_off_matches_vllm() -> None:
+    """The README serves cross attention (encoder-decoder) with prefix caching off: the
+    static encoder allocation and the decoder's blocks match vLLM's manager."""
+    import torch
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec
+
+    cross = CrossAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype=torch.bfloat16)
+    setup = Setup("full_cross_nocache", [full(16), cross], num_blocks=64, enable_caching=False)
+    ref, ours = setup.build(events=False)
+    for mgr in (ref, ours):
+        r = setup.make_request("enc", list(range(40)))
+        assert mgr.allocate_slots(r, 40, num_encoder_tokens=100) is not None
+        r.num_computed_tokens = 40
+        r.append_output_token_ids(7)
+        assert mgr.allocate_slots(r, 1, num_encoder_tokens=100) is not None
+    assert ref.get_block_ids("enc") == ours.get_block_ids("enc")
+    assert [len(g) for g in ours.get_block_ids("enc")] == [3, 7]
+    assert ref.block_pool.get_num_free_blocks() == ours.block_pool.get_num_free_blocks()
+    ours.check_invariants()
