@@ -410,8 +410,8 @@ class HybridKVCacheManager:
         )
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
         # request_id -> [handle, generation of the cache hit stored in Rust for it (-1:
-        # none)]. The request also carries ``serial << 32 | handle`` as
-        # ``_hybrid_alloc_handle`` for FastAllocate (-1 once freed). The core reads ``request.block_hashes`` itself and
+        # none)]. The request also carries its handle (unique in the process: the core tags it
+        # with a generation) as ``_hybrid_alloc_handle`` for FastAllocate (-1 once freed). The core reads ``request.block_hashes`` itself and
         # takes only the hashes it has not seen.
         self._reqs: dict[str, list[int]] = {}
         self._hit_gen = 0
