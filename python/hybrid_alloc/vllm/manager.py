@@ -412,7 +412,7 @@ class HybridKVCacheManager:
         # request_id -> [handle, generation of the cache hit stored in Rust for it (-1:
         # none)]. The request also carries its handle (unique in the process: the core tags it
         # with a generation) as ``_hybrid_alloc_handle`` for FastAllocate (-1 once freed). The core reads ``request.block_hashes`` itself and
-        # takes only the hashes it has not seen.
+        # takes only the hashes it has not seen (from the first difference when vLLM rewrote the list).
         self._reqs: dict[str, list[int]] = {}
         self._hit_gen = 0
         self._events: list[KVCacheEvent] = []
