@@ -1,7 +1,9 @@
-"""Differential tests: vLLM 0.32.0's own KVCacheManager against ours, on seeded random
-request traces (shared prefixes, chunked prefill, decode, preemption and re-admission,
-aborts and double frees, eviction under memory pressure, prefix-cache resets, explicit
-cache_blocks / remove_skipped_blocks). Every call's output must be identical.
+"""Differential tests: the installed vLLM's (0.32.0 or 0.33.0) own KVCacheManager against
+ours, on seeded random request traces (shared prefixes, chunked prefill, decode, preemption
+and re-admission, aborts, double frees and deferred frees through pop_blocks_for_free,
+eviction under memory pressure, prefix-cache resets, explicit cache_blocks /
+remove_skipped_blocks; on 0.33 also bounded hits and lookahead block hashes). Every call's
+output must be identical.
 
 ``HYBRID_ALLOC_PARITY_OPS`` sets the operations per configuration (default 100000)."""
 
@@ -34,8 +36,13 @@ def test_parity_random_trace(name: str) -> None:
     from parity_driver import ParityRun
     from vllm_harness import SETUPS
 
+    from vllm_harness import HAVE_MAX_CACHE_HIT_LENGTH
+
     setup = next(s for s in SETUPS if s.name == name)
-    total = {"hits": 0, "preempt": 0, "finish": 0, "none": 0, "reset_ok": 0}
+    if not setup.available:
+        pytest.skip(f"{name} needs lookahead block hashes (vLLM 0.33)")
+    total = {"hits": 0, "preempt": 0, "finish": 0, "none": 0, "reset_ok": 0, "popped": 0, "bounded_lookups": 0,
+             "lookahead_events": 0}
     seeds = [1000 + i for i in range(4)]
     for seed in seeds:
         stats = ParityRun(setup, seed).run(NUM_OPS // len(seeds))
@@ -45,8 +52,13 @@ def test_parity_random_trace(name: str) -> None:
     assert total["finish"] > 0
     assert total["reset_ok"] > 0, f"{name}: no successful prefix-cache reset happened"
     assert total["preempt"] > 0, f"{name}: no preemption happened; the pool is too large"
+    assert total["popped"] > 0
     if setup.enable_caching:
         assert total["hits"] > 0, f"{name}: no prefix-cache hit happened"
+        if HAVE_MAX_CACHE_HIT_LENGTH:
+            assert total["bounded_lookups"] > 0
+        if setup.lookahead:
+            assert total["lookahead_events"] > 0, f"{name}: no BlockStored event with lookahead tokens"
 
 
 def test_two_native_managers_on_the_same_requests_stay_apart() -> None:
