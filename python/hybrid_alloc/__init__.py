@@ -1,19 +1,26 @@
 """hybrid_alloc: a native (Rust) KV-cache block allocator for hybrid-attention models.
 
 ``import hybrid_alloc`` never imports vLLM; the vLLM integration lives in
-:mod:`hybrid_alloc.vllm` and is switched on with ``HYBRID_ALLOC=1``.
+:mod:`hybrid_alloc.vllm` and is switched on with ``HYBRID_ALLOC=1``. The names below load
+the native extension on first use, so vLLM's plugin entry point
+(``hybrid_alloc.vllm.plugin``) imports nothing while the plugin is off.
 """
 
-from hybrid_alloc._core import Allocator, __version__
-from hybrid_alloc.errors import (
-    HybridAllocError,
-    InvalidBlockError,
-    InvalidConfigError,
-    InvariantError,
-    OutOfRangeError,
-    UnknownRequestError,
-    UnsupportedConfigError,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybrid_alloc._core import Allocator, __version__
+    from hybrid_alloc.errors import (
+        HybridAllocError,
+        InvalidBlockError,
+        InvalidConfigError,
+        InvariantError,
+        OutOfRangeError,
+        UnknownRequestError,
+        UnsupportedConfigError,
+    )
 
 __all__ = [
     "Allocator",
@@ -26,3 +33,11 @@ __all__ = [
     "UnsupportedConfigError",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from hybrid_alloc import _core, errors
+
+        return getattr(errors if name in errors.__all__ else _core, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

