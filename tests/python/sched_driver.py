@@ -4,37 +4,17 @@ cache events, so two runs (vLLM's manager and ours) can be compared step by step
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
-import vllm.v1.core.kv_cache_utils as _kvu
+from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
-if not hasattr(_kvu, "get_kv_cache_config_from_groups"):
-    # vLLM 0.33 moved the planner to kv_cache_planning. TODO: drop once offline.py imports
-    # from either place (h7a's change); until then the names are put where it looks.
-    from vllm.v1.core import kv_cache_planning as _planning
-
-    _kvu.get_kv_cache_config_from_groups = _planning.get_kv_cache_config_from_groups  # type: ignore[attr-defined]
-    _kvu.get_kv_cache_groups = _planning.get_kv_cache_groups  # type: ignore[attr-defined]
-
-import dataclasses  # noqa: E402
-from collections import deque  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-
-from vllm.config import (  # noqa: E402
-    CacheConfig,
-    DeviceConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    VllmConfig,
-)
-from vllm.config.kv_events import KVEventsConfig  # noqa: E402
-from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
-
-from hybrid_alloc.vllm.offline import (  # noqa: E402
+from hybrid_alloc.vllm.offline import (
     SchedulerSetup,
     fabricate_output,
     fake_token,
@@ -54,12 +34,9 @@ class SpecSchedulerSetup(SchedulerSetup):
 
     def vllm_config(self) -> VllmConfig:
         mml = self.shape.max_model_len
-        mc = ModelConfig(
+        # The target model as SchedulerSetup builds it (the drafter checks against it).
+        target = ModelConfig(
             model=stub_model_dir(mml), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=mml
-        )
-        sc = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=mml,
-            enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=self.async_scheduling,
         )
         pc = ParallelConfig()
         spec = SpeculativeConfig(
@@ -67,21 +44,11 @@ class SpecSchedulerSetup(SchedulerSetup):
             num_speculative_tokens=self.num_spec_tokens,
             prompt_lookup_max=3,
             prompt_lookup_min=2,
-            target_model_config=mc,
+            target_model_config=target,
             target_parallel_config=pc,
         )
-        kwargs: dict[str, Any] = {}
-        if self.kv_events:
-            kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-        vc = VllmConfig(
-            model_config=mc, scheduler_config=sc, parallel_config=pc,
-            cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching),
-            device_config=DeviceConfig(device="cpu"), speculative_config=spec, **kwargs,
-        )
-        vc.cache_config.kv_cache_layout = "LBHNC"
-        vc.scheduler_config.disable_hybrid_kv_cache_manager = self.manager == "no_hybrid"
-        vc.scheduler_config.async_scheduling = self.async_scheduling
-        return vc
+        extra = {**self.extra, "speculative_config": spec, "parallel_config": pc}
+        return SchedulerSetup.vllm_config(dataclasses.replace(self, extra=extra))
 
 
 def digest(so: Any) -> dict[str, Any]:

@@ -21,8 +21,6 @@ pytestmark = pytest.mark.vllm
 
 
 def _cases():
-    import sched_driver  # noqa: F401 - first: makes offline importable on vLLM 0.33
-
     from hybrid_alloc.vllm.offline import LayerKind, ModelShape
 
     gemma = ModelShape(
@@ -78,9 +76,8 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES)
 def test_real_scheduler_identical(case: str) -> None:
-    from sched_driver import SpecSchedulerSetup, run_workload  # first: makes offline importable on 0.33
-
     from hybrid_alloc.vllm.offline import SchedulerSetup
+    from sched_driver import SpecSchedulerSetup, run_workload
 
     kw = dict(_cases()[case])
     batch_queue = kw.pop("batch_queue", 1)
@@ -119,8 +116,6 @@ def test_real_scheduler_identical(case: str) -> None:
 
 
 def _llama_setup() -> Any:
-    import sched_driver  # noqa: F401 - first: makes offline importable on vLLM 0.33
-
     from hybrid_alloc.vllm.offline import SchedulerSetup
 
     return SchedulerSetup(shape=_cases()["llama_sync"]["shape"], num_blocks=150, max_num_seqs=16,
@@ -167,14 +162,16 @@ def test_unknown_constructor_argument_falls_back(monkeypatch: pytest.MonkeyPatch
     _capture(caplog)
     monkeypatch.setattr(manager, "VllmKVCacheManager", FutureKVCacheManager)
     setup = _llama_setup()
-    plugin.apply()
+    assert plugin.apply()
     try:
-        native_cls = sched_mod.KVCacheManager
-        monkeypatch.setattr(sched_mod, "KVCacheManager", lambda *a, **k: native_cls(*a, future_knob=7, **k))
-        sched = setup.build()
+        installed = sched_mod.KVCacheManager
+        # The scheduler of that future vLLM passes the new argument.
+        monkeypatch.setattr(sched_mod, "KVCacheManager", lambda *a, **k: installed(*a, future_knob=7, **k))
+        sched = setup.build_with_installed_manager()
     finally:
         monkeypatch.undo()
         plugin.remove()
+    assert sched_mod.KVCacheManager is manager.VllmKVCacheManager
     mgr = sched.kv_cache_manager
     assert type(mgr) is FutureKVCacheManager and mgr.future_knob == 7
     lines = _fallback_lines(caplog)
