@@ -40,7 +40,7 @@ def test_parity_random_trace(name: str) -> None:
 
     setup = next(s for s in SETUPS if s.name == name)
     if not setup.available:
-        pytest.skip(f"{name} needs lookahead block hashes (vLLM 0.33)")
+        pytest.skip(f"{name} is served natively only on vLLM 0.33 (lookahead hashes / no drop for flagged groups)")
     total = {"hits": 0, "preempt": 0, "finish": 0, "none": 0, "reset_ok": 0, "popped": 0, "bounded_lookups": 0,
              "lookahead_events": 0}
     seeds = [1000 + i for i in range(4)]
@@ -91,3 +91,60 @@ def test_two_native_managers_on_the_same_requests_stay_apart() -> None:
                 assert len(got_b.get_block_ids()[0]) == (r.num_computed_tokens + 1 + 15) // 16
             r.num_computed_tokens += 1
             r.append_output_token_ids(5)
+
+
+def _scheduler_manager_flags(method: str) -> dict[str, int | bool]:
+    """What the installed vLLM's ``Scheduler`` passes its KV cache manager for a speculative
+    method (``use_eagle``, ``num_hash_lookahead_tokens``, ``num_prefill_lookahead``), computed
+    by vLLM's own ``SpeculativeConfig`` and ``VllmConfig`` code on stand-in objects (building
+    a real drafter config needs the draft model's files)."""
+    import types
+
+    from vllm.config import SpeculativeConfig, VllmConfig
+
+    spec = types.SimpleNamespace(
+        method=method, disable_eagle_block_drop=False, disable_lookahead_block_hashes=False,
+        draft_model_config=None, num_speculative_tokens=3,
+    )
+    for name in ("use_eagle", "use_dflash", "use_dspark", "needs_eagle_block_drop", "use_eagle_block_drop",
+                 "use_multi_module_mtp"):
+        if hasattr(SpeculativeConfig, name):
+            setattr(spec, name, types.MethodType(getattr(SpeculativeConfig, name), spec))
+    vc = types.SimpleNamespace(
+        speculative_config=spec, kv_transfer_config=None, num_speculative_tokens=3,
+        cache_config=types.SimpleNamespace(enable_prefix_caching=True),
+    )
+    vc.num_prefill_lookahead_tokens = VllmConfig.num_prefill_lookahead_tokens.fget(vc)
+    lookahead = VllmConfig.num_hash_lookahead_tokens.fget(vc) if hasattr(VllmConfig, "num_hash_lookahead_tokens") else 0
+    use_eagle = spec.use_eagle_block_drop() and not lookahead  # the Scheduler clears it with lookahead hashes
+    return dict(use_eagle=use_eagle, lookahead=lookahead, prefill=vc.num_prefill_lookahead_tokens)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark", "eagle"])
+def test_drafter_flags_served_natively_on_033(method: str) -> None:
+    """DFlash/DSpark (no block drop on 0.33) and EAGLE (lookahead hashes on 0.33, with prefix
+    caching) are served natively on 0.33 with the flags vLLM's own config code produces, the
+    draft layers' group flagged; on 0.32 they drop the last block, which falls back."""
+    import dataclasses
+
+    from hybrid_alloc.vllm.manager import HybridKVCacheManager, native_config_or_reason
+    from vllm_harness import HAVE_LOOKAHEAD_HASHES, SETUPS
+
+    flags = _scheduler_manager_flags(method)
+    base = next(s for s in SETUPS if s.name == "full_swa_bs16")
+    setup = dataclasses.replace(base, eagle_groups=(0,), lookahead=int(flags["lookahead"]),
+                                prefill_lookahead=int(flags["prefill"]))
+    kw = setup.manager_kwargs(events=True)
+    kw["use_eagle"] = flags["use_eagle"]
+    native, reason = native_config_or_reason(**kw)
+    mgr = HybridKVCacheManager(**kw)
+    if HAVE_LOOKAHEAD_HASHES:
+        assert not flags["use_eagle"] and flags["prefill"] == 1
+        assert flags["lookahead"] == (1 if method == "eagle" else 0)
+        assert native is not None, reason
+        assert type(mgr) is HybridKVCacheManager
+        assert mgr.coordinator.eagle_group_ids == {0} and not mgr.coordinator.drop_eagle_group_ids
+    else:
+        assert flags["use_eagle"]
+        assert native is None and "EAGLE" in reason
+        assert type(mgr) is not HybridKVCacheManager

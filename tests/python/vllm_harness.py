@@ -78,12 +78,15 @@ class Setup:
     # ``eagle_groups`` are flagged ``is_eagle_group`` (the draft model's layers).
     lookahead: int = 0
     eagle_groups: tuple[int, ...] = ()
+    # What vLLM's Scheduler passes as num_prefill_lookahead (1 for EAGLE-family drafters).
+    prefill_lookahead: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def available(self) -> bool:
-        """Whether the installed vLLM has what this setup needs."""
-        return not self.lookahead or HAVE_LOOKAHEAD_HASHES
+        """Whether the installed vLLM serves this setup natively: lookahead hashes exist only
+        on 0.33, and a flagged draft group drops its last block on 0.32 (a fallback)."""
+        return not (self.lookahead or self.eagle_groups) or HAVE_LOOKAHEAD_HASHES
 
     def kv_cache_config(self) -> KVCacheConfig:
         groups = [
@@ -108,8 +111,7 @@ class Setup:
             enable_caching=self.enable_caching,
             use_eagle=False,
             **la,
-            # EAGLE-family drafters read one token past a prefill chunk.
-            num_prefill_lookahead=1 if self.lookahead else 0,
+            num_prefill_lookahead=self.prefill_lookahead,
             log_stats=True,
             enable_kv_cache_events=events,
             dcp_world_size=1,
@@ -155,5 +157,7 @@ SETUPS: list[Setup] = [
     # EAGLE with prefix caching on vLLM 0.33: lookahead block hashes (one token), the draft
     # layers' group flagged, nothing dropped; events carry lookahead_token_ids.
     Setup("eagle_lookahead_full_swa_bs16", [full(16), swa(64, 16), full(16)], num_blocks=500, lookahead=1,
-          eagle_groups=(2,)),
+          eagle_groups=(2,), prefill_lookahead=1),
+    # DFlash/DSpark on vLLM 0.33: draft layers flagged, no block drop, no lookahead hashes.
+    Setup("dflash_full_swa_bs16", [full(16), swa(64, 16)], num_blocks=400, eagle_groups=(0,), prefill_lookahead=1),
 ]
