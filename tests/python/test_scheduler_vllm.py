@@ -229,3 +229,27 @@ def test_native_with_the_installed_release_arguments(caplog: pytest.LogCaptureFi
     assert not _fallback_lines(caplog)
     assert any("native KV cache manager serving" in r.getMessage() for r in caplog.records)
     _runs(sched)
+
+
+def test_aux_outputs_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Auxiliary outputs (``--enable-return-routed-experts``, vLLM 0.33) read
+    ``block_pool.get_cached_block``, which the native pool does not serve: vLLM's manager
+    serves that configuration, with the reason named."""
+    from types import SimpleNamespace
+
+    from hybrid_alloc.vllm import manager
+    from vllm_harness import SETUPS
+
+    kw = next(x for x in SETUPS if x.name == "full_bs16").manager_kwargs(events=False)
+    monkeypatch.setattr(
+        manager, "current_vllm_config",
+        SimpleNamespace(kv_transfer_config=None, aux_output_config=SimpleNamespace(enabled=True)),
+    )
+    native, reason = manager.native_config_or_reason(**kw)
+    assert native is None and "auxiliary outputs" in reason
+    assert type(manager.HybridKVCacheManager(**kw)) is manager.VllmKVCacheManager
+    monkeypatch.setattr(
+        manager, "current_vllm_config",
+        SimpleNamespace(kv_transfer_config=None, aux_output_config=SimpleNamespace(enabled=False)),
+    )
+    assert type(manager.HybridKVCacheManager(**kw)) is manager.HybridKVCacheManager
