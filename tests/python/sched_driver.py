@@ -5,12 +5,17 @@ cache events, so two runs (vLLM's manager and ours) can be compared step by step
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import random
+import tempfile
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
@@ -23,14 +28,39 @@ from hybrid_alloc.vllm.offline import (
 )
 
 
+_EAGLE_DRAFT_DIR: str | None = None
+
+
+def eagle_draft_dir() -> str:
+    """A folder holding only an EAGLE draft's ``config.json`` (the scheduler reads nothing
+    else from it)."""
+    global _EAGLE_DRAFT_DIR
+    if _EAGLE_DRAFT_DIR is None:
+        d = tempfile.mkdtemp(prefix="hybrid_alloc_eagle_stub_")
+        cfg = {
+            "architectures": ["EagleLlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+            "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 32000,
+            "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+        }
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        _EAGLE_DRAFT_DIR = d
+    return _EAGLE_DRAFT_DIR
+
+
 @dataclass
 class SpecSchedulerSetup(SchedulerSetup):
-    """A ``SchedulerSetup`` with n-gram speculative decoding (``num_spec_tokens`` drafts a
-    step): vLLM's ``"ngram"`` method in sync scheduling, ``"ngram_gpu"`` (the n-gram method
-    vLLM allows with async scheduling) in async. The scheduler and the KV cache manager see
-    the same thing from both: ``num_spec_tokens`` drafts, no draft model, no lookahead."""
+    """A ``SchedulerSetup`` with speculative decoding (``num_spec_tokens`` drafts a step).
+
+    ``method="ngram"``: vLLM's ``"ngram"`` in sync scheduling, ``"ngram_gpu"`` (the n-gram
+    method vLLM allows with async scheduling) in async; the scheduler and the KV cache
+    manager see the same from both (drafts, no draft model, no lookahead).
+    ``method="eagle"``: an EAGLE drafter (a stub draft config); with prefix caching, vLLM
+    0.33 hashes blocks with one lookahead token instead of dropping the last block."""
 
     num_spec_tokens: int = 3
+    method: str = "ngram"
 
     def vllm_config(self) -> VllmConfig:
         mml = self.shape.max_model_len
@@ -39,11 +69,14 @@ class SpecSchedulerSetup(SchedulerSetup):
             model=stub_model_dir(mml), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=mml
         )
         pc = ParallelConfig()
+        if self.method == "eagle":
+            method: dict[str, Any] = dict(method="eagle", model=eagle_draft_dir())
+        else:
+            method = dict(method="ngram_gpu" if self.async_scheduling else "ngram", prompt_lookup_max=3,
+                          prompt_lookup_min=2)
         spec = SpeculativeConfig(
-            method="ngram_gpu" if self.async_scheduling else "ngram",
+            **method,
             num_speculative_tokens=self.num_spec_tokens,
-            prompt_lookup_max=3,
-            prompt_lookup_min=2,
             target_model_config=target,
             target_parallel_config=pc,
         )
@@ -122,6 +155,13 @@ def run_workload(
     assert batch_queue == 1 or setup.async_scheduling
     rng = random.Random(seed)
     sched = setup.build()
+    lookahead = getattr(sched, "num_hash_lookahead_tokens", 0)
+    if lookahead:
+        # The engine core hashes requests with the lookahead (vLLM 0.33).
+        vc = sched.vllm_config
+        sched._hybrid_alloc_block_hasher = get_request_block_hasher(  # type: ignore[attr-defined]
+            sched.hash_block_size, get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo), lookahead
+        )
     events: list[Any] = []
     mgr = sched.kv_cache_manager
     orig_take = mgr.take_events
@@ -193,6 +233,7 @@ def run_workload(
         usage.append(sched.kv_cache_manager.usage)
     return {
         **counters,
+        "lookahead": lookahead,
         "steps": steps,
         "events": events,
         "usage": usage,
