@@ -1,4 +1,4 @@
-"""A drop-in ``KVCacheManager`` for vLLM 0.32.0 backed by the native core.
+"""A drop-in ``KVCacheManager`` for vLLM 0.32.0 and 0.33.0 backed by the native core.
 
 :class:`HybridKVCacheManager` takes the constructor arguments of vLLM's
 ``vllm.v1.core.kv_cache_manager.KVCacheManager`` and serves every method and attribute
@@ -8,12 +8,19 @@ types. Each call crosses into Rust once; ints, bytes and flat lists cross the bo
 Block objects (``block_id``, ``block_hash``, ``ref_cnt``, ``is_null``) are made only where
 a caller reads ``KVCacheBlocks.blocks``; ``get_block_ids`` hands out the id lists directly.
 
-For a configuration the core does not serve exactly, ``HybridKVCacheManager(...)`` returns
-vLLM's own ``KVCacheManager`` instead and logs one line saying why.
+One installed package serves both releases: what differs is read from the installed vLLM
+once, at import (see ``LOOKAHEAD_HASHES`` and ``TRIM_NULL_HEAD``).
+
+For a configuration the core does not serve exactly, and for anything the adapter does not
+know at construction (an argument it has never seen, a missing attribute, an exception while
+building the native manager), ``HybridKVCacheManager(...)`` returns vLLM's own
+``KVCacheManager``, built with the same arguments, and logs one line saying why. The
+constructor never raises what vLLM's own would not.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,6 +33,7 @@ from vllm.distributed.kv_events import (
     KVCacheEvent,
 )
 from vllm.v1.core import kv_cache_manager as _vllm_kvm
+from vllm.v1.core import kv_cache_utils as _vllm_kvu
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
@@ -49,12 +57,49 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from hybrid_alloc._core import Allocator, FastAllocate, UnsupportedConfigError
+from hybrid_alloc._core import Allocator, FastAllocate, Hit, UnsupportedConfigError
 
 logger = init_logger("vllm.hybrid_alloc")
 
-# The vLLM class this adapter replaces (captured before the plugin patches anything).
+# The vLLM class this adapter replaces (captured before the plugin patches anything); the
+# fallback builds it, and its signature says which constructor arguments exist.
 VllmKVCacheManager = _vllm_kvm.KVCacheManager
+
+# What differs between the supported releases, read from the installed vLLM once.
+# vLLM 0.33: lookahead block hashes (``num_hash_lookahead_tokens``: EAGLE/MTP with prefix
+# caching hash each block together with the next L tokens instead of dropping the last
+# block; ``BlockStored`` then carries ``lookahead_token_ids``). The same release drops the
+# EAGLE last block only with ``use_eagle`` (``drop_eagle_group_ids``): a group flagged
+# ``is_eagle_group`` drops nothing without it. On 0.32 a flagged group always drops.
+LOOKAHEAD_HASHES = "num_hash_lookahead_tokens" in inspect.signature(VllmKVCacheManager).parameters
+EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE = LOOKAHEAD_HASHES
+# vLLM 0.33: ``pop_blocks_for_free`` returns each group's blocks without its leading nulls.
+TRIM_NULL_HEAD = hasattr(_vllm_kvu, "trim_null_head")
+_generate_lookahead_extra_keys = getattr(_vllm_kvu, "generate_lookahead_block_hash_extra_keys", None)
+
+# Every ``KVCacheManager.__init__`` argument the adapter knows (0.32.0 and 0.33.0). Any other
+# argument of the installed vLLM's constructor means a release whose meaning we have not
+# checked: fall back.
+KNOWN_ARGS = frozenset(
+    {
+        "kv_cache_config",
+        "max_model_len",
+        "scheduler_block_size",
+        "hash_block_size",
+        "max_in_flight_tokens",
+        "enable_caching",
+        "use_eagle",
+        "num_hash_lookahead_tokens",
+        "num_prefill_lookahead",
+        "log_stats",
+        "enable_kv_cache_events",
+        "dcp_world_size",
+        "pcp_world_size",
+        "metrics_collector",
+        "watermark",
+        "enable_mamba_shared_prefix_checkpoint",
+    }
+)
 
 _WAITING_OR_PREEMPTED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 # Spec classes whose exact type the core serves as full attention.
@@ -87,7 +132,26 @@ def _group_kind(spec: KVCacheSpec) -> tuple[str, int, int]:
     raise Unsupported(f"KV cache spec {t.__name__}")
 
 
-def native_config_or_reason(
+def _bind_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The constructor arguments by name, defaults applied, as vLLM's own ``KVCacheManager``
+    (the installed release's) would receive them. Raises ``Unsupported`` naming any
+    argument the adapter does not know."""
+    try:
+        sig = inspect.signature(VllmKVCacheManager)
+    except (TypeError, ValueError) as e:
+        raise Unsupported(f"cannot read vLLM's KVCacheManager signature ({e})") from None
+    unknown = sorted(set(sig.parameters) - KNOWN_ARGS)
+    if unknown:
+        raise Unsupported(f"unknown KVCacheManager argument(s) {', '.join(unknown)} (not in the tested vLLM releases)")
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise Unsupported(f"the arguments do not match vLLM's KVCacheManager: {e}") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _native_plan(
     kv_cache_config: KVCacheConfig,
     max_model_len: int,
     scheduler_block_size: int,
@@ -95,6 +159,7 @@ def native_config_or_reason(
     max_in_flight_tokens: int | None = None,
     enable_caching: bool = True,
     use_eagle: bool = False,
+    num_hash_lookahead_tokens: int = 0,
     num_prefill_lookahead: int = 0,
     log_stats: bool = False,
     enable_kv_cache_events: bool = False,
@@ -103,64 +168,74 @@ def native_config_or_reason(
     metrics_collector: Any = None,
     watermark: float = 0.0,
     enable_mamba_shared_prefix_checkpoint: bool = False,
-) -> tuple[dict[str, Any] | None, str]:
-    """The native allocator's arguments for a ``KVCacheManager`` construction, or ``None``
-    and the reason the core cannot serve it exactly."""
+) -> dict[str, Any]:
+    """The native allocator's arguments; raises ``Unsupported`` naming what is not served
+    exactly. Does not build the allocator (which may still refuse the configuration)."""
+    vc = current_vllm_config
+    if vc is not None and getattr(vc, "kv_transfer_config", None) is not None:
+        raise Unsupported("a KV connector is configured")
+    aux = getattr(vc, "aux_output_config", None) if vc is not None else None
+    if aux is not None and getattr(aux, "enabled", False):
+        # AuxOutputSchedulerConnector reads block_pool.get_cached_block, which the binding
+        # does not expose.
+        raise Unsupported("auxiliary outputs (--enable-return-routed-experts)")
+    if use_eagle:
+        raise Unsupported("EAGLE/MTP prefix-cache block drop")
+    if not isinstance(num_hash_lookahead_tokens, int) or num_hash_lookahead_tokens < 0:
+        raise Unsupported(f"num_hash_lookahead_tokens={num_hash_lookahead_tokens!r}")
+    if num_prefill_lookahead > 1:
+        raise Unsupported("multi-token prefill lookahead")
+    if dcp_world_size > 1 or pcp_world_size > 1:
+        raise Unsupported("decode/prefill context parallelism")
+    if metrics_collector is not None:
+        raise Unsupported("KV cache residency metrics")
+    if kv_cache_config.needs_kv_cache_zeroing:
+        raise Unsupported("KV cache zeroing (Mamba or mixed-precision groups)")
+    groups: list[tuple[str, int, int, int, int]] = []
+    seen_specs: list[KVCacheSpec] = []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        if g.role != KVCacheGroupRole.DEFAULT or g.host_resident:
+            raise Unsupported(f"group {i} has role {g.role.name} (HiSparse)")
+        # On 0.33 a flagged group drops its last block only with use_eagle (refused above).
+        if g.is_eagle_group and not EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE:
+            raise Unsupported(f"group {i} holds EAGLE/MTP draft layers (prefix-cache block drop)")
+        if not spec.prefix_cacheable:
+            raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
+        kind, p1, p2 = _group_kind(spec)
+        key = next((k for k, s in enumerate(seen_specs) if s == spec), None)
+        if key is None:
+            seen_specs.append(spec)
+            key = len(seen_specs) - 1
+        groups.append((kind, spec.block_size, key, p1, p2))
+    if not groups:
+        raise Unsupported("no KV cache groups (attention-free model)")
+    return dict(
+        num_blocks=kv_cache_config.num_blocks,
+        groups=groups,
+        hash_block_size=hash_block_size,
+        scheduler_block_size=scheduler_block_size,
+        max_model_len=max_model_len,
+        max_in_flight_tokens=max_model_len if max_in_flight_tokens is None else max_in_flight_tokens,
+        enable_caching=enable_caching,
+        enable_events=enable_kv_cache_events,
+        watermark_blocks=int(watermark * kv_cache_config.num_blocks),
+        retention_interval=kv_cache_config.prefix_cache_retention_interval,
+    )
+
+
+def native_config_or_reason(*args: Any, **kwargs: Any) -> tuple[dict[str, Any] | None, str]:
+    """The native allocator's arguments for a ``KVCacheManager`` construction (vLLM's
+    arguments, as the installed release takes them), or ``None`` and the reason the core
+    cannot serve it exactly. Never raises."""
     try:
-        vc = current_vllm_config
-        if vc is not None and getattr(vc, "kv_transfer_config", None) is not None:
-            raise Unsupported("a KV connector is configured")
-        if use_eagle:
-            raise Unsupported("EAGLE/MTP prefix-cache block drop")
-        if num_prefill_lookahead > 1:
-            raise Unsupported("multi-token prefill lookahead")
-        if dcp_world_size > 1 or pcp_world_size > 1:
-            raise Unsupported("decode/prefill context parallelism")
-        if metrics_collector is not None:
-            raise Unsupported("KV cache residency metrics")
-        if kv_cache_config.needs_kv_cache_zeroing:
-            raise Unsupported("KV cache zeroing (Mamba or mixed-precision groups)")
-        groups: list[tuple[str, int, int, int, int]] = []
-        seen_specs: list[KVCacheSpec] = []
-        for i, g in enumerate(kv_cache_config.kv_cache_groups):
-            spec = g.kv_cache_spec
-            if g.role != KVCacheGroupRole.DEFAULT or g.host_resident:
-                raise Unsupported(f"group {i} has role {g.role.name} (HiSparse)")
-            if g.is_eagle_group:
-                raise Unsupported(f"group {i} holds EAGLE/MTP draft layers (prefix-cache block drop)")
-            if not spec.prefix_cacheable:
-                raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
-            kind, p1, p2 = _group_kind(spec)
-            if kind == "full" and enable_caching and spec.block_size != hash_block_size:
-                raise Unsupported(
-                    f"group {i}: full attention with block size {spec.block_size} over "
-                    f"hash block size {hash_block_size} (partial-block prefix entries)"
-                )
-            key = next((k for k, s in enumerate(seen_specs) if s == spec), None)
-            if key is None:
-                seen_specs.append(spec)
-                key = len(seen_specs) - 1
-            groups.append((kind, spec.block_size, key, p1, p2))
-        if not groups:
-            raise Unsupported("no KV cache groups (attention-free model)")
-        args = dict(
-            num_blocks=kv_cache_config.num_blocks,
-            groups=groups,
-            hash_block_size=hash_block_size,
-            scheduler_block_size=scheduler_block_size,
-            max_model_len=max_model_len,
-            max_in_flight_tokens=max_model_len if max_in_flight_tokens is None else max_in_flight_tokens,
-            enable_caching=enable_caching,
-            enable_events=enable_kv_cache_events,
-            watermark_blocks=int(watermark * kv_cache_config.num_blocks),
-            retention_interval=kv_cache_config.prefix_cache_retention_interval,
-        )
-        Allocator(**args)  # validates; UnsupportedConfigError names what is not served
-        return args, ""
-    except Unsupported as e:
+        native = _native_plan(**_bind_arguments(args, kwargs))
+        Allocator(**native)  # validates; UnsupportedConfigError names what is not served
+        return native, ""
+    except (Unsupported, UnsupportedConfigError) as e:
         return None, str(e)
-    except UnsupportedConfigError as e:
-        return None, str(e)
+    except Exception as e:  # noqa: BLE001 - whatever it is, vLLM's own manager serves
+        return None, f"{type(e).__name__} while reading the configuration: {e}"
 
 
 class NativeBlock:
@@ -286,6 +361,7 @@ class _NativeBlockPool:
         self.hash_block_size = hash_block_size
         self.num_gpu_blocks = num_blocks
         self.enable_caching = mgr.enable_caching
+        self.num_hash_lookahead_tokens = mgr.num_hash_lookahead_tokens
         self.null_block = NativeBlock(self._alloc, 0)
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
@@ -335,7 +411,10 @@ class _NativeCoordinator:
             _NativeSingleTypeManager(i, g.kv_cache_spec, mgr.block_pool)
             for i, g in enumerate(kv_cache_config.kv_cache_groups)
         )
-        self.eagle_group_ids: set[int] = set()
+        # Groups holding EAGLE/MTP draft layers; none drops its last block (a drop falls
+        # back), so ``drop_eagle_group_ids`` (vLLM 0.33) is empty.
+        self.eagle_group_ids: set[int] = {i for i, g in enumerate(kv_cache_config.kv_cache_groups) if g.is_eagle_group}
+        self.drop_eagle_group_ids: set[int] = set()
         self.full_attention_group_id = next(
             (i for i, g in enumerate(kv_cache_config.kv_cache_groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)),
             None,
@@ -360,34 +439,58 @@ class _NativeCoordinator:
             # An unknown request holds nothing: the count for an empty table.
             h = alloc.add_request()
             try:
-                return alloc.get_num_blocks_to_allocate(h, num_tokens, num_encoder_tokens, total_computed_tokens, apply_admission_cap)
+                return alloc.get_num_blocks_to_allocate(
+                    h,
+                    num_tokens,
+                    num_encoder_tokens=num_encoder_tokens,
+                    total_computed_tokens=total_computed_tokens,
+                    apply_admission_cap=apply_admission_cap,
+                )
             finally:
                 alloc.free(h)
-        return alloc.get_num_blocks_to_allocate(st[0], num_tokens, num_encoder_tokens, total_computed_tokens, apply_admission_cap)
+        return alloc.get_num_blocks_to_allocate(
+            st[0],
+            num_tokens,
+            num_encoder_tokens=num_encoder_tokens,
+            total_computed_tokens=total_computed_tokens,
+            apply_admission_cap=apply_admission_cap,
+        )
 
     def get_blocks(self, request_id: str) -> tuple[list[Any], ...]:
         return self._mgr.get_blocks(request_id).blocks  # type: ignore[return-value]
 
 
 class HybridKVCacheManager:
-    """vLLM 0.32.0's ``KVCacheManager``, served by the native core.
+    """vLLM's ``KVCacheManager`` (0.32.0 or 0.33.0, whichever is installed), served by the
+    native core.
 
     Constructed with ``KVCacheManager``'s arguments. When the core cannot serve the
-    configuration exactly, the constructor returns vLLM's own ``KVCacheManager`` and logs
-    one line that names the reason.
+    configuration exactly, or the adapter meets anything it does not know while building
+    the native manager, the constructor returns vLLM's own ``KVCacheManager`` built with the
+    same arguments and logs one line that names the reason.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        native, reason = native_config_or_reason(*args, **kwargs)
-        if native is None:
-            logger.warning("hybrid_alloc: falling back to vLLM's KVCacheManager: %s", reason)
-            return VllmKVCacheManager(*args, **kwargs)
-        self = super().__new__(cls)
-        self._native_args = native
-        return self
+        try:
+            bound = _bind_arguments(args, kwargs)
+            native = _native_plan(**bound)
+            self = super().__new__(cls)
+            self._setup(native, **bound)
+            return self
+        except (Unsupported, UnsupportedConfigError) as e:
+            reason = str(e)
+        except Exception as e:  # noqa: BLE001 - no exception of ours may reach the engine
+            reason = f"{type(e).__name__} while building the native manager: {e}"
+        logger.warning("hybrid_alloc: falling back to vLLM's KVCacheManager: %s", reason)
+        return VllmKVCacheManager(*args, **kwargs)
 
-    def __init__(
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Everything is built in ``__new__`` (``_setup``), where a failure can still fall
+        back to vLLM's manager."""
+
+    def _setup(
         self,
+        native: dict[str, Any],
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
         scheduler_block_size: int,
@@ -395,6 +498,7 @@ class HybridKVCacheManager:
         max_in_flight_tokens: int | None = None,
         enable_caching: bool = True,
         use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
         num_prefill_lookahead: int = 0,
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
@@ -404,7 +508,10 @@ class HybridKVCacheManager:
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
-        native = self._native_args
+        self._native_args = native
+        # Lookahead block hashes (vLLM 0.33): tokens after each block that its hash and its
+        # BlockStored event's extra keys cover (0: none).
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self._alloc = Allocator(**native)
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
@@ -424,9 +531,9 @@ class HybridKVCacheManager:
         )
         self.empty_kv_cache_blocks = EmptyKVCacheBlocks(self.num_kv_cache_groups)
         # request_id -> [handle, generation of the cache hit stored in Rust for it (-1:
-        # none)]. The request also carries ``serial << 32 | handle`` as
-        # ``_hybrid_alloc_handle`` for FastAllocate (-1 once freed). The core reads ``request.block_hashes`` itself and
-        # takes only the hashes it has not seen.
+        # none)]. The request also carries its handle (unique in the process: the core tags it
+        # with a generation) as ``_hybrid_alloc_handle`` for FastAllocate (-1 once freed). The core reads ``request.block_hashes`` itself and
+        # takes only the hashes it has not seen (from the first difference when vLLM rewrote the list).
         self._reqs: dict[str, list[int]] = {}
         self._hit_gen = 0
         self._events: list[KVCacheEvent] = []
@@ -442,7 +549,7 @@ class HybridKVCacheManager:
             self._drain_events if enable_kv_cache_events else None,
         )
         logger.info(
-            "hybrid_alloc: native KV cache manager serving %d group(s): %s; %d blocks, prefix caching %s",
+            "hybrid_alloc: native KV cache manager serving %d group(s): %s; %d blocks, prefix caching %s%s",
             self.num_kv_cache_groups,
             ", ".join(
                 f"{k}" + (f"(window={p1})" if k == "sliding_window" else f"(chunk={p1})" if k == "chunked_local" else "")
@@ -451,6 +558,7 @@ class HybridKVCacheManager:
             ),
             kv_cache_config.num_blocks,
             "on" if enable_caching else "off",
+            f", lookahead block hashes of {num_hash_lookahead_tokens} token(s)" if num_hash_lookahead_tokens else "",
         )
 
     # ---- helpers ----------------------------------------------------------------------
@@ -460,7 +568,7 @@ class HybridKVCacheManager:
         if st is None:
             st = [self._alloc.add_request(), -1]
             self._reqs[request.request_id] = st
-            request._hybrid_alloc_handle = (self._alloc.serial << 32) | st[0]
+            request._hybrid_alloc_handle = st[0]
         return st
 
     def _drain_events(self, request: Request | None) -> None:
@@ -475,26 +583,65 @@ class HybridKVCacheManager:
             else:
                 _, _h, group, block_size, start, end, parent, hashes, idxs = ev
                 assert request is not None
-                extra: list[Any] = []
-                mm_idx = 0
-                for i in idxs:
-                    k, mm_idx = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, mm_idx)
-                    extra.append(k)
-                lora = request.lora_request
                 self._events.append(
-                    BlockStored(
-                        block_hashes=[maybe_convert_block_hash(h) for h in hashes],
-                        parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
-                        token_ids=request.all_token_ids[start:end],
-                        block_size=block_size,
-                        lora_id=lora.adapter_id if lora else None,
-                        medium=MEDIUM_GPU,
-                        lora_name=lora.name if lora else None,
-                        extra_keys=to_event_extra_keys(extra),
-                        group_idx=group,
-                        session_id=request.session_id,
+                    self._block_stored(
+                        request,
+                        [maybe_convert_block_hash(h) for h in hashes],
+                        None if parent is None else maybe_convert_block_hash(parent),
+                        start,
+                        end,
+                        block_size,
+                        group,
+                        idxs,
                     )
                 )
+
+    def _block_stored(
+        self,
+        request: Request,
+        hashes: list[Any],
+        parent: Any,
+        start: int,
+        end: int,
+        block_size: int,
+        group: int,
+        block_indices: Iterable[int],
+    ) -> BlockStored:
+        """vLLM's ``BlockPool._build_block_stored_event`` for the blocks at ``block_indices``
+        of ``request``: extra keys per block (over the block and, with lookahead hashes, the
+        ``num_hash_lookahead_tokens`` after it, as ``_generate_event_extra_keys``) and, with
+        lookahead hashes, those tokens per block (``lookahead_token_ids``)."""
+        la = self.num_hash_lookahead_tokens
+        extra: list[Any] = []
+        lookahead: list[list[int]] | None = [] if la else None
+        tokens = request.all_token_ids
+        mm_idx = 0
+        for i in block_indices:
+            b_start = i * block_size
+            b_end = b_start + block_size
+            if la:
+                assert _generate_lookahead_extra_keys is not None
+                k, mm_idx = _generate_lookahead_extra_keys(request, b_start, b_end, b_end + la, mm_idx)
+                assert lookahead is not None
+                lookahead.append(tokens[b_end : b_end + la])
+            else:
+                k, mm_idx = generate_block_hash_extra_keys(request, b_start, b_end, mm_idx)
+            extra.append(k)
+        lora = request.lora_request
+        kw: dict[str, Any] = {"lookahead_token_ids": lookahead} if la else {}
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=tokens[start:end],
+            block_size=block_size,
+            lora_id=lora.adapter_id if lora else None,
+            medium=MEDIUM_GPU,
+            lora_name=lora.name if lora else None,
+            extra_keys=to_event_extra_keys(extra),
+            group_idx=group,
+            session_id=request.session_id,
+            **kw,
+        )
 
     # ---- KVCacheManager API -------------------------------------------------------------
 
@@ -520,25 +667,28 @@ class HybridKVCacheManager:
             num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0
         )
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """vLLM's ``get_computed_blocks``; ``max_cache_hit_length`` (vLLM 0.33) bounds the
+        hit, ``None`` meaning ``request.num_tokens - 1`` (the only bound on 0.32)."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
         st = self._state(request)
-        hit, uncached, ids, counts = self._alloc.get_computed_blocks(st[0], request.block_hashes, request.num_tokens - 1)
+        hit, uncached, groups = self._alloc.get_computed_blocks(
+            st[0], max_cache_hit_length, block_hashes=request.block_hashes
+        )
         if hit > 0 and self.enable_kv_cache_events and getattr(request, "kv_cache_report_mode", "incremental") == "full":
-            self._emit_cached_block_events(request, counts)
+            self._emit_cached_block_events(request, [len(g) for g in groups])
         boundary = hit + uncached if uncached else 0
-        if not ids:
+        if not any(groups):
             st[1] = -1
             return self.empty_kv_cache_blocks, hit, boundary
         self._hit_gen += 1
         st[1] = self._hit_gen
-        groups: list[list[int]] = []
-        off = 0
-        for c in counts:
-            groups.append(ids[off : off + c])
-            off += c
-        return _HitBlocks(self._alloc, tuple(groups), self._hit_gen), hit, boundary
+        return _HitBlocks(self._alloc, groups, self._hit_gen), hit, boundary
 
     def _emit_cached_block_events(self, request: Request, counts: list[int]) -> None:
         hashes = request.block_hashes
@@ -547,29 +697,24 @@ class HybridKVCacheManager:
                 continue
             bs = self.kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size
             scale = bs // self.block_pool.hash_block_size
-            extra: list[Any] = []
-            mm_idx = 0
-            for i in range(n):
-                k, mm_idx = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
-                extra.append(k)
-            lora = request.lora_request
             self._events.append(
-                BlockStored(
-                    block_hashes=[maybe_convert_block_hash(hashes[(i + 1) * scale - 1]) for i in range(n)],
-                    parent_block_hash=None,
-                    token_ids=request.all_token_ids[0 : n * bs],
-                    block_size=bs,
-                    lora_id=lora.adapter_id if lora else None,
-                    medium=MEDIUM_GPU,
-                    lora_name=lora.name if lora else None,
-                    extra_keys=to_event_extra_keys(extra),
-                    group_idx=g,
-                    session_id=request.session_id,
+                self._block_stored(
+                    request,
+                    [maybe_convert_block_hash(hashes[(i + 1) * scale - 1]) for i in range(n)],
+                    None,
+                    0,
+                    n * bs,
+                    bs,
+                    g,
+                    range(n),
                 )
             )
 
-    def get_computed_blocks_for_connector(self, request: Request) -> tuple[KVCacheBlocks, int, int, bool]:
-        return *self.get_computed_blocks(request), False
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        # vLLM's per-group path applies only with Mamba layers, which fall back.
+        return *self.get_computed_blocks(request, max_cache_hit_length), False
 
     def allocate_slots(
         self,
@@ -592,44 +737,39 @@ class HybridKVCacheManager:
         ``__init__``: it serves, in Rust, a plain step of a running request (no new hit, no
         other keyword) and calls this method for everything else."""
         st = self._state(request)
-        hit_mode = 0
-        hit_ids = hit_counts = None
+        hit: Hit | tuple[list[int], ...] = Hit.NONE
         if new_computed_blocks is not None and new_computed_blocks is not self.empty_kv_cache_blocks:
             if type(new_computed_blocks) is _HitBlocks and new_computed_blocks._gen == st[1]:
-                hit_mode = 1
+                hit = Hit.STORED
             else:
                 groups = new_computed_blocks.get_block_ids()
                 if any(groups):
-                    hit_mode = 2
-                    hit_ids = [b for g in groups for b in g]
-                    hit_counts = [len(g) for g in groups]
+                    hit = groups
         watermark = self.watermark_blocks > 0 and has_scheduled_reqs and request.status in _WAITING_OR_PREEMPTED
         res = self._alloc.allocate_slots(
             st[0],
-            request.block_hashes,
             num_new_tokens,
-            num_new_computed_tokens,
-            hit_mode,
-            hit_ids,
-            hit_counts,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-            watermark,
-            request.num_computed_tokens,
-            request.num_in_flight_tokens,
-            request.num_prompt_tokens,
-            request.num_tokens,
-            request.shared_prefix_boundary,
-        )[0]
+            block_hashes=request.block_hashes,
+            hit=hit,
+            num_new_computed_tokens=num_new_computed_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+            num_external_computed_tokens=num_external_computed_tokens,
+            delay_cache_blocks=delay_cache_blocks,
+            num_encoder_tokens=num_encoder_tokens,
+            full_sequence_must_fit=full_sequence_must_fit,
+            reserved_blocks=reserved_blocks,
+            apply_watermark=watermark,
+            num_computed_tokens=request.num_computed_tokens,
+            num_in_flight_tokens=request.num_in_flight_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_tokens=request.num_tokens,
+            shared_prefix_boundary=request.shared_prefix_boundary,
+        )
         if self.enable_kv_cache_events and self._alloc.has_events:
             self._drain_events(request)
         if res is None:
             return None
-        if res == 0:
+        if not any(res):
             return self.empty_kv_cache_blocks
         return NativeKVCacheBlocks(self._alloc, res)
 
@@ -652,6 +792,11 @@ class HybridKVCacheManager:
             return []
         request._hybrid_alloc_handle = -1
         ids = self._alloc.pop_blocks_for_free(st[0])
+        if TRIM_NULL_HEAD:
+            # vLLM 0.33 drops each group's leading null blocks (``trim_null_head``). In the
+            # tables the core serves, null blocks only ever lead a table (skipped blocks of
+            # a window or chunk, a hit's skipped prefix), so dropping every null is that.
+            ids = [b for b in ids if b != 0]
         return [NativeBlock(self._alloc, b) for b in ids]
 
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -723,10 +868,10 @@ class HybridKVCacheManager:
         st = self._state(request)
         self._alloc.cache_blocks(
             st[0],
-            request.block_hashes,
             num_computed_tokens,
-            request.num_prompt_tokens,
-            request.shared_prefix_boundary,
+            block_hashes=request.block_hashes,
+            num_prompt_tokens=request.num_prompt_tokens,
+            shared_prefix_boundary=request.shared_prefix_boundary,
         )
         if self.enable_kv_cache_events and self._alloc.has_events:
             self._drain_events(request)
@@ -769,4 +914,4 @@ class HybridKVCacheManager:
 
     def check_invariants(self) -> None:
         """Checks the native core's invariants (tests)."""
-        self._alloc.check_invariants(exact_refs=False)
+        self._alloc.check_invariants()
