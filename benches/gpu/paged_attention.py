@@ -9,8 +9,9 @@ What runs:
 - hybrid_alloc's native allocator (``hybrid_alloc.Allocator``, no vLLM) serves N requests the
   way vLLM's scheduler drives it for gemma-2-27b: two KV cache groups, sliding window
   (``--window``, 4096) and full attention, block size 16, one pool. Each decode step makes
-  one ``step`` call per request, except the steps the allocator's no-op limits prove change
-  nothing (as the vLLM adapter's FastAllocate does), and the new block ids are appended to
+  one ``allocate_slots`` call per request (and reads its new no-op limits), except the steps
+  the allocator's no-op limits prove change nothing (as the vLLM adapter's FastAllocate
+  does), and the new block ids are appended to
   per-group block tables, as vLLM's worker does with ``new_block_ids``. The pool is sized
   tightly, so the sliding-window blocks that leave the window are recycled to other
   requests, which overwrite them.
@@ -104,12 +105,12 @@ class Batch:
         """Request i's prefill allocation (its whole prompt)."""
         p = self.prompt[i]
         h = self.alloc.add_request()
-        res, slots, processed, cached = self.alloc.step(h, None, p, 0, 0, 0, p, p, 0)
-        if not isinstance(res, tuple):
-            raise RuntimeError(f"request {i}: the prompt does not fit ({res!r})")
+        res = self.alloc.allocate_slots(h, p, num_computed_tokens=0, num_prompt_tokens=p, num_tokens=p)
+        if res is None:
+            raise RuntimeError(f"request {i}: the prompt does not fit")
         self.handles.append(h)
         self.lengths.append(0)
-        self.limits.append((slots, processed, cached))
+        self.limits.append(self.alloc.noop_limits(h))
         self.released.append({})
         for g in (self.SWA, self.FULL):
             self.tables[g].append(list(res[g]))
@@ -137,16 +138,17 @@ class Batch:
             if computed + 1 <= slots and computed < processed:
                 new_pos.append(pos)  # nothing to allocate or free: no crossing (as FastAllocate)
                 continue
-            res, slots, processed, cached = self.alloc.step(h, None, 1, 0, computed, 0, self.prompt[i], pos + 1, 0)
+            res = self.alloc.allocate_slots(
+                h, 1, num_computed_tokens=computed, num_prompt_tokens=self.prompt[i], num_tokens=pos + 1
+            )
             self.crossings += 1
-            self.limits[i] = (slots, processed, cached)
+            self.limits[i] = self.alloc.noop_limits(h)
             if res is None:
                 raise RuntimeError(f"request {i}: out of blocks at position {pos}")
-            if isinstance(res, tuple):
-                for g in (self.SWA, self.FULL):
-                    self.tables[g][i].extend(res[g])
-                    for b in res[g]:
-                        self.owners.setdefault(b, set()).add(i)
+            for g in (self.SWA, self.FULL):
+                self.tables[g][i].extend(res[g])
+                for b in res[g]:
+                    self.owners.setdefault(b, set()).add(i)
             new_pos.append(pos)
         self.cpu_ns.append(pc() - t0)
         return new_pos
