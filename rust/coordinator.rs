@@ -945,8 +945,13 @@ impl Allocator {
         let lim = self.reqs[s as usize].noop;
         let to_cache = nc + new;
         if new > 0 && to_cache + look <= lim.slots as u64 {
-            let inflight = token_count("num_in_flight_tokens", req.num_in_flight_tokens()?)? as u64;
-            if nc.saturating_sub(inflight) < lim.processed as u64
+            // In-flight tokens only lower `nc - inflight`: below the limit with `nc` alone,
+            // `num_in_flight_tokens` is not read (a decode step of full attention, or of a
+            // window longer than the context, reads one field fewer).
+            let below = nc < lim.processed as u64
+                || nc.saturating_sub(token_count("num_in_flight_tokens", req.num_in_flight_tokens()?)? as u64)
+                    < lim.processed as u64;
+            if below
                 && (to_cache < lim.cached as u64
                     || (token_count("num_tokens", req.num_tokens()?)? as u64) < lim.cached as u64)
             {
