@@ -66,6 +66,8 @@ mod py;
 
 pub use block_pool::Event;
 pub use config::{AttentionKind, Config, CoordinatorKind, GroupSpec};
-pub use coordinator::{AllocateArgs, Allocator, Hit, NewComputed};
+pub use coordinator::{
+    token_count, AllocateArgs, Allocator, HashSource, Hit, NewComputed, NoopLimits, PlainStep, StepFields,
+};
 pub use error::{Error, Result};
-pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, NULL_BLOCK};
+pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};

@@ -378,7 +378,7 @@ impl Harness {
                 .map(|h| ReqSnapshot {
                     h,
                     tables: self.tables(h),
-                    num_cached: self.a.managers().iter().map(|m| m.num_cached(h)).collect(),
+                    num_cached: self.a.managers().iter().map(|m| m.num_cached(h as u32)).collect(),
                     stored_hits: (0..self.ng()).map(|g| self.a.stored_hit(h, g).unwrap().to_vec()).collect(),
                     hashes: self.a.hashes(h).unwrap().to_vec(),
                 })
@@ -418,7 +418,7 @@ impl Harness {
     // ---- checks after every operation ---------------------------------------------------
 
     fn check_all(&self) {
-        invariants::check_with(&self.a, self.popped.is_empty()).unwrap();
+        invariants::check(&self.a).unwrap();
         let nb = self.num_blocks();
         assert_eq!(self.a.num_requests(), self.reqs.len(), "live request count");
         let mut held: HashSet<BlockId> = HashSet::new();
@@ -445,7 +445,7 @@ impl Harness {
                     assert!(mine.insert(b), "block {b} twice in request {}", r.h);
                 }
                 // num_cached and the hashes blocks hold.
-                let nc = m.num_cached(r.h);
+                let nc = m.num_cached(r.h as u32);
                 let expect_nc = r.cached[g];
                 assert_eq!(nc, expect_nc, "num_cached of {} group {g}", r.h);
                 for (i, &b) in t.iter().enumerate() {
@@ -1004,7 +1004,7 @@ impl Harness {
             let Some(i) = self.pick(pick, |r| r.running) else { return };
             let r = self.reqs[i].clone();
             let hit = self.a.find_longest_cache_hit(r.h, r.num_tokens - 1).unwrap();
-            let tracked = self.a.managers().iter().any(|m| m.is_tracked(r.h));
+            let tracked = self.a.managers().iter().any(|m| m.is_tracked(r.h as u32));
             if hit.num_tokens == 0 || !tracked {
                 return;
             }
@@ -1019,11 +1019,11 @@ impl Harness {
         let tracked = self
             .pick(pick, |r| r.running)
             .map(|i| self.reqs[i].h)
-            .filter(|&h| self.a.managers().iter().any(|m| m.is_tracked(h)));
+            .filter(|&h| self.a.managers().iter().any(|m| m.is_tracked(h as u32)));
         let untracked = self
             .pick(pick, |r| r.running && r.max_slots > 0)
             .map(|i| self.reqs[i].h)
-            .filter(|&h| self.a.managers().iter().all(|m| !m.is_tracked(h)));
+            .filter(|&h| self.a.managers().iter().all(|m| !m.is_tracked(h as u32)));
         let valid_hit: Vec<Vec<BlockId>> = (0..ng).map(|g| if g == 0 { vec![1] } else { Vec::new() }).collect();
         let before = self.snapshot();
         let err = match kind {
