@@ -15,6 +15,7 @@
 use crate::error::{Error, Result};
 use crate::free_queue::{try_filled, FreeQueue};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, NULL_BLOCK};
+use crate::policy::{Level, LEVEL_NORMAL, NUM_LEVELS};
 use crate::prefix_index::{HashKey, PrefixIndex};
 
 /// A KV cache event, in the order vLLM emits them. `Stored` carries what the vLLM adapter
@@ -68,6 +69,9 @@ pub struct BlockPool {
     pub(crate) hash_tokens: Vec<u32>,
     /// Free blocks in eviction order.
     pub(crate) queue: FreeQueue,
+    /// Retention level of each block (the `hit-aware` policy): where a cached block goes
+    /// when freed. Empty under `exact`, whose queue has a single LRU level.
+    pub(crate) level: Vec<Level>,
     /// Cached blocks by hash key.
     pub(crate) index: PrefixIndex,
     /// Prefix caching on.
@@ -88,6 +92,15 @@ impl BlockPool {
     /// # Errors
     /// [`Error::OutOfMemory`] when the metadata of `num_blocks` blocks cannot be allocated.
     pub fn try_new(num_blocks: u32, enable_caching: bool, enable_events: bool) -> Result<Self> {
+        Self::try_new_leveled(num_blocks, enable_caching, enable_events, false)
+    }
+
+    /// [`Self::try_new`], with a free queue split into retention levels when `leveled`
+    /// (the `hit-aware` policy; see [`crate::policy`]).
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] when the metadata of `num_blocks` blocks cannot be allocated.
+    pub fn try_new_leveled(num_blocks: u32, enable_caching: bool, enable_events: bool, leveled: bool) -> Result<Self> {
         let oom = |what: &str| {
             let what = what.to_string();
             move |e: std::collections::TryReserveError| {
@@ -103,7 +116,13 @@ impl BlockPool {
         };
         let hash = try_filled(n, None).map_err(oom("block hashes"))?;
         let hash_tokens = try_filled(n, 0).map_err(oom("block hashes"))?;
-        let mut queue = FreeQueue::try_new(num_blocks).map_err(oom("the free queue"))?;
+        let mut queue = if leveled {
+            FreeQueue::try_new_with_levels(num_blocks, NUM_LEVELS)
+        } else {
+            FreeQueue::try_new(num_blocks)
+        }
+        .map_err(oom("the free queue"))?;
+        let level = if leveled { try_filled(n, LEVEL_NORMAL).map_err(oom("block levels"))? } else { Vec::new() };
         let null = queue.pop_front();
         debug_assert_eq!(null, Some(NULL_BLOCK));
         Ok(Self {
@@ -113,6 +132,7 @@ impl BlockPool {
             hash,
             hash_tokens,
             queue,
+            level,
             index,
             enable_caching,
             enable_events,
@@ -192,6 +212,30 @@ impl BlockPool {
         self.queue.iter().collect()
     }
 
+    /// Whether the free queue has retention levels (the `hit-aware` policy).
+    #[inline]
+    pub fn is_leveled(&self) -> bool {
+        !self.level.is_empty()
+    }
+
+    /// Retention level of `b` (`LEVEL_NORMAL` without levels).
+    pub fn level(&self, b: BlockId) -> Level {
+        self.level.get(b as usize).copied().unwrap_or(LEVEL_NORMAL)
+    }
+
+    /// Sets the retention level `b` gets when freed; a free block moves to the back of its
+    /// new level now. No-op without levels or for the null block.
+    pub(crate) fn set_level(&mut self, b: BlockId, lvl: Level) {
+        if self.level.is_empty() || b == NULL_BLOCK {
+            return;
+        }
+        self.level[b as usize] = lvl;
+        if self.ref_cnt[b as usize] == 0 && self.hash[b as usize].is_some() {
+            self.queue.remove(b);
+            self.queue.push_back_level(b, lvl);
+        }
+    }
+
     /// The first cached block for `hash` in every group of `groups`, or `None` on any miss
     /// (vLLM's `get_cached_block`). Writes into `out` (cleared first).
     #[inline]
@@ -262,8 +306,10 @@ impl BlockPool {
             if *rc == 0 {
                 if self.hash[b as usize].is_none() || !self.enable_caching {
                     first.push(b);
-                } else {
+                } else if self.level.is_empty() {
                     last.push(b);
+                } else {
+                    self.queue.push_back_level(b, self.level[b as usize]);
                 }
             }
         }
@@ -313,6 +359,9 @@ impl BlockPool {
             );
             self.hash[b as usize] = Some(key);
             self.hash_tokens[b as usize] = (i + 1) * block_size;
+            if let Some(l) = self.level.get_mut(b as usize) {
+                *l = LEVEL_NORMAL;
+            }
             self.index.insert(key, b);
             if self.enable_events {
                 ev_hashes.push(h);

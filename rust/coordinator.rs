@@ -16,6 +16,7 @@ use crate::config::{AttentionKind, Config, CoordinatorKind};
 use crate::error::{Error, Result};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
 use crate::manager::{cdiv, find_longest_cache_hit, HashView, SingleTypeManager};
+use crate::policy::{Level, Policy, LEVEL_NORMAL, LEVEL_SPECULATIVE};
 
 /// Groups with equal specs, looked up together (vLLM's `SpecGroup`).
 #[derive(Clone, Debug)]
@@ -209,6 +210,8 @@ pub struct Hit {
 #[derive(Clone, Debug)]
 pub struct Allocator {
     cfg: Config,
+    /// The retention policy (see [`crate::policy`]); fixed at construction.
+    policy: Policy,
     kind: CoordinatorKind,
     pool: BlockPool,
     managers: Vec<SingleTypeManager>,
@@ -236,10 +239,19 @@ impl Allocator {
     /// What [`Config::validate`] reports; [`Error::OutOfMemory`] when the pool's metadata
     /// cannot be allocated.
     pub fn new(cfg: Config) -> Result<Self> {
+        Self::with_policy(cfg, Policy::Exact)
+    }
+
+    /// Builds an allocator with a retention policy ([`Policy::Exact`] is [`Self::new`]).
+    ///
+    /// # Errors
+    /// Those of [`Self::new`].
+    pub fn with_policy(cfg: Config, policy: Policy) -> Result<Self> {
         cfg.validate()?;
         let kind = cfg.coordinator_kind();
         let caching = cfg.enable_caching;
-        let pool = BlockPool::try_new(cfg.num_blocks, caching, cfg.enable_events)?;
+        let leveled = policy == Policy::HitAware && caching;
+        let pool = BlockPool::try_new_leveled(cfg.num_blocks, caching, cfg.enable_events, leveled)?;
         let align = cfg.cache_hit_alignment_tokens();
         let managers = cfg
             .groups
@@ -268,6 +280,7 @@ impl Allocator {
         spec_groups.sort_by_key(|s| !s.kind.is_full());
         let n = cfg.groups.len();
         Ok(Self {
+            policy,
             kind,
             pool,
             managers,
@@ -286,6 +299,11 @@ impl Allocator {
     /// The configuration.
     pub fn config(&self) -> &Config {
         &self.cfg
+    }
+
+    /// The retention policy.
+    pub fn policy(&self) -> Policy {
+        self.policy
     }
 
     /// The block pool (read-only).
@@ -873,6 +891,11 @@ impl Allocator {
         }
         if adopts {
             self.allocate_new_computed_blocks(s, nc, num_local, a.num_external_computed_tokens);
+            if self.pool.is_leveled() {
+                for m in &self.managers {
+                    m.promote_hit(&mut self.pool, s);
+                }
+            }
         }
         self.out_ids.clear();
         for (g, m) in self.managers.iter_mut().enumerate() {
@@ -1078,9 +1101,35 @@ impl Allocator {
     /// # Errors
     /// Unknown handle (a double free is one).
     pub fn free(&mut self, h: ReqHandle) -> Result<()> {
+        self.free_with_level(h, LEVEL_NORMAL)
+    }
+
+    /// [`Self::free`] with a retention level for what the request leaves cached: under
+    /// `hit-aware`, its full-attention prefix and the window tail ending at its last cached
+    /// block keep at least `level` ([`crate::policy::LEVEL_PINNED`] for a request with a
+    /// retention priority), and its blocks are freed in token-position order across groups
+    /// (a hit unit together). Under `exact`, `level` is ignored: vLLM's `free`.
+    ///
+    /// # Errors
+    /// Unknown handle (a double free is one).
+    pub fn free_with_level(&mut self, h: ReqHandle, level: Level) -> Result<()> {
         let s = self.slot(h)?;
-        for m in self.managers.iter_mut() {
-            m.free(&mut self.pool, s);
+        if self.pool.is_leveled() {
+            let mut blocks = Vec::new();
+            for m in self.managers.iter() {
+                m.promote_for_free(&mut self.pool, s, level.max(LEVEL_NORMAL), LEVEL_SPECULATIVE);
+                m.positioned_blocks(s, &mut blocks);
+            }
+            // Tail first; at equal positions, group order (vLLM frees group after group).
+            blocks.sort_unstable_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
+            for m in self.managers.iter_mut() {
+                m.forget(s);
+            }
+            self.pool.free_blocks(blocks.iter().map(|x| x.2));
+        } else {
+            for m in self.managers.iter_mut() {
+                m.free(&mut self.pool, s);
+            }
         }
         self.release(s);
         Ok(())

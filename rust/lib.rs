@@ -59,6 +59,7 @@ pub mod free_queue;
 pub mod ids;
 pub mod invariants;
 pub mod manager;
+pub mod policy;
 pub mod prefix_index;
 
 #[cfg(feature = "python")]
@@ -71,3 +72,4 @@ pub use coordinator::{
 };
 pub use error::{Error, Result};
 pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
+pub use policy::Policy;

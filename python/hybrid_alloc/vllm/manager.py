@@ -14,6 +14,7 @@ vLLM's own ``KVCacheManager`` instead and logs one line saying why.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -63,6 +64,21 @@ _FULL_TYPES = (FullAttentionSpec, MLAAttentionSpec)
 # Set by the plugin around ``Scheduler.__init__``: the config being scheduled, so the
 # manager can see what its constructor arguments do not say (a KV connector, ...).
 current_vllm_config: Any = None
+
+
+# The retention policy (issue 9): "exact" (vLLM's decisions) or "hit-aware"; read when a
+# manager is built.
+POLICY_ENV = "HYBRID_ALLOC_POLICY"
+_POLICIES = ("exact", "hit-aware")
+
+
+def _policy_from_env() -> str:
+    raw = os.environ.get(POLICY_ENV, "exact").strip().lower().replace("_", "-")
+    if raw in ("", "exact"):
+        return "exact"
+    if raw == "hit-aware":
+        return raw
+    raise Unsupported(f"{POLICY_ENV}={os.environ.get(POLICY_ENV)!r} is not one of {', '.join(_POLICIES)}")
 
 
 class Unsupported(Exception):
@@ -150,6 +166,9 @@ def native_config_or_reason(
             watermark_blocks=int(watermark * kv_cache_config.num_blocks),
             retention_interval=kv_cache_config.prefix_cache_retention_interval,
         )
+        policy = _policy_from_env()
+        if policy != "exact":
+            args["policy"] = policy
         Allocator(**args)  # validates; UnsupportedConfigError names what is not served
         return args, ""
     except Unsupported as e:
@@ -428,7 +447,7 @@ class HybridKVCacheManager:
             self._drain_events if enable_kv_cache_events else None,
         )
         logger.info(
-            "hybrid_alloc: native KV cache manager serving %d group(s): %s; %d blocks, prefix caching %s",
+            "hybrid_alloc: native KV cache manager serving %d group(s): %s; %d blocks, prefix caching %s, policy %s",
             self.num_kv_cache_groups,
             ", ".join(
                 f"{k}" + (f"(window={p1})" if k == "sliding_window" else f"(chunk={p1})" if k == "chunked_local" else "")
@@ -437,6 +456,7 @@ class HybridKVCacheManager:
             ),
             kv_cache_config.num_blocks,
             "on" if enable_caching else "off",
+            native.get("policy", "exact"),
         )
 
     # ---- helpers ----------------------------------------------------------------------
