@@ -26,6 +26,16 @@ pub fn check(a: &Allocator) -> Result<(), String> {
     if queued != pool.queue.len() || pool.queue.iter().count() as u32 != queued {
         return Err(format!("free queue length {} but {queued} blocks have ref_cnt 0", pool.queue.len()));
     }
+    if pool.is_leveled() {
+        // Hit-aware: a free cached block sits in the segment of its retention level.
+        for (k, seg) in pool.queue.iter_levels().iter().enumerate() {
+            for &b in seg {
+                if pool.block_hash(b).is_some() && pool.level(b) as usize != k {
+                    return Err(format!("free cached block {b} of level {} queued at level {k}", pool.level(b)));
+                }
+            }
+        }
+    }
     if pool.block_hash(NULL_BLOCK).is_some() {
         return Err("the null block is hashed".into());
     }
