@@ -1202,6 +1202,75 @@ impl Allocator {
         Ok(())
     }
 
+    /// Pins a prefix (e.g. a system prompt) given by its block hashes at `hash_block_size`
+    /// granularity (`hashes[i]` covers tokens `0..(i + 1) * hash_block_size`), under the
+    /// `hit-aware` policy: the blocks a hit on the whole prefix needs (every block of a
+    /// full-attention or chunked group, the window tail at its end in a sliding-window
+    /// group) are freed at [`crate::policy::LEVEL_PINNED`], evicted after every other cached
+    /// block, within the pinned share ([`Self::set_pinned_share`]). Blocks cached now are
+    /// pinned now; the others when they are cached. Returns the hash keys pinned in all.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] under `exact` or with prefix caching off (vLLM has no
+    /// pinning); [`Error::OutOfRange`] when the pinned keys would exceed the pinned share
+    /// (nothing changes).
+    pub fn pin_prefix(&mut self, hashes: &[BlockHash]) -> Result<u32> {
+        if !self.pool.is_leveled() {
+            return Err(Error::Unsupported(
+                "pinning a prefix needs the hit-aware policy with prefix caching on".into(),
+            ));
+        }
+        let mut keys = Vec::new();
+        for m in &self.managers {
+            if matches!(m.spec.kind, AttentionKind::Cross) {
+                continue;
+            }
+            let view = HashView { hashes, scale: m.block_size() / self.cfg.hash_block_size };
+            let n = view.len();
+            let from = m.hit_tail_blocks().map_or(0, |t| n.saturating_sub(t));
+            keys.extend((from..n).map(|i| (view.get(i), m.group_id)));
+        }
+        keys.retain(|k| !self.pool.pinned_keys.contains(k));
+        keys.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()).then(a.1.cmp(&b.1)));
+        keys.dedup();
+        let total = self.pool.pinned_keys.len() as u64 + keys.len() as u64;
+        if total > self.pool.pinned_cap() as u64 {
+            return Err(Error::OutOfRange(format!(
+                "pinning {} more blocks would pin {total}, above the pinned share of {} blocks",
+                keys.len(),
+                self.pool.pinned_cap()
+            )));
+        }
+        for k in &keys {
+            self.pool.pinned_keys.insert(*k);
+            if let Some(b) = self.pool.index.get_one(k) {
+                self.pool.set_level(b, crate::policy::LEVEL_PINNED);
+            }
+        }
+        Ok(total as u32)
+    }
+
+    /// Sets the pinned share of the pool (`0.0..=1.0`, default 0.25): at most that fraction
+    /// of the blocks may be pinned keys, or free at the pinned level (past it the oldest
+    /// free pinned block is demoted to the normal LRU).
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] for a share outside `0.0..=1.0` or below the keys pinned.
+    pub fn set_pinned_share(&mut self, share: f64) -> Result<()> {
+        if !(0.0..=1.0).contains(&share) {
+            return Err(Error::OutOfRange(format!("pinned share {share} is outside 0.0..=1.0")));
+        }
+        let cap = ((self.pool.num_blocks() - 1) as f64 * share).floor() as u32;
+        if (self.pool.pinned_keys.len() as u64) > cap as u64 {
+            return Err(Error::OutOfRange(format!(
+                "a pinned share of {cap} blocks is below the {} blocks already pinned",
+                self.pool.pinned_keys.len()
+            )));
+        }
+        self.pool.set_pinned_cap(cap);
+        Ok(())
+    }
+
     /// Clears the prefix cache when no block is in use (vLLM's `reset_prefix_cache`).
     pub fn reset_prefix_cache(&mut self) -> bool {
         self.pool.reset_prefix_cache()

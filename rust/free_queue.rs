@@ -193,6 +193,18 @@ impl FreeQueue {
         self.link_after(last, b);
     }
 
+    /// The first block queued at retention level `level` (`None` when that level is empty
+    /// or the queue has no such level).
+    pub fn first_in_level(&self, level: u8) -> Option<BlockId> {
+        let k = level as usize;
+        if k >= self.ends.len().max(1) {
+            return None;
+        }
+        let start = if k == 0 { self.head } else { self.ends[k - 1] };
+        let b = self.next[start as usize];
+        (b != self.tail && !self.is_sentinel(b)).then_some(b)
+    }
+
     /// Appends `blocks` at the back, in order.
     pub fn push_back_n(&mut self, blocks: &[BlockId]) {
         for &b in blocks {
@@ -294,6 +306,9 @@ mod tests {
         assert_eq!(q.len(), 6);
         assert_eq!(q.iter().collect::<Vec<_>>(), vec![5, 4, 2, 1, 3, 0]);
         assert_eq!(q.iter_levels(), vec![vec![5, 4], vec![2], vec![1, 3, 0]]);
+        assert_eq!(q.first_in_level(1), Some(2));
+        assert_eq!(q.first_in_level(2), Some(1));
+        assert_eq!(q.first_in_level(3), None);
         q.remove(2);
         assert_eq!(q.pop_front(), Some(5));
         assert_eq!(q.pop_front(), Some(4));

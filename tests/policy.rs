@@ -261,6 +261,18 @@ impl Model {
         self.a.free_with_level(r.h, level).unwrap();
     }
 
+    /// Pins a family's prefix (refused past the pinned share).
+    fn pin(&mut self, pick: u16) {
+        let f = &self.families[pick as usize % self.families.len()];
+        let k = (pick as usize / 3) % f.len() + 1;
+        let hashes: Vec<BlockHash> = chain_of(&f[..k]).into_iter().map(BlockHash::from_u64).collect();
+        let before = self.a.pool().pinned_cap();
+        match self.a.pin_prefix(&hashes) {
+            Ok(n) => assert!(n <= before),
+            Err(e) => assert!(e.to_string().contains("pinned share"), "{e}"),
+        }
+    }
+
     fn evict(&mut self, ids: &[u8]) {
         let n = self.a.pool().num_blocks();
         let ids: Vec<BlockId> = ids.iter().map(|&x| x as u32 % n).collect();
@@ -314,6 +326,8 @@ enum Op {
     Free { pick: u16, retain: bool },
     Evict(Vec<u8>),
     Reset,
+    Pin { pick: u16 },
+    Share(u8),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -324,6 +338,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (any::<u16>(), any::<bool>()).prop_map(|(pick, retain)| Op::Free { pick, retain }),
         1 => proptest::collection::vec(any::<u8>(), 0..4).prop_map(Op::Evict),
         1 => Just(Op::Reset),
+        1 => any::<u16>().prop_map(|pick| Op::Pin { pick }),
+        1 => any::<u8>().prop_map(Op::Share),
     ]
 }
 
@@ -346,6 +362,11 @@ fn run(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>, ops: &[
             Op::Evict(ids) => m.evict(ids),
             Op::Reset => {
                 m.a.reset_prefix_cache();
+            }
+            Op::Pin { pick } => m.pin(*pick),
+            Op::Share(x) => {
+                // Refused (and nothing changes) when below what is pinned.
+                let _ = m.a.set_pinned_share(*x as f64 / 255.0);
             }
         }
         m.check();
@@ -476,4 +497,79 @@ fn allocator_exact_policy_is_default_and_keeps_one_lru_level() {
     assert!(!a.pool().is_leveled());
     let b = Allocator::with_policy(config(&[AttentionKind::Full, swa(9)], 32, Some(0)), Policy::HitAware).unwrap();
     assert!(b.pool().is_leveled());
+}
+
+#[test]
+fn pin_prefix_hit_aware_survives_pressure_that_evicts_unpinned() {
+    let mut m = Model::new(&[AttentionKind::Full, swa(9)], 64, Some(0), Policy::HitAware);
+    // Pin family 0's first 6 blocks, then run it once and let it finish.
+    let fam: Vec<u64> = m.families[0][..6].to_vec();
+    let hashes: Vec<BlockHash> = chain_of(&fam).into_iter().map(BlockHash::from_u64).collect();
+    // Full group: 6 blocks; window group (need 2): 2 blocks.
+    assert_eq!(m.a.pin_prefix(&hashes).unwrap(), 8);
+    m.add(1, 15, 0, 0); // family 0, 6 blocks (pick 15: 15 / 3 % 24 + 1 = 6), 1 own block
+    while !m.live.is_empty() {
+        m.step(0);
+    }
+    m.check();
+    // Flood the pool with unrelated requests, one after the other.
+    for _ in 0..12 {
+        m.add(0, 0, 5, 3);
+        while !m.live.is_empty() {
+            m.step(0);
+        }
+        m.check();
+    }
+    // The pinned prefix still hits whole.
+    let before = m.hit_tokens;
+    m.add(1, 15, 1, 0);
+    m.check();
+    assert_eq!(m.hit_tokens - before, 24, "the pinned 6-block prefix was evicted");
+    // Unpinned: same flood, the prefix is gone.
+    let mut u = Model::new(&[AttentionKind::Full, swa(9)], 64, Some(0), Policy::HitAware);
+    u.add(1, 15, 0, 0);
+    while !u.live.is_empty() {
+        u.step(0);
+    }
+    for _ in 0..12 {
+        u.add(0, 0, 5, 3);
+        while !u.live.is_empty() {
+            u.step(0);
+        }
+    }
+    let before = u.hit_tokens;
+    u.add(1, 15, 1, 0);
+    assert!(u.hit_tokens - before < 24, "the flood does not evict: the test proves nothing");
+}
+
+#[test]
+fn pin_prefix_past_share_refused_and_exact_refuses_pinning() {
+    let mut a = Allocator::with_policy(config(&[AttentionKind::Full, swa(9)], 41, Some(0)), Policy::HitAware).unwrap();
+    a.set_pinned_share(0.1).unwrap(); // 4 blocks
+    let hashes: Vec<BlockHash> = chain_of(&[1, 2, 3, 4]).into_iter().map(BlockHash::from_u64).collect();
+    let err = a.pin_prefix(&hashes).unwrap_err();
+    assert!(err.to_string().contains("pinned share"), "{err}");
+    assert_eq!(a.pin_prefix(&hashes[..2]).unwrap(), 4);
+    assert!(a.set_pinned_share(0.05).is_err());
+    assert!(a.set_pinned_share(1.5).is_err());
+    let mut e = Allocator::new(config(&[AttentionKind::Full, swa(9)], 41, Some(0))).unwrap();
+    assert!(e.pin_prefix(&hashes).is_err());
+}
+
+#[test]
+fn free_retained_hit_aware_keeps_within_pinned_share() {
+    let mut m = Model::new(&[AttentionKind::Full, swa(9)], 64, Some(0), Policy::HitAware);
+    m.a.set_pinned_share(0.1).unwrap(); // 6 blocks
+    for _ in 0..4 {
+        m.add(0, 0, 5, 3);
+        while m.live.len() == 1 && m.live[0].num_tokens - m.live[0].prompt + 1 < m.live[0].max_tokens {
+            m.step(0);
+        }
+        if !m.live.is_empty() {
+            m.finish(0, true);
+        }
+        m.check();
+        assert!(m.a.pool().pinned_free() <= 6);
+    }
+    assert_eq!(m.a.pool().pinned_free(), 6, "retained requests fill the pinned share");
 }

@@ -112,12 +112,12 @@ def workloads(size: str) -> list[Workload]:
         return [
             chat_workload(48, 6, 1024, 16),
             shared_workload(8, 2048, 256, (300, 800), 16),
-            resend_workload(16, (5000, 6000), 4, (16, 64), 4),
+            resend_workload(16, (5000, 6000), 4, (16, 64), 16),
         ]
     return [
         chat_workload(8, 3, 1024, 4, user=(32, 96), reply=(48, 96)),
         shared_workload(2, 1024, 12, (100, 300), 4, out_len=32),
-        resend_workload(4, (1500, 2000), 3, (16, 48), 2, out_len=16),
+        resend_workload(4, (1500, 2000), 3, (16, 48), 4, out_len=16),
     ]
 
 

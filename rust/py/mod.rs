@@ -400,6 +400,23 @@ impl PyAllocator {
         Ok(self.core()?.free_with_level(handle_arg(handle)?, level)?)
     }
 
+    /// Pins a prefix given by its block hashes (`bytes`, at hash block size) under the
+    /// hit-aware policy: what a hit on the whole prefix needs is evicted after every other
+    /// cached block, within the pinned share. Returns the blocks pinned in all.
+    fn pin_prefix(&self, block_hashes: &Bound<'_, PyList>) -> PyResult<u32> {
+        let src = PyHashes(block_hashes);
+        let mut hashes = Vec::with_capacity(src.len());
+        for i in 0..src.len() {
+            hashes.push(src.get(i)?);
+        }
+        Ok(self.core()?.pin_prefix(&hashes)?)
+    }
+
+    /// Sets the pinned share of the pool (0.0 to 1.0; default 0.25).
+    fn set_pinned_share(&self, share: f64) -> PyResult<()> {
+        Ok(self.core()?.set_pinned_share(share)?)
+    }
+
     /// The retention policy: "exact" or "hit-aware".
     #[getter]
     fn policy(&self) -> PyResult<&'static str> {
