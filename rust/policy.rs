@@ -11,7 +11,9 @@
 //!      hands out every free speculative block before any block at [`LEVEL_NORMAL`]. So they
 //!      only ever use memory nothing else wants (with `exact` those blocks would be
 //!      unhashed and free anyway): they cannot flood the LRU as dense retention (`None`)
-//!      does.
+//!      does. Those within one window before a boundary's tail go to [`LEVEL_NEAR`],
+//!      evicted after the other speculative blocks: a prefix shared up to a little before a
+//!      prompt's end stays servable longest.
 //!   2. *The window tail where the next turn resumes.* When a request ends (`free`), the
 //!      window tail ending at its last cached block (its whole sequence: prompt and reply)
 //!      is promoted to [`LEVEL_NORMAL`], so a chat's next turn, which re-sends the
@@ -77,12 +79,16 @@ impl Policy {
 pub type Level = u8;
 /// Window blocks no known boundary needs (the blocks vLLM's mask skips).
 pub const LEVEL_SPECULATIVE: Level = 0;
+/// Speculative window blocks within one window before a boundary's tail: with them a hit
+/// can resume anywhere in the window before the boundary (a shared prefix that ends a little
+/// before a prompt's end, as a re-sent context with a new question does).
+pub const LEVEL_NEAR: Level = 1;
 /// Every other cached block (vLLM's single LRU level).
-pub const LEVEL_NORMAL: Level = 1;
+pub const LEVEL_NORMAL: Level = 2;
 /// Blocks of a pinned prefix or of a request with a retention priority.
-pub const LEVEL_PINNED: Level = 2;
+pub const LEVEL_PINNED: Level = 3;
 /// Levels of a hit-aware free queue.
-pub const NUM_LEVELS: u32 = 3;
+pub const NUM_LEVELS: u32 = 4;
 
 #[cfg(test)]
 mod tests {

@@ -22,7 +22,7 @@ pub mod sliding_window;
 use crate::block_pool::BlockPool;
 use crate::config::{AttentionKind, GroupSpec};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
-use crate::policy::{Level, LEVEL_NORMAL, LEVEL_SPECULATIVE};
+use crate::policy::{Level, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_SPECULATIVE};
 
 /// Marker for "no `num_cached_block` entry" (vLLM: request id absent from the dict).
 const ABSENT: u32 = u32::MAX;
@@ -382,9 +382,15 @@ impl SingleTypeManager {
         );
         if dense {
             let table = &self.req_blocks[h as usize];
+            let need = self.hit_tail_blocks().unwrap_or(0) as u64;
+            let align = self.cache_hit_alignment_tokens.max(1);
+            // Block index where each boundary's retained tail ends.
+            let ends: Vec<u64> = reachable_boundaries.iter().map(|&b| (b / align * align / bs) as u64).collect();
             for (k, keep) in mask.iter().flatten().enumerate() {
                 if !keep {
-                    pool.set_level(table[num_cached as usize + k], LEVEL_SPECULATIVE);
+                    let i = num_cached as u64 + k as u64;
+                    let near = ends.iter().any(|&e| i + need < e && i + 2 * need >= e);
+                    pool.set_level(table[i as usize], if near { LEVEL_NEAR } else { LEVEL_SPECULATIVE });
                 }
             }
         }
