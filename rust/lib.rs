@@ -15,6 +15,7 @@
 //!   '- BlockPool (block_pool.rs)     shared by all groups
 //!        |- ref_cnt / hash / hash_tokens  struct of arrays, indexed by block id
 //!        |- FreeQueue (free_queue.rs)     index-linked list = free list + LRU order
+//!        |                                  (retention levels under `hit-aware`: policy.rs)
 //!        |- PrefixIndex (prefix_index.rs) (hash, group) -> blocks, duplicates allowed
 //!        '- events                         BlockStored / BlockRemoved / AllBlocksCleared
 //! ```
