@@ -200,7 +200,8 @@ def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: in
             os.environ["HYBRID_ALLOC_POLICY"] = old
     mgr = sched.kv_cache_manager
     if policy == "hit-aware":
-        assert getattr(mgr, "_alloc", None) is not None and mgr._alloc.policy == "hit-aware", "hit-aware not active"
+        if getattr(mgr, "_alloc", None) is None or mgr._alloc.policy != "hit-aware":
+            raise RuntimeError("hit-aware is not active: the plugin fell back to vLLM's manager (see its log line)")
     bs = mgr.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
     hits = queries = 0
     known: set[int] = set()  # chained block-prefix keys some request computed
