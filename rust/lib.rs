@@ -26,6 +26,9 @@
 //!   table slots holding it.
 //! - A block has a hash iff the prefix index maps that hash to it.
 //! - Tables are positional: out-of-window blocks become the null block in place.
+//! - Under the `hit-aware` policy (`policy.rs`): a free cached block sits in the free-queue
+//!   segment of its retention level; the free blocks at the pinned level are counted and
+//!   stay within the pinned share.
 //!
 //! ## Complexity
 //! | operation | cost |
