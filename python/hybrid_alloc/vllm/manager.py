@@ -273,7 +273,7 @@ def _native_plan(
         groups.append((kind, spec.block_size, key, p1, p2))
     if not groups:
         raise Unsupported("no KV cache groups (attention-free model)")
-    return dict(
+    native: dict[str, Any] = dict(
         num_blocks=kv_cache_config.num_blocks,
         groups=groups,
         hash_block_size=hash_block_size,
@@ -285,6 +285,11 @@ def _native_plan(
         watermark_blocks=int(watermark * kv_cache_config.num_blocks),
         retention_interval=kv_cache_config.prefix_cache_retention_interval,
     )
+    policy = _policy_from_env()  # HYBRID_ALLOC_POLICY; raises Unsupported on a bad value
+    if policy != "exact":
+        native["policy"] = policy
+        _policy_controls()  # validated here, so a bad control falls back at construction
+    return native
 
 
 def native_config_or_reason(*args: Any, **kwargs: Any) -> tuple[dict[str, Any] | None, str]:
@@ -293,10 +298,6 @@ def native_config_or_reason(*args: Any, **kwargs: Any) -> tuple[dict[str, Any] |
     cannot serve it exactly. Never raises."""
     try:
         native = _native_plan(**_bind_arguments(args, kwargs))
-        policy = _policy_from_env()
-        if policy != "exact":
-            native["policy"] = policy
-            _policy_controls()
         Allocator(**native)  # validates; UnsupportedConfigError names what is not served
         return native, ""
     except (Unsupported, UnsupportedConfigError) as e:
