@@ -731,6 +731,12 @@ impl Allocator {
             Some(src) => Some(self.sync_hashes(s, src)?),
             None => None,
         };
+        if matches!(new_computed, NewComputed::Empty) && self.is_noop(s, a) {
+            // Provably changes nothing (see `NoopLimits`): skip the allocation code.
+            self.out_ids.clear();
+            self.out_counts.iter_mut().for_each(|c| *c = 0);
+            return Ok(Some(0));
+        }
         let stored = match new_computed {
             NewComputed::Stored => Some(std::mem::take(&mut self.reqs[s as usize].hit)),
             _ => None,
@@ -932,6 +938,26 @@ impl Allocator {
             lim = NoopLimits { slots: lim.slots.min(a), processed: lim.processed.min(b), cached: lim.cached.min(c) };
         }
         self.reqs[s as usize].noop = lim;
+    }
+
+    /// Whether `a` is a plain step (see [`NoopLimits`]) that the request's limits prove
+    /// changes nothing.
+    fn is_noop(&self, s: Slot, a: &AllocateArgs) -> bool {
+        if a.num_new_tokens == 0
+            || a.num_new_computed_tokens != 0
+            || a.num_external_computed_tokens != 0
+            || a.num_encoder_tokens != 0
+            || a.full_sequence_must_fit
+            || a.reserved_blocks != 0
+            || a.apply_watermark
+        {
+            return false;
+        }
+        let lim = self.reqs[s as usize].noop;
+        let main = a.num_computed_tokens as u64 + a.num_new_tokens as u64;
+        main + a.num_lookahead_tokens as u64 <= lim.slots as u64
+            && a.num_computed_tokens.saturating_sub(a.num_in_flight_tokens) < lim.processed
+            && main.min(a.num_tokens as u64) < lim.cached as u64
     }
 
     /// The limits under which a plain step of `h` changes nothing (the component-wise
