@@ -12,7 +12,8 @@
 //! `free_blocks` O(blocks given); `cache_full_blocks` O(blocks cached); `reset` O(num_blocks).
 #![forbid(unsafe_code)]
 
-use crate::free_queue::FreeQueue;
+use crate::error::{Error, Result};
+use crate::free_queue::{try_filled, FreeQueue};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, NULL_BLOCK};
 use crate::prefix_index::{HashKey, PrefixIndex};
 
@@ -55,8 +56,12 @@ pub enum Event {
 pub struct BlockPool {
     /// Blocks in the pool, the null block included.
     num_blocks: u32,
-    /// Reference count of each block (requests holding it in a table, plus extra refs).
+    /// Reference count of each block: table slots holding it plus `loose[b]`.
     pub(crate) ref_cnt: Vec<u32>,
+    /// References no table holds any more: blocks handed out by `pop_blocks_for_free` and
+    /// not yet given back to `free_block_ids`. Only these may be freed by id, so a block a
+    /// live table holds can never get a second owner.
+    pub(crate) loose: Vec<u32>,
     /// The hash key a block is cached under, if any.
     pub(crate) hash: Vec<Option<HashKey>>,
     /// Prefix tokens the block's hash covers (`block_hash_num_tokens`), 0 when unhashed.
@@ -77,24 +82,49 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    /// A pool of `num_blocks` blocks (`>= 1`); block 0 is taken as the null block.
-    pub fn new(num_blocks: u32, enable_caching: bool, enable_events: bool) -> Self {
-        let mut queue = FreeQueue::new(num_blocks);
+    /// A pool of `num_blocks` blocks (`1..=MAX_NUM_BLOCKS`); block 0 is taken as the null
+    /// block. Every per-block array is allocated here, fallibly.
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] when the metadata of `num_blocks` blocks cannot be allocated.
+    pub fn try_new(num_blocks: u32, enable_caching: bool, enable_events: bool) -> Result<Self> {
+        let oom = |what: &str| {
+            let what = what.to_string();
+            move |e: std::collections::TryReserveError| {
+                Error::OutOfMemory(format!("{what} of a pool of {num_blocks} blocks: {e}"))
+            }
+        };
+        let n = num_blocks as usize;
+        // The largest buffers first, so a pool that cannot fit fails before memory is written.
+        let index = if enable_caching {
+            PrefixIndex::try_with_capacity(n).map_err(oom("the prefix index"))?
+        } else {
+            PrefixIndex::new()
+        };
+        let hash = try_filled(n, None).map_err(oom("block hashes"))?;
+        let hash_tokens = try_filled(n, 0).map_err(oom("block hashes"))?;
+        let mut queue = FreeQueue::try_new(num_blocks).map_err(oom("the free queue"))?;
         let null = queue.pop_front();
         debug_assert_eq!(null, Some(NULL_BLOCK));
-        Self {
+        Ok(Self {
             num_blocks,
-            ref_cnt: vec![0; num_blocks as usize],
-            hash: vec![None; num_blocks as usize],
-            hash_tokens: vec![0; num_blocks as usize],
+            ref_cnt: try_filled(n, 0).map_err(oom("reference counts"))?,
+            loose: try_filled(n, 0).map_err(oom("reference counts"))?,
+            hash,
+            hash_tokens,
             queue,
-            index: if enable_caching { PrefixIndex::with_capacity(num_blocks as usize) } else { PrefixIndex::new() },
+            index,
             enable_caching,
             enable_events,
             events: Vec::new(),
             scratch_first: Vec::new(),
             scratch_last: Vec::new(),
-        }
+        })
+    }
+
+    /// [`Self::try_new`] for sizes known to fit (tests).
+    pub fn new(num_blocks: u32, enable_caching: bool, enable_events: bool) -> Self {
+        Self::try_new(num_blocks, enable_caching, enable_events).expect("pool allocation")
     }
 
     /// Blocks in the pool, the null block included.
@@ -120,6 +150,31 @@ impl BlockPool {
     /// Reference count of `b`.
     pub fn ref_cnt(&self, b: BlockId) -> u32 {
         self.ref_cnt[b as usize]
+    }
+
+    /// References of `b` that no table holds (popped, not yet freed by id).
+    pub fn loose_refs(&self, b: BlockId) -> u32 {
+        self.loose[b as usize]
+    }
+
+    /// Marks one reference of each non-null block as loose (its table slot was popped).
+    pub(crate) fn loosen(&mut self, blocks: &[BlockId]) {
+        for &b in blocks {
+            if b != NULL_BLOCK {
+                self.loose[b as usize] += 1;
+            }
+        }
+    }
+
+    /// Drops one loose reference from each block (the caller checked they exist), then
+    /// frees them as [`Self::free_blocks`] does.
+    pub(crate) fn free_loose(&mut self, ordered: &[BlockId]) {
+        for &b in ordered {
+            if b != NULL_BLOCK {
+                self.loose[b as usize] -= 1;
+            }
+        }
+        self.free_blocks(ordered.iter().copied());
     }
 
     /// Hash key of `b`, if cached.
@@ -305,11 +360,6 @@ impl BlockPool {
             self.events.push(Event::AllCleared);
         }
         true
-    }
-
-    /// Whether events are recorded.
-    pub fn events_enabled(&self) -> bool {
-        self.enable_events
     }
 
     /// Whether any event waits.

@@ -65,6 +65,9 @@ pub struct Config {
     pub retention_interval: Option<u32>,
 }
 
+/// The largest pool: block ids and the free queue's two sentinel slots fit a `u32`.
+pub const MAX_NUM_BLOCKS: u32 = u32::MAX - 2;
+
 /// Which coordinator vLLM would build for this config.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CoordinatorKind {
@@ -127,6 +130,9 @@ impl Config {
         if self.num_blocks == 0 {
             return bad("num_blocks must be at least 1 (block 0 is the null block)".into());
         }
+        if self.num_blocks > MAX_NUM_BLOCKS {
+            return bad(format!("num_blocks {} is above the largest pool served ({MAX_NUM_BLOCKS})", self.num_blocks));
+        }
         if self.groups.is_empty() {
             return bad("at least one KV cache group is required".into());
         }
@@ -173,6 +179,13 @@ impl Config {
                 }
                 if matches!(g.kind, AttentionKind::Cross) {
                     return Err(Error::Unsupported(format!("group {i}: cross attention with prefix caching on")));
+                }
+                if g.kind.is_full() && g.block_size != self.hash_block_size {
+                    return Err(Error::Unsupported(format!(
+                        "group {i}: full attention with block size {} over hash block size {} \
+                         (partial-block prefix entries)",
+                        g.block_size, self.hash_block_size
+                    )));
                 }
                 if matches!(g.kind, AttentionKind::ChunkedLocal { .. })
                     && g.block_size != self.cache_hit_alignment_tokens()

@@ -14,7 +14,7 @@
 use crate::block_pool::{BlockPool, Event};
 use crate::config::{AttentionKind, Config, CoordinatorKind};
 use crate::error::{Error, Result};
-use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, NULL_BLOCK};
+use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
 use crate::manager::{cdiv, find_longest_cache_hit, HashView, SingleTypeManager};
 
 /// Groups with equal specs, looked up together (vLLM's `SpecGroup`).
@@ -28,12 +28,126 @@ struct SpecGroup {
 /// Per-request state kept by the coordinator.
 #[derive(Clone, Debug, Default)]
 struct ReqState {
-    /// The slot holds a live request.
-    live: bool,
+    /// The generation of the live request in this slot; 0 when the slot is free.
+    generation: u32,
     /// Block hashes at `hash_block_size` granularity, as vLLM computed them.
     hashes: Vec<BlockHash>,
     /// The last cache hit found for the request, per group.
     hit: Vec<Vec<BlockId>>,
+    /// The no-op limits of the request's next plain step: always equal to
+    /// [`Allocator::noop_limits`] of its tables (refreshed by every call that changes them).
+    noop: NoopLimits,
+}
+
+/// Block hashes as the caller holds them (vLLM's `request.block_hashes`): a list that
+/// usually only grows, but may be cleared and regrown or truncated between two calls.
+/// The core reads only what it needs: one entry to detect a rewrite, then the new tail.
+pub trait HashSource {
+    /// Number of hashes.
+    fn len(&self) -> usize;
+    /// Whether there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Hash `i` (`i < len()`).
+    ///
+    /// # Errors
+    /// The entry is not a valid hash (not bytes, empty, longer than 32 bytes).
+    fn get(&self, i: usize) -> Result<BlockHash>;
+}
+
+impl HashSource for [BlockHash] {
+    fn len(&self) -> usize {
+        <[BlockHash]>::len(self)
+    }
+    fn get(&self, i: usize) -> Result<BlockHash> {
+        Ok(self[i])
+    }
+}
+
+impl HashSource for Vec<BlockHash> {
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+    fn get(&self, i: usize) -> Result<BlockHash> {
+        Ok(self[i])
+    }
+}
+
+/// What [`Allocator::sync_hashes`] changed, so a call that fails later can put it back.
+#[derive(Clone, Copy, Debug)]
+struct HashUndo {
+    /// Hashes kept from before the sync (a common prefix with the caller's list).
+    keep: usize,
+}
+
+/// `(slots, processed, cached)`: a plain step of a request (no new hit, no external or
+/// encoder tokens, no admission gate, reserve or watermark) with `num_computed_tokens +
+/// num_new_tokens + num_lookahead_tokens <= slots`, `num_computed_tokens -
+/// num_in_flight_tokens < processed` and `min(num_computed_tokens + num_new_tokens,
+/// num_tokens) < cached` allocates, frees and caches nothing. `(0, 0, 0)` proves nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NoopLimits {
+    /// Token slots the tables already hold.
+    pub slots: u32,
+    /// Processed tokens below which no block falls out of a window.
+    pub processed: u32,
+    /// Tokens below which no new block becomes full (and cacheable).
+    pub cached: u32,
+}
+
+/// The request fields a plain step reads, read lazily (the vLLM adapter reads them as
+/// attributes of vLLM's `Request`; most steps need only the first two).
+pub trait StepFields {
+    /// The caller's error type (the core's errors convert into it).
+    type Error: From<Error>;
+    /// `request.num_computed_tokens`.
+    fn num_computed_tokens(&self) -> std::result::Result<i64, Self::Error>;
+    /// `request.num_in_flight_tokens`.
+    fn num_in_flight_tokens(&self) -> std::result::Result<i64, Self::Error>;
+    /// `request.num_tokens`.
+    fn num_tokens(&self) -> std::result::Result<i64, Self::Error>;
+    /// `request.num_prompt_tokens`.
+    fn num_prompt_tokens(&self) -> std::result::Result<i64, Self::Error>;
+    /// `request.shared_prefix_boundary`.
+    fn shared_prefix_boundary(&self) -> std::result::Result<i64, Self::Error>;
+    /// Runs `f` with `request.block_hashes`.
+    fn with_block_hashes<T>(
+        &self,
+        f: impl FnOnce(&dyn HashSource) -> std::result::Result<T, Self::Error>,
+    ) -> std::result::Result<T, Self::Error>;
+}
+
+/// What [`Allocator::plain_step`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlainStep {
+    /// The handle is not a live request of this allocator (the caller serves the step
+    /// another way).
+    NotHere,
+    /// The step provably changes nothing: no call into the allocation code was made.
+    NoOp,
+    /// `allocate_slots` ran: its result.
+    Allocated(Option<u32>),
+}
+
+/// A caller-supplied token count as `u32`.
+///
+/// # Errors
+/// [`Error::OutOfRange`] when `v` is negative or above `u32::MAX`.
+pub fn token_count(name: &str, v: i64) -> Result<u32> {
+    u32::try_from(v).map_err(|_| Error::OutOfRange(format!("{name}={v} is outside 0..=4294967295")))
+}
+
+/// The next generation: process-wide, so handles of different allocators never collide;
+/// `1..2^31` (0 marks a free slot), so a handle fits an `i64`.
+fn next_generation() -> u32 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    loop {
+        let g = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) & 0x7FFF_FFFF;
+        if g != 0 {
+            return g;
+        }
+    }
 }
 
 /// The arguments of `allocate_slots` besides the request and its cache hit; the request
@@ -100,26 +214,32 @@ pub struct Allocator {
     managers: Vec<SingleTypeManager>,
     /// Cacheable spec groups, full attention first (hybrid search order).
     spec_groups: Vec<SpecGroup>,
+    /// Request slots; `reqs[s].generation == 0` iff slot `s` is in `free_slots`.
     reqs: Vec<ReqState>,
-    free_handles: Vec<ReqHandle>,
+    free_slots: Vec<Slot>,
     /// New block ids of the last `allocate_slots`, all groups concatenated.
     out_ids: Vec<BlockId>,
     /// `out_counts[g]`: how many of `out_ids` belong to group g.
     out_counts: Vec<u32>,
     /// Scratch for the hit search.
     scratch_spec: Vec<Vec<BlockId>>,
+    /// Scratch: hashes read from the caller before they are committed.
+    scratch_hashes: Vec<BlockHash>,
+    /// The hashes the last sync dropped (put back when the call fails).
+    undo_tail: Vec<BlockHash>,
 }
 
 impl Allocator {
     /// Builds an allocator.
     ///
     /// # Errors
-    /// What [`Config::validate`] reports.
+    /// What [`Config::validate`] reports; [`Error::OutOfMemory`] when the pool's metadata
+    /// cannot be allocated.
     pub fn new(cfg: Config) -> Result<Self> {
         cfg.validate()?;
         let kind = cfg.coordinator_kind();
         let caching = cfg.enable_caching;
-        let pool = BlockPool::new(cfg.num_blocks, caching, cfg.enable_events);
+        let pool = BlockPool::try_new(cfg.num_blocks, caching, cfg.enable_events)?;
         let align = cfg.cache_hit_alignment_tokens();
         let managers = cfg
             .groups
@@ -153,10 +273,12 @@ impl Allocator {
             managers,
             spec_groups,
             reqs: Vec::new(),
-            free_handles: Vec::new(),
+            free_slots: Vec::new(),
             out_ids: Vec::new(),
             out_counts: vec![0; n],
             scratch_spec: vec![Vec::new(); n],
+            scratch_hashes: Vec::new(),
+            undo_tail: Vec::new(),
             cfg,
         })
     }
@@ -183,53 +305,59 @@ impl Allocator {
 
     // ---- requests -------------------------------------------------------------------
 
-    /// Registers a request; returns its handle.
+    /// Registers a request; returns its handle (`generation << 32 | slot`, see
+    /// [`ReqHandle`]).
     pub fn add_request(&mut self) -> ReqHandle {
-        let h = match self.free_handles.pop() {
-            Some(h) => h,
+        let s = match self.free_slots.pop() {
+            Some(s) => s,
             None => {
                 self.reqs.push(ReqState::default());
-                (self.reqs.len() - 1) as ReqHandle
+                (self.reqs.len() - 1) as Slot
             }
         };
-        let st = &mut self.reqs[h as usize];
-        st.live = true;
+        let ng = self.managers.len();
+        let st = &mut self.reqs[s as usize];
+        st.generation = next_generation();
         st.hashes.clear();
-        if st.hit.len() != self.managers.len() {
-            st.hit = vec![Vec::new(); self.managers.len()];
+        if st.hit.len() != ng {
+            st.hit = vec![Vec::new(); ng];
         }
         for v in st.hit.iter_mut() {
             v.clear();
         }
         for m in self.managers.iter_mut() {
-            m.ensure_slot(h);
+            m.ensure_slot(s);
         }
-        h
+        self.refresh_noop(s);
+        self.handle_of(s)
     }
 
-    fn check(&self, h: ReqHandle) -> Result<()> {
-        match self.reqs.get(h as usize) {
-            Some(st) if st.live => Ok(()),
+    fn handle_of(&self, s: Slot) -> ReqHandle {
+        (self.reqs[s as usize].generation as u64) << 32 | s as u64
+    }
+
+    /// The slot of a live handle.
+    fn slot(&self, h: ReqHandle) -> Result<Slot> {
+        let s = (h & 0xFFFF_FFFF) as Slot;
+        match self.reqs.get(s as usize) {
+            Some(st) if st.generation != 0 && st.generation as u64 == h >> 32 => Ok(s),
             _ => Err(Error::UnknownRequest(h)),
         }
     }
 
-    /// Checks that `h` is a live request.
-    ///
-    /// # Errors
-    /// Unknown handle.
-    pub fn check_handle(&self, h: ReqHandle) -> Result<()> {
-        self.check(h)
+    /// Whether `h` is a live request of this allocator.
+    pub fn is_live(&self, h: ReqHandle) -> bool {
+        self.slot(h).is_ok()
     }
 
-    /// Whether `h` is a live request.
-    pub fn is_live(&self, h: ReqHandle) -> bool {
-        self.check(h).is_ok()
+    /// Whether slot `s` holds a live request (invariant checks).
+    pub fn slot_is_live(&self, s: Slot) -> bool {
+        self.reqs.get(s as usize).is_some_and(|st| st.generation != 0)
     }
 
     /// Number of live requests.
     pub fn num_requests(&self) -> usize {
-        self.reqs.len() - self.free_handles.len()
+        self.reqs.len() - self.free_slots.len()
     }
 
     /// Appends block hashes to a request (`hash_len` bytes each, concatenated).
@@ -237,7 +365,7 @@ impl Allocator {
     /// # Errors
     /// Unknown handle; `hash_len` not in `1..=32` or not dividing `bytes.len()`.
     pub fn append_hashes(&mut self, h: ReqHandle, bytes: &[u8], hash_len: usize) -> Result<()> {
-        self.check(h)?;
+        let s = self.slot(h)?;
         if bytes.is_empty() {
             return Ok(());
         }
@@ -247,32 +375,85 @@ impl Allocator {
                 bytes.len()
             )));
         }
-        let st = &mut self.reqs[h as usize];
+        let st = &mut self.reqs[s as usize];
         st.hashes.extend(bytes.chunks_exact(hash_len).map(|c| BlockHash::from_bytes(c).expect("length checked")));
         Ok(())
     }
 
-    /// Drops hashes of `h` past the first `n` (undoes an append when a later step of the
-    /// same call fails, so a failed call leaves no trace).
+    /// Drops hashes of `h` past the first `n`.
     ///
     /// # Errors
     /// Unknown handle.
     pub fn truncate_hashes(&mut self, h: ReqHandle, n: usize) -> Result<()> {
-        self.check(h)?;
-        self.reqs[h as usize].hashes.truncate(n);
+        let s = self.slot(h)?;
+        self.reqs[s as usize].hashes.truncate(n);
         Ok(())
+    }
+
+    /// Brings the request's hashes up to `src`, the caller's whole list. Block hashes are
+    /// chained (each covers its whole prefix), so when the entry at the last common index
+    /// agrees the lists agree up to it (O(1)); otherwise (the caller cleared and regrew the
+    /// list, or truncated it) the hashes are kept up to the first difference and the rest
+    /// are taken from `src`. Every new entry is read and checked before anything changes.
+    fn sync_hashes(&mut self, s: Slot, src: &dyn HashSource) -> Result<HashUndo> {
+        let known = &self.reqs[s as usize].hashes;
+        let k = known.len();
+        let n = src.len();
+        let m = k.min(n);
+        let keep = if m == 0 || src.get(m - 1)? == known[m - 1] {
+            m
+        } else {
+            let mut i = 0;
+            while i < m && src.get(i)? == known[i] {
+                i += 1;
+            }
+            i
+        };
+        let mut staged = std::mem::take(&mut self.scratch_hashes);
+        staged.clear();
+        for i in keep..n {
+            match src.get(i) {
+                Ok(x) => staged.push(x),
+                Err(e) => {
+                    self.scratch_hashes = staged;
+                    return Err(e);
+                }
+            }
+        }
+        let st = &mut self.reqs[s as usize];
+        self.undo_tail.clear();
+        self.undo_tail.extend_from_slice(&st.hashes[keep..]);
+        st.hashes.truncate(keep);
+        st.hashes.extend_from_slice(&staged);
+        self.scratch_hashes = staged;
+        Ok(HashUndo { keep })
+    }
+
+    fn undo_hashes(&mut self, s: Slot, u: HashUndo) {
+        let st = &mut self.reqs[s as usize];
+        st.hashes.truncate(u.keep);
+        st.hashes.extend_from_slice(&self.undo_tail);
+    }
+
+    /// Brings the request's hashes up to `src` (see [`HashSource`]).
+    ///
+    /// # Errors
+    /// Unknown handle; an invalid entry in `src` (nothing changes).
+    pub fn set_hashes(&mut self, h: ReqHandle, src: &dyn HashSource) -> Result<()> {
+        let s = self.slot(h)?;
+        self.sync_hashes(s, src).map(|_| ())
     }
 
     /// Number of block hashes known for `h`.
     pub fn num_hashes(&self, h: ReqHandle) -> Result<usize> {
-        self.check(h)?;
-        Ok(self.reqs[h as usize].hashes.len())
+        let s = self.slot(h)?;
+        Ok(self.reqs[s as usize].hashes.len())
     }
 
     /// The hashes of `h`.
     pub fn hashes(&self, h: ReqHandle) -> Result<&[BlockHash]> {
-        self.check(h)?;
-        Ok(&self.reqs[h as usize].hashes)
+        let s = self.slot(h)?;
+        Ok(&self.reqs[s as usize].hashes)
     }
 
     /// The block table of `h` in group `g`.
@@ -280,15 +461,15 @@ impl Allocator {
     /// # Errors
     /// Unknown handle or group.
     pub fn blocks(&self, h: ReqHandle, g: usize) -> Result<&[BlockId]> {
-        self.check(h)?;
+        let s = self.slot(h)?;
         let m = self.managers.get(g).ok_or_else(|| Error::OutOfRange(format!("group {g}")))?;
-        Ok(m.blocks(h))
+        Ok(m.blocks(s))
     }
 
     /// The last cache hit stored for `h`, group `g`.
     pub fn stored_hit(&self, h: ReqHandle, g: usize) -> Result<&[BlockId]> {
-        self.check(h)?;
-        self.reqs[h as usize].hit.get(g).map(|v| v.as_slice()).ok_or_else(|| Error::OutOfRange(format!("group {g}")))
+        let s = self.slot(h)?;
+        self.reqs[s as usize].hit.get(g).map(|v| v.as_slice()).ok_or_else(|| Error::OutOfRange(format!("group {g}")))
     }
 
     // ---- cache-hit search -----------------------------------------------------------
@@ -300,8 +481,29 @@ impl Allocator {
     /// # Errors
     /// Unknown handle.
     pub fn find_longest_cache_hit(&mut self, h: ReqHandle, max_cache_hit_length: u32) -> Result<Hit> {
-        self.check(h)?;
-        let mut hit = std::mem::take(&mut self.reqs[h as usize].hit);
+        let s = self.slot(h)?;
+        Ok(self.find_hit(s, max_cache_hit_length))
+    }
+
+    /// [`Self::find_longest_cache_hit`] after bringing the request's hashes up to `hashes`.
+    ///
+    /// # Errors
+    /// Unknown handle; an invalid hash (nothing changes).
+    pub fn get_computed_blocks(
+        &mut self,
+        h: ReqHandle,
+        hashes: Option<&dyn HashSource>,
+        max_cache_hit_length: u32,
+    ) -> Result<Hit> {
+        let s = self.slot(h)?;
+        if let Some(src) = hashes {
+            self.sync_hashes(s, src)?;
+        }
+        Ok(self.find_hit(s, max_cache_hit_length))
+    }
+
+    fn find_hit(&mut self, s: Slot, max_cache_hit_length: u32) -> Hit {
+        let mut hit = std::mem::take(&mut self.reqs[s as usize].hit);
         for v in hit.iter_mut() {
             v.clear();
         }
@@ -310,7 +512,7 @@ impl Allocator {
             CoordinatorKind::Unitary => {
                 let m = &self.managers[0];
                 let bs = m.block_size();
-                let view = HashView { hashes: &self.reqs[h as usize].hashes, scale: bs / self.cfg.hash_block_size };
+                let view = HashView { hashes: &self.reqs[s as usize].hashes, scale: bs / self.cfg.hash_block_size };
                 let n = find_longest_cache_hit(
                     m.spec.kind,
                     &self.pool,
@@ -323,13 +525,13 @@ impl Allocator {
                 );
                 Hit { num_tokens: n, num_uncached_common_prefix_tokens: 0 }
             }
-            CoordinatorKind::Hybrid => self.hybrid_hit(h, max_cache_hit_length, &mut hit),
+            CoordinatorKind::Hybrid => self.hybrid_hit(s, max_cache_hit_length, &mut hit),
         };
-        self.reqs[h as usize].hit = hit;
-        Ok(res)
+        self.reqs[s as usize].hit = hit;
+        res
     }
 
-    fn hybrid_hit(&mut self, h: ReqHandle, max_len: u32, out: &mut [Vec<BlockId>]) -> Hit {
+    fn hybrid_hit(&mut self, s: Slot, max_len: u32, out: &mut [Vec<BlockId>]) -> Hit {
         let ng = self.managers.len();
         let align = self.cfg.cache_hit_alignment_tokens();
         let mut hit_length = max_len;
@@ -337,7 +539,7 @@ impl Allocator {
         let mut computed = 0u64; // bitset of groups with a result
         let mut len_by_group = [0u32; 64];
         let simple = self.spec_groups.len() == 2 && self.spec_groups[0].kind.is_full();
-        let hashes = &self.reqs[h as usize].hashes;
+        let hashes = &self.reqs[s as usize].hashes;
         let mut tmp = std::mem::take(&mut self.scratch_spec);
         loop {
             let mut curr = hit_length;
@@ -391,22 +593,32 @@ impl Allocator {
 
     // ---- allocation -----------------------------------------------------------------
 
+    #[allow(clippy::too_many_arguments)]
     fn num_blocks_to_allocate(
         &self,
-        h: ReqHandle,
+        s: Slot,
         num_tokens: u32,
         new_computed: &[Vec<BlockId>],
         num_encoder_tokens: u32,
         total_computed_tokens: u32,
         apply_admission_cap: bool,
+        adopting: bool,
     ) -> u64 {
         let mut n = 0u64;
         for (i, m) in self.managers.iter().enumerate() {
             n += if matches!(m.spec.kind, AttentionKind::Cross) {
-                m.get_num_blocks_to_allocate(&self.pool, h, num_encoder_tokens, &[], 0, apply_admission_cap)
+                m.get_num_blocks_to_allocate(&self.pool, s, num_encoder_tokens, &[], 0, apply_admission_cap, adopting)
             } else {
                 let nc: &[BlockId] = new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
-                m.get_num_blocks_to_allocate(&self.pool, h, num_tokens, nc, total_computed_tokens, apply_admission_cap)
+                m.get_num_blocks_to_allocate(
+                    &self.pool,
+                    s,
+                    num_tokens,
+                    nc,
+                    total_computed_tokens,
+                    apply_admission_cap,
+                    adopting,
+                )
             } as u64;
         }
         n
@@ -425,14 +637,15 @@ impl Allocator {
         total_computed_tokens: u32,
         apply_admission_cap: bool,
     ) -> Result<u64> {
-        self.check(h)?;
+        let s = self.slot(h)?;
         Ok(self.num_blocks_to_allocate(
-            h,
+            s,
             num_tokens,
             &[],
             num_encoder_tokens,
             total_computed_tokens,
             apply_admission_cap,
+            true,
         ))
     }
 
@@ -442,157 +655,316 @@ impl Allocator {
     /// out-of-window blocks are freed even when the result is `None`.
     ///
     /// # Errors
-    /// Unknown handle; nothing to do (`num_new_tokens == 0` with nothing to adopt); an
-    /// explicit hit with the wrong number of groups or an invalid block id; cache-hit blocks
-    /// with prefix caching off, or for a request that already holds blocks (computed tokens
-    /// are adopted only into an empty table). Errors are raised before any change.
+    /// Checked before any change, so a failed call changes nothing:
+    /// - unknown handle;
+    /// - nothing to do (`num_new_tokens == 0` with nothing to adopt);
+    /// - token counts whose sum leaves `u32`, or external tokens reaching past
+    ///   `max_model_len` (their blocks would not be counted by the capacity check);
+    /// - a cache hit that is not one: see [`NewComputed`] (wrong number of groups, a length
+    ///   other than `num_new_computed_tokens / block_size`, a block out of range, null
+    ///   where the group's layout has no null, used twice, or not cached with the hash this
+    ///   request has at that position; a stored hit whose blocks were reused since the
+    ///   search is refused the same way);
+    /// - cache-hit blocks with prefix caching off, for a running request, or for a request
+    ///   that already holds blocks (computed tokens are adopted only into an empty table).
     pub fn allocate_slots(
         &mut self,
         h: ReqHandle,
         a: &AllocateArgs,
         new_computed: NewComputed<'_>,
     ) -> Result<Option<u32>> {
-        self.check(h)?;
+        self.allocate_slots_synced(h, a, new_computed, None)
+    }
+
+    /// [`Self::allocate_slots`] after bringing the request's hashes up to `hashes` (undone
+    /// if the call fails).
+    ///
+    /// # Errors
+    /// Those of [`Self::allocate_slots`]; an invalid hash.
+    pub fn allocate_slots_synced(
+        &mut self,
+        h: ReqHandle,
+        a: &AllocateArgs,
+        new_computed: NewComputed<'_>,
+        hashes: Option<&dyn HashSource>,
+    ) -> Result<Option<u32>> {
+        let s = self.slot(h)?;
         if a.num_new_tokens == 0 && a.num_external_computed_tokens == 0 && a.num_new_computed_tokens == 0 {
             return Err(Error::OutOfRange(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt".into(),
             ));
         }
-        let ng = self.managers.len();
+        let num_local = a.num_computed_tokens as u64 + a.num_new_computed_tokens as u64;
+        let total = num_local + a.num_external_computed_tokens as u64;
+        if total + a.num_new_tokens as u64 + a.num_lookahead_tokens as u64 > u32::MAX as u64 {
+            return Err(Error::OutOfRange(format!(
+                "num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens + num_new_tokens \
+                 + num_lookahead_tokens = {} does not fit 32 bits",
+                total + a.num_new_tokens as u64 + a.num_lookahead_tokens as u64
+            )));
+        }
+        if a.num_external_computed_tokens > 0 && total > self.cfg.max_model_len as u64 {
+            return Err(Error::OutOfRange(format!(
+                "{total} computed tokens (local + external) exceed max_model_len {}",
+                self.cfg.max_model_len
+            )));
+        }
+        let undo = match hashes {
+            Some(src) => Some(self.sync_hashes(s, src)?),
+            None => None,
+        };
         let stored = match new_computed {
-            NewComputed::Stored => Some(std::mem::take(&mut self.reqs[h as usize].hit)),
+            NewComputed::Stored => Some(std::mem::take(&mut self.reqs[s as usize].hit)),
             _ => None,
         };
-        let res = self.allocate_with(h, a, new_computed, stored.as_deref(), ng);
+        let res = self.allocate_with(s, a, new_computed, stored.as_deref());
         if let Some(mut back) = stored {
             if res.is_ok() {
                 for v in back.iter_mut() {
                     v.clear();
                 }
             }
-            self.reqs[h as usize].hit = back;
+            self.reqs[s as usize].hit = back;
         }
-        res
+        match res {
+            Ok(r) => {
+                self.refresh_noop(s);
+                Ok(r)
+            }
+            Err(e) => {
+                if let Some(u) = undo {
+                    self.undo_hashes(s, u);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Checks a hit before it is adopted (see [`Self::allocate_slots`]).
+    fn validate_hit(&self, s: Slot, nc: &[Vec<BlockId>], num_new_computed_tokens: u32, explicit: bool) -> Result<()> {
+        let ng = self.managers.len();
+        if nc.len() != ng {
+            return Err(Error::OutOfRange(format!("{} hit groups given, the config has {ng}", nc.len())));
+        }
+        let hashes = &self.reqs[s as usize].hashes;
+        let nb = self.pool.num_blocks();
+        if let Some(&b) = nc.iter().flatten().find(|&&b| b >= nb) {
+            return Err(Error::InvalidBlock(format!("block id {b} >= num_blocks {nb}")));
+        }
+        let mut seen: rustc_hash::FxHashSet<BlockId> = Default::default();
+        for (g, (m, v)) in self.managers.iter().zip(nc).enumerate() {
+            if matches!(m.spec.kind, AttentionKind::Cross) {
+                if !v.is_empty() {
+                    return Err(Error::OutOfRange(format!("group {g} (cross attention) cannot have cache-hit blocks")));
+                }
+                continue;
+            }
+            let bs = m.block_size();
+            if v.len() as u64 * bs as u64 != num_new_computed_tokens as u64 {
+                return Err(Error::OutOfRange(format!(
+                    "group {g}: a hit of {} blocks of {bs} tokens for num_new_computed_tokens={num_new_computed_tokens}",
+                    v.len()
+                )));
+            }
+            if v.is_empty() {
+                continue;
+            }
+            let view = HashView { hashes, scale: bs / self.cfg.hash_block_size };
+            if v.len() as u64 > view.len() as u64 {
+                return Err(Error::OutOfRange(format!(
+                    "group {g}: a hit of {} blocks, but the request has hashes for {}",
+                    v.len(),
+                    view.len()
+                )));
+            }
+            let nulls_allowed = !m.spec.kind.is_full();
+            let mut leading = true;
+            for (i, &b) in v.iter().enumerate() {
+                if b == NULL_BLOCK {
+                    if !(nulls_allowed && leading) {
+                        return Err(Error::InvalidBlock(format!(
+                            "group {g}: the null block at hit position {i} (only a sliding-window or \
+                             chunked group's hit starts with null blocks)"
+                        )));
+                    }
+                    continue;
+                }
+                leading = false;
+                if explicit && !seen.insert(b) {
+                    return Err(Error::InvalidBlock(format!("block {b} appears twice in the hit")));
+                }
+                let want = (view.get(i as u32), g as GroupId);
+                if self.pool.block_hash(b) != Some(&want) {
+                    return Err(Error::InvalidBlock(format!(
+                        "block {b} at hit position {i} of group {g} is not cached with this request's \
+                         hash for that position{}",
+                        if explicit { "" } else { " (it was reused since the hit was found)" }
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     fn allocate_with(
         &mut self,
-        h: ReqHandle,
+        s: Slot,
         a: &AllocateArgs,
         new_computed: NewComputed<'_>,
         stored: Option<&[Vec<BlockId>]>,
-        ng: usize,
     ) -> Result<Option<u32>> {
-        let nc: &[Vec<BlockId>] = match new_computed {
-            NewComputed::Empty => &[],
-            NewComputed::Stored => stored.unwrap_or(&[]),
-            NewComputed::Explicit(v) => {
-                if v.len() != ng {
-                    return Err(Error::OutOfRange(format!("{} hit groups given, the config has {ng}", v.len())));
-                }
-                for &b in v.iter().flatten() {
-                    if b >= self.pool.num_blocks() {
-                        return Err(Error::InvalidBlock(format!(
-                            "block id {b} >= num_blocks {}",
-                            self.pool.num_blocks()
-                        )));
-                    }
-                }
-                v
-            }
+        let (nc, explicit): (&[Vec<BlockId>], bool) = match new_computed {
+            NewComputed::Empty => (&[], false),
+            NewComputed::Stored => (stored.unwrap_or(&[]), false),
+            NewComputed::Explicit(v) => (v, true),
         };
         let has_new_computed = nc.iter().any(|v| !v.is_empty());
         if has_new_computed && !self.cfg.enable_caching {
             return Err(Error::OutOfRange("cache-hit blocks given with prefix caching off".into()));
         }
-        let tracked = self.managers.iter().any(|m| m.is_tracked(h));
+        if nc.is_empty() {
+            if a.num_new_computed_tokens != 0 {
+                return Err(Error::OutOfRange(format!(
+                    "num_new_computed_tokens={} without cache-hit blocks",
+                    a.num_new_computed_tokens
+                )));
+            }
+        } else {
+            self.validate_hit(s, nc, a.num_new_computed_tokens, explicit)?;
+        }
+        let tracked = self.managers.iter().any(|m| m.is_tracked(s));
         if has_new_computed && tracked {
             return Err(Error::OutOfRange("a running request cannot adopt new cache-hit blocks".into()));
         }
         // Not tracked yet (nothing cached) but holding blocks: adoption would need an empty
         // table (`add_local_computed_blocks`; vLLM asserts it), so refuse before any change.
         let adopts = has_new_computed || a.num_external_computed_tokens > 0;
-        if adopts && !tracked && self.managers.iter().any(|m| !m.blocks(h).is_empty()) {
+        if adopts && !tracked && self.managers.iter().any(|m| !m.blocks(s).is_empty()) {
             return Err(Error::OutOfRange("a request that already holds blocks cannot adopt computed tokens".into()));
         }
-        Ok(self.allocate_slots_inner(h, a, nc, has_new_computed))
+        Ok(self.allocate_slots_inner(s, a, nc, adopts && !tracked))
     }
 
-    fn allocate_slots_inner(
-        &mut self,
-        h: ReqHandle,
-        a: &AllocateArgs,
-        nc: &[Vec<BlockId>],
-        has_new_computed: bool,
-    ) -> Option<u32> {
+    /// The allocation itself; every check passed. Token sums fit `u32` (checked by the
+    /// caller), so the arithmetic here cannot wrap.
+    fn allocate_slots_inner(&mut self, s: Slot, a: &AllocateArgs, nc: &[Vec<BlockId>], adopts: bool) -> Option<u32> {
+        let mml = self.cfg.max_model_len;
         let num_local = a.num_computed_tokens + a.num_new_computed_tokens;
         let unclamped_total = num_local + a.num_external_computed_tokens;
-        let total_computed = unclamped_total.min(self.cfg.max_model_len);
+        let total_computed = unclamped_total.min(mml);
         let watermark = if a.apply_watermark { self.cfg.watermark_blocks as u64 } else { 0 };
         if a.full_sequence_must_fit {
-            let full = a.num_tokens.min(self.cfg.max_model_len);
-            let need = self.num_blocks_to_allocate(h, full, nc, a.num_encoder_tokens, total_computed, true);
+            let full = a.num_tokens.min(mml);
+            let need = self.num_blocks_to_allocate(s, full, nc, a.num_encoder_tokens, total_computed, true, adopts);
             if need + watermark > self.pool.num_free_blocks() as u64 {
                 return None;
             }
         }
         let main = total_computed + a.num_new_tokens;
-        let need_slot = (main + a.num_lookahead_tokens).min(self.cfg.max_model_len);
+        let need_slot = (main + a.num_lookahead_tokens).min(mml);
         let processed = total_computed.saturating_sub(a.num_in_flight_tokens);
         for m in self.managers.iter_mut() {
-            m.remove_skipped_blocks(&mut self.pool, h, processed);
+            m.remove_skipped_blocks(&mut self.pool, s, processed);
         }
-        let need = self.num_blocks_to_allocate(h, need_slot, nc, a.num_encoder_tokens, unclamped_total, false);
+        let need = self.num_blocks_to_allocate(s, need_slot, nc, a.num_encoder_tokens, unclamped_total, false, adopts);
         let available = self.pool.num_free_blocks() as i64 - a.reserved_blocks as i64;
         if (need + watermark) as i64 > available {
             return None;
         }
-        if has_new_computed || a.num_external_computed_tokens > 0 {
-            self.allocate_new_computed_blocks(h, nc, num_local, a.num_external_computed_tokens);
+        if adopts {
+            self.allocate_new_computed_blocks(s, nc, num_local, a.num_external_computed_tokens);
         }
         self.out_ids.clear();
         for (g, m) in self.managers.iter_mut().enumerate() {
             let before = self.out_ids.len();
             let n = if matches!(m.spec.kind, AttentionKind::Cross) { a.num_encoder_tokens } else { need_slot };
-            m.allocate_new_blocks(&mut self.pool, h, n, &mut self.out_ids);
+            m.allocate_new_blocks(&mut self.pool, s, n, &mut self.out_ids);
             self.out_counts[g] = (self.out_ids.len() - before) as u32;
         }
         if !a.delay_cache_blocks {
-            let to_cache = (total_computed + a.num_new_tokens).min(a.num_tokens);
-            self.cache_blocks_inner(h, to_cache, a.num_prompt_tokens, a.shared_prefix_boundary);
+            // Draft tokens are never cached (vLLM); nor are tokens past the table (a step
+            // reaching past `max_model_len` gets `max_model_len` slots).
+            let to_cache = main.min(a.num_tokens).min(need_slot);
+            self.cache_blocks_inner(s, to_cache, a.num_prompt_tokens, a.shared_prefix_boundary);
         }
         Some(self.out_ids.len() as u32)
     }
 
-    fn allocate_new_computed_blocks(&mut self, h: ReqHandle, nc: &[Vec<BlockId>], num_local: u32, num_external: u32) {
-        if self.managers.iter().any(|m| m.is_tracked(h)) {
-            return;
-        }
+    fn allocate_new_computed_blocks(&mut self, s: Slot, nc: &[Vec<BlockId>], num_local: u32, num_external: u32) {
         for (i, m) in self.managers.iter_mut().enumerate() {
             let blocks: &[BlockId] = nc.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
-            m.add_local_computed_blocks(&mut self.pool, h, blocks, num_local, num_external);
+            m.add_local_computed_blocks(&mut self.pool, s, blocks, num_local, num_external);
         }
         if num_external > 0 {
             for m in self.managers.iter_mut() {
-                m.allocate_external_computed_blocks(&mut self.pool, h, num_local, num_external);
+                m.allocate_external_computed_blocks(&mut self.pool, s, num_local, num_external);
             }
         }
     }
 
-    /// The limits under which a plain decode/prefill step of `h` changes nothing (the
-    /// component-wise minimum of every group's [`SingleTypeManager::noop_limits`]). The vLLM
-    /// adapter answers such steps without crossing into Rust.
+    fn refresh_noop(&mut self, s: Slot) {
+        let mut lim = NoopLimits { slots: u32::MAX, processed: u32::MAX, cached: u32::MAX };
+        for m in &self.managers {
+            let (a, b, c) = m.noop_limits(s);
+            lim = NoopLimits { slots: lim.slots.min(a), processed: lim.processed.min(b), cached: lim.cached.min(c) };
+        }
+        self.reqs[s as usize].noop = lim;
+    }
+
+    /// The limits under which a plain step of `h` changes nothing (the component-wise
+    /// minimum of every group's [`SingleTypeManager::noop_limits`]).
     ///
     /// # Errors
     /// Unknown handle.
-    pub fn noop_limits(&self, h: ReqHandle) -> Result<(u32, u32, u32)> {
-        self.check(h)?;
-        let mut lim = (u32::MAX, u32::MAX, u32::MAX);
-        for m in &self.managers {
-            let (a, b, c) = m.noop_limits(h);
-            lim = (lim.0.min(a), lim.1.min(b), lim.2.min(c));
+    pub fn noop_limits(&self, h: ReqHandle) -> Result<NoopLimits> {
+        let s = self.slot(h)?;
+        Ok(self.reqs[s as usize].noop)
+    }
+
+    /// The plain step of a running request, as the scheduler makes it for every running
+    /// request every step: `allocate_slots(h, num_new_tokens, num_lookahead_tokens)` with
+    /// no new hit, no external or encoder tokens, no admission gate, reserve or watermark,
+    /// the request's fields read through `req`. When the request's [`NoopLimits`] prove
+    /// the step changes nothing, it is answered from them (reading as few fields as
+    /// possible); otherwise `allocate_slots` runs, with the request's hashes synced.
+    ///
+    /// # Errors
+    /// Those of [`Self::allocate_slots`], a field out of `0..=u32::MAX`, and what `req`
+    /// raises; nothing changes.
+    pub fn plain_step<F: StepFields>(
+        &mut self,
+        h: ReqHandle,
+        num_new_tokens: i64,
+        num_lookahead_tokens: i64,
+        req: &F,
+    ) -> std::result::Result<PlainStep, F::Error> {
+        let Ok(s) = self.slot(h) else { return Ok(PlainStep::NotHere) };
+        let new = token_count("num_new_tokens", num_new_tokens)? as u64;
+        let look = token_count("num_lookahead_tokens", num_lookahead_tokens)? as u64;
+        let nc = token_count("num_computed_tokens", req.num_computed_tokens()?)? as u64;
+        let lim = self.reqs[s as usize].noop;
+        let to_cache = nc + new;
+        if new > 0 && to_cache + look <= lim.slots as u64 {
+            let inflight = token_count("num_in_flight_tokens", req.num_in_flight_tokens()?)? as u64;
+            if nc.saturating_sub(inflight) < lim.processed as u64
+                && (to_cache < lim.cached as u64
+                    || (token_count("num_tokens", req.num_tokens()?)? as u64) < lim.cached as u64)
+            {
+                return Ok(PlainStep::NoOp);
+            }
         }
-        Ok(lim)
+        let a = AllocateArgs {
+            num_new_tokens: new as u32,
+            num_lookahead_tokens: look as u32,
+            num_computed_tokens: nc as u32,
+            num_in_flight_tokens: token_count("num_in_flight_tokens", req.num_in_flight_tokens()?)?,
+            num_prompt_tokens: token_count("num_prompt_tokens", req.num_prompt_tokens()?)?,
+            num_tokens: token_count("num_tokens", req.num_tokens()?)?,
+            shared_prefix_boundary: token_count("shared_prefix_boundary", req.shared_prefix_boundary()?)?,
+            ..AllocateArgs::default()
+        };
+        let r = req.with_block_hashes(|src| Ok(self.allocate_slots_synced(h, &a, NewComputed::Empty, Some(src))?))?;
+        Ok(PlainStep::Allocated(r))
     }
 
     /// New block ids of the last successful `allocate_slots`, groups concatenated.
@@ -605,27 +977,27 @@ impl Allocator {
         &self.out_counts
     }
 
-    fn cache_blocks_inner(
-        &mut self,
-        h: ReqHandle,
-        num_tokens: u32,
-        num_prompt_tokens: u32,
-        shared_prefix_boundary: u32,
-    ) {
+    fn cache_target(&self, num_tokens: u32) -> u32 {
+        match self.kind {
+            CoordinatorKind::Hybrid => num_tokens / self.cfg.scheduler_block_size * self.cfg.scheduler_block_size,
+            _ => num_tokens,
+        }
+    }
+
+    fn cache_blocks_inner(&mut self, s: Slot, num_tokens: u32, num_prompt_tokens: u32, shared_prefix_boundary: u32) {
         if !self.cfg.enable_caching {
             return;
         }
+        let handle = self.handle_of(s);
         let boundaries_buf = [num_prompt_tokens.saturating_sub(1), shared_prefix_boundary];
         let boundaries = if shared_prefix_boundary != 0 { &boundaries_buf[..] } else { &boundaries_buf[..1] };
-        let hashes = &self.reqs[h as usize].hashes;
-        let n = match self.kind {
-            CoordinatorKind::Hybrid => num_tokens / self.cfg.scheduler_block_size * self.cfg.scheduler_block_size,
-            _ => num_tokens,
-        };
+        let hashes = &self.reqs[s as usize].hashes;
+        let n = self.cache_target(num_tokens);
         for m in self.managers.iter_mut() {
             m.cache_blocks(
                 &mut self.pool,
-                h,
+                s,
+                handle,
                 hashes,
                 self.cfg.hash_block_size,
                 n,
@@ -638,7 +1010,7 @@ impl Allocator {
     /// Caches the full blocks of `h` up to `num_computed_tokens` (vLLM's `cache_blocks`).
     ///
     /// # Errors
-    /// Unknown handle.
+    /// Unknown handle; a full block the request's table does not hold (nothing changes).
     pub fn cache_blocks(
         &mut self,
         h: ReqHandle,
@@ -646,8 +1018,45 @@ impl Allocator {
         num_prompt_tokens: u32,
         shared_prefix_boundary: u32,
     ) -> Result<()> {
-        self.check(h)?;
-        self.cache_blocks_inner(h, num_computed_tokens, num_prompt_tokens, shared_prefix_boundary);
+        self.cache_blocks_synced(h, None, num_computed_tokens, num_prompt_tokens, shared_prefix_boundary)
+    }
+
+    /// [`Self::cache_blocks`] after bringing the request's hashes up to `hashes` (undone if
+    /// the call fails).
+    ///
+    /// # Errors
+    /// Those of [`Self::cache_blocks`]; an invalid hash.
+    pub fn cache_blocks_synced(
+        &mut self,
+        h: ReqHandle,
+        hashes: Option<&dyn HashSource>,
+        num_computed_tokens: u32,
+        num_prompt_tokens: u32,
+        shared_prefix_boundary: u32,
+    ) -> Result<()> {
+        let s = self.slot(h)?;
+        let undo = match hashes {
+            Some(src) => Some(self.sync_hashes(s, src)?),
+            None => None,
+        };
+        if self.cfg.enable_caching {
+            let n = self.cache_target(num_computed_tokens);
+            let num_hashes = self.reqs[s as usize].hashes.len();
+            for (g, m) in self.managers.iter().enumerate() {
+                let (full, held) = m.blocks_to_cache(s, num_hashes, self.cfg.hash_block_size, n);
+                if full > m.num_cached(s) && full > held {
+                    if let Some(u) = undo {
+                        self.undo_hashes(s, u);
+                    }
+                    return Err(Error::OutOfRange(format!(
+                        "cache_blocks up to {num_computed_tokens} tokens: group {g} would cache {full} full \
+                         blocks, but the request holds {held}"
+                    )));
+                }
+            }
+        }
+        self.cache_blocks_inner(s, num_computed_tokens, num_prompt_tokens, shared_prefix_boundary);
+        self.refresh_noop(s);
         Ok(())
     }
 
@@ -656,10 +1065,11 @@ impl Allocator {
     /// # Errors
     /// Unknown handle.
     pub fn remove_skipped_blocks(&mut self, h: ReqHandle, processed_computed_tokens: u32) -> Result<()> {
-        self.check(h)?;
+        let s = self.slot(h)?;
         for m in self.managers.iter_mut() {
-            m.remove_skipped_blocks(&mut self.pool, h, processed_computed_tokens);
+            m.remove_skipped_blocks(&mut self.pool, s, processed_computed_tokens);
         }
+        self.refresh_noop(s);
         Ok(())
     }
 
@@ -668,11 +1078,11 @@ impl Allocator {
     /// # Errors
     /// Unknown handle (a double free is one).
     pub fn free(&mut self, h: ReqHandle) -> Result<()> {
-        self.check(h)?;
+        let s = self.slot(h)?;
         for m in self.managers.iter_mut() {
-            m.free(&mut self.pool, h);
+            m.free(&mut self.pool, s);
         }
-        self.release(h);
+        self.release(s);
         Ok(())
     }
 
@@ -682,30 +1092,34 @@ impl Allocator {
     /// # Errors
     /// Unknown handle.
     pub fn pop_blocks_for_free(&mut self, h: ReqHandle, out: &mut Vec<BlockId>) -> Result<()> {
-        self.check(h)?;
+        let s = self.slot(h)?;
+        let start = out.len();
         for m in self.managers.iter_mut() {
-            m.pop_blocks(h, out);
+            m.pop_blocks(s, out);
         }
-        self.release(h);
+        self.pool.loosen(&out[start..]);
+        self.release(s);
         Ok(())
     }
 
-    fn release(&mut self, h: ReqHandle) {
-        let st = &mut self.reqs[h as usize];
-        st.live = false;
+    fn release(&mut self, s: Slot) {
+        let st = &mut self.reqs[s as usize];
+        st.generation = 0;
         st.hashes.clear();
         for v in st.hit.iter_mut() {
             v.clear();
         }
-        self.free_handles.push(h);
+        st.noop = NoopLimits::default();
+        self.free_slots.push(s);
     }
 
     /// Drops one reference from each block, in eviction order (vLLM's
-    /// `block_pool.free_blocks`).
+    /// `block_pool.free_blocks`). Only references no table holds can be dropped: blocks
+    /// handed out by [`Self::pop_blocks_for_free`].
     ///
     /// # Errors
-    /// A block id out of range, or more frees of a block than it has references; checked
-    /// before any change.
+    /// A block id out of range, or more frees of a block than it has references outside
+    /// the tables (a block a live request still holds is refused); checked before any change.
     pub fn free_block_ids(&mut self, ids: &[BlockId]) -> Result<()> {
         let mut counts: rustc_hash::FxHashMap<BlockId, u32> = Default::default();
         for &b in ids {
@@ -717,11 +1131,13 @@ impl Allocator {
             }
             let c = counts.entry(b).or_insert(0);
             *c += 1;
-            if *c > self.pool.ref_cnt(b) {
-                return Err(Error::InvalidBlock(format!("block {b} freed more times than it is referenced")));
+            if *c > self.pool.loose_refs(b) {
+                return Err(Error::InvalidBlock(format!(
+                    "block {b} freed more times than it was popped (pop_blocks_for_free) and not yet freed"
+                )));
             }
         }
-        self.pool.free_blocks(ids.iter().copied());
+        self.pool.free_loose(ids);
         Ok(())
     }
 
@@ -748,13 +1164,13 @@ impl Allocator {
     /// # Errors
     /// Unknown handle.
     pub fn estimate_cached_tokens(&self, h: ReqHandle) -> Result<u32> {
-        self.check(h)?;
+        let s = self.slot(h)?;
         let mut best: Option<u32> = None;
         for m in &self.managers {
             if matches!(m.spec.kind, AttentionKind::Cross) {
                 continue;
             }
-            let t = m.blocks(h).iter().map(|&b| self.pool.block_hash_num_tokens(b)).max().unwrap_or(0);
+            let t = m.blocks(s).iter().map(|&b| self.pool.block_hash_num_tokens(b)).max().unwrap_or(0);
             best = Some(best.map_or(t, |x| x.min(t)));
         }
         Ok(best.unwrap_or(0))
@@ -782,6 +1198,28 @@ impl Allocator {
 
     /// Live request handles (invariant checks).
     pub fn live_handles(&self) -> impl Iterator<Item = ReqHandle> + '_ {
-        self.reqs.iter().enumerate().filter(|(_, s)| s.live).map(|(h, _)| h as ReqHandle)
+        (0..self.reqs.len() as Slot).filter(|&s| self.slot_is_live(s)).map(|s| self.handle_of(s))
+    }
+
+    /// The stored no-op limits of every live request agree with its tables (invariant checks).
+    pub(crate) fn check_noop_limits(&self) -> std::result::Result<(), String> {
+        for s in 0..self.reqs.len() as Slot {
+            if !self.slot_is_live(s) {
+                continue;
+            }
+            let mut lim = NoopLimits { slots: u32::MAX, processed: u32::MAX, cached: u32::MAX };
+            for m in &self.managers {
+                let (a, b, c) = m.noop_limits(s);
+                lim =
+                    NoopLimits { slots: lim.slots.min(a), processed: lim.processed.min(b), cached: lim.cached.min(c) };
+            }
+            if lim != self.reqs[s as usize].noop {
+                return Err(format!(
+                    "slot {s}: stored no-op limits {:?}, tables say {lim:?}",
+                    self.reqs[s as usize].noop
+                ));
+            }
+        }
+        Ok(())
     }
 }

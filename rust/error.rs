@@ -12,13 +12,15 @@ pub enum Error {
     InvalidConfig(String),
     /// The configuration is valid for vLLM but the core does not implement it.
     Unsupported(String),
-    /// A request handle that is not live.
-    UnknownRequest(u32),
+    /// A request handle that is not live (never issued, freed, or another allocator's).
+    UnknownRequest(u64),
     /// A count or index outside its allowed range.
     OutOfRange(String),
     /// A block id that is not in the pool, or a block in the wrong state (e.g. freeing
     /// a block whose reference count is already 0).
     InvalidBlock(String),
+    /// A buffer the configuration needs (the pool's metadata) cannot be allocated.
+    OutOfMemory(String),
 }
 
 impl fmt::Display for Error {
@@ -29,6 +31,7 @@ impl fmt::Display for Error {
             Error::UnknownRequest(h) => write!(f, "unknown request handle {h}"),
             Error::OutOfRange(m) => write!(f, "value out of range: {m}"),
             Error::InvalidBlock(m) => write!(f, "invalid block: {m}"),
+            Error::OutOfMemory(m) => write!(f, "out of memory: {m}"),
         }
     }
 }

@@ -13,6 +13,15 @@ use crate::ids::BlockId;
 
 const DETACHED: u32 = u32::MAX;
 
+/// A vector of `n` copies of `v`, or the allocation error (a huge pool must raise
+/// `MemoryError`, not abort the process).
+pub(crate) fn try_filled<T: Clone>(n: usize, v: T) -> Result<Vec<T>, std::collections::TryReserveError> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(n)?;
+    out.resize(n, v);
+    Ok(out)
+}
+
 /// Index-linked free queue over `0..num_blocks` plus two sentinels.
 #[derive(Clone, Debug)]
 pub struct FreeQueue {
@@ -27,12 +36,15 @@ pub struct FreeQueue {
 }
 
 impl FreeQueue {
-    /// A queue holding every block `0..n` in id order.
-    pub fn new(n: u32) -> Self {
+    /// A queue holding every block `0..n` in id order (`n <= u32::MAX - 2`).
+    ///
+    /// # Errors
+    /// The two link arrays cannot be allocated.
+    pub fn try_new(n: u32) -> Result<Self, std::collections::TryReserveError> {
         let head = n;
         let tail = n + 1;
-        let mut next = vec![DETACHED; n as usize + 2];
-        let mut prev = vec![DETACHED; n as usize + 2];
+        let mut next = try_filled(n as usize + 2, DETACHED)?;
+        let mut prev = try_filled(n as usize + 2, DETACHED)?;
         let mut last = head;
         for b in 0..n {
             next[last as usize] = b;
@@ -41,7 +53,12 @@ impl FreeQueue {
         }
         next[last as usize] = tail;
         prev[tail as usize] = last;
-        Self { next, prev, len: n, head, tail }
+        Ok(Self { next, prev, len: n, head, tail })
+    }
+
+    /// [`Self::try_new`] for sizes known to fit (tests).
+    pub fn new(n: u32) -> Self {
+        Self::try_new(n).expect("free queue allocation")
     }
 
     /// Number of queued blocks.

@@ -12,8 +12,15 @@ pub type BlockId = u32;
 /// (out of a window). Never in the free queue, never hashed, never ref-counted.
 pub const NULL_BLOCK: BlockId = 0;
 
-/// Dense handle of a request inside the coordinator (a slab index).
-pub type ReqHandle = u32;
+/// A request's handle: `generation << 32 | slot`. The slot is a dense index into the
+/// coordinator's slab; the generation (`1..2^31`, drawn from a process-wide counter each time
+/// a request is added) makes a handle unique in the process, so a stale handle (its request
+/// freed, the slot reused) or another allocator's handle is refused instead of reaching the
+/// slot's next owner. It fits an `i64`, so Python code can keep it as a plain int.
+pub type ReqHandle = u64;
+
+/// Dense index of a request's slot (what the per-group managers index by).
+pub type Slot = u32;
 
 /// Index of a KV cache group.
 pub type GroupId = u32;
@@ -30,7 +37,8 @@ pub struct BlockHash {
 }
 
 impl BlockHash {
-    /// Builds a hash from its bytes.
+    /// Builds a hash from its bytes. An empty hash is refused: dropping it would shift every
+    /// later hash of the request by one position (and give it another prefix's blocks).
     ///
     /// # Errors
     /// `None` if `bytes` is empty or longer than [`MAX_HASH_LEN`].

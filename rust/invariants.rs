@@ -5,16 +5,10 @@
 use crate::coordinator::Allocator;
 use crate::ids::NULL_BLOCK;
 
-/// Checks every invariant of the allocator; returns the first violation found.
-///
-/// With `exact_refs`, each block's reference count must equal the number of table slots
-/// holding it (true unless blocks were popped with `pop_blocks_for_free` and not yet freed).
+/// Checks every invariant of the allocator; returns the first violation found. Each
+/// block's reference count equals the table slots holding it plus its loose references
+/// (popped with `pop_blocks_for_free`, not yet freed by id).
 pub fn check(a: &Allocator) -> Result<(), String> {
-    check_with(a, true)
-}
-
-/// [`check`] with the reference-count equality made optional.
-pub fn check_with(a: &Allocator, exact_refs: bool) -> Result<(), String> {
     let pool = a.pool();
     let n = pool.num_blocks();
     if pool.queue.contains(NULL_BLOCK) {
@@ -50,10 +44,11 @@ pub fn check_with(a: &Allocator, exact_refs: bool) -> Result<(), String> {
         }
     }
     for h in a.live_handles() {
-        let (slots, _, _) = a.noop_limits(h).map_err(|e| e.to_string())?;
+        let s = (h & 0xFFFF_FFFF) as crate::ids::Slot;
+        let slots = a.noop_limits(h).map_err(|e| e.to_string())?.slots;
         for (g, m) in a.managers().iter().enumerate() {
-            let t = m.blocks(h);
-            let np = m.null_prefix(h) as usize;
+            let t = m.blocks(s);
+            let np = m.null_prefix(s) as usize;
             if np > t.len() || t[..np].iter().any(|&b| b != NULL_BLOCK) {
                 return Err(format!("handle {h} group {g}: null prefix {np} does not match the table"));
             }
@@ -64,10 +59,11 @@ pub fn check_with(a: &Allocator, exact_refs: bool) -> Result<(), String> {
             }
         }
     }
+    a.check_noop_limits()?;
     let mut refs = vec![0u32; n as usize];
     for m in a.managers() {
         for (h, table) in m.tables() {
-            let live = a.is_live(h);
+            let live = a.slot_is_live(h);
             if !live && !table.is_empty() {
                 return Err(format!("released handle {h} still has blocks in group {}", m.group_id));
             }
@@ -87,11 +83,18 @@ pub fn check_with(a: &Allocator, exact_refs: bool) -> Result<(), String> {
             }
         }
     }
+    if pool.loose_refs(NULL_BLOCK) != 0 {
+        return Err("the null block has loose references".into());
+    }
     for b in 1..n {
         let rc = pool.ref_cnt(b);
-        let r = refs[b as usize];
-        if (exact_refs && rc != r) || rc < r {
-            return Err(format!("block {b}: ref_cnt {rc} but held {r} times by tables"));
+        let r = refs[b as usize] + pool.loose_refs(b);
+        if rc != r {
+            return Err(format!(
+                "block {b}: ref_cnt {rc} but held {} times by tables and {} times popped",
+                refs[b as usize],
+                pool.loose_refs(b)
+            ));
         }
     }
     Ok(())

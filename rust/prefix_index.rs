@@ -34,8 +34,13 @@ impl PrefixIndex {
 
     /// An empty index with room for `n` keys: a pool of `n` blocks never holds more (each
     /// block has at most one hash), so inserts never rehash on the hot path.
-    pub fn with_capacity(n: usize) -> Self {
-        Self { map: FxHashMap::with_capacity_and_hasher(n, Default::default()) }
+    ///
+    /// # Errors
+    /// The table cannot be allocated.
+    pub fn try_with_capacity(n: usize) -> Result<Self, std::collections::TryReserveError> {
+        let mut map = FxHashMap::default();
+        map.try_reserve(n)?;
+        Ok(Self { map })
     }
 
     /// The earliest-inserted block cached under `key`.

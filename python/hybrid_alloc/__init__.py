@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hybrid_alloc._core import Allocator, __version__
+    from hybrid_alloc._core import Allocator, Hit, __version__
     from hybrid_alloc.errors import (
+        ConcurrentUseError,
         HybridAllocError,
         InvalidBlockError,
         InvalidConfigError,
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Allocator",
+    "ConcurrentUseError",
+    "Hit",
     "HybridAllocError",
     "InvalidBlockError",
     "InvalidConfigError",

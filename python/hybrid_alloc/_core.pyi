@@ -1,10 +1,13 @@
 """Type stubs of the compiled module (checked with ``mypy.stubtest``)."""
 
-from typing import TypeAlias, final
+from collections.abc import Sequence
+from typing import ClassVar, TypeAlias, final
 
 __all__ = [
     "Allocator",
+    "ConcurrentUseError",
     "FastAllocate",
+    "Hit",
     "HybridAllocError",
     "InvalidBlockError",
     "InvalidConfigError",
@@ -24,10 +27,19 @@ class UnknownRequestError(HybridAllocError): ...
 class OutOfRangeError(HybridAllocError): ...
 class InvalidBlockError(HybridAllocError): ...
 class InvariantError(HybridAllocError): ...
+class ConcurrentUseError(HybridAllocError): ...
 
 _EventTuple: TypeAlias = tuple[object, ...]
 
 def _noop(*_args: object, **_kwargs: object) -> None: ...
+
+@final
+class Hit:
+    """Where ``allocate_slots`` takes a cache hit from (explicit ids are passed as lists)."""
+
+    NONE: ClassVar[Hit]
+    STORED: ClassVar[Hit]
+    def __int__(self) -> int: ...
 
 @final
 class Allocator:
@@ -45,62 +57,51 @@ class Allocator:
         retention_interval: int | None = ...,
     ) -> Allocator: ...
     def add_request(self) -> int: ...
-    def append_hashes(self, handle: int, new_hashes: bytes, hash_len: int) -> None: ...
+    def set_block_hashes(self, handle: int, block_hashes: list[bytes]) -> None: ...
     def num_hashes(self, handle: int) -> int: ...
     def get_computed_blocks(
-        self, handle: int, block_hashes: list[bytes] | None, max_length: int
-    ) -> tuple[int, int, list[int], list[int]]: ...
+        self, handle: int, max_length: int, *, block_hashes: list[bytes] | None = None
+    ) -> tuple[int, int, tuple[list[int], ...]]: ...
     def allocate_slots(
         self,
         handle: int,
-        block_hashes: list[bytes] | None,
         num_new_tokens: int,
-        num_new_computed_tokens: int,
-        hit_mode: int,
-        hit_ids: list[int] | None,
-        hit_counts: list[int] | None,
-        num_lookahead_tokens: int,
-        num_external_computed_tokens: int,
-        delay_cache_blocks: bool,
-        num_encoder_tokens: int,
-        full_sequence_must_fit: bool,
-        reserved_blocks: int,
-        apply_watermark: bool,
-        num_computed_tokens: int,
-        num_in_flight_tokens: int,
-        num_prompt_tokens: int,
-        num_tokens: int,
-        shared_prefix_boundary: int,
-    ) -> tuple[None | int | tuple[list[int], ...], int, int, int]: ...
+        *,
+        block_hashes: list[bytes] | None = None,
+        hit: Hit | Sequence[Sequence[int]] | None = None,
+        num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        apply_watermark: bool = False,
+        num_computed_tokens: int = 0,
+        num_in_flight_tokens: int = 0,
+        num_prompt_tokens: int | None = None,
+        num_tokens: int | None = None,
+        shared_prefix_boundary: int = 0,
+    ) -> tuple[list[int], ...] | None: ...
     def noop_limits(self, handle: int) -> tuple[int, int, int]: ...
-    def step(
-        self,
-        handle: int,
-        block_hashes: list[bytes] | None,
-        num_new_tokens: int,
-        num_lookahead_tokens: int,
-        num_computed_tokens: int,
-        num_in_flight_tokens: int,
-        num_prompt_tokens: int,
-        num_tokens: int,
-        shared_prefix_boundary: int,
-    ) -> tuple[None | int | tuple[list[int], ...], int, int, int]: ...
     def cache_blocks(
         self,
         handle: int,
-        block_hashes: list[bytes] | None,
         num_computed_tokens: int,
-        num_prompt_tokens: int,
-        shared_prefix_boundary: int,
+        *,
+        block_hashes: list[bytes] | None = None,
+        num_prompt_tokens: int | None = None,
+        shared_prefix_boundary: int = 0,
     ) -> None: ...
     def remove_skipped_blocks(self, handle: int, processed_computed_tokens: int) -> None: ...
     def get_num_blocks_to_allocate(
         self,
         handle: int,
         num_tokens: int,
-        num_encoder_tokens: int,
-        total_computed_tokens: int,
-        apply_admission_cap: bool,
+        *,
+        num_encoder_tokens: int = 0,
+        total_computed_tokens: int = 0,
+        apply_admission_cap: bool = False,
     ) -> int: ...
     def free(self, handle: int) -> None: ...
     def pop_blocks_for_free(self, handle: int) -> list[int]: ...
@@ -109,8 +110,6 @@ class Allocator:
     def evict_blocks(self, ids: list[int]) -> None: ...
     def reset_prefix_cache(self) -> bool: ...
     def estimate_cached_tokens(self, handle: int) -> int: ...
-    @property
-    def serial(self) -> int: ...
     @property
     def num_free_blocks(self) -> int: ...
     @property
@@ -128,7 +127,7 @@ class Allocator:
     def block_hash_num_tokens(self, block_id: int) -> int | None: ...
     def free_queue_order(self) -> list[int]: ...
     def take_events(self) -> list[_EventTuple]: ...
-    def check_invariants(self, exact_refs: bool = True) -> None: ...
+    def check_invariants(self) -> None: ...
 
 @final
 class FastAllocate:

@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 DEFAULT_MODELS = ("gemma-2-27b", "llama-3.1-8b")
-INSTALL_HINT = "vLLM is not installed: pip install vllm==0.32.0 (GPU) or run `bash scripts/bench.sh` (CPU build)"
+INSTALL_HINT = "vLLM is not installed: pip install 'vllm>=0.32,<0.34' (0.32.0 or 0.33.0), or run `bash scripts/bench.sh` (vLLM 0.32.0's CPU build)"
 
 # Methods of KVCacheManager (and what the scheduler reaches through it) that are timed.
 _TIMED = (

@@ -7,11 +7,14 @@
 - :class:`OutOfRangeError`: a count or index outside its range.
 - :class:`InvalidBlockError`: a block id outside the pool, or freed more often than held.
 - :class:`InvariantError`: an internal invariant is broken (a bug; please report it).
+- :class:`ConcurrentUseError`: a call reached an allocator while another call on it was in
+  progress (another thread, or a callback re-entering it); nothing changed.
 
 A call that raises leaves the allocator as it was.
 """
 
 from hybrid_alloc._core import (
+    ConcurrentUseError,
     HybridAllocError,
     InvalidBlockError,
     InvalidConfigError,
@@ -22,6 +25,7 @@ from hybrid_alloc._core import (
 )
 
 __all__ = [
+    "ConcurrentUseError",
     "HybridAllocError",
     "InvalidBlockError",
     "InvalidConfigError",

@@ -2,7 +2,9 @@
 //! `SingleTypeKVCacheManager` and subclasses). The shared bookkeeping lives in
 //! [`SingleTypeManager`]; what differs per attention type (how many leading tokens fall out
 //! of use, how a cache hit is found, which full blocks are worth caching) lives in one file
-//! per type and is dispatched statically on [`AttentionKind`].
+//! per type and is dispatched statically on [`AttentionKind`]. Cross attention (one static
+//! allocation from the encoder length, never cached or recycled; the configuration refuses it
+//! with prefix caching on) needs nothing beyond the shared bookkeeping, so it has no file.
 //!
 //! Per request (by handle) a manager keeps its block table and `num_cached_block`.
 //! Invariants: every non-null block in a table holds one reference for that slot; a
@@ -14,13 +16,12 @@
 #![forbid(unsafe_code)]
 
 pub mod chunked_local;
-pub mod cross;
 pub mod full;
 pub mod sliding_window;
 
 use crate::block_pool::BlockPool;
 use crate::config::{AttentionKind, GroupSpec};
-use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, NULL_BLOCK};
+use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
 
 /// Marker for "no `num_cached_block` entry" (vLLM: request id absent from the dict).
 const ABSENT: u32 = u32::MAX;
@@ -151,7 +152,7 @@ impl SingleTypeManager {
     }
 
     /// Makes room for handle `h` (a new request slot).
-    pub fn ensure_slot(&mut self, h: ReqHandle) {
+    pub fn ensure_slot(&mut self, h: Slot) {
         let n = h as usize + 1;
         if self.req_blocks.len() < n {
             self.req_blocks.resize_with(n, Vec::new);
@@ -162,25 +163,25 @@ impl SingleTypeManager {
 
     /// The block table of `h`.
     #[inline]
-    pub fn blocks(&self, h: ReqHandle) -> &[BlockId] {
+    pub fn blocks(&self, h: Slot) -> &[BlockId] {
         &self.req_blocks[h as usize]
     }
 
     /// Whether `h` has a `num_cached_block` entry (vLLM: "a running request").
     #[inline]
-    pub fn is_tracked(&self, h: ReqHandle) -> bool {
+    pub fn is_tracked(&self, h: Slot) -> bool {
         self.num_cached[h as usize] != ABSENT
     }
 
     /// Leading null slots of `h`'s table.
     #[inline]
-    pub fn null_prefix(&self, h: ReqHandle) -> u32 {
+    pub fn null_prefix(&self, h: Slot) -> u32 {
         self.null_prefix[h as usize]
     }
 
     /// `num_cached_block` of `h` (0 when absent).
     #[inline]
-    pub fn num_cached(&self, h: ReqHandle) -> u32 {
+    pub fn num_cached(&self, h: Slot) -> u32 {
         let n = self.num_cached[h as usize];
         if n == ABSENT {
             0
@@ -207,15 +208,23 @@ impl SingleTypeManager {
 
     /// Blocks this group must take from the pool to give `h` `num_tokens` slots, counting
     /// cache-hit blocks that are still in the free queue (vLLM's `get_num_blocks_to_allocate`).
+    ///
+    /// vLLM counts a request it does not track yet as if its computed tokens were adopted
+    /// (out-of-window ones as null blocks). That is what `allocate_slots` does only when it
+    /// adopts something (a hit or external tokens); with `adopting` false the table just
+    /// grows from its current length, and the count says exactly that, so the capacity check
+    /// and the allocation always agree (a request whose computed tokens run ahead of its
+    /// table is not under-counted).
     #[allow(clippy::too_many_arguments)]
     pub fn get_num_blocks_to_allocate(
         &self,
         pool: &BlockPool,
-        h: ReqHandle,
+        h: Slot,
         num_tokens: u32,
         new_computed: &[BlockId],
         total_computed_tokens: u32,
         apply_admission_cap: bool,
+        adopting: bool,
     ) -> u32 {
         let bs = self.block_size() as u64;
         let mut required = cdiv(num_tokens as u64, bs) as i64;
@@ -225,7 +234,7 @@ impl SingleTypeManager {
             }
         }
         let num_req_blocks = self.req_blocks[h as usize].len() as i64;
-        if self.is_tracked(h) {
+        if self.is_tracked(h) || !adopting {
             return (required - num_req_blocks).max(0) as u32;
         }
         let skipped_blocks = (self.num_skipped_tokens(total_computed_tokens) as u64 / bs) as i64;
@@ -241,7 +250,7 @@ impl SingleTypeManager {
     pub fn add_local_computed_blocks(
         &mut self,
         pool: &mut BlockPool,
-        h: ReqHandle,
+        h: Slot,
         new_computed: &[BlockId],
         num_local_computed_tokens: u32,
         num_external_computed_tokens: u32,
@@ -271,7 +280,7 @@ impl SingleTypeManager {
     pub fn allocate_external_computed_blocks(
         &mut self,
         pool: &mut BlockPool,
-        h: ReqHandle,
+        h: Slot,
         num_local_computed_tokens: u32,
         num_external_computed_tokens: u32,
     ) {
@@ -296,7 +305,7 @@ impl SingleTypeManager {
 
     /// Grows `h`'s table to `num_tokens` slots; appends the new block ids to `out`
     /// (vLLM's `allocate_new_blocks`). The caller checked capacity.
-    pub fn allocate_new_blocks(&mut self, pool: &mut BlockPool, h: ReqHandle, num_tokens: u32, out: &mut Vec<BlockId>) {
+    pub fn allocate_new_blocks(&mut self, pool: &mut BlockPool, h: Slot, num_tokens: u32, out: &mut Vec<BlockId>) {
         let table = &mut self.req_blocks[h as usize];
         let required = cdiv(num_tokens as u64, self.spec.block_size as u64) as usize;
         if required > table.len() {
@@ -306,13 +315,27 @@ impl SingleTypeManager {
         }
     }
 
+    /// Blocks of `h`'s table that [`Self::cache_blocks`] would treat as full for
+    /// `num_tokens` tokens and `num_hashes` hashes (0 for cross attention), and the table's
+    /// length: the coordinator refuses a caching call whose full blocks the table lacks.
+    pub fn blocks_to_cache(&self, h: Slot, num_hashes: usize, hash_block_size: u32, num_tokens: u32) -> (u32, u32) {
+        if matches!(self.spec.kind, AttentionKind::Cross) {
+            return (0, 0);
+        }
+        let bs = self.spec.block_size;
+        let view_len = (num_hashes as u64 / (bs / hash_block_size) as u64).min(u32::MAX as u64) as u32;
+        ((num_tokens / bs).min(view_len), self.req_blocks[h as usize].len() as u32)
+    }
+
     /// Caches the full blocks of `h` up to `num_tokens` (vLLM's `cache_blocks`), with the
-    /// sliding-window retention mask.
+    /// sliding-window retention mask. The caller checked with [`Self::blocks_to_cache`]
+    /// that the table holds every full block.
     #[allow(clippy::too_many_arguments)]
     pub fn cache_blocks(
         &mut self,
         pool: &mut BlockPool,
-        h: ReqHandle,
+        h: Slot,
+        req: ReqHandle,
         hashes: &[BlockHash],
         hash_block_size: u32,
         num_tokens: u32,
@@ -344,7 +367,7 @@ impl SingleTypeManager {
             _ => None,
         };
         pool.cache_full_blocks(
-            h,
+            req,
             &self.req_blocks[h as usize],
             num_cached,
             num_full,
@@ -358,7 +381,7 @@ impl SingleTypeManager {
 
     /// Frees the blocks of `h` that fell out of the attention window, replacing them with
     /// the null block (vLLM's `remove_skipped_blocks`).
-    pub fn remove_skipped_blocks(&mut self, pool: &mut BlockPool, h: ReqHandle, processed_computed_tokens: u32) {
+    pub fn remove_skipped_blocks(&mut self, pool: &mut BlockPool, h: Slot, processed_computed_tokens: u32) {
         let skipped = self.num_skipped_tokens(processed_computed_tokens);
         if skipped == 0 {
             return;
@@ -383,7 +406,7 @@ impl SingleTypeManager {
     }
 
     /// Frees every block of `h`, tail first, and forgets its bookkeeping (vLLM's `free`).
-    pub fn free(&mut self, pool: &mut BlockPool, h: ReqHandle) {
+    pub fn free(&mut self, pool: &mut BlockPool, h: Slot) {
         let table = &mut self.req_blocks[h as usize];
         pool.free_blocks(table.iter().rev().copied());
         table.clear();
@@ -393,7 +416,7 @@ impl SingleTypeManager {
 
     /// Forgets `h`'s bookkeeping and moves its table into `out`, without freeing
     /// (vLLM's `pop_blocks_for_free`).
-    pub fn pop_blocks(&mut self, h: ReqHandle, out: &mut Vec<BlockId>) {
+    pub fn pop_blocks(&mut self, h: Slot, out: &mut Vec<BlockId>) {
         let table = &mut self.req_blocks[h as usize];
         out.extend_from_slice(table);
         table.clear();
@@ -406,7 +429,7 @@ impl SingleTypeManager {
     /// group: `(slots, processed, cached)` such that a step with
     /// `need_slot <= slots`, `processed < processed_limit` and `to_cache < cached` allocates,
     /// frees and caches nothing. Conservative: a step outside them may still be a no-op.
-    pub fn noop_limits(&self, h: ReqHandle) -> (u32, u32, u32) {
+    pub fn noop_limits(&self, h: Slot) -> (u32, u32, u32) {
         let bs = self.spec.block_size as u64;
         let clamp = |x: u64| x.min(u32::MAX as u64) as u32;
         if matches!(self.spec.kind, AttentionKind::Cross) {
@@ -426,7 +449,7 @@ impl SingleTypeManager {
     }
 
     /// Every live table (invariant checks).
-    pub fn tables(&self) -> impl Iterator<Item = (ReqHandle, &[BlockId])> + '_ {
-        self.req_blocks.iter().enumerate().map(|(h, t)| (h as ReqHandle, t.as_slice()))
+    pub fn tables(&self) -> impl Iterator<Item = (Slot, &[BlockId])> + '_ {
+        self.req_blocks.iter().enumerate().map(|(h, t)| (h as Slot, t.as_slice()))
     }
 }

@@ -37,9 +37,8 @@ pub fn find_longest_cache_hit(
     out: &mut [Vec<BlockId>],
 ) -> u32 {
     let need = contiguous_blocks_for_hit(window, block_size);
-    let max_num_blocks = max_length / block_size;
-    debug_assert!(max_num_blocks <= view.len());
-    let max_num_blocks = max_num_blocks.min(view.len());
+    // `max_length` may reach past the hashes the caller sent: only hashed blocks can hit.
+    let max_num_blocks = (max_length / block_size).min(view.len());
     for o in out.iter_mut() {
         o.resize(max_num_blocks as usize, NULL_BLOCK);
     }

@@ -1,15 +1,23 @@
 """The typed Python API over the compiled core: results, bad input (a clear exception
-under HybridAllocError, state unchanged), and that ``import hybrid_alloc`` needs no vLLM."""
+under HybridAllocError, state unchanged), the regression tests of issue 8's reproducers
+(P1-P6, A1, C1, C3-C7), the reference cycle through FastAllocate, re-entrancy, cross
+attention, and that ``import hybrid_alloc`` needs no vLLM."""
 
 from __future__ import annotations
 
+import gc
+import os
+import re
 import subprocess
 import sys
-
-import pytest
+import weakref
+from pathlib import Path
+from typing import Any
 
 import hybrid_alloc as ha
-from hybrid_alloc import Allocator
+import pytest
+from hybrid_alloc import Allocator, Hit
+from hybrid_alloc._core import FastAllocate
 
 H = 32  # hash length (sha256)
 
@@ -18,21 +26,33 @@ def hashes(*xs: int) -> list[bytes]:
     return [x.to_bytes(H, "big") for x in xs]
 
 
-def alloc(kind: str = "full", window: int = 0, num_blocks: int = 16, caching: bool = True) -> Allocator:
+def alloc(kind: str = "full", window: int = 0, num_blocks: int = 16, caching: bool = True, mml: int = 4096) -> Allocator:
     groups = [("full", 16, 0, 0, 0)]
     if kind == "swa":
         groups.append(("sliding_window", 16, 1, window, 0))
-    return Allocator(num_blocks, groups, 16, 16, 4096, 4096, caching, True, 0, 0)
+    if kind == "swa_only":
+        groups = [("sliding_window", 16, 0, window, 0)]
+    return Allocator(num_blocks, groups, 16, 16, mml, mml, caching, True, 0, 0)
 
 
-def allocate(a: Allocator, h: int, n: int, *, computed: int = 0, hit: int = 0, mode: int = 0, new: list[bytes] | None = None,
-             prompt: int = 0, tokens: int = 0):  # type: ignore[no-untyped-def]
-    return a.allocate_slots(h, new, n, hit, mode, None, None, 0, 0, False, 0, False, 0, False,
-                            computed, 0, prompt or n, tokens or (computed + hit + n), 0)[0]
+def allocate(a: Allocator, h: int, n: int, *, computed: int = 0, hit: Any = None, hit_tokens: int = 0,
+             new: list[bytes] | None = None, prompt: int | None = None, tokens: int | None = None, **kw: Any) -> Any:
+    tokens = tokens if tokens is not None else computed + hit_tokens + n
+    return a.allocate_slots(h, n, block_hashes=new, hit=hit, num_new_computed_tokens=hit_tokens,
+                            num_computed_tokens=computed, num_prompt_tokens=prompt if prompt is not None else tokens,
+                            num_tokens=tokens, **kw)
 
 
 def snapshot(a: Allocator, handles: list[int]) -> tuple:  # type: ignore[type-arg]
-    return (a.num_free_blocks, a.usage, a.free_queue_order(), [a.block_ids(h) for h in handles], a.num_requests)
+    """Everything a failed call must leave as it was."""
+    return (a.num_free_blocks, a.usage, a.free_queue_order(), [a.block_ids(h) for h in handles],
+            [a.num_hashes(h) for h in handles], [a.noop_limits(h) for h in handles], a.num_requests,
+            [(a.ref_cnt(b), a.block_hash(b)) for b in range(a.num_blocks)], a.has_events)
+
+
+def unchanged(a: Allocator, handles: list[int], snap: tuple) -> None:  # type: ignore[type-arg]
+    assert snapshot(a, handles) == snap
+    a.check_invariants()
 
 
 def test_allocate_prefix_hit_and_free_order() -> None:
@@ -41,15 +61,25 @@ def test_allocate_prefix_hit_and_free_order() -> None:
     assert allocate(a, r1, 40, new=hashes(1, 2), prompt=40, tokens=40) == ([1, 2, 3],)
     assert a.num_free_blocks == 12
     r2 = a.add_request()
-    hit, uncached, ids, counts = a.get_computed_blocks(r2, hashes(1, 2), 39)
-    assert (hit, uncached, ids, counts) == (32, 0, [1, 2], [2])
-    assert allocate(a, r2, 8, hit=32, mode=1, prompt=40, tokens=40) == ([4],)
+    hit, uncached, groups = a.get_computed_blocks(r2, 39, block_hashes=hashes(1, 2))
+    assert (hit, uncached, groups) == (32, 0, ([1, 2],))
+    assert allocate(a, r2, 8, hit=Hit.STORED, hit_tokens=32, prompt=40, tokens=40) == ([4],)
     assert a.ref_cnt(1) == 2 and a.block_ids(r2) == ([1, 2, 4],)
     a.free(r1)
     a.free(r2)
     # Unhashed tails first (r2's then r1's), then cached blocks, tail first.
     assert a.free_queue_order()[:2] == [4, 3]
     assert a.block_hash(1) == ((1).to_bytes(H, "big"), 0)
+    a.check_invariants()
+
+
+def test_explicit_hit_with_the_right_blocks_is_adopted() -> None:
+    a = alloc()
+    r1 = a.add_request()
+    allocate(a, r1, 40, new=hashes(1, 2), prompt=40, tokens=40)
+    r2 = a.add_request()
+    assert allocate(a, r2, 8, new=hashes(1, 2), hit=[[1, 2]], hit_tokens=32, tokens=40) == ([4],)
+    assert a.block_ids(r2) == ([1, 2, 4],)
     a.check_invariants()
 
 
@@ -69,7 +99,7 @@ def test_sliding_window_recycles_and_keeps_positions() -> None:
 def test_unknown_request_and_double_free_raise() -> None:
     a = alloc()
     r = a.add_request()
-    allocate(a, r, 20, prompt=20)
+    allocate(a, r, 20)
     a.free(r)
     snap = snapshot(a, [])
     with pytest.raises(ha.UnknownRequestError):
@@ -78,60 +108,291 @@ def test_unknown_request_and_double_free_raise() -> None:
         a.block_ids(12345)
     with pytest.raises(ha.UnknownRequestError):
         a.free(-1)
-    assert snapshot(a, []) == snap
+    unchanged(a, [], snap)
+
+
+def test_c7_stale_handle_is_refused_not_aliased() -> None:
+    """C7: a handle whose request was freed no longer reaches its slot's next owner."""
+    a = alloc()
+    old = a.add_request()
+    allocate(a, old, 20)
+    a.free(old)
+    new = a.add_request()  # reuses the slot
+    allocate(a, new, 20)
+    snap = snapshot(a, [new])
+    for call in (lambda: a.free(old), lambda: a.block_ids(old), lambda: allocate(a, old, 1, computed=20),
+                 lambda: a.cache_blocks(old, 16), lambda: a.pop_blocks_for_free(old)):
+        with pytest.raises(ha.UnknownRequestError):
+            call()
+    unchanged(a, [new], snap)
+    other = alloc()
+    with pytest.raises(ha.UnknownRequestError):
+        other.free(new)  # another allocator's handle
 
 
 def test_bad_counts_raise_and_leave_state() -> None:
     a = alloc()
     r = a.add_request()
-    allocate(a, r, 20, new=hashes(9), prompt=20)
+    allocate(a, r, 20, new=hashes(9))
     snap = snapshot(a, [r])
-    n_hashes = a.num_hashes(r)
     with pytest.raises(ha.OutOfRangeError):
         allocate(a, r, 0, computed=20, new=hashes(9, 10))  # nothing to compute or adopt
-    assert a.num_hashes(r) == n_hashes  # the hashes sent with the failed call were dropped
     with pytest.raises(ha.OutOfRangeError):
         allocate(a, r, -5)
     with pytest.raises(ha.OutOfRangeError):
-        a.append_hashes(r, b"x" * 33, 32)
-    with pytest.raises(ha.OutOfRangeError):
-        a.allocate_slots(r, None, 1, 0, 7, None, None, 0, 0, False, 0, False, 0, False, 20, 0, 20, 21, 0)
-    with pytest.raises(ha.OutOfRangeError):
-        a.allocate_slots(r, None, 1, 16, 2, [1, 2], [5], 0, 0, False, 0, False, 0, False, 0, 0, 20, 21, 0)
-    with pytest.raises(ha.OutOfRangeError):
         allocate(a, r, 1, computed=20, new=hashes(9, 10) + ["not bytes"])  # type: ignore[list-item]
-    assert a.num_hashes(r) == n_hashes
-    assert snapshot(a, [r]) == snap
-    a.check_invariants()
+    with pytest.raises(ha.OutOfRangeError):
+        allocate(a, r, 1, computed=20, new=[b"x" * 33])
+    with pytest.raises(ha.OutOfRangeError):
+        allocate(a, r, 1, computed=20, hit_tokens=16)  # computed tokens without hit blocks
+    with pytest.raises(TypeError):
+        allocate(a, r, 1, computed=20, hit="stored")
+    unchanged(a, [r], snap)
 
 
 def test_invalid_blocks_raise_and_leave_state() -> None:
     a = alloc()
     r = a.add_request()
-    allocate(a, r, 20, prompt=20)
+    allocate(a, r, 20)
     snap = snapshot(a, [r])
     with pytest.raises(ha.InvalidBlockError):
         a.evict_blocks([1, 99])
     with pytest.raises(ha.InvalidBlockError):
-        a.free_block_ids([1, 1])  # block 1 holds one reference
+        a.free_block_ids([1, 1])
     with pytest.raises(ha.InvalidBlockError):
         a.free_block_ids([5])  # a free block
     with pytest.raises(ha.InvalidBlockError):
         a.ref_cnt(16)
-    assert snapshot(a, [r]) == snap
+    unchanged(a, [r], snap)
+
+
+def test_p1_huge_hit_ids_raise() -> None:
+    """P1: hit ids whose sizes wrap (the old concatenated ids + counts) cannot panic."""
+    a = alloc()
+    r = a.add_request()
+    snap = snapshot(a, [r])
+    with pytest.raises(ha.InvalidBlockError):
+        allocate(a, r, 16, hit=[[2**62] * 4], hit_tokens=64, new=hashes(1, 2, 3, 4))
+    with pytest.raises(ha.InvalidBlockError):
+        allocate(a, r, 16, hit=[[-1]], hit_tokens=16, new=hashes(1))
+    with pytest.raises(ha.OutOfRangeError):
+        allocate(a, r, 16, hit=[[1], [2]], hit_tokens=16, new=hashes(1))  # two groups for one
+    unchanged(a, [r], snap)
+
+
+def test_p2_p3_caching_more_blocks_than_held_is_refused_then_caching_works() -> None:
+    """P2: caching past the table (hashes for 2 blocks, none held) raises; P3: the request
+    can still be cached normally afterwards."""
+    a = alloc()
+    r = a.add_request()
+    snap = snapshot(a, [r])
+    with pytest.raises(ha.OutOfRangeError):
+        a.cache_blocks(r, 32, block_hashes=hashes(1, 2), num_prompt_tokens=32)
+    unchanged(a, [r], snap)
+    assert allocate(a, r, 32, delay_cache_blocks=True) == ([1, 2],)
+    a.cache_blocks(r, 32, block_hashes=hashes(1, 2), num_prompt_tokens=32)
+    a.cache_blocks(r, 32, block_hashes=hashes(1, 2), num_prompt_tokens=32)
+    assert a.block_hash(2) == ((2).to_bytes(H, "big"), 0)
     a.check_invariants()
+
+
+def test_p2_step_past_max_model_len_caches_only_what_it_holds() -> None:
+    """P2 through allocate_slots: a step reaching past max_model_len with hashes for it."""
+    a = alloc(mml=32)
+    r = a.add_request()
+    assert allocate(a, r, 48, new=hashes(1, 2, 3), tokens=48) == ([1, 2],)
+    assert a.block_hash(1) is not None and a.block_hash(2) is not None
+    a.check_invariants()
+
+
+def test_p4_external_tokens_past_max_model_len_raise() -> None:
+    for num_blocks in (8, 600):
+        a = alloc(num_blocks=num_blocks, mml=64)
+        r = a.add_request()
+        snap = snapshot(a, [r])
+        with pytest.raises(ha.OutOfRangeError):
+            allocate(a, r, 1, num_external_computed_tokens=1000, tokens=64)
+        unchanged(a, [r], snap)
+        assert allocate(a, r, 1, num_external_computed_tokens=48, tokens=64) == ([4],)  # as vLLM: external
+        assert a.block_ids(r) == ([1, 2, 3, 4],)  # blocks are not reported as new
+        a.check_invariants()
+
+
+def test_p5_computed_tokens_ahead_of_the_table_are_counted_exactly() -> None:
+    """P5: a sliding-window request with nothing cached, its computed tokens ahead of its
+    table: the capacity check counts what the allocation takes (14 blocks per group)."""
+    a = alloc("swa", window=32, num_blocks=21)
+    r = a.add_request()
+    snap = snapshot(a, [r])
+    assert allocate(a, r, 16, computed=200) is None
+    unchanged(a, [r], snap)
+    big = alloc("swa", window=32, num_blocks=40)
+    r = big.add_request()
+    res = allocate(big, r, 16, computed=200)
+    assert res is not None and [len(g) for g in res] == [14, 14]
+    big.check_invariants()
+
+
+def test_p6_free_block_ids_refuses_a_block_a_table_holds() -> None:
+    a = alloc()
+    r = a.add_request()
+    allocate(a, r, 40)
+    snap = snapshot(a, [r])
+    with pytest.raises(ha.InvalidBlockError):
+        a.free_block_ids([1])
+    unchanged(a, [r], snap)
+    a.free(r)  # the block had one owner all along
+    a.check_invariants()
+    assert a.num_free_blocks == 15
+
+
+def test_a1_huge_pool_raises_memory_error() -> None:
+    for caching in (True, False):
+        with pytest.raises(MemoryError):
+            Allocator(2**32 - 3, [("full", 16, 0, 0, 0)], 16, 16, 4096, enable_caching=caching)
+    with pytest.raises(ha.InvalidConfigError):
+        Allocator(2**32 - 1, [("full", 16, 0, 0, 0)], 16, 16, 4096)
+
+
+def test_c1_empty_hash_is_refused_not_dropped() -> None:
+    a = alloc()
+    r1 = a.add_request()
+    allocate(a, r1, 48, new=hashes(1, 2, 3), tokens=48)
+    r2 = a.add_request()
+    snap = snapshot(a, [r1, r2])
+    with pytest.raises(ha.OutOfRangeError):
+        a.get_computed_blocks(r2, 47, block_hashes=[b""] + hashes(1, 2))
+    with pytest.raises(ha.OutOfRangeError):
+        allocate(a, r2, 48, new=[b""] + hashes(1, 2))
+    with pytest.raises(ha.OutOfRangeError):
+        a.set_block_hashes(r2, hashes(7) + [b""])
+    unchanged(a, [r1, r2], snap)
+    assert a.get_computed_blocks(r2, 47, block_hashes=hashes(5, 1, 2))[0] == 0  # no false hit
+
+
+def test_c3_token_sums_do_not_wrap() -> None:
+    a = alloc()
+    r = a.add_request()
+    snap = snapshot(a, [r])
+    assert allocate(a, r, 2**32 - 1) is None  # clamped to max_model_len: 256 blocks, 15 free
+    unchanged(a, [r], snap)
+    with pytest.raises(ha.OutOfRangeError):
+        allocate(a, r, 2**32 - 1, computed=1)
+    with pytest.raises(ha.OutOfRangeError):
+        allocate(a, r, 2**31, num_lookahead_tokens=2**31)
+    unchanged(a, [r], snap)
+
+
+def test_c4_failed_call_keeps_the_stored_hashes() -> None:
+    a = alloc()
+    r = a.add_request()
+    allocate(a, r, 40, new=hashes(1, 2))
+    snap = snapshot(a, [r])
+    with pytest.raises(ha.OutOfRangeError):
+        allocate(a, r, 0, computed=40, new=[])  # nothing to do: refused before the sync
+    with pytest.raises(ha.InvalidBlockError):
+        allocate(a, r, 8, computed=40, new=hashes(1, 2, 3), hit=[[99]], hit_tokens=16)  # after the sync
+    unchanged(a, [r], snap)
+
+
+def test_c5_explicit_hits_are_validated() -> None:
+    a = alloc("swa", window=32, num_blocks=32)
+    r1 = a.add_request()
+    allocate(a, r1, 64, new=hashes(1, 2, 3, 4), tokens=64)
+    full, swa = a.block_ids(r1)
+    other = a.add_request()
+    allocate(a, other, 32, new=hashes(7, 8), tokens=32)
+    ofull, oswa = a.block_ids(other)
+    r2 = a.add_request()
+    a.set_block_hashes(r2, hashes(1, 2, 3, 4))
+    snap = snapshot(a, [r1, other, r2])
+    bad = {
+        "null in a full-attention hit": ([[0, full[1]], [0, swa[1]]], ha.InvalidBlockError),
+        "null after a real block": ([full[:2], [swa[0], 0]], ha.InvalidBlockError),
+        "duplicated": ([[full[0], full[0]], swa[:2]], ha.InvalidBlockError),
+        "uncached block": ([[full[0], 30], swa[:2]], ha.InvalidBlockError),
+        "another request's block": ([ofull[:2], oswa[:2]], ha.InvalidBlockError),
+        "the other group's block": ([swa[:2], full[:2]], ha.InvalidBlockError),
+        "shifted positions": ([full[1:3], swa[1:3]], ha.InvalidBlockError),
+        "out of range": ([[full[0], 32], swa[:2]], ha.InvalidBlockError),
+        "wrong length": ([full[:1], swa[:2]], ha.OutOfRangeError),
+        "past the hashes": ([full[:4], swa[:4]], ha.OutOfRangeError),
+    }
+    for name, (hit, err) in bad.items():
+        n = len(hit[1]) * 16
+        with pytest.raises(err):
+            allocate(a, r2, 8, hit=hit, hit_tokens=n if name != "past the hashes" else 64,
+                     new=hashes(1, 2, 3) if name == "past the hashes" else None, tokens=72)
+        unchanged(a, [r1, other, r2], snap)
+    # The valid hit (SWA blocks before the window may be null) is adopted.
+    assert allocate(a, r2, 8, hit=[full[:2], [0, swa[1]]], hit_tokens=32, tokens=40) is not None
+    a.check_invariants()
+
+
+def test_c6_stored_hit_whose_blocks_were_reused_is_refused() -> None:
+    a = alloc(num_blocks=5)
+    r1 = a.add_request()
+    allocate(a, r1, 32, new=hashes(1, 2), tokens=33)
+    a.free(r1)
+    r2 = a.add_request()
+    assert a.get_computed_blocks(r2, 32, block_hashes=hashes(1, 2))[2] == ([1, 2],)
+    thief = a.add_request()
+    allocate(a, thief, 64, new=hashes(5, 6, 7, 8))  # takes every free block, evicting 1 and 2
+    a.free(thief)
+    snap = snapshot(a, [r2])
+    with pytest.raises(ha.InvalidBlockError, match="reused"):
+        allocate(a, r2, 1, hit=Hit.STORED, hit_tokens=32, tokens=33)
+    unchanged(a, [r2], snap)
+    assert a.get_computed_blocks(r2, 32)[0] == 0  # a fresh lookup finds nothing
+
+
+def test_block_hashes_cleared_and_regrown_or_truncated_are_followed() -> None:
+    """vLLM 0.33 clears and regrows ``request.block_hashes`` (resumable requests with
+    lookahead) and truncates it (streaming input): the core follows the list it is given."""
+    a = alloc(num_blocks=32)
+    r1 = a.add_request()
+    allocate(a, r1, 64, new=hashes(1, 2, 3, 4), tokens=64)
+    r2 = a.add_request()
+    a.set_block_hashes(r2, hashes(9, 9, 9))
+    assert a.get_computed_blocks(r2, 63, block_hashes=hashes(1, 2, 3, 4))[:2] == (48, 0)  # rewritten from 0
+    assert a.num_hashes(r2) == 4
+    assert a.get_computed_blocks(r2, 63, block_hashes=hashes(1, 2))[0] == 32  # truncated
+    assert a.num_hashes(r2) == 2
+    assert a.get_computed_blocks(r2, 63, block_hashes=hashes(1, 5, 6))[0] == 16  # rewritten from 1
+    assert a.num_hashes(r2) == 3
+    a.set_block_hashes(r2, [])
+    assert a.num_hashes(r2) == 0
 
 
 def test_pop_blocks_for_free_then_free_block_ids() -> None:
     a = alloc()
     r = a.add_request()
-    allocate(a, r, 40, prompt=40)
+    allocate(a, r, 40)
     blocks = a.pop_blocks_for_free(r)
     assert blocks == [1, 2, 3] and a.num_requests == 0
-    a.check_invariants(exact_refs=False)
+    a.check_invariants()
+    with pytest.raises(ha.InvalidBlockError):
+        a.free_block_ids([1, 1])
     a.free_block_ids(list(reversed(blocks)))
     assert a.num_free_blocks == 15
+    with pytest.raises(ha.InvalidBlockError):
+        a.free_block_ids([1])  # freed already
     a.check_invariants()
+
+
+def test_cross_attention_served_with_prefix_caching_off() -> None:
+    a = Allocator(32, [("full", 16, 0, 0, 0), ("cross", 16, 1, 0, 0)], 16, 16, 4096, enable_caching=False)
+    r = a.add_request()
+    first = a.allocate_slots(r, 10, num_encoder_tokens=100, num_tokens=10)
+    assert first is not None and [len(g) for g in first] == [1, 7]
+    second = a.allocate_slots(r, 16, num_computed_tokens=10, num_encoder_tokens=100)
+    assert second is not None and [len(g) for g in second] == [1, 0]
+    assert [len(g) for g in a.block_ids(r)] == [2, 7]
+    a.check_invariants()
+    a.free(r)
+    assert a.num_free_blocks == 31
+    with pytest.raises(ha.UnsupportedConfigError):
+        Allocator(32, [("full", 16, 0, 0, 0), ("cross", 16, 1, 0, 0)], 16, 16, 4096, enable_caching=True)
 
 
 @pytest.mark.parametrize(
@@ -150,6 +411,12 @@ def test_invalid_config_raises(groups: list, err: type) -> None:  # type: ignore
         Allocator(16, groups, 16, 16, 4096)
 
 
+def test_full_attention_over_a_smaller_hash_block_is_refused_by_the_core() -> None:
+    with pytest.raises(ha.UnsupportedConfigError, match="full attention with block size 32"):
+        Allocator(16, [("full", 32, 0, 0, 0), ("sliding_window", 32, 1, 64, 0)], 16, 32, 4096)
+    Allocator(16, [("full", 32, 0, 0, 0)], 16, 32, 4096, enable_caching=False)  # served without caching
+
+
 def test_out_of_range_config_values_raise() -> None:
     with pytest.raises(ha.OutOfRangeError):
         Allocator(-1, [("full", 16, 0, 0, 0)], 16, 16, 4096)
@@ -159,7 +426,7 @@ def test_out_of_range_config_values_raise() -> None:
 
 def test_errors_share_one_base() -> None:
     for cls in (ha.InvalidConfigError, ha.UnsupportedConfigError, ha.UnknownRequestError, ha.OutOfRangeError,
-                ha.InvalidBlockError, ha.InvariantError):
+                ha.InvalidBlockError, ha.InvariantError, ha.ConcurrentUseError):
         assert issubclass(cls, ha.HybridAllocError)
 
 
@@ -171,7 +438,7 @@ def test_events_stored_removed_cleared() -> None:
     assert ev == [("stored", r, 0, 16, 0, 32, None, [(1).to_bytes(H, "big"), (2).to_bytes(H, "big")], [0, 1])]
     a.free(r)
     r2 = a.add_request()
-    allocate(a, r2, 16, prompt=16)  # evicts the tail block's hash (block 2)
+    allocate(a, r2, 16)  # evicts the tail block's hash (block 2)
     assert a.take_events() == [("removed", (2).to_bytes(H, "big"), 0)]
     a.free(r2)
     assert a.reset_prefix_cache()
@@ -190,27 +457,169 @@ def test_import_without_vllm() -> None:
     assert out.stdout.strip() == "ok"
 
 
-def test_threads_misuse_is_an_error_not_a_crash() -> None:
-    """Concurrent calls on one allocator either serialise (GIL) or raise; never corrupt."""
+# ---- FastAllocate: the scheduler's hot call ------------------------------------------------
+
+
+class FakeRequest:
+    """The attributes of vLLM's Request that FastAllocate reads."""
+
+    def __init__(self, handle: int, num_computed_tokens: int, num_tokens: int, block_hashes: list[bytes]) -> None:
+        self._hybrid_alloc_handle = handle
+        self.num_computed_tokens = num_computed_tokens
+        self.num_in_flight_tokens = 0
+        self.num_prompt_tokens = num_tokens
+        self.num_tokens = num_tokens
+        self.shared_prefix_boundary = 0
+        self.block_hashes = block_hashes
+
+
+EMPTY = ("empty",)
+
+
+def fast(a: Allocator, slow_calls: list[Any] | None = None) -> FastAllocate:
+    def slow(*args: Any, **kw: Any) -> str:
+        if slow_calls is not None:
+            slow_calls.append(args)
+        return "slow"
+
+    return FastAllocate(a, EMPTY, slow, lambda groups: ("blocks", groups), None)
+
+
+def test_fast_allocate_noop_crossing_and_fallback() -> None:
+    a = alloc()
+    r = a.add_request()
+    allocate(a, r, 20, new=hashes(1), tokens=20)
+    calls: list[Any] = []
+    fa = fast(a, calls)
+    req = FakeRequest(r, 20, 21, hashes(1))
+    assert fa(req, 1) is EMPTY  # block 2 has room: answered from the no-op limits
+    req.num_computed_tokens = 32
+    req.num_tokens = 33
+    assert fa(req, 1) == ("blocks", ([3],))  # opens block 3 and caches block 2
+    assert a.num_hashes(r) == 1
+    assert fa(FakeRequest(r + 1, 0, 5, []), 5) == "slow"  # not a live handle here
+    assert fa(req, 1, num_external_computed_tokens=3) == "slow"  # not a plain step
+    assert len(calls) == 2
+    a.check_invariants()
+
+
+def test_reentrant_call_raises_concurrent_use_error_and_changes_nothing() -> None:
+    """A Request property that calls back into the allocator while FastAllocate holds it
+    (the deterministic form of two threads sharing one allocator) gets ConcurrentUseError,
+    not ``RuntimeError: Already mutably borrowed``, and nothing changes."""
+    a = alloc()
+    r = a.add_request()
+    allocate(a, r, 16, tokens=16)
+    seen: list[BaseException] = []
+
+    class Reentrant(FakeRequest):
+        @property  # type: ignore[override]
+        def num_in_flight_tokens(self) -> int:
+            try:
+                a.free(r)
+            except BaseException as e:
+                seen.append(e)
+                raise
+            return 0
+
+        @num_in_flight_tokens.setter
+        def num_in_flight_tokens(self, v: int) -> None:
+            pass
+
+    snap = snapshot(a, [r])
+    with pytest.raises(ha.ConcurrentUseError):
+        fast(a)(Reentrant(r, 16, 17, []), 1)
+    assert len(seen) == 1 and type(seen[0]) is ha.ConcurrentUseError
+    unchanged(a, [r], snap)
+    a.free(r)  # usable again afterwards
+
+
+def test_threads_share_one_allocator_without_corruption() -> None:
+    """Four threads on one allocator: every call either completes or raises
+    ConcurrentUseError (never another error, never a corrupt state)."""
     import threading
 
     a = alloc(num_blocks=64)
     errors: list[BaseException] = []
 
     def work() -> None:
-        try:
-            for _ in range(200):
+        for _ in range(300):
+            try:
                 h = a.add_request()
-                allocate(a, h, 17, prompt=17)
-                a.free(h)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+            except ha.ConcurrentUseError:
+                continue
+            try:
+                allocate(a, h, 17)
+            except ha.ConcurrentUseError:
+                pass
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+            while True:
+                try:
+                    a.free(h)
+                    break
+                except ha.ConcurrentUseError:
+                    continue
 
     ts = [threading.Thread(target=work) for _ in range(4)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
-    assert all(isinstance(e, RuntimeError) for e in errors)
+    assert errors == []
     a.check_invariants()
-    assert a.num_free_blocks == 63
+    assert a.num_free_blocks == 63 and a.num_requests == 0
+
+
+# ---- the reference cycle through FastAllocate ---------------------------------------------
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class CycleManager:
+    """What the vLLM adapter builds: the manager holds a FastAllocate that holds the
+    manager's bound methods."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.alloc = Allocator(num_blocks, [("full", 16, 0, 0, 0)], 16, 16, 4096)
+        self.allocate_slots = FastAllocate(self.alloc, EMPTY, self.slow, self.make, self.on_events)
+
+    def slow(self, *args: Any, **kw: Any) -> None:
+        return None
+
+    def make(self, groups: Any) -> Any:
+        return groups
+
+    def on_events(self, request: Any) -> None:
+        return None
+
+
+def test_fast_allocate_cycle_is_collected_and_rss_stays_flat() -> None:
+    m = CycleManager(1000)
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None, "the manager <-> FastAllocate cycle was not collected"
+    for _ in range(3):  # warm up the allocator's arenas
+        CycleManager(500_000)
+        gc.collect()
+    start = rss_mib()
+    for _ in range(20):
+        CycleManager(500_000)  # ~40 MiB of pool metadata each
+        gc.collect()
+    grown = rss_mib() - start
+    assert grown < 100, f"RSS grew by {grown:.0f} MiB over 20 dropped managers"
+
+
+# ---- the README's example runs ------------------------------------------------------------
+
+
+def test_readme_example_runs() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Using the allocator directly", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert code is not None
+    exec(compile(code.group(1), "README.md", "exec"), {})  # noqa: S102 (the README's own example)

@@ -35,13 +35,6 @@ def log_lines():  # type: ignore[no-untyped-def]
     lg.setLevel(level)
 
 
-def test_entry_point_is_registered() -> None:
-    from importlib.metadata import entry_points
-
-    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert eps.get("hybrid_alloc") == "hybrid_alloc.vllm.plugin:register"
-
-
 def _run(code: str, **env_over: str | None) -> tuple[str, str]:
     """Runs ``code`` in a fresh interpreter (``HYBRID_ALLOC`` and the opt-in variable
     cleared, then ``env_over`` applied; ``None`` removes); returns its last ``RESULT`` line

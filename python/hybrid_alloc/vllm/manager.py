@@ -57,7 +57,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from hybrid_alloc._core import Allocator, FastAllocate, UnsupportedConfigError
+from hybrid_alloc._core import Allocator, FastAllocate, Hit, UnsupportedConfigError
 
 logger = init_logger("vllm.hybrid_alloc")
 
@@ -203,11 +203,6 @@ def _native_plan(
         if not spec.prefix_cacheable:
             raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
         kind, p1, p2 = _group_kind(spec)
-        if kind == "full" and enable_caching and spec.block_size != hash_block_size:
-            raise Unsupported(
-                f"group {i}: full attention with block size {spec.block_size} over "
-                f"hash block size {hash_block_size} (partial-block prefix entries)"
-            )
         key = next((k for k, s in enumerate(seen_specs) if s == spec), None)
         if key is None:
             seen_specs.append(spec)
@@ -423,10 +418,22 @@ class _NativeCoordinator:
             # An unknown request holds nothing: the count for an empty table.
             h = alloc.add_request()
             try:
-                return alloc.get_num_blocks_to_allocate(h, num_tokens, num_encoder_tokens, total_computed_tokens, apply_admission_cap)
+                return alloc.get_num_blocks_to_allocate(
+                    h,
+                    num_tokens,
+                    num_encoder_tokens=num_encoder_tokens,
+                    total_computed_tokens=total_computed_tokens,
+                    apply_admission_cap=apply_admission_cap,
+                )
             finally:
                 alloc.free(h)
-        return alloc.get_num_blocks_to_allocate(st[0], num_tokens, num_encoder_tokens, total_computed_tokens, apply_admission_cap)
+        return alloc.get_num_blocks_to_allocate(
+            st[0],
+            num_tokens,
+            num_encoder_tokens=num_encoder_tokens,
+            total_computed_tokens=total_computed_tokens,
+            apply_admission_cap=apply_admission_cap,
+        )
 
     def get_blocks(self, request_id: str) -> tuple[list[Any], ...]:
         return self._mgr.get_blocks(request_id).blocks  # type: ignore[return-value]
@@ -503,9 +510,9 @@ class HybridKVCacheManager:
         )
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
         # request_id -> [handle, generation of the cache hit stored in Rust for it (-1:
-        # none)]. The request also carries ``serial << 32 | handle`` as
-        # ``_hybrid_alloc_handle`` for FastAllocate (-1 once freed). The core reads ``request.block_hashes`` itself and
-        # takes only the hashes it has not seen.
+        # none)]. The request also carries its handle (unique in the process: the core tags it
+        # with a generation) as ``_hybrid_alloc_handle`` for FastAllocate (-1 once freed). The core reads ``request.block_hashes`` itself and
+        # takes only the hashes it has not seen (from the first difference when vLLM rewrote the list).
         self._reqs: dict[str, list[int]] = {}
         self._hit_gen = 0
         self._events: list[KVCacheEvent] = []
@@ -540,7 +547,7 @@ class HybridKVCacheManager:
         if st is None:
             st = [self._alloc.add_request(), -1]
             self._reqs[request.request_id] = st
-            request._hybrid_alloc_handle = (self._alloc.serial << 32) | st[0]
+            request._hybrid_alloc_handle = st[0]
         return st
 
     def _drain_events(self, request: Request | None) -> None:
@@ -649,21 +656,18 @@ class HybridKVCacheManager:
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
         st = self._state(request)
-        hit, uncached, ids, counts = self._alloc.get_computed_blocks(st[0], request.block_hashes, max_cache_hit_length)
+        hit, uncached, groups = self._alloc.get_computed_blocks(
+            st[0], max_cache_hit_length, block_hashes=request.block_hashes
+        )
         if hit > 0 and self.enable_kv_cache_events and getattr(request, "kv_cache_report_mode", "incremental") == "full":
-            self._emit_cached_block_events(request, counts)
+            self._emit_cached_block_events(request, [len(g) for g in groups])
         boundary = hit + uncached if uncached else 0
-        if not ids:
+        if not any(groups):
             st[1] = -1
             return self.empty_kv_cache_blocks, hit, boundary
         self._hit_gen += 1
         st[1] = self._hit_gen
-        groups: list[list[int]] = []
-        off = 0
-        for c in counts:
-            groups.append(ids[off : off + c])
-            off += c
-        return _HitBlocks(self._alloc, tuple(groups), self._hit_gen), hit, boundary
+        return _HitBlocks(self._alloc, groups, self._hit_gen), hit, boundary
 
     def _emit_cached_block_events(self, request: Request, counts: list[int]) -> None:
         hashes = request.block_hashes
@@ -712,44 +716,39 @@ class HybridKVCacheManager:
         ``__init__``: it serves, in Rust, a plain step of a running request (no new hit, no
         other keyword) and calls this method for everything else."""
         st = self._state(request)
-        hit_mode = 0
-        hit_ids = hit_counts = None
+        hit: Hit | tuple[list[int], ...] = Hit.NONE
         if new_computed_blocks is not None and new_computed_blocks is not self.empty_kv_cache_blocks:
             if type(new_computed_blocks) is _HitBlocks and new_computed_blocks._gen == st[1]:
-                hit_mode = 1
+                hit = Hit.STORED
             else:
                 groups = new_computed_blocks.get_block_ids()
                 if any(groups):
-                    hit_mode = 2
-                    hit_ids = [b for g in groups for b in g]
-                    hit_counts = [len(g) for g in groups]
+                    hit = groups
         watermark = self.watermark_blocks > 0 and has_scheduled_reqs and request.status in _WAITING_OR_PREEMPTED
         res = self._alloc.allocate_slots(
             st[0],
-            request.block_hashes,
             num_new_tokens,
-            num_new_computed_tokens,
-            hit_mode,
-            hit_ids,
-            hit_counts,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-            watermark,
-            request.num_computed_tokens,
-            request.num_in_flight_tokens,
-            request.num_prompt_tokens,
-            request.num_tokens,
-            request.shared_prefix_boundary,
-        )[0]
+            block_hashes=request.block_hashes,
+            hit=hit,
+            num_new_computed_tokens=num_new_computed_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+            num_external_computed_tokens=num_external_computed_tokens,
+            delay_cache_blocks=delay_cache_blocks,
+            num_encoder_tokens=num_encoder_tokens,
+            full_sequence_must_fit=full_sequence_must_fit,
+            reserved_blocks=reserved_blocks,
+            apply_watermark=watermark,
+            num_computed_tokens=request.num_computed_tokens,
+            num_in_flight_tokens=request.num_in_flight_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_tokens=request.num_tokens,
+            shared_prefix_boundary=request.shared_prefix_boundary,
+        )
         if self.enable_kv_cache_events and self._alloc.has_events:
             self._drain_events(request)
         if res is None:
             return None
-        if res == 0:
+        if not any(res):
             return self.empty_kv_cache_blocks
         return NativeKVCacheBlocks(self._alloc, res)
 
@@ -848,10 +847,10 @@ class HybridKVCacheManager:
         st = self._state(request)
         self._alloc.cache_blocks(
             st[0],
-            request.block_hashes,
             num_computed_tokens,
-            request.num_prompt_tokens,
-            request.shared_prefix_boundary,
+            block_hashes=request.block_hashes,
+            num_prompt_tokens=request.num_prompt_tokens,
+            shared_prefix_boundary=request.shared_prefix_boundary,
         )
         if self.enable_kv_cache_events and self._alloc.has_events:
             self._drain_events(request)
@@ -894,4 +893,4 @@ class HybridKVCacheManager:
 
     def check_invariants(self) -> None:
         """Checks the native core's invariants (tests)."""
-        self._alloc.check_invariants(exact_refs=False)
+        self._alloc.check_invariants()
