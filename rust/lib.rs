@@ -15,6 +15,7 @@
 //!   '- BlockPool (block_pool.rs)     shared by all groups
 //!        |- ref_cnt / hash / hash_tokens  struct of arrays, indexed by block id
 //!        |- FreeQueue (free_queue.rs)     index-linked list = free list + LRU order
+//!        |                                  (retention levels under `hit-aware`: policy.rs)
 //!        |- PrefixIndex (prefix_index.rs) (hash, group) -> blocks, duplicates allowed
 //!        '- events                         BlockStored / BlockRemoved / AllBlocksCleared
 //! ```
@@ -29,6 +30,9 @@
 //! - Each live request's stored no-op limits equal those its tables imply.
 //! - A block has a hash iff the prefix index maps that hash to it.
 //! - Tables are positional: out-of-window blocks become the null block in place.
+//! - Under the `hit-aware` policy (`policy.rs`): a free cached block sits in the free-queue
+//!   segment of its retention level; the free blocks at the pinned level are counted and
+//!   stay within the pinned share.
 //!
 //! ## Complexity
 //! | operation | cost |
@@ -70,6 +74,7 @@ pub mod free_queue;
 pub mod ids;
 pub mod invariants;
 pub mod manager;
+pub mod policy;
 pub mod prefix_index;
 
 #[cfg(feature = "python")]
@@ -82,3 +87,4 @@ pub use coordinator::{
 };
 pub use error::{Error, Result};
 pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
+pub use policy::Policy;

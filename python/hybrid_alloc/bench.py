@@ -520,10 +520,11 @@ def report(results: list[RunResult], args: argparse.Namespace) -> None:
     rows = [r.summary() for r in results]
     _ratios(rows)
     os.makedirs(args.out_dir, exist_ok=True)
-    import vllm
+    from hybrid_alloc.vllm.plugin import vllm_release
 
+    release = vllm_release()
     meta = {
-        "vllm_version": getattr(vllm, "__version__", "?"),
+        "vllm_release": release,
         "assumptions": {
             "gpu_memory_gib": args.gpu_memory_gib, "gpu_memory_utilization": args.gpu_memory_utilization,
             "reserve_gib": args.reserve_gib, "weights": "bf16 parameters of the model shape",
@@ -541,7 +542,7 @@ def report(results: list[RunResult], args: argparse.Namespace) -> None:
     jpath = os.path.join(args.out_dir, "bench.json")
     with open(jpath, "w") as f:
         json.dump(meta, f, indent=1, default=float)
-    print_table(rows, meta["vllm_version"])
+    print_table(rows, release)
     print_breakdown(rows)
     print(f"\nJSON: {jpath}")
     if not args.no_plot:
@@ -550,7 +551,7 @@ def report(results: list[RunResult], args: argparse.Namespace) -> None:
         print(f"plot: {ppath}")
 
 
-def print_table(rows: list[dict[str, Any]], vllm_version: str = "") -> None:
+def print_table(rows: list[dict[str, Any]], vllm_release: str | None = None) -> None:
     cols = [
         ("model", "model", "{}"), ("scenario", "scenario", "{}"), ("manager", "manager", "{}"),
         ("num_blocks", "blocks", "{}"), ("max_concurrency", "fit@len", "{:.1f}"), ("peak_running", "peak run", "{}"),
@@ -564,7 +565,7 @@ def print_table(rows: list[dict[str, Any]], vllm_version: str = "") -> None:
     ]
     timer = [r["timer_overhead_ns_per_call"] for r in rows] + [r["timer_overhead_ns_per_method_call"] for r in rows]
     caption = (f"timer cost subtracted per timed call: {min(timer):.0f}-{max(timer):.0f} ns" if timer else "")
-    title = f"hybrid-alloc bench (vLLM {vllm_version} scheduler, fabricated outputs)"
+    title = f"hybrid-alloc bench (vLLM {vllm_release} scheduler, fabricated outputs)"
     try:
         from rich.console import Console
         from rich.table import Table

@@ -176,7 +176,7 @@ impl PyAllocator {
     #[new]
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size, max_model_len,
         max_in_flight_tokens=None, enable_caching=true, enable_events=false, watermark_blocks=0,
-        retention_interval=Some(0)))]
+        retention_interval=Some(0), policy="exact"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -189,7 +189,9 @@ impl PyAllocator {
         enable_events: bool,
         watermark_blocks: i64,
         retention_interval: Option<i64>,
+        policy: &str,
     ) -> PyResult<Self> {
+        let policy = crate::policy::Policy::parse(policy)?;
         let mut gs = Vec::with_capacity(groups.len());
         for (kind, bs, key, p1, p2) in groups {
             gs.push(GroupSpec {
@@ -210,7 +212,7 @@ impl PyAllocator {
             watermark_blocks: u32_arg("watermark_blocks", watermark_blocks)?,
             retention_interval: retention_interval.map(|r| u32_arg("retention_interval", r)).transpose()?,
         };
-        Ok(Self { inner: Mutex::new(Allocator::new(cfg)?) })
+        Ok(Self { inner: Mutex::new(Allocator::with_policy(cfg, policy)?) })
     }
 
     /// Registers a request; returns its handle (an int, unique in the process).
@@ -389,9 +391,36 @@ impl PyAllocator {
         )?)
     }
 
-    /// Frees every block of the request, tail first, and releases its handle.
-    fn free(&self, handle: i64) -> PyResult<()> {
-        Ok(self.core()?.free(handle_arg(handle)?)?)
+    /// Frees every block of the request, tail first, and releases its handle. `retain`
+    /// (hit-aware only; ignored under exact): keep what the request leaves cached at the
+    /// pinned retention level (evicted last, within the pinned share of the pool).
+    #[pyo3(signature = (handle, *, retain=false))]
+    fn free(&self, handle: i64, retain: bool) -> PyResult<()> {
+        let level = if retain { crate::policy::LEVEL_PINNED } else { crate::policy::LEVEL_NORMAL };
+        Ok(self.core()?.free_with_level(handle_arg(handle)?, level)?)
+    }
+
+    /// Pins a prefix given by its block hashes (`bytes`, at hash block size) under the
+    /// hit-aware policy: what a hit on the whole prefix needs is evicted after every other
+    /// cached block, within the pinned share. Returns the blocks pinned in all.
+    fn pin_prefix(&self, block_hashes: &Bound<'_, PyList>) -> PyResult<u32> {
+        let src = PyHashes(block_hashes);
+        let mut hashes = Vec::with_capacity(src.len());
+        for i in 0..src.len() {
+            hashes.push(src.get(i)?);
+        }
+        Ok(self.core()?.pin_prefix(&hashes)?)
+    }
+
+    /// Sets the pinned share of the pool (0.0 to 1.0; default 0.25).
+    fn set_pinned_share(&self, share: f64) -> PyResult<()> {
+        Ok(self.core()?.set_pinned_share(share)?)
+    }
+
+    /// The retention policy: "exact" or "hit-aware".
+    #[getter]
+    fn policy(&self) -> PyResult<&'static str> {
+        Ok(self.core()?.policy().name())
     }
 
     /// Releases the handle and returns its blocks (groups concatenated) without freeing.

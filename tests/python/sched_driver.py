@@ -181,6 +181,17 @@ def run_workload(
         orig_record(request, num_hits)
 
     mgr.record_prefix_cache_stats = record_prefix_cache_stats  # type: ignore[method-assign]
+    # cache_blocks calls from the scheduler (update_from_output with speculative decoding or
+    # async scheduling), and those made while a later step's tokens were still in flight.
+    cache_calls = {"cache_blocks": 0, "cache_blocks_in_flight": 0}
+    orig_cache_blocks = mgr.cache_blocks
+
+    def cache_blocks(request: Any, num_computed_tokens: int) -> None:
+        cache_calls["cache_blocks"] += 1
+        cache_calls["cache_blocks_in_flight"] += request.num_in_flight_tokens > 0
+        orig_cache_blocks(request, num_computed_tokens)
+
+    mgr.cache_blocks = cache_blocks  # type: ignore[method-assign]
     mml = setup.shape.max_model_len
     prefixes = [[rng.randrange(1, 30000) for _ in range(rng.randrange(100, 600))] for _ in range(4)]
     pending = []
@@ -233,6 +244,7 @@ def run_workload(
         usage.append(sched.kv_cache_manager.usage)
     return {
         **counters,
+        **cache_calls,
         "lookahead": lookahead,
         "steps": steps,
         "events": events,

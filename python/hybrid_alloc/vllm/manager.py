@@ -21,6 +21,7 @@ constructor never raises what vLLM's own would not.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -57,7 +58,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from hybrid_alloc._core import Allocator, FastAllocate, Hit, UnsupportedConfigError
+from hybrid_alloc._core import Allocator, FastAllocate, Hit, HybridAllocError, UnsupportedConfigError
 
 logger = init_logger("vllm.hybrid_alloc")
 
@@ -108,6 +109,68 @@ _FULL_TYPES = (FullAttentionSpec, MLAAttentionSpec)
 # Set by the plugin around ``Scheduler.__init__``: the config being scheduled, so the
 # manager can see what its constructor arguments do not say (a KV connector, ...).
 current_vllm_config: Any = None
+
+
+# The retention policy (issue 9): "exact" (vLLM's decisions) or "hit-aware"; read when a
+# manager is built.
+POLICY_ENV = "HYBRID_ALLOC_POLICY"
+_POLICIES = ("exact", "hit-aware")
+
+
+def _policy_from_env() -> str:
+    raw = os.environ.get(POLICY_ENV, "exact").strip().lower().replace("_", "-")
+    if raw in ("", "exact"):
+        return "exact"
+    if raw == "hit-aware":
+        return raw
+    raise Unsupported(f"{POLICY_ENV}={os.environ.get(POLICY_ENV)!r} is not one of {', '.join(_POLICIES)}")
+
+
+# User controls of the hit-aware policy (ignored under exact):
+# - HYBRID_ALLOC_RETAIN_PRIORITY=N: a request whose vLLM ``priority`` is <= N (lower is more
+#   important, as vLLM's priority scheduling) leaves its prefix cached at the pinned level;
+# - HYBRID_ALLOC_PIN_PREFIXES=FILE: a JSON list of token-id lists (e.g. system prompts) to pin,
+#   each pinned the first time a request starting with it is looked up (its own block hashes,
+#   so LoRA, cache salt and the hash function are those vLLM uses);
+# - HYBRID_ALLOC_PIN_SHARE=F: the pinned share of the pool (default 0.25).
+RETAIN_PRIORITY_ENV = "HYBRID_ALLOC_RETAIN_PRIORITY"
+PIN_PREFIXES_ENV = "HYBRID_ALLOC_PIN_PREFIXES"
+PIN_SHARE_ENV = "HYBRID_ALLOC_PIN_SHARE"
+
+
+def _policy_controls() -> tuple[int | None, list[list[int]], float | None]:
+    """(retain priority, prefixes to pin, pinned share) from the environment."""
+    import json
+
+    env = os.environ
+    retain: int | None = None
+    if env.get(RETAIN_PRIORITY_ENV, "").strip():
+        try:
+            retain = int(env[RETAIN_PRIORITY_ENV])
+        except ValueError:
+            raise Unsupported(f"{RETAIN_PRIORITY_ENV}={env[RETAIN_PRIORITY_ENV]!r} is not an integer") from None
+    pins: list[list[int]] = []
+    path = env.get(PIN_PREFIXES_ENV, "").strip()
+    if path:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise Unsupported(f"{PIN_PREFIXES_ENV}={path!r} cannot be read as JSON: {e}") from None
+        if not isinstance(data, list) or not all(
+            isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in data
+        ):
+            raise Unsupported(f"{PIN_PREFIXES_ENV}={path!r} must hold a JSON list of token-id lists")
+        pins = [p for p in data if p]
+    share: float | None = None
+    if env.get(PIN_SHARE_ENV, "").strip():
+        try:
+            share = float(env[PIN_SHARE_ENV])
+        except ValueError:
+            share = -1.0
+        if not 0.0 <= share <= 1.0:
+            raise Unsupported(f"{PIN_SHARE_ENV}={env[PIN_SHARE_ENV]!r} is not a number in 0..1")
+    return retain, pins, share
 
 
 class Unsupported(Exception):
@@ -210,7 +273,7 @@ def _native_plan(
         groups.append((kind, spec.block_size, key, p1, p2))
     if not groups:
         raise Unsupported("no KV cache groups (attention-free model)")
-    return dict(
+    native: dict[str, Any] = dict(
         num_blocks=kv_cache_config.num_blocks,
         groups=groups,
         hash_block_size=hash_block_size,
@@ -222,6 +285,11 @@ def _native_plan(
         watermark_blocks=int(watermark * kv_cache_config.num_blocks),
         retention_interval=kv_cache_config.prefix_cache_retention_interval,
     )
+    policy = _policy_from_env()  # HYBRID_ALLOC_POLICY; raises Unsupported on a bad value
+    if policy != "exact":
+        native["policy"] = policy
+        _policy_controls()  # validated here, so a bad control falls back at construction
+    return native
 
 
 def native_config_or_reason(*args: Any, **kwargs: Any) -> tuple[dict[str, Any] | None, str]:
@@ -513,6 +581,13 @@ class HybridKVCacheManager:
         # BlockStored event's extra keys cover (0: none).
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self._alloc = Allocator(**native)
+        # Hit-aware user controls (see ``_policy_controls``); validated with the config.
+        self._retain_priority: int | None = None
+        self._pending_pins: list[list[int]] = []
+        if native.get("policy", "exact") != "exact":
+            self._retain_priority, self._pending_pins, share = _policy_controls()
+            if share is not None:
+                self._alloc.set_pinned_share(share)
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -549,7 +624,7 @@ class HybridKVCacheManager:
             self._drain_events if enable_kv_cache_events else None,
         )
         logger.info(
-            "hybrid_alloc: native KV cache manager serving %d group(s): %s; %d blocks, prefix caching %s%s",
+            "hybrid_alloc: native KV cache manager serving %d group(s): %s; %d blocks, prefix caching %s%s, policy %s",
             self.num_kv_cache_groups,
             ", ".join(
                 f"{k}" + (f"(window={p1})" if k == "sliding_window" else f"(chunk={p1})" if k == "chunked_local" else "")
@@ -559,6 +634,7 @@ class HybridKVCacheManager:
             kv_cache_config.num_blocks,
             "on" if enable_caching else "off",
             f", lookahead block hashes of {num_hash_lookahead_tokens} token(s)" if num_hash_lookahead_tokens else "",
+            native.get("policy", "exact"),
         )
 
     # ---- helpers ----------------------------------------------------------------------
@@ -677,6 +753,8 @@ class HybridKVCacheManager:
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
         st = self._state(request)
+        if self._pending_pins:
+            self._pin_from(request)
         hit, uncached, groups = self._alloc.get_computed_blocks(
             st[0], max_cache_hit_length, block_hashes=request.block_hashes
         )
@@ -689,6 +767,25 @@ class HybridKVCacheManager:
         self._hit_gen += 1
         st[1] = self._hit_gen
         return _HitBlocks(self._alloc, groups, self._hit_gen), hit, boundary
+
+    def pin_prefix(self, token_ids: Sequence[int]) -> None:
+        """Pins a prefix (hit-aware only), the first time a request starting with it is
+        looked up. Raises ``UnsupportedConfigError`` under the exact policy."""
+        if self._alloc.policy == "exact":
+            raise UnsupportedConfigError("pinning a prefix needs HYBRID_ALLOC_POLICY=hit-aware")
+        self._pending_pins.append([int(t) for t in token_ids])
+
+    def _pin_from(self, request: Request) -> None:
+        hbs = self.block_pool.hash_block_size
+        prompt = request.prompt_token_ids or []
+        for p in list(self._pending_pins):
+            n = len(p) // hbs
+            if len(prompt) >= len(p) and list(prompt[: len(p)]) == p and len(request.block_hashes) >= n:
+                self._pending_pins.remove(p)
+                try:
+                    self._alloc.pin_prefix(list(request.block_hashes[:n]))
+                except HybridAllocError as e:
+                    logger.warning("hybrid_alloc: prefix of %d tokens not pinned: %s", len(p), e)
 
     def _emit_cached_block_events(self, request: Request, counts: list[int]) -> None:
         hashes = request.block_hashes
@@ -777,7 +874,8 @@ class HybridKVCacheManager:
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             request._hybrid_alloc_handle = -1
-            self._alloc.free(st[0])
+            rp = self._retain_priority
+            self._alloc.free(st[0], retain=rp is not None and request.priority <= rp)
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
