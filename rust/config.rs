@@ -18,12 +18,24 @@ pub enum AttentionKind {
     /// Cross attention (encoder-decoder): a static allocation from the encoder length,
     /// never prefix cached.
     Cross,
+    /// Mamba / linear-attention state (vLLM's `MambaSpec` + `MambaManager`): only the state
+    /// after the last computed token is needed, so every block before the one holding it
+    /// goes back to the pool. `speculative_blocks` extra state blocks are kept for
+    /// speculative decoding. `align` is vLLM's `mamba_cache_mode == "align"` (prefix caching
+    /// of states at block boundaries); `false` is mode `"none"`.
+    Mamba { speculative_blocks: u32, align: bool },
 }
 
 impl AttentionKind {
     /// Whether vLLM treats this kind as a `FullAttentionSpec` in the hybrid hit search.
     pub fn is_full(&self) -> bool {
         matches!(self, AttentionKind::Full)
+    }
+
+    /// Whether vLLM's `AttentionSpec` covers this kind: only such groups report their new
+    /// blocks for KV cache zeroing (a Mamba state block is not an attention block).
+    pub fn is_attention(&self) -> bool {
+        !matches!(self, AttentionKind::Mamba { .. })
     }
 }
 
@@ -63,6 +75,10 @@ pub struct Config {
     /// `KVCacheConfig.prefix_cache_retention_interval`: `None` dense, `Some(0)` only
     /// replay boundaries, `Some(n)` also every `n` tokens (sliding window only).
     pub retention_interval: Option<u32>,
+    /// `KVCacheConfig.needs_kv_cache_zeroing` (Mamba layers or mixed-precision attention
+    /// caches): attention groups record the blocks they hand out, for
+    /// [`crate::Allocator::take_new_block_ids`].
+    pub zero_new_blocks: bool,
 }
 
 /// The largest pool: block ids and the free queue's two sentinel slots fit a `u32`.
@@ -168,6 +184,15 @@ impl Config {
                 AttentionKind::ChunkedLocal { chunk: 0 } => {
                     return bad(format!("group {i}: attention chunk size must be positive"));
                 }
+                AttentionKind::Mamba { speculative_blocks, .. } if speculative_blocks > 1 << 20 => {
+                    return bad(format!("group {i}: {speculative_blocks} speculative Mamba blocks"));
+                }
+                AttentionKind::Mamba { align: true, .. } if !self.enable_caching => {
+                    return Err(Error::Unsupported(format!(
+                        "group {i}: Mamba cache mode \"align\" with prefix caching off (vLLM's config \
+                         sets \"none\" then)"
+                    )));
+                }
                 _ => {}
             }
             if self.enable_caching {
@@ -179,6 +204,17 @@ impl Config {
                 }
                 if matches!(g.kind, AttentionKind::Cross) {
                     return Err(Error::Unsupported(format!("group {i}: cross attention with prefix caching on")));
+                }
+                if matches!(g.kind, AttentionKind::Mamba { align: false, .. }) {
+                    return Err(Error::Unsupported(format!(
+                        "group {i}: Mamba cache mode \"none\" with prefix caching on (vLLM itself switches \
+                         to \"align\" when prefix caching is on)"
+                    )));
+                }
+                if matches!(g.kind, AttentionKind::Mamba { align: true, .. }) {
+                    return Err(Error::Unsupported(format!(
+                        "group {i}: Mamba cache mode \"align\" (prefix caching of Mamba states)"
+                    )));
                 }
                 if g.kind.is_full() && g.block_size != self.hash_block_size {
                     return Err(Error::Unsupported(format!(

@@ -182,6 +182,9 @@ pub struct AllocateArgs {
     pub num_tokens: u32,
     /// `request.shared_prefix_boundary`.
     pub shared_prefix_boundary: u32,
+    /// Bit `g` set: group `g`'s blocks for external tokens are written by an async load and
+    /// are not recorded for zeroing (vLLM's `skip_zeroing_group_ids`).
+    pub skip_zeroing_groups: u64,
 }
 
 /// Where `allocate_slots` takes the request's new cache-hit blocks from.
@@ -245,7 +248,11 @@ impl Allocator {
             .groups
             .iter()
             .enumerate()
-            .map(|(i, g)| SingleTypeManager::new(*g, i as GroupId, cfg.max_admission_blocks(g), caching, align))
+            .map(|(i, g)| {
+                let mut m = SingleTypeManager::new(*g, i as GroupId, cfg.max_admission_blocks(g), caching, align);
+                m.records_new_block_ids = cfg.zero_new_blocks && g.kind.is_attention();
+                m
+            })
             .collect();
         let mut spec_groups: Vec<SpecGroup> = Vec::new();
         for (i, g) in cfg.groups.iter().enumerate() {
@@ -872,7 +879,7 @@ impl Allocator {
             return None;
         }
         if adopts {
-            self.allocate_new_computed_blocks(s, nc, num_local, a.num_external_computed_tokens);
+            self.allocate_new_computed_blocks(s, nc, num_local, a.num_external_computed_tokens, a.skip_zeroing_groups);
         }
         self.out_ids.clear();
         for (g, m) in self.managers.iter_mut().enumerate() {
@@ -890,14 +897,22 @@ impl Allocator {
         Some(self.out_ids.len() as u32)
     }
 
-    fn allocate_new_computed_blocks(&mut self, s: Slot, nc: &[Vec<BlockId>], num_local: u32, num_external: u32) {
+    fn allocate_new_computed_blocks(
+        &mut self,
+        s: Slot,
+        nc: &[Vec<BlockId>],
+        num_local: u32,
+        num_external: u32,
+        skip_zeroing_groups: u64,
+    ) {
         for (i, m) in self.managers.iter_mut().enumerate() {
             let blocks: &[BlockId] = nc.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
             m.add_local_computed_blocks(&mut self.pool, s, blocks, num_local, num_external);
         }
         if num_external > 0 {
-            for m in self.managers.iter_mut() {
-                m.allocate_external_computed_blocks(&mut self.pool, s, num_local, num_external);
+            for (g, m) in self.managers.iter_mut().enumerate() {
+                let record = skip_zeroing_groups >> g & 1 == 0;
+                m.allocate_external_computed_blocks(&mut self.pool, s, num_local, num_external, record);
             }
         }
     }
@@ -1174,6 +1189,44 @@ impl Allocator {
             best = Some(best.map_or(t, |x| x.min(t)));
         }
         Ok(best.unwrap_or(0))
+    }
+
+    /// Drains the block ids the attention groups handed out since the last call, group by
+    /// group, for the model runner to zero (vLLM's `KVCacheManager.take_new_block_ids`).
+    /// Empty unless [`Config::zero_new_blocks`].
+    pub fn take_new_block_ids(&mut self) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        for m in self.managers.iter_mut() {
+            m.take_new_block_ids(&mut out);
+        }
+        out
+    }
+
+    /// Whether block ids wait in [`Self::take_new_block_ids`].
+    pub fn has_new_block_ids(&self) -> bool {
+        self.managers.iter().any(|m| !m.pending_new_block_ids().is_empty())
+    }
+
+    /// Records `h`'s blocks from token `start_token` on for zeroing again (vLLM's
+    /// `record_blocks_for_zeroing`, after a failed KV load).
+    ///
+    /// # Errors
+    /// Unknown handle; `start_token` not a multiple of a recording group's block size
+    /// (checked before any change).
+    pub fn record_blocks_for_zeroing(&mut self, h: ReqHandle, start_token: u32) -> Result<()> {
+        let s = self.slot(h)?;
+        if let Some(m) = self.managers.iter().find(|m| m.records_new_block_ids && start_token % m.block_size() != 0) {
+            return Err(Error::OutOfRange(format!(
+                "start_token={start_token} is not a multiple of group {}'s block size {}",
+                m.group_id,
+                m.block_size()
+            )));
+        }
+        for m in self.managers.iter_mut() {
+            let idx = (start_token / m.block_size()) as usize;
+            m.record_blocks_for_zeroing(s, idx);
+        }
+        Ok(())
     }
 
     /// Free blocks.

@@ -94,6 +94,7 @@ fn make_config(shape: Shape, caching: bool, events: bool, num_blocks: u32, reten
         enable_events: events,
         watermark_blocks: 2,
         retention_interval,
+        zero_new_blocks: false,
     }
 }
 
@@ -115,6 +116,7 @@ fn num_skipped_tokens(kind: AttentionKind, n: u32) -> u32 {
             (n as i64 - window as i64 + 1 - extra_retained_tokens as i64).max(0) as u32
         }
         AttentionKind::ChunkedLocal { chunk } => n / chunk * chunk,
+        AttentionKind::Mamba { .. } => n.saturating_sub(1),
     }
 }
 
@@ -544,7 +546,7 @@ impl Harness {
             AttentionKind::SlidingWindow { window, .. } => sliding(max_tokens, g, window),
             AttentionKind::ChunkedLocal { chunk } => chunked(max_tokens, g, chunk),
             AttentionKind::Full => full(max_tokens, g),
-            AttentionKind::Cross => unreachable!(),
+            AttentionKind::Cross | AttentionKind::Mamba { .. } => unreachable!(),
         };
         if self.ng() == 1 {
             (other(max_len, 0), 0)

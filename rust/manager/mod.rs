@@ -17,6 +17,7 @@
 
 pub mod chunked_local;
 pub mod full;
+pub mod mamba;
 pub mod sliding_window;
 
 use crate::block_pool::BlockPool;
@@ -96,6 +97,7 @@ pub fn find_longest_cache_hit(
             chunked_local::find_longest_cache_hit(pool, view, max_length, group_ids, block_size, chunk, out)
         }
         AttentionKind::Cross => 0,
+        AttentionKind::Mamba { .. } => unreachable!("Mamba groups are served with prefix caching off only"),
     }
 }
 
@@ -121,6 +123,11 @@ pub struct SingleTypeManager {
     null_prefix: Vec<u32>,
     /// Scratch for freed blocks (reused, so decode steps do not allocate).
     scratch: Vec<BlockId>,
+    /// Whether this group records the blocks it hands out for KV cache zeroing (vLLM's
+    /// `_record_new_block_ids`: zeroing needed and an attention group).
+    pub records_new_block_ids: bool,
+    /// The block ids handed out since the last [`Self::take_new_block_ids`], in order.
+    new_block_ids: Vec<BlockId>,
 }
 
 impl SingleTypeManager {
@@ -142,6 +149,39 @@ impl SingleTypeManager {
             num_cached: Vec::new(),
             null_prefix: Vec::new(),
             scratch: Vec::new(),
+            records_new_block_ids: false,
+            new_block_ids: Vec::new(),
+        }
+    }
+
+    /// Drains the block ids recorded for zeroing (vLLM's `take_new_block_ids`).
+    pub fn take_new_block_ids(&mut self, out: &mut Vec<BlockId>) {
+        out.append(&mut self.new_block_ids);
+    }
+
+    /// Records `h`'s table from slot `start_idx` on for zeroing again, null blocks included
+    /// (vLLM's `record_blocks_for_zeroing`); nothing when this group does not record.
+    pub fn record_blocks_for_zeroing(&mut self, h: Slot, start_idx: usize) {
+        if self.records_new_block_ids {
+            let t = &self.req_blocks[h as usize];
+            self.new_block_ids.extend_from_slice(t.get(start_idx..).unwrap_or(&[]));
+        }
+    }
+
+    /// Block ids recorded for zeroing and not yet taken.
+    pub fn pending_new_block_ids(&self) -> &[BlockId] {
+        &self.new_block_ids
+    }
+
+    /// The token slots the table is sized for when `num_tokens` slots are asked for
+    /// (Mamba mode `"none"` adds its speculative state blocks).
+    #[inline]
+    fn slot_tokens(&self, num_tokens: u32) -> u64 {
+        match self.spec.kind {
+            AttentionKind::Mamba { speculative_blocks, align: false } => {
+                mamba::none_mode_tokens(num_tokens, self.spec.block_size, speculative_blocks)
+            }
+            _ => num_tokens as u64,
         }
     }
 
@@ -199,6 +239,7 @@ impl SingleTypeManager {
                 sliding_window::num_skipped_tokens(num_computed_tokens, window, extra_retained_tokens)
             }
             AttentionKind::ChunkedLocal { chunk } => chunked_local::num_skipped_tokens(num_computed_tokens, chunk),
+            AttentionKind::Mamba { .. } => mamba::num_skipped_tokens(num_computed_tokens),
         }
     }
 
@@ -227,7 +268,7 @@ impl SingleTypeManager {
         adopting: bool,
     ) -> u32 {
         let bs = self.block_size() as u64;
-        let mut required = cdiv(num_tokens as u64, bs) as i64;
+        let mut required = cdiv(self.slot_tokens(num_tokens), bs) as i64;
         if apply_admission_cap {
             if let Some(cap) = self.max_admission_blocks {
                 required = required.min(cap as i64);
@@ -283,6 +324,7 @@ impl SingleTypeManager {
         h: Slot,
         num_local_computed_tokens: u32,
         num_external_computed_tokens: u32,
+        record_for_zeroing: bool,
     ) {
         if matches!(self.spec.kind, AttentionKind::Cross) {
             return;
@@ -299,19 +341,26 @@ impl SingleTypeManager {
         let table = &mut self.req_blocks[h as usize];
         let need = cdiv(total as u64, self.spec.block_size as u64) as i64 - table.len() as i64;
         if need > 0 {
+            let start = table.len();
             pool.get_new_blocks(need as u32, table);
+            if self.records_new_block_ids && record_for_zeroing {
+                self.new_block_ids.extend_from_slice(&table[start..]);
+            }
         }
     }
 
     /// Grows `h`'s table to `num_tokens` slots; appends the new block ids to `out`
     /// (vLLM's `allocate_new_blocks`). The caller checked capacity.
     pub fn allocate_new_blocks(&mut self, pool: &mut BlockPool, h: Slot, num_tokens: u32, out: &mut Vec<BlockId>) {
+        let required = cdiv(self.slot_tokens(num_tokens), self.spec.block_size as u64) as usize;
         let table = &mut self.req_blocks[h as usize];
-        let required = cdiv(num_tokens as u64, self.spec.block_size as u64) as usize;
         if required > table.len() {
             let start = table.len();
             pool.get_new_blocks((required - start) as u32, table);
             out.extend_from_slice(&table[start..]);
+            if self.records_new_block_ids {
+                self.new_block_ids.extend_from_slice(&table[start..]);
+            }
         }
     }
 
@@ -434,6 +483,16 @@ impl SingleTypeManager {
         let clamp = |x: u64| x.min(u32::MAX as u64) as u32;
         if matches!(self.spec.kind, AttentionKind::Cross) {
             return (u32::MAX, u32::MAX, u32::MAX);
+        }
+        if let AttentionKind::Mamba { speculative_blocks, align: false } = self.spec.kind {
+            let (slots, processed) = mamba::none_mode_noop_limits(
+                self.req_blocks[h as usize].len() as u32,
+                self.null_prefix[h as usize],
+                self.spec.block_size,
+                speculative_blocks,
+            );
+            let cached = if self.enable_caching { clamp((self.num_cached(h) as u64 + 1) * bs) } else { u32::MAX };
+            return (clamp(slots), clamp(processed), cached);
         }
         let slots = clamp(self.req_blocks[h as usize].len() as u64 * bs);
         let k1 = self.null_prefix[h as usize] as u64 + 1;

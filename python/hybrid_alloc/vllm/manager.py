@@ -34,12 +34,15 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupRole,
     KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
@@ -84,7 +87,19 @@ def _group_kind(spec: KVCacheSpec) -> tuple[str, int, int]:
         return ("chunked_local", spec.attention_chunk_size, 0)
     if t is CrossAttentionSpec:
         return ("cross", 0, 0)
+    if t is MambaSpec:
+        return _mamba_kind(spec)
     raise Unsupported(f"KV cache spec {t.__name__}")
+
+
+def _mamba_kind(spec: MambaSpec) -> tuple[str, int, int]:
+    """A ``MambaSpec`` group (GDN, Mamba2, short conv, ...) as the core serves it."""
+    mode = spec.mamba_cache_mode
+    if mode == "none":
+        return ("mamba", spec.num_speculative_blocks, 0)
+    if mode == "align":
+        return ("mamba_align", spec.num_speculative_blocks, 0)
+    raise Unsupported(f"Mamba cache mode {mode!r}")
 
 
 def native_config_or_reason(
@@ -118,8 +133,7 @@ def native_config_or_reason(
             raise Unsupported("decode/prefill context parallelism")
         if metrics_collector is not None:
             raise Unsupported("KV cache residency metrics")
-        if kv_cache_config.needs_kv_cache_zeroing:
-            raise Unsupported("KV cache zeroing (Mamba or mixed-precision groups)")
+        zeroing = kv_cache_config.needs_kv_cache_zeroing
         groups: list[tuple[str, int, int, int, int]] = []
         seen_specs: list[KVCacheSpec] = []
         for i, g in enumerate(kv_cache_config.kv_cache_groups):
@@ -131,6 +145,10 @@ def native_config_or_reason(
             if not spec.prefix_cacheable:
                 raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
             kind, p1, p2 = _group_kind(spec)
+            if zeroing and isinstance(spec, UniformTypeKVCacheSpecs):
+                # vLLM records new blocks for zeroing only for groups whose spec is an
+                # AttentionSpec, which a uniform-type collection is not.
+                raise Unsupported(f"group {i}: KV cache zeroing with a uniform-type spec collection")
             key = next((k for k, s in enumerate(seen_specs) if s == spec), None)
             if key is None:
                 seen_specs.append(spec)
@@ -149,6 +167,7 @@ def native_config_or_reason(
             enable_events=enable_kv_cache_events,
             watermark_blocks=int(watermark * kv_cache_config.num_blocks),
             retention_interval=kv_cache_config.prefix_cache_retention_interval,
+            zero_new_blocks=zeroing,
         )
         Allocator(**args)  # validates; UnsupportedConfigError names what is not served
         return args, ""
@@ -431,7 +450,16 @@ class HybridKVCacheManager:
             "hybrid_alloc: native KV cache manager serving %d group(s): %s; %d blocks, prefix caching %s",
             self.num_kv_cache_groups,
             ", ".join(
-                f"{k}" + (f"(window={p1})" if k == "sliding_window" else f"(chunk={p1})" if k == "chunked_local" else "")
+                f"{k}"
+                + (
+                    f"(window={p1})"
+                    if k == "sliding_window"
+                    else f"(chunk={p1})"
+                    if k == "chunked_local"
+                    else f"(speculative_blocks={p1})"
+                    if k.startswith("mamba") and p1
+                    else ""
+                )
                 + f"/bs={bs}"
                 for k, bs, _, p1, _ in native["groups"]
             ),
@@ -602,6 +630,7 @@ class HybridKVCacheManager:
             num_prompt_tokens=request.num_prompt_tokens,
             num_tokens=request.num_tokens,
             shared_prefix_boundary=request.shared_prefix_boundary,
+            skip_zeroing_group_ids=list(skip_zeroing_group_ids),
         )
         if self.enable_kv_cache_events and self._alloc.has_events:
             self._drain_events(request)
@@ -683,7 +712,7 @@ class HybridKVCacheManager:
         out: list[list[int]] = []
         for g, group_ids in zip(self.kv_cache_config.kv_cache_groups, ids):
             spec = g.kv_cache_spec
-            if isinstance(spec, CrossAttentionSpec):
+            if not isinstance(spec, AttentionSpec) or isinstance(spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)):
                 out.append(group_ids)
             else:
                 out.append(group_ids[: -(-num_computed_tokens // spec.block_size)])
@@ -721,6 +750,8 @@ class HybridKVCacheManager:
             bs = g.kv_cache_spec.block_size
             assert num_computed_tokens % bs == 0
             n = num_computed_tokens // bs
+            if isinstance(g.kv_cache_spec, MambaSpec):
+                n = min(n, len(group_ids))
             assert n <= len(group_ids)
             out.append(group_ids[:n])
         if not any(out):
@@ -728,10 +759,12 @@ class HybridKVCacheManager:
         return NativeKVCacheBlocks(self._alloc, tuple(out))
 
     def take_new_block_ids(self) -> list[int]:
-        return []
+        return self._alloc.take_new_block_ids()
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        return None
+        st = self._reqs.get(request_id)
+        if st is not None:
+            self._alloc.record_blocks_for_zeroing(st[0], start_token)
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         return [], []
