@@ -22,8 +22,10 @@ pub enum AttentionKind {
     /// after the last computed token is needed, so every block before the one holding it
     /// goes back to the pool. `speculative_blocks` extra state blocks are kept for
     /// speculative decoding. `align` is vLLM's `mamba_cache_mode == "align"` (prefix caching
-    /// of states at block boundaries); `false` is mode `"none"`.
-    Mamba { speculative_blocks: u32, align: bool },
+    /// of states at block boundaries); `false` is mode `"none"`. `rekey_cached_tail` is
+    /// vLLM 0.32's rule for the prompt's checkpoint state in "align" (a state block already
+    /// keyed there counts as cached again this step); vLLM 0.33 skips it.
+    Mamba { speculative_blocks: u32, align: bool, rekey_cached_tail: bool },
 }
 
 impl AttentionKind {
@@ -211,10 +213,20 @@ impl Config {
                          to \"align\" when prefix caching is on)"
                     )));
                 }
-                if matches!(g.kind, AttentionKind::Mamba { align: true, .. }) {
-                    return Err(Error::Unsupported(format!(
-                        "group {i}: Mamba cache mode \"align\" (prefix caching of Mamba states)"
-                    )));
+                if let AttentionKind::Mamba { align: true, speculative_blocks, .. } = g.kind {
+                    if speculative_blocks > 0 {
+                        return Err(Error::Unsupported(format!(
+                            "group {i}: {speculative_blocks} speculative Mamba state blocks in cache mode \
+                             \"align\" (relocated scratch blocks)"
+                        )));
+                    }
+                    if g.block_size != self.hash_block_size {
+                        return Err(Error::Unsupported(format!(
+                            "group {i}: Mamba block size {} over hash block size {} in cache mode \"align\" \
+                             (sub-block partial hits with copy-on-write)",
+                            g.block_size, self.hash_block_size
+                        )));
+                    }
                 }
                 if g.kind.is_full() && g.block_size != self.hash_block_size {
                     return Err(Error::Unsupported(format!(
@@ -238,7 +250,10 @@ impl Config {
             return bad("a single cached group needs hash_block_size == block_size".into());
         }
         if let Some(r) = self.retention_interval {
-            let has_sparse = self.groups.iter().any(|g| matches!(g.kind, AttentionKind::SlidingWindow { .. }));
+            let has_sparse = self
+                .groups
+                .iter()
+                .any(|g| matches!(g.kind, AttentionKind::SlidingWindow { .. } | AttentionKind::Mamba { .. }));
             if !has_sparse && r != 0 {
                 return bad("prefix_cache_retention_interval is set but no sliding-window group exists".into());
             }

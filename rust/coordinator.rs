@@ -600,39 +600,54 @@ impl Allocator {
 
     // ---- allocation -----------------------------------------------------------------
 
+    /// The sum over groups of [`SingleTypeManager::get_num_blocks_to_allocate`]; may be
+    /// negative (a Mamba "align" group over-allocated in an earlier step), as in vLLM.
     #[allow(clippy::too_many_arguments)]
     fn num_blocks_to_allocate(
         &self,
         s: Slot,
         num_tokens: u32,
+        num_tokens_main_model: u32,
         new_computed: &[Vec<BlockId>],
         num_encoder_tokens: u32,
         total_computed_tokens: u32,
         apply_admission_cap: bool,
         adopting: bool,
-    ) -> u64 {
-        let mut n = 0u64;
+    ) -> i64 {
+        let mut n = 0i64;
         for (i, m) in self.managers.iter().enumerate() {
             n += if matches!(m.spec.kind, AttentionKind::Cross) {
-                m.get_num_blocks_to_allocate(&self.pool, s, num_encoder_tokens, &[], 0, apply_admission_cap, adopting)
+                m.get_num_blocks_to_allocate(
+                    &self.pool,
+                    s,
+                    num_encoder_tokens,
+                    num_encoder_tokens,
+                    &[],
+                    0,
+                    apply_admission_cap,
+                    adopting,
+                )
             } else {
                 let nc: &[BlockId] = new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
                 m.get_num_blocks_to_allocate(
                     &self.pool,
                     s,
                     num_tokens,
+                    num_tokens_main_model,
                     nc,
                     total_computed_tokens,
                     apply_admission_cap,
                     adopting,
                 )
-            } as u64;
+            };
         }
         n
     }
 
-    /// Blocks `h` needs from the pool for `num_tokens` slots with the given new hit
-    /// (vLLM's `coordinator.get_num_blocks_to_allocate`, used by the scheduler directly).
+    /// Blocks `h` needs from the pool for `num_tokens` slots (`num_tokens_main_model` of
+    /// them for the target model) with no new hit (vLLM's
+    /// `coordinator.get_num_blocks_to_allocate`, used by the scheduler directly). Negative
+    /// when a Mamba "align" table holds more than it needs, as in vLLM.
     ///
     /// # Errors
     /// Unknown handle.
@@ -640,14 +655,16 @@ impl Allocator {
         &self,
         h: ReqHandle,
         num_tokens: u32,
+        num_tokens_main_model: u32,
         num_encoder_tokens: u32,
         total_computed_tokens: u32,
         apply_admission_cap: bool,
-    ) -> Result<u64> {
+    ) -> Result<i64> {
         let s = self.slot(h)?;
         Ok(self.num_blocks_to_allocate(
             s,
             num_tokens,
+            num_tokens_main_model,
             &[],
             num_encoder_tokens,
             total_computed_tokens,
@@ -839,6 +856,16 @@ impl Allocator {
         } else {
             self.validate_hit(s, nc, a.num_new_computed_tokens, explicit)?;
         }
+        let num_local = a.num_computed_tokens as u64 + a.num_new_computed_tokens as u64;
+        for (m, v) in self.managers.iter().zip(nc) {
+            if m.is_mamba_align() && !v.is_empty() && num_local % m.block_size() as u64 != 0 {
+                return Err(Error::OutOfRange(format!(
+                    "a Mamba hit ending inside a block ({num_local} computed tokens, block size {}): \
+                     a partial hit needs copy-on-write, which is not served",
+                    m.block_size()
+                )));
+            }
+        }
         let tracked = self.managers.iter().any(|m| m.is_tracked(s));
         if has_new_computed && tracked {
             return Err(Error::OutOfRange("a running request cannot adopt new cache-hit blocks".into()));
@@ -862,8 +889,9 @@ impl Allocator {
         let watermark = if a.apply_watermark { self.cfg.watermark_blocks as u64 } else { 0 };
         if a.full_sequence_must_fit {
             let full = a.num_tokens.min(mml);
-            let need = self.num_blocks_to_allocate(s, full, nc, a.num_encoder_tokens, total_computed, true, adopts);
-            if need + watermark > self.pool.num_free_blocks() as u64 {
+            let need =
+                self.num_blocks_to_allocate(s, full, full, nc, a.num_encoder_tokens, total_computed, true, adopts);
+            if need + watermark as i64 > self.pool.num_free_blocks() as i64 {
                 return None;
             }
         }
@@ -873,9 +901,10 @@ impl Allocator {
         for m in self.managers.iter_mut() {
             m.remove_skipped_blocks(&mut self.pool, s, processed);
         }
-        let need = self.num_blocks_to_allocate(s, need_slot, nc, a.num_encoder_tokens, unclamped_total, false, adopts);
+        let need =
+            self.num_blocks_to_allocate(s, need_slot, main, nc, a.num_encoder_tokens, unclamped_total, false, adopts);
         let available = self.pool.num_free_blocks() as i64 - a.reserved_blocks as i64;
-        if (need + watermark) as i64 > available {
+        if need + watermark as i64 > available {
             return None;
         }
         if adopts {
@@ -885,7 +914,7 @@ impl Allocator {
         for (g, m) in self.managers.iter_mut().enumerate() {
             let before = self.out_ids.len();
             let n = if matches!(m.spec.kind, AttentionKind::Cross) { a.num_encoder_tokens } else { need_slot };
-            m.allocate_new_blocks(&mut self.pool, s, n, &mut self.out_ids);
+            m.allocate_new_blocks(&mut self.pool, s, n, main, &mut self.out_ids);
             self.out_counts[g] = (self.out_ids.len() - before) as u32;
         }
         if !a.delay_cache_blocks {
@@ -1018,6 +1047,7 @@ impl Allocator {
                 n,
                 self.cfg.retention_interval,
                 boundaries,
+                num_prompt_tokens,
             );
         }
         self.refresh_noop(s);
@@ -1189,6 +1219,14 @@ impl Allocator {
             best = Some(best.map_or(t, |x| x.min(t)));
         }
         Ok(best.unwrap_or(0))
+    }
+
+    /// A new scheduler step starts (vLLM's `KVCacheManager.new_step_starts`): Mamba "align"
+    /// groups stop deferring hits on states cached in the previous step.
+    pub fn new_step_starts(&mut self) {
+        for m in self.managers.iter_mut() {
+            m.new_step_starts();
+        }
     }
 
     /// Drains the block ids the attention groups handed out since the last call, group by

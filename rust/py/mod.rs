@@ -88,10 +88,17 @@ fn parse_kind(kind: &str, p1: i64, p2: i64) -> PyResult<AttentionKind> {
         },
         "chunked_local" => AttentionKind::ChunkedLocal { chunk: u32_arg("attention_chunk_size", p1)? },
         "cross" => AttentionKind::Cross,
-        "mamba" => AttentionKind::Mamba { speculative_blocks: u32_arg("num_speculative_blocks", p1)?, align: false },
-        "mamba_align" => {
-            AttentionKind::Mamba { speculative_blocks: u32_arg("num_speculative_blocks", p1)?, align: true }
-        }
+        "mamba" => AttentionKind::Mamba {
+            speculative_blocks: u32_arg("num_speculative_blocks", p1)?,
+            align: false,
+            rekey_cached_tail: false,
+        },
+        // param2: 1 for vLLM 0.32's rule (re-key the prompt's cached checkpoint state), 0 for 0.33's.
+        "mamba_align" => AttentionKind::Mamba {
+            speculative_blocks: u32_arg("num_speculative_blocks", p1)?,
+            align: true,
+            rekey_cached_tail: p2 != 0,
+        },
         other => {
             return Err(UnsupportedConfigError::new_err(format!(
                 "attention kind {other:?} is not served (full, mla, sliding_window, chunked_local, cross, \
@@ -395,10 +402,11 @@ impl PyAllocator {
         Ok(self.core()?.remove_skipped_blocks(h, n)?)
     }
 
-    /// Blocks needed for `num_tokens` slots (vLLM's `coordinator.get_num_blocks_to_allocate`
-    /// with no new hit).
+    /// Blocks needed for `num_tokens` slots, `num_tokens_main_model` of them (default
+    /// `num_tokens`) for the target model (vLLM's `coordinator.get_num_blocks_to_allocate`
+    /// with no new hit); negative when a Mamba "align" table holds more than it needs.
     #[pyo3(signature = (handle, num_tokens, *, num_encoder_tokens=0, total_computed_tokens=0,
-        apply_admission_cap=false))]
+        apply_admission_cap=false, num_tokens_main_model=None))]
     fn get_num_blocks_to_allocate(
         &self,
         handle: i64,
@@ -406,15 +414,23 @@ impl PyAllocator {
         num_encoder_tokens: i64,
         total_computed_tokens: i64,
         apply_admission_cap: bool,
-    ) -> PyResult<u64> {
+        num_tokens_main_model: Option<i64>,
+    ) -> PyResult<i64> {
         let h = handle_arg(handle)?;
         Ok(self.core()?.get_num_blocks_to_allocate(
             h,
             u32_arg("num_tokens", num_tokens)?,
+            u32_arg("num_tokens_main_model", num_tokens_main_model.unwrap_or(num_tokens))?,
             u32_arg("num_encoder_tokens", num_encoder_tokens)?,
             u32_arg("total_computed_tokens", total_computed_tokens)?,
             apply_admission_cap,
         )?)
+    }
+
+    /// A new scheduler step starts (vLLM's `new_step_starts`).
+    fn new_step_starts(&self) -> PyResult<()> {
+        self.core()?.new_step_starts();
+        Ok(())
     }
 
     /// Frees every block of the request, tail first, and releases its handle.

@@ -66,6 +66,10 @@ def swa_fp8(window: int, bs: int = 16) -> SlidingWindowSpec:
     )
 
 
+def swa_bf16(window: int, bs: int = 16) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, sliding_window=window)
+
+
 def _nocache(name: str, specs: list[Any], num_blocks: int, attn_bs: int = 16) -> Setup:
     return Setup(
         name,
@@ -92,6 +96,22 @@ MAMBA_SETUPS: list[Setup] = [
     _nocache("lfm2_short_conv_nocache", [full(16), full(16), short_conv(), short_conv(), short_conv()],
              num_blocks=420),
     _nocache("mamba_only_nocache", [mamba2()], num_blocks=30),
+    # Prefix caching on: cache mode "align", the Mamba block size equal to the attention
+    # block size and the hash block size (vLLM's default with prefix caching).
+    Setup("qwen35_gdn_3to1_align", [full(16), gdn(16, "align"), gdn(16, "align"), gdn(16, "align")],
+          num_blocks=260, retention_interval=None),
+    Setup("qwen35_gdn_3to1_align_retention0", [full(16), gdn(16, "align"), gdn(16, "align"), gdn(16, "align")],
+          num_blocks=260, retention_interval=0),
+    Setup("nemotron_h_mamba2_align", [full(16)] + [mamba2(16, "align") for _ in range(6)], num_blocks=420,
+          retention_interval=None),
+    Setup("jamba_mamba2_align_retention64", [full(16)] + [mamba2(16, "align") for _ in range(7)], num_blocks=450,
+          retention_interval=64),
+    Setup("lfm2_short_conv_align", [full(16), full(16), short_conv(16, "align"), short_conv(16, "align"),
+                                    short_conv(16, "align")], num_blocks=420, retention_interval=None),
+    Setup("mamba_only_align", [mamba2(16, "align")], num_blocks=60, retention_interval=None),
+    # Full + sliding window + Mamba: three spec groups, the hybrid hit search iterates.
+    Setup("full_swa_mamba_align", [full(16), swa_bf16(48, 16), mamba2(16, "align")], num_blocks=420,
+          retention_interval=None),
     # Mixed-precision attention caches need zeroing too (no Mamba): new blocks are reported.
     Setup("mixed_precision_full_swa_zeroing", [full(16), swa_fp8(64, 16)], num_blocks=400),
     Setup("mixed_precision_full_nocache_zeroing", [full(16), full_fp8(16)], num_blocks=400, enable_caching=False),
@@ -107,6 +127,21 @@ class ZeroingParityRun(ParityRun):
         self.eq("take_new_block_ids", a, b)
         self.stats["zeroed"] = self.stats.get("zeroed", 0) + len(a)
         super().after_op()
+
+    def maybe_new_step(self) -> None:
+        # The scheduler starts a step before it schedules anything: Mamba "align" stops
+        # deferring hits on states cached in the previous step.
+        if self.rng.random() < 0.3:
+            self.ref.new_step_starts()
+            self.ours.new_step_starts()
+
+    def admit(self) -> None:
+        self.maybe_new_step()
+        super().admit()
+
+    def run_one(self) -> None:
+        self.maybe_new_step()
+        super().run_one()
 
     def misc(self) -> None:
         r = self.rng

@@ -56,6 +56,8 @@ from hybrid_alloc._core import Allocator, FastAllocate, Hit, UnsupportedConfigEr
 
 logger = init_logger("vllm.hybrid_alloc")
 
+_VLLM_RELEASE: str = getattr(__import__("vllm"), "__version__", "").split("+", 1)[0]
+
 # The vLLM class this adapter replaces (captured before the plugin patches anything).
 VllmKVCacheManager = _vllm_kvm.KVCacheManager
 
@@ -98,7 +100,11 @@ def _mamba_kind(spec: MambaSpec) -> tuple[str, int, int]:
     if mode == "none":
         return ("mamba", spec.num_speculative_blocks, 0)
     if mode == "align":
-        return ("mamba_align", spec.num_speculative_blocks, 0)
+        if spec.num_prefill_checkpoint_blocks > 0 and spec.prefill_checkpoint_alignment is not None:
+            raise Unsupported("Mamba prefill checkpoint blocks (mamba_cache_mode 'align')")
+        # vLLM 0.32 re-keys the prompt's checkpoint state even when it is keyed already;
+        # 0.33 skips it. The core applies the installed release's rule.
+        return ("mamba_align", spec.num_speculative_blocks, int(_VLLM_RELEASE.startswith("0.32.")))
     raise Unsupported(f"Mamba cache mode {mode!r}")
 
 
@@ -359,6 +365,7 @@ class _NativeCoordinator:
                     num_encoder_tokens=num_encoder_tokens,
                     total_computed_tokens=total_computed_tokens,
                     apply_admission_cap=apply_admission_cap,
+                    num_tokens_main_model=num_tokens_main_model,
                 )
             finally:
                 alloc.free(h)
@@ -368,6 +375,7 @@ class _NativeCoordinator:
             num_encoder_tokens=num_encoder_tokens,
             total_computed_tokens=total_computed_tokens,
             apply_admission_cap=apply_admission_cap,
+            num_tokens_main_model=num_tokens_main_model,
         )
 
     def get_blocks(self, request_id: str) -> tuple[list[Any], ...]:
@@ -776,7 +784,7 @@ class HybridKVCacheManager:
         return []
 
     def new_step_starts(self) -> None:
-        return None
+        self._alloc.new_step_starts()
 
     def check_invariants(self) -> None:
         """Checks the native core's invariants (tests)."""
