@@ -26,6 +26,9 @@ pub enum AttentionKind {
     /// vLLM 0.32's rule for the prompt's checkpoint state in "align" (a state block already
     /// keyed there counts as cached again this step); vLLM 0.33 skips it.
     Mamba { speculative_blocks: u32, align: bool, rekey_cached_tail: bool },
+    /// A circular buffer (vLLM's `CircularBufferSpec`, DeepSeek-V4's compressor ring): one
+    /// block per request for its whole life, never prefix cached, never zeroed.
+    CircularBuffer,
 }
 
 impl AttentionKind {
@@ -34,10 +37,16 @@ impl AttentionKind {
         matches!(self, AttentionKind::Full)
     }
 
-    /// Whether vLLM's `AttentionSpec` covers this kind: only such groups report their new
-    /// blocks for KV cache zeroing (a Mamba state block is not an attention block).
+    /// Whether vLLM records this kind's new blocks for KV cache zeroing: attention specs
+    /// other than circular buffers (a Mamba state block is not an attention block).
     pub fn is_attention(&self) -> bool {
-        !matches!(self, AttentionKind::Mamba { .. })
+        !matches!(self, AttentionKind::Mamba { .. } | AttentionKind::CircularBuffer)
+    }
+
+    /// Whether the group takes part in prefix caching (vLLM's `prefix_cacheable`; cross
+    /// attention is refused with caching on, so it counts as cacheable here).
+    pub fn is_prefix_cacheable(&self) -> bool {
+        !matches!(self, AttentionKind::CircularBuffer)
     }
 }
 
@@ -197,7 +206,7 @@ impl Config {
                 }
                 _ => {}
             }
-            if self.enable_caching {
+            if self.enable_caching && g.kind.is_prefix_cacheable() {
                 if g.block_size % self.hash_block_size != 0 {
                     return bad(format!(
                         "group {i}: block_size {} is not a multiple of hash_block_size {}",
@@ -205,7 +214,11 @@ impl Config {
                     ));
                 }
                 if matches!(g.kind, AttentionKind::Cross) {
-                    return Err(Error::Unsupported(format!("group {i}: cross attention with prefix caching on")));
+                    return Err(Error::Unsupported(format!(
+                        "group {i}: cross attention with prefix caching on (vLLM's own \
+                         CrossAttentionManager raises on cache_blocks and on the hit search then; \
+                         vLLM turns prefix caching off for encoder-decoder models)"
+                    )));
                 }
                 if matches!(g.kind, AttentionKind::Mamba { align: false, .. }) {
                     return Err(Error::Unsupported(format!(
@@ -245,6 +258,9 @@ impl Config {
                     )));
                 }
             }
+        }
+        if self.enable_caching && !self.groups.iter().any(|g| g.kind.is_prefix_cacheable()) {
+            return Err(Error::Unsupported("prefix caching on with no prefix-cacheable group".into()));
         }
         if self.coordinator_kind() == CoordinatorKind::Unitary && self.hash_block_size != self.groups[0].block_size {
             return bad("a single cached group needs hash_block_size == block_size".into());

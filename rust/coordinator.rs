@@ -256,7 +256,7 @@ impl Allocator {
             .collect();
         let mut spec_groups: Vec<SpecGroup> = Vec::new();
         for (i, g) in cfg.groups.iter().enumerate() {
-            if matches!(g.kind, AttentionKind::Cross) {
+            if matches!(g.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
                 continue;
             }
             match spec_groups.iter_mut().find(|s| {
@@ -777,9 +777,11 @@ impl Allocator {
         }
         let mut seen: rustc_hash::FxHashSet<BlockId> = Default::default();
         for (g, (m, v)) in self.managers.iter().zip(nc).enumerate() {
-            if matches!(m.spec.kind, AttentionKind::Cross) {
+            if matches!(m.spec.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
                 if !v.is_empty() {
-                    return Err(Error::OutOfRange(format!("group {g} (cross attention) cannot have cache-hit blocks")));
+                    return Err(Error::OutOfRange(format!(
+                        "group {g} (cross attention or circular buffer) cannot have cache-hit blocks"
+                    )));
                 }
                 continue;
             }
@@ -1212,7 +1214,7 @@ impl Allocator {
         let s = self.slot(h)?;
         let mut best: Option<u32> = None;
         for m in &self.managers {
-            if matches!(m.spec.kind, AttentionKind::Cross) {
+            if matches!(m.spec.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
                 continue;
             }
             let t = m.blocks(s).iter().map(|&b| self.pool.block_hash_num_tokens(b)).max().unwrap_or(0);

@@ -96,7 +96,7 @@ pub fn find_longest_cache_hit(
         AttentionKind::ChunkedLocal { chunk } => {
             chunked_local::find_longest_cache_hit(pool, view, max_length, group_ids, block_size, chunk, out)
         }
-        AttentionKind::Cross => 0,
+        AttentionKind::Cross | AttentionKind::CircularBuffer => 0,
         AttentionKind::Mamba { .. } => {
             mamba::find_longest_cache_hit(pool, view, max_length, group_ids, block_size, alignment_tokens, out)
         }
@@ -172,6 +172,18 @@ impl SingleTypeManager {
             allocated: Vec::new(),
             prompt_boundary: Vec::new(),
             cached_this_step: Default::default(),
+        }
+    }
+
+    /// A circular buffer's one block, taken the first time the request needs it (vLLM's
+    /// `CircularBufferManager._claim_ring_block`).
+    fn claim_ring_block(&mut self, pool: &mut BlockPool, h: Slot, record_for_zeroing: bool) {
+        let table = &mut self.req_blocks[h as usize];
+        if table.is_empty() {
+            pool.get_new_blocks(1, table);
+            if self.records_new_block_ids && record_for_zeroing {
+                self.new_block_ids.push(table[0]);
+            }
         }
     }
 
@@ -440,7 +452,7 @@ impl SingleTypeManager {
     #[inline]
     pub fn num_skipped_tokens(&self, num_computed_tokens: u32) -> u32 {
         match self.spec.kind {
-            AttentionKind::Full | AttentionKind::Cross => 0,
+            AttentionKind::Full | AttentionKind::Cross | AttentionKind::CircularBuffer => 0,
             AttentionKind::SlidingWindow { window, extra_retained_tokens } => {
                 sliding_window::num_skipped_tokens(num_computed_tokens, window, extra_retained_tokens)
             }
@@ -477,6 +489,9 @@ impl SingleTypeManager {
         if self.is_mamba_align() {
             return self.align_num_blocks_to_allocate(pool, h, new_computed, num_tokens_main_model);
         }
+        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
+            return self.req_blocks[h as usize].is_empty() as i64;
+        }
         let bs = self.block_size() as u64;
         let mut required = cdiv(self.slot_tokens(num_tokens), bs) as i64;
         if apply_admission_cap {
@@ -506,8 +521,8 @@ impl SingleTypeManager {
         num_local_computed_tokens: u32,
         num_external_computed_tokens: u32,
     ) {
-        if matches!(self.spec.kind, AttentionKind::Cross) {
-            assert!(new_computed.is_empty(), "cross attention never has cache hits");
+        if matches!(self.spec.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
+            assert!(new_computed.is_empty(), "cross attention and circular buffers never have cache hits");
             return;
         }
         let total = num_local_computed_tokens + num_external_computed_tokens;
@@ -538,6 +553,9 @@ impl SingleTypeManager {
     ) {
         if matches!(self.spec.kind, AttentionKind::Cross) {
             return;
+        }
+        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
+            return self.claim_ring_block(pool, h, record_for_zeroing);
         }
         let total = num_local_computed_tokens + num_external_computed_tokens;
         let skipped = self.num_skipped_tokens(total);
@@ -572,6 +590,12 @@ impl SingleTypeManager {
         if self.is_mamba_align() {
             return self.align_allocate_new_blocks(pool, h, num_tokens_main_model, out);
         }
+        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
+            let start = self.req_blocks[h as usize].len();
+            self.claim_ring_block(pool, h, true);
+            out.extend_from_slice(&self.req_blocks[h as usize][start..]);
+            return;
+        }
         let required = cdiv(self.slot_tokens(num_tokens), self.spec.block_size as u64) as usize;
         let table = &mut self.req_blocks[h as usize];
         if required > table.len() {
@@ -588,7 +612,7 @@ impl SingleTypeManager {
     /// `num_tokens` tokens and `num_hashes` hashes (0 for cross attention), and the table's
     /// length: the coordinator refuses a caching call whose full blocks the table lacks.
     pub fn blocks_to_cache(&self, h: Slot, num_hashes: usize, hash_block_size: u32, num_tokens: u32) -> (u32, u32) {
-        if matches!(self.spec.kind, AttentionKind::Cross) {
+        if matches!(self.spec.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
             return (0, 0);
         }
         let bs = self.spec.block_size;
@@ -612,7 +636,7 @@ impl SingleTypeManager {
         reachable_boundaries: &[u32],
         num_prompt_tokens: u32,
     ) {
-        if matches!(self.spec.kind, AttentionKind::Cross) {
+        if matches!(self.spec.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
             return;
         }
         let before = self.num_cached(h);
@@ -755,6 +779,10 @@ impl SingleTypeManager {
         let clamp = |x: u64| x.min(u32::MAX as u64) as u32;
         if matches!(self.spec.kind, AttentionKind::Cross) {
             return (u32::MAX, u32::MAX, u32::MAX);
+        }
+        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
+            let slots = if self.req_blocks[h as usize].is_empty() { 0 } else { u32::MAX };
+            return (slots, u32::MAX, u32::MAX);
         }
         if self.is_mamba_align() {
             // No allocation while the main tokens fit the table (lookahead slots are not

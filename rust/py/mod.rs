@@ -88,6 +88,7 @@ fn parse_kind(kind: &str, p1: i64, p2: i64) -> PyResult<AttentionKind> {
         },
         "chunked_local" => AttentionKind::ChunkedLocal { chunk: u32_arg("attention_chunk_size", p1)? },
         "cross" => AttentionKind::Cross,
+        "circular_buffer" => AttentionKind::CircularBuffer,
         "mamba" => AttentionKind::Mamba {
             speculative_blocks: u32_arg("num_speculative_blocks", p1)?,
             align: false,
@@ -102,7 +103,7 @@ fn parse_kind(kind: &str, p1: i64, p2: i64) -> PyResult<AttentionKind> {
         other => {
             return Err(UnsupportedConfigError::new_err(format!(
                 "attention kind {other:?} is not served (full, mla, sliding_window, chunked_local, cross, \
-                 mamba, mamba_align are)"
+                 mamba, mamba_align, circular_buffer are)"
             )))
         }
     })

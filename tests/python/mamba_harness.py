@@ -10,7 +10,14 @@ from typing import Any
 
 import torch
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
 
 from parity_driver import ParityRun
 from vllm_harness import Setup, full
@@ -70,6 +77,22 @@ def swa_bf16(window: int, bs: int = 16) -> SlidingWindowSpec:
     return SlidingWindowSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, sliding_window=window)
 
 
+def swa_mla(window: int, bs: int = 16) -> SlidingWindowMLASpec:
+    """DeepSeek-V4's sliding-window MLA layer."""
+    return SlidingWindowMLASpec(block_size=bs, num_kv_heads=1, head_size=512, dtype=torch.bfloat16,
+                                sliding_window=window)
+
+
+def ring(bs: int = 8) -> CircularBufferSpec:
+    """DeepSeek-V4's compressor ring: one block per request."""
+    return CircularBufferSpec(block_size=bs, num_kv_heads=1, head_size=512, dtype=torch.bfloat16)
+
+
+def mla_c(bs: int = 16) -> MLAAttentionSpec:
+    """A compressed-attention (full) MLA layer."""
+    return MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+
+
 def _nocache(name: str, specs: list[Any], num_blocks: int, attn_bs: int = 16) -> Setup:
     return Setup(
         name,
@@ -112,6 +135,10 @@ MAMBA_SETUPS: list[Setup] = [
     # Full + sliding window + Mamba: three spec groups, the hybrid hit search iterates.
     Setup("full_swa_mamba_align", [full(16), swa_bf16(48, 16), mamba2(16, "align")], num_blocks=420,
           retention_interval=None),
+    # DeepSeek-V4-shaped: compressed MLA (full), sliding-window MLA and the compressor ring.
+    Setup("deepseek_v4_swa_mla_ring", [mla_c(16), swa_mla(128, 16), ring(8)], num_blocks=300),
+    Setup("deepseek_v4_swa_mla_ring_nocache", [mla_c(16), swa_mla(128, 16), ring(8)], num_blocks=300,
+          enable_caching=False),
     # Mixed-precision attention caches need zeroing too (no Mamba): new blocks are reported.
     Setup("mixed_precision_full_swa_zeroing", [full(16), swa_fp8(64, 16)], num_blocks=400),
     Setup("mixed_precision_full_nocache_zeroing", [full(16), full_fp8(16)], num_blocks=400, enable_caching=False),

@@ -33,9 +33,11 @@ from vllm.v1.core.kv_cache_utils import (
     maybe_convert_block_hash,
     to_event_extra_keys,
 )
+from vllm.v1.kv_cache_interface import HiddenStateCacheSpec, RSWASpec, SinkFullAttentionSpec
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
@@ -44,6 +46,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
     get_kv_cache_spec_kind,
@@ -62,8 +65,9 @@ _VLLM_RELEASE: str = getattr(__import__("vllm"), "__version__", "").split("+", 1
 VllmKVCacheManager = _vllm_kvm.KVCacheManager
 
 _WAITING_OR_PREEMPTED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-# Spec classes whose exact type the core serves as full attention.
-_FULL_TYPES = (FullAttentionSpec, MLAAttentionSpec)
+# Spec classes whose exact type the core serves as full attention (vLLM gives
+# ``HiddenStateCacheSpec`` the plain ``FullAttentionManager``).
+_FULL_TYPES = (FullAttentionSpec, MLAAttentionSpec, HiddenStateCacheSpec)
 
 # Set by the plugin around ``Scheduler.__init__``: the config being scheduled, so the
 # manager can see what its constructor arguments do not say (a KV connector, ...).
@@ -85,6 +89,20 @@ def _group_kind(spec: KVCacheSpec) -> tuple[str, int, int]:
         return ("full", 0, 0)
     if t is SlidingWindowSpec:
         return ("sliding_window", spec.sliding_window, spec.extra_retained_tokens)
+    if t is SlidingWindowMLASpec:
+        # vLLM serves it with the SlidingWindowManager (DeepSeek-V4's sliding-window MLA).
+        if spec.bounded_replay:
+            raise Unsupported("SlidingWindowMLASpec with bounded replay (prefix replay window)")
+        return ("sliding_window", spec.sliding_window, spec.extra_retained_tokens)
+    if t is CircularBufferSpec:
+        return ("circular_buffer", 0, 0)
+    if t is RSWASpec:
+        raise Unsupported("RSWASpec (R-SWA frees a gap in the middle of the table each decode step)")
+    if t is SinkFullAttentionSpec:
+        raise Unsupported(
+            "SinkFullAttentionSpec (vLLM's own SinkFullAttentionManager cannot be built: its "
+            "__init__ takes no needs_kv_cache_zeroing)"
+        )
     if t is ChunkedLocalAttentionSpec:
         return ("chunked_local", spec.attention_chunk_size, 0)
     if t is CrossAttentionSpec:
@@ -148,7 +166,7 @@ def native_config_or_reason(
                 raise Unsupported(f"group {i} has role {g.role.name} (HiSparse)")
             if g.is_eagle_group:
                 raise Unsupported(f"group {i} holds EAGLE/MTP draft layers (prefix-cache block drop)")
-            if not spec.prefix_cacheable:
+            if not spec.prefix_cacheable and type(spec) is not CircularBufferSpec:
                 raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
             kind, p1, p2 = _group_kind(spec)
             if zeroing and isinstance(spec, UniformTypeKVCacheSpecs):
@@ -755,6 +773,10 @@ class HybridKVCacheManager:
         ids = blocks.get_block_ids()
         out: list[list[int]] = []
         for group_ids, g in zip(ids, self.kv_cache_config.kv_cache_groups):
+            if not g.kv_cache_spec.prefix_cacheable:
+                assert not group_ids
+                out.append([])
+                continue
             bs = g.kv_cache_spec.block_size
             assert num_computed_tokens % bs == 0
             n = num_computed_tokens // bs
