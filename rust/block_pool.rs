@@ -15,7 +15,9 @@
 use crate::error::{Error, Result};
 use crate::free_queue::{try_filled, FreeQueue};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, NULL_BLOCK};
+use crate::policy::{Level, LEVEL_NORMAL, LEVEL_PINNED, NUM_LEVELS};
 use crate::prefix_index::{HashKey, PrefixIndex};
+use rustc_hash::FxHashSet;
 
 /// A KV cache event, in the order vLLM emits them. `Stored` carries what the vLLM adapter
 /// needs to build `BlockStored` (token ids and extra keys come from the request there).
@@ -68,6 +70,16 @@ pub struct BlockPool {
     pub(crate) hash_tokens: Vec<u32>,
     /// Free blocks in eviction order.
     pub(crate) queue: FreeQueue,
+    /// Retention level of each block (the `hit-aware` policy): where a cached block goes
+    /// when freed. Empty under `exact`, whose queue has a single LRU level.
+    pub(crate) level: Vec<Level>,
+    /// Hash keys of pinned prefixes: a block cached under one is freed at `LEVEL_PINNED`.
+    pub(crate) pinned_keys: FxHashSet<HashKey>,
+    /// Free cached blocks at `LEVEL_PINNED` (invariant: equals the count in the queue).
+    pub(crate) pinned_free: u32,
+    /// The most free cached blocks kept at `LEVEL_PINNED`: past it, the oldest is demoted to
+    /// `LEVEL_NORMAL` (the pinned share of the pool).
+    pub(crate) pinned_cap: u32,
     /// Cached blocks by hash key.
     pub(crate) index: PrefixIndex,
     /// Prefix caching on.
@@ -88,6 +100,15 @@ impl BlockPool {
     /// # Errors
     /// [`Error::OutOfMemory`] when the metadata of `num_blocks` blocks cannot be allocated.
     pub fn try_new(num_blocks: u32, enable_caching: bool, enable_events: bool) -> Result<Self> {
+        Self::try_new_leveled(num_blocks, enable_caching, enable_events, false)
+    }
+
+    /// [`Self::try_new`], with a free queue split into retention levels when `leveled`
+    /// (the `hit-aware` policy; see [`crate::policy`]).
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] when the metadata of `num_blocks` blocks cannot be allocated.
+    pub fn try_new_leveled(num_blocks: u32, enable_caching: bool, enable_events: bool, leveled: bool) -> Result<Self> {
         let oom = |what: &str| {
             let what = what.to_string();
             move |e: std::collections::TryReserveError| {
@@ -103,7 +124,13 @@ impl BlockPool {
         };
         let hash = try_filled(n, None).map_err(oom("block hashes"))?;
         let hash_tokens = try_filled(n, 0).map_err(oom("block hashes"))?;
-        let mut queue = FreeQueue::try_new(num_blocks).map_err(oom("the free queue"))?;
+        let mut queue = if leveled {
+            FreeQueue::try_new_with_levels(num_blocks, NUM_LEVELS)
+        } else {
+            FreeQueue::try_new(num_blocks)
+        }
+        .map_err(oom("the free queue"))?;
+        let level = if leveled { try_filled(n, LEVEL_NORMAL).map_err(oom("block levels"))? } else { Vec::new() };
         let null = queue.pop_front();
         debug_assert_eq!(null, Some(NULL_BLOCK));
         Ok(Self {
@@ -113,6 +140,10 @@ impl BlockPool {
             hash,
             hash_tokens,
             queue,
+            level,
+            pinned_keys: FxHashSet::default(),
+            pinned_free: 0,
+            pinned_cap: (num_blocks.saturating_sub(1)) / 4,
             index,
             enable_caching,
             enable_events,
@@ -192,6 +223,98 @@ impl BlockPool {
         self.queue.iter().collect()
     }
 
+    /// Whether the free queue has retention levels (the `hit-aware` policy).
+    #[inline]
+    pub fn is_leveled(&self) -> bool {
+        !self.level.is_empty()
+    }
+
+    /// Retention level of `b` (`LEVEL_NORMAL` without levels).
+    pub fn level(&self, b: BlockId) -> Level {
+        self.level.get(b as usize).copied().unwrap_or(LEVEL_NORMAL)
+    }
+
+    /// Sets the retention level `b` gets when freed; a free block moves to the back of its
+    /// new level now. No-op without levels or for the null block.
+    pub(crate) fn set_level(&mut self, b: BlockId, lvl: Level) {
+        if self.level.is_empty() || b == NULL_BLOCK {
+            return;
+        }
+        let queued = self.ref_cnt[b as usize] == 0 && self.hash[b as usize].is_some();
+        if queued {
+            self.unqueue_cached(b);
+        }
+        self.level[b as usize] = lvl;
+        if queued {
+            self.queue_cached(b);
+            self.enforce_pinned_cap();
+        }
+    }
+
+    /// Whether `b` (free) counts in `pinned_free`.
+    #[inline]
+    fn counts_pinned(&self, b: BlockId) -> bool {
+        !self.level.is_empty() && self.level[b as usize] == LEVEL_PINNED && self.hash[b as usize].is_some()
+    }
+
+    /// Takes a free cached block out of the queue (leveled pools), keeping the count.
+    fn unqueue_cached(&mut self, b: BlockId) {
+        if self.counts_pinned(b) {
+            self.pinned_free -= 1;
+        }
+        self.queue.remove(b);
+    }
+
+    /// Queues a free cached block at the back of its level (a pinned key raises it to
+    /// `LEVEL_PINNED`), keeping the count.
+    fn queue_cached(&mut self, b: BlockId) {
+        if !self.pinned_keys.is_empty() {
+            if let Some(k) = &self.hash[b as usize] {
+                if self.pinned_keys.contains(k) {
+                    self.level[b as usize] = LEVEL_PINNED;
+                }
+            }
+        }
+        if self.counts_pinned(b) {
+            self.pinned_free += 1;
+        }
+        self.queue.push_back_level(b, self.level[b as usize]);
+    }
+
+    /// Demotes the oldest free pinned blocks to `LEVEL_NORMAL` while more than
+    /// `pinned_cap` are free (a pinned key's block too: the share is a bound).
+    fn enforce_pinned_cap(&mut self) {
+        while self.pinned_free > self.pinned_cap {
+            let b = self.queue.first_in_level(LEVEL_PINNED).expect("pinned count above the pinned level's length");
+            if self.counts_pinned(b) {
+                self.pinned_free -= 1;
+            }
+            self.queue.remove(b);
+            self.level[b as usize] = LEVEL_NORMAL;
+            if self.hash[b as usize].is_some() {
+                self.queue.push_back_level(b, LEVEL_NORMAL);
+            } else {
+                self.queue.push_front_n(&[b]);
+            }
+        }
+    }
+
+    /// Sets the pinned share: at most `cap` free cached blocks stay at `LEVEL_PINNED`.
+    pub(crate) fn set_pinned_cap(&mut self, cap: u32) {
+        self.pinned_cap = cap;
+        self.enforce_pinned_cap();
+    }
+
+    /// The pinned share in blocks.
+    pub fn pinned_cap(&self) -> u32 {
+        self.pinned_cap
+    }
+
+    /// Free cached blocks at `LEVEL_PINNED`.
+    pub fn pinned_free(&self) -> u32 {
+        self.pinned_free
+    }
+
     /// The first cached block for `hash` in every group of `groups`, or `None` on any miss
     /// (vLLM's `get_cached_block`). Writes into `out` (cleared first).
     #[inline]
@@ -213,6 +336,9 @@ impl BlockPool {
         assert!(n <= self.num_free_blocks(), "get_new_blocks: {n} blocks asked, fewer free");
         for _ in 0..n {
             let b = self.queue.pop_front().expect("free queue shorter than its count");
+            if self.counts_pinned(b) {
+                self.pinned_free -= 1;
+            }
             if self.enable_caching {
                 self.maybe_evict_cached_block(b);
             }
@@ -224,6 +350,9 @@ impl BlockPool {
 
     /// Drops `b`'s hash from the prefix index (emitting `Removed`); returns whether it had one.
     pub fn maybe_evict_cached_block(&mut self, b: BlockId) -> bool {
+        if self.ref_cnt[b as usize] == 0 && b != NULL_BLOCK && self.counts_pinned(b) && self.queue.contains(b) {
+            self.pinned_free -= 1;
+        }
         let Some(key) = self.hash[b as usize].take() else { return false };
         self.hash_tokens[b as usize] = 0;
         if self.index.remove(&key, b) && self.enable_events {
@@ -239,6 +368,9 @@ impl BlockPool {
                 continue;
             }
             if self.ref_cnt[b as usize] == 0 {
+                if self.counts_pinned(b) {
+                    self.pinned_free -= 1;
+                }
                 self.queue.remove(b);
             }
             self.ref_cnt[b as usize] += 1;
@@ -262,13 +394,18 @@ impl BlockPool {
             if *rc == 0 {
                 if self.hash[b as usize].is_none() || !self.enable_caching {
                     first.push(b);
-                } else {
+                } else if self.level.is_empty() {
                     last.push(b);
+                } else {
+                    self.queue_cached(b);
                 }
             }
         }
         self.queue.push_front_n(&first);
         self.queue.push_back_n(&last);
+        if self.pinned_free > self.pinned_cap {
+            self.enforce_pinned_cap();
+        }
         first.clear();
         last.clear();
         self.scratch_first = first;
@@ -313,6 +450,9 @@ impl BlockPool {
             );
             self.hash[b as usize] = Some(key);
             self.hash_tokens[b as usize] = (i + 1) * block_size;
+            if let Some(l) = self.level.get_mut(b as usize) {
+                *l = LEVEL_NORMAL;
+            }
             self.index.insert(key, b);
             if self.enable_events {
                 ev_hashes.push(h);
@@ -392,6 +532,7 @@ impl BlockPool {
         for t in self.hash_tokens.iter_mut() {
             *t = 0;
         }
+        self.pinned_free = 0;
         if self.enable_events {
             self.events.push(Event::AllCleared);
         }

@@ -16,6 +16,7 @@ use crate::config::{AttentionKind, Config, CoordinatorKind};
 use crate::error::{Error, Result};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
 use crate::manager::{cdiv, find_longest_cache_hit, HashView, SingleTypeManager};
+use crate::policy::{Level, Policy, LEVEL_NORMAL, LEVEL_SPECULATIVE};
 
 /// Groups with equal specs, looked up together (vLLM's `SpecGroup`).
 #[derive(Clone, Debug)]
@@ -212,6 +213,8 @@ pub struct Hit {
 #[derive(Clone, Debug)]
 pub struct Allocator {
     cfg: Config,
+    /// The retention policy (see [`crate::policy`]); fixed at construction.
+    policy: Policy,
     kind: CoordinatorKind,
     pool: BlockPool,
     managers: Vec<SingleTypeManager>,
@@ -239,10 +242,19 @@ impl Allocator {
     /// What [`Config::validate`] reports; [`Error::OutOfMemory`] when the pool's metadata
     /// cannot be allocated.
     pub fn new(cfg: Config) -> Result<Self> {
+        Self::with_policy(cfg, Policy::Exact)
+    }
+
+    /// Builds an allocator with a retention policy ([`Policy::Exact`] is [`Self::new`]).
+    ///
+    /// # Errors
+    /// Those of [`Self::new`].
+    pub fn with_policy(cfg: Config, policy: Policy) -> Result<Self> {
         cfg.validate()?;
         let kind = cfg.coordinator_kind();
         let caching = cfg.enable_caching;
-        let pool = BlockPool::try_new(cfg.num_blocks, caching, cfg.enable_events)?;
+        let leveled = policy == Policy::HitAware && caching;
+        let pool = BlockPool::try_new_leveled(cfg.num_blocks, caching, cfg.enable_events, leveled)?;
         let align = cfg.cache_hit_alignment_tokens();
         let managers = cfg
             .groups
@@ -275,6 +287,7 @@ impl Allocator {
         spec_groups.sort_by_key(|s| !s.kind.is_full());
         let n = cfg.groups.len();
         Ok(Self {
+            policy,
             kind,
             pool,
             managers,
@@ -293,6 +306,11 @@ impl Allocator {
     /// The configuration.
     pub fn config(&self) -> &Config {
         &self.cfg
+    }
+
+    /// The retention policy.
+    pub fn policy(&self) -> Policy {
+        self.policy
     }
 
     /// The block pool (read-only).
@@ -737,6 +755,12 @@ impl Allocator {
             Some(src) => Some(self.sync_hashes(s, src)?),
             None => None,
         };
+        if matches!(new_computed, NewComputed::Empty) && self.is_noop(s, a) {
+            // Provably changes nothing (see `NoopLimits`): skip the allocation code.
+            self.out_ids.clear();
+            self.out_counts.iter_mut().for_each(|c| *c = 0);
+            return Ok(Some(0));
+        }
         let stored = match new_computed {
             NewComputed::Stored => Some(std::mem::take(&mut self.reqs[s as usize].hit)),
             _ => None,
@@ -911,6 +935,11 @@ impl Allocator {
         }
         if adopts {
             self.allocate_new_computed_blocks(s, nc, num_local, a.num_external_computed_tokens, a.skip_zeroing_groups);
+            if self.pool.is_leveled() {
+                for m in &self.managers {
+                    m.promote_hit(&mut self.pool, s);
+                }
+            }
         }
         self.out_ids.clear();
         for (g, m) in self.managers.iter_mut().enumerate() {
@@ -955,6 +984,26 @@ impl Allocator {
             lim = NoopLimits { slots: lim.slots.min(a), processed: lim.processed.min(b), cached: lim.cached.min(c) };
         }
         self.reqs[s as usize].noop = lim;
+    }
+
+    /// Whether `a` is a plain step (see [`NoopLimits`]) that the request's limits prove
+    /// changes nothing.
+    fn is_noop(&self, s: Slot, a: &AllocateArgs) -> bool {
+        if a.num_new_tokens == 0
+            || a.num_new_computed_tokens != 0
+            || a.num_external_computed_tokens != 0
+            || a.num_encoder_tokens != 0
+            || a.full_sequence_must_fit
+            || a.reserved_blocks != 0
+            || a.apply_watermark
+        {
+            return false;
+        }
+        let lim = self.reqs[s as usize].noop;
+        let main = a.num_computed_tokens as u64 + a.num_new_tokens as u64;
+        main + a.num_lookahead_tokens as u64 <= lim.slots as u64
+            && a.num_computed_tokens.saturating_sub(a.num_in_flight_tokens) < lim.processed
+            && main.min(a.num_tokens as u64) < lim.cached as u64
     }
 
     /// The limits under which a plain step of `h` changes nothing (the component-wise
@@ -1052,7 +1101,6 @@ impl Allocator {
                 num_prompt_tokens,
             );
         }
-        self.refresh_noop(s);
     }
 
     /// Caches the full blocks of `h` up to `num_computed_tokens` (vLLM's `cache_blocks`).
@@ -1104,6 +1152,7 @@ impl Allocator {
             }
         }
         self.cache_blocks_inner(s, num_computed_tokens, num_prompt_tokens, shared_prefix_boundary);
+        self.refresh_noop(s);
         Ok(())
     }
 
@@ -1125,9 +1174,35 @@ impl Allocator {
     /// # Errors
     /// Unknown handle (a double free is one).
     pub fn free(&mut self, h: ReqHandle) -> Result<()> {
+        self.free_with_level(h, LEVEL_NORMAL)
+    }
+
+    /// [`Self::free`] with a retention level for what the request leaves cached: under
+    /// `hit-aware`, its full-attention prefix and the window tail ending at its last cached
+    /// block keep at least `level` ([`crate::policy::LEVEL_PINNED`] for a request with a
+    /// retention priority), and its blocks are freed in token-position order across groups
+    /// (a hit unit together). Under `exact`, `level` is ignored: vLLM's `free`.
+    ///
+    /// # Errors
+    /// Unknown handle (a double free is one).
+    pub fn free_with_level(&mut self, h: ReqHandle, level: Level) -> Result<()> {
         let s = self.slot(h)?;
-        for m in self.managers.iter_mut() {
-            m.free(&mut self.pool, s);
+        if self.pool.is_leveled() {
+            let mut blocks = Vec::new();
+            for m in self.managers.iter() {
+                m.promote_for_free(&mut self.pool, s, level.max(LEVEL_NORMAL), LEVEL_SPECULATIVE);
+                m.positioned_blocks(s, &mut blocks);
+            }
+            // Tail first; at equal positions, group order (vLLM frees group after group).
+            blocks.sort_unstable_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
+            for m in self.managers.iter_mut() {
+                m.forget(s);
+            }
+            self.pool.free_blocks(blocks.iter().map(|x| x.2));
+        } else {
+            for m in self.managers.iter_mut() {
+                m.free(&mut self.pool, s);
+            }
         }
         self.release(s);
         Ok(())
@@ -1197,6 +1272,75 @@ impl Allocator {
             return Err(Error::InvalidBlock(format!("block id {b} >= num_blocks {}", self.pool.num_blocks())));
         }
         self.pool.evict_blocks(ids);
+        Ok(())
+    }
+
+    /// Pins a prefix (e.g. a system prompt) given by its block hashes at `hash_block_size`
+    /// granularity (`hashes[i]` covers tokens `0..(i + 1) * hash_block_size`), under the
+    /// `hit-aware` policy: the blocks a hit on the whole prefix needs (every block of a
+    /// full-attention or chunked group, the window tail at its end in a sliding-window
+    /// group) are freed at [`crate::policy::LEVEL_PINNED`], evicted after every other cached
+    /// block, within the pinned share ([`Self::set_pinned_share`]). Blocks cached now are
+    /// pinned now; the others when they are cached. Returns the hash keys pinned in all.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] under `exact` or with prefix caching off (vLLM has no
+    /// pinning); [`Error::OutOfRange`] when the pinned keys would exceed the pinned share
+    /// (nothing changes).
+    pub fn pin_prefix(&mut self, hashes: &[BlockHash]) -> Result<u32> {
+        if !self.pool.is_leveled() {
+            return Err(Error::Unsupported(
+                "pinning a prefix needs the hit-aware policy with prefix caching on".into(),
+            ));
+        }
+        let mut keys = Vec::new();
+        for m in &self.managers {
+            if matches!(m.spec.kind, AttentionKind::Cross) {
+                continue;
+            }
+            let view = HashView { hashes, scale: m.block_size() / self.cfg.hash_block_size };
+            let n = view.len();
+            let from = m.hit_tail_blocks().map_or(0, |t| n.saturating_sub(t));
+            keys.extend((from..n).map(|i| (view.get(i), m.group_id)));
+        }
+        keys.retain(|k| !self.pool.pinned_keys.contains(k));
+        keys.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()).then(a.1.cmp(&b.1)));
+        keys.dedup();
+        let total = self.pool.pinned_keys.len() as u64 + keys.len() as u64;
+        if total > self.pool.pinned_cap() as u64 {
+            return Err(Error::OutOfRange(format!(
+                "pinning {} more blocks would pin {total}, above the pinned share of {} blocks",
+                keys.len(),
+                self.pool.pinned_cap()
+            )));
+        }
+        for k in &keys {
+            self.pool.pinned_keys.insert(*k);
+            if let Some(b) = self.pool.index.get_one(k) {
+                self.pool.set_level(b, crate::policy::LEVEL_PINNED);
+            }
+        }
+        Ok(total as u32)
+    }
+
+    /// Sets the pinned share of the pool (`0.0..=1.0`, default 0.25): at most that fraction
+    /// of the blocks may be pinned keys, or free at the pinned level (past it the oldest
+    /// free pinned block is demoted to the normal LRU).
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] for a share outside `0.0..=1.0` or below the keys pinned.
+    pub fn set_pinned_share(&mut self, share: f64) -> Result<()> {
+        if !(0.0..=1.0).contains(&share) {
+            return Err(Error::OutOfRange(format!("pinned share {share} is outside 0.0..=1.0")));
+        }
+        let cap = ((self.pool.num_blocks() - 1) as f64 * share).floor() as u32;
+        if (self.pool.pinned_keys.len() as u64) > cap as u64 {
+            return Err(Error::OutOfRange(format!(
+                "a pinned share of {cap} blocks is below the {} blocks already pinned",
+                self.pool.pinned_keys.len()
+            )));
+        }
+        self.pool.set_pinned_cap(cap);
         Ok(())
     }
 

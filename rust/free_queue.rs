@@ -5,7 +5,15 @@
 //! Invariants: a block is in the queue iff `prev[b] != DETACHED`; `len` counts the blocks
 //! in it; following `next` from `HEAD` visits every queued block once and ends at `TAIL`.
 //!
-//! Cost: `pop_front`, `remove`, `push_back`, `push_front` are O(1); the `_n` forms O(n).
+//! Retention levels (the `hit-aware` policy, [`crate::policy`]): a queue built with
+//! [`FreeQueue::try_new_with_levels`] holds `levels - 1` more sentinel slots that split it
+//! into segments, level 0 nearest the front. [`FreeQueue::push_back_level`] appends at the
+//! back of one level, so a block of a lower level is always handed out before any block of a
+//! higher one, and within a level the order is LRU. Sentinels are never counted, handed out
+//! or iterated. A queue without levels (the `exact` policy) is exactly vLLM's queue.
+//!
+//! Cost: `pop_front` (O(levels) worst case: it steps over empty segments), `remove`,
+//! `push_back`, `push_back_level`, `push_front` are O(1); the `_n` forms O(n).
 //! No allocation after construction.
 #![forbid(unsafe_code)]
 
@@ -33,6 +41,11 @@ pub struct FreeQueue {
     len: u32,
     head: u32,
     tail: u32,
+    /// `ends[k]`: the sentinel after the last block of level `k` (the last level ends at
+    /// `tail`); empty for a queue without levels. Sentinel slots are `n + 2..`.
+    ends: Vec<u32>,
+    /// Block ids are `0..n`; slots `n..` are sentinels.
+    n: u32,
 }
 
 impl FreeQueue {
@@ -53,7 +66,44 @@ impl FreeQueue {
         }
         next[last as usize] = tail;
         prev[tail as usize] = last;
-        Ok(Self { next, prev, len: n, head, tail })
+        Ok(Self { next, prev, len: n, head, tail, ends: Vec::new(), n })
+    }
+
+    /// A queue holding every block `0..n` in id order (all at level 0), split into
+    /// `levels` (`1..=8`) retention levels (see the module docs).
+    ///
+    /// # Errors
+    /// The link arrays cannot be allocated.
+    pub fn try_new_with_levels(n: u32, levels: u32) -> Result<Self, std::collections::TryReserveError> {
+        assert!((1..=8).contains(&levels), "free queue: {levels} levels (1 to 8 are served)");
+        let mut q = Self::try_new(n)?;
+        let extra = levels as usize - 1;
+        q.next.try_reserve_exact(extra)?;
+        q.prev.try_reserve_exact(extra)?;
+        // Sentinels for the ends of levels 0..levels-1, in order, just before the tail.
+        for k in 0..extra {
+            let s = n + 2 + k as u32;
+            q.next.push(DETACHED);
+            q.prev.push(DETACHED);
+            let last = q.prev[q.tail as usize];
+            q.next[last as usize] = s;
+            q.prev[s as usize] = last;
+            q.next[s as usize] = q.tail;
+            q.prev[q.tail as usize] = s;
+            q.ends.push(s);
+        }
+        q.ends.push(q.tail);
+        Ok(q)
+    }
+
+    /// Number of retention levels (1 for a queue without levels).
+    pub fn levels(&self) -> u32 {
+        self.ends.len().max(1) as u32
+    }
+
+    #[inline]
+    fn is_sentinel(&self, slot: u32) -> bool {
+        slot >= self.n
     }
 
     /// [`Self::try_new`] for sizes known to fit (tests).
@@ -100,10 +150,13 @@ impl FreeQueue {
         self.len += 1;
     }
 
-    /// Removes and returns the front block.
+    /// Removes and returns the front block (of the lowest non-empty level).
     #[inline]
     pub fn pop_front(&mut self) -> Option<BlockId> {
-        let b = self.next[self.head as usize];
+        let mut b = self.next[self.head as usize];
+        while b != self.tail && self.is_sentinel(b) {
+            b = self.next[b as usize];
+        }
         if b == self.tail {
             return None;
         }
@@ -127,6 +180,31 @@ impl FreeQueue {
         self.link_after(last, b);
     }
 
+    /// Appends `b` at the back of retention level `level` (clamped to the last level): it is
+    /// handed out after every block of lower levels and of its own level queued before it.
+    #[inline]
+    pub fn push_back_level(&mut self, b: BlockId, level: u8) {
+        debug_assert!(!self.contains(b));
+        let end = match self.ends.len() {
+            0 => self.tail,
+            k => self.ends[(level as usize).min(k - 1)],
+        };
+        let last = self.prev[end as usize];
+        self.link_after(last, b);
+    }
+
+    /// The first block queued at retention level `level` (`None` when that level is empty
+    /// or the queue has no such level).
+    pub fn first_in_level(&self, level: u8) -> Option<BlockId> {
+        let k = level as usize;
+        if k >= self.ends.len().max(1) {
+            return None;
+        }
+        let start = if k == 0 { self.head } else { self.ends[k - 1] };
+        let b = self.next[start as usize];
+        (b != self.tail && !self.is_sentinel(b)).then_some(b)
+    }
+
     /// Appends `blocks` at the back, in order.
     pub fn push_back_n(&mut self, blocks: &[BlockId]) {
         for &b in blocks {
@@ -148,15 +226,31 @@ impl FreeQueue {
     /// The queued blocks from front to back (tests, invariants).
     pub fn iter(&self) -> impl Iterator<Item = BlockId> + '_ {
         let mut cur = self.next[self.head as usize];
-        std::iter::from_fn(move || {
+        std::iter::from_fn(move || loop {
             if cur == self.tail {
-                None
-            } else {
-                let b = cur;
-                cur = self.next[cur as usize];
-                Some(b)
+                return None;
+            }
+            let b = cur;
+            cur = self.next[cur as usize];
+            if !self.is_sentinel(b) {
+                return Some(b);
             }
         })
+    }
+
+    /// The queued blocks of each level, front to back (tests, invariants).
+    pub fn iter_levels(&self) -> Vec<Vec<BlockId>> {
+        let mut out = vec![Vec::new()];
+        let mut cur = self.next[self.head as usize];
+        while cur != self.tail {
+            if self.is_sentinel(cur) {
+                out.push(Vec::new());
+            } else {
+                out.last_mut().expect("one level at least").push(cur);
+            }
+            cur = self.next[cur as usize];
+        }
+        out
     }
 }
 
@@ -194,6 +288,41 @@ mod tests {
         q.push_back_n(&[2]);
         q.push_front_n(&[0, 1]);
         assert_eq!(q.iter().collect::<Vec<_>>(), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn push_back_level_lower_levels_pop_first() {
+        let mut q = FreeQueue::try_new_with_levels(6, 3).unwrap();
+        for _ in 0..6 {
+            q.pop_front();
+        }
+        assert_eq!(q.pop_front(), None);
+        q.push_back_level(1, 2);
+        q.push_back_level(2, 1);
+        q.push_back_level(3, 2);
+        q.push_back_level(4, 0);
+        q.push_front_n(&[5]);
+        q.push_back_level(0, 9); // clamped to the last level
+        assert_eq!(q.len(), 6);
+        assert_eq!(q.iter().collect::<Vec<_>>(), vec![5, 4, 2, 1, 3, 0]);
+        assert_eq!(q.iter_levels(), vec![vec![5, 4], vec![2], vec![1, 3, 0]]);
+        assert_eq!(q.first_in_level(1), Some(2));
+        assert_eq!(q.first_in_level(2), Some(1));
+        assert_eq!(q.first_in_level(3), None);
+        q.remove(2);
+        assert_eq!(q.pop_front(), Some(5));
+        assert_eq!(q.pop_front(), Some(4));
+        assert_eq!(q.pop_front(), Some(1));
+        assert_eq!(q.len(), 2);
+    }
+
+    #[test]
+    fn push_back_level_without_levels_is_push_back() {
+        let mut q = FreeQueue::new(3);
+        q.remove(1);
+        q.push_back_level(1, 0);
+        assert_eq!(q.iter().collect::<Vec<_>>(), vec![0, 2, 1]);
+        assert_eq!(q.levels(), 1);
     }
 
     #[test]

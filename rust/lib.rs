@@ -10,13 +10,14 @@
 //! ## Architecture
 //! ```text
 //!  Allocator (coordinator.rs)        one per vLLM KVCacheManager
-//!   |- requests: slab of handles     block hashes, pending cache hit
+//!   |- requests: slab of handles     generation, block hashes, pending cache hit, no-op limits
 //!   |- managers[g] (manager/)        one per KV cache group: block tables, num_cached,
 //!   |                                  attention-type rules (full | SWA | chunked | cross |
 //!   |                                  Mamba none/align | circular buffer), zeroing records
 //!   '- BlockPool (block_pool.rs)     shared by all groups
 //!        |- ref_cnt / hash / hash_tokens  struct of arrays, indexed by block id
 //!        |- FreeQueue (free_queue.rs)     index-linked list = free list + LRU order
+//!        |                                  (retention levels under `hit-aware`: policy.rs)
 //!        |- PrefixIndex (prefix_index.rs) (hash, group) -> blocks, duplicates allowed
 //!        '- events                         BlockStored / BlockRemoved / AllBlocksCleared
 //! ```
@@ -24,10 +25,17 @@
 //! ## Invariants (checked by `invariants::check`)
 //! - Block 0 is the null block: never free-queued, hashed or ref-counted.
 //! - A non-null block is in the free queue iff its ref count is 0; its ref count equals the
-//!   table slots holding it.
+//!   table slots holding it plus its loose references (popped by `pop_blocks_for_free`, not
+//!   yet freed by id; only those can be freed by id).
+//! - A handle is `generation << 32 | slot`; a slot's generation changes each time it is
+//!   reused, so a stale or foreign handle is refused.
+//! - Each live request's stored no-op limits equal those its tables imply.
 //! - A block has a hash iff the prefix index maps that hash to it.
 //! - Tables are positional: out-of-window blocks become the null block in place (a Mamba
 //!   "align" table is null except for its last state blocks, with null gaps between them).
+//! - Under the `hit-aware` policy (`policy.rs`): a free cached block sits in the free-queue
+//!   segment of its retention level; the free blocks at the pinned level are counted and
+//!   stay within the pinned share.
 //!
 //! ## Complexity
 //! | operation | cost |
@@ -44,14 +52,21 @@
 //!   reuses output buffers, so it allocates nothing.
 //! - Hashes are stored inline (`[u8; 32]`), keyed with `FxHash`: a lookup hashes 36 bytes.
 //! - The Python boundary is crossed at most once per vLLM call, with ints and flat lists;
-//!   the scheduler's per-request `allocate_slots` is answered without any crossing when
-//!   `Allocator::noop_limits` proves the step changes nothing (measured: about 0.35 us per
+//!   the scheduler's per-request `allocate_slots` is answered by `Allocator::plain_step`
+//!   from the request's stored no-op limits, without running any allocation code, when they
+//!   prove the step changes nothing (measured: about 0.35 us per
 //!   running request per step against about 10 us for vLLM's Python manager, 1024 requests,
 //!   gemma-2 shape; the Rust work itself is 0.1-0.2 us, the rest is CPython's call and the
 //!   `Request` attribute reads).
 //! - The prefix index reserves one key per block at construction (a pool never holds more),
 //!   so inserts never rehash inside a scheduler step (a rehash of ~10^5 keys showed up as a
 //!   millisecond spike on the step where every request filled a block).
+//!
+//! ## The contract at the boundary
+//! Every public operation either succeeds or returns an [`Error`], after checking everything
+//! it is given before its first change (hash syncs are undone when a later check fails), so
+//! a failed call changes nothing. Token sums are computed in 64 bits; caller-supplied block
+//! ids, hits and hashes are validated; a panic means a broken internal invariant (our bug).
 #![deny(unsafe_code)]
 
 pub mod block_pool;
@@ -62,6 +77,7 @@ pub mod free_queue;
 pub mod ids;
 pub mod invariants;
 pub mod manager;
+pub mod policy;
 pub mod prefix_index;
 
 #[cfg(feature = "python")]
@@ -74,3 +90,4 @@ pub use coordinator::{
 };
 pub use error::{Error, Result};
 pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
+pub use policy::Policy;

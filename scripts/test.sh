@@ -1,36 +1,114 @@
 #!/usr/bin/env bash
-# Runs every test: Rust (fmt, clippy, cargo test), the wheel build, the stub check, and pytest
-# with the parity tests against the real vLLM, once for each supported release (each in a cached
-# venv built by scripts/test-env.sh; a run whose vLLM tests would be skipped fails instead).
-# HYBRID_ALLOC_VLLM_RELEASES narrows the releases (default "0.32.0 0.33.0"); extra arguments go to pytest.
-set -euo pipefail
+# Runs every test: Rust (fmt, clippy, cargo test in release and in debug with overflow checks),
+# the wheel build, ruff and mypy over python/hybrid_alloc, the stub check, and pytest with the
+# parity tests against the real vLLM, once for each supported release (each in a cached venv built
+# by scripts/test-env.sh; a run whose vLLM tests would be skipped fails instead).
+#
+# HYBRID_ALLOC_VLLM_RELEASES narrows the releases (default "0.32.0 0.33.0"); extra arguments go to
+# pytest. The property tests bound their own cases in debug builds (tests/model.rs, `cases()`);
+# HYBRID_ALLOC_DEBUG_PROPTEST_CASES, if set, overrides that count in the debug run only (it becomes
+# PROPTEST_CASES there; the release run keeps the tests' own default). Every step runs even if an earlier
+# one failed (except what needs the wheel); the summary at the end gives each step's status and
+# time, and the exit status is 0 only if every step passed.
+#
+# pytest's exit status 5 ("no tests collected") counts as a pass only when arguments select a
+# subset (e.g. `-k engine` on a release that has no engine tests); for the whole suite it fails.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
 RELEASES=${HYBRID_ALLOC_VLLM_RELEASES:-0.32.0 0.33.0}
-step() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
+DEBUG_CASES=${HYBRID_ALLOC_DEBUG_PROPTEST_CASES:-}
+LOGDIR=target/test-logs
+mkdir -p "$LOGDIR"
+T0=$SECONDS
+SUMMARY=()
+FAILED=0
 
-step "cargo fmt --check"
-cargo fmt --all -- --check
-step "cargo clippy"
-cargo clippy --all-targets -- -D warnings
-cargo clippy --features python --lib -- -D warnings
-step "cargo test (core, no Python)"
-cargo test --release
+# run NAME CMD...: runs one step, prints its time, records it for the summary.
+run() {
+  local name=$1 rc start
+  shift
+  start=$SECONDS
+  printf '\n== %s (%s)\n' "$name" "$(date +%T)"
+  "$@"
+  rc=$?
+  record "$name" "$rc" $((SECONDS - start))
+  return "$rc"
+}
+
+record() {
+  local name=$1 rc=$2 secs=$3 status=ok
+  [ "$rc" = 0 ] || { status="FAILED (exit $rc)"; FAILED=1; }
+  printf -- '-- %s: %s in %dm%02ds\n' "$name" "$status" $((secs / 60)) $((secs % 60))
+  SUMMARY+=("$(printf '%-44s %-16s %3dm%02ds' "$name" "$status" $((secs / 60)) $((secs % 60)))")
+}
+
+summary() {
+  printf '\n== summary (total %dm%02ds)\n' $(((SECONDS - T0) / 60)) $(((SECONDS - T0) % 60))
+  printf '%s\n' "${SUMMARY[@]}"
+  if [ "$FAILED" = 0 ]; then echo "ALL PASSED"; else echo "SOME STEPS FAILED"; fi
+}
+
+# The vLLM environments download several GB the first time: build them in the background while
+# the Rust steps run (each release's log in target/test-logs/).
+declare -A ENV_PID
+for release in $RELEASES; do
+  bash scripts/test-env.sh "$release" >"$LOGDIR/test-env-$release.log" 2>&1 &
+  ENV_PID[$release]=$!
+done
+
+run "cargo fmt --check" cargo fmt --all -- --check
+run "cargo clippy (core, tests, benches)" cargo clippy --all-targets -- -D warnings
+run "cargo clippy (python binding)" cargo clippy --features python --lib -- -D warnings
+run "cargo test --release" cargo test --release
+if [ -n "$DEBUG_CASES" ]; then
+  run "cargo test (debug, PROPTEST_CASES=$DEBUG_CASES)" env PROPTEST_CASES="$DEBUG_CASES" cargo test
+else
+  run "cargo test (debug: overflow checks, debug asserts)" cargo test
+fi
+
+pytest_release() {
+  local release=$1 py=$2 rc
+  shift 2
+  HYBRID_ALLOC_REQUIRE_VLLM=$release HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
+    "$py" -m pytest tests/python -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::FutureWarning "$@"
+  rc=$?
+  if [ "$rc" = 5 ] && [ $# -gt 0 ]; then
+    echo "pytest: no test selected by '$*' on vLLM $release (counted as a pass: the arguments chose a subset)"
+    return 0
+  fi
+  return "$rc"
+}
 
 first=1
 for release in $RELEASES; do
-  step "test environment (vLLM $release)"
-  VENV=$(bash scripts/test-env.sh "$release" | tail -n 1)
+  start=$SECONDS
+  printf '\n== test environment (vLLM %s) (%s)\n' "$release" "$(date +%T)"
+  wait "${ENV_PID[$release]}"
+  rc=$?
+  cat "$LOGDIR/test-env-$release.log"
+  record "test environment (vLLM $release)" "$rc" $((SECONDS - start))
+  [ "$rc" = 0 ] || continue
+  VENV=$(tail -n 1 "$LOGDIR/test-env-$release.log")
   PY="$VENV/bin/python"
   if [ $first = 1 ]; then
-    step "wheel build (maturin) and install into target/pysite"
-    SITE=$(bash scripts/install-local.sh "$PY" | tail -n 1)
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-    step "stubs (mypy.stubtest)"
-    (cd /tmp && "$PY" -m mypy.stubtest hybrid_alloc._core)
     first=0
+    start=$SECONDS
+    printf '\n== wheel build (maturin) and install into target/pysite (%s)\n' "$(date +%T)"
+    SITE=$(bash scripts/install-local.sh "$PY" | tail -n 1)
+    rc=$?
+    record "wheel build and install" "$rc" $((SECONDS - start))
+    if [ "$rc" != 0 ]; then
+      summary
+      exit 1
+    fi
+    run "ruff (python/hybrid_alloc)" "$VENV/bin/ruff" check python/hybrid_alloc
+    run "mypy (python/hybrid_alloc)" "$VENV/bin/mypy"
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    run "stubs (mypy.stubtest)" bash -c 'cd /tmp && "$0" -m mypy.stubtest hybrid_alloc._core' "$PY"
   fi
-  step "pytest (vLLM $release)"
-  HYBRID_ALLOC_REQUIRE_VLLM=$release HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
-    "$PY" -m pytest tests/python -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::FutureWarning "$@"
+  run "pytest (vLLM $release)" pytest_release "$release" "$PY" "$@"
 done
+[ $first = 0 ] || { echo "no test environment could be built"; FAILED=1; }
+summary
+exit "$FAILED"

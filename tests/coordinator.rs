@@ -632,3 +632,109 @@ fn allocate_slots_explicit_hit_with_caching_off_errs_unchanged() {
     assert_eq!(state(&a), s);
     ok(&a);
 }
+
+#[test]
+fn free_stale_handle_after_slot_reuse_errs_and_keeps_new_owner() {
+    let mut a = alloc(config(&[full()], 32));
+    let old = add(&mut a, &[1], 16);
+    prefill(&mut a, old, 16);
+    a.free(old).unwrap();
+    let new = add(&mut a, &[2], 16);
+    prefill(&mut a, new, 16);
+    assert_eq!(old & 0xFFFF_FFFF, new & 0xFFFF_FFFF, "the slot is reused");
+    assert_ne!(old, new, "with another generation");
+    let s = state(&a);
+    assert_eq!(a.free(old), Err(Error::UnknownRequest(old)));
+    assert_eq!(state(&a), s);
+    assert_eq!(table(&a, new, 0).len(), 1);
+    let other = alloc(config(&[full()], 32));
+    assert!(!other.is_live(new), "another allocator never knows this handle");
+    ok(&a);
+}
+
+#[test]
+fn set_hashes_rewritten_list_resyncs_from_first_difference() {
+    let mut a = alloc(config(&[full()], 32));
+    let h = a.add_request();
+    let first = chain(&[1, 2, 3, 4], 64);
+    a.set_hashes(h, &first).unwrap();
+    assert_eq!(a.hashes(h).unwrap(), &first[..]);
+    let grown = chain(&[1, 2, 3, 4, 5], 80);
+    a.set_hashes(h, &grown).unwrap();
+    assert_eq!(a.hashes(h).unwrap(), &grown[..], "grown: the tail appended");
+    let rewritten = chain(&[1, 9, 9], 48);
+    a.set_hashes(h, &rewritten).unwrap();
+    assert_eq!(a.hashes(h).unwrap(), &rewritten[..], "rewritten from block 1 and shorter");
+    a.set_hashes(h, &Vec::new()).unwrap();
+    assert_eq!(a.num_hashes(h).unwrap(), 0, "cleared");
+}
+
+#[test]
+fn allocate_slots_error_after_hash_sync_restores_hashes() {
+    let mut a = alloc(config(&[full()], 32));
+    let h = add(&mut a, &[1, 2], 32);
+    let before = a.hashes(h).unwrap().to_vec();
+    let longer = chain(&[1, 2, 3], 48);
+    let bad_hit = vec![vec![31]];
+    let mut x = args(16, 0, 48, 48);
+    x.num_new_computed_tokens = 16;
+    let res = a.allocate_slots_synced(h, &x, NewComputed::Explicit(&bad_hit), Some(&longer));
+    assert!(matches!(res, Err(Error::InvalidBlock(_))), "{res:?}");
+    assert_eq!(a.hashes(h).unwrap(), &before[..]);
+    ok(&a);
+}
+
+#[test]
+fn allocate_slots_stored_hit_reused_since_search_errs_unchanged() {
+    let mut a = alloc(config(&[full()], 4));
+    let r1 = add(&mut a, &[1, 2], 33);
+    prefill(&mut a, r1, 33);
+    a.free(r1).unwrap();
+    let r2 = add(&mut a, &[1, 2], 33);
+    assert_eq!(a.find_longest_cache_hit(r2, 32).unwrap().num_tokens, 32);
+    let thief = add(&mut a, &[7, 8, 9], 48);
+    prefill(&mut a, thief, 48);
+    a.free(thief).unwrap();
+    let s = state(&a);
+    let mut x = args(1, 0, 33, 33);
+    x.num_new_computed_tokens = 32;
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Stored), Err(Error::InvalidBlock(_))));
+    assert_eq!(state(&a), s);
+    ok(&a);
+}
+
+#[test]
+fn free_block_ids_block_held_by_table_errs_popped_block_frees() {
+    let mut a = alloc(config(&[full()], 32));
+    let r = add(&mut a, &[1, 2], 32);
+    prefill(&mut a, r, 32);
+    let held = table(&a, r, 0)[0];
+    let s = state(&a);
+    assert!(matches!(a.free_block_ids(&[held]), Err(Error::InvalidBlock(_))));
+    assert_eq!(state(&a), s);
+    let mut out = Vec::new();
+    a.pop_blocks_for_free(r, &mut out).unwrap();
+    a.free_block_ids(&out).unwrap();
+    assert!(matches!(a.free_block_ids(&out), Err(Error::InvalidBlock(_))), "freed twice");
+    ok(&a);
+}
+
+#[test]
+fn allocate_slots_token_sum_past_u32_errs_and_past_max_model_len_clamps() {
+    let mut a = alloc(config(&[full()], 8));
+    let h = a.add_request();
+    let s = state(&a);
+    let huge = AllocateArgs { num_new_tokens: u32::MAX, num_computed_tokens: 1, ..Default::default() };
+    assert!(matches!(a.allocate_slots(h, &huge, NewComputed::Empty), Err(Error::OutOfRange(_))));
+    let clamped = AllocateArgs { num_new_tokens: u32::MAX, num_tokens: u32::MAX, ..Default::default() };
+    assert_eq!(a.allocate_slots(h, &clamped, NewComputed::Empty), Ok(None), "8192 tokens do not fit 7 blocks");
+    assert_eq!(state(&a), s);
+}
+
+#[test]
+fn new_huge_pool_errs_out_of_memory() {
+    let mut cfg = config(&[full()], hybrid_alloc::config::MAX_NUM_BLOCKS);
+    assert!(matches!(Allocator::new(cfg.clone()), Err(Error::OutOfMemory(_))));
+    cfg.enable_caching = false;
+    assert!(matches!(Allocator::new(cfg), Err(Error::OutOfMemory(_))));
+}

@@ -30,19 +30,32 @@
 //! and compares `find_longest_cache_hit` with a naive search over the cached keys. After
 //! the last operation everything is freed and the pool must be whole again.
 //!
-//! `PROPTEST_CASES` overrides the number of cases of each test (default 256).
+//! Steps without a reserve or delayed caching go, every other time, through the fast path
+//! (`Allocator::plain_step`, with the request's fields and whole hash list): when it answers
+//! "no-op" without running the allocation, the model's prediction (made independently) must
+//! be that nothing changes. Block sizes 8, 16 and 32 are drawn per case.
+//!
+//! `PROPTEST_CASES` overrides the number of cases of each test (default 256; 48 in debug builds).
 
 use std::collections::{HashMap, HashSet};
 
 use hybrid_alloc::invariants;
 use hybrid_alloc::{
-    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Event, GroupId, GroupSpec, NewComputed,
-    ReqHandle, NULL_BLOCK,
+    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Event, GroupId, GroupSpec, HashSource,
+    NewComputed, PlainStep, ReqHandle, StepFields, NULL_BLOCK,
 };
 use proptest::prelude::*;
 
-/// Tokens per block in every shape.
-const BS: u32 = 16;
+thread_local! {
+    /// Tokens per block (every group, and the hash block) of the case running on this thread.
+    static BLOCK_SIZE: std::cell::Cell<u32> = const { std::cell::Cell::new(16) };
+}
+
+/// Tokens per block of the current case (8, 16 or 32).
+#[allow(non_snake_case)]
+fn BS() -> u32 {
+    BLOCK_SIZE.with(|c| c.get())
+}
 /// `max_model_len` of every shape (small, so requests reach it).
 const MAX_MODEL_LEN: u32 = 512;
 
@@ -60,7 +73,7 @@ enum Shape {
 }
 
 fn group(kind: AttentionKind, spec_key: u32) -> GroupSpec {
-    GroupSpec { kind, block_size: BS, spec_key }
+    GroupSpec { kind, block_size: BS(), spec_key }
 }
 
 fn swa(window: u32) -> AttentionKind {
@@ -86,8 +99,8 @@ fn make_config(shape: Shape, caching: bool, events: bool, num_blocks: u32, reten
     Config {
         num_blocks,
         groups,
-        hash_block_size: BS,
-        scheduler_block_size: BS,
+        hash_block_size: BS(),
+        scheduler_block_size: BS(),
         max_model_len: MAX_MODEL_LEN,
         max_in_flight_tokens: 128,
         enable_caching: caching,
@@ -146,7 +159,7 @@ struct Req {
 
 impl Req {
     fn content(&self, j: usize) -> u64 {
-        let full_prompt = (self.num_prompt_tokens / BS) as usize;
+        let full_prompt = (self.num_prompt_tokens / BS()) as usize;
         if j < full_prompt {
             self.prompt[j]
         } else if j < self.prompt.len() {
@@ -159,7 +172,7 @@ impl Req {
     /// Extends `hashes` to every full block; returns the new ones.
     fn extend_hashes(&mut self) -> Vec<u64> {
         let start = self.hashes.len();
-        while self.hashes.len() < (self.num_tokens / BS) as usize {
+        while self.hashes.len() < (self.num_tokens / BS()) as usize {
             let j = self.hashes.len();
             let prev = if j == 0 { 0x5EED } else { self.hashes[j - 1] };
             self.hashes.push(mix(prev, self.content(j)));
@@ -174,6 +187,37 @@ impl Req {
 
 fn hash_bytes(hs: &[u64]) -> Vec<u8> {
     hs.iter().flat_map(|h| BlockHash::from_u64(*h).as_bytes().to_vec()).collect()
+}
+
+/// A request's fields as `plain_step` reads them.
+struct Fields<'a> {
+    args: &'a AllocateArgs,
+    hashes: &'a Vec<BlockHash>,
+}
+
+impl StepFields for Fields<'_> {
+    type Error = hybrid_alloc::Error;
+    fn num_computed_tokens(&self) -> Result<i64, Self::Error> {
+        Ok(self.args.num_computed_tokens as i64)
+    }
+    fn num_in_flight_tokens(&self) -> Result<i64, Self::Error> {
+        Ok(self.args.num_in_flight_tokens as i64)
+    }
+    fn num_tokens(&self) -> Result<i64, Self::Error> {
+        Ok(self.args.num_tokens as i64)
+    }
+    fn num_prompt_tokens(&self) -> Result<i64, Self::Error> {
+        Ok(self.args.num_prompt_tokens as i64)
+    }
+    fn shared_prefix_boundary(&self) -> Result<i64, Self::Error> {
+        Ok(self.args.shared_prefix_boundary as i64)
+    }
+    fn with_block_hashes<T>(
+        &self,
+        f: impl FnOnce(&dyn HashSource) -> Result<T, Self::Error>,
+    ) -> Result<T, Self::Error> {
+        f(self.hashes)
+    }
 }
 
 /// Admission of a waiting request (`get_computed_blocks` + `allocate_slots`).
@@ -305,6 +349,8 @@ struct Stats {
     pops: u32,
     bad: u32,
     resets: u32,
+    /// Steps the fast path answered without running the allocation.
+    noops: u32,
 }
 
 struct Harness {
@@ -435,7 +481,7 @@ impl Harness {
                 let kind = self.kinds[g];
                 let m = &self.a.managers()[g];
                 // Positional table: cdiv(slots, bs) long, null prefix, then real blocks.
-                assert_eq!(t.len() as u32, cdiv(r.max_slots, BS), "table length of {} group {g}: {t:?}", r.h);
+                assert_eq!(t.len() as u32, cdiv(r.max_slots, BS()), "table length of {} group {g}: {t:?}", r.h);
                 let np = r.null_prefix[g] as usize;
                 assert!(np <= t.len(), "null prefix {np} past table {t:?}");
                 assert!(t[..np].iter().all(|&b| b == NULL_BLOCK), "group {g} ({kind:?}): {t:?} null prefix {np}");
@@ -463,7 +509,7 @@ impl Harness {
                                 (r.block_hash(i), g as GroupId),
                                 "block {b} at {i} hashed for another prefix"
                             );
-                            assert_eq!(self.a.pool().block_hash_num_tokens(b), (i as u32 + 1) * BS);
+                            assert_eq!(self.a.pool().block_hash_num_tokens(b), (i as u32 + 1) * BS());
                         }
                     }
                 }
@@ -489,7 +535,7 @@ impl Harness {
         for e in evs {
             match e {
                 Event::Stored { group, hashes, block_indices, block_size, .. } => {
-                    assert_eq!(block_size, BS);
+                    assert_eq!(block_size, BS());
                     assert_eq!(hashes.len(), block_indices.len());
                     for h in hashes {
                         *self.event_keys.entry((h, group)).or_insert(0) += 1;
@@ -518,29 +564,29 @@ impl Harness {
         let nh = r.hashes.len() as u32;
         let full = |max_tokens: u32, g: usize| {
             let mut n = 0;
-            while n < (max_tokens / BS).min(nh) && has(n, g) {
+            while n < (max_tokens / BS()).min(nh) && has(n, g) {
                 n += 1;
             }
-            n * BS
+            n * BS()
         };
         let sliding = |max_tokens: u32, g: usize, window: u32| {
-            let need = cdiv(window - 1, BS);
-            let max_blocks = (max_tokens / BS).min(nh);
+            let need = cdiv(window - 1, BS());
+            let max_blocks = (max_tokens / BS()).min(nh);
             for nb in (0..=max_blocks).rev() {
                 if (nb.saturating_sub(need)..nb).all(|i| has(i, g)) {
-                    return nb * BS;
+                    return nb * BS();
                 }
             }
             unreachable!("nb = 0 always matches")
         };
         let chunked = |max_tokens: u32, g: usize, chunk: u32| {
-            let start = max_tokens / chunk * chunk / BS;
-            let end = (max_tokens / BS).min(nh);
+            let start = max_tokens / chunk * chunk / BS();
+            let end = (max_tokens / BS()).min(nh);
             let mut n = start;
             while n < end && has(n, g) {
                 n += 1;
             }
-            n * BS
+            n * BS()
         };
         let other = |max_tokens: u32, g: usize| match self.kinds[g] {
             AttentionKind::SlidingWindow { window, .. } => sliding(max_tokens, g, window),
@@ -597,7 +643,7 @@ impl Harness {
     ) -> Vec<u32> {
         let mut nps = r.null_prefix.clone();
         for g in 0..self.ng() {
-            let n = (num_skipped_tokens(self.kinds[g], processed) / BS).min(tables[g].len() as u32);
+            let n = (num_skipped_tokens(self.kinds[g], processed) / BS()).min(tables[g].len() as u32);
             if n > nps[g] {
                 let freed: Vec<BlockId> = (nps[g]..n).rev().map(|i| tables[g][i as usize]).collect();
                 self.sim_free(q, rc, hashed, freed);
@@ -641,7 +687,7 @@ impl Harness {
                 }
             })
             .collect();
-        let num_prompt_tokens = (nblocks as u32 * BS).saturating_sub(partial as u32).max(1);
+        let num_prompt_tokens = (nblocks as u32 * BS()).saturating_sub(partial as u32 % BS()).max(1);
         let h = self.a.add_request();
         assert!(self.reqs.iter().all(|r| r.h != h), "handle {h} handed out twice");
         let mut r = Req {
@@ -711,22 +757,22 @@ impl Harness {
         let mut cached = vec![0; self.ng()];
         for g in 0..self.ng() {
             let skipped_tokens = num_skipped_tokens(self.kinds[g], total);
-            let skipped = skipped_tokens / BS;
+            let skipped = skipped_tokens / BS();
             let hit_len = stored[g].len() as i64;
             let kept = stored[g].get(skipped as usize..).unwrap_or(&[]);
             let evictable = kept.iter().filter(|&&b| b != NULL_BLOCK && before.rc[b as usize] == 0).count() as i64;
             // The table after adoption: out-of-window nulls, then the hit blocks still needed.
             let local = (skipped as i64).max(hit_len);
-            let mut full = cdiv(r.num_tokens.min(MAX_MODEL_LEN), BS) as i64;
+            let mut full = cdiv(r.num_tokens.min(MAX_MODEL_LEN), BS()) as i64;
             if let Some(cap) = cfg.max_admission_blocks(&cfg.groups[g]) {
                 full = full.min(cap as i64);
             }
             need_full += (full - local).max(0) + evictable;
-            let required = cdiv(need_slot, BS) as i64;
+            let required = cdiv(need_slot, BS()) as i64;
             need += (required - local).max(0) + evictable;
             // Blocks for the connector's tokens inside the window come first.
             let ext_in_window = if skipped_tokens > 0 { ext.min(total - skipped_tokens) } else { ext };
-            let e = if ext_in_window > 0 { (cdiv(total, BS) as i64 - local).max(0) } else { 0 };
+            let e = if ext_in_window > 0 { (cdiv(total, BS()) as i64 - local).max(0) } else { 0 };
             ext_blocks.push(e as usize);
             per_group.push((required - local - e).max(0) as u32);
             if adopts {
@@ -773,7 +819,7 @@ impl Harness {
             m.null_prefix = nps;
             m.cached = cached;
             if self.caching && !load_async {
-                let full_blocks = m.computed.min(m.num_tokens) / BS;
+                let full_blocks = m.computed.min(m.num_tokens) / BS();
                 m.cached.iter_mut().for_each(|c| *c = (*c).max(full_blocks));
             }
         } else {
@@ -785,12 +831,12 @@ impl Harness {
 
     /// Checks the hit stored by `find_longest_cache_hit`; returns it.
     fn check_stored_hit(&self, r: &Req, hit: u32) -> Vec<Vec<BlockId>> {
-        assert_eq!(hit % BS, 0);
+        assert_eq!(hit % BS(), 0);
         assert!(hit < r.num_tokens);
         let mut out = Vec::new();
         for g in 0..self.ng() {
             let s = self.a.stored_hit(r.h, g).unwrap().to_vec();
-            assert_eq!(s.len() as u32, hit / BS, "stored hit of group {g}: {s:?}");
+            assert_eq!(s.len() as u32, hit / BS(), "stored hit of group {g}: {s:?}");
             for (i, &b) in s.iter().enumerate() {
                 if b != NULL_BLOCK {
                     let key = self.a.pool().block_hash(b).copied();
@@ -842,13 +888,30 @@ impl Harness {
         let processed = r.computed.min(MAX_MODEL_LEN) - in_flight;
         let nps = self.sim_remove_skipped(&r, processed, &mut tables, &mut q, &mut rc, &before.hashed);
         let per_group: Vec<u32> =
-            tables.iter().map(|t| (cdiv(need_slot, BS) as i64 - t.len() as i64).max(0) as u32).collect();
+            tables.iter().map(|t| (cdiv(need_slot, BS()) as i64 - t.len() as i64).max(0) as u32).collect();
         let need: u32 = per_group.iter().sum();
         let fits = need as i64 <= q.len() as i64 - o.reserved as i64;
 
-        let res = self.a.allocate_slots(r.h, &args, NewComputed::Empty).unwrap();
+        let plain = o.reserved == 0 && !o.delay_cache && new > 0 && o.pick % 2 == 0;
+        let mut noop = false;
+        let res = if plain {
+            let hashes: Vec<BlockHash> = r.hashes.iter().map(|&x| BlockHash::from_u64(x)).collect();
+            let fields = Fields { args: &args, hashes: &hashes };
+            match self.a.plain_step(r.h, new as i64, o.lookahead as i64, &fields).unwrap() {
+                PlainStep::NoOp => {
+                    assert_eq!(need, 0, "no-op step of {r:?} that needs {need} blocks");
+                    self.stats.noops += 1;
+                    noop = true;
+                    Some(0)
+                }
+                PlainStep::Allocated(res) => res,
+                PlainStep::NotHere => panic!("live request {} not found by plain_step", r.h),
+            }
+        } else {
+            self.a.allocate_slots(r.h, &args, NewComputed::Empty).unwrap()
+        };
         assert_eq!(res.is_some(), fits, "step of {r:?}: need {need}, free after recycling {}", q.len());
-        if let Some(n) = res {
+        if let Some(n) = res.filter(|_| !noop) {
             self.take_new_blocks(n, &per_group, &mut q, &mut tables);
             self.count_lazy_evictions(&before);
         }
@@ -863,7 +926,7 @@ impl Harness {
             m.computed += new;
             m.max_slots = m.max_slots.max(need_slot);
             if self.caching && !o.delay_cache {
-                let full_blocks = m.computed.min(m.num_tokens) / BS;
+                let full_blocks = m.computed.min(m.num_tokens) / BS();
                 m.cached.iter_mut().for_each(|c| *c = (*c).max(full_blocks));
             }
         }
@@ -931,7 +994,7 @@ impl Harness {
         let after = self.snapshot();
         assert_eq!((after.queue, after.rc), (before.queue, before.rc), "cache_blocks moved blocks");
         if self.caching {
-            let full_blocks = self.reqs[i].computed / BS;
+            let full_blocks = self.reqs[i].computed / BS();
             self.reqs[i].cached.iter_mut().for_each(|c| *c = (*c).max(full_blocks));
         }
     }
@@ -1084,7 +1147,7 @@ impl Harness {
                 Some(h) => {
                     let mut bad = valid_hit.clone();
                     bad[0] = vec![nb + pick as u32 % 3];
-                    let args = AllocateArgs { num_new_computed_tokens: BS, num_tokens: 2 * BS, ..one };
+                    let args = AllocateArgs { num_new_computed_tokens: BS(), num_tokens: 2 * BS(), ..one };
                     self.a.allocate_slots(h, &args, NewComputed::Explicit(&bad)).is_err()
                 }
                 None => return,
@@ -1092,8 +1155,8 @@ impl Harness {
             15 => match untracked {
                 // Holds blocks but cached none yet: adopting would need an empty table.
                 Some(h) => {
-                    let args = AllocateArgs { num_new_computed_tokens: BS, num_tokens: 2 * BS, ..one };
-                    let ext = AllocateArgs { num_external_computed_tokens: BS, num_tokens: 2 * BS, ..one };
+                    let args = AllocateArgs { num_new_computed_tokens: BS(), num_tokens: 2 * BS(), ..one };
+                    let ext = AllocateArgs { num_external_computed_tokens: BS(), num_tokens: 2 * BS(), ..one };
                     self.a.allocate_slots(h, &args, NewComputed::Explicit(&valid_hit)).is_err()
                         && self.a.allocate_slots(h, &ext, NewComputed::Empty).is_err()
                 }
@@ -1101,14 +1164,14 @@ impl Harness {
             },
             16 => match waiting {
                 Some(h) if !self.caching => {
-                    let args = AllocateArgs { num_new_computed_tokens: BS, num_tokens: 2 * BS, ..one };
+                    let args = AllocateArgs { num_new_computed_tokens: BS(), num_tokens: 2 * BS(), ..one };
                     self.a.allocate_slots(h, &args, NewComputed::Explicit(&valid_hit)).is_err()
                 }
                 _ => return,
             },
             _ => match tracked {
                 Some(h) => {
-                    let args = AllocateArgs { num_new_computed_tokens: BS, num_tokens: 2 * BS, ..one };
+                    let args = AllocateArgs { num_new_computed_tokens: BS(), num_tokens: 2 * BS(), ..one };
                     self.a.allocate_slots(h, &args, NewComputed::Explicit(&valid_hit)).is_err()
                 }
                 None => return,
@@ -1175,6 +1238,19 @@ impl Harness {
 }
 
 fn run_case(shape: Shape, caching: bool, events: bool, num_blocks: u32, retention: u8, ops: &[Op]) -> Stats {
+    run_case_bs(16, shape, caching, events, num_blocks, retention, ops)
+}
+
+fn run_case_bs(
+    bs: u32,
+    shape: Shape,
+    caching: bool,
+    events: bool,
+    num_blocks: u32,
+    retention: u8,
+    ops: &[Op],
+) -> Stats {
+    BLOCK_SIZE.with(|c| c.set(bs));
     let mut h = Harness::new(make_config(shape, caching, events, num_blocks, retention));
     for op in ops {
         h.apply(op);
@@ -1187,8 +1263,14 @@ fn run_case(shape: Shape, caching: bool, events: bool, num_blocks: u32, retentio
 /// decides how many contiguous blocks a hit needs.
 const WINDOWS: [u32; 3] = [32, 48, 33];
 
+/// Block sizes of the random cases (all groups and the hash block share one).
+const BLOCK_SIZES: [u32; 3] = [8, 16, 32];
+
+/// Cases per property test: `PROPTEST_CASES`, else 256 in release builds and 48 in debug
+/// builds (overflow checks and debug asserts on, about 20 times slower).
 fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(256)
+    let default = if cfg!(debug_assertions) { 48 } else { 256 };
+    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
 }
 
 fn ops() -> impl Strategy<Value = Vec<Op>> {
@@ -1200,32 +1282,35 @@ proptest! {
 
     #[test]
     fn ops_full_attention_invariants_hold(
-        caching in prop::bool::weighted(0.8), events: bool, nb in 20u32..80, ret: u8, ops in ops()
+        bs in prop::sample::select(&BLOCK_SIZES[..]), caching in prop::bool::weighted(0.8), events: bool,
+        nb in 20u32..80, ret: u8, ops in ops()
     ) {
-        run_case(Shape::Full, caching, events, nb, ret, &ops);
+        run_case_bs(bs, Shape::Full, caching, events, nb, ret, &ops);
     }
 
     #[test]
     fn ops_full_and_sliding_window_invariants_hold(
-        window in prop::sample::select(&WINDOWS[..]), caching in prop::bool::weighted(0.8), events: bool,
-        nb in 20u32..80, ret: u8, ops in ops()
+        bs in prop::sample::select(&BLOCK_SIZES[..]), window in prop::sample::select(&WINDOWS[..]),
+        caching in prop::bool::weighted(0.8), events: bool, nb in 20u32..80, ret: u8, ops in ops()
     ) {
-        run_case(Shape::FullSwa(window), caching, events, nb, ret, &ops);
+        run_case_bs(bs, Shape::FullSwa(window), caching, events, nb, ret, &ops);
     }
 
     #[test]
     fn ops_sliding_window_only_invariants_hold(
-        window in prop::sample::select(&WINDOWS[..]), caching in prop::bool::weighted(0.8), events: bool,
-        nb in 20u32..80, ret: u8, ops in ops()
+        bs in prop::sample::select(&BLOCK_SIZES[..]), window in prop::sample::select(&WINDOWS[..]),
+        caching in prop::bool::weighted(0.8), events: bool, nb in 20u32..80, ret: u8, ops in ops()
     ) {
-        run_case(Shape::Swa(window), caching, events, nb, ret, &ops);
+        run_case_bs(bs, Shape::Swa(window), caching, events, nb, ret, &ops);
     }
 
     #[test]
     fn ops_chunked_local_invariants_hold(
-        with_full: bool, caching in prop::bool::weighted(0.8), events: bool, nb in 20u32..80, ret: u8, ops in ops()
+        bs in prop::sample::select(&BLOCK_SIZES[..]), with_full: bool, caching in prop::bool::weighted(0.8),
+        events: bool, nb in 20u32..80, ret: u8, ops in ops()
     ) {
-        run_case(if with_full { Shape::FullChunked64 } else { Shape::Chunked64 }, caching, events, nb, ret, &ops);
+        let shape = if with_full { Shape::FullChunked64 } else { Shape::Chunked64 };
+        run_case_bs(bs, shape, caching, events, nb, ret, &ops);
     }
 }
 
@@ -1340,6 +1425,7 @@ fn ops_generator_reaches_pressure_hits_and_recycling() {
             total.pops += s.pops;
             total.bad += s.bad;
             total.resets += s.resets;
+            total.noops += s.noops;
         }
         eprintln!("{shape:?}: {total:?}");
         let recycles = !matches!(shape, Shape::Full);
@@ -1348,5 +1434,6 @@ fn ops_generator_reaches_pressure_hits_and_recycling() {
         assert!(total.refused > 0 && total.refused + total.steps_refused > 0, "{shape:?}: {total:?}");
         assert!(total.lazy_evictions > 0 && total.pops > 0 && total.bad > 0, "{shape:?}: {total:?}");
         assert!(total.recycled > 0 || !recycles, "{shape:?}: {total:?}");
+        assert!(total.noops > 0, "{shape:?}: {total:?}");
     }
 }

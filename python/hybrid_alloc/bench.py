@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 DEFAULT_MODELS = ("gemma-2-27b", "llama-3.1-8b")
-INSTALL_HINT = "vLLM is not installed: pip install vllm==0.32.0 (GPU) or run `bash scripts/bench.sh` (CPU build)"
+INSTALL_HINT = "vLLM is not installed: pip install 'vllm>=0.32,<0.34' (0.32.0 or 0.33.0), or run `bash scripts/bench.sh` (vLLM 0.32.0's CPU build)"
 
 # Methods of KVCacheManager (and what the scheduler reaches through it) that are timed.
 _TIMED = (
@@ -366,7 +366,11 @@ def report(results: list[RunResult], args: argparse.Namespace) -> None:
     rows = [r.summary() for r in results]
     _ratios(rows)
     os.makedirs(args.out_dir, exist_ok=True)
+    from hybrid_alloc.vllm.plugin import vllm_release
+
+    release = vllm_release()
     meta = {
+        "vllm_release": release,
         "assumptions": {
             "gpu_memory_gib": args.gpu_memory_gib, "gpu_memory_utilization": args.gpu_memory_utilization,
             "reserve_gib": args.reserve_gib, "weights": "bf16 parameters of the model shape",
@@ -395,17 +399,21 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         ("step_us_median", "step us p50", "{:.0f}"), ("step_us_p99", "step us p99", "{:.0f}"),
         ("kv_speedup_vs_vllm", "KV x vs vLLM", "{:.1f}"), ("step_speedup_vs_vllm", "step x vs vLLM", "{:.2f}"),
     ]
+    from hybrid_alloc.vllm.plugin import vllm_release
+
+    title = f"hybrid-alloc bench (vLLM {vllm_release()} scheduler, fabricated outputs)"
     try:
         from rich.console import Console
         from rich.table import Table
 
-        t = Table(title="hybrid-alloc bench (vLLM 0.32.0 scheduler, fabricated outputs)")
+        t = Table(title=title)
         for _, head, _ in cols:
             t.add_column(head, justify="right")
         for r in rows:
             t.add_row(*[fmt.format(r[k]) if k in r else "" for k, _, fmt in cols])
         Console(width=200).print(t)
     except ImportError:
+        print(title)
         print(" | ".join(h for _, h, _ in cols))
         for r in rows:
             print(" | ".join(fmt.format(r[k]) if k in r else "" for k, _, fmt in cols))

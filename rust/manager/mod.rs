@@ -23,6 +23,7 @@ pub mod sliding_window;
 use crate::block_pool::BlockPool;
 use crate::config::{AttentionKind, GroupSpec};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
+use crate::policy::{Level, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_SPECULATIVE};
 
 /// Marker for "no `num_cached_block` entry" (vLLM: request id absent from the dict).
 const ABSENT: u32 = u32::MAX;
@@ -706,6 +707,9 @@ impl SingleTypeManager {
             ),
             _ => None,
         };
+        // Hit-aware (a leveled pool): cache every block; those the mask skips go to the
+        // speculative level (see `crate::policy`).
+        let dense = pool.is_leveled() && mask.is_some();
         pool.cache_full_blocks(
             req,
             &self.req_blocks[h as usize],
@@ -713,9 +717,23 @@ impl SingleTypeManager {
             num_full,
             bs,
             self.group_id,
-            mask.as_deref(),
+            if dense { None } else { mask.as_deref() },
             |i| view.get(i),
         );
+        if dense {
+            let table = &self.req_blocks[h as usize];
+            let need = self.hit_tail_blocks().unwrap_or(0) as u64;
+            let align = self.cache_hit_alignment_tokens.max(1);
+            // Block index where each boundary's retained tail ends.
+            let ends: Vec<u64> = reachable_boundaries.iter().map(|&b| (b / align * align / bs) as u64).collect();
+            for (k, keep) in mask.iter().flatten().enumerate() {
+                if !keep {
+                    let i = num_cached as u64 + k as u64;
+                    let near = ends.iter().any(|&e| i + need < e && i + 2 * need >= e);
+                    pool.set_level(table[i as usize], if near { LEVEL_NEAR } else { LEVEL_SPECULATIVE });
+                }
+            }
+        }
         self.num_cached[h as usize] = num_full;
     }
 
@@ -764,6 +782,63 @@ impl SingleTypeManager {
         let table = &mut self.req_blocks[h as usize];
         out.extend_from_slice(table);
         table.clear();
+        self.num_cached[h as usize] = ABSENT;
+        self.null_prefix[h as usize] = 0;
+        self.clear_align_state(h);
+    }
+
+    /// Contiguous cached blocks a hit in this group needs at its end (`None`: the group
+    /// needs the whole prefix, or never hits).
+    pub fn hit_tail_blocks(&self) -> Option<u32> {
+        match self.spec.kind {
+            AttentionKind::SlidingWindow { window, .. } => {
+                Some(sliding_window::contiguous_blocks_for_hit(window, self.spec.block_size))
+            }
+            _ => None,
+        }
+    }
+
+    /// Hit-aware: raises the retention level of the window tail ending at `h`'s last cached
+    /// block (where a request re-sending this sequence resumes) to at least `lvl`, and of
+    /// every other cached block of the table to at least `floor`.
+    pub fn promote_for_free(&self, pool: &mut BlockPool, h: Slot, lvl: Level, floor: Level) {
+        let table = &self.req_blocks[h as usize];
+        let end = (self.num_cached(h) as usize).min(table.len());
+        let tail = self.hit_tail_blocks().map_or(end, |n| n as usize);
+        for (i, &b) in table[..end].iter().enumerate() {
+            if b == NULL_BLOCK || pool.block_hash(b).is_none() {
+                continue;
+            }
+            let want = if i + tail >= end { lvl } else { floor };
+            if pool.level(b) < want {
+                pool.set_level(b, want);
+            }
+        }
+    }
+
+    /// Hit-aware: the blocks of a hit just adopted keep at least [`LEVEL_NORMAL`].
+    pub fn promote_hit(&self, pool: &mut BlockPool, h: Slot) {
+        for &b in &self.req_blocks[h as usize] {
+            if b != NULL_BLOCK && pool.level(b) < LEVEL_NORMAL {
+                pool.set_level(b, LEVEL_NORMAL);
+            }
+        }
+    }
+
+    /// Appends `(position, group, block)` for every non-null block of `h`'s table
+    /// (hit-aware free order).
+    pub fn positioned_blocks(&self, h: Slot, out: &mut Vec<(u64, GroupId, BlockId)>) {
+        let bs = self.spec.block_size as u64;
+        for (i, &b) in self.req_blocks[h as usize].iter().enumerate() {
+            if b != NULL_BLOCK {
+                out.push((i as u64 * bs, self.group_id, b));
+            }
+        }
+    }
+
+    /// Forgets `h`'s table without freeing its blocks (the caller frees them).
+    pub fn forget(&mut self, h: Slot) {
+        self.req_blocks[h as usize].clear();
         self.num_cached[h as usize] = ABSENT;
         self.null_prefix[h as usize] = 0;
         self.clear_align_state(h);

@@ -189,7 +189,7 @@ impl PyAllocator {
     #[new]
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size, max_model_len,
         max_in_flight_tokens=None, enable_caching=true, enable_events=false, watermark_blocks=0,
-        retention_interval=Some(0), zero_new_blocks=false))]
+        retention_interval=Some(0), policy="exact", zero_new_blocks=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -202,8 +202,10 @@ impl PyAllocator {
         enable_events: bool,
         watermark_blocks: i64,
         retention_interval: Option<i64>,
+        policy: &str,
         zero_new_blocks: bool,
     ) -> PyResult<Self> {
+        let policy = crate::policy::Policy::parse(policy)?;
         let mut gs = Vec::with_capacity(groups.len());
         for (kind, bs, key, p1, p2) in groups {
             gs.push(GroupSpec {
@@ -225,7 +227,7 @@ impl PyAllocator {
             retention_interval: retention_interval.map(|r| u32_arg("retention_interval", r)).transpose()?,
             zero_new_blocks,
         };
-        Ok(Self { inner: Mutex::new(Allocator::new(cfg)?) })
+        Ok(Self { inner: Mutex::new(Allocator::with_policy(cfg, policy)?) })
     }
 
     /// Registers a request; returns its handle (an int, unique in the process).
@@ -434,9 +436,36 @@ impl PyAllocator {
         Ok(())
     }
 
-    /// Frees every block of the request, tail first, and releases its handle.
-    fn free(&self, handle: i64) -> PyResult<()> {
-        Ok(self.core()?.free(handle_arg(handle)?)?)
+    /// Frees every block of the request, tail first, and releases its handle. `retain`
+    /// (hit-aware only; ignored under exact): keep what the request leaves cached at the
+    /// pinned retention level (evicted last, within the pinned share of the pool).
+    #[pyo3(signature = (handle, *, retain=false))]
+    fn free(&self, handle: i64, retain: bool) -> PyResult<()> {
+        let level = if retain { crate::policy::LEVEL_PINNED } else { crate::policy::LEVEL_NORMAL };
+        Ok(self.core()?.free_with_level(handle_arg(handle)?, level)?)
+    }
+
+    /// Pins a prefix given by its block hashes (`bytes`, at hash block size) under the
+    /// hit-aware policy: what a hit on the whole prefix needs is evicted after every other
+    /// cached block, within the pinned share. Returns the blocks pinned in all.
+    fn pin_prefix(&self, block_hashes: &Bound<'_, PyList>) -> PyResult<u32> {
+        let src = PyHashes(block_hashes);
+        let mut hashes = Vec::with_capacity(src.len());
+        for i in 0..src.len() {
+            hashes.push(src.get(i)?);
+        }
+        Ok(self.core()?.pin_prefix(&hashes)?)
+    }
+
+    /// Sets the pinned share of the pool (0.0 to 1.0; default 0.25).
+    fn set_pinned_share(&self, share: f64) -> PyResult<()> {
+        Ok(self.core()?.set_pinned_share(share)?)
+    }
+
+    /// The retention policy: "exact" or "hit-aware".
+    #[getter]
+    fn policy(&self) -> PyResult<&'static str> {
+        Ok(self.core()?.policy().name())
     }
 
     /// Releases the handle and returns its blocks (groups concatenated) without freeing.

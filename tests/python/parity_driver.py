@@ -13,7 +13,7 @@ from typing import Any
 
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_harness import Setup
+from vllm_harness import HAVE_MAX_CACHE_HIT_LENGTH, Setup
 
 
 class Mismatch(AssertionError):
@@ -33,7 +33,17 @@ class ParityRun:
         self.next_id = 0
         r = self.rng
         self.prefixes = [[r.randrange(1, 5000) for _ in range(r.randrange(16, 400))] for _ in range(5)]
-        self.stats = {"hits": 0, "hit_tokens": 0, "preempt": 0, "finish": 0, "none": 0, "reset_ok": 0}
+        self.stats = {
+            "hits": 0,
+            "hit_tokens": 0,
+            "preempt": 0,
+            "finish": 0,
+            "none": 0,
+            "reset_ok": 0,
+            "popped": 0,
+            "bounded_lookups": 0,
+            "lookahead_events": 0,
+        }
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -54,7 +64,9 @@ class ParityRun:
         self.ops += 1
         self.eq("free blocks", self.ref.block_pool.get_num_free_blocks(), self.ours.block_pool.get_num_free_blocks())
         self.eq("usage", self.ref.usage, self.ours.usage)
-        self.eq("events", self.ref.take_events(), self.ours.take_events())
+        events = self.ref.take_events()
+        self.eq("events", events, self.ours.take_events())
+        self.stats["lookahead_events"] += sum(1 for e in events if getattr(e, "lookahead_token_ids", None))
         if self.ops % self.full_check_every == 0:
             self.full_check()
 
@@ -88,8 +100,13 @@ class ParityRun:
         req = self.waiting[0]
         hit_ref, n_ref, hit_ours, n_ours = self.ref.empty_kv_cache_blocks, 0, self.ours.empty_kv_cache_blocks, 0
         if req.num_computed_tokens == 0:
-            hit_ref, n_ref, sb_ref = self.ref.get_computed_blocks(req)
-            hit_ours, n_ours, sb_ours = self.ours.get_computed_blocks(req)
+            # vLLM 0.33: the hit may be bounded below num_tokens - 1 (aux outputs' bound).
+            bound: tuple[int, ...] = ()
+            if HAVE_MAX_CACHE_HIT_LENGTH and r.random() < 0.2:
+                bound = (r.randrange(0, req.num_tokens),)
+                self.stats["bounded_lookups"] += 1
+            hit_ref, n_ref, sb_ref = self.ref.get_computed_blocks(req, *bound)
+            hit_ours, n_ours, sb_ours = self.ours.get_computed_blocks(req, *bound)
             self.eq("hit tokens", n_ref, n_ours)
             self.eq("hit blocks", self.ids(hit_ref), self.ids(hit_ours))
             self.eq("shared prefix boundary", sb_ref, sb_ours)
@@ -179,7 +196,17 @@ class ParityRun:
         else:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED_ABORTED
-        for _ in range(2):  # the second free is a double free: a no-op in both
+        if r.random() < 0.3:
+            # The scheduler's deferred free: pop the blocks now, free them tail first later
+            # (here at once). 0.33 returns them without each group's leading nulls.
+            a = self.ref.pop_blocks_for_free(req)
+            b = self.ours.pop_blocks_for_free(req)
+            self.eq("pop_blocks_for_free", [x.block_id for x in a], [x.block_id for x in b])
+            self.ref.block_pool.free_blocks(reversed(a))
+            self.ours.block_pool.free_blocks(reversed(b))
+            self.stats["popped"] += 1
+            self.after_op()
+        for _ in range(2):  # a free after a pop, or a second free, is a no-op in both
             self.ref.free(req)
             self.ours.free(req)
             self.after_op()

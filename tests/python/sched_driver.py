@@ -1,15 +1,87 @@
-"""Drives vLLM 0.32.0's real Scheduler (sync or async) through a seeded synthetic workload
-and records, per step, a digest of the SchedulerOutput and the KV cache events, so two runs
-(vLLM's manager and ours) can be compared step by step."""
+"""Drives the installed vLLM's (0.32.0 or 0.33.0) real Scheduler (sync or async) through a
+seeded synthetic workload and records, per step, a digest of the SchedulerOutput and the KV
+cache events, so two runs (vLLM's manager and ours) can be compared step by step."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import random
+import tempfile
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
+from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
-from hybrid_alloc.vllm.offline import SchedulerSetup, fabricate_output, make_request
+from hybrid_alloc.vllm.offline import (
+    SchedulerSetup,
+    fabricate_output,
+    fake_token,
+    make_request,
+    stub_model_dir,
+)
+
+
+_EAGLE_DRAFT_DIR: str | None = None
+
+
+def eagle_draft_dir() -> str:
+    """A folder holding only an EAGLE draft's ``config.json`` (the scheduler reads nothing
+    else from it)."""
+    global _EAGLE_DRAFT_DIR
+    if _EAGLE_DRAFT_DIR is None:
+        d = tempfile.mkdtemp(prefix="hybrid_alloc_eagle_stub_")
+        cfg = {
+            "architectures": ["EagleLlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+            "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 32000,
+            "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+        }
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        _EAGLE_DRAFT_DIR = d
+    return _EAGLE_DRAFT_DIR
+
+
+@dataclass
+class SpecSchedulerSetup(SchedulerSetup):
+    """A ``SchedulerSetup`` with speculative decoding (``num_spec_tokens`` drafts a step).
+
+    ``method="ngram"``: vLLM's ``"ngram"`` in sync scheduling, ``"ngram_gpu"`` (the n-gram
+    method vLLM allows with async scheduling) in async; the scheduler and the KV cache
+    manager see the same from both (drafts, no draft model, no lookahead).
+    ``method="eagle"``: an EAGLE drafter (a stub draft config); with prefix caching, vLLM
+    0.33 hashes blocks with one lookahead token instead of dropping the last block."""
+
+    num_spec_tokens: int = 3
+    method: str = "ngram"
+
+    def vllm_config(self) -> VllmConfig:
+        mml = self.shape.max_model_len
+        # The target model as SchedulerSetup builds it (the drafter checks against it).
+        target = ModelConfig(
+            model=stub_model_dir(mml), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=mml
+        )
+        pc = ParallelConfig()
+        if self.method == "eagle":
+            method: dict[str, Any] = dict(method="eagle", model=eagle_draft_dir())
+        else:
+            method = dict(method="ngram_gpu" if self.async_scheduling else "ngram", prompt_lookup_max=3,
+                          prompt_lookup_min=2)
+        spec = SpeculativeConfig(
+            **method,
+            num_speculative_tokens=self.num_spec_tokens,
+            target_model_config=target,
+            target_parallel_config=pc,
+        )
+        extra = {**self.extra, "speculative_config": spec, "parallel_config": pc}
+        return SchedulerSetup.vllm_config(dataclasses.replace(self, extra=extra))
 
 
 def digest(so: Any) -> dict[str, Any]:
@@ -27,10 +99,69 @@ def digest(so: Any) -> dict[str, Any]:
     }
 
 
-def run_workload(setup: SchedulerSetup, seed: int, num_requests: int, max_steps: int = 5000, max_tokens_hi: int = 400) -> dict[str, Any]:
-    """Returns the per-step digests, events and counters of one run."""
+def _accepted(req_id: str, position: int, num_drafts: int) -> int:
+    """How many of ``num_drafts`` draft tokens the fabricated verifier accepts (the same in
+    both runs of a comparison)."""
+    return (hash((req_id, position, "accept")) & 0x7FFFFFFF) % (num_drafts + 1)
+
+
+def fabricate_spec_output(sched: Any, so: Any) -> ModelRunnerOutput:
+    """The model output of a step with speculative decoding: for each request whose prompt is
+    done, one sampled token plus the accepted share of its scheduled drafts."""
+    out = fabricate_output(sched, so)
+    spec = so.scheduled_spec_decode_tokens
+    for rid, i in out.req_id_to_index.items():
+        sampled = out.sampled_token_ids[i]
+        drafts = spec.get(rid)
+        if sampled and drafts:
+            req = sched.requests[rid]
+            n = _accepted(rid, req.num_tokens, len(drafts))
+            sampled.extend(fake_token(rid, req.num_tokens + 1 + j) for j in range(n))
+    return out
+
+
+def fabricate_drafts(sched: Any, so: Any, k: int) -> DraftTokenIds:
+    """The n-gram proposer's drafts after a sync step: 0..k tokens for each scheduled
+    request still running."""
+    ids: list[str] = []
+    drafts: list[list[int]] = []
+    for rid in so.num_scheduled_tokens:
+        req = sched.requests.get(rid)
+        if req is None or req.is_finished():
+            continue
+        n = (hash((rid, req.num_tokens, "draft")) & 0x7FFFFFFF) % (k + 1)
+        ids.append(rid)
+        drafts.append([fake_token(rid, req.num_tokens + 100 + j) for j in range(n)])
+    return DraftTokenIds(ids, drafts)
+
+
+def run_workload(
+    setup: SchedulerSetup,
+    seed: int,
+    num_requests: int,
+    max_steps: int = 5000,
+    max_tokens_hi: int = 400,
+    batch_queue: int = 1,
+) -> dict[str, Any]:
+    """Returns the per-step digests, events and counters of one run.
+
+    ``batch_queue`` > 1 overlaps steps as vLLM's engine core does with async scheduling
+    (``step_with_batch_queue``): the next step is scheduled before the previous step's
+    output is processed, so outputs arrive with tokens still in flight. Each step's model
+    output is made when it is scheduled. With speculative decoding (``SpecSchedulerSetup``)
+    outputs carry accepted drafts, and in sync scheduling the proposer's drafts are handed
+    to the scheduler after each step (``update_draft_token_ids``), as the engine core does."""
+    spec_k = getattr(setup, "num_spec_tokens", 0)
+    assert batch_queue == 1 or setup.async_scheduling
     rng = random.Random(seed)
     sched = setup.build()
+    lookahead = getattr(sched, "num_hash_lookahead_tokens", 0)
+    if lookahead:
+        # The engine core hashes requests with the lookahead (vLLM 0.33).
+        vc = sched.vllm_config
+        sched._hybrid_alloc_block_hasher = get_request_block_hasher(  # type: ignore[attr-defined]
+            sched.hash_block_size, get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo), lookahead
+        )
     events: list[Any] = []
     mgr = sched.kv_cache_manager
     orig_take = mgr.take_events
@@ -50,6 +181,17 @@ def run_workload(setup: SchedulerSetup, seed: int, num_requests: int, max_steps:
         orig_record(request, num_hits)
 
     mgr.record_prefix_cache_stats = record_prefix_cache_stats  # type: ignore[method-assign]
+    # cache_blocks calls from the scheduler (update_from_output with speculative decoding or
+    # async scheduling), and those made while a later step's tokens were still in flight.
+    cache_calls = {"cache_blocks": 0, "cache_blocks_in_flight": 0}
+    orig_cache_blocks = mgr.cache_blocks
+
+    def cache_blocks(request: Any, num_computed_tokens: int) -> None:
+        cache_calls["cache_blocks"] += 1
+        cache_calls["cache_blocks_in_flight"] += request.num_in_flight_tokens > 0
+        orig_cache_blocks(request, num_computed_tokens)
+
+    mgr.cache_blocks = cache_blocks  # type: ignore[method-assign]
     mml = setup.shape.max_model_len
     prefixes = [[rng.randrange(1, 30000) for _ in range(rng.randrange(100, 600))] for _ in range(4)]
     pending = []
@@ -63,6 +205,8 @@ def run_workload(setup: SchedulerSetup, seed: int, num_requests: int, max_steps:
     usage: list[float] = []
     preemptions = 0
     aborted: list[str] = []
+    counters = {"drafts": 0, "accepted": 0, "overlapped": 0}
+    in_flight: deque[tuple[Any, Any]] = deque()
     step = 0
     while (pending or sched.get_num_unfinished_requests()) and step < max_steps:
         while pending and pending[0][0] <= step:
@@ -74,13 +218,34 @@ def run_workload(setup: SchedulerSetup, seed: int, num_requests: int, max_steps:
             aborted.append(victim)
         so = sched.schedule()
         d = digest(so)
+        d["spec"] = {r: len(t) for r, t in so.scheduled_spec_decode_tokens.items()}
         preemptions += len(d["preempted"])
         steps.append(d)
-        out = fabricate_output(sched, so)
-        sched.update_from_output(so, out)
-        usage.append(sched.kv_cache_manager.usage)
+        out = fabricate_spec_output(sched, so) if spec_k else fabricate_output(sched, so)
+        for rid, t in so.scheduled_spec_decode_tokens.items():
+            counters["drafts"] += len(t)
+            i = out.req_id_to_index[rid]
+            counters["accepted"] += max(len(out.sampled_token_ids[i]) - 1, 0)
+        in_flight.appendleft((so, out))
         step += 1
+        executed = so.total_num_scheduled_tokens > 0
+        if len(in_flight) < batch_queue and (executed or sched.has_requests()):
+            continue
+        if len(in_flight) > 1:
+            counters["overlapped"] += 1
+        done_so, done_out = in_flight.pop()
+        sched.update_from_output(done_so, done_out)
+        if spec_k and not setup.async_scheduling:
+            sched.update_draft_token_ids(fabricate_drafts(sched, done_so, spec_k))
+        usage.append(sched.kv_cache_manager.usage)
+    while in_flight:  # outputs of steps that scheduled nothing
+        done_so, done_out = in_flight.pop()
+        sched.update_from_output(done_so, done_out)
+        usage.append(sched.kv_cache_manager.usage)
     return {
+        **counters,
+        **cache_calls,
+        "lookahead": lookahead,
         "steps": steps,
         "events": events,
         "usage": usage,

@@ -1,7 +1,9 @@
-"""Differential tests: vLLM 0.32.0's own KVCacheManager against ours, on seeded random
-request traces (shared prefixes, chunked prefill, decode, preemption and re-admission,
-aborts and double frees, eviction under memory pressure, prefix-cache resets, explicit
-cache_blocks / remove_skipped_blocks). Every call's output must be identical.
+"""Differential tests: the installed vLLM's (0.32.0 or 0.33.0) own KVCacheManager against
+ours, on seeded random request traces (shared prefixes, chunked prefill, decode, preemption
+and re-admission, aborts, double frees and deferred frees through pop_blocks_for_free,
+eviction under memory pressure, prefix-cache resets, explicit cache_blocks /
+remove_skipped_blocks; on 0.33 also bounded hits and lookahead block hashes). Every call's
+output must be identical.
 
 ``HYBRID_ALLOC_PARITY_OPS`` sets the operations per configuration (default 100000)."""
 
@@ -34,8 +36,13 @@ def test_parity_random_trace(name: str) -> None:
     from parity_driver import ParityRun
     from vllm_harness import SETUPS
 
+    from vllm_harness import HAVE_MAX_CACHE_HIT_LENGTH
+
     setup = next(s for s in SETUPS if s.name == name)
-    total = {"hits": 0, "preempt": 0, "finish": 0, "none": 0, "reset_ok": 0}
+    if not setup.available:
+        pytest.skip(f"{name} is served natively only on vLLM 0.33 (lookahead hashes / no drop for flagged groups)")
+    total = {"hits": 0, "preempt": 0, "finish": 0, "none": 0, "reset_ok": 0, "popped": 0, "bounded_lookups": 0,
+             "lookahead_events": 0}
     seeds = [1000 + i for i in range(4)]
     for seed in seeds:
         stats = ParityRun(setup, seed).run(NUM_OPS // len(seeds))
@@ -45,8 +52,13 @@ def test_parity_random_trace(name: str) -> None:
     assert total["finish"] > 0
     assert total["reset_ok"] > 0, f"{name}: no successful prefix-cache reset happened"
     assert total["preempt"] > 0, f"{name}: no preemption happened; the pool is too large"
+    assert total["popped"] > 0
     if setup.enable_caching:
         assert total["hits"] > 0, f"{name}: no prefix-cache hit happened"
+        if HAVE_MAX_CACHE_HIT_LENGTH:
+            assert total["bounded_lookups"] > 0
+        if setup.lookahead:
+            assert total["lookahead_events"] > 0, f"{name}: no BlockStored event with lookahead tokens"
 
 
 def test_two_native_managers_on_the_same_requests_stay_apart() -> None:
@@ -79,3 +91,60 @@ def test_two_native_managers_on_the_same_requests_stay_apart() -> None:
                 assert len(got_b.get_block_ids()[0]) == (r.num_computed_tokens + 1 + 15) // 16
             r.num_computed_tokens += 1
             r.append_output_token_ids(5)
+
+
+def _scheduler_manager_flags(method: str) -> dict[str, int | bool]:
+    """What the installed vLLM's ``Scheduler`` passes its KV cache manager for a speculative
+    method (``use_eagle``, ``num_hash_lookahead_tokens``, ``num_prefill_lookahead``), computed
+    by vLLM's own ``SpeculativeConfig`` and ``VllmConfig`` code on stand-in objects (building
+    a real drafter config needs the draft model's files)."""
+    import types
+
+    from vllm.config import SpeculativeConfig, VllmConfig
+
+    spec = types.SimpleNamespace(
+        method=method, disable_eagle_block_drop=False, disable_lookahead_block_hashes=False,
+        draft_model_config=None, num_speculative_tokens=3,
+    )
+    for name in ("use_eagle", "use_dflash", "use_dspark", "needs_eagle_block_drop", "use_eagle_block_drop",
+                 "use_multi_module_mtp"):
+        if hasattr(SpeculativeConfig, name):
+            setattr(spec, name, types.MethodType(getattr(SpeculativeConfig, name), spec))
+    vc = types.SimpleNamespace(
+        speculative_config=spec, kv_transfer_config=None, num_speculative_tokens=3,
+        cache_config=types.SimpleNamespace(enable_prefix_caching=True),
+    )
+    vc.num_prefill_lookahead_tokens = VllmConfig.num_prefill_lookahead_tokens.fget(vc)
+    lookahead = VllmConfig.num_hash_lookahead_tokens.fget(vc) if hasattr(VllmConfig, "num_hash_lookahead_tokens") else 0
+    use_eagle = spec.use_eagle_block_drop() and not lookahead  # the Scheduler clears it with lookahead hashes
+    return dict(use_eagle=use_eagle, lookahead=lookahead, prefill=vc.num_prefill_lookahead_tokens)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark", "eagle"])
+def test_drafter_flags_served_natively_on_033(method: str) -> None:
+    """DFlash/DSpark (no block drop on 0.33) and EAGLE (lookahead hashes on 0.33, with prefix
+    caching) are served natively on 0.33 with the flags vLLM's own config code produces, the
+    draft layers' group flagged; on 0.32 they drop the last block, which falls back."""
+    import dataclasses
+
+    from hybrid_alloc.vllm.manager import HybridKVCacheManager, native_config_or_reason
+    from vllm_harness import HAVE_LOOKAHEAD_HASHES, SETUPS
+
+    flags = _scheduler_manager_flags(method)
+    base = next(s for s in SETUPS if s.name == "full_swa_bs16")
+    setup = dataclasses.replace(base, eagle_groups=(0,), lookahead=int(flags["lookahead"]),
+                                prefill_lookahead=int(flags["prefill"]))
+    kw = setup.manager_kwargs(events=True)
+    kw["use_eagle"] = flags["use_eagle"]
+    native, reason = native_config_or_reason(**kw)
+    mgr = HybridKVCacheManager(**kw)
+    if HAVE_LOOKAHEAD_HASHES:
+        assert not flags["use_eagle"] and flags["prefill"] == 1
+        assert flags["lookahead"] == (1 if method == "eagle" else 0)
+        assert native is not None, reason
+        assert type(mgr) is HybridKVCacheManager
+        assert mgr.coordinator.eagle_group_ids == {0} and not mgr.coordinator.drop_eagle_group_ids
+    else:
+        assert flags["use_eagle"]
+        assert native is None and "EAGLE" in reason
+        assert type(mgr) is not HybridKVCacheManager

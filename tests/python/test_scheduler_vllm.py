@@ -1,12 +1,19 @@
-"""vLLM 0.32.0's real Scheduler (and AsyncScheduler), run once with vLLM's KVCacheManager
-and once with ours on the same seeded workload: shared prefixes, chunked prefill,
-preemption under memory pressure, aborts, requests that slide past the window. The
-SchedulerOutputs (scheduled requests, token counts, new block ids per group) and the KV
-events must be identical at every step."""
+"""The installed vLLM's (0.32.0 or 0.33.0) real Scheduler (and AsyncScheduler), run once with
+vLLM's KVCacheManager and once with ours on the same seeded workload: shared prefixes,
+chunked prefill, preemption under memory pressure, aborts, requests that slide past the
+window; async scheduling with overlapped steps (outputs processed with the next step in
+flight); n-gram speculative decoding with drafts and partial acceptance, sync and async (on
+0.33 ``update_from_output`` then calls ``cache_blocks`` in sync scheduling too). The
+SchedulerOutputs (scheduled requests, token counts, draft counts, new block ids per group)
+and the KV events must be identical at every step.
+
+Also: the manager's construction never stops a scheduler from starting (an argument the
+adapter does not know, an exception while building the native manager)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -38,24 +45,62 @@ def _cases():
         # Sliding window only: memory per request is bounded by the window, so the
         # workload does not preempt; it exercises recycling and hits instead.
         "swa_only_bs32": dict(shape=swa_only, num_blocks=150, max_num_seqs=16, max_num_batched_tokens=256, block_size=32),
+        # Async scheduling as the engine core runs it: the next step is scheduled before the
+        # previous step's output is processed.
+        "gemma2_async_overlap": dict(shape=gemma, num_blocks=220, max_num_seqs=24, max_num_batched_tokens=512,
+                                     async_scheduling=True, batch_queue=2),
+        # n-gram speculative decoding (3 drafts a step, partly accepted).
+        "gemma2_ngram_sync": dict(shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512, spec=3),
+        "gemma2_ngram_async": dict(shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512, spec=3,
+                                   async_scheduling=True, batch_queue=2),
+        "llama_ngram_sync": dict(shape=llama, num_blocks=150, max_num_seqs=16, max_num_batched_tokens=384, spec=2),
+        # EAGLE with prefix caching: lookahead block hashes on vLLM 0.33 (on 0.32 the
+        # last-block drop falls back, so these run on 0.33 only).
+        "gemma2_eagle_sync": dict(shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512, spec=3,
+                                  method="eagle"),
+        "gemma2_eagle_async": dict(shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512, spec=3,
+                                   method="eagle", async_scheduling=True, batch_queue=2),
     }
 
 
 EXPECT_PREEMPTION = {"swa_only_bs32": False}
 
 
-CASES = ["gemma2_sync", "gemma2_async", "gemma2_nocache", "llama_sync", "scout_sync", "swa_only_bs32"]
+CASES = [
+    "gemma2_sync",
+    "gemma2_async",
+    "gemma2_nocache",
+    "llama_sync",
+    "scout_sync",
+    "swa_only_bs32",
+    "gemma2_async_overlap",
+    "gemma2_ngram_sync",
+    "gemma2_ngram_async",
+    "llama_ngram_sync",
+    "gemma2_eagle_sync",
+    "gemma2_eagle_async",
+]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_real_scheduler_identical(case: str) -> None:
     from hybrid_alloc.vllm.offline import SchedulerSetup
-    from sched_driver import run_workload
+    from sched_driver import SpecSchedulerSetup, run_workload
 
-    kw = _cases()[case]
-    base = SchedulerSetup(kv_events=kw.get("enable_prefix_caching", True), **kw)
-    ref = run_workload(dataclasses.replace(base, manager="vllm"), seed=11, num_requests=40, max_tokens_hi=1000)
-    ours = run_workload(dataclasses.replace(base, manager="hybrid_alloc"), seed=11, num_requests=40, max_tokens_hi=1000)
+    from vllm_harness import HAVE_LOOKAHEAD_HASHES
+
+    kw = dict(_cases()[case])
+    batch_queue = kw.pop("batch_queue", 1)
+    spec = kw.pop("spec", 0)
+    if kw.get("method") == "eagle" and not HAVE_LOOKAHEAD_HASHES:
+        pytest.skip("EAGLE with prefix caching drops the last block on vLLM 0.32, which falls back")
+    if spec:
+        base: SchedulerSetup = SpecSchedulerSetup(kv_events=True, num_spec_tokens=spec, **kw)
+    else:
+        base = SchedulerSetup(kv_events=kw.get("enable_prefix_caching", True), **kw)
+    run = dict(seed=11, num_requests=40, max_tokens_hi=1000, batch_queue=batch_queue)
+    ref = run_workload(dataclasses.replace(base, manager="vllm"), **run)
+    ours = run_workload(dataclasses.replace(base, manager="hybrid_alloc"), **run)
     assert ref["native"] == "KVCacheManager"
     assert ours["native"] == "HybridKVCacheManager"
     assert ref["finished"] and ours["finished"]
@@ -72,3 +117,160 @@ def test_real_scheduler_identical(case: str) -> None:
     if base.enable_prefix_caching:
         assert ref["hits"] > 0
         assert ref["events"]
+    if batch_queue > 1:
+        # Outputs were processed with the next step in flight, and the scheduler cached
+        # blocks then (``num_computed_tokens - num_in_flight_tokens`` on 0.33).
+        assert ref["overlapped"] > 0
+        assert ref["cache_blocks_in_flight"] > 0
+    if spec:
+        # Drafts were scheduled, and some (not all) accepted.
+        assert 0 < ref["accepted"] < ref["drafts"]
+        if HAVE_LOOKAHEAD_HASHES and not base.async_scheduling:
+            # vLLM 0.33 caches from update_from_output in sync scheduling with drafts too.
+            assert ref["cache_blocks"] > 0
+    if kw.get("method") == "eagle":
+        assert ref["lookahead"] == 1
+        assert any(getattr(e, "lookahead_token_ids", None) for e in ref["events"])
+
+
+# ---- construction never stops the scheduler ---------------------------------------------
+
+
+def _llama_setup() -> Any:
+    from hybrid_alloc.vllm.offline import SchedulerSetup
+
+    return SchedulerSetup(shape=_cases()["llama_sync"]["shape"], num_blocks=150, max_num_seqs=16,
+                          max_num_batched_tokens=384, manager="hybrid_alloc")
+
+
+def _fallback_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "falling back to vLLM's KVCacheManager" in r.getMessage()]
+
+
+def _runs(sched: Any) -> None:
+    """The scheduler serves a request to its end."""
+    from hybrid_alloc.vllm.offline import fabricate_output, make_request
+
+    sched.add_request(make_request(sched, "r0", list(range(1, 60)), 4))
+    for _ in range(20):
+        so = sched.schedule()
+        sched.update_from_output(so, fabricate_output(sched, so))
+        if not sched.get_num_unfinished_requests():
+            return
+    raise AssertionError("the request did not finish")
+
+
+def _capture(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="vllm.hybrid_alloc")
+
+
+def test_unknown_constructor_argument_falls_back(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A vLLM whose KVCacheManager takes an argument the adapter has never seen (faked here
+    by a subclass with one more argument, which the scheduler passes): vLLM's own manager,
+    built with every argument, runs the scheduler, and one line names the argument."""
+    from vllm.v1.core.sched import scheduler as sched_mod
+
+    from hybrid_alloc.vllm import manager
+    from hybrid_alloc.vllm import plugin
+
+    class FutureKVCacheManager(manager.VllmKVCacheManager):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, future_knob: int = 0, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.future_knob = future_knob
+
+    _capture(caplog)
+    monkeypatch.setattr(manager, "VllmKVCacheManager", FutureKVCacheManager)
+    setup = _llama_setup()
+    assert plugin.apply()
+    try:
+        installed = sched_mod.KVCacheManager
+        # The scheduler of that future vLLM passes the new argument.
+        monkeypatch.setattr(sched_mod, "KVCacheManager", lambda *a, **k: installed(*a, future_knob=7, **k))
+        sched = setup.build_with_installed_manager()
+    finally:
+        monkeypatch.undo()
+        plugin.remove()
+    assert sched_mod.KVCacheManager is manager.VllmKVCacheManager
+    mgr = sched.kv_cache_manager
+    assert type(mgr) is FutureKVCacheManager and mgr.future_knob == 7
+    lines = _fallback_lines(caplog)
+    assert len(lines) == 1 and "future_knob" in lines[0], lines
+    _runs(sched)
+
+
+def test_exception_while_building_falls_back(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Anything raised while the native manager is built (here, by the core's constructor)
+    falls back to vLLM's manager with one line; the scheduler runs."""
+    from hybrid_alloc.vllm import manager
+
+    def broken(**kwargs: Any) -> Any:
+        raise RuntimeError("simulated failure in the native core")
+
+    _capture(caplog)
+    monkeypatch.setattr(manager, "Allocator", broken)
+    sched = _llama_setup().build()
+    monkeypatch.undo()
+    assert type(sched.kv_cache_manager) is manager.VllmKVCacheManager
+    lines = _fallback_lines(caplog)
+    assert len(lines) == 1 and "RuntimeError" in lines[0] and "simulated failure" in lines[0], lines
+    _runs(sched)
+
+
+def test_missing_attribute_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+    """A configuration object without an attribute the adapter reads (a group without
+    ``role``, as a future vLLM might build it) falls back instead of raising."""
+    from types import SimpleNamespace
+
+    from hybrid_alloc.vllm import manager
+    from vllm_harness import SETUPS
+
+    _capture(caplog)
+    s = next(x for x in SETUPS if x.name == "full_bs16")
+    kw = s.manager_kwargs(events=False)
+    cfg = kw["kv_cache_config"]
+    g = cfg.kv_cache_groups[0]
+    cfg.kv_cache_groups[0] = SimpleNamespace(kv_cache_spec=g.kv_cache_spec, layer_names=g.layer_names)
+    native, reason = manager.native_config_or_reason(**kw)
+    assert native is None and "AttributeError" in reason
+    cfg.kv_cache_groups[0] = g
+    assert type(manager.HybridKVCacheManager(**kw)) is manager.HybridKVCacheManager
+    assert not _fallback_lines(caplog)
+
+
+def test_native_with_the_installed_release_arguments(caplog: pytest.LogCaptureFixture) -> None:
+    """The scheduler's own arguments (0.33's ``num_hash_lookahead_tokens`` included) give
+    the native manager, without a fallback line."""
+    from hybrid_alloc.vllm import manager
+
+    _capture(caplog)
+    sched = _llama_setup().build()
+    assert type(sched.kv_cache_manager) is manager.HybridKVCacheManager
+    assert not _fallback_lines(caplog)
+    assert any("native KV cache manager serving" in r.getMessage() for r in caplog.records)
+    _runs(sched)
+
+
+def test_aux_outputs_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Auxiliary outputs (``--enable-return-routed-experts``, vLLM 0.33) read
+    ``block_pool.get_cached_block``, which the native pool does not serve: vLLM's manager
+    serves that configuration, with the reason named."""
+    from types import SimpleNamespace
+
+    from hybrid_alloc.vllm import manager
+    from vllm_harness import SETUPS
+
+    kw = next(x for x in SETUPS if x.name == "full_bs16").manager_kwargs(events=False)
+    monkeypatch.setattr(
+        manager, "current_vllm_config",
+        SimpleNamespace(kv_transfer_config=None, aux_output_config=SimpleNamespace(enabled=True)),
+    )
+    native, reason = manager.native_config_or_reason(**kw)
+    assert native is None and "auxiliary outputs" in reason
+    assert type(manager.HybridKVCacheManager(**kw)) is manager.VllmKVCacheManager
+    monkeypatch.setattr(
+        manager, "current_vllm_config",
+        SimpleNamespace(kv_transfer_config=None, aux_output_config=SimpleNamespace(enabled=False)),
+    )
+    assert type(manager.HybridKVCacheManager(**kw)) is manager.HybridKVCacheManager

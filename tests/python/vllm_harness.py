@@ -1,9 +1,16 @@
-"""Builds vLLM 0.32.0's own KVCacheManager and ours from one KVCacheConfig, and real vLLM
-Requests (with vLLM's own block hasher) to drive them with. Used by the parity tests and
-the pytest-benchmark benches; never an imitation of vLLM: every object here is vLLM's."""
+"""Builds the installed vLLM's (0.32.0 or 0.33.0) own KVCacheManager and ours from one
+KVCacheConfig, and real vLLM Requests (with vLLM's own block hasher) to drive them with. Used
+by the parity tests and the pytest-benchmark benches; never an imitation of vLLM: every
+object here is vLLM's.
+
+On 0.33 the managers get every argument 0.33's ``Scheduler`` passes
+(``num_hash_lookahead_tokens`` too), and a setup may ask for lookahead block hashes (EAGLE
+with prefix caching on 0.33: requests hashed with the lookahead hasher, ``use_eagle=False``,
+the draft group flagged ``is_eagle_group``)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +36,10 @@ from hybrid_alloc.vllm.manager import HybridKVCacheManager  # noqa: E402
 
 _HASH_FN = get_hash_fn_by_name("sha256")
 init_none_hash(_HASH_FN)
+
+# vLLM 0.33's manager takes lookahead block hashes and a hit bound in get_computed_blocks.
+HAVE_LOOKAHEAD_HASHES = "num_hash_lookahead_tokens" in inspect.signature(KVCacheManager).parameters
+HAVE_MAX_CACHE_HIT_LENGTH = "max_cache_hit_length" in inspect.signature(KVCacheManager.get_computed_blocks).parameters
 
 
 def full(bs: int = 16) -> FullAttentionSpec:
@@ -63,10 +74,24 @@ class Setup:
     max_in_flight_tokens: int = 2048
     watermark: float = 0.0
     retention_interval: int | None = 0
+    # Lookahead block hashes (vLLM 0.33 only): tokens after each block its hash covers;
+    # ``eagle_groups`` are flagged ``is_eagle_group`` (the draft model's layers).
+    lookahead: int = 0
+    eagle_groups: tuple[int, ...] = ()
+    # What vLLM's Scheduler passes as num_prefill_lookahead (1 for EAGLE-family drafters).
+    prefill_lookahead: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def available(self) -> bool:
+        """Whether the installed vLLM serves this setup natively: lookahead hashes exist only
+        on 0.33, and a flagged draft group drops its last block on 0.32 (a fallback)."""
+        return not (self.lookahead or self.eagle_groups) or HAVE_LOOKAHEAD_HASHES
+
     def kv_cache_config(self) -> KVCacheConfig:
-        groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(self.specs)]
+        groups = [
+            KVCacheGroupSpec([f"layer.{i}"], s, is_eagle_group=i in self.eagle_groups) for i, s in enumerate(self.specs)
+        ]
         return KVCacheConfig(
             num_blocks=self.num_blocks,
             kv_cache_tensors=[],
@@ -75,6 +100,8 @@ class Setup:
         )
 
     def manager_kwargs(self, events: bool = True) -> dict[str, Any]:
+        """The arguments the installed release's ``Scheduler`` passes."""
+        la: dict[str, Any] = {"num_hash_lookahead_tokens": self.lookahead} if HAVE_LOOKAHEAD_HASHES else {}
         return dict(
             kv_cache_config=self.kv_cache_config(),
             max_model_len=self.max_model_len,
@@ -83,7 +110,8 @@ class Setup:
             max_in_flight_tokens=self.max_in_flight_tokens,
             enable_caching=self.enable_caching,
             use_eagle=False,
-            num_prefill_lookahead=0,
+            **la,
+            num_prefill_lookahead=self.prefill_lookahead,
             log_stats=True,
             enable_kv_cache_events=events,
             dcp_world_size=1,
@@ -103,12 +131,13 @@ class Setup:
         """A vLLM Request; ``report_full`` sets ``kv_cache_report_mode="full"`` (reused
         prefix blocks are reported in BlockStored events too)."""
         extra = {"kv_cache_report_mode": "full"} if report_full else None
+        la = (self.lookahead,) if self.lookahead else ()
         return Request(
             request_id=request_id,
             prompt_token_ids=list(tokens),
             sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra),
             pooling_params=None,
-            block_hasher=get_request_block_hasher(self.hash_block_size, _HASH_FN),
+            block_hasher=get_request_block_hasher(self.hash_block_size, _HASH_FN, *la),
         )
 
 
@@ -125,4 +154,10 @@ SETUPS: list[Setup] = [
     Setup("full_swa_dense_retention", [full(16), swa(40, 16)], num_blocks=400, retention_interval=None),
     Setup("full_swa_retention_64", [full(16), swa(40, 16)], num_blocks=400, retention_interval=64),
     Setup("swa_bs32_over_full_bs16", [full(16), swa(64, 32)], num_blocks=500, hash_block_size=16, scheduler_block_size=32),
+    # EAGLE with prefix caching on vLLM 0.33: lookahead block hashes (one token), the draft
+    # layers' group flagged, nothing dropped; events carry lookahead_token_ids.
+    Setup("eagle_lookahead_full_swa_bs16", [full(16), swa(64, 16), full(16)], num_blocks=500, lookahead=1,
+          eagle_groups=(2,), prefill_lookahead=1),
+    # DFlash/DSpark on vLLM 0.33: draft layers flagged, no block drop, no lookahead hashes.
+    Setup("dflash_full_swa_bs16", [full(16), swa(64, 16)], num_blocks=400, eagle_groups=(0,), prefill_lookahead=1),
 ]

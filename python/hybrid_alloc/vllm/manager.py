@@ -1,4 +1,4 @@
-"""A drop-in ``KVCacheManager`` for vLLM 0.32.0 backed by the native core.
+"""A drop-in ``KVCacheManager`` for vLLM 0.32.0 and 0.33.0 backed by the native core.
 
 :class:`HybridKVCacheManager` takes the constructor arguments of vLLM's
 ``vllm.v1.core.kv_cache_manager.KVCacheManager`` and serves every method and attribute
@@ -8,12 +8,20 @@ types. Each call crosses into Rust once; ints, bytes and flat lists cross the bo
 Block objects (``block_id``, ``block_hash``, ``ref_cnt``, ``is_null``) are made only where
 a caller reads ``KVCacheBlocks.blocks``; ``get_block_ids`` hands out the id lists directly.
 
-For a configuration the core does not serve exactly, ``HybridKVCacheManager(...)`` returns
-vLLM's own ``KVCacheManager`` instead and logs one line saying why.
+One installed package serves both releases: what differs is read from the installed vLLM
+once, at import (see ``LOOKAHEAD_HASHES`` and ``TRIM_NULL_HEAD``).
+
+For a configuration the core does not serve exactly, and for anything the adapter does not
+know at construction (an argument it has never seen, a missing attribute, an exception while
+building the native manager), ``HybridKVCacheManager(...)`` returns vLLM's own
+``KVCacheManager``, built with the same arguments, and logs one line saying why. The
+constructor never raises what vLLM's own would not.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,6 +34,7 @@ from vllm.distributed.kv_events import (
     KVCacheEvent,
 )
 from vllm.v1.core import kv_cache_manager as _vllm_kvm
+from vllm.v1.core import kv_cache_utils as _vllm_kvu
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
@@ -55,14 +64,51 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from hybrid_alloc._core import Allocator, FastAllocate, Hit, UnsupportedConfigError
+from hybrid_alloc._core import Allocator, FastAllocate, Hit, HybridAllocError, UnsupportedConfigError
 
 logger = init_logger("vllm.hybrid_alloc")
 
 _VLLM_RELEASE: str = getattr(__import__("vllm"), "__version__", "").split("+", 1)[0]
 
-# The vLLM class this adapter replaces (captured before the plugin patches anything).
+# The vLLM class this adapter replaces (captured before the plugin patches anything); the
+# fallback builds it, and its signature says which constructor arguments exist.
 VllmKVCacheManager = _vllm_kvm.KVCacheManager
+
+# What differs between the supported releases, read from the installed vLLM once.
+# vLLM 0.33: lookahead block hashes (``num_hash_lookahead_tokens``: EAGLE/MTP with prefix
+# caching hash each block together with the next L tokens instead of dropping the last
+# block; ``BlockStored`` then carries ``lookahead_token_ids``). The same release drops the
+# EAGLE last block only with ``use_eagle`` (``drop_eagle_group_ids``): a group flagged
+# ``is_eagle_group`` drops nothing without it. On 0.32 a flagged group always drops.
+LOOKAHEAD_HASHES = "num_hash_lookahead_tokens" in inspect.signature(VllmKVCacheManager).parameters
+EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE = LOOKAHEAD_HASHES
+# vLLM 0.33: ``pop_blocks_for_free`` returns each group's blocks without its leading nulls.
+TRIM_NULL_HEAD = hasattr(_vllm_kvu, "trim_null_head")
+_generate_lookahead_extra_keys = getattr(_vllm_kvu, "generate_lookahead_block_hash_extra_keys", None)
+
+# Every ``KVCacheManager.__init__`` argument the adapter knows (0.32.0 and 0.33.0). Any other
+# argument of the installed vLLM's constructor means a release whose meaning we have not
+# checked: fall back.
+KNOWN_ARGS = frozenset(
+    {
+        "kv_cache_config",
+        "max_model_len",
+        "scheduler_block_size",
+        "hash_block_size",
+        "max_in_flight_tokens",
+        "enable_caching",
+        "use_eagle",
+        "num_hash_lookahead_tokens",
+        "num_prefill_lookahead",
+        "log_stats",
+        "enable_kv_cache_events",
+        "dcp_world_size",
+        "pcp_world_size",
+        "metrics_collector",
+        "watermark",
+        "enable_mamba_shared_prefix_checkpoint",
+    }
+)
 
 _WAITING_OR_PREEMPTED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 # Spec classes whose exact type the core serves as full attention (vLLM gives
@@ -72,6 +118,68 @@ _FULL_TYPES = (FullAttentionSpec, MLAAttentionSpec, HiddenStateCacheSpec)
 # Set by the plugin around ``Scheduler.__init__``: the config being scheduled, so the
 # manager can see what its constructor arguments do not say (a KV connector, ...).
 current_vllm_config: Any = None
+
+
+# The retention policy (issue 9): "exact" (vLLM's decisions) or "hit-aware"; read when a
+# manager is built.
+POLICY_ENV = "HYBRID_ALLOC_POLICY"
+_POLICIES = ("exact", "hit-aware")
+
+
+def _policy_from_env() -> str:
+    raw = os.environ.get(POLICY_ENV, "exact").strip().lower().replace("_", "-")
+    if raw in ("", "exact"):
+        return "exact"
+    if raw == "hit-aware":
+        return raw
+    raise Unsupported(f"{POLICY_ENV}={os.environ.get(POLICY_ENV)!r} is not one of {', '.join(_POLICIES)}")
+
+
+# User controls of the hit-aware policy (ignored under exact):
+# - HYBRID_ALLOC_RETAIN_PRIORITY=N: a request whose vLLM ``priority`` is <= N (lower is more
+#   important, as vLLM's priority scheduling) leaves its prefix cached at the pinned level;
+# - HYBRID_ALLOC_PIN_PREFIXES=FILE: a JSON list of token-id lists (e.g. system prompts) to pin,
+#   each pinned the first time a request starting with it is looked up (its own block hashes,
+#   so LoRA, cache salt and the hash function are those vLLM uses);
+# - HYBRID_ALLOC_PIN_SHARE=F: the pinned share of the pool (default 0.25).
+RETAIN_PRIORITY_ENV = "HYBRID_ALLOC_RETAIN_PRIORITY"
+PIN_PREFIXES_ENV = "HYBRID_ALLOC_PIN_PREFIXES"
+PIN_SHARE_ENV = "HYBRID_ALLOC_PIN_SHARE"
+
+
+def _policy_controls() -> tuple[int | None, list[list[int]], float | None]:
+    """(retain priority, prefixes to pin, pinned share) from the environment."""
+    import json
+
+    env = os.environ
+    retain: int | None = None
+    if env.get(RETAIN_PRIORITY_ENV, "").strip():
+        try:
+            retain = int(env[RETAIN_PRIORITY_ENV])
+        except ValueError:
+            raise Unsupported(f"{RETAIN_PRIORITY_ENV}={env[RETAIN_PRIORITY_ENV]!r} is not an integer") from None
+    pins: list[list[int]] = []
+    path = env.get(PIN_PREFIXES_ENV, "").strip()
+    if path:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise Unsupported(f"{PIN_PREFIXES_ENV}={path!r} cannot be read as JSON: {e}") from None
+        if not isinstance(data, list) or not all(
+            isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in data
+        ):
+            raise Unsupported(f"{PIN_PREFIXES_ENV}={path!r} must hold a JSON list of token-id lists")
+        pins = [p for p in data if p]
+    share: float | None = None
+    if env.get(PIN_SHARE_ENV, "").strip():
+        try:
+            share = float(env[PIN_SHARE_ENV])
+        except ValueError:
+            share = -1.0
+        if not 0.0 <= share <= 1.0:
+            raise Unsupported(f"{PIN_SHARE_ENV}={env[PIN_SHARE_ENV]!r} is not a number in 0..1")
+    return retain, pins, share
 
 
 class Unsupported(Exception):
@@ -126,7 +234,26 @@ def _mamba_kind(spec: MambaSpec) -> tuple[str, int, int]:
     raise Unsupported(f"Mamba cache mode {mode!r}")
 
 
-def native_config_or_reason(
+def _bind_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The constructor arguments by name, defaults applied, as vLLM's own ``KVCacheManager``
+    (the installed release's) would receive them. Raises ``Unsupported`` naming any
+    argument the adapter does not know."""
+    try:
+        sig = inspect.signature(VllmKVCacheManager)
+    except (TypeError, ValueError) as e:
+        raise Unsupported(f"cannot read vLLM's KVCacheManager signature ({e})") from None
+    unknown = sorted(set(sig.parameters) - KNOWN_ARGS)
+    if unknown:
+        raise Unsupported(f"unknown KVCacheManager argument(s) {', '.join(unknown)} (not in the tested vLLM releases)")
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise Unsupported(f"the arguments do not match vLLM's KVCacheManager: {e}") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _native_plan(
     kv_cache_config: KVCacheConfig,
     max_model_len: int,
     scheduler_block_size: int,
@@ -134,6 +261,7 @@ def native_config_or_reason(
     max_in_flight_tokens: int | None = None,
     enable_caching: bool = True,
     use_eagle: bool = False,
+    num_hash_lookahead_tokens: int = 0,
     num_prefill_lookahead: int = 0,
     log_stats: bool = False,
     enable_kv_cache_events: bool = False,
@@ -142,63 +270,87 @@ def native_config_or_reason(
     metrics_collector: Any = None,
     watermark: float = 0.0,
     enable_mamba_shared_prefix_checkpoint: bool = False,
-) -> tuple[dict[str, Any] | None, str]:
-    """The native allocator's arguments for a ``KVCacheManager`` construction, or ``None``
-    and the reason the core cannot serve it exactly."""
+) -> dict[str, Any]:
+    """The native allocator's arguments; raises ``Unsupported`` naming what is not served
+    exactly. Does not build the allocator (which may still refuse the configuration)."""
+    vc = current_vllm_config
+    if vc is not None and getattr(vc, "kv_transfer_config", None) is not None:
+        raise Unsupported("a KV connector is configured")
+    aux = getattr(vc, "aux_output_config", None) if vc is not None else None
+    if aux is not None and getattr(aux, "enabled", False):
+        # AuxOutputSchedulerConnector reads block_pool.get_cached_block, which the binding
+        # does not expose.
+        raise Unsupported("auxiliary outputs (--enable-return-routed-experts)")
+    if use_eagle:
+        raise Unsupported("EAGLE/MTP prefix-cache block drop")
+    if not isinstance(num_hash_lookahead_tokens, int) or num_hash_lookahead_tokens < 0:
+        raise Unsupported(f"num_hash_lookahead_tokens={num_hash_lookahead_tokens!r}")
+    if num_prefill_lookahead > 1:
+        raise Unsupported("multi-token prefill lookahead")
+    if dcp_world_size > 1 or pcp_world_size > 1:
+        raise Unsupported("decode/prefill context parallelism")
+    if metrics_collector is not None:
+        raise Unsupported("KV cache residency metrics")
+    zeroing = kv_cache_config.needs_kv_cache_zeroing
+    groups: list[tuple[str, int, int, int, int]] = []
+    seen_specs: list[KVCacheSpec] = []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        if g.role != KVCacheGroupRole.DEFAULT or g.host_resident:
+            raise Unsupported(f"group {i} has role {g.role.name} (HiSparse)")
+        # On 0.33 a flagged group drops its last block only with use_eagle (refused above).
+        if g.is_eagle_group and not EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE:
+            raise Unsupported(f"group {i} holds EAGLE/MTP draft layers (prefix-cache block drop)")
+        if not spec.prefix_cacheable and type(spec) is not CircularBufferSpec:
+            raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
+        kind, p1, p2 = _group_kind(spec)
+        if zeroing and isinstance(spec, UniformTypeKVCacheSpecs):
+            # vLLM records new blocks for zeroing only for groups whose spec is an
+            # AttentionSpec, which a uniform-type collection is not.
+            raise Unsupported(f"group {i}: KV cache zeroing with a uniform-type spec collection")
+        if kind == "mamba_align" and num_hash_lookahead_tokens > 0:
+            # 0.33 moves the prompt's checkpoint position by the lookahead tokens.
+            raise Unsupported("EAGLE/MTP with Mamba cache mode align (lookahead block hashes)")
+        key = next((k for k, s in enumerate(seen_specs) if s == spec), None)
+        if key is None:
+            seen_specs.append(spec)
+            key = len(seen_specs) - 1
+        groups.append((kind, spec.block_size, key, p1, p2))
+    if not groups:
+        raise Unsupported("no KV cache groups (attention-free model)")
+    native: dict[str, Any] = dict(
+        num_blocks=kv_cache_config.num_blocks,
+        groups=groups,
+        hash_block_size=hash_block_size,
+        scheduler_block_size=scheduler_block_size,
+        max_model_len=max_model_len,
+        max_in_flight_tokens=max_model_len if max_in_flight_tokens is None else max_in_flight_tokens,
+        enable_caching=enable_caching,
+        enable_events=enable_kv_cache_events,
+        watermark_blocks=int(watermark * kv_cache_config.num_blocks),
+        retention_interval=kv_cache_config.prefix_cache_retention_interval,
+    )
+    if zeroing:
+        native["zero_new_blocks"] = True
+    policy = _policy_from_env()  # HYBRID_ALLOC_POLICY; raises Unsupported on a bad value
+    if policy != "exact":
+        native["policy"] = policy
+        _policy_controls()  # validated here, so a bad control falls back at construction
+    return native
+
+
+def native_config_or_reason(*args: Any, **kwargs: Any) -> tuple[dict[str, Any] | None, str]:
+    """The native allocator's arguments for a ``KVCacheManager`` construction (vLLM's
+    arguments, as the installed release takes them), or ``None`` and the reason the core
+    cannot serve it exactly. Never raises."""
     try:
-        vc = current_vllm_config
-        if vc is not None and getattr(vc, "kv_transfer_config", None) is not None:
-            raise Unsupported("a KV connector is configured")
-        if use_eagle:
-            raise Unsupported("EAGLE/MTP prefix-cache block drop")
-        if num_prefill_lookahead > 1:
-            raise Unsupported("multi-token prefill lookahead")
-        if dcp_world_size > 1 or pcp_world_size > 1:
-            raise Unsupported("decode/prefill context parallelism")
-        if metrics_collector is not None:
-            raise Unsupported("KV cache residency metrics")
-        zeroing = kv_cache_config.needs_kv_cache_zeroing
-        groups: list[tuple[str, int, int, int, int]] = []
-        seen_specs: list[KVCacheSpec] = []
-        for i, g in enumerate(kv_cache_config.kv_cache_groups):
-            spec = g.kv_cache_spec
-            if g.role != KVCacheGroupRole.DEFAULT or g.host_resident:
-                raise Unsupported(f"group {i} has role {g.role.name} (HiSparse)")
-            if g.is_eagle_group:
-                raise Unsupported(f"group {i} holds EAGLE/MTP draft layers (prefix-cache block drop)")
-            if not spec.prefix_cacheable and type(spec) is not CircularBufferSpec:
-                raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
-            kind, p1, p2 = _group_kind(spec)
-            if zeroing and isinstance(spec, UniformTypeKVCacheSpecs):
-                # vLLM records new blocks for zeroing only for groups whose spec is an
-                # AttentionSpec, which a uniform-type collection is not.
-                raise Unsupported(f"group {i}: KV cache zeroing with a uniform-type spec collection")
-            key = next((k for k, s in enumerate(seen_specs) if s == spec), None)
-            if key is None:
-                seen_specs.append(spec)
-                key = len(seen_specs) - 1
-            groups.append((kind, spec.block_size, key, p1, p2))
-        if not groups:
-            raise Unsupported("no KV cache groups (attention-free model)")
-        args = dict(
-            num_blocks=kv_cache_config.num_blocks,
-            groups=groups,
-            hash_block_size=hash_block_size,
-            scheduler_block_size=scheduler_block_size,
-            max_model_len=max_model_len,
-            max_in_flight_tokens=max_model_len if max_in_flight_tokens is None else max_in_flight_tokens,
-            enable_caching=enable_caching,
-            enable_events=enable_kv_cache_events,
-            watermark_blocks=int(watermark * kv_cache_config.num_blocks),
-            retention_interval=kv_cache_config.prefix_cache_retention_interval,
-            zero_new_blocks=zeroing,
-        )
-        Allocator(**args)  # validates; UnsupportedConfigError names what is not served
-        return args, ""
-    except Unsupported as e:
+        native = _native_plan(**_bind_arguments(args, kwargs))
+        Allocator(**native)  # validates; UnsupportedConfigError names what is not served
+        return native, ""
+    except (Unsupported, UnsupportedConfigError) as e:
         return None, str(e)
-    except UnsupportedConfigError as e:
-        return None, str(e)
+    except Exception as e:  # noqa: BLE001 - whatever it is, vLLM's own manager serves
+        return None, f"{type(e).__name__} while reading the configuration: {e}"
 
 
 class NativeBlock:
@@ -303,6 +455,7 @@ class _NativeBlockPool:
         self.hash_block_size = hash_block_size
         self.num_gpu_blocks = num_blocks
         self.enable_caching = mgr.enable_caching
+        self.num_hash_lookahead_tokens = mgr.num_hash_lookahead_tokens
         self.null_block = NativeBlock(self._alloc, 0)
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
@@ -352,7 +505,10 @@ class _NativeCoordinator:
             _NativeSingleTypeManager(i, g.kv_cache_spec, mgr.block_pool)
             for i, g in enumerate(kv_cache_config.kv_cache_groups)
         )
-        self.eagle_group_ids: set[int] = set()
+        # Groups holding EAGLE/MTP draft layers; none drops its last block (a drop falls
+        # back), so ``drop_eagle_group_ids`` (vLLM 0.33) is empty.
+        self.eagle_group_ids: set[int] = {i for i, g in enumerate(kv_cache_config.kv_cache_groups) if g.is_eagle_group}
+        self.drop_eagle_group_ids: set[int] = set()
         self.full_attention_group_id = next(
             (i for i, g in enumerate(kv_cache_config.kv_cache_groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)),
             None,
@@ -401,24 +557,36 @@ class _NativeCoordinator:
 
 
 class HybridKVCacheManager:
-    """vLLM 0.32.0's ``KVCacheManager``, served by the native core.
+    """vLLM's ``KVCacheManager`` (0.32.0 or 0.33.0, whichever is installed), served by the
+    native core.
 
     Constructed with ``KVCacheManager``'s arguments. When the core cannot serve the
-    configuration exactly, the constructor returns vLLM's own ``KVCacheManager`` and logs
-    one line that names the reason.
+    configuration exactly, or the adapter meets anything it does not know while building
+    the native manager, the constructor returns vLLM's own ``KVCacheManager`` built with the
+    same arguments and logs one line that names the reason.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        native, reason = native_config_or_reason(*args, **kwargs)
-        if native is None:
-            logger.warning("hybrid_alloc: falling back to vLLM's KVCacheManager: %s", reason)
-            return VllmKVCacheManager(*args, **kwargs)
-        self = super().__new__(cls)
-        self._native_args = native
-        return self
+        try:
+            bound = _bind_arguments(args, kwargs)
+            native = _native_plan(**bound)
+            self = super().__new__(cls)
+            self._setup(native, **bound)
+            return self
+        except (Unsupported, UnsupportedConfigError) as e:
+            reason = str(e)
+        except Exception as e:  # noqa: BLE001 - no exception of ours may reach the engine
+            reason = f"{type(e).__name__} while building the native manager: {e}"
+        logger.warning("hybrid_alloc: falling back to vLLM's KVCacheManager: %s", reason)
+        return VllmKVCacheManager(*args, **kwargs)
 
-    def __init__(
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Everything is built in ``__new__`` (``_setup``), where a failure can still fall
+        back to vLLM's manager."""
+
+    def _setup(
         self,
+        native: dict[str, Any],
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
         scheduler_block_size: int,
@@ -426,6 +594,7 @@ class HybridKVCacheManager:
         max_in_flight_tokens: int | None = None,
         enable_caching: bool = True,
         use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
         num_prefill_lookahead: int = 0,
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
@@ -435,8 +604,18 @@ class HybridKVCacheManager:
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
-        native = self._native_args
+        self._native_args = native
+        # Lookahead block hashes (vLLM 0.33): tokens after each block that its hash and its
+        # BlockStored event's extra keys cover (0: none).
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self._alloc = Allocator(**native)
+        # Hit-aware user controls (see ``_policy_controls``); validated with the config.
+        self._retain_priority: int | None = None
+        self._pending_pins: list[list[int]] = []
+        if native.get("policy", "exact") != "exact":
+            self._retain_priority, self._pending_pins, share = _policy_controls()
+            if share is not None:
+                self._alloc.set_pinned_share(share)
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -455,9 +634,9 @@ class HybridKVCacheManager:
         )
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
         # request_id -> [handle, generation of the cache hit stored in Rust for it (-1:
-        # none)]. The request also carries ``serial << 32 | handle`` as
-        # ``_hybrid_alloc_handle`` for FastAllocate (-1 once freed). The core reads ``request.block_hashes`` itself and
-        # takes only the hashes it has not seen.
+        # none)]. The request also carries its handle (unique in the process: the core tags it
+        # with a generation) as ``_hybrid_alloc_handle`` for FastAllocate (-1 once freed). The core reads ``request.block_hashes`` itself and
+        # takes only the hashes it has not seen (from the first difference when vLLM rewrote the list).
         self._reqs: dict[str, list[int]] = {}
         self._hit_gen = 0
         self._events: list[KVCacheEvent] = []
@@ -473,7 +652,7 @@ class HybridKVCacheManager:
             self._drain_events if enable_kv_cache_events else None,
         )
         logger.info(
-            "hybrid_alloc: native KV cache manager serving %d group(s): %s; %d blocks, prefix caching %s",
+            "hybrid_alloc: native KV cache manager serving %d group(s): %s; %d blocks, prefix caching %s%s, policy %s",
             self.num_kv_cache_groups,
             ", ".join(
                 f"{k}"
@@ -491,6 +670,8 @@ class HybridKVCacheManager:
             ),
             kv_cache_config.num_blocks,
             "on" if enable_caching else "off",
+            f", lookahead block hashes of {num_hash_lookahead_tokens} token(s)" if num_hash_lookahead_tokens else "",
+            native.get("policy", "exact"),
         )
 
     # ---- helpers ----------------------------------------------------------------------
@@ -515,26 +696,65 @@ class HybridKVCacheManager:
             else:
                 _, _h, group, block_size, start, end, parent, hashes, idxs = ev
                 assert request is not None
-                extra: list[Any] = []
-                mm_idx = 0
-                for i in idxs:
-                    k, mm_idx = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, mm_idx)
-                    extra.append(k)
-                lora = request.lora_request
                 self._events.append(
-                    BlockStored(
-                        block_hashes=[maybe_convert_block_hash(h) for h in hashes],
-                        parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
-                        token_ids=request.all_token_ids[start:end],
-                        block_size=block_size,
-                        lora_id=lora.adapter_id if lora else None,
-                        medium=MEDIUM_GPU,
-                        lora_name=lora.name if lora else None,
-                        extra_keys=to_event_extra_keys(extra),
-                        group_idx=group,
-                        session_id=request.session_id,
+                    self._block_stored(
+                        request,
+                        [maybe_convert_block_hash(h) for h in hashes],
+                        None if parent is None else maybe_convert_block_hash(parent),
+                        start,
+                        end,
+                        block_size,
+                        group,
+                        idxs,
                     )
                 )
+
+    def _block_stored(
+        self,
+        request: Request,
+        hashes: list[Any],
+        parent: Any,
+        start: int,
+        end: int,
+        block_size: int,
+        group: int,
+        block_indices: Iterable[int],
+    ) -> BlockStored:
+        """vLLM's ``BlockPool._build_block_stored_event`` for the blocks at ``block_indices``
+        of ``request``: extra keys per block (over the block and, with lookahead hashes, the
+        ``num_hash_lookahead_tokens`` after it, as ``_generate_event_extra_keys``) and, with
+        lookahead hashes, those tokens per block (``lookahead_token_ids``)."""
+        la = self.num_hash_lookahead_tokens
+        extra: list[Any] = []
+        lookahead: list[list[int]] | None = [] if la else None
+        tokens = request.all_token_ids
+        mm_idx = 0
+        for i in block_indices:
+            b_start = i * block_size
+            b_end = b_start + block_size
+            if la:
+                assert _generate_lookahead_extra_keys is not None
+                k, mm_idx = _generate_lookahead_extra_keys(request, b_start, b_end, b_end + la, mm_idx)
+                assert lookahead is not None
+                lookahead.append(tokens[b_end : b_end + la])
+            else:
+                k, mm_idx = generate_block_hash_extra_keys(request, b_start, b_end, mm_idx)
+            extra.append(k)
+        lora = request.lora_request
+        kw: dict[str, Any] = {"lookahead_token_ids": lookahead} if la else {}
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=tokens[start:end],
+            block_size=block_size,
+            lora_id=lora.adapter_id if lora else None,
+            medium=MEDIUM_GPU,
+            lora_name=lora.name if lora else None,
+            extra_keys=to_event_extra_keys(extra),
+            group_idx=group,
+            session_id=request.session_id,
+            **kw,
+        )
 
     # ---- KVCacheManager API -------------------------------------------------------------
 
@@ -560,12 +780,20 @@ class HybridKVCacheManager:
             num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0
         )
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """vLLM's ``get_computed_blocks``; ``max_cache_hit_length`` (vLLM 0.33) bounds the
+        hit, ``None`` meaning ``request.num_tokens - 1`` (the only bound on 0.32)."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
         st = self._state(request)
+        if self._pending_pins:
+            self._pin_from(request)
         hit, uncached, groups = self._alloc.get_computed_blocks(
-            st[0], request.num_tokens - 1, block_hashes=request.block_hashes
+            st[0], max_cache_hit_length, block_hashes=request.block_hashes
         )
         if hit > 0 and self.enable_kv_cache_events and getattr(request, "kv_cache_report_mode", "incremental") == "full":
             self._emit_cached_block_events(request, [len(g) for g in groups])
@@ -577,6 +805,25 @@ class HybridKVCacheManager:
         st[1] = self._hit_gen
         return _HitBlocks(self._alloc, groups, self._hit_gen), hit, boundary
 
+    def pin_prefix(self, token_ids: Sequence[int]) -> None:
+        """Pins a prefix (hit-aware only), the first time a request starting with it is
+        looked up. Raises ``UnsupportedConfigError`` under the exact policy."""
+        if self._alloc.policy == "exact":
+            raise UnsupportedConfigError("pinning a prefix needs HYBRID_ALLOC_POLICY=hit-aware")
+        self._pending_pins.append([int(t) for t in token_ids])
+
+    def _pin_from(self, request: Request) -> None:
+        hbs = self.block_pool.hash_block_size
+        prompt = request.prompt_token_ids or []
+        for p in list(self._pending_pins):
+            n = len(p) // hbs
+            if len(prompt) >= len(p) and list(prompt[: len(p)]) == p and len(request.block_hashes) >= n:
+                self._pending_pins.remove(p)
+                try:
+                    self._alloc.pin_prefix(list(request.block_hashes[:n]))
+                except HybridAllocError as e:
+                    logger.warning("hybrid_alloc: prefix of %d tokens not pinned: %s", len(p), e)
+
     def _emit_cached_block_events(self, request: Request, counts: list[int]) -> None:
         hashes = request.block_hashes
         for g, n in enumerate(counts):
@@ -584,29 +831,24 @@ class HybridKVCacheManager:
                 continue
             bs = self.kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size
             scale = bs // self.block_pool.hash_block_size
-            extra: list[Any] = []
-            mm_idx = 0
-            for i in range(n):
-                k, mm_idx = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
-                extra.append(k)
-            lora = request.lora_request
             self._events.append(
-                BlockStored(
-                    block_hashes=[maybe_convert_block_hash(hashes[(i + 1) * scale - 1]) for i in range(n)],
-                    parent_block_hash=None,
-                    token_ids=request.all_token_ids[0 : n * bs],
-                    block_size=bs,
-                    lora_id=lora.adapter_id if lora else None,
-                    medium=MEDIUM_GPU,
-                    lora_name=lora.name if lora else None,
-                    extra_keys=to_event_extra_keys(extra),
-                    group_idx=g,
-                    session_id=request.session_id,
+                self._block_stored(
+                    request,
+                    [maybe_convert_block_hash(hashes[(i + 1) * scale - 1]) for i in range(n)],
+                    None,
+                    0,
+                    n * bs,
+                    bs,
+                    g,
+                    range(n),
                 )
             )
 
-    def get_computed_blocks_for_connector(self, request: Request) -> tuple[KVCacheBlocks, int, int, bool]:
-        return *self.get_computed_blocks(request), False
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        # vLLM's per-group path applies only with Mamba layers, which fall back.
+        return *self.get_computed_blocks(request, max_cache_hit_length), False
 
     def allocate_slots(
         self,
@@ -670,7 +912,8 @@ class HybridKVCacheManager:
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             request._hybrid_alloc_handle = -1
-            self._alloc.free(st[0])
+            rp = self._retain_priority
+            self._alloc.free(st[0], retain=rp is not None and request.priority <= rp)
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -685,6 +928,11 @@ class HybridKVCacheManager:
             return []
         request._hybrid_alloc_handle = -1
         ids = self._alloc.pop_blocks_for_free(st[0])
+        if TRIM_NULL_HEAD:
+            # vLLM 0.33 drops each group's leading null blocks (``trim_null_head``). In the
+            # tables the core serves, null blocks only ever lead a table (skipped blocks of
+            # a window or chunk, a hit's skipped prefix), so dropping every null is that.
+            ids = [b for b in ids if b != 0]
         return [NativeBlock(self._alloc, b) for b in ids]
 
     def evict_blocks(self, block_ids: set[int]) -> None:

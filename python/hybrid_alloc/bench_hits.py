@@ -1,0 +1,401 @@
+"""``hybrid-alloc bench --suite hits`` (or ``hybrid-alloc hits``): prefix-cache hits on hybrid
+models, on vLLM's real ``Scheduler`` (offline, fabricated model outputs), under three
+retention policies:
+
+- ``exact``: vLLM's own manager, default retention (``prefix_cache_retention_interval=0``);
+- ``dense``: vLLM's own manager with dense retention (``prefix_cache_retention_interval=None``);
+- ``hit-aware``: hybrid_alloc with ``HYBRID_ALLOC_POLICY=hit-aware``.
+
+Workloads (each at ``ample`` memory, where nothing is ever evicted, and under ``pressure``,
+a pool of ``--pressure`` times the live working set of the requests in flight):
+
+- ``chat``: sessions share a system prompt and take turns; every turn re-sends the whole
+  conversation (the earlier replies included) plus a new message; a fixed number of turns
+  are in flight, round-robin over the sessions.
+- ``shared``: a few long system prompts serve many requests, each with a unique suffix.
+- ``resend``: distinct long contexts re-sent round-robin with short new suffixes (the shape
+  of vLLM issue #48435).
+
+Shapes: ``gemma3`` (sliding window 1024, five window layers per full one) and ``gptoss``
+(window 128, alternating), block size 16.
+
+Measured per run: the hit rate vLLM's own ``PrefixCacheStats`` reports (hits / queried
+tokens of requests scheduled from the waiting queue, preempted ones excluded, as vLLM's
+metric), prefill tokens computed (every scheduled token that is not a decode token, so
+recomputation after preemption counts), scheduler steps, and the ideal hit rate and prefill
+(every block-aligned prefix some earlier request computed, capped at ``num_tokens - 1`` as
+vLLM's lookup is). ``--size small`` is the CI size; ``--size full`` the issue's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+POLICIES = ("exact", "dense", "hit-aware")
+WORKLOADS = ("chat", "shared", "resend")
+BUDGETS = ("ample", "pressure")
+SHAPE_NAMES = ("gemma3", "gptoss")
+
+
+@dataclass
+class Job:
+    """One request of a workload. ``parts`` builds its prompt: token lists and references
+    ``("reply", job_index)`` to an earlier job's output (resolved when it is submitted)."""
+
+    rid: str
+    parts: list[Any]
+    max_tokens: int
+    after: int = -1  # index of a job that must have finished first (-1: none)
+
+
+@dataclass
+class Workload:
+    name: str
+    jobs: list[Job]
+    in_flight: int
+
+
+def _toks(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 30000) for _ in range(n)]
+
+
+def chat_workload(sessions: int, turns: int, sys_len: int, in_flight: int, seed: int = 7,
+                  user: tuple[int, int] = (64, 256), reply: tuple[int, int] = (96, 256)) -> Workload:
+    rng = random.Random(seed)
+    system = _toks(rng, sys_len)
+    jobs: list[Job] = []
+    history: dict[int, list[Any]] = {s: [system] for s in range(sessions)}
+    last: dict[int, int] = {}
+    for t in range(turns):
+        for s in range(sessions):
+            msg = _toks(rng, rng.randint(*user))
+            parts = history[s] + [msg]
+            idx = len(jobs)
+            jobs.append(Job(f"chat-s{s}-t{t}", parts, rng.randint(*reply), after=last.get(s, -1)))
+            history[s] = parts + [("reply", idx)]
+            last[s] = idx
+    return Workload("chat", jobs, in_flight)
+
+
+def shared_workload(num_prompts: int, prompt_len: int, requests: int, suffix: tuple[int, int], in_flight: int,
+                    out_len: int = 128, seed: int = 11) -> Workload:
+    rng = random.Random(seed)
+    prompts = [_toks(rng, prompt_len) for _ in range(num_prompts)]
+    jobs = [
+        Job(f"shared-{i}", [prompts[rng.randrange(num_prompts)], _toks(rng, rng.randint(*suffix))], out_len)
+        for i in range(requests)
+    ]
+    return Workload("shared", jobs, in_flight)
+
+
+def resend_workload(contexts: int, ctx_len: tuple[int, int], rounds: int, suffix: tuple[int, int], in_flight: int,
+                    out_len: int = 64, seed: int = 13) -> Workload:
+    rng = random.Random(seed)
+    ctxs = [_toks(rng, rng.randint(*ctx_len)) for _ in range(contexts)]
+    jobs = [
+        Job(f"resend-r{r}-c{c}", [ctxs[c], _toks(rng, rng.randint(*suffix))], out_len)
+        for r in range(rounds)
+        for c in range(contexts)
+    ]
+    return Workload("resend", jobs, in_flight)
+
+
+def workloads(size: str) -> list[Workload]:
+    if size == "full":
+        return [
+            chat_workload(48, 6, 1024, 16),
+            shared_workload(8, 2048, 256, (300, 800), 16),
+            resend_workload(16, (5000, 6000), 4, (16, 64), 16),
+        ]
+    return [
+        chat_workload(8, 3, 1024, 4, user=(32, 96), reply=(48, 96)),
+        shared_workload(2, 1024, 12, (100, 300), 4, out_len=32),
+        resend_workload(4, (1500, 2000), 3, (16, 48), 4, out_len=16),
+    ]
+
+
+def shapes() -> dict[str, Any]:
+    from hybrid_alloc.vllm.offline import SHAPES, LayerKind, ModelShape, alternating
+
+    gemma3 = ModelShape(
+        "gemma3", alternating(48, 1024, every=6), num_kv_heads=8, head_size=128, weight_bytes=0,
+        description="48 layers, sliding window 1024 with every 6th layer full (Gemma-3 style)",
+    )
+    assert sum(1 for x in gemma3.layers if x == LayerKind("full")) == 8
+    return {"gemma3": gemma3, "gptoss": SHAPES["gpt-oss-120b"]}
+
+
+def _window_blocks(shape: Any, bs: int) -> tuple[int, int, int]:
+    """(full-attention groups, window groups, blocks a window group holds per request)."""
+    full = sum(1 for x in shape.layers if x.kind == "full")
+    local = len(shape.layers) - full
+    per_group = full if full and local % full == 0 else 1
+    window = max((x.window for x in shape.layers if x.kind != "full"), default=0)
+    return full // per_group if full else 0, local // per_group, -(-window // bs) + 1
+
+
+def budget_blocks(shape: Any, wl: Workload, budget: str, pressure: float, bs: int = 16) -> int:
+    """Pool size in blocks: ``ample`` holds every token of every request in every group;
+    ``pressure`` is ``pressure`` times the live working set (``in_flight`` requests of
+    the mean length, window groups capped at their window)."""
+    nf, nw, wblocks = _window_blocks(shape, bs)
+    lens = [sum(len(p) if isinstance(p, list) else 0 for p in j.parts) + j.max_tokens for j in wl.jobs]
+    # Replies re-sent in a later prompt are not counted in ``parts``: add them.
+    reply_toks = {i: wl.jobs[i].max_tokens for j in wl.jobs for p in j.parts if isinstance(p, tuple) for i in [p[1]]}
+    lens = [n + sum(reply_toks[p[1]] for p in j.parts if isinstance(p, tuple)) for n, j in zip(lens, wl.jobs)]
+    if budget == "ample":
+        total = sum(-(-n // bs) for n in lens)
+        return total * (nf + nw) + 64
+    mean = sum(lens) / len(lens)
+    per_req = -(-int(mean) // bs) * nf + min(-(-int(mean) // bs), wblocks) * nw
+    return int(pressure * wl.in_flight * per_req) + 1
+
+
+@dataclass
+class Result:
+    shape: str
+    workload: str
+    budget: str
+    policy: str
+    num_blocks: int
+    hit_rate: float
+    ideal_hit_rate: float
+    prefill_tokens: int
+    ideal_prefill_tokens: int
+    steps: int
+    preemptions: int
+    finished: bool
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: int = 400000) -> Result:
+    from hybrid_alloc.vllm.offline import SchedulerSetup, fabricate_output, make_request
+
+    class Setup(SchedulerSetup):
+        def vllm_config(self) -> Any:
+            vc = super().vllm_config()
+            if policy == "dense":
+                vc.cache_config.prefix_cache_retention_interval = None
+            return vc
+
+    manager = "hybrid_alloc" if policy == "hit-aware" else "vllm"
+    old = os.environ.get("HYBRID_ALLOC_POLICY")
+    os.environ["HYBRID_ALLOC_POLICY"] = "hit-aware" if policy == "hit-aware" else "exact"
+    try:
+        setup = Setup(shape, manager=manager, num_blocks=num_blocks, max_num_seqs=max(wl.in_flight, 1),  # type: ignore[arg-type]
+                      max_num_batched_tokens=8192)
+        sched = setup.build()
+    finally:
+        if old is None:
+            os.environ.pop("HYBRID_ALLOC_POLICY", None)
+        else:
+            os.environ["HYBRID_ALLOC_POLICY"] = old
+    mgr = sched.kv_cache_manager
+    if policy == "hit-aware":
+        if getattr(mgr, "_alloc", None) is None or mgr._alloc.policy != "hit-aware":
+            raise RuntimeError("hit-aware is not active: the plugin fell back to vLLM's manager (see its log line)")
+    bs = mgr.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    hits = queries = 0
+    known: set[int] = set()  # chained block-prefix keys some request computed
+
+    def add_known(tokens: list[int], n: int) -> None:
+        h = 0
+        for i in range(n // bs):
+            h = hash((h, tuple(tokens[i * bs:(i + 1) * bs])))
+            known.add(h)
+
+    def ideal_hit(tokens: list[int]) -> int:
+        h = 0
+        best = 0
+        for i in range((len(tokens) - 1) // bs):
+            h = hash((h, tuple(tokens[i * bs:(i + 1) * bs])))
+            if h not in known:
+                break
+            best = (i + 1) * bs
+        return best
+
+    reqs: dict[int, Any] = {}
+    done: set[int] = set()
+    running: set[int] = set()
+    nxt = 0
+    ideal_hits = ideal_queries = prompt_total = 0
+    scheduled = 0
+    decode_tokens = 0
+    steps = 0
+    t0 = time.perf_counter()
+
+    def submit() -> None:
+        nonlocal nxt, ideal_hits, ideal_queries, prompt_total
+        while len(running) < wl.in_flight and nxt < len(wl.jobs):
+            job = wl.jobs[nxt]
+            if job.after >= 0 and job.after not in done:
+                return
+            toks: list[int] = []
+            for p in job.parts:
+                toks += list(reqs[p[1]].output_token_ids) if isinstance(p, tuple) else p
+            r = make_request(sched, job.rid, toks, job.max_tokens)
+            ideal_hits += ideal_hit(toks)
+            ideal_queries += len(toks)
+            prompt_total += len(toks)
+            add_known(toks, len(toks))  # its prompt is computed from now on (in flight)
+            reqs[nxt] = r
+            running.add(nxt)
+            sched.add_request(r)
+            nxt += 1
+
+    submit()
+    while (running or nxt < len(wl.jobs)) and steps < max_steps:
+        so = sched.schedule()
+        scheduled += sum(so.num_scheduled_tokens.values())
+        out = fabricate_output(sched, so)
+        eco = sched.update_from_output(so, out)
+        for o in eco.values():
+            st = getattr(o, "scheduler_stats", None)
+            pcs = getattr(st, "prefix_cache_stats", None) if st is not None else None
+            if pcs is not None:
+                hits += pcs.hits
+                queries += pcs.queries
+        steps += 1
+        for i in list(running):
+            r = reqs[i]
+            if r.is_finished():
+                running.discard(i)
+                done.add(i)
+                decode_tokens += max(len(r.output_token_ids) - 1, 0)
+                # Everything but the last sampled token was computed.
+                add_known(list(r.all_token_ids), r.num_tokens - 1)
+        submit()
+    prefill = scheduled - decode_tokens
+    return Result(
+        shape=shape.name, workload=wl.name, budget="", policy=policy, num_blocks=num_blocks,
+        hit_rate=hits / queries if queries else 0.0,
+        ideal_hit_rate=ideal_hits / ideal_queries if ideal_queries else 0.0,
+        prefill_tokens=prefill, ideal_prefill_tokens=prompt_total - ideal_hits, steps=steps,
+        preemptions=sum(getattr(r, "num_preemptions", 0) for r in reqs.values()),
+        finished=not running and nxt == len(wl.jobs), seconds=time.perf_counter() - t0,
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="hybrid-alloc bench --suite hits",
+        description="Prefix-cache hits on hybrid models under vLLM's retention (exact, dense) and hybrid_alloc's "
+        "hit-aware policy, on vLLM's real scheduler; prints a table, writes JSON and a PNG plot.",
+    )
+    p.add_argument("--size", choices=["small", "full"], default="small", help="small (CI) or full (the issue's sizes)")
+    p.add_argument("--shape", action="append", choices=SHAPE_NAMES, help="repeatable; default both")
+    p.add_argument("--workload", action="append", choices=WORKLOADS, help="repeatable; default all")
+    p.add_argument("--budget", action="append", choices=BUDGETS, help="repeatable; default both")
+    p.add_argument("--policy", action="append", choices=POLICIES, help="repeatable; default all three")
+    p.add_argument("--pressure", type=float, default=3.0, help="pressure pool = this times the live working set")
+    p.add_argument("--out-dir", default=os.environ.get("HYBRID_ALLOC_BENCH_OUT", "bench-out"))
+    p.add_argument("--no-plot", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        from hybrid_alloc.bench import INSTALL_HINT
+
+        print(INSTALL_HINT, file=sys.stderr)
+        return 2
+    import logging
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    all_shapes = shapes()
+    wls = {w.name: w for w in workloads(args.size)}
+    results: list[Result] = []
+    for sn in args.shape or SHAPE_NAMES:
+        for wn in args.workload or WORKLOADS:
+            for b in args.budget or BUDGETS:
+                nb = budget_blocks(all_shapes[sn], wls[wn], b, args.pressure)
+                for pol in args.policy or POLICIES:
+                    r = run(all_shapes[sn], wls[wn], pol, nb)
+                    r.budget = b
+                    results.append(r)
+                    print(
+                        f"{sn:7} {wn:7} {b:8} {pol:9} blocks={nb:6} hit={r.hit_rate:.3f} ideal={r.ideal_hit_rate:.3f} "
+                        f"prefill={r.prefill_tokens} steps={r.steps} preempt={r.preemptions} ({r.seconds:.1f}s)",
+                        file=sys.stderr,
+                    )
+    report(results, args)
+    return 0
+
+
+def rows_of(results: list[Result]) -> list[dict[str, Any]]:
+    rows = [dict(vars(r)) for r in results]
+    for r in rows:
+        r.pop("extra", None)
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = "| shape | workload | budget | blocks | policy | hit rate | ideal | prefill tokens | vs ideal | steps |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for r in rows:
+        ratio = r["prefill_tokens"] / r["ideal_prefill_tokens"] if r["ideal_prefill_tokens"] else float("nan")
+        print(
+            f"| {r['shape']} | {r['workload']} | {r['budget']} | {r['num_blocks']} | {r['policy']} | "
+            f"{100 * r['hit_rate']:.1f}% | {100 * r['ideal_hit_rate']:.1f}% | {r['prefill_tokens']} | {ratio:.2f}x | "
+            f"{r['steps']} |"
+        )
+
+
+def report(results: list[Result], args: argparse.Namespace) -> None:
+    rows = rows_of(results)
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, "hits.json")
+    with open(path, "w") as f:
+        json.dump({"size": args.size, "pressure": args.pressure, "results": rows}, f, indent=1)
+    print_table(rows)
+    print(f"\nJSON: {path}")
+    if not args.no_plot:
+        ppath = os.path.join(args.out_dir, "hits.png")
+        plot(rows, ppath)
+        print(f"plot: {ppath}")
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["shape"], r["workload"], r["budget"]) for r in rows})
+    pols = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(keys)), 4))
+    width = 0.8 / max(len(pols), 1)
+    for k, pol in enumerate(pols):
+        ys = []
+        for key in keys:
+            r = next((r for r in rows if (r["shape"], r["workload"], r["budget"]) == key and r["policy"] == pol), None)
+            ys.append(100 * r["hit_rate"] if r else 0)
+        ax.bar([i + k * width for i in range(len(keys))], ys, width, label=pol)
+    ideal = []
+    for key in keys:
+        r = next(r for r in rows if (r["shape"], r["workload"], r["budget"]) == key)
+        ideal.append(100 * r["ideal_hit_rate"])
+    ax.scatter([i + 0.4 - width / 2 for i in range(len(keys))], ideal, marker="_", s=400, color="black", label="ideal")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
+    ax.set_xticklabels(["\n".join(k) for k in keys], fontsize=7)
+    ax.set_ylabel("prefix-cache hit rate (%)")
+    ax.set_title("hits on hybrid models: vLLM exact / dense retention vs hybrid_alloc hit-aware")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,105 @@
+//! Retention policies: which cached blocks stay in the prefix cache and in what order free
+//! cached blocks are evicted.
+//!
+//! - [`Policy::Exact`] (the default) is vLLM's: sliding-window groups cache only the blocks
+//!   their retention mask keeps (`prefix_cache_retention_interval`), and free cached blocks
+//!   are evicted in one LRU order, whatever their group.
+//! - [`Policy::HitAware`] keeps every prefix the full-attention group can serve servable by
+//!   the window groups too, without letting window blocks push full-attention prefixes out:
+//!   1. *Dense, tiered window caching.* A window group hashes every full block, but the
+//!      blocks vLLM's mask would skip are cached at [`LEVEL_SPECULATIVE`]: the free queue
+//!      hands out every free speculative block before any block at [`LEVEL_NORMAL`]. So they
+//!      only ever use memory nothing else wants (with `exact` those blocks would be
+//!      unhashed and free anyway): they cannot flood the LRU as dense retention (`None`)
+//!      does. Those within one window before a boundary's tail go to [`LEVEL_NEAR`],
+//!      evicted after the other speculative blocks: a prefix shared up to a little before a
+//!      prompt's end stays servable longest.
+//!   2. *The window tail where the next turn resumes.* When a request ends (`free`), the
+//!      window tail ending at its last cached block (its whole sequence: prompt and reply)
+//!      is promoted to [`LEVEL_NORMAL`], so a chat's next turn, which re-sends the
+//!      conversation, hits all of it instead of resuming at the previous prompt's end.
+//!   3. *A junction the first time it is used.* When a request adopts a hit, the window
+//!      blocks of the hit (the tail that made it servable) are promoted to
+//!      [`LEVEL_NORMAL`]: a shared prefix found by a second request through speculative
+//!      blocks stays as well kept as the full-attention prefix it completes.
+//!   4. *Hit units evicted together.* A request's blocks are freed in token-position order
+//!      (tail first) across all groups, not group after group, so the LRU evicts a window
+//!      tail together with the full-attention blocks of the same span instead of leaving one
+//!      group holding blocks the other can no longer complete.
+//!
+//!   User controls ride on the same levels: blocks of a request freed with a retention
+//!   priority and blocks of a pinned prefix go to [`LEVEL_PINNED`] (bounded share of the
+//!   pool; see [`crate::Allocator::pin_prefix`]).
+//!
+//! Correctness does not depend on the policy: blocks are only ever found by their chained
+//! hash (the full prefix up to and including the block, in that group), and a block keeps
+//! a hash only while it holds the KV of exactly those tokens, so a hit is what recomputation
+//! would produce. The policy only changes which hashes are kept and how long; every hash
+//! entering the index emits `BlockStored`, every hash leaving it `BlockRemoved`.
+//!
+//! Cost: the levels add nothing to a decode step; `free` sorts the request's blocks
+//! (O(table log table)); promotion is O(window blocks).
+#![forbid(unsafe_code)]
+
+use crate::error::{Error, Result};
+
+/// Which blocks stay cached and in what order they are evicted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Policy {
+    /// vLLM's decisions, bit for bit.
+    #[default]
+    Exact,
+    /// Keeps hybrid models' hits (see the module docs).
+    HitAware,
+}
+
+impl Policy {
+    /// Parses `"exact"` or `"hit-aware"` (also `"hit_aware"`), case-insensitive.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the valid values.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "exact" | "" => Ok(Policy::Exact),
+            "hit-aware" | "hit_aware" | "hitaware" => Ok(Policy::HitAware),
+            other => Err(Error::InvalidConfig(format!("unknown policy {other:?}: use \"exact\" or \"hit-aware\""))),
+        }
+    }
+
+    /// The name `parse` accepts.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Policy::Exact => "exact",
+            Policy::HitAware => "hit-aware",
+        }
+    }
+}
+
+/// A free cached block's retention level: lower levels are evicted first.
+pub type Level = u8;
+/// Window blocks no known boundary needs (the blocks vLLM's mask skips).
+pub const LEVEL_SPECULATIVE: Level = 0;
+/// Speculative window blocks within one window before a boundary's tail: with them a hit
+/// can resume anywhere in the window before the boundary (a shared prefix that ends a little
+/// before a prompt's end, as a re-sent context with a new question does).
+pub const LEVEL_NEAR: Level = 1;
+/// Every other cached block (vLLM's single LRU level).
+pub const LEVEL_NORMAL: Level = 2;
+/// Blocks of a pinned prefix or of a request with a retention priority.
+pub const LEVEL_PINNED: Level = 3;
+/// Levels of a hit-aware free queue.
+pub const NUM_LEVELS: u32 = 4;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_known_names_round_trip() {
+        for p in [Policy::Exact, Policy::HitAware] {
+            assert_eq!(Policy::parse(p.name()).unwrap(), p);
+        }
+        assert_eq!(Policy::parse(" HIT_AWARE ").unwrap(), Policy::HitAware);
+        assert!(matches!(Policy::parse("lru"), Err(Error::InvalidConfig(_))));
+    }
+}

@@ -1,0 +1,576 @@
+//! The `hit-aware` retention policy: property tests against a model that tracks the content
+//! behind every block id, and deterministic scenarios.
+//!
+//! The model knows each request's token content in advance (one content id per block, the
+//! block's KV identity being the chain of content ids up to it). Every block that enters a
+//! table is recorded as holding the chain of its position in its owner's sequence. After
+//! every operation:
+//! - `invariants::check` holds (queue, ref counts, index, tables, retention levels);
+//! - every hashed block holds exactly the content its hash names (a block keeps a hash only
+//!   while it holds the KV of those tokens);
+//! - the KV cache events replayed into a mirror give exactly the prefix index;
+//!
+//! and every hit the allocator serves is checked block by block, in every group, against
+//! the request's own content, with the blocks the attention type needs all present.
+
+use std::collections::HashMap;
+
+use hybrid_alloc::invariants;
+use hybrid_alloc::policy::{Policy, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_SPECULATIVE};
+use hybrid_alloc::{
+    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Event, GroupSpec, NewComputed, ReqHandle,
+    NULL_BLOCK,
+};
+use proptest::prelude::*;
+use proptest::strategy::ValueTree;
+
+const BS: u32 = 4;
+
+fn swa(window: u32) -> AttentionKind {
+    AttentionKind::SlidingWindow { window, extra_retained_tokens: 0 }
+}
+
+fn config(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>) -> Config {
+    Config {
+        num_blocks,
+        groups: kinds
+            .iter()
+            .enumerate()
+            .map(|(i, &kind)| GroupSpec { kind, block_size: BS, spec_key: i as u32 })
+            .collect(),
+        hash_block_size: BS,
+        scheduler_block_size: BS,
+        max_model_len: 4096,
+        max_in_flight_tokens: 4096,
+        enable_caching: true,
+        enable_events: true,
+        watermark_blocks: 0,
+        retention_interval: retention,
+        zero_new_blocks: false,
+    }
+}
+
+/// Chain of content ids: the identity of a block's KV (its whole prefix).
+fn chain_of(contents: &[u64]) -> Vec<u64> {
+    let mut prev = 0x5EEDu64;
+    contents
+        .iter()
+        .map(|&c| {
+            prev = prev.rotate_left(5) ^ c.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xABCD;
+            prev
+        })
+        .collect()
+}
+
+#[derive(Clone, Debug)]
+struct Req {
+    h: ReqHandle,
+    /// Content id of every block the request will ever hold.
+    contents: Vec<u64>,
+    chain: Vec<u64>,
+    prompt: u32,
+    /// Tokens known (`request.num_tokens`).
+    num_tokens: u32,
+    computed: u32,
+    /// Hashes sent so far.
+    hashed: u32,
+    max_tokens: u32,
+}
+
+struct Model {
+    a: Allocator,
+    kinds: Vec<AttentionKind>,
+    /// The content chain each block id holds (0: nothing known).
+    held: Vec<u64>,
+    live: Vec<Req>,
+    /// Finished requests' contents (full blocks of the whole sequence), to continue as chats.
+    finished: Vec<Vec<u64>>,
+    families: Vec<Vec<u64>>,
+    next_id: u64,
+    /// The prefix index as the events describe it: (hash, group) -> blocks cached.
+    mirror: HashMap<(BlockHash, u32), u32>,
+    hits_served: u64,
+    hit_tokens: u64,
+}
+
+impl Model {
+    fn new(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>, policy: Policy) -> Self {
+        let a = Allocator::with_policy(config(kinds, num_blocks, retention), policy).unwrap();
+        let families = (0..3u64).map(|f| (0..24u64).map(|i| 1_000_000 * (f + 1) + i).collect()).collect();
+        Self {
+            a,
+            kinds: kinds.to_vec(),
+            held: vec![0; num_blocks as usize],
+            live: Vec::new(),
+            finished: Vec::new(),
+            families,
+            next_id: 1,
+            mirror: HashMap::new(),
+            hits_served: 0,
+            hit_tokens: 0,
+        }
+    }
+
+    fn fresh(&mut self, n: usize) -> Vec<u64> {
+        let v = (0..n as u64).map(|i| self.next_id + i).collect();
+        self.next_id += n as u64;
+        v
+    }
+
+    fn send_hashes(&mut self, i: usize) {
+        let r = &mut self.live[i];
+        let full = r.num_tokens / BS;
+        if full > r.hashed {
+            let bytes: Vec<u8> = r.chain[r.hashed as usize..full as usize]
+                .iter()
+                .flat_map(|&c| BlockHash::from_u64(c).as_bytes().to_vec())
+                .collect();
+            self.a.append_hashes(r.h, &bytes, 8).unwrap();
+            r.hashed = full;
+        }
+    }
+
+    /// Records the content of blocks that just entered request `i`'s tables.
+    fn record_new_blocks(&mut self, i: usize) {
+        let counts = self.a.new_block_counts().to_vec();
+        let r = &self.live[i];
+        for (g, &c) in counts.iter().enumerate() {
+            let t = self.a.blocks(r.h, g).unwrap();
+            for idx in t.len() - c as usize..t.len() {
+                self.held[t[idx] as usize] = r.chain.get(idx).copied().unwrap_or(u64::MAX);
+            }
+        }
+    }
+
+    fn need(&self, g: usize) -> u32 {
+        match self.kinds[g] {
+            AttentionKind::SlidingWindow { window, .. } => (window - 1).div_ceil(BS),
+            _ => u32::MAX,
+        }
+    }
+
+    /// Checks the hit stored for request `i`: every block is the request's own content, and
+    /// every block the attention type needs is there.
+    fn check_hit(&self, i: usize, hit: u32) {
+        let r = &self.live[i];
+        let nb = (hit / BS) as usize;
+        for g in 0..self.kinds.len() {
+            let v = self.a.stored_hit(r.h, g).unwrap();
+            assert_eq!(v.len(), nb, "group {g}: hit of {} blocks for {hit} tokens", v.len());
+            let need = self.need(g) as usize;
+            for (idx, &b) in v.iter().enumerate() {
+                if b == NULL_BLOCK {
+                    assert!(idx + need < nb, "group {g}: null block at {idx}, inside what a hit of {nb} blocks needs");
+                    continue;
+                }
+                assert_eq!(
+                    self.held[b as usize], r.chain[idx],
+                    "group {g}: hit block {b} at {idx} holds other content than the request's"
+                );
+            }
+        }
+    }
+
+    fn add(&mut self, kind: u8, pick: u16, own: u8, out: u8) {
+        let mut contents = match kind % 3 {
+            0 => Vec::new(),
+            1 => {
+                let f = &self.families[pick as usize % self.families.len()];
+                f[..(pick as usize / 3) % f.len() + 1].to_vec()
+            }
+            _ => match self.finished.len() {
+                0 => Vec::new(),
+                n => self.finished[pick as usize % n].clone(),
+            },
+        };
+        let own_blocks = own as usize % 6 + 1;
+        let extra = self.fresh(own_blocks + 8);
+        let prompt = ((contents.len() + own_blocks) as u32 * BS).saturating_sub(own as u32 % BS).max(2);
+        contents.extend(extra);
+        let chain = chain_of(&contents);
+        let h = self.a.add_request();
+        let max_tokens = (contents.len() as u32 * BS - prompt).min(out as u32 % 12 + 1);
+        self.live.push(Req { h, contents, chain, prompt, num_tokens: prompt, computed: 0, hashed: 0, max_tokens });
+        let i = self.live.len() - 1;
+        self.send_hashes(i);
+        let hit = self.a.find_longest_cache_hit(h, prompt - 1).unwrap();
+        self.check_hit(i, hit.num_tokens);
+        let args = AllocateArgs {
+            num_new_tokens: prompt - hit.num_tokens,
+            num_new_computed_tokens: hit.num_tokens,
+            num_prompt_tokens: prompt,
+            num_tokens: prompt,
+            shared_prefix_boundary: if hit.num_uncached_common_prefix_tokens > 0 {
+                hit.num_tokens + hit.num_uncached_common_prefix_tokens
+            } else {
+                0
+            },
+            ..Default::default()
+        };
+        match self.a.allocate_slots(h, &args, NewComputed::Stored).unwrap() {
+            Some(_) => {
+                self.record_new_blocks(i);
+                self.hits_served += (hit.num_tokens > 0) as u64;
+                self.hit_tokens += hit.num_tokens as u64;
+                let r = &mut self.live[i];
+                r.computed = prompt;
+                r.num_tokens = prompt + 1;
+            }
+            None => {
+                let r = self.live.pop().unwrap();
+                self.a.free(r.h).unwrap();
+            }
+        }
+    }
+
+    fn step(&mut self, pick: u16) {
+        if self.live.is_empty() {
+            return;
+        }
+        let i = pick as usize % self.live.len();
+        self.send_hashes(i);
+        let r = &self.live[i];
+        let args = AllocateArgs {
+            num_new_tokens: 1,
+            num_computed_tokens: r.computed,
+            num_prompt_tokens: r.prompt,
+            num_tokens: r.num_tokens,
+            ..Default::default()
+        };
+        if self.a.allocate_slots(r.h, &args, NewComputed::Empty).unwrap().is_some() {
+            self.record_new_blocks(i);
+            let r = &mut self.live[i];
+            r.computed += 1;
+            r.num_tokens += 1;
+            if r.num_tokens - r.prompt >= r.max_tokens {
+                self.finish(i, false);
+            }
+        } else {
+            // Preempted, as the scheduler would: its blocks go back.
+            self.finish(i, false);
+        }
+    }
+
+    fn finish(&mut self, i: usize, retain: bool) {
+        let r = self.live.swap_remove(i);
+        let full = (r.computed / BS) as usize;
+        self.finished.push(r.contents[..full].to_vec());
+        if self.finished.len() > 8 {
+            self.finished.remove(0);
+        }
+        let level = if retain { LEVEL_PINNED } else { LEVEL_NORMAL };
+        self.a.free_with_level(r.h, level).unwrap();
+    }
+
+    /// Pins a family's prefix (refused past the pinned share).
+    fn pin(&mut self, pick: u16) {
+        let f = &self.families[pick as usize % self.families.len()];
+        let k = (pick as usize / 3) % f.len() + 1;
+        let hashes: Vec<BlockHash> = chain_of(&f[..k]).into_iter().map(BlockHash::from_u64).collect();
+        let before = self.a.pool().pinned_cap();
+        match self.a.pin_prefix(&hashes) {
+            Ok(n) => assert!(n <= before),
+            Err(e) => assert!(e.to_string().contains("pinned share"), "{e}"),
+        }
+    }
+
+    fn evict(&mut self, ids: &[u8]) {
+        let n = self.a.pool().num_blocks();
+        let ids: Vec<BlockId> = ids.iter().map(|&x| x as u32 % n).collect();
+        self.a.evict_blocks(&ids).unwrap();
+    }
+
+    fn check(&mut self) {
+        invariants::check(&self.a).unwrap();
+        let pool = self.a.pool();
+        for b in 1..pool.num_blocks() {
+            if let Some((hash, _g)) = pool.block_hash(b) {
+                assert_eq!(
+                    BlockHash::from_u64(self.held[b as usize]),
+                    *hash,
+                    "block {b} is cached under a hash that is not its content"
+                );
+            }
+        }
+        for ev in self.a.take_events() {
+            match ev {
+                Event::Stored { group, hashes, .. } => {
+                    for h in hashes {
+                        *self.mirror.entry((h, group)).or_insert(0) += 1;
+                    }
+                }
+                Event::Removed { hash, group } => {
+                    let e = self.mirror.get_mut(&(hash, group)).expect("BlockRemoved of a hash never stored");
+                    *e -= 1;
+                    if *e == 0 {
+                        self.mirror.remove(&(hash, group));
+                    }
+                }
+                Event::AllCleared => self.mirror.clear(),
+            }
+        }
+        let pool = self.a.pool();
+        let mut index: HashMap<(BlockHash, u32), u32> = HashMap::new();
+        for b in 1..pool.num_blocks() {
+            if let Some(k) = pool.block_hash(b) {
+                *index.entry(*k).or_insert(0) += 1;
+            }
+        }
+        assert_eq!(index, self.mirror, "the events do not describe what is cached");
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Add { kind: u8, pick: u16, own: u8, out: u8 },
+    Step { pick: u16, n: u8 },
+    Free { pick: u16, retain: bool },
+    Evict(Vec<u8>),
+    Reset,
+    Pin { pick: u16 },
+    Share(u8),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (any::<u8>(), any::<u16>(), any::<u8>(), any::<u8>())
+            .prop_map(|(kind, pick, own, out)| Op::Add { kind, pick, own, out }),
+        8 => (any::<u16>(), 1u8..12).prop_map(|(pick, n)| Op::Step { pick, n }),
+        2 => (any::<u16>(), any::<bool>()).prop_map(|(pick, retain)| Op::Free { pick, retain }),
+        1 => proptest::collection::vec(any::<u8>(), 0..4).prop_map(Op::Evict),
+        1 => Just(Op::Reset),
+        1 => any::<u16>().prop_map(|pick| Op::Pin { pick }),
+        1 => any::<u8>().prop_map(Op::Share),
+    ]
+}
+
+fn run(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>, ops: &[Op]) -> Model {
+    let mut m = Model::new(kinds, num_blocks, retention, Policy::HitAware);
+    for o in ops {
+        match o {
+            Op::Add { kind, pick, own, out } => m.add(*kind, *pick, *own, *out),
+            Op::Step { pick, n } => {
+                for _ in 0..*n {
+                    m.step(*pick);
+                }
+            }
+            Op::Free { pick, retain } => {
+                if !m.live.is_empty() {
+                    let i = *pick as usize % m.live.len();
+                    m.finish(i, *retain);
+                }
+            }
+            Op::Evict(ids) => m.evict(ids),
+            Op::Reset => {
+                m.a.reset_prefix_cache();
+            }
+            Op::Pin { pick } => m.pin(*pick),
+            Op::Share(x) => {
+                // Refused (and nothing changes) when below what is pinned.
+                let _ = m.a.set_pinned_share(*x as f64 / 255.0);
+            }
+        }
+        m.check();
+    }
+    while !m.live.is_empty() {
+        m.finish(0, false);
+        m.check();
+    }
+    m
+}
+
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    #[test]
+    fn hit_aware_full_and_window_hits_hold_own_content(
+        ops in proptest::collection::vec(op(), 1..120), nb in 24u32..160, r in 0u8..3,
+    ) {
+        let retention = [Some(0), None, Some(16)][r as usize];
+        run(&[AttentionKind::Full, swa(9)], nb, retention, &ops);
+    }
+
+    #[test]
+    fn hit_aware_two_window_groups_hits_hold_own_content(
+        ops in proptest::collection::vec(op(), 1..120), nb in 24u32..200,
+    ) {
+        run(&[AttentionKind::Full, swa(9), swa(5)], nb, Some(0), &ops);
+    }
+
+    #[test]
+    fn hit_aware_window_only_hits_hold_own_content(
+        ops in proptest::collection::vec(op(), 1..120), nb in 16u32..120,
+    ) {
+        run(&[swa(13)], nb, Some(0), &ops);
+    }
+}
+
+#[test]
+fn ops_generator_serves_hits_under_pressure() {
+    // The generator must reach what the properties are about: hits served, and eviction.
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let mut hits = 0;
+    for _ in 0..32 {
+        let ops = proptest::collection::vec(op(), 60..120).new_tree(&mut runner).unwrap().current();
+        hits += run(&[AttentionKind::Full, swa(9)], 48, Some(0), &ops).hits_served;
+    }
+    assert!(hits > 50, "only {hits} hits served over 32 runs");
+}
+
+// ---- deterministic scenarios -------------------------------------------------------------
+
+/// Runs a chat: one request, then the next turn re-sending its whole sequence plus a new
+/// message; returns the second turn's hit.
+fn chat_second_turn_hit(policy: Policy) -> u32 {
+    let mut m = Model::new(&[AttentionKind::Full, swa(9)], 200, Some(0), policy);
+    m.add(0, 0, 5, 11); // a 6-block prompt (24 tokens - 5 % 4), 12 output tokens
+    while !m.live.is_empty() {
+        m.step(0);
+        m.check();
+    }
+    let before = m.hit_tokens;
+    m.add(2, 0, 2, 3); // the whole first conversation + a new message
+    m.check();
+    (m.hit_tokens - before) as u32
+}
+
+#[test]
+fn chat_next_turn_hit_aware_hits_the_reply_exact_resumes_at_prompt_end() {
+    let exact = chat_second_turn_hit(Policy::Exact);
+    let aware = chat_second_turn_hit(Policy::HitAware);
+    // Prompt 23 tokens, 12 replies: 34 tokens computed, 8 full blocks = 32 tokens.
+    assert_eq!(aware, 32, "hit-aware resumes where the first turn's computation ended");
+    assert!(exact < aware, "exact resumes at the previous prompt's end ({exact} tokens)");
+    assert_eq!(exact, 20, "exact keeps the window tail at the prompt's last full block");
+}
+
+#[test]
+fn free_hit_aware_speculative_window_blocks_evicted_before_full_attention_prefix() {
+    let mut m = Model::new(&[AttentionKind::Full, swa(9)], 64, Some(0), Policy::HitAware);
+    m.add(0, 0, 5, 3);
+    while !m.live.is_empty() {
+        m.step(0);
+    }
+    m.check();
+    let pool = m.a.pool();
+    let levels =
+        pool.free_queue_order().iter().map(|&b| (pool.block_hash(b).is_some(), pool.level(b))).collect::<Vec<_>>();
+    // Unhashed blocks first, then speculative, then normal: never a lower level after a higher.
+    let rank = |(hashed, l): (bool, u8)| if hashed { 1 + l as u32 } else { 0 };
+    assert!(levels.windows(2).all(|w| rank(w[0]) <= rank(w[1])), "free queue out of level order: {levels:?}");
+    assert!(levels.iter().any(|&(h, l)| h && l == LEVEL_SPECULATIVE), "no speculative window block kept");
+    assert!(levels.iter().any(|&(h, l)| h && l == LEVEL_NORMAL));
+}
+
+#[test]
+fn allocate_hit_aware_pressure_takes_speculative_before_normal() {
+    let mut m = Model::new(&[AttentionKind::Full, swa(9)], 40, Some(0), Policy::HitAware);
+    m.add(0, 0, 5, 3);
+    while !m.live.is_empty() {
+        m.step(0);
+    }
+    m.check();
+    let normal_before: Vec<BlockId> = {
+        let p = m.a.pool();
+        (1..p.num_blocks()).filter(|&b| p.block_hash(b).is_some() && p.level(b) == LEVEL_NORMAL).collect()
+    };
+    // A fresh request takes every unhashed and speculative block before any normal one.
+    let free = m.a.num_free_blocks();
+    let normal = normal_before.len() as u32;
+    let take = (free - normal) / 2 * BS; // two groups
+    let h = m.a.add_request();
+    let args = AllocateArgs { num_new_tokens: take, num_prompt_tokens: take, num_tokens: take, ..Default::default() };
+    assert!(m.a.allocate_slots(h, &args, NewComputed::Empty).unwrap().is_some());
+    let p = m.a.pool();
+    for b in normal_before {
+        assert!(p.block_hash(b).is_some(), "normal block {b} evicted while speculative blocks were free");
+    }
+}
+
+#[test]
+fn allocator_exact_policy_is_default_and_keeps_one_lru_level() {
+    let a = Allocator::new(config(&[AttentionKind::Full, swa(9)], 32, Some(0))).unwrap();
+    assert_eq!(a.policy(), Policy::Exact);
+    assert!(!a.pool().is_leveled());
+    let b = Allocator::with_policy(config(&[AttentionKind::Full, swa(9)], 32, Some(0)), Policy::HitAware).unwrap();
+    assert!(b.pool().is_leveled());
+}
+
+#[test]
+fn pin_prefix_hit_aware_survives_pressure_that_evicts_unpinned() {
+    let mut m = Model::new(&[AttentionKind::Full, swa(9)], 64, Some(0), Policy::HitAware);
+    // Pin family 0's first 6 blocks, then run it once and let it finish.
+    let fam: Vec<u64> = m.families[0][..6].to_vec();
+    let hashes: Vec<BlockHash> = chain_of(&fam).into_iter().map(BlockHash::from_u64).collect();
+    // Full group: 6 blocks; window group (need 2): 2 blocks.
+    assert_eq!(m.a.pin_prefix(&hashes).unwrap(), 8);
+    m.add(1, 15, 0, 0); // family 0, 6 blocks (pick 15: 15 / 3 % 24 + 1 = 6), 1 own block
+    while !m.live.is_empty() {
+        m.step(0);
+    }
+    m.check();
+    // Flood the pool with unrelated requests, one after the other.
+    for _ in 0..12 {
+        m.add(0, 0, 5, 3);
+        while !m.live.is_empty() {
+            m.step(0);
+        }
+        m.check();
+    }
+    // The pinned prefix still hits whole.
+    let before = m.hit_tokens;
+    m.add(1, 15, 1, 0);
+    m.check();
+    assert_eq!(m.hit_tokens - before, 24, "the pinned 6-block prefix was evicted");
+    // Unpinned: same flood, the prefix is gone.
+    let mut u = Model::new(&[AttentionKind::Full, swa(9)], 64, Some(0), Policy::HitAware);
+    u.add(1, 15, 0, 0);
+    while !u.live.is_empty() {
+        u.step(0);
+    }
+    for _ in 0..12 {
+        u.add(0, 0, 5, 3);
+        while !u.live.is_empty() {
+            u.step(0);
+        }
+    }
+    let before = u.hit_tokens;
+    u.add(1, 15, 1, 0);
+    assert!(u.hit_tokens - before < 24, "the flood does not evict: the test proves nothing");
+}
+
+#[test]
+fn pin_prefix_past_share_refused_and_exact_refuses_pinning() {
+    let mut a = Allocator::with_policy(config(&[AttentionKind::Full, swa(9)], 41, Some(0)), Policy::HitAware).unwrap();
+    a.set_pinned_share(0.1).unwrap(); // 4 blocks
+    let hashes: Vec<BlockHash> = chain_of(&[1, 2, 3, 4]).into_iter().map(BlockHash::from_u64).collect();
+    let err = a.pin_prefix(&hashes).unwrap_err();
+    assert!(err.to_string().contains("pinned share"), "{err}");
+    assert_eq!(a.pin_prefix(&hashes[..2]).unwrap(), 4);
+    assert!(a.set_pinned_share(0.05).is_err());
+    assert!(a.set_pinned_share(1.5).is_err());
+    let mut e = Allocator::new(config(&[AttentionKind::Full, swa(9)], 41, Some(0))).unwrap();
+    assert!(e.pin_prefix(&hashes).is_err());
+}
+
+#[test]
+fn free_retained_hit_aware_keeps_within_pinned_share() {
+    let mut m = Model::new(&[AttentionKind::Full, swa(9)], 64, Some(0), Policy::HitAware);
+    m.a.set_pinned_share(0.1).unwrap(); // 6 blocks
+    for _ in 0..4 {
+        m.add(0, 0, 5, 3);
+        while m.live.len() == 1 && m.live[0].num_tokens - m.live[0].prompt + 1 < m.live[0].max_tokens {
+            m.step(0);
+        }
+        if !m.live.is_empty() {
+            m.finish(0, true);
+        }
+        m.check();
+        assert!(m.a.pool().pinned_free() <= 6);
+    }
+    assert_eq!(m.a.pool().pinned_free(), 6, "retained requests fill the pinned share");
+}

@@ -1,0 +1,182 @@
+"""The README's compatibility table is true for the installed vLLM release: for each row that
+a ``KVCacheManager`` construction expresses, the adapter's decision
+(``native_config_or_reason``, what ``HybridKVCacheManager(...)`` acts on) is "native" where
+the table says native, and where it says "falls back" the reason it gives is the one quoted
+in that row's cell for this release."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _table() -> dict[str, dict[str, str]]:
+    """Row label -> {release: cell} of the README's compatibility table."""
+    text = README.read_text()
+    section = text[text.index("### Compatibility"):]
+    all_lines = section.splitlines()
+    first = next(i for i, ln in enumerate(all_lines) if ln.startswith("|"))
+    lines: list[str] = []
+    for ln in all_lines[first:]:  # the first table of the section only
+        if not ln.startswith("|"):
+            break
+        lines.append(ln)
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    releases = [re.sub(r"^vLLM ", "", h) for h in header[1:]]
+    rows: dict[str, dict[str, str]] = {}
+    for ln in lines[2:]:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        rows[cells[0]] = dict(zip(releases, cells[1:]))
+    return rows
+
+
+def _release() -> str:
+    from hybrid_alloc.vllm.plugin import vllm_release
+
+    release = vllm_release()
+    assert release is not None
+    return release
+
+
+def _cell(row_prefix: str) -> str:
+    rows = _table()
+    label = next((k for k in rows if k.startswith(row_prefix)), None)
+    assert label is not None, f"README compatibility table has no row {row_prefix!r}"
+    release = _release()
+    assert release in rows[label], f"README compatibility table has no column for vLLM {release}"
+    cell = rows[label][release]
+    if cell.startswith("same as "):
+        cell = rows[label][cell[len("same as "):]]
+    return cell
+
+
+def _kwargs(specs: list[Any], **over: Any) -> dict[str, Any]:
+    from vllm_harness import Setup
+
+    kw = Setup("t", specs, num_blocks=400).manager_kwargs(events=False)
+    kw.update(over)
+    return kw
+
+
+def _decide(kwargs: dict[str, Any], vllm_config: Any = None) -> tuple[bool, str]:
+    from hybrid_alloc.vllm import manager
+
+    previous = manager.current_vllm_config
+    manager.current_vllm_config = vllm_config
+    try:
+        native, reason = manager.native_config_or_reason(**kwargs)
+    finally:
+        manager.current_vllm_config = previous
+    return native is not None, reason
+
+
+def _specs(name: str) -> list[Any]:
+    import torch
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec, MambaSpec
+
+    from vllm_harness import chunked, full, mla, swa
+
+    return {
+        "full": [full(16)],
+        "mla": [mla(16)],
+        "swa": [swa(64, 16)],
+        "swa_retained": [full(16), swa(64, 16)],
+        "chunked": [full(16), chunked(64, 16)],
+        "mix": [full(16), swa(64, 16), chunked(128, 16)],
+        "swa_bs32_over_full_bs16": [full(16), swa(64, 32)],
+        "full_bs32": [full(32)],
+        "cross": [full(16), CrossAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)],
+        "mamba": [full(16), MambaSpec(block_size=16, shapes=((16, 16),), dtypes=(torch.float32,))],
+    }[name]
+
+
+# (row of the table, specs, extra KVCacheManager arguments, the fallback reason's quoted
+# fragment or None for native). Rows that need a whole VllmConfig (speculative methods,
+# routed experts) are proven by the scheduler parity tests instead.
+CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
+    ("full attention, MLA", "full", {}, None),
+    ("full attention, MLA", "mla", {}, None),
+    ("sliding window", "swa", {}, None),
+    ("chunked local attention", "chunked", {}, None),
+    ("any mix of the above", "mix", {}, None),
+    ("prefix caching on or off", "swa_retained", {"enable_caching": False}, None),
+    ("KV cache events", "swa_retained", {"enable_kv_cache_events": True}, None),
+    ("sync and async scheduling", "swa_retained", {"watermark": 0.02, "max_in_flight_tokens": 4096}, None),
+    ("groups of different block sizes", "swa_bs32_over_full_bs16", {"scheduler_block_size": 32}, None),
+    ("groups of different block sizes", "full_bs32", {"scheduler_block_size": 32}, "(partial-block prefix entries)"),
+    ("cross attention", "cross", {"enable_caching": False}, None),
+    ("cross attention", "cross", {}, "cross attention with prefix caching on"),
+    ("Mamba / linear attention", "mamba", {"enable_caching": False}, "KV cache zeroing (Mamba or mixed-precision groups)"),
+    ("decode/prefill context parallelism", "full", {"dcp_world_size": 2}, "decode/prefill context parallelism"),
+    ("KV cache residency metrics", "full", {"metrics_collector": object()}, "KV cache residency metrics"),
+    ("multi-module MTP", "full", {"num_prefill_lookahead": 2}, "multi-token prefill lookahead"),
+]
+
+
+@pytest.mark.parametrize("row, specs, over, fragment", CASES, ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(CASES)])
+def test_row_matches_the_adapter(row: str, specs: str, over: dict[str, Any], fragment: str | None) -> None:
+    cell = _cell(row)
+    native, reason = _decide(_kwargs(_specs(specs), **over))
+    if fragment is None:
+        assert native, f"{row}: falls back ({reason}), the README says {cell!r}"
+        assert cell.startswith("native"), cell
+    else:
+        assert not native and fragment in reason, (row, reason)
+        assert f'"{fragment}' in cell or fragment in cell, f"{row}: the README cell {cell!r} does not quote {fragment!r}"
+
+
+def test_eagle_block_drop_row() -> None:
+    """The Scheduler passes ``use_eagle=True`` where vLLM drops the last block for EAGLE: on
+    0.32 for every EAGLE/MTP/DFlash/DSpark run, on 0.33 when lookahead hashes are off."""
+    release = _release()
+    native, reason = _decide(_kwargs(_specs("full"), use_eagle=True))
+    assert not native and reason == "EAGLE/MTP prefix-cache block drop"
+    row = "EAGLE / MTP with `disable_lookahead_block_hashes`" if release != "0.32.0" else "EAGLE / EAGLE3 / MTP"
+    assert '"EAGLE/MTP prefix-cache block drop"' in _cell(row)
+
+
+def test_kv_connector_row() -> None:
+    from types import SimpleNamespace
+
+    native, reason = _decide(_kwargs(_specs("full")), vllm_config=SimpleNamespace(kv_transfer_config=object()))
+    assert not native and reason == "a KV connector is configured"
+    assert f'"{reason}"' in _cell("a KV connector")
+
+
+def test_routed_experts_row() -> None:
+    from types import SimpleNamespace
+
+    vc = SimpleNamespace(kv_transfer_config=None, aux_output_config=SimpleNamespace(enabled=True))
+    native, reason = _decide(_kwargs(_specs("full")), vllm_config=vc)
+    assert not native and reason == "auxiliary outputs (--enable-return-routed-experts)"
+    assert f'"{reason}"' in _cell("routed experts")
+
+
+def test_lookahead_hashes_row_on_033() -> None:
+    """0.33: EAGLE-style lookahead block hashes (``use_eagle=False``, ``num_hash_lookahead_tokens>0``)."""
+    if _release() == "0.32.0":
+        assert _cell("EAGLE / EAGLE3 / MTP").startswith("falls back")
+        return
+    native, reason = _decide(_kwargs(_specs("swa_retained"), num_hash_lookahead_tokens=1))
+    assert native, reason
+    assert _cell("EAGLE / EAGLE3 / MTP").startswith("native")
+
+
+def test_every_row_has_every_tested_release() -> None:
+    from hybrid_alloc.vllm.plugin import TESTED_VLLM_RELEASES
+
+    rows = _table()
+    assert len(rows) >= 15
+    for label, cells in rows.items():
+        if label == "any other vLLM release":
+            continue
+        assert sorted(cells) == sorted(TESTED_VLLM_RELEASES), label
+        for release, cell in cells.items():
+            assert cell.startswith(("native", "falls back", "same as ")), (label, release, cell)
