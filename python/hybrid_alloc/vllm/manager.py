@@ -927,12 +927,17 @@ class HybridKVCacheManager:
         if st is None:
             return []
         request._hybrid_alloc_handle = -1
+        groups = self._alloc.block_ids(st[0]) if TRIM_NULL_HEAD else None
         ids = self._alloc.pop_blocks_for_free(st[0])
-        if TRIM_NULL_HEAD:
-            # vLLM 0.33 drops each group's leading null blocks (``trim_null_head``). In the
-            # tables the core serves, null blocks only ever lead a table (skipped blocks of
-            # a window or chunk, a hit's skipped prefix), so dropping every null is that.
-            ids = [b for b in ids if b != 0]
+        if groups is not None:
+            # vLLM 0.33 drops each group's leading null blocks (``trim_null_head``); a
+            # Mamba "align" table also has null gaps after its first state block, kept.
+            ids = []
+            for g in groups:
+                n = 0
+                while n < len(g) and g[n] == 0:
+                    n += 1
+                ids.extend(g[n:])
         return [NativeBlock(self._alloc, b) for b in ids]
 
     def evict_blocks(self, block_ids: set[int]) -> None:
