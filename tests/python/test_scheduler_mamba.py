@@ -6,8 +6,9 @@ prefill chunks at Mamba block boundaries) and off (mode "none", one state block 
 of ``max_model_len`` tokens). The SchedulerOutputs, KV events, usage, hits and the block ids
 handed to the model runner for zeroing must be identical at every step.
 
-The model folders are config-only (vLLM's planner groups and sizes the specs built here);
-the Mamba state page is padded to the attention page as vLLM's hybrid config does."""
+The model folders are config-only (vLLM's planner groups and sizes the specs that
+``hybrid_alloc.vllm.offline`` builds; the Mamba state page is padded to the attention page
+as vLLM's hybrid config does)."""
 
 from __future__ import annotations
 
@@ -23,63 +24,27 @@ CASES = ["qwen35_gdn_align_sync", "qwen35_gdn_align_async", "qwen35_gdn_nocache"
 
 def _setup(case: str) -> Any:
     import torch
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
 
-    from hybrid_alloc.vllm.offline import LayerKind, ModelShape, SchedulerSetup
+    from hybrid_alloc.vllm.offline import LayerKind, MambaState, ModelShape, SchedulerSetup
 
-    @dataclasses.dataclass(frozen=True)
-    class MambaShape(ModelShape):
-        mamba_type: Any = MambaAttentionBackendEnum.GDN_ATTN
+    def shape(name: str, every: int, n: int, mamba_type: str) -> ModelShape:
+        # A state small enough for a 16-token attention page (vLLM pads it to that page).
+        layers = tuple(LayerKind("full") if i % every == every - 1 else LayerKind("mamba") for i in range(n))
+        state = MambaState(shapes=((3, 256), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32), mamba_type=mamba_type)
+        return ModelShape(name, layers, num_kv_heads=2, head_size=64, weight_bytes=0, max_model_len=2048,
+                          mamba_state=state)
 
-        def kv_cache_specs(self, block_size: int, no_hybrid: bool = False) -> dict[str, KVCacheSpec]:
-            specs: dict[str, KVCacheSpec] = {}
-            attn = FullAttentionSpec(
-                block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size, dtype=self.dtype
-            )
-            page = attn.page_size_bytes
-            for i, layer in enumerate(self.layers):
-                if layer.kind == "full":
-                    specs[f"model.layers.{i}.self_attn.attn"] = attn
-                else:
-                    align = layer.window == 1
-                    specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
-                        block_size=block_size if align else self.max_model_len,
-                        shapes=((3, 256), (4, 16, 16)),
-                        dtypes=(torch.bfloat16, torch.float32),
-                        page_size_padded=page,
-                        mamba_type=self.mamba_type,
-                        mamba_cache_mode="align" if align else "none",
-                    )
-            return specs
-
-    @dataclasses.dataclass
-    class MambaSchedulerSetup(SchedulerSetup):
-        def vllm_config(self) -> Any:
-            vc = super().vllm_config()
-            cc = vc.cache_config
-            cc.mamba_cache_mode = "align" if self.enable_prefix_caching else "none"
-            cc.mamba_block_size = self.block_size if self.enable_prefix_caching else self.shape.max_model_len
-            return vc
-
-    def shape(name: str, every: int, n: int, align: bool, mamba_type: Any) -> MambaShape:
-        layers = tuple(LayerKind("full") if i % every == every - 1 else LayerKind("mamba", int(align)) for i in range(n))
-        return MambaShape(name, layers, num_kv_heads=2, head_size=64, weight_bytes=0, max_model_len=2048,
-                          mamba_type=mamba_type)
-
-    gdn = MambaAttentionBackendEnum.GDN_ATTN
-    m2 = MambaAttentionBackendEnum.MAMBA2
     cases = {
-        "qwen35_gdn_align_sync": dict(shape=shape("tiny-qwen3.5", 4, 8, True, gdn), num_blocks=260),
-        "qwen35_gdn_align_async": dict(shape=shape("tiny-qwen3.5", 4, 8, True, gdn), num_blocks=300,
+        "qwen35_gdn_align_sync": dict(shape=shape("tiny-qwen3.5", 4, 8, "GDN_ATTN"), num_blocks=260),
+        "qwen35_gdn_align_async": dict(shape=shape("tiny-qwen3.5", 4, 8, "GDN_ATTN"), num_blocks=300,
                                        async_scheduling=True),
-        "qwen35_gdn_nocache": dict(shape=shape("tiny-qwen3.5", 4, 8, False, gdn), num_blocks=260,
+        "qwen35_gdn_nocache": dict(shape=shape("tiny-qwen3.5", 4, 8, "GDN_ATTN"), num_blocks=260,
                                    enable_prefix_caching=False),
-        "nemotron_h_align_sync": dict(shape=shape("tiny-nemotron-h", 7, 14, True, m2), num_blocks=300),
+        "nemotron_h_align_sync": dict(shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=300),
     }
     kw = cases[case]
-    return MambaSchedulerSetup(max_num_seqs=24, max_num_batched_tokens=512,
-                               kv_events=kw.get("enable_prefix_caching", True), **kw)
+    return SchedulerSetup(max_num_seqs=24, max_num_batched_tokens=512, kv_events=kw.get("enable_prefix_caching", True),
+                          **kw)
 
 
 def _run(setup: Any) -> dict[str, Any]:
