@@ -45,6 +45,7 @@ fn full_only(num_blocks: u32) -> Config {
         enable_events: false,
         watermark_blocks: 0,
         retention_interval: None,
+        zero_new_blocks: false,
     }
 }
 

@@ -474,6 +474,42 @@ impl BlockPool {
         }
     }
 
+    /// Keys block `b` (table index `idx` of `req`, group `key.1`) under `key` for a prefix of
+    /// `num_tokens` tokens, one block of `block_size` ending there (vLLM's
+    /// `cache_partial_block` for a block that holds no hash yet), emitting `Stored` with
+    /// `parent`. Returns `false`, changing nothing, when `b` already holds a hash.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cache_one_block(
+        &mut self,
+        req: ReqHandle,
+        b: BlockId,
+        idx: u32,
+        key: HashKey,
+        num_tokens: u32,
+        block_size: u32,
+        parent: Option<BlockHash>,
+    ) -> bool {
+        if b == NULL_BLOCK || self.hash[b as usize].is_some() {
+            return false;
+        }
+        self.hash[b as usize] = Some(key);
+        self.hash_tokens[b as usize] = num_tokens;
+        self.index.insert(key, b);
+        if self.enable_events {
+            self.events.push(Event::Stored {
+                req,
+                group: key.1,
+                block_size,
+                start_token: num_tokens - block_size,
+                end_token: num_tokens,
+                parent,
+                hashes: vec![key.0],
+                block_indices: vec![idx],
+            });
+        }
+        true
+    }
+
     /// Drops the hashes of the given blocks from the prefix cache; blocks in use stay
     /// allocated (vLLM's `evict_blocks`). Ids were range-checked by the caller.
     pub fn evict_blocks(&mut self, ids: &[BlockId]) {

@@ -18,12 +18,35 @@ pub enum AttentionKind {
     /// Cross attention (encoder-decoder): a static allocation from the encoder length,
     /// never prefix cached.
     Cross,
+    /// Mamba / linear-attention state (vLLM's `MambaSpec` + `MambaManager`): only the state
+    /// after the last computed token is needed, so every block before the one holding it
+    /// goes back to the pool. `speculative_blocks` extra state blocks are kept for
+    /// speculative decoding. `align` is vLLM's `mamba_cache_mode == "align"` (prefix caching
+    /// of states at block boundaries); `false` is mode `"none"`. `rekey_cached_tail` is
+    /// vLLM 0.32's rule for the prompt's checkpoint state in "align" (a state block already
+    /// keyed there counts as cached again this step); vLLM 0.33 skips it.
+    Mamba { speculative_blocks: u32, align: bool, rekey_cached_tail: bool },
+    /// A circular buffer (vLLM's `CircularBufferSpec`, DeepSeek-V4's compressor ring): one
+    /// block per request for its whole life, never prefix cached, never zeroed.
+    CircularBuffer,
 }
 
 impl AttentionKind {
     /// Whether vLLM treats this kind as a `FullAttentionSpec` in the hybrid hit search.
     pub fn is_full(&self) -> bool {
         matches!(self, AttentionKind::Full)
+    }
+
+    /// Whether vLLM records this kind's new blocks for KV cache zeroing: attention specs
+    /// other than circular buffers (a Mamba state block is not an attention block).
+    pub fn is_attention(&self) -> bool {
+        !matches!(self, AttentionKind::Mamba { .. } | AttentionKind::CircularBuffer)
+    }
+
+    /// Whether the group takes part in prefix caching (vLLM's `prefix_cacheable`; cross
+    /// attention is refused with caching on, so it counts as cacheable here).
+    pub fn is_prefix_cacheable(&self) -> bool {
+        !matches!(self, AttentionKind::CircularBuffer)
     }
 }
 
@@ -63,6 +86,10 @@ pub struct Config {
     /// `KVCacheConfig.prefix_cache_retention_interval`: `None` dense, `Some(0)` only
     /// replay boundaries, `Some(n)` also every `n` tokens (sliding window only).
     pub retention_interval: Option<u32>,
+    /// `KVCacheConfig.needs_kv_cache_zeroing` (Mamba layers or mixed-precision attention
+    /// caches): attention groups record the blocks they hand out, for
+    /// [`crate::Allocator::take_new_block_ids`].
+    pub zero_new_blocks: bool,
 }
 
 /// The largest pool: block ids and the free queue's two sentinel slots fit a `u32`.
@@ -168,9 +195,18 @@ impl Config {
                 AttentionKind::ChunkedLocal { chunk: 0 } => {
                     return bad(format!("group {i}: attention chunk size must be positive"));
                 }
+                AttentionKind::Mamba { speculative_blocks, .. } if speculative_blocks > 1 << 20 => {
+                    return bad(format!("group {i}: {speculative_blocks} speculative Mamba blocks"));
+                }
+                AttentionKind::Mamba { align: true, .. } if !self.enable_caching => {
+                    return Err(Error::Unsupported(format!(
+                        "group {i}: Mamba cache mode \"align\" with prefix caching off (vLLM's config \
+                         sets \"none\" then)"
+                    )));
+                }
                 _ => {}
             }
-            if self.enable_caching {
+            if self.enable_caching && g.kind.is_prefix_cacheable() {
                 if g.block_size % self.hash_block_size != 0 {
                     return bad(format!(
                         "group {i}: block_size {} is not a multiple of hash_block_size {}",
@@ -178,7 +214,32 @@ impl Config {
                     ));
                 }
                 if matches!(g.kind, AttentionKind::Cross) {
-                    return Err(Error::Unsupported(format!("group {i}: cross attention with prefix caching on")));
+                    return Err(Error::Unsupported(format!(
+                        "group {i}: cross attention with prefix caching on (vLLM's own \
+                         CrossAttentionManager raises on cache_blocks and on the hit search then; \
+                         vLLM turns prefix caching off for encoder-decoder models)"
+                    )));
+                }
+                if matches!(g.kind, AttentionKind::Mamba { align: false, .. }) {
+                    return Err(Error::Unsupported(format!(
+                        "group {i}: Mamba cache mode \"none\" with prefix caching on (vLLM itself switches \
+                         to \"align\" when prefix caching is on)"
+                    )));
+                }
+                if let AttentionKind::Mamba { align: true, speculative_blocks, .. } = g.kind {
+                    if speculative_blocks > 0 {
+                        return Err(Error::Unsupported(format!(
+                            "group {i}: {speculative_blocks} speculative Mamba state blocks in cache mode \
+                             \"align\" (relocated scratch blocks)"
+                        )));
+                    }
+                    if g.block_size != self.hash_block_size {
+                        return Err(Error::Unsupported(format!(
+                            "group {i}: Mamba block size {} over hash block size {} in cache mode \"align\" \
+                             (sub-block partial hits with copy-on-write)",
+                            g.block_size, self.hash_block_size
+                        )));
+                    }
                 }
                 if g.kind.is_full() && g.block_size != self.hash_block_size {
                     return Err(Error::Unsupported(format!(
@@ -198,11 +259,17 @@ impl Config {
                 }
             }
         }
+        if self.enable_caching && !self.groups.iter().any(|g| g.kind.is_prefix_cacheable()) {
+            return Err(Error::Unsupported("prefix caching on with no prefix-cacheable group".into()));
+        }
         if self.coordinator_kind() == CoordinatorKind::Unitary && self.hash_block_size != self.groups[0].block_size {
             return bad("a single cached group needs hash_block_size == block_size".into());
         }
         if let Some(r) = self.retention_interval {
-            let has_sparse = self.groups.iter().any(|g| matches!(g.kind, AttentionKind::SlidingWindow { .. }));
+            let has_sparse = self
+                .groups
+                .iter()
+                .any(|g| matches!(g.kind, AttentionKind::SlidingWindow { .. } | AttentionKind::Mamba { .. }));
             if !has_sparse && r != 0 {
                 return bad("prefix_cache_retention_interval is set but no sliding-window group exists".into());
             }

@@ -183,6 +183,9 @@ pub struct AllocateArgs {
     pub num_tokens: u32,
     /// `request.shared_prefix_boundary`.
     pub shared_prefix_boundary: u32,
+    /// Bit `g` set: group `g`'s blocks for external tokens are written by an async load and
+    /// are not recorded for zeroing (vLLM's `skip_zeroing_group_ids`).
+    pub skip_zeroing_groups: u64,
 }
 
 /// Where `allocate_slots` takes the request's new cache-hit blocks from.
@@ -257,11 +260,15 @@ impl Allocator {
             .groups
             .iter()
             .enumerate()
-            .map(|(i, g)| SingleTypeManager::new(*g, i as GroupId, cfg.max_admission_blocks(g), caching, align))
+            .map(|(i, g)| {
+                let mut m = SingleTypeManager::new(*g, i as GroupId, cfg.max_admission_blocks(g), caching, align);
+                m.records_new_block_ids = cfg.zero_new_blocks && g.kind.is_attention();
+                m
+            })
             .collect();
         let mut spec_groups: Vec<SpecGroup> = Vec::new();
         for (i, g) in cfg.groups.iter().enumerate() {
-            if matches!(g.kind, AttentionKind::Cross) {
+            if matches!(g.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
                 continue;
             }
             match spec_groups.iter_mut().find(|s| {
@@ -611,39 +618,54 @@ impl Allocator {
 
     // ---- allocation -----------------------------------------------------------------
 
+    /// The sum over groups of [`SingleTypeManager::get_num_blocks_to_allocate`]; may be
+    /// negative (a Mamba "align" group over-allocated in an earlier step), as in vLLM.
     #[allow(clippy::too_many_arguments)]
     fn num_blocks_to_allocate(
         &self,
         s: Slot,
         num_tokens: u32,
+        num_tokens_main_model: u32,
         new_computed: &[Vec<BlockId>],
         num_encoder_tokens: u32,
         total_computed_tokens: u32,
         apply_admission_cap: bool,
         adopting: bool,
-    ) -> u64 {
-        let mut n = 0u64;
+    ) -> i64 {
+        let mut n = 0i64;
         for (i, m) in self.managers.iter().enumerate() {
             n += if matches!(m.spec.kind, AttentionKind::Cross) {
-                m.get_num_blocks_to_allocate(&self.pool, s, num_encoder_tokens, &[], 0, apply_admission_cap, adopting)
+                m.get_num_blocks_to_allocate(
+                    &self.pool,
+                    s,
+                    num_encoder_tokens,
+                    num_encoder_tokens,
+                    &[],
+                    0,
+                    apply_admission_cap,
+                    adopting,
+                )
             } else {
                 let nc: &[BlockId] = new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
                 m.get_num_blocks_to_allocate(
                     &self.pool,
                     s,
                     num_tokens,
+                    num_tokens_main_model,
                     nc,
                     total_computed_tokens,
                     apply_admission_cap,
                     adopting,
                 )
-            } as u64;
+            };
         }
         n
     }
 
-    /// Blocks `h` needs from the pool for `num_tokens` slots with the given new hit
-    /// (vLLM's `coordinator.get_num_blocks_to_allocate`, used by the scheduler directly).
+    /// Blocks `h` needs from the pool for `num_tokens` slots (`num_tokens_main_model` of
+    /// them for the target model) with no new hit (vLLM's
+    /// `coordinator.get_num_blocks_to_allocate`, used by the scheduler directly). Negative
+    /// when a Mamba "align" table holds more than it needs, as in vLLM.
     ///
     /// # Errors
     /// Unknown handle.
@@ -651,14 +673,16 @@ impl Allocator {
         &self,
         h: ReqHandle,
         num_tokens: u32,
+        num_tokens_main_model: u32,
         num_encoder_tokens: u32,
         total_computed_tokens: u32,
         apply_admission_cap: bool,
-    ) -> Result<u64> {
+    ) -> Result<i64> {
         let s = self.slot(h)?;
         Ok(self.num_blocks_to_allocate(
             s,
             num_tokens,
+            num_tokens_main_model,
             &[],
             num_encoder_tokens,
             total_computed_tokens,
@@ -777,9 +801,11 @@ impl Allocator {
         }
         let mut seen: rustc_hash::FxHashSet<BlockId> = Default::default();
         for (g, (m, v)) in self.managers.iter().zip(nc).enumerate() {
-            if matches!(m.spec.kind, AttentionKind::Cross) {
+            if matches!(m.spec.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
                 if !v.is_empty() {
-                    return Err(Error::OutOfRange(format!("group {g} (cross attention) cannot have cache-hit blocks")));
+                    return Err(Error::OutOfRange(format!(
+                        "group {g} (cross attention or circular buffer) cannot have cache-hit blocks"
+                    )));
                 }
                 continue;
             }
@@ -856,6 +882,16 @@ impl Allocator {
         } else {
             self.validate_hit(s, nc, a.num_new_computed_tokens, explicit)?;
         }
+        let num_local = a.num_computed_tokens as u64 + a.num_new_computed_tokens as u64;
+        for (m, v) in self.managers.iter().zip(nc) {
+            if m.is_mamba_align() && !v.is_empty() && num_local % m.block_size() as u64 != 0 {
+                return Err(Error::OutOfRange(format!(
+                    "a Mamba hit ending inside a block ({num_local} computed tokens, block size {}): \
+                     a partial hit needs copy-on-write, which is not served",
+                    m.block_size()
+                )));
+            }
+        }
         let tracked = self.managers.iter().any(|m| m.is_tracked(s));
         if has_new_computed && tracked {
             return Err(Error::OutOfRange("a running request cannot adopt new cache-hit blocks".into()));
@@ -879,8 +915,9 @@ impl Allocator {
         let watermark = if a.apply_watermark { self.cfg.watermark_blocks as u64 } else { 0 };
         if a.full_sequence_must_fit {
             let full = a.num_tokens.min(mml);
-            let need = self.num_blocks_to_allocate(s, full, nc, a.num_encoder_tokens, total_computed, true, adopts);
-            if need + watermark > self.pool.num_free_blocks() as u64 {
+            let need =
+                self.num_blocks_to_allocate(s, full, full, nc, a.num_encoder_tokens, total_computed, true, adopts);
+            if need + watermark as i64 > self.pool.num_free_blocks() as i64 {
                 return None;
             }
         }
@@ -890,13 +927,14 @@ impl Allocator {
         for m in self.managers.iter_mut() {
             m.remove_skipped_blocks(&mut self.pool, s, processed);
         }
-        let need = self.num_blocks_to_allocate(s, need_slot, nc, a.num_encoder_tokens, unclamped_total, false, adopts);
+        let need =
+            self.num_blocks_to_allocate(s, need_slot, main, nc, a.num_encoder_tokens, unclamped_total, false, adopts);
         let available = self.pool.num_free_blocks() as i64 - a.reserved_blocks as i64;
-        if (need + watermark) as i64 > available {
+        if need + watermark as i64 > available {
             return None;
         }
         if adopts {
-            self.allocate_new_computed_blocks(s, nc, num_local, a.num_external_computed_tokens);
+            self.allocate_new_computed_blocks(s, nc, num_local, a.num_external_computed_tokens, a.skip_zeroing_groups);
             if self.pool.is_leveled() {
                 for m in &self.managers {
                     m.promote_hit(&mut self.pool, s);
@@ -907,7 +945,7 @@ impl Allocator {
         for (g, m) in self.managers.iter_mut().enumerate() {
             let before = self.out_ids.len();
             let n = if matches!(m.spec.kind, AttentionKind::Cross) { a.num_encoder_tokens } else { need_slot };
-            m.allocate_new_blocks(&mut self.pool, s, n, &mut self.out_ids);
+            m.allocate_new_blocks(&mut self.pool, s, n, main, &mut self.out_ids);
             self.out_counts[g] = (self.out_ids.len() - before) as u32;
         }
         if !a.delay_cache_blocks {
@@ -919,14 +957,22 @@ impl Allocator {
         Some(self.out_ids.len() as u32)
     }
 
-    fn allocate_new_computed_blocks(&mut self, s: Slot, nc: &[Vec<BlockId>], num_local: u32, num_external: u32) {
+    fn allocate_new_computed_blocks(
+        &mut self,
+        s: Slot,
+        nc: &[Vec<BlockId>],
+        num_local: u32,
+        num_external: u32,
+        skip_zeroing_groups: u64,
+    ) {
         for (i, m) in self.managers.iter_mut().enumerate() {
             let blocks: &[BlockId] = nc.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
             m.add_local_computed_blocks(&mut self.pool, s, blocks, num_local, num_external);
         }
         if num_external > 0 {
-            for m in self.managers.iter_mut() {
-                m.allocate_external_computed_blocks(&mut self.pool, s, num_local, num_external);
+            for (g, m) in self.managers.iter_mut().enumerate() {
+                let record = skip_zeroing_groups >> g & 1 == 0;
+                m.allocate_external_computed_blocks(&mut self.pool, s, num_local, num_external, record);
             }
         }
     }
@@ -1057,6 +1103,7 @@ impl Allocator {
                 n,
                 self.cfg.retention_interval,
                 boundaries,
+                num_prompt_tokens,
             );
         }
     }
@@ -1316,13 +1363,59 @@ impl Allocator {
         let s = self.slot(h)?;
         let mut best: Option<u32> = None;
         for m in &self.managers {
-            if matches!(m.spec.kind, AttentionKind::Cross) {
+            if matches!(m.spec.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
                 continue;
             }
             let t = m.blocks(s).iter().map(|&b| self.pool.block_hash_num_tokens(b)).max().unwrap_or(0);
             best = Some(best.map_or(t, |x| x.min(t)));
         }
         Ok(best.unwrap_or(0))
+    }
+
+    /// A new scheduler step starts (vLLM's `KVCacheManager.new_step_starts`): Mamba "align"
+    /// groups stop deferring hits on states cached in the previous step.
+    pub fn new_step_starts(&mut self) {
+        for m in self.managers.iter_mut() {
+            m.new_step_starts();
+        }
+    }
+
+    /// Drains the block ids the attention groups handed out since the last call, group by
+    /// group, for the model runner to zero (vLLM's `KVCacheManager.take_new_block_ids`).
+    /// Empty unless [`Config::zero_new_blocks`].
+    pub fn take_new_block_ids(&mut self) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        for m in self.managers.iter_mut() {
+            m.take_new_block_ids(&mut out);
+        }
+        out
+    }
+
+    /// Whether block ids wait in [`Self::take_new_block_ids`].
+    pub fn has_new_block_ids(&self) -> bool {
+        self.managers.iter().any(|m| !m.pending_new_block_ids().is_empty())
+    }
+
+    /// Records `h`'s blocks from token `start_token` on for zeroing again (vLLM's
+    /// `record_blocks_for_zeroing`, after a failed KV load).
+    ///
+    /// # Errors
+    /// Unknown handle; `start_token` not a multiple of a recording group's block size
+    /// (checked before any change).
+    pub fn record_blocks_for_zeroing(&mut self, h: ReqHandle, start_token: u32) -> Result<()> {
+        let s = self.slot(h)?;
+        if let Some(m) = self.managers.iter().find(|m| m.records_new_block_ids && start_token % m.block_size() != 0) {
+            return Err(Error::OutOfRange(format!(
+                "start_token={start_token} is not a multiple of group {}'s block size {}",
+                m.group_id,
+                m.block_size()
+            )));
+        }
+        for m in self.managers.iter_mut() {
+            let idx = (start_token / m.block_size()) as usize;
+            m.record_blocks_for_zeroing(s, idx);
+        }
+        Ok(())
     }
 
     /// Free blocks.

@@ -72,8 +72,10 @@ pub fn check(a: &Allocator) -> Result<(), String> {
             if np > t.len() || t[..np].iter().any(|&b| b != NULL_BLOCK) {
                 return Err(format!("handle {h} group {g}: null prefix {np} does not match the table"));
             }
-            if !matches!(m.spec.kind, crate::config::AttentionKind::Cross)
-                && slots as usize > t.len() * m.block_size() as usize
+            if !matches!(
+                m.spec.kind,
+                crate::config::AttentionKind::Cross | crate::config::AttentionKind::CircularBuffer
+            ) && slots as usize > t.len() * m.block_size() as usize
             {
                 return Err(format!("handle {h}: slot limit {slots} beyond group {g}'s table"));
             }

@@ -1,7 +1,8 @@
 //! # hybrid_alloc
 //!
 //! The KV cache block allocator of vLLM V1 (0.32.0), in Rust, for models whose layers mix
-//! attention types: full attention, sliding window, chunked local, cross attention. Same
+//! attention types: full attention, sliding window, chunked local, cross attention, Mamba /
+//! linear-attention state (cache modes "none" and "align"), circular buffers. Same
 //! semantics as vLLM's Python `KVCacheManager` (same block ids, hits, free counts, events),
 //! at a fraction of its cost. `rust/py` (feature `python`) exposes it to Python; the vLLM
 //! integration lives in `python/hybrid_alloc/vllm`.
@@ -11,7 +12,8 @@
 //!  Allocator (coordinator.rs)        one per vLLM KVCacheManager
 //!   |- requests: slab of handles     generation, block hashes, pending cache hit, no-op limits
 //!   |- managers[g] (manager/)        one per KV cache group: block tables, num_cached,
-//!   |                                  attention-type rules (full | SWA | chunked | cross)
+//!   |                                  attention-type rules (full | SWA | chunked | cross |
+//!   |                                  Mamba none/align | circular buffer), zeroing records
 //!   '- BlockPool (block_pool.rs)     shared by all groups
 //!        |- ref_cnt / hash / hash_tokens  struct of arrays, indexed by block id
 //!        |- FreeQueue (free_queue.rs)     index-linked list = free list + LRU order
@@ -29,7 +31,8 @@
 //!   reused, so a stale or foreign handle is refused.
 //! - Each live request's stored no-op limits equal those its tables imply.
 //! - A block has a hash iff the prefix index maps that hash to it.
-//! - Tables are positional: out-of-window blocks become the null block in place.
+//! - Tables are positional: out-of-window blocks become the null block in place (a Mamba
+//!   "align" table is null except for its last state blocks, with null gaps between them).
 //! - Under the `hit-aware` policy (`policy.rs`): a free cached block sits in the free-queue
 //!   segment of its retention level; the free blocks at the pinned level are counted and
 //!   stay within the pinned share.
@@ -39,7 +42,7 @@
 //! |---|---|
 //! | `allocate_slots` (decode, no new block) | O(groups), no allocation |
 //! | `allocate_slots` (new blocks) | O(new blocks + freed out-of-window blocks) |
-//! | `find_longest_cache_hit` | O(blocks scanned) (full: hit + 1; SWA: right-to-left scan) |
+//! | `find_longest_cache_hit` | O(blocks scanned) (full: hit + 1; SWA, Mamba: right-to-left scan) |
 //! | `free` | O(table) |
 //! | pool pop / touch / free of one block | O(1) |
 //! | `reset_prefix_cache` | O(num_blocks) |

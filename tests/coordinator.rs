@@ -40,6 +40,7 @@ fn config(kinds: &[AttentionKind], num_blocks: u32) -> Config {
         enable_events: false,
         watermark_blocks: 0,
         retention_interval: None,
+        zero_new_blocks: false,
     }
 }
 

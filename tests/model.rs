@@ -107,6 +107,7 @@ fn make_config(shape: Shape, caching: bool, events: bool, num_blocks: u32, reten
         enable_events: events,
         watermark_blocks: 2,
         retention_interval,
+        zero_new_blocks: false,
     }
 }
 
@@ -123,11 +124,12 @@ fn cdiv(a: u32, b: u32) -> u32 {
 
 fn num_skipped_tokens(kind: AttentionKind, n: u32) -> u32 {
     match kind {
-        AttentionKind::Full | AttentionKind::Cross => 0,
+        AttentionKind::Full | AttentionKind::Cross | AttentionKind::CircularBuffer => 0,
         AttentionKind::SlidingWindow { window, extra_retained_tokens } => {
             (n as i64 - window as i64 + 1 - extra_retained_tokens as i64).max(0) as u32
         }
         AttentionKind::ChunkedLocal { chunk } => n / chunk * chunk,
+        AttentionKind::Mamba { .. } => n.saturating_sub(1),
     }
 }
 
@@ -590,7 +592,7 @@ impl Harness {
             AttentionKind::SlidingWindow { window, .. } => sliding(max_tokens, g, window),
             AttentionKind::ChunkedLocal { chunk } => chunked(max_tokens, g, chunk),
             AttentionKind::Full => full(max_tokens, g),
-            AttentionKind::Cross => unreachable!(),
+            AttentionKind::Cross | AttentionKind::Mamba { .. } | AttentionKind::CircularBuffer => unreachable!(),
         };
         if self.ng() == 1 {
             (other(max_len, 0), 0)

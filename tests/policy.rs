@@ -46,6 +46,7 @@ fn config(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>) -> C
         enable_events: true,
         watermark_blocks: 0,
         retention_interval: retention,
+        zero_new_blocks: false,
     }
 }
 

@@ -17,6 +17,7 @@
 
 pub mod chunked_local;
 pub mod full;
+pub mod mamba;
 pub mod sliding_window;
 
 use crate::block_pool::BlockPool;
@@ -96,7 +97,10 @@ pub fn find_longest_cache_hit(
         AttentionKind::ChunkedLocal { chunk } => {
             chunked_local::find_longest_cache_hit(pool, view, max_length, group_ids, block_size, chunk, out)
         }
-        AttentionKind::Cross => 0,
+        AttentionKind::Cross | AttentionKind::CircularBuffer => 0,
+        AttentionKind::Mamba { .. } => {
+            mamba::find_longest_cache_hit(pool, view, max_length, group_ids, block_size, alignment_tokens, out)
+        }
     }
 }
 
@@ -122,6 +126,25 @@ pub struct SingleTypeManager {
     null_prefix: Vec<u32>,
     /// Scratch for freed blocks (reused, so decode steps do not allocate).
     scratch: Vec<BlockId>,
+    /// Whether this group records the blocks it hands out for KV cache zeroing (vLLM's
+    /// `_record_new_block_ids`: zeroing needed and an attention group).
+    pub records_new_block_ids: bool,
+    /// The block ids handed out since the last [`Self::take_new_block_ids`], in order.
+    new_block_ids: Vec<BlockId>,
+    /// Mamba "align" only: `last_state[h]`, the table index of the state block of the
+    /// request's previous step (`mamba::NONE` when absent).
+    last_state: Vec<u32>,
+    /// Mamba "align" only: `retired[h]`, table slots below which every block was already
+    /// recycled (`_num_retired_blocks`, 0 when absent).
+    retired: Vec<u32>,
+    /// Mamba "align" only: whether `h` got blocks since it was admitted (`_allocated_block_reqs`).
+    allocated: Vec<bool>,
+    /// Mamba "align" only: `prompt_boundary[h]`, the request's prefill checkpoint position
+    /// as last seen (`mamba::NONE` until known); only the no-op limits read it.
+    prompt_boundary: Vec<u32>,
+    /// Mamba "align" only: keys cached during the current scheduler step
+    /// (`cached_blocks_this_step`); a hit ending on one of them waits a step.
+    cached_this_step: rustc_hash::FxHashSet<crate::prefix_index::HashKey>,
 }
 
 impl SingleTypeManager {
@@ -143,6 +166,235 @@ impl SingleTypeManager {
             num_cached: Vec::new(),
             null_prefix: Vec::new(),
             scratch: Vec::new(),
+            records_new_block_ids: false,
+            new_block_ids: Vec::new(),
+            last_state: Vec::new(),
+            retired: Vec::new(),
+            allocated: Vec::new(),
+            prompt_boundary: Vec::new(),
+            cached_this_step: Default::default(),
+        }
+    }
+
+    /// A circular buffer's one block, taken the first time the request needs it (vLLM's
+    /// `CircularBufferManager._claim_ring_block`).
+    fn claim_ring_block(&mut self, pool: &mut BlockPool, h: Slot, record_for_zeroing: bool) {
+        let table = &mut self.req_blocks[h as usize];
+        if table.is_empty() {
+            pool.get_new_blocks(1, table);
+            if self.records_new_block_ids && record_for_zeroing {
+                self.new_block_ids.push(table[0]);
+            }
+        }
+    }
+
+    /// Whether this is a Mamba group in cache mode "align".
+    #[inline]
+    pub fn is_mamba_align(&self) -> bool {
+        matches!(self.spec.kind, AttentionKind::Mamba { align: true, .. })
+    }
+
+    /// A new scheduler step starts (vLLM's `new_step_starts`): hits on states cached in the
+    /// previous step are no longer deferred.
+    pub fn new_step_starts(&mut self) {
+        self.cached_this_step.clear();
+    }
+
+    fn clear_align_state(&mut self, h: Slot) {
+        if self.is_mamba_align() {
+            self.last_state[h as usize] = mamba::NONE;
+            self.retired[h as usize] = 0;
+            self.allocated[h as usize] = false;
+            self.prompt_boundary[h as usize] = mamba::NONE;
+        }
+    }
+
+    /// Mamba "align": the blocks to take (vLLM's align branch of
+    /// `MambaManager.get_num_blocks_to_allocate`, without partial hits or checkpoints). May be
+    /// negative (an over-allocated table), as in vLLM; `num_blocks + 1` defers a hit on a
+    /// state cached this step.
+    fn align_num_blocks_to_allocate(
+        &self,
+        pool: &BlockPool,
+        h: Slot,
+        new_computed: &[BlockId],
+        num_tokens_main_model: u32,
+    ) -> i64 {
+        if let Some(&last) = new_computed.last() {
+            if let Some(key) = pool.block_hash(last) {
+                if self.cached_this_step.contains(key) {
+                    return pool.num_blocks() as i64 + 1;
+                }
+            }
+        }
+        let spec = match self.spec.kind {
+            AttentionKind::Mamba { speculative_blocks, .. } => speculative_blocks as i64,
+            _ => 0,
+        };
+        let required = cdiv(num_tokens_main_model as u64, self.spec.block_size as u64) as i64 + spec;
+        let mut num_new = required - new_computed.len() as i64 - self.req_blocks[h as usize].len() as i64;
+        if num_new > 0 {
+            let cap = 1 + if self.allocated[h as usize] { 0 } else { spec };
+            num_new = num_new.min(cap);
+        }
+        num_new + Self::count_evictable(pool, new_computed) as i64
+    }
+
+    /// Mamba "align": vLLM's align branch of `MambaManager.allocate_new_blocks` (no
+    /// speculative blocks, no partial hit, no checkpoint): the table is padded with null
+    /// blocks up to the new running state block; the padding and the new block are the
+    /// "new blocks" reported.
+    fn align_allocate_new_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        h: Slot,
+        num_tokens_main_model: u32,
+        out: &mut Vec<BlockId>,
+    ) {
+        let hs = h as usize;
+        let required = cdiv(num_tokens_main_model as u64, self.spec.block_size as u64) as usize;
+        let table = &mut self.req_blocks[hs];
+        if required <= table.len() {
+            self.allocated[hs] = true;
+            return;
+        }
+        let prev = table.len();
+        // vLLM: `prev - 1` whether or not the request was allocated before (no speculative
+        // blocks); a table is never empty once allocated (a step needs a token slot).
+        if prev > 0 {
+            self.last_state[hs] = (prev - 1) as u32;
+        }
+        let num_skipped = required - 1;
+        if prev < num_skipped {
+            table.resize(num_skipped, NULL_BLOCK);
+        }
+        let n = required - table.len();
+        pool.get_new_blocks(n as u32, table);
+        out.extend_from_slice(&table[prev..]);
+        self.allocated[hs] = true;
+    }
+
+    /// Mamba "align": vLLM's `MambaManager.remove_skipped_blocks` (the retired range, null
+    /// gaps skipped, then the previous step's state block once the step after it is processed).
+    fn align_remove_skipped_blocks(&mut self, pool: &mut BlockPool, h: Slot, processed: u32) {
+        let hs = h as usize;
+        let bs = self.spec.block_size;
+        let skipped = mamba::num_skipped_tokens(processed);
+        let table = &mut self.req_blocks[hs];
+        if skipped > 0 {
+            let last = ((skipped / bs) as usize).min(table.len());
+            let first = self.retired[hs] as usize;
+            if first < last {
+                let mut freed = std::mem::take(&mut self.scratch);
+                for i in (first..last).rev() {
+                    if table[i] != NULL_BLOCK {
+                        freed.push(table[i]);
+                        table[i] = NULL_BLOCK;
+                    }
+                }
+                if !freed.is_empty() {
+                    pool.free_blocks(freed.iter().copied());
+                }
+                freed.clear();
+                self.scratch = freed;
+                self.retired[hs] = last as u32;
+            }
+        }
+        let ls = self.last_state[hs];
+        if ls != mamba::NONE && (ls as u64) + 1 < cdiv(processed as u64, bs as u64) {
+            let b = table[ls as usize];
+            if b != NULL_BLOCK {
+                pool.free_blocks([b]);
+                table[ls as usize] = NULL_BLOCK;
+            }
+        }
+    }
+
+    /// Mamba "align": vLLM's `_cache_partial_tail_block` when the Mamba block is the hash
+    /// block: at the prompt's checkpoint position the state block ending there is keyed
+    /// (again, if an eviction dropped its key) and counted as cached this step.
+    /// `rekey_cached` is vLLM 0.32's rule (a block already keyed there is counted again);
+    /// 0.33 skips such a block.
+    #[allow(clippy::too_many_arguments)]
+    fn align_cache_prompt_tail(
+        &mut self,
+        pool: &mut BlockPool,
+        h: Slot,
+        req: ReqHandle,
+        hashes: &[BlockHash],
+        hash_block_size: u32,
+        num_tokens: u32,
+        num_prompt_tokens: u32,
+        rekey_cached: bool,
+    ) {
+        if num_tokens == 0 || num_tokens % hash_block_size != 0 {
+            return;
+        }
+        if num_tokens != mamba::prefill_checkpoint_position(num_prompt_tokens, hash_block_size) {
+            return;
+        }
+        let bs = self.spec.block_size;
+        let idx = (num_tokens.div_ceil(bs) - 1) as usize;
+        let table = &self.req_blocks[h as usize];
+        let Some(&b) = table.get(idx) else { return };
+        if b == NULL_BLOCK {
+            return;
+        }
+        let nh = (num_tokens / hash_block_size) as usize;
+        if nh > hashes.len() {
+            return;
+        }
+        let key = (hashes[nh - 1], self.group_id);
+        let tokens = pool.block_hash_num_tokens(b);
+        if !rekey_cached && pool.block_hash(b).is_some() && tokens == num_tokens {
+            return;
+        }
+        match pool.block_hash(b) {
+            Some(k) if *k == key => {}
+            Some(_) if tokens < num_tokens => {
+                pool.maybe_evict_cached_block(b);
+                let parent = if nh > 1 { Some(hashes[nh - 2]) } else { None };
+                pool.cache_one_block(req, b, idx as u32, key, num_tokens, bs, parent);
+            }
+            // Another key at this position (a rewritten hash list): vLLM would add a second
+            // key to the block; not served, and never reached through the scheduler.
+            Some(_) => return,
+            None => {
+                let parent = if nh > 1 { Some(hashes[nh - 2]) } else { None };
+                pool.cache_one_block(req, b, idx as u32, key, num_tokens, bs, parent);
+            }
+        }
+        self.cached_this_step.insert(key);
+    }
+
+    /// Drains the block ids recorded for zeroing (vLLM's `take_new_block_ids`).
+    pub fn take_new_block_ids(&mut self, out: &mut Vec<BlockId>) {
+        out.append(&mut self.new_block_ids);
+    }
+
+    /// Records `h`'s table from slot `start_idx` on for zeroing again, null blocks included
+    /// (vLLM's `record_blocks_for_zeroing`); nothing when this group does not record.
+    pub fn record_blocks_for_zeroing(&mut self, h: Slot, start_idx: usize) {
+        if self.records_new_block_ids {
+            let t = &self.req_blocks[h as usize];
+            self.new_block_ids.extend_from_slice(t.get(start_idx..).unwrap_or(&[]));
+        }
+    }
+
+    /// Block ids recorded for zeroing and not yet taken.
+    pub fn pending_new_block_ids(&self) -> &[BlockId] {
+        &self.new_block_ids
+    }
+
+    /// The token slots the table is sized for when `num_tokens` slots are asked for
+    /// (Mamba mode `"none"` adds its speculative state blocks).
+    #[inline]
+    fn slot_tokens(&self, num_tokens: u32) -> u64 {
+        match self.spec.kind {
+            AttentionKind::Mamba { speculative_blocks, align: false, .. } => {
+                mamba::none_mode_tokens(num_tokens, self.spec.block_size, speculative_blocks)
+            }
+            _ => num_tokens as u64,
         }
     }
 
@@ -159,6 +411,12 @@ impl SingleTypeManager {
             self.req_blocks.resize_with(n, Vec::new);
             self.num_cached.resize(n, ABSENT);
             self.null_prefix.resize(n, 0);
+            if self.is_mamba_align() {
+                self.last_state.resize(n, mamba::NONE);
+                self.retired.resize(n, 0);
+                self.allocated.resize(n, false);
+                self.prompt_boundary.resize(n, mamba::NONE);
+            }
         }
     }
 
@@ -195,11 +453,12 @@ impl SingleTypeManager {
     #[inline]
     pub fn num_skipped_tokens(&self, num_computed_tokens: u32) -> u32 {
         match self.spec.kind {
-            AttentionKind::Full | AttentionKind::Cross => 0,
+            AttentionKind::Full | AttentionKind::Cross | AttentionKind::CircularBuffer => 0,
             AttentionKind::SlidingWindow { window, extra_retained_tokens } => {
                 sliding_window::num_skipped_tokens(num_computed_tokens, window, extra_retained_tokens)
             }
             AttentionKind::ChunkedLocal { chunk } => chunked_local::num_skipped_tokens(num_computed_tokens, chunk),
+            AttentionKind::Mamba { .. } => mamba::num_skipped_tokens(num_computed_tokens),
         }
     }
 
@@ -222,13 +481,20 @@ impl SingleTypeManager {
         pool: &BlockPool,
         h: Slot,
         num_tokens: u32,
+        num_tokens_main_model: u32,
         new_computed: &[BlockId],
         total_computed_tokens: u32,
         apply_admission_cap: bool,
         adopting: bool,
-    ) -> u32 {
+    ) -> i64 {
+        if self.is_mamba_align() {
+            return self.align_num_blocks_to_allocate(pool, h, new_computed, num_tokens_main_model);
+        }
+        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
+            return self.req_blocks[h as usize].is_empty() as i64;
+        }
         let bs = self.block_size() as u64;
-        let mut required = cdiv(num_tokens as u64, bs) as i64;
+        let mut required = cdiv(self.slot_tokens(num_tokens), bs) as i64;
         if apply_admission_cap {
             if let Some(cap) = self.max_admission_blocks {
                 required = required.min(cap as i64);
@@ -236,14 +502,14 @@ impl SingleTypeManager {
         }
         let num_req_blocks = self.req_blocks[h as usize].len() as i64;
         if self.is_tracked(h) || !adopting {
-            return (required - num_req_blocks).max(0) as u32;
+            return (required - num_req_blocks).max(0);
         }
         let skipped_blocks = (self.num_skipped_tokens(total_computed_tokens) as u64 / bs) as i64;
         let local_blocks = new_computed.len() as i64 + num_req_blocks;
         let num_new = (required - skipped_blocks.max(local_blocks)).max(0);
         let skip_new = (skipped_blocks - num_req_blocks).max(0) as usize;
         let evictable = Self::count_evictable(pool, new_computed.get(skip_new..).unwrap_or(&[]));
-        num_new as u32 + evictable
+        num_new + evictable as i64
     }
 
     /// Adds a request's cache-hit blocks to its (empty) table, touching them; blocks that
@@ -256,8 +522,8 @@ impl SingleTypeManager {
         num_local_computed_tokens: u32,
         num_external_computed_tokens: u32,
     ) {
-        if matches!(self.spec.kind, AttentionKind::Cross) {
-            assert!(new_computed.is_empty(), "cross attention never has cache hits");
+        if matches!(self.spec.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
+            assert!(new_computed.is_empty(), "cross attention and circular buffers never have cache hits");
             return;
         }
         let total = num_local_computed_tokens + num_external_computed_tokens;
@@ -284,9 +550,13 @@ impl SingleTypeManager {
         h: Slot,
         num_local_computed_tokens: u32,
         num_external_computed_tokens: u32,
+        record_for_zeroing: bool,
     ) {
         if matches!(self.spec.kind, AttentionKind::Cross) {
             return;
+        }
+        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
+            return self.claim_ring_block(pool, h, record_for_zeroing);
         }
         let total = num_local_computed_tokens + num_external_computed_tokens;
         let skipped = self.num_skipped_tokens(total);
@@ -300,19 +570,42 @@ impl SingleTypeManager {
         let table = &mut self.req_blocks[h as usize];
         let need = cdiv(total as u64, self.spec.block_size as u64) as i64 - table.len() as i64;
         if need > 0 {
+            let start = table.len();
             pool.get_new_blocks(need as u32, table);
+            if self.records_new_block_ids && record_for_zeroing {
+                self.new_block_ids.extend_from_slice(&table[start..]);
+            }
         }
     }
 
     /// Grows `h`'s table to `num_tokens` slots; appends the new block ids to `out`
     /// (vLLM's `allocate_new_blocks`). The caller checked capacity.
-    pub fn allocate_new_blocks(&mut self, pool: &mut BlockPool, h: Slot, num_tokens: u32, out: &mut Vec<BlockId>) {
+    pub fn allocate_new_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        h: Slot,
+        num_tokens: u32,
+        num_tokens_main_model: u32,
+        out: &mut Vec<BlockId>,
+    ) {
+        if self.is_mamba_align() {
+            return self.align_allocate_new_blocks(pool, h, num_tokens_main_model, out);
+        }
+        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
+            let start = self.req_blocks[h as usize].len();
+            self.claim_ring_block(pool, h, true);
+            out.extend_from_slice(&self.req_blocks[h as usize][start..]);
+            return;
+        }
+        let required = cdiv(self.slot_tokens(num_tokens), self.spec.block_size as u64) as usize;
         let table = &mut self.req_blocks[h as usize];
-        let required = cdiv(num_tokens as u64, self.spec.block_size as u64) as usize;
         if required > table.len() {
             let start = table.len();
             pool.get_new_blocks((required - start) as u32, table);
             out.extend_from_slice(&table[start..]);
+            if self.records_new_block_ids {
+                self.new_block_ids.extend_from_slice(&table[start..]);
+            }
         }
     }
 
@@ -320,7 +613,7 @@ impl SingleTypeManager {
     /// `num_tokens` tokens and `num_hashes` hashes (0 for cross attention), and the table's
     /// length: the coordinator refuses a caching call whose full blocks the table lacks.
     pub fn blocks_to_cache(&self, h: Slot, num_hashes: usize, hash_block_size: u32, num_tokens: u32) -> (u32, u32) {
-        if matches!(self.spec.kind, AttentionKind::Cross) {
+        if matches!(self.spec.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
             return (0, 0);
         }
         let bs = self.spec.block_size;
@@ -342,10 +635,49 @@ impl SingleTypeManager {
         num_tokens: u32,
         retention_interval: Option<u32>,
         reachable_boundaries: &[u32],
+        num_prompt_tokens: u32,
     ) {
-        if matches!(self.spec.kind, AttentionKind::Cross) {
+        if matches!(self.spec.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
             return;
         }
+        let before = self.num_cached(h);
+        self.cache_full(pool, h, req, hashes, hash_block_size, num_tokens, retention_interval, reachable_boundaries);
+        if let AttentionKind::Mamba { align: true, rekey_cached_tail, .. } = self.spec.kind {
+            self.prompt_boundary[h as usize] = mamba::prefill_checkpoint_position(num_prompt_tokens, hash_block_size);
+            self.align_cache_prompt_tail(
+                pool,
+                h,
+                req,
+                hashes,
+                hash_block_size,
+                num_tokens,
+                num_prompt_tokens,
+                rekey_cached_tail,
+            );
+            let after = self.num_cached(h);
+            for i in before..after {
+                let b = self.req_blocks[h as usize][i as usize];
+                if b != NULL_BLOCK {
+                    if let Some(key) = pool.block_hash(b) {
+                        self.cached_this_step.insert(*key);
+                    }
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn cache_full(
+        &mut self,
+        pool: &mut BlockPool,
+        h: Slot,
+        req: ReqHandle,
+        hashes: &[BlockHash],
+        hash_block_size: u32,
+        num_tokens: u32,
+        retention_interval: Option<u32>,
+        reachable_boundaries: &[u32],
+    ) {
         let bs = self.spec.block_size;
         let num_cached = self.num_cached(h);
         let view = HashView { hashes, scale: bs / hash_block_size };
@@ -362,6 +694,14 @@ impl SingleTypeManager {
                 self.cache_hit_alignment_tokens,
                 bs,
                 window,
+                retention_interval,
+                reachable_boundaries,
+            ),
+            AttentionKind::Mamba { .. } => mamba::reachable_block_mask(
+                num_cached,
+                num_full,
+                self.cache_hit_alignment_tokens,
+                bs,
                 retention_interval,
                 reachable_boundaries,
             ),
@@ -400,6 +740,9 @@ impl SingleTypeManager {
     /// Frees the blocks of `h` that fell out of the attention window, replacing them with
     /// the null block (vLLM's `remove_skipped_blocks`).
     pub fn remove_skipped_blocks(&mut self, pool: &mut BlockPool, h: Slot, processed_computed_tokens: u32) {
+        if self.is_mamba_align() {
+            return self.align_remove_skipped_blocks(pool, h, processed_computed_tokens);
+        }
         let skipped = self.num_skipped_tokens(processed_computed_tokens);
         if skipped == 0 {
             return;
@@ -430,6 +773,7 @@ impl SingleTypeManager {
         table.clear();
         self.num_cached[h as usize] = ABSENT;
         self.null_prefix[h as usize] = 0;
+        self.clear_align_state(h);
     }
 
     /// Forgets `h`'s bookkeeping and moves its table into `out`, without freeing
@@ -440,6 +784,7 @@ impl SingleTypeManager {
         table.clear();
         self.num_cached[h as usize] = ABSENT;
         self.null_prefix[h as usize] = 0;
+        self.clear_align_state(h);
     }
 
     /// Contiguous cached blocks a hit in this group needs at its end (`None`: the group
@@ -496,6 +841,7 @@ impl SingleTypeManager {
         self.req_blocks[h as usize].clear();
         self.num_cached[h as usize] = ABSENT;
         self.null_prefix[h as usize] = 0;
+        self.clear_align_state(h);
     }
 
     /// The limits under which a plain step of `h` (no new hit, no external tokens, no
@@ -508,6 +854,42 @@ impl SingleTypeManager {
         let clamp = |x: u64| x.min(u32::MAX as u64) as u32;
         if matches!(self.spec.kind, AttentionKind::Cross) {
             return (u32::MAX, u32::MAX, u32::MAX);
+        }
+        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
+            let slots = if self.req_blocks[h as usize].is_empty() { 0 } else { u32::MAX };
+            return (slots, u32::MAX, u32::MAX);
+        }
+        if self.is_mamba_align() {
+            // No allocation while the main tokens fit the table (lookahead slots are not
+            // allocated in align mode, so `slots` is conservative); nothing freed below the
+            // retired range's next block nor before the previous state block falls out; no
+            // new full block, and not the prompt's checkpoint position (re-keyed there).
+            let hs = h as usize;
+            let len = self.req_blocks[hs].len() as u64;
+            let slots = clamp(len * bs);
+            let mut processed = (self.retired[hs] as u64 + 1) * bs + 1;
+            let ls = self.last_state[hs];
+            if ls != mamba::NONE && self.req_blocks[hs][ls as usize] != NULL_BLOCK {
+                processed = processed.min((ls as u64 + 1) * bs + 1);
+            }
+            let mut cached = (self.num_cached(h) as u64 + 1) * bs;
+            let pb = self.prompt_boundary[hs];
+            if pb == mamba::NONE {
+                cached = 0;
+            } else if pb != 0 && (pb as u64) < cached {
+                cached = pb as u64;
+            }
+            return (slots, clamp(processed), clamp(cached));
+        }
+        if let AttentionKind::Mamba { speculative_blocks, align: false, .. } = self.spec.kind {
+            let (slots, processed) = mamba::none_mode_noop_limits(
+                self.req_blocks[h as usize].len() as u32,
+                self.null_prefix[h as usize],
+                self.spec.block_size,
+                speculative_blocks,
+            );
+            let cached = if self.enable_caching { clamp((self.num_cached(h) as u64 + 1) * bs) } else { u32::MAX };
+            return (clamp(slots), clamp(processed), cached);
         }
         let slots = clamp(self.req_blocks[h as usize].len() as u64 * bs);
         let k1 = self.null_prefix[h as usize] as u64 + 1;

@@ -88,9 +88,22 @@ fn parse_kind(kind: &str, p1: i64, p2: i64) -> PyResult<AttentionKind> {
         },
         "chunked_local" => AttentionKind::ChunkedLocal { chunk: u32_arg("attention_chunk_size", p1)? },
         "cross" => AttentionKind::Cross,
+        "circular_buffer" => AttentionKind::CircularBuffer,
+        "mamba" => AttentionKind::Mamba {
+            speculative_blocks: u32_arg("num_speculative_blocks", p1)?,
+            align: false,
+            rekey_cached_tail: false,
+        },
+        // param2: 1 for vLLM 0.32's rule (re-key the prompt's cached checkpoint state), 0 for 0.33's.
+        "mamba_align" => AttentionKind::Mamba {
+            speculative_blocks: u32_arg("num_speculative_blocks", p1)?,
+            align: true,
+            rekey_cached_tail: p2 != 0,
+        },
         other => {
             return Err(UnsupportedConfigError::new_err(format!(
-                "attention kind {other:?} is not served (full, mla, sliding_window, chunked_local, cross are)"
+                "attention kind {other:?} is not served (full, mla, sliding_window, chunked_local, cross, \
+                 mamba, mamba_align, circular_buffer are)"
             )))
         }
     })
@@ -176,7 +189,7 @@ impl PyAllocator {
     #[new]
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size, max_model_len,
         max_in_flight_tokens=None, enable_caching=true, enable_events=false, watermark_blocks=0,
-        retention_interval=Some(0), policy="exact"))]
+        retention_interval=Some(0), policy="exact", zero_new_blocks=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -190,6 +203,7 @@ impl PyAllocator {
         watermark_blocks: i64,
         retention_interval: Option<i64>,
         policy: &str,
+        zero_new_blocks: bool,
     ) -> PyResult<Self> {
         let policy = crate::policy::Policy::parse(policy)?;
         let mut gs = Vec::with_capacity(groups.len());
@@ -211,6 +225,7 @@ impl PyAllocator {
             enable_events,
             watermark_blocks: u32_arg("watermark_blocks", watermark_blocks)?,
             retention_interval: retention_interval.map(|r| u32_arg("retention_interval", r)).transpose()?,
+            zero_new_blocks,
         };
         Ok(Self { inner: Mutex::new(Allocator::with_policy(cfg, policy)?) })
     }
@@ -263,7 +278,7 @@ impl PyAllocator {
         num_new_computed_tokens=0, num_lookahead_tokens=0, num_external_computed_tokens=0,
         delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false, reserved_blocks=0,
         apply_watermark=false, num_computed_tokens=0, num_in_flight_tokens=0, num_prompt_tokens=None,
-        num_tokens=None, shared_prefix_boundary=0))]
+        num_tokens=None, shared_prefix_boundary=0, skip_zeroing_group_ids=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots<'py>(
         &self,
@@ -285,6 +300,7 @@ impl PyAllocator {
         num_prompt_tokens: Option<i64>,
         num_tokens: Option<i64>,
         shared_prefix_boundary: i64,
+        skip_zeroing_group_ids: Vec<i64>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let h = handle_arg(handle)?;
         let default_tokens = num_computed_tokens
@@ -307,6 +323,11 @@ impl PyAllocator {
             num_prompt_tokens: u32_arg("num_prompt_tokens", num_prompt_tokens.unwrap_or(num_tokens))?,
             num_tokens: u32_arg("num_tokens", num_tokens)?,
             shared_prefix_boundary: u32_arg("shared_prefix_boundary", shared_prefix_boundary)?,
+            // Ids of groups the config does not have are ignored, as vLLM ignores them.
+            skip_zeroing_groups: skip_zeroing_group_ids
+                .iter()
+                .filter(|&&g| (0..64).contains(&g))
+                .fold(0u64, |m, &g| m | 1 << g),
         };
         let explicit: Vec<Vec<BlockId>>;
         let nc = match hit {
@@ -330,6 +351,21 @@ impl PyAllocator {
             None => Ok(None),
             Some(_) => Ok(Some(tuple_of_groups(py, core.new_block_ids(), core.new_block_counts())?)),
         }
+    }
+
+    /// Drains the block ids attention groups handed out since the last call (vLLM's
+    /// `take_new_block_ids`, for KV cache zeroing); empty unless `zero_new_blocks`.
+    fn take_new_block_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let ids = self.core()?.take_new_block_ids();
+        PyList::new(py, ids)
+    }
+
+    /// Records the request's blocks from token `start_token` on for zeroing again (vLLM's
+    /// `record_blocks_for_zeroing`).
+    fn record_blocks_for_zeroing(&self, handle: i64, start_token: i64) -> PyResult<()> {
+        let h = handle_arg(handle)?;
+        let start = u32_arg("start_token", start_token)?;
+        Ok(self.core()?.record_blocks_for_zeroing(h, start)?)
     }
 
     /// `(slots, processed, cached)`: a plain step (no new hit, external or encoder tokens,
@@ -369,10 +405,11 @@ impl PyAllocator {
         Ok(self.core()?.remove_skipped_blocks(h, n)?)
     }
 
-    /// Blocks needed for `num_tokens` slots (vLLM's `coordinator.get_num_blocks_to_allocate`
-    /// with no new hit).
+    /// Blocks needed for `num_tokens` slots, `num_tokens_main_model` of them (default
+    /// `num_tokens`) for the target model (vLLM's `coordinator.get_num_blocks_to_allocate`
+    /// with no new hit); negative when a Mamba "align" table holds more than it needs.
     #[pyo3(signature = (handle, num_tokens, *, num_encoder_tokens=0, total_computed_tokens=0,
-        apply_admission_cap=false))]
+        apply_admission_cap=false, num_tokens_main_model=None))]
     fn get_num_blocks_to_allocate(
         &self,
         handle: i64,
@@ -380,15 +417,23 @@ impl PyAllocator {
         num_encoder_tokens: i64,
         total_computed_tokens: i64,
         apply_admission_cap: bool,
-    ) -> PyResult<u64> {
+        num_tokens_main_model: Option<i64>,
+    ) -> PyResult<i64> {
         let h = handle_arg(handle)?;
         Ok(self.core()?.get_num_blocks_to_allocate(
             h,
             u32_arg("num_tokens", num_tokens)?,
+            u32_arg("num_tokens_main_model", num_tokens_main_model.unwrap_or(num_tokens))?,
             u32_arg("num_encoder_tokens", num_encoder_tokens)?,
             u32_arg("total_computed_tokens", total_computed_tokens)?,
             apply_admission_cap,
         )?)
+    }
+
+    /// A new scheduler step starts (vLLM's `new_step_starts`).
+    fn new_step_starts(&self) -> PyResult<()> {
+        self.core()?.new_step_starts();
+        Ok(())
     }
 
     /// Frees every block of the request, tail first, and releases its handle. `retain`

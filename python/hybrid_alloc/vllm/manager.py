@@ -42,14 +42,20 @@ from vllm.v1.core.kv_cache_utils import (
     maybe_convert_block_hash,
     to_event_extra_keys,
 )
+from vllm.v1.kv_cache_interface import HiddenStateCacheSpec, RSWASpec, SinkFullAttentionSpec
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupRole,
     KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
     get_kv_cache_spec_kind,
@@ -61,6 +67,8 @@ from vllm.v1.request import Request, RequestStatus
 from hybrid_alloc._core import Allocator, FastAllocate, Hit, HybridAllocError, UnsupportedConfigError
 
 logger = init_logger("vllm.hybrid_alloc")
+
+_VLLM_RELEASE: str = getattr(__import__("vllm"), "__version__", "").split("+", 1)[0]
 
 # The vLLM class this adapter replaces (captured before the plugin patches anything); the
 # fallback builds it, and its signature says which constructor arguments exist.
@@ -103,8 +111,9 @@ KNOWN_ARGS = frozenset(
 )
 
 _WAITING_OR_PREEMPTED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-# Spec classes whose exact type the core serves as full attention.
-_FULL_TYPES = (FullAttentionSpec, MLAAttentionSpec)
+# Spec classes whose exact type the core serves as full attention (vLLM gives
+# ``HiddenStateCacheSpec`` the plain ``FullAttentionManager``).
+_FULL_TYPES = (FullAttentionSpec, MLAAttentionSpec, HiddenStateCacheSpec)
 
 # Set by the plugin around ``Scheduler.__init__``: the config being scheduled, so the
 # manager can see what its constructor arguments do not say (a KV connector, ...).
@@ -188,11 +197,41 @@ def _group_kind(spec: KVCacheSpec) -> tuple[str, int, int]:
         return ("full", 0, 0)
     if t is SlidingWindowSpec:
         return ("sliding_window", spec.sliding_window, spec.extra_retained_tokens)
+    if t is SlidingWindowMLASpec:
+        # vLLM serves it with the SlidingWindowManager (DeepSeek-V4's sliding-window MLA).
+        if spec.bounded_replay:
+            raise Unsupported("SlidingWindowMLASpec with bounded replay (prefix replay window)")
+        return ("sliding_window", spec.sliding_window, spec.extra_retained_tokens)
+    if t is CircularBufferSpec:
+        return ("circular_buffer", 0, 0)
+    if t is RSWASpec:
+        raise Unsupported("RSWASpec (R-SWA frees a gap in the middle of the table each decode step)")
+    if t is SinkFullAttentionSpec:
+        raise Unsupported(
+            "SinkFullAttentionSpec (vLLM's own SinkFullAttentionManager cannot be built: its "
+            "__init__ takes no needs_kv_cache_zeroing)"
+        )
     if t is ChunkedLocalAttentionSpec:
         return ("chunked_local", spec.attention_chunk_size, 0)
     if t is CrossAttentionSpec:
         return ("cross", 0, 0)
+    if t is MambaSpec:
+        return _mamba_kind(spec)
     raise Unsupported(f"KV cache spec {t.__name__}")
+
+
+def _mamba_kind(spec: MambaSpec) -> tuple[str, int, int]:
+    """A ``MambaSpec`` group (GDN, Mamba2, short conv, ...) as the core serves it."""
+    mode = spec.mamba_cache_mode
+    if mode == "none":
+        return ("mamba", spec.num_speculative_blocks, 0)
+    if mode == "align":
+        if spec.num_prefill_checkpoint_blocks > 0 and spec.prefill_checkpoint_alignment is not None:
+            raise Unsupported("Mamba prefill checkpoint blocks (mamba_cache_mode 'align')")
+        # vLLM 0.32 re-keys the prompt's checkpoint state even when it is keyed already;
+        # 0.33 skips it. The core applies the installed release's rule.
+        return ("mamba_align", spec.num_speculative_blocks, int(_VLLM_RELEASE.startswith("0.32.")))
+    raise Unsupported(f"Mamba cache mode {mode!r}")
 
 
 def _bind_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -252,8 +291,7 @@ def _native_plan(
         raise Unsupported("decode/prefill context parallelism")
     if metrics_collector is not None:
         raise Unsupported("KV cache residency metrics")
-    if kv_cache_config.needs_kv_cache_zeroing:
-        raise Unsupported("KV cache zeroing (Mamba or mixed-precision groups)")
+    zeroing = kv_cache_config.needs_kv_cache_zeroing
     groups: list[tuple[str, int, int, int, int]] = []
     seen_specs: list[KVCacheSpec] = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
@@ -263,9 +301,16 @@ def _native_plan(
         # On 0.33 a flagged group drops its last block only with use_eagle (refused above).
         if g.is_eagle_group and not EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE:
             raise Unsupported(f"group {i} holds EAGLE/MTP draft layers (prefix-cache block drop)")
-        if not spec.prefix_cacheable:
+        if not spec.prefix_cacheable and type(spec) is not CircularBufferSpec:
             raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
         kind, p1, p2 = _group_kind(spec)
+        if zeroing and isinstance(spec, UniformTypeKVCacheSpecs):
+            # vLLM records new blocks for zeroing only for groups whose spec is an
+            # AttentionSpec, which a uniform-type collection is not.
+            raise Unsupported(f"group {i}: KV cache zeroing with a uniform-type spec collection")
+        if kind == "mamba_align" and num_hash_lookahead_tokens > 0:
+            # 0.33 moves the prompt's checkpoint position by the lookahead tokens.
+            raise Unsupported("EAGLE/MTP with Mamba cache mode align (lookahead block hashes)")
         key = next((k for k, s in enumerate(seen_specs) if s == spec), None)
         if key is None:
             seen_specs.append(spec)
@@ -285,6 +330,8 @@ def _native_plan(
         watermark_blocks=int(watermark * kv_cache_config.num_blocks),
         retention_interval=kv_cache_config.prefix_cache_retention_interval,
     )
+    if zeroing:
+        native["zero_new_blocks"] = True
     policy = _policy_from_env()  # HYBRID_ALLOC_POLICY; raises Unsupported on a bad value
     if policy != "exact":
         native["policy"] = policy
@@ -513,6 +560,7 @@ class _NativeCoordinator:
                     num_encoder_tokens=num_encoder_tokens,
                     total_computed_tokens=total_computed_tokens,
                     apply_admission_cap=apply_admission_cap,
+                    num_tokens_main_model=num_tokens_main_model,
                 )
             finally:
                 alloc.free(h)
@@ -522,6 +570,7 @@ class _NativeCoordinator:
             num_encoder_tokens=num_encoder_tokens,
             total_computed_tokens=total_computed_tokens,
             apply_admission_cap=apply_admission_cap,
+            num_tokens_main_model=num_tokens_main_model,
         )
 
     def get_blocks(self, request_id: str) -> tuple[list[Any], ...]:
@@ -627,7 +676,16 @@ class HybridKVCacheManager:
             "hybrid_alloc: native KV cache manager serving %d group(s): %s; %d blocks, prefix caching %s%s, policy %s",
             self.num_kv_cache_groups,
             ", ".join(
-                f"{k}" + (f"(window={p1})" if k == "sliding_window" else f"(chunk={p1})" if k == "chunked_local" else "")
+                f"{k}"
+                + (
+                    f"(window={p1})"
+                    if k == "sliding_window"
+                    else f"(chunk={p1})"
+                    if k == "chunked_local"
+                    else f"(speculative_blocks={p1})"
+                    if k.startswith("mamba") and p1
+                    else ""
+                )
                 + f"/bs={bs}"
                 for k, bs, _, p1, _ in native["groups"]
             ),
@@ -861,6 +919,7 @@ class HybridKVCacheManager:
             num_prompt_tokens=request.num_prompt_tokens,
             num_tokens=request.num_tokens,
             shared_prefix_boundary=request.shared_prefix_boundary,
+            skip_zeroing_group_ids=list(skip_zeroing_group_ids),
         )
         if self.enable_kv_cache_events and self._alloc.has_events:
             self._drain_events(request)
@@ -889,12 +948,17 @@ class HybridKVCacheManager:
         if st is None:
             return []
         request._hybrid_alloc_handle = -1
+        groups = self._alloc.block_ids(st[0]) if TRIM_NULL_HEAD else None
         ids = self._alloc.pop_blocks_for_free(st[0])
-        if TRIM_NULL_HEAD:
-            # vLLM 0.33 drops each group's leading null blocks (``trim_null_head``). In the
-            # tables the core serves, null blocks only ever lead a table (skipped blocks of
-            # a window or chunk, a hit's skipped prefix), so dropping every null is that.
-            ids = [b for b in ids if b != 0]
+        if groups is not None:
+            # vLLM 0.33 drops each group's leading null blocks (``trim_null_head``); a
+            # Mamba "align" table also has null gaps after its first state block, kept.
+            ids = []
+            for g in groups:
+                n = 0
+                while n < len(g) and g[n] == 0:
+                    n += 1
+                ids.extend(g[n:])
         return [NativeBlock(self._alloc, b) for b in ids]
 
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -948,7 +1012,7 @@ class HybridKVCacheManager:
         out: list[list[int]] = []
         for g, group_ids in zip(self.kv_cache_config.kv_cache_groups, ids):
             spec = g.kv_cache_spec
-            if isinstance(spec, CrossAttentionSpec):
+            if not isinstance(spec, AttentionSpec) or isinstance(spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)):
                 out.append(group_ids)
             else:
                 out.append(group_ids[: -(-num_computed_tokens // spec.block_size)])
@@ -983,9 +1047,15 @@ class HybridKVCacheManager:
         ids = blocks.get_block_ids()
         out: list[list[int]] = []
         for group_ids, g in zip(ids, self.kv_cache_config.kv_cache_groups):
+            if not g.kv_cache_spec.prefix_cacheable:
+                assert not group_ids
+                out.append([])
+                continue
             bs = g.kv_cache_spec.block_size
             assert num_computed_tokens % bs == 0
             n = num_computed_tokens // bs
+            if isinstance(g.kv_cache_spec, MambaSpec):
+                n = min(n, len(group_ids))
             assert n <= len(group_ids)
             out.append(group_ids[:n])
         if not any(out):
@@ -993,10 +1063,12 @@ class HybridKVCacheManager:
         return NativeKVCacheBlocks(self._alloc, tuple(out))
 
     def take_new_block_ids(self) -> list[int]:
-        return []
+        return self._alloc.take_new_block_ids()
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        return None
+        st = self._reqs.get(request_id)
+        if st is not None:
+            self._alloc.record_blocks_for_zeroing(st[0], start_token)
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         return [], []
@@ -1008,7 +1080,7 @@ class HybridKVCacheManager:
         return []
 
     def new_step_starts(self) -> None:
-        return None
+        self._alloc.new_step_starts()
 
     def check_invariants(self) -> None:
         """Checks the native core's invariants (tests)."""

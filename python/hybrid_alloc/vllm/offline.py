@@ -43,6 +43,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput
@@ -62,10 +63,20 @@ ManagerName = Literal["vllm", "hybrid_alloc", "no_hybrid"]
 
 @dataclass(frozen=True)
 class LayerKind:
-    """One attention layer: ``kind`` is "full", "sliding_window" or "chunked_local"."""
+    """One layer: ``kind`` is "full", "sliding_window", "chunked_local" or "mamba" (a
+    Mamba / linear-attention state layer, shaped by ``ModelShape.mamba_state``)."""
 
     kind: str
     window: int = 0
+
+
+@dataclass(frozen=True)
+class MambaState:
+    """The per-layer state of a Mamba / linear-attention layer (vLLM's ``MambaSpec``)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    mamba_type: str = "MAMBA2"  # a ``MambaAttentionBackendEnum`` member name
 
 
 @dataclass(frozen=True)
@@ -80,12 +91,53 @@ class ModelShape:
     max_model_len: int = 8192
     dtype: torch.dtype = torch.bfloat16
     description: str = ""
+    mamba_state: MambaState | None = None
 
-    def kv_cache_specs(self, block_size: int, no_hybrid: bool = False) -> dict[str, KVCacheSpec]:
+    def attention_block_size(self, block_size: int) -> int:
+        """The attention block size vLLM's hybrid config picks: with Mamba layers, the
+        smallest multiple of ``block_size`` whose attention page holds a Mamba state (the
+        state page is then padded to it)."""
+        if self.mamba_state is None:
+            return block_size
+        per_token = 2 * self.num_kv_heads * self.head_size * torch.finfo(self.dtype).bits // 8
+        state = self.mamba_state_bytes()
+        return -(-state // (per_token * block_size)) * block_size
+
+    def mamba_state_bytes(self) -> int:
+        assert self.mamba_state is not None
+        total = 0
+        for shape, dt in zip(self.mamba_state.shapes, self.mamba_state.dtypes):
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * torch.finfo(dt).bits // 8
+        return total
+
+    def kv_cache_specs(
+        self, block_size: int, no_hybrid: bool = False, mamba_cache_mode: str = "align"
+    ) -> dict[str, KVCacheSpec]:
         specs: dict[str, KVCacheSpec] = {}
+        block_size = self.attention_block_size(block_size)
         for i, layer in enumerate(self.layers):
             common = dict(block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size, dtype=self.dtype)
             spec: KVCacheSpec
+            if layer.kind == "mamba":
+                # Mamba layers stay Mamba layers even without the hybrid manager (vLLM
+                # cannot serve their state as attention).
+                from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+                ms = self.mamba_state
+                assert ms is not None, f"{self.name}: a mamba layer needs ModelShape.mamba_state"
+                page = FullAttentionSpec(**common).page_size_bytes
+                specs[f"model.layers.{i}.mixer"] = MambaSpec(
+                    block_size=block_size if mamba_cache_mode == "align" else self.max_model_len,
+                    shapes=ms.shapes,
+                    dtypes=ms.dtypes,
+                    page_size_padded=page,
+                    mamba_type=MambaAttentionBackendEnum[ms.mamba_type],
+                    mamba_cache_mode=mamba_cache_mode,
+                )
+                continue
             if layer.kind == "full" or no_hybrid:
                 spec = FullAttentionSpec(**common)
             elif layer.kind == "sliding_window":
@@ -98,7 +150,8 @@ class ModelShape:
         return specs
 
     def kv_bytes_per_token(self) -> int:
-        return len(self.layers) * 2 * self.num_kv_heads * self.head_size * torch.finfo(self.dtype).bits // 8
+        attn = sum(layer.kind != "mamba" for layer in self.layers)
+        return attn * 2 * self.num_kv_heads * self.head_size * torch.finfo(self.dtype).bits // 8
 
 
 def alternating(n: int, window: int, kind: str = "sliding_window", every: int = 2) -> tuple[LayerKind, ...]:
@@ -125,6 +178,23 @@ SHAPES: dict[str, ModelShape] = {
         "llama-4-scout", alternating(48, 8192, kind="chunked_local", every=4), num_kv_heads=8, head_size=128,
         weight_bytes=int(40.0 * GiB), max_model_len=16384,
         description="48 layers, chunked local attention (chunk 8192) with every 4th layer full, 8 KV heads of 128",
+    ),
+    # Qwen3.5 / Qwen3-Next style: 3 Gated DeltaNet layers to 1 full-attention layer (48
+    # layers), GDN state of 16 key / 32 value heads of 128 (conv kernel 4), 2 KV heads of 256.
+    "qwen3.5-style": ModelShape(
+        "qwen3.5-style", tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(48)),
+        num_kv_heads=2, head_size=256, weight_bytes=int(28.0 * GiB), max_model_len=32768,
+        mamba_state=MambaState(shapes=((3, 8192), (32, 128, 128)), dtypes=(torch.bfloat16, torch.float32),
+                               mamba_type="GDN_ATTN"),
+        description="48 layers, 3 GDN : 1 full attention (Qwen3.5 / Qwen3-Next), 2 KV heads of 256",
+    ),
+    # Nemotron-H-8B style: 52 layers, 4 attention, 24 Mamba2 (the rest MLP, no cache).
+    "nemotron-h-style": ModelShape(
+        "nemotron-h-style",
+        tuple(LayerKind("full") if i % 7 == 6 else LayerKind("mamba") for i in range(28)),
+        num_kv_heads=8, head_size=128, weight_bytes=int(16.2 * GiB), max_model_len=32768,
+        mamba_state=MambaState(shapes=((3, 10240), (128, 64, 128)), dtypes=(torch.bfloat16, torch.float32)),
+        description="Mamba2 + attention (Nemotron-H 8B): 24 Mamba2, 4 attention layers, 8 KV heads of 128",
     ),
     "mistral-sw": ModelShape(
         "mistral-sw", alternating(32, 4096, every=4), num_kv_heads=8, head_size=128, weight_bytes=int(14.5 * GiB),
@@ -211,10 +281,23 @@ class SchedulerSetup:
         vc.scheduler_config.disable_hybrid_kv_cache_manager = self.manager == "no_hybrid"
         # vLLM's CPU platform turns async scheduling off; put back what was asked for.
         vc.scheduler_config.async_scheduling = self.async_scheduling
+        if self.shape.mamba_state is not None:
+            # What vLLM's hybrid model config does for a Mamba hybrid: the attention block
+            # grows to hold a state page; prefix caching means Mamba cache mode "align"
+            # with Mamba blocks of the attention block size, no caching mode "none".
+            bs = self.shape.attention_block_size(self.block_size)
+            cc = vc.cache_config
+            cc.block_size = bs
+            cc.mamba_cache_mode = "align" if self.enable_prefix_caching else "none"
+            cc.mamba_block_size = bs if self.enable_prefix_caching else self.shape.max_model_len
         return vc
 
     def kv_cache_config(self, vc: VllmConfig) -> KVCacheConfig:
-        specs = self.shape.kv_cache_specs(self.block_size, no_hybrid=self.manager == "no_hybrid")
+        specs = self.shape.kv_cache_specs(
+            self.block_size,
+            no_hybrid=self.manager == "no_hybrid",
+            mamba_cache_mode="align" if self.enable_prefix_caching else "none",
+        )
         groups = get_kv_cache_groups(vc, specs)
         if self.num_blocks is not None:
             probe = get_kv_cache_config_from_groups(vc, groups, 1 << 40)
@@ -283,6 +366,7 @@ def fabricate_output(sched: Scheduler, so: Any) -> ModelRunnerOutput:
 __all__ = [
     "SHAPES",
     "LayerKind",
+    "MambaState",
     "ModelShape",
     "SchedulerSetup",
     "fabricate_output",

@@ -1,0 +1,187 @@
+//! Mamba / linear-attention state (vLLM's `MambaManager`; GDN in Qwen3.5 / Qwen3-Next,
+//! Mamba2 in Nemotron-H / Jamba / Granite 4 / Falcon-H1, short convolution in LFM2).
+//!
+//! A Mamba layer needs only the state after the last computed token, so
+//! `get_num_skipped_tokens(n) = n - 1`: every block before the one holding that state goes
+//! back to the pool (as the null block, in place, like sliding-window recycling).
+//!
+//! Mode `"none"` (vLLM's `mamba_cache_mode`, the mode vLLM uses with prefix caching off):
+//! the group allocates like any other, with `speculative_blocks` extra blocks reserved and
+//! allocated past the token slots (speculative decoding keeps one state per draft
+//! position). vLLM's Mamba block size is then `max_model_len`, so a request holds
+//! `1 + speculative_blocks` state blocks for its whole life.
+//!
+//! Mode `"align"` (what vLLM uses with prefix caching on): the table is positional over
+//! the whole sequence, but only the running state block and the one it was copied from are
+//! real; every block before them is null. At each block boundary the running state block
+//! is cached under the prefix hash of that boundary, so a later request can resume from
+//! it. A hit is the *last* cached boundary state (`[null] * i + [block]`). The state
+//! blocks served here: no speculative state blocks, no prefill checkpoint blocks and a
+//! Mamba block size equal to the hash block size (no sub-block "partial" hits, no
+//! copy-on-write); the adapter falls back for the rest with the reason.
+//!
+//! Per request the align manager keeps, as vLLM does: `last_state_block_idx` (the state
+//! block of the previous step, freed once the step after it is processed), the number of
+//! retired table slots (`_num_retired_blocks`), whether the request ever got blocks
+//! (`_allocated_block_reqs`), and per manager the keys cached during the current step
+//! (`cached_blocks_this_step`: a hit on such a state waits for the next step).
+//!
+//! Cost: every function here is O(1), except [`find_longest_cache_hit`], O(blocks scanned
+//! from the right until a cached one).
+#![forbid(unsafe_code)]
+
+use super::HashView;
+use crate::block_pool::BlockPool;
+use crate::ids::{BlockId, GroupId, NULL_BLOCK};
+
+/// Marker for "no entry" in the per-request align state.
+pub const NONE: u32 = u32::MAX;
+
+/// vLLM's `MambaManager.find_longest_cache_hit` without fine-grained hashing: the rightmost
+/// block (below `max_length`) cached in every group of `group_ids` whose end is a multiple of
+/// `alignment_tokens`; `out[k] = [null] * i + [block]`.
+pub fn find_longest_cache_hit(
+    pool: &BlockPool,
+    view: HashView<'_>,
+    max_length: u32,
+    group_ids: &[GroupId],
+    block_size: u32,
+    alignment_tokens: u32,
+    out: &mut [Vec<BlockId>],
+) -> u32 {
+    let max_num_blocks = (max_length / block_size).min(view.len());
+    let mut hit = Vec::with_capacity(group_ids.len());
+    for i in (0..max_num_blocks).rev() {
+        if !pool.get_cached_block(&view.get(i), group_ids, &mut hit) {
+            continue;
+        }
+        if block_size != alignment_tokens && ((i as u64 + 1) * block_size as u64) % alignment_tokens as u64 != 0 {
+            continue;
+        }
+        for (o, &b) in out.iter_mut().zip(hit.iter()) {
+            o.extend(std::iter::repeat_n(NULL_BLOCK, i as usize));
+            o.push(b);
+        }
+        return (i + 1) * block_size;
+    }
+    0
+}
+
+/// vLLM's `get_mamba_prefill_checkpoint_position` without EAGLE: the last multiple of
+/// `hash_block_size` strictly below `num_tokens` (0 when there is none).
+#[inline]
+pub fn prefill_checkpoint_position(num_tokens: u32, hash_block_size: u32) -> u32 {
+    if num_tokens == 0 {
+        return 0;
+    }
+    (num_tokens - 1) / hash_block_size * hash_block_size
+}
+
+/// vLLM's `MambaManager.reachable_block_mask` (sparse state retention): `None` caches every
+/// block; otherwise only segment-boundary states (every `retention_interval` tokens) and the
+/// states ending on a reachable boundary are kept.
+pub fn reachable_block_mask(
+    start_block: u32,
+    end_block: u32,
+    alignment_tokens: u32,
+    block_size: u32,
+    retention_interval: Option<u32>,
+    reachable_boundaries: &[u32],
+) -> Option<Vec<bool>> {
+    let r = retention_interval?;
+    let mut mask = vec![false; (end_block - start_block) as usize];
+    if r != 0 {
+        let per_segment = r / block_size;
+        if per_segment <= 1 {
+            return None;
+        }
+        let first_boundary = (start_block + per_segment) / per_segment * per_segment - 1;
+        let mut i = (first_boundary - start_block) as usize;
+        while i < mask.len() {
+            mask[i] = true;
+            i += per_segment as usize;
+        }
+    }
+    for &b in reachable_boundaries {
+        let aligned = b / alignment_tokens * alignment_tokens;
+        let Some(boundary_block) = (aligned / block_size).checked_sub(1) else { continue };
+        if start_block <= boundary_block && boundary_block < end_block {
+            mask[(boundary_block - start_block) as usize] = true;
+        }
+    }
+    Some(mask)
+}
+
+/// Tokens whose state is no longer needed after `num_computed_tokens` tokens: all but the
+/// last (`num_computed_tokens - 1`, 0 for none computed).
+#[inline]
+pub fn num_skipped_tokens(num_computed_tokens: u32) -> u32 {
+    num_computed_tokens.saturating_sub(1)
+}
+
+/// The token slots mode `"none"` sizes the table for: `num_tokens` plus one block of
+/// slots per speculative state block (vLLM adds `block_size * num_speculative_blocks` to
+/// `num_tokens` in both `get_num_blocks_to_allocate` and `allocate_new_blocks`).
+#[inline]
+pub fn none_mode_tokens(num_tokens: u32, block_size: u32, speculative_blocks: u32) -> u64 {
+    num_tokens as u64 + block_size as u64 * speculative_blocks as u64
+}
+
+/// `(slots, processed)` no-op limits of a mode-`"none"` table of `table_len` blocks whose
+/// first `null_prefix` blocks are null: a plain step needing at most `slots` token slots
+/// allocates nothing, and one whose processed tokens stay below `processed` frees nothing
+/// (block `null_prefix` is freed once `(processed - 1) / block_size > null_prefix`).
+#[inline]
+pub fn none_mode_noop_limits(table_len: u32, null_prefix: u32, block_size: u32, speculative_blocks: u32) -> (u64, u64) {
+    let bs = block_size as u64;
+    let slots = (table_len as u64).saturating_sub(speculative_blocks as u64) * bs;
+    let processed = (null_prefix as u64 + 1) * bs + 1;
+    (slots, processed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_checkpoint_position_leaves_one_token() {
+        assert_eq!(prefill_checkpoint_position(0, 16), 0);
+        assert_eq!(prefill_checkpoint_position(16, 16), 0);
+        assert_eq!(prefill_checkpoint_position(17, 16), 16);
+        assert_eq!(prefill_checkpoint_position(33, 16), 32);
+    }
+
+    #[test]
+    fn reachable_block_mask_keeps_segment_ends_and_boundaries() {
+        assert_eq!(reachable_block_mask(0, 4, 16, 16, None, &[]), None);
+        // Interval 0: only the block ending on the replay boundary (49 -> 48 -> block 2).
+        assert_eq!(reachable_block_mask(0, 4, 16, 16, Some(0), &[49]), Some(vec![false, false, true, false]));
+        // Interval 32 (two blocks): blocks 1, 3, ...
+        assert_eq!(reachable_block_mask(0, 5, 16, 16, Some(32), &[]), Some(vec![false, true, false, true, false]));
+        assert_eq!(reachable_block_mask(0, 4, 16, 16, Some(16), &[]), None);
+        // A boundary below one block reaches nothing.
+        assert_eq!(reachable_block_mask(0, 2, 16, 16, Some(0), &[5]), Some(vec![false, false]));
+    }
+
+    #[test]
+    fn num_skipped_tokens_keeps_the_last_state() {
+        assert_eq!(num_skipped_tokens(0), 0);
+        assert_eq!(num_skipped_tokens(1), 0);
+        assert_eq!(num_skipped_tokens(17), 16);
+    }
+
+    #[test]
+    fn none_mode_tokens_adds_one_block_per_speculative_state() {
+        assert_eq!(none_mode_tokens(5, 16, 0), 5);
+        assert_eq!(none_mode_tokens(5, 16, 2), 37);
+        assert_eq!(none_mode_tokens(u32::MAX, u32::MAX, 3), u32::MAX as u64 * 4);
+    }
+
+    #[test]
+    fn none_mode_noop_limits_freeing_starts_past_the_next_block() {
+        // Block 0 is freed when (processed - 1) / 16 > 0, i.e. processed >= 17.
+        assert_eq!(none_mode_noop_limits(3, 0, 16, 0), (48, 17));
+        assert_eq!(none_mode_noop_limits(3, 0, 16, 2), (16, 17));
+        assert_eq!(none_mode_noop_limits(1, 0, 16, 2), (0, 17));
+    }
+}

@@ -1,0 +1,201 @@
+//! Deterministic integration tests of Mamba groups (vLLM's `MambaManager`), circular
+//! buffers and KV cache zeroing in the coordinator: the positional align-mode table (null
+//! padding, the running state block, the previous state recycled one step later), hits on
+//! the last cached state, the same-step deferral, mode "none" with speculative state
+//! blocks, zeroing records, and bad inputs that must fail without changing anything.
+
+use hybrid_alloc::invariants;
+use hybrid_alloc::{
+    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Error, GroupSpec, NewComputed, ReqHandle,
+    NULL_BLOCK,
+};
+
+const BS: u32 = 16;
+
+fn mamba(align: bool, speculative_blocks: u32) -> AttentionKind {
+    AttentionKind::Mamba { speculative_blocks, align, rekey_cached_tail: true }
+}
+
+fn config(kinds: &[(AttentionKind, u32)], num_blocks: u32, caching: bool, zero: bool) -> Config {
+    Config {
+        num_blocks,
+        groups: kinds
+            .iter()
+            .enumerate()
+            .map(|(i, &(kind, block_size))| GroupSpec { kind, block_size, spec_key: i as u32 })
+            .collect(),
+        hash_block_size: BS,
+        scheduler_block_size: kinds.iter().map(|k| k.1).max().unwrap(),
+        max_model_len: 4096,
+        max_in_flight_tokens: 4096,
+        enable_caching: caching,
+        enable_events: false,
+        watermark_blocks: 0,
+        retention_interval: None,
+        zero_new_blocks: zero,
+    }
+}
+
+fn chain(n: u32, seed: u64) -> Vec<u8> {
+    let mut prev = seed;
+    (0..n / BS)
+        .flat_map(|i| {
+            prev = prev.rotate_left(7) ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            BlockHash::from_u64(prev).as_bytes().to_vec()
+        })
+        .collect()
+}
+
+fn add(a: &mut Allocator, num_tokens: u32, seed: u64) -> ReqHandle {
+    let h = a.add_request();
+    a.append_hashes(h, &chain(num_tokens, seed), 8).unwrap();
+    h
+}
+
+fn args(num_new: u32, computed: u32, prompt: u32, num_tokens: u32) -> AllocateArgs {
+    AllocateArgs {
+        num_new_tokens: num_new,
+        num_computed_tokens: computed,
+        num_prompt_tokens: prompt,
+        num_tokens,
+        ..Default::default()
+    }
+}
+
+fn table(a: &Allocator, h: ReqHandle, g: usize) -> Vec<BlockId> {
+    a.blocks(h, g).unwrap().to_vec()
+}
+
+fn ok(a: &Allocator) {
+    invariants::check(a).unwrap();
+}
+
+#[test]
+fn allocate_slots_mamba_align_pads_nulls_and_recycles_the_previous_state() {
+    let mut a = Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, true, true)).unwrap();
+    let h = add(&mut a, 100, 1);
+    // A 48-token chunk: full attention takes 3 blocks, Mamba 2 nulls and one state block.
+    assert!(a.allocate_slots(h, &args(48, 0, 100, 100), NewComputed::Empty).unwrap().is_some());
+    let t = table(&a, h, 1);
+    assert_eq!(&t[..2], &[NULL_BLOCK, NULL_BLOCK]);
+    assert_ne!(t[2], NULL_BLOCK);
+    assert_eq!(a.new_block_counts(), &[3, 3], "the null padding is reported as new blocks, as vLLM does");
+    assert_eq!(a.new_block_ids()[3..5], [NULL_BLOCK, NULL_BLOCK]);
+    // The state at token 48 is cached under the hash of block 2.
+    assert!(a.pool().block_hash(t[2]).is_some());
+    // Only the attention group's blocks are reported for zeroing.
+    let zeroed = a.take_new_block_ids();
+    assert_eq!(zeroed, table(&a, h, 0));
+    assert!(a.take_new_block_ids().is_empty());
+    ok(&a);
+    // The next chunk (48 more tokens): nulls up to the new state block; the old state stays
+    // one more step (the new one is filled from it).
+    assert!(a.allocate_slots(h, &args(48, 48, 100, 100), NewComputed::Empty).unwrap().is_some());
+    let t2 = table(&a, h, 1);
+    assert_eq!(t2.len(), 6);
+    assert_eq!(t2[2], t[2]);
+    assert_eq!(&t2[3..5], &[NULL_BLOCK, NULL_BLOCK]);
+    ok(&a);
+    // Once the second chunk is processed, the state block of the first one is freed.
+    let free = a.num_free_blocks();
+    a.remove_skipped_blocks(h, 96).unwrap();
+    assert_eq!(table(&a, h, 1)[2], NULL_BLOCK);
+    assert_eq!(a.num_free_blocks(), free + 1);
+    ok(&a);
+    a.free(h).unwrap();
+    ok(&a);
+    assert_eq!(a.num_free_blocks(), 63);
+}
+
+#[test]
+fn find_longest_cache_hit_mamba_align_hits_the_last_cached_state_and_defers_it_within_a_step() {
+    let mut a = Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, true, false)).unwrap();
+    let r1 = add(&mut a, 80, 7);
+    assert!(a.allocate_slots(r1, &args(64, 0, 80, 80), NewComputed::Empty).unwrap().is_some());
+    let state = table(&a, r1, 1)[3];
+    let r2 = add(&mut a, 80, 7);
+    let hit = a.find_longest_cache_hit(r2, 79).unwrap();
+    assert_eq!(hit.num_tokens, 64);
+    assert_eq!(a.stored_hit(r2, 1).unwrap(), &[NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, state]);
+    let mut x = args(16, 0, 80, 80);
+    x.num_new_computed_tokens = 64;
+    // The state was cached in this step: the hit waits for the next one (vLLM answers
+    // "does not fit" with num_gpu_blocks + 1).
+    assert_eq!(a.get_num_blocks_to_allocate(r2, 80, 80, 0, 0, false).unwrap(), 5 + 1);
+    assert_eq!(a.allocate_slots(r2, &x, NewComputed::Stored).unwrap(), None);
+    assert!(table(&a, r2, 0).is_empty());
+    // Next step: the scheduler looks the hit up again and adopts it.
+    a.new_step_starts();
+    assert_eq!(a.find_longest_cache_hit(r2, 79).unwrap().num_tokens, 64);
+    assert!(a.allocate_slots(r2, &x, NewComputed::Stored).unwrap().is_some());
+    assert_eq!(&table(&a, r2, 1)[..4], &[NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, state]);
+    assert_eq!(a.pool().ref_cnt(state), 2);
+    ok(&a);
+}
+
+#[test]
+fn allocate_slots_mamba_partial_hit_is_refused_unchanged() {
+    let mut a = Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, true, false)).unwrap();
+    let r1 = add(&mut a, 80, 3);
+    a.allocate_slots(r1, &args(64, 0, 80, 80), NewComputed::Empty).unwrap();
+    a.new_step_starts();
+    let r2 = add(&mut a, 80, 3);
+    a.find_longest_cache_hit(r2, 79).unwrap();
+    let free = a.num_free_blocks();
+    let mut x = args(8, 8, 80, 80);
+    x.num_new_computed_tokens = 64;
+    let e = a.allocate_slots(r2, &x, NewComputed::Stored).unwrap_err();
+    assert!(matches!(e, Error::OutOfRange(_)), "{e}");
+    assert_eq!(a.num_free_blocks(), free);
+    assert!(table(&a, r2, 1).is_empty());
+    ok(&a);
+}
+
+#[test]
+fn allocate_slots_mamba_none_keeps_one_state_and_speculative_blocks() {
+    let mut a = Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(false, 2), 4096)], 64, false, true)).unwrap();
+    let h = add(&mut a, 40, 1);
+    assert_eq!(a.get_num_blocks_to_allocate(h, 40, 40, 0, 0, false).unwrap(), 3 + 3);
+    assert_eq!(a.allocate_slots(h, &args(40, 0, 40, 40), NewComputed::Empty).unwrap(), Some(6));
+    assert_eq!(table(&a, h, 1).len(), 3, "one state block and two speculative ones");
+    assert_eq!(a.take_new_block_ids(), table(&a, h, 0), "Mamba state blocks are not zeroed");
+    // Decoding never needs another state block.
+    for n in 40..200 {
+        a.allocate_slots(h, &args(1, n, 40, n + 1), NewComputed::Empty).unwrap().unwrap();
+    }
+    assert_eq!(table(&a, h, 1).len(), 3);
+    ok(&a);
+    // Re-recording for zeroing from a block-aligned token: the attention blocks from there.
+    a.take_new_block_ids();
+    a.record_blocks_for_zeroing(h, 32).unwrap();
+    assert_eq!(a.take_new_block_ids(), table(&a, h, 0)[2..].to_vec());
+    assert!(a.record_blocks_for_zeroing(h, 5).is_err());
+    assert!(a.take_new_block_ids().is_empty(), "a refused call records nothing");
+}
+
+#[test]
+fn allocate_slots_circular_buffer_claims_one_block_for_life() {
+    let mut a =
+        Allocator::new(config(&[(AttentionKind::Full, BS), (AttentionKind::CircularBuffer, 8)], 64, true, true))
+            .unwrap();
+    let h = add(&mut a, 64, 1);
+    assert_eq!(a.allocate_slots(h, &args(64, 0, 64, 64), NewComputed::Empty).unwrap(), Some(5));
+    assert_eq!(table(&a, h, 1).len(), 1);
+    assert_eq!(a.take_new_block_ids(), table(&a, h, 0), "the ring is not zeroed");
+    assert!(a.pool().block_hash(table(&a, h, 1)[0]).is_none(), "the ring is never cached");
+    a.allocate_slots(h, &args(16, 64, 64, 80), NewComputed::Empty).unwrap().unwrap();
+    assert_eq!(table(&a, h, 1).len(), 1);
+    ok(&a);
+}
+
+#[test]
+fn config_mamba_align_with_partial_hits_or_speculative_blocks_is_unsupported() {
+    let c = config(&[(AttentionKind::Full, BS), (mamba(true, 0), 2 * BS)], 64, true, false);
+    assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
+    let c = config(&[(AttentionKind::Full, BS), (mamba(true, 1), BS)], 64, true, false);
+    assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
+    let c = config(&[(AttentionKind::Full, BS), (mamba(false, 0), BS)], 64, true, false);
+    assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
+    let c = config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, false, false);
+    assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
+}

