@@ -26,7 +26,7 @@ use crate::block_pool::Event;
 use crate::config::{AttentionKind, Config, GroupSpec};
 use crate::coordinator::{token_count, AllocateArgs, Allocator, HashSource, NewComputed, PlainStep, StepFields};
 use crate::error::Error;
-use crate::ids::{BlockHash, BlockId};
+use crate::ids::{BlockHash, BlockId, GroupId};
 
 create_exception!(_core, HybridAllocError, PyException, "Base class of every hybrid_alloc error.");
 create_exception!(_core, InvalidConfigError, HybridAllocError, "The configuration is invalid.");
@@ -558,6 +558,28 @@ impl PyAllocator {
         let core = self.core()?;
         let b = Self::block(&core, block_id)?;
         Ok(core.pool().block_hash(b).map(|(h, g)| (PyBytes::new(py, h.as_bytes()), *g)))
+    }
+
+    /// vLLM's `BlockPool.get_cached_block`: the first cached block for `block_hash` in each
+    /// group of `group_ids`, or None on a miss in any group.
+    ///
+    /// # Errors
+    /// `OutOfRangeError` for a hash that is not 1 to 32 bytes or a group that does not exist.
+    fn get_cached_block(&self, block_hash: &Bound<'_, PyBytes>, group_ids: Vec<i64>) -> PyResult<Option<Vec<u32>>> {
+        let core = self.core()?;
+        let b = block_hash.as_bytes();
+        let hash = BlockHash::from_bytes(b)
+            .ok_or_else(|| Error::OutOfRange(format!("block hash has {} bytes (1 to 32 are valid)", b.len())))?;
+        let num_groups = core.num_groups();
+        let mut groups = Vec::with_capacity(group_ids.len());
+        for &g in &group_ids {
+            match usize::try_from(g) {
+                Ok(i) if i < num_groups => groups.push(i as GroupId),
+                _ => return Err(Error::OutOfRange(format!("group {g} (the allocator has {num_groups})")).into()),
+            }
+        }
+        let mut out = Vec::with_capacity(groups.len());
+        Ok(core.pool().get_cached_block(&hash, &groups, &mut out).then_some(out))
     }
 
     /// Prefix tokens covered by a block's hash, or None when unhashed.

@@ -43,6 +43,7 @@ class ParityRun:
             "popped": 0,
             "bounded_lookups": 0,
             "lookahead_events": 0,
+            "cached_block_hits": 0,
         }
 
     # ---- helpers -----------------------------------------------------------------------
@@ -74,11 +75,30 @@ class ParityRun:
         for req in list(self.running) + list(self.waiting):
             rid = req.request_id
             self.eq(f"blocks of {rid}", self.ref.get_block_ids(rid), self.ours.get_block_ids(rid))
+        self.check_cached_block_lookups()
         ref_q = [b.block_id for b in self.ref.block_pool.free_block_queue.get_all_free_blocks()]
         self.eq("free queue order", ref_q, self.ours._alloc.free_queue_order())
         self.ours._alloc.check_invariants()
         a, b = self.ref.make_prefix_cache_stats(), self.ours.make_prefix_cache_stats()
         self.eq("prefix cache stats", vars(a), vars(b))
+
+    def check_cached_block_lookups(self) -> None:
+        """``block_pool.get_cached_block(hash, group_ids)`` (the routed-experts connector's
+        lookup) for the first and last hashes of every live request, in each group alone and
+        in all groups together."""
+        groups = list(range(len(self.setup.specs)))
+        for req in list(self.running) + list(self.waiting):
+            hashes = list(req.block_hashes)
+            for h in hashes[:6] + hashes[-6:]:
+                for gids in [[g] for g in groups] + [groups]:
+                    a = self.ref.block_pool.get_cached_block(h, gids)
+                    b = self.ours.block_pool.get_cached_block(h, gids)
+                    self.eq(
+                        f"get_cached_block({gids})",
+                        None if a is None else [x.block_id for x in a],
+                        None if b is None else [x.block_id for x in b],
+                    )
+                    self.stats["cached_block_hits"] += a is not None
 
     def new_request(self) -> Request:
         r = self.rng

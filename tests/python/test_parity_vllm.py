@@ -42,7 +42,7 @@ def test_parity_random_trace(name: str) -> None:
     if not setup.available:
         pytest.skip(f"{name} is served natively only on vLLM 0.33 (lookahead hashes / no drop for flagged groups)")
     total = {"hits": 0, "preempt": 0, "finish": 0, "none": 0, "reset_ok": 0, "popped": 0, "bounded_lookups": 0,
-             "lookahead_events": 0}
+             "lookahead_events": 0, "cached_block_hits": 0}
     seeds = [1000 + i for i in range(4)]
     for seed in seeds:
         stats = ParityRun(setup, seed).run(NUM_OPS // len(seeds))
@@ -55,6 +55,7 @@ def test_parity_random_trace(name: str) -> None:
     assert total["popped"] > 0
     if setup.enable_caching:
         assert total["hits"] > 0, f"{name}: no prefix-cache hit happened"
+        assert total["cached_block_hits"] > 0, f"{name}: get_cached_block never found a block"
         if HAVE_MAX_CACHE_HIT_LENGTH:
             assert total["bounded_lookups"] > 0
         if setup.lookahead:

@@ -252,25 +252,42 @@ def test_native_with_the_installed_release_arguments(caplog: pytest.LogCaptureFi
     _runs(sched)
 
 
-def test_aux_outputs_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Auxiliary outputs (``--enable-return-routed-experts``, vLLM 0.33) read
-    ``block_pool.get_cached_block``, which the native pool does not serve: vLLM's manager
-    serves that configuration, with the reason named."""
+def test_aux_outputs_served_natively(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Auxiliary outputs (``--enable-return-routed-experts``, vLLM 0.33): the adapter stays
+    native, and vLLM's own ``AuxOutputSchedulerConnector``, built over each manager, reads
+    the same group, block size and capacity and answers the same ``max_cache_hit`` (through
+    ``block_pool.get_cached_block``) as requests are admitted, cached and finished."""
     from types import SimpleNamespace
 
     from hybrid_alloc.vllm import manager
     from vllm_harness import SETUPS
 
-    kw = next(x for x in SETUPS if x.name == "full_bs16").manager_kwargs(events=False)
+    aux_mod = pytest.importorskip("vllm.distributed.aux_output_connector.connector")
+    setup = next(x for x in SETUPS if x.name == "full_swa_bs16")
     monkeypatch.setattr(
         manager, "current_vllm_config",
         SimpleNamespace(kv_transfer_config=None, aux_output_config=SimpleNamespace(enabled=True)),
     )
-    native, reason = manager.native_config_or_reason(**kw)
-    assert native is None and "auxiliary outputs" in reason
-    assert type(manager.HybridKVCacheManager(**kw)) is manager.VllmKVCacheManager
-    monkeypatch.setattr(
-        manager, "current_vllm_config",
-        SimpleNamespace(kv_transfer_config=None, aux_output_config=SimpleNamespace(enabled=False)),
-    )
-    assert type(manager.HybridKVCacheManager(**kw)) is manager.HybridKVCacheManager
+    ref, ours = setup.build(events=False)
+    conns = [aux_mod.AuxOutputSchedulerConnector(m) for m in (ref, ours)]
+    for attr in ("_group_id", "_block_size", "_hash_block_size", "_capacity"):
+        assert getattr(conns[0], attr) == getattr(conns[1], attr), attr
+    prefix = list(range(1, 161))
+    hits = 0
+    for i in range(6):
+        req_pair = [setup.make_request(f"r{i}", prefix + [1000 + i] * (17 + i)) for _ in range(2)]
+        answers = [c.max_cache_hit(r) for c, r in zip(conns, req_pair)]
+        assert answers[0] == answers[1], (i, answers)
+        hits += answers[0] > 0
+        for m, r in zip((ref, ours), req_pair):
+            blocks, *_ = m.get_computed_blocks(r)
+            assert m.allocate_slots(r, r.num_tokens, new_computed_blocks=blocks) is not None
+            r.num_computed_tokens = r.num_tokens
+            m.cache_blocks(r, r.num_tokens)
+        after = [c.max_cache_hit(r) for c, r in zip(conns, req_pair)]
+        assert after[0] == after[1] > 0, (i, after)
+        for c, m, r in zip(conns, (ref, ours), req_pair):
+            c.request_finished(r)
+            m.free(r)
+    assert hits > 0, "no lookup found cached blocks: the test exercised nothing"
+    assert conns[0]._kv_cached.keys() == conns[1]._kv_cached.keys()

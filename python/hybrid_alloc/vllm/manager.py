@@ -276,11 +276,6 @@ def _native_plan(
     vc = current_vllm_config
     if vc is not None and getattr(vc, "kv_transfer_config", None) is not None:
         raise Unsupported("a KV connector is configured")
-    aux = getattr(vc, "aux_output_config", None) if vc is not None else None
-    if aux is not None and getattr(aux, "enabled", False):
-        # AuxOutputSchedulerConnector reads block_pool.get_cached_block, which the binding
-        # does not expose.
-        raise Unsupported("auxiliary outputs (--enable-return-routed-experts)")
     if use_eagle:
         raise Unsupported("EAGLE/MTP prefix-cache block drop")
     if not isinstance(num_hash_lookahead_tokens, int) or num_hash_lookahead_tokens < 0:
@@ -481,6 +476,13 @@ class _NativeBlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         self._alloc.free_block_ids([b.block_id for b in ordered_blocks])
+
+    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[NativeBlock] | None:
+        """vLLM's ``BlockPool.get_cached_block`` (the routed-experts auxiliary-output
+        connector asks it): the first cached block for ``block_hash`` in each group, or
+        ``None`` on a miss in any group."""
+        ids = self._alloc.get_cached_block(block_hash, list(kv_cache_group_ids))
+        return None if ids is None else [NativeBlock(self._alloc, b) for b in ids]
 
     def get_num_free_blocks(self) -> int:
         return self._alloc.num_free_blocks
