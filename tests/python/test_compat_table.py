@@ -113,7 +113,7 @@ CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("groups of different block sizes", "full_bs32", {"scheduler_block_size": 32}, "(partial-block prefix entries)"),
     ("cross attention", "cross", {"enable_caching": False}, None),
     ("cross attention", "cross", {}, "cross attention with prefix caching on"),
-    ("Mamba / linear attention", "mamba", {"enable_caching": False}, "KV cache zeroing (Mamba or mixed-precision groups)"),
+    ("Mamba / linear attention", "mamba", {"enable_caching": False}, None),
     ("decode/prefill context parallelism", "full", {"dcp_world_size": 2}, "decode/prefill context parallelism"),
     ("KV cache residency metrics", "full", {"metrics_collector": object()}, "KV cache residency metrics"),
     ("multi-module MTP", "full", {"num_prefill_lookahead": 2}, "multi-token prefill lookahead"),
