@@ -56,8 +56,9 @@ _MANAGER_PROPERTIES = ("usage",)
 
 
 def _subclasses(cls: type) -> list[type]:
-    out = [cls]
-    for sub in cls.__subclasses__():
+    out: list[type] = [cls]
+    subs: list[type] = cls.__subclasses__()
+    for sub in subs:
         out.extend(c for c in _subclasses(sub) if c not in out)
     return out
 
@@ -629,9 +630,9 @@ def plot(results: list[RunResult], rows: list[dict[str, Any]], path: str) -> Non
         ys = [by[(m, s, mg)]["kv_us_median"] if (m, s, mg) in by else 0.0 for m, s in scen]
         bars = ax.bar(xs, ys, width, label=mg, color=color)
         for b, (m, s) in zip(bars, scen):
-            r = by.get((m, s, mg))
-            if r and mg == "hybrid_alloc" and r.get("kv_speedup_vs_vllm"):
-                ax.annotate(f"{r['kv_speedup_vs_vllm']:.0f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+            found = by.get((m, s, mg))
+            if found and mg == "hybrid_alloc" and found.get("kv_speedup_vs_vllm"):
+                ax.annotate(f"{found['kv_speedup_vs_vllm']:.0f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
                             ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(scen)))
     ax.set_xticklabels([f"{m}\n{s}" for m, s in scen], fontsize=8)
