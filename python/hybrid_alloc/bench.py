@@ -441,16 +441,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def vllm_ready() -> bool:
+    """Whether vLLM imports (else prints the install hint); quiets vLLM's logger for the run.
+    The common start of ``hybrid-alloc bench`` and ``hybrid-alloc hits``."""
     try:
         import vllm  # noqa: F401
     except ImportError:
         print(INSTALL_HINT, file=sys.stderr)
-        return 2
+        return False
     import logging
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not vllm_ready():
+        return 2
     from tqdm import tqdm
 
     from hybrid_alloc.vllm.offline import SHAPES

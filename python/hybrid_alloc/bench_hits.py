@@ -303,16 +303,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        from hybrid_alloc.bench import INSTALL_HINT
+    from hybrid_alloc.bench import vllm_ready
 
-        print(INSTALL_HINT, file=sys.stderr)
+    if not vllm_ready():
         return 2
-    import logging
-
-    logging.getLogger("vllm").setLevel(logging.ERROR)
     all_shapes = shapes()
     wls = {w.name: w for w in workloads(args.size)}
     results: list[Result] = []
