@@ -40,10 +40,13 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput
@@ -63,8 +66,10 @@ ManagerName = Literal["vllm", "hybrid_alloc", "no_hybrid"]
 
 @dataclass(frozen=True)
 class LayerKind:
-    """One layer: ``kind`` is "full", "sliding_window", "chunked_local" or "mamba" (a
-    Mamba / linear-attention state layer, shaped by ``ModelShape.mamba_state``)."""
+    """One layer's cache: ``kind`` is "full", "sliding_window", "chunked_local", "mamba" (a
+    Mamba / linear-attention state layer, shaped by ``ModelShape.mamba_state``), or one of
+    DeepSeek-V4's: "mla" (compressed MLA, full attention), "swa_mla" (sliding-window MLA,
+    ``window`` tokens) and "ring" (the compressor's circular buffer, one block per request)."""
 
     kind: str
     window: int = 0
@@ -138,6 +143,17 @@ class ModelShape:
                     mamba_cache_mode=mamba_cache_mode,
                 )
                 continue
+            if layer.kind in ("mla", "swa_mla", "ring"):
+                # DeepSeek-V4: one latent vector per token (no K/V pair), padded to 576.
+                mla = dict(block_size=block_size, num_kv_heads=1, head_size=self.head_size, dtype=self.dtype)
+                if layer.kind == "mla" or (no_hybrid and layer.kind == "swa_mla"):
+                    spec = MLAAttentionSpec(**mla)
+                elif layer.kind == "swa_mla":
+                    spec = SlidingWindowMLASpec(**mla, sliding_window=layer.window)
+                else:
+                    spec = CircularBufferSpec(**{**mla, "block_size": 8})
+                specs[f"model.layers.{i}.{layer.kind}"] = spec
+                continue
             if layer.kind == "full" or no_hybrid:
                 spec = FullAttentionSpec(**common)
             elif layer.kind == "sliding_window":
@@ -150,8 +166,10 @@ class ModelShape:
         return specs
 
     def kv_bytes_per_token(self) -> int:
-        attn = sum(layer.kind != "mamba" for layer in self.layers)
-        return attn * 2 * self.num_kv_heads * self.head_size * torch.finfo(self.dtype).bits // 8
+        width = torch.finfo(self.dtype).bits // 8
+        kv = sum(layer.kind in ("full", "sliding_window", "chunked_local") for layer in self.layers)
+        mla = sum(layer.kind in ("mla", "swa_mla") for layer in self.layers)
+        return kv * 2 * self.num_kv_heads * self.head_size * width + mla * self.head_size * width
 
 
 def alternating(n: int, window: int, kind: str = "sliding_window", every: int = 2) -> tuple[LayerKind, ...]:
@@ -195,6 +213,22 @@ SHAPES: dict[str, ModelShape] = {
         num_kv_heads=8, head_size=128, weight_bytes=int(16.2 * GiB), max_model_len=32768,
         mamba_state=MambaState(shapes=((3, 10240), (128, 64, 128)), dtypes=(torch.bfloat16, torch.float32)),
         description="Mamba2 + attention (Nemotron-H 8B): 24 Mamba2, 4 attention layers, 8 KV heads of 128",
+    ),
+    # LFM2-1.2B style: 16 layers, 10 gated short-convolution blocks (kernel 3, hidden 2048)
+    # and 6 grouped-query attention layers, 8 KV heads of 64.
+    "lfm2-style": ModelShape(
+        "lfm2-style", tuple(LayerKind("full") if i in (2, 5, 8, 10, 12, 14) else LayerKind("mamba") for i in range(16)),
+        num_kv_heads=8, head_size=64, weight_bytes=int(2.3 * GiB), max_model_len=32768,
+        mamba_state=MambaState(shapes=((2, 2048),), dtypes=(torch.bfloat16,), mamba_type="SHORT_CONV"),
+        description="16 layers, 10 short convolution : 6 attention (LFM2-1.2B), 8 KV heads of 64",
+    ),
+    # DeepSeek-V4 style: each of 32 layers has a compressed MLA cache (full attention), a
+    # sliding-window MLA cache (128 tokens) and its compressor's circular buffer.
+    "deepseek-v4-style": ModelShape(
+        "deepseek-v4-style",
+        tuple(LayerKind(k, 128 if k == "swa_mla" else 0) for _ in range(32) for k in ("mla", "swa_mla", "ring")),
+        num_kv_heads=1, head_size=576, weight_bytes=int(60.0 * GiB), max_model_len=32768,
+        description="32 layers, each compressed MLA (full) + sliding-window MLA (128) + compressor ring, latent 576",
     ),
     "mistral-sw": ModelShape(
         "mistral-sw", alternating(32, 4096, every=4), num_kv_heads=8, head_size=128, weight_bytes=int(14.5 * GiB),
