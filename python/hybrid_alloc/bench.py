@@ -417,7 +417,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--model", action="append", help="model shape (repeatable); default: gemma-2-27b and llama-3.1-8b. "
                    "Built in: gemma-2-27b, llama-3.1-8b, gpt-oss-120b, llama-4-scout, mistral-sw, qwen3.5-style, "
-                   "nemotron-h-style, lfm2-style, deepseek-v4-style")
+                   "nemotron-h-style, jamba-style, lfm2-style, deepseek-v4-style")
     p.add_argument("--workload", action="append", choices=["throughput", "shared-prefix", "decode"],
                    help="scenario (repeatable); default: all three")
     p.add_argument("--input-len", type=int, default=6144)

@@ -214,6 +214,15 @@ SHAPES: dict[str, ModelShape] = {
         mamba_state=MambaState(shapes=((3, 10240), (128, 64, 128)), dtypes=(torch.bfloat16, torch.float32)),
         description="Mamba2 + attention (Nemotron-H 8B): 24 Mamba2, 4 attention layers, 8 KV heads of 128",
     ),
+    # Jamba-1.5-Mini style: 32 layers, one attention layer in 8 (4), the rest Mamba (v1) with
+    # an inner width of 8192 (conv kernel 4, state 16), 8 KV heads of 128.
+    "jamba-style": ModelShape(
+        "jamba-style", tuple(LayerKind("full") if i % 8 == 4 else LayerKind("mamba") for i in range(32)),
+        num_kv_heads=8, head_size=128, weight_bytes=int(24.0 * GiB), max_model_len=32768,
+        mamba_state=MambaState(shapes=((3, 8192), (8192, 16)), dtypes=(torch.bfloat16, torch.float32),
+                               mamba_type="MAMBA1"),
+        description="32 layers, Mamba (v1) with attention every 8th layer (Jamba 1.5 Mini), 8 KV heads of 128",
+    ),
     # LFM2-1.2B style: 16 layers, 10 gated short-convolution blocks (kernel 3, hidden 2048)
     # and 6 grouped-query attention layers, 8 KV heads of 64.
     "lfm2-style": ModelShape(
