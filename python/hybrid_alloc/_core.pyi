@@ -1,10 +1,11 @@
 """Type stubs of the compiled module (checked with ``mypy.stubtest``)."""
 
 from collections.abc import Sequence
-from typing import ClassVar, TypeAlias, final
+from typing import ClassVar, Literal, TypeAlias, final, overload
 
 __all__ = [
     "Allocator",
+    "BlockIds",
     "ConcurrentUseError",
     "FastAllocate",
     "Hit",
@@ -42,6 +43,15 @@ class Hit:
     def __int__(self) -> int: ...
 
 @final
+class BlockIds:
+    """Block ids of several groups in one flat buffer (``as_buffer=True`` results)."""
+
+    def lists(self) -> tuple[list[int], ...]: ...
+    def is_empty(self) -> bool: ...
+    def counts(self) -> list[int]: ...
+    def __len__(self) -> int: ...
+
+@final
 class Allocator:
     def __new__(
         cls,
@@ -61,9 +71,20 @@ class Allocator:
     def add_request(self) -> int: ...
     def set_block_hashes(self, handle: int, block_hashes: list[bytes]) -> None: ...
     def num_hashes(self, handle: int) -> int: ...
+    @overload
     def get_computed_blocks(
-        self, handle: int, max_length: int, *, block_hashes: list[bytes] | None = None
+        self,
+        handle: int,
+        max_length: int,
+        *,
+        block_hashes: list[bytes] | None = None,
+        as_buffer: Literal[False] = False,
     ) -> tuple[int, int, tuple[list[int], ...]]: ...
+    @overload
+    def get_computed_blocks(
+        self, handle: int, max_length: int, *, block_hashes: list[bytes] | None = None, as_buffer: Literal[True]
+    ) -> tuple[int, int, BlockIds]: ...
+    @overload
     def allocate_slots(
         self,
         handle: int,
@@ -85,6 +106,31 @@ class Allocator:
         num_tokens: int | None = None,
         shared_prefix_boundary: int = 0,
         skip_zeroing_group_ids: Sequence[int] = ...,
+        as_buffer: Literal[True],
+    ) -> BlockIds | None: ...
+    @overload
+    def allocate_slots(
+        self,
+        handle: int,
+        num_new_tokens: int,
+        *,
+        block_hashes: list[bytes] | None = None,
+        hit: Hit | Sequence[Sequence[int]] | None = None,
+        num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        apply_watermark: bool = False,
+        num_computed_tokens: int = 0,
+        num_in_flight_tokens: int = 0,
+        num_prompt_tokens: int | None = None,
+        num_tokens: int | None = None,
+        shared_prefix_boundary: int = 0,
+        skip_zeroing_group_ids: Sequence[int] = ...,
+        as_buffer: Literal[False] = False,
     ) -> tuple[list[int], ...] | None: ...
     def take_new_block_ids(self) -> list[int]: ...
     def record_blocks_for_zeroing(self, handle: int, start_token: int) -> None: ...
@@ -117,7 +163,10 @@ class Allocator:
     def set_pinned_share(self, share: float) -> None: ...
     def pop_blocks_for_free(self, handle: int) -> list[int]: ...
     def free_block_ids(self, ids: list[int]) -> None: ...
-    def block_ids(self, handle: int) -> tuple[list[int], ...]: ...
+    @overload
+    def block_ids(self, handle: int, *, as_buffer: Literal[False] = False) -> tuple[list[int], ...]: ...
+    @overload
+    def block_ids(self, handle: int, *, as_buffer: Literal[True]) -> BlockIds: ...
     def evict_blocks(self, ids: list[int]) -> None: ...
     def reset_prefix_cache(self) -> bool: ...
     def estimate_cached_tokens(self, handle: int) -> int: ...

@@ -149,6 +149,70 @@ fn tuple_of_groups<'py>(py: Python<'py>, ids: &[BlockId], counts: &[u32]) -> PyR
     PyTuple::new(py, lists)
 }
 
+/// Block ids of several groups in one flat buffer (4 bytes an id): what the adapter gets
+/// back from a call that may hand out thousands of ids (an admission, a block table, a hit),
+/// so that no Python int is made for an id nobody reads. `lists()` makes fresh lists.
+#[pyclass(module = "hybrid_alloc._core", name = "BlockIds", frozen)]
+pub struct PyBlockIds {
+    ids: Vec<BlockId>,
+    counts: Vec<u32>,
+}
+
+impl PyBlockIds {
+    fn new(ids: &[BlockId], counts: &[u32]) -> Self {
+        Self { ids: ids.to_vec(), counts: counts.to_vec() }
+    }
+
+    /// A request's table, or its stored hit, in every group.
+    fn gather<'a>(num_groups: usize, group: impl Fn(usize) -> crate::Result<&'a [BlockId]>) -> PyResult<Self> {
+        let mut ids = Vec::new();
+        let mut counts = Vec::with_capacity(num_groups);
+        for g in 0..num_groups {
+            let v = group(g)?;
+            counts.push(v.len() as u32);
+            ids.extend_from_slice(v);
+        }
+        Ok(Self { ids, counts })
+    }
+}
+
+#[pymethods]
+impl PyBlockIds {
+    /// Fresh lists of ids, one per group.
+    fn lists<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        tuple_of_groups(py, &self.ids, &self.counts)
+    }
+
+    /// Whether every group is empty.
+    fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// The number of ids in each group.
+    fn counts(&self) -> Vec<u32> {
+        self.counts.clone()
+    }
+
+    /// The number of groups.
+    fn __len__(&self) -> usize {
+        self.counts.len()
+    }
+
+    fn __repr__(&self) -> String {
+        let mut off = 0usize;
+        let groups: Vec<String> = self
+            .counts
+            .iter()
+            .map(|&c| {
+                let g = &self.ids[off..off + c as usize];
+                off += c as usize;
+                format!("{g:?}")
+            })
+            .collect();
+        format!("BlockIds({})", groups.join(", "))
+    }
+}
+
 /// The native allocator: one per vLLM `KVCacheManager`.
 #[pyclass(module = "hybrid_alloc._core", name = "Allocator", frozen)]
 pub struct PyAllocator {
@@ -249,24 +313,26 @@ impl PyAllocator {
     /// Syncs the request's `block_hashes`, finds the longest cache hit not longer than
     /// `max_length` tokens and stores it as the request's pending hit. Returns `(hit_tokens,
     /// uncached_common_prefix_tokens, hit block ids per group)`.
-    #[pyo3(signature = (handle, max_length, *, block_hashes=None))]
-    fn get_computed_blocks<'py>(
+    #[pyo3(signature = (handle, max_length, *, block_hashes=None, as_buffer=false))]
+    fn get_computed_blocks(
         &self,
-        py: Python<'py>,
+        py: Python<'_>,
         handle: i64,
         max_length: i64,
         block_hashes: Option<&Bound<'_, PyList>>,
-    ) -> PyResult<(u32, u32, Bound<'py, PyTuple>)> {
+        as_buffer: bool,
+    ) -> PyResult<(u32, u32, Py<PyAny>)> {
         let h = handle_arg(handle)?;
         let max_length = u32_arg("max_length", max_length)?;
         let mut core = self.core()?;
         let src = block_hashes.map(PyHashes);
         let hit = core.get_computed_blocks(h, src.as_ref().map(|s| s as &dyn HashSource), max_length)?;
-        let mut lists = Vec::with_capacity(core.num_groups());
-        for g in 0..core.num_groups() {
-            lists.push(PyList::new(py, core.stored_hit(h, g)?)?);
-        }
-        Ok((hit.num_tokens, hit.num_uncached_common_prefix_tokens, PyTuple::new(py, lists)?))
+        let ids = {
+            let core = &*core;
+            PyBlockIds::gather(core.num_groups(), |g| core.stored_hit(h, g))?
+        };
+        let ids = if as_buffer { Py::new(py, ids)?.into_any() } else { ids.lists(py)?.into_any().unbind() };
+        Ok((hit.num_tokens, hit.num_uncached_common_prefix_tokens, ids))
     }
 
     /// vLLM's `allocate_slots`. `hit` is `Hit.NONE`, `Hit.STORED` (the hit the last
@@ -278,7 +344,7 @@ impl PyAllocator {
         num_new_computed_tokens=0, num_lookahead_tokens=0, num_external_computed_tokens=0,
         delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false, reserved_blocks=0,
         apply_watermark=false, num_computed_tokens=0, num_in_flight_tokens=0, num_prompt_tokens=None,
-        num_tokens=None, shared_prefix_boundary=0, skip_zeroing_group_ids=Vec::new()))]
+        num_tokens=None, shared_prefix_boundary=0, skip_zeroing_group_ids=Vec::new(), as_buffer=false))]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots<'py>(
         &self,
@@ -301,7 +367,8 @@ impl PyAllocator {
         num_tokens: Option<i64>,
         shared_prefix_boundary: i64,
         skip_zeroing_group_ids: Vec<i64>,
-    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        as_buffer: bool,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let h = handle_arg(handle)?;
         let default_tokens = num_computed_tokens
             .saturating_add(num_new_computed_tokens)
@@ -349,7 +416,10 @@ impl PyAllocator {
         let res = core.allocate_slots_synced(h, &args, nc, src.as_ref().map(|s| s as &dyn HashSource))?;
         match res {
             None => Ok(None),
-            Some(_) => Ok(Some(tuple_of_groups(py, core.new_block_ids(), core.new_block_counts())?)),
+            Some(_) if as_buffer => {
+                Ok(Some(Bound::new(py, PyBlockIds::new(core.new_block_ids(), core.new_block_counts()))?.into_any()))
+            }
+            Some(_) => Ok(Some(tuple_of_groups(py, core.new_block_ids(), core.new_block_counts())?.into_any())),
         }
     }
 
@@ -484,14 +554,15 @@ impl PyAllocator {
     }
 
     /// The block tables of a request, one list per group.
-    fn block_ids<'py>(&self, py: Python<'py>, handle: i64) -> PyResult<Bound<'py, PyTuple>> {
+    #[pyo3(signature = (handle, *, as_buffer=false))]
+    fn block_ids(&self, py: Python<'_>, handle: i64, as_buffer: bool) -> PyResult<Py<PyAny>> {
         let h = handle_arg(handle)?;
-        let core = self.core()?;
-        let mut lists = Vec::with_capacity(core.num_groups());
-        for g in 0..core.num_groups() {
-            lists.push(PyList::new(py, core.blocks(h, g)?)?);
-        }
-        PyTuple::new(py, lists)
+        let ids = {
+            let core = self.core()?;
+            let core = &*core;
+            PyBlockIds::gather(core.num_groups(), |g| core.blocks(h, g))?
+        };
+        Ok(if as_buffer { Py::new(py, ids)?.into_any() } else { ids.lists(py)?.into_any().unbind() })
     }
 
     /// Drops the prefix-cache hashes of these blocks.
@@ -812,6 +883,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyAllocator>()?;
     m.add_class::<FastAllocate>()?;
     m.add_class::<PyHit>()?;
+    m.add_class::<PyBlockIds>()?;
     m.add_function(wrap_pyfunction!(_noop, m)?)?;
     m.add("HybridAllocError", py.get_type::<HybridAllocError>())?;
     m.add("InvalidConfigError", py.get_type::<InvalidConfigError>())?;

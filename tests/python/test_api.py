@@ -73,6 +73,29 @@ def test_allocate_prefix_hit_and_free_order() -> None:
     a.check_invariants()
 
 
+def test_as_buffer_results_hold_the_same_ids_as_lists() -> None:
+    a = alloc("swa", window=32, num_blocks=32)
+    r1 = a.add_request()
+    buf = allocate(a, r1, 40, new=hashes(1, 2), prompt=40, tokens=40, as_buffer=True)
+    assert isinstance(buf, ha._core.BlockIds)
+    assert buf.lists() == a.block_ids(r1) == ([1, 2, 3], [4, 5, 6])
+    assert buf.lists() is not buf.lists() and buf.lists()[0] is not buf.lists()[0]  # fresh lists each time
+    assert (len(buf), buf.counts(), buf.is_empty()) == (2, [3, 3], False)
+    assert a.block_ids(r1, as_buffer=True).lists() == a.block_ids(r1)
+    r2 = a.add_request()
+    hit, uncached, groups = a.get_computed_blocks(r2, 39, block_hashes=hashes(1, 2), as_buffer=True)
+    assert (hit, uncached, groups.lists(), groups.counts()) == (32, 0, ([1, 2], [4, 5]), [2, 2])
+    assert a.get_computed_blocks(r2, 39, block_hashes=hashes(1, 2))[2] == ([1, 2], [4, 5])
+    # A step that needs no new block: every group empty.
+    r3 = a.add_request()
+    allocate(a, r3, 8, new=[], prompt=8, tokens=8)
+    empty = allocate(a, r3, 1, computed=8, prompt=8, tokens=9, as_buffer=True)
+    assert empty.is_empty() and empty.lists() == ([], []) and empty.counts() == [0, 0]
+    # Too many blocks: None, as with lists.
+    assert allocate(a, a.add_request(), 4096, new=[], prompt=4096, tokens=4096, as_buffer=True) is None
+    a.check_invariants()
+
+
 def test_explicit_hit_with_the_right_blocks_is_adopted() -> None:
     a = alloc()
     r1 = a.add_request()

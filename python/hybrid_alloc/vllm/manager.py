@@ -64,7 +64,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from hybrid_alloc._core import Allocator, FastAllocate, Hit, HybridAllocError, UnsupportedConfigError
+from hybrid_alloc._core import Allocator, BlockIds, FastAllocate, Hit, HybridAllocError, UnsupportedConfigError
 
 logger = init_logger("vllm.hybrid_alloc")
 
@@ -406,15 +406,30 @@ class EmptyKVCacheBlocks(KVCacheBlocks):
 
 
 class NativeKVCacheBlocks(KVCacheBlocks):
-    """``KVCacheBlocks`` whose content is block ids; ``blocks`` makes block views lazily."""
+    """``KVCacheBlocks`` whose content is block ids; ``blocks`` makes block views lazily.
+    Made from lists, or from the core's flat ``BlockIds`` buffer: then no Python int is made
+    for an id until a caller reads the ids (the scheduler does not read an admission's new
+    blocks, nor a hit's)."""
 
-    __slots__ = ("_alloc", "_ids", "_blocks")
+    __slots__ = ("_alloc", "_src", "_lists", "_blocks")
 
-    def __init__(self, alloc: Allocator, ids: tuple[list[int], ...]) -> None:
+    def __init__(self, alloc: Allocator, ids: tuple[list[int], ...] | BlockIds) -> None:
         # Deliberately not calling the dataclass __init__: ``blocks`` is lazy.
         self._alloc = alloc
-        self._ids = ids
+        self._src: BlockIds | None
+        self._lists: tuple[list[int], ...] | None
+        if type(ids) is BlockIds:
+            self._src, self._lists = ids, None
+        else:
+            self._src, self._lists = None, ids  # type: ignore[assignment]
         self._blocks: tuple[list[NativeBlock], ...] | None = None
+
+    @property
+    def _ids(self) -> tuple[list[int], ...]:
+        if self._lists is None:
+            assert self._src is not None
+            self._lists = self._src.lists()
+        return self._lists
 
     @property  # type: ignore[override]
     def blocks(self) -> tuple[Sequence[Any], ...]:
@@ -424,6 +439,10 @@ class NativeKVCacheBlocks(KVCacheBlocks):
         return self._blocks
 
     def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None) -> Any:
+        src = self._src
+        if src is not None and group_ids is None:
+            # Fresh lists straight from the buffer (one crossing), as vLLM's are fresh.
+            return None if allow_none and src.is_empty() else src.lists()
         groups = self._ids if group_ids is None else tuple(self._ids[g] for g in group_ids)
         if allow_none and not any(groups):
             return None
@@ -457,7 +476,7 @@ class _HitBlocks(NativeKVCacheBlocks):
 
     __slots__ = ("_gen",)
 
-    def __init__(self, alloc: Allocator, ids: tuple[list[int], ...], gen: int) -> None:
+    def __init__(self, alloc: Allocator, ids: tuple[list[int], ...] | BlockIds, gen: int) -> None:
         super().__init__(alloc, ids)
         self._gen = gen
 
@@ -816,12 +835,12 @@ class HybridKVCacheManager:
         if self._pending_pins:
             self._pin_from(request)
         hit, uncached, groups = self._alloc.get_computed_blocks(
-            st[0], max_cache_hit_length, block_hashes=request.block_hashes
+            st[0], max_cache_hit_length, block_hashes=request.block_hashes, as_buffer=True
         )
         if hit > 0 and self.enable_kv_cache_events and getattr(request, "kv_cache_report_mode", "incremental") == "full":
-            self._emit_cached_block_events(request, [len(g) for g in groups])
+            self._emit_cached_block_events(request, groups.counts())
         boundary = hit + uncached if uncached else 0
-        if not any(groups):
+        if groups.is_empty():
             st[1] = -1
             return self.empty_kv_cache_blocks, hit, boundary
         self._hit_gen += 1
@@ -922,12 +941,13 @@ class HybridKVCacheManager:
             num_tokens=request.num_tokens,
             shared_prefix_boundary=request.shared_prefix_boundary,
             skip_zeroing_group_ids=list(skip_zeroing_group_ids),
+            as_buffer=True,
         )
         if self.enable_kv_cache_events and self._alloc.has_events:
             self._drain_events(request)
         if res is None:
             return None
-        if not any(res):
+        if res.is_empty():
             return self.empty_kv_cache_blocks
         return NativeKVCacheBlocks(self._alloc, res)
 
@@ -998,8 +1018,8 @@ class HybridKVCacheManager:
         st = self._reqs.get(request_id)
         if st is None:
             return self.empty_kv_cache_blocks
-        ids = self._alloc.block_ids(st[0])
-        if not any(ids):
+        ids = self._alloc.block_ids(st[0], as_buffer=True)
+        if ids.is_empty():
             return self.empty_kv_cache_blocks
         return NativeKVCacheBlocks(self._alloc, ids)
 
