@@ -643,7 +643,14 @@ impl SingleTypeManager {
         let before = self.num_cached(h);
         self.cache_full(pool, h, req, hashes, hash_block_size, num_tokens, retention_interval, reachable_boundaries);
         if let AttentionKind::Mamba { align: true, rekey_cached_tail, .. } = self.spec.kind {
-            self.prompt_boundary[h as usize] = mamba::prefill_checkpoint_position(num_prompt_tokens, hash_block_size);
+            // Once the prompt is computed, the tokens to cache never come back down to its
+            // checkpoint position (below the prompt's end), so the no-op limits stop
+            // watching it (0: no position to watch).
+            self.prompt_boundary[h as usize] = if num_tokens >= num_prompt_tokens {
+                0
+            } else {
+                mamba::prefill_checkpoint_position(num_prompt_tokens, hash_block_size)
+            };
             self.align_cache_prompt_tail(
                 pool,
                 h,
