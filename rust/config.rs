@@ -25,7 +25,11 @@ pub enum AttentionKind {
     /// of states at block boundaries); `false` is mode `"none"`. `rekey_cached_tail` is
     /// vLLM 0.32's rule for the prompt's checkpoint state in "align" (a state block already
     /// keyed there counts as cached again this step); vLLM 0.33 skips it.
-    Mamba { speculative_blocks: u32, align: bool, rekey_cached_tail: bool },
+    /// `checkpoint_alignment` is the spec's `prefill_checkpoint_alignment` when it has
+    /// prefill checkpoint blocks (`num_prefill_checkpoint_blocks > 0`, "align" only; vLLM's
+    /// MambaMixer2 sets 1): a prefill chunk reserves one more block, where the worker exports
+    /// the state at the last cacheable boundary inside the chunk. 0: none.
+    Mamba { speculative_blocks: u32, align: bool, rekey_cached_tail: bool, checkpoint_alignment: u32 },
     /// A circular buffer (vLLM's `CircularBufferSpec`, DeepSeek-V4's compressor ring): one
     /// block per request for its whole life, never prefix cached, never zeroed.
     CircularBuffer,
@@ -226,7 +230,14 @@ impl Config {
                          to \"align\" when prefix caching is on)"
                     )));
                 }
-                if let AttentionKind::Mamba { align: true, speculative_blocks, .. } = g.kind {
+                if let AttentionKind::Mamba { align: true, speculative_blocks, checkpoint_alignment, .. } = g.kind {
+                    if checkpoint_alignment > 0 && g.block_size != self.scheduler_block_size {
+                        return Err(Error::Unsupported(format!(
+                            "group {i}: Mamba prefill checkpoint blocks with a Mamba block size ({}) other than \
+                             the scheduler block size ({}) (the checkpoint would be keyed inside its block)",
+                            g.block_size, self.scheduler_block_size
+                        )));
+                    }
                     if speculative_blocks > 0 {
                         return Err(Error::Unsupported(format!(
                             "group {i}: {speculative_blocks} speculative Mamba state blocks in cache mode \

@@ -86,7 +86,8 @@ struct HashUndo {
 /// encoder tokens, no admission gate, reserve or watermark) with `num_computed_tokens +
 /// num_new_tokens + num_lookahead_tokens <= slots`, `num_computed_tokens -
 /// num_in_flight_tokens < processed` and `min(num_computed_tokens + num_new_tokens,
-/// num_tokens) < cached` allocates, frees and caches nothing. `(0, 0, 0)` proves nothing.
+/// num_tokens) < cached` and `num_new_tokens <= new_tokens` allocates, frees and caches
+/// nothing. `(0, 0, 0, 0)` proves nothing.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NoopLimits {
     /// Token slots the tables already hold.
@@ -95,6 +96,24 @@ pub struct NoopLimits {
     pub processed: u32,
     /// Tokens below which no new block becomes full (and cacheable).
     pub cached: u32,
+    /// Most tokens a no-op step schedules (a wider step may reserve a Mamba prefill
+    /// checkpoint block).
+    pub new_tokens: u32,
+}
+
+impl NoopLimits {
+    /// Proves everything (the identity of [`Self::min`]).
+    pub const ANY: Self = Self { slots: u32::MAX, processed: u32::MAX, cached: u32::MAX, new_tokens: u32::MAX };
+
+    /// The component-wise minimum with one group's limits.
+    fn min(self, (slots, processed, cached, new_tokens): (u32, u32, u32, u32)) -> Self {
+        Self {
+            slots: self.slots.min(slots),
+            processed: self.processed.min(processed),
+            cached: self.cached.min(cached),
+            new_tokens: self.new_tokens.min(new_tokens),
+        }
+    }
 }
 
 /// The request fields a plain step reads, read lazily (the vLLM adapter reads them as
@@ -261,7 +280,14 @@ impl Allocator {
             .iter()
             .enumerate()
             .map(|(i, g)| {
-                let mut m = SingleTypeManager::new(*g, i as GroupId, cfg.max_admission_blocks(g), caching, align);
+                let mut m = SingleTypeManager::new(
+                    *g,
+                    i as GroupId,
+                    cfg.max_admission_blocks(g),
+                    caching,
+                    align,
+                    cfg.hash_block_size,
+                );
                 m.records_new_block_ids = cfg.zero_new_blocks && g.kind.is_attention();
                 m
             })
@@ -631,6 +657,7 @@ impl Allocator {
         total_computed_tokens: u32,
         apply_admission_cap: bool,
         adopting: bool,
+        prefill_end: u32,
     ) -> i64 {
         let mut n = 0i64;
         for (i, m) in self.managers.iter().enumerate() {
@@ -644,6 +671,7 @@ impl Allocator {
                     0,
                     apply_admission_cap,
                     adopting,
+                    0,
                 )
             } else {
                 let nc: &[BlockId] = new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
@@ -656,6 +684,7 @@ impl Allocator {
                     total_computed_tokens,
                     apply_admission_cap,
                     adopting,
+                    prefill_end,
                 )
             };
         }
@@ -665,21 +694,26 @@ impl Allocator {
     /// Blocks `h` needs from the pool for `num_tokens` slots (`num_tokens_main_model` of
     /// them for the target model) with no new hit (vLLM's
     /// `coordinator.get_num_blocks_to_allocate`, used by the scheduler directly). Negative
-    /// when a Mamba "align" table holds more than it needs, as in vLLM.
+    /// when a Mamba "align" table holds more than it needs, as in vLLM. `prefill_end` is
+    /// where the request's prefill ends (read under retention interval 0 only). Without the
+    /// admission cap the count records the Mamba prefill checkpoint it reserves, as vLLM's.
     ///
     /// # Errors
     /// Unknown handle.
+    #[allow(clippy::too_many_arguments)]
     pub fn get_num_blocks_to_allocate(
-        &self,
+        &mut self,
         h: ReqHandle,
         num_tokens: u32,
         num_tokens_main_model: u32,
         num_encoder_tokens: u32,
         total_computed_tokens: u32,
         apply_admission_cap: bool,
+        prefill_end: u32,
     ) -> Result<i64> {
         let s = self.slot(h)?;
-        Ok(self.num_blocks_to_allocate(
+        let prefill_end = self.effective_prefill_end(prefill_end);
+        let n = self.num_blocks_to_allocate(
             s,
             num_tokens,
             num_tokens_main_model,
@@ -688,7 +722,38 @@ impl Allocator {
             total_computed_tokens,
             apply_admission_cap,
             true,
-        ))
+            prefill_end,
+        );
+        if !apply_admission_cap {
+            self.record_checkpoints(s, &[], total_computed_tokens, num_tokens_main_model, prefill_end);
+            self.refresh_noop(s);
+        }
+        Ok(n)
+    }
+
+    /// vLLM's coordinator passes `prefill_end` on only under retention interval 0 (under
+    /// dense or segment retention every chunk publishes a state).
+    fn effective_prefill_end(&self, prefill_end: u32) -> u32 {
+        if self.cfg.retention_interval == Some(0) {
+            prefill_end
+        } else {
+            0
+        }
+    }
+
+    /// Every Mamba "align" group records the prefill checkpoint of this count.
+    fn record_checkpoints(
+        &mut self,
+        s: Slot,
+        new_computed: &[Vec<BlockId>],
+        query_start: u32,
+        query_end: u32,
+        prefill_end: u32,
+    ) {
+        for (i, m) in self.managers.iter_mut().enumerate() {
+            let nc: &[BlockId] = new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
+            m.record_checkpoint(&self.pool, s, nc, query_start, query_end, prefill_end);
+        }
     }
 
     /// vLLM's `KVCacheManager.allocate_slots`. On success the new blocks are in
@@ -913,10 +978,21 @@ impl Allocator {
         let unclamped_total = num_local + a.num_external_computed_tokens;
         let total_computed = unclamped_total.min(mml);
         let watermark = if a.apply_watermark { self.cfg.watermark_blocks as u64 } else { 0 };
+        // vLLM: `max(num_prompt_tokens, num_tokens - 1)`, the scheduler's prefill boundary.
+        let prefill_end = self.effective_prefill_end(a.num_prompt_tokens.max(a.num_tokens.saturating_sub(1)));
         if a.full_sequence_must_fit {
             let full = a.num_tokens.min(mml);
-            let need =
-                self.num_blocks_to_allocate(s, full, full, nc, a.num_encoder_tokens, total_computed, true, adopts);
+            let need = self.num_blocks_to_allocate(
+                s,
+                full,
+                full,
+                nc,
+                a.num_encoder_tokens,
+                total_computed,
+                true,
+                adopts,
+                prefill_end,
+            );
             if need + watermark as i64 > self.pool.num_free_blocks() as i64 {
                 return None;
             }
@@ -927,8 +1003,19 @@ impl Allocator {
         for m in self.managers.iter_mut() {
             m.remove_skipped_blocks(&mut self.pool, s, processed);
         }
-        let need =
-            self.num_blocks_to_allocate(s, need_slot, main, nc, a.num_encoder_tokens, unclamped_total, false, adopts);
+        let need = self.num_blocks_to_allocate(
+            s,
+            need_slot,
+            main,
+            nc,
+            a.num_encoder_tokens,
+            unclamped_total,
+            false,
+            adopts,
+            prefill_end,
+        );
+        // Recorded before the capacity check, as vLLM's count records it.
+        self.record_checkpoints(s, nc, unclamped_total, main, prefill_end);
         let available = self.pool.num_free_blocks() as i64 - a.reserved_blocks as i64;
         if need + watermark as i64 > available {
             return None;
@@ -978,11 +1065,7 @@ impl Allocator {
     }
 
     fn refresh_noop(&mut self, s: Slot) {
-        let mut lim = NoopLimits { slots: u32::MAX, processed: u32::MAX, cached: u32::MAX };
-        for m in &self.managers {
-            let (a, b, c) = m.noop_limits(s);
-            lim = NoopLimits { slots: lim.slots.min(a), processed: lim.processed.min(b), cached: lim.cached.min(c) };
-        }
+        let lim = self.managers.iter().fold(NoopLimits::ANY, |l, m| l.min(m.noop_limits(s)));
         self.reqs[s as usize].noop = lim;
     }
 
@@ -1001,7 +1084,8 @@ impl Allocator {
         }
         let lim = self.reqs[s as usize].noop;
         let main = a.num_computed_tokens as u64 + a.num_new_tokens as u64;
-        main + a.num_lookahead_tokens as u64 <= lim.slots as u64
+        a.num_new_tokens <= lim.new_tokens
+            && main + a.num_lookahead_tokens as u64 <= lim.slots as u64
             && a.num_computed_tokens.saturating_sub(a.num_in_flight_tokens) < lim.processed
             && main.min(a.num_tokens as u64) < lim.cached as u64
     }
@@ -1039,7 +1123,7 @@ impl Allocator {
         let nc = token_count("num_computed_tokens", req.num_computed_tokens()?)? as u64;
         let lim = self.reqs[s as usize].noop;
         let to_cache = nc + new;
-        if new > 0 && to_cache + look <= lim.slots as u64 {
+        if new > 0 && new <= lim.new_tokens as u64 && to_cache + look <= lim.slots as u64 {
             // In-flight tokens only lower `nc - inflight`: below the limit with `nc` alone,
             // `num_in_flight_tokens` is not read (a decode step of full attention, or of a
             // window longer than the context, reads one field fewer).
@@ -1104,6 +1188,7 @@ impl Allocator {
                 self.cfg.retention_interval,
                 boundaries,
                 num_prompt_tokens,
+                shared_prefix_boundary,
             );
         }
     }
@@ -1449,12 +1534,7 @@ impl Allocator {
             if !self.slot_is_live(s) {
                 continue;
             }
-            let mut lim = NoopLimits { slots: u32::MAX, processed: u32::MAX, cached: u32::MAX };
-            for m in &self.managers {
-                let (a, b, c) = m.noop_limits(s);
-                lim =
-                    NoopLimits { slots: lim.slots.min(a), processed: lim.processed.min(b), cached: lim.cached.min(c) };
-            }
+            let lim = self.managers.iter().fold(NoopLimits::ANY, |l, m| l.min(m.noop_limits(s)));
             if lim != self.reqs[s as usize].noop {
                 return Err(format!(
                     "slot {s}: stored no-op limits {:?}, tables say {lim:?}",

@@ -13,7 +13,7 @@ use hybrid_alloc::{
 const BS: u32 = 16;
 
 fn mamba(align: bool, speculative_blocks: u32) -> AttentionKind {
-    AttentionKind::Mamba { speculative_blocks, align, rekey_cached_tail: true }
+    AttentionKind::Mamba { speculative_blocks, align, rekey_cached_tail: true, checkpoint_alignment: 0 }
 }
 
 fn config(kinds: &[(AttentionKind, u32)], num_blocks: u32, caching: bool, zero: bool) -> Config {
@@ -121,7 +121,7 @@ fn find_longest_cache_hit_mamba_align_hits_the_last_cached_state_and_defers_it_w
     x.num_new_computed_tokens = 64;
     // The state was cached in this step: the hit waits for the next one (vLLM answers
     // "does not fit" with num_gpu_blocks + 1).
-    assert_eq!(a.get_num_blocks_to_allocate(r2, 80, 80, 0, 0, false).unwrap(), 5 + 1);
+    assert_eq!(a.get_num_blocks_to_allocate(r2, 80, 80, 0, 0, false, 0).unwrap(), 5 + 1);
     assert_eq!(a.allocate_slots(r2, &x, NewComputed::Stored).unwrap(), None);
     assert!(table(&a, r2, 0).is_empty());
     // Next step: the scheduler looks the hit up again and adopts it.
@@ -155,7 +155,7 @@ fn allocate_slots_mamba_partial_hit_is_refused_unchanged() {
 fn allocate_slots_mamba_none_keeps_one_state_and_speculative_blocks() {
     let mut a = Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(false, 2), 4096)], 64, false, true)).unwrap();
     let h = add(&mut a, 40, 1);
-    assert_eq!(a.get_num_blocks_to_allocate(h, 40, 40, 0, 0, false).unwrap(), 3 + 3);
+    assert_eq!(a.get_num_blocks_to_allocate(h, 40, 40, 0, 0, false, 0).unwrap(), 3 + 3);
     assert_eq!(a.allocate_slots(h, &args(40, 0, 40, 40), NewComputed::Empty).unwrap(), Some(6));
     assert_eq!(table(&a, h, 1).len(), 3, "one state block and two speculative ones");
     assert_eq!(a.take_new_block_ids(), table(&a, h, 0), "Mamba state blocks are not zeroed");
@@ -198,4 +198,37 @@ fn config_mamba_align_with_partial_hits_or_speculative_blocks_is_unsupported() {
     assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
     let c = config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, false, false);
     assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
+}
+
+#[test]
+fn allocate_slots_mamba_align_reserves_a_prefill_checkpoint_block_before_the_running_state() {
+    let ckpt =
+        AttentionKind::Mamba { speculative_blocks: 0, align: true, rekey_cached_tail: true, checkpoint_alignment: 1 };
+    let mut a = Allocator::new(config(&[(AttentionKind::Full, BS), (ckpt, BS)], 64, true, false)).unwrap();
+    let h = add(&mut a, 100, 3);
+    // 40 tokens from 0: the checkpoint at 32 (column 1) gets a block of its own before the
+    // running state block (vLLM pads nulls only up to it), and is keyed at 32.
+    assert_eq!(a.get_num_blocks_to_allocate(h, 40, 40, 0, 0, true, 0).unwrap(), 3 + 2);
+    assert!(a.allocate_slots(h, &args(40, 0, 100, 100), NewComputed::Empty).unwrap().is_some());
+    let t = table(&a, h, 1);
+    assert_eq!(t.len(), 3);
+    assert_eq!(t[0], NULL_BLOCK);
+    assert!(t[1] != NULL_BLOCK && t[2] != NULL_BLOCK);
+    assert_eq!(a.pool().block_hash_num_tokens(t[1]), 32);
+    // The reserved checkpoint is dropped by the next count, which a no-op answer would skip.
+    let lim = a.noop_limits(h).unwrap();
+    assert_eq!((lim.slots, lim.new_tokens), (0, BS));
+    ok(&a);
+    // A chunk starting inside a block reserves none: one state block, nulls before it. The
+    // checkpoint block is recycled first (it stays cached in the free queue).
+    assert!(a.allocate_slots(h, &args(40, 40, 100, 100), NewComputed::Empty).unwrap().is_some());
+    let t2 = table(&a, h, 1);
+    assert_eq!(t2.len(), 5);
+    assert_eq!(&t2[..3], &[NULL_BLOCK, NULL_BLOCK, t[2]]);
+    assert_eq!(t2[3], NULL_BLOCK);
+    assert_eq!(a.pool().block_hash_num_tokens(t[1]), 32);
+    assert!(a.noop_limits(h).unwrap().slots > 0);
+    ok(&a);
+    a.free(h).unwrap();
+    ok(&a);
 }

@@ -134,7 +134,7 @@ class Batch:
         for i, h in enumerate(self.handles):
             pos = self.lengths[i]
             computed = pos  # tokens whose k/v exist; this step adds the token at ``pos``
-            slots, processed, _ = self.limits[i]
+            slots, processed = self.limits[i][:2]
             if computed + 1 <= slots and computed < processed:
                 new_pos.append(pos)  # nothing to allocate or free: no crossing (as FastAllocate)
                 continue

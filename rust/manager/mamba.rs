@@ -15,15 +15,20 @@
 //! the whole sequence, but only the running state block and the one it was copied from are
 //! real; every block before them is null. At each block boundary the running state block
 //! is cached under the prefix hash of that boundary, so a later request can resume from
-//! it. A hit is the *last* cached boundary state (`[null] * i + [block]`). The state
-//! blocks served here: no speculative state blocks, no prefill checkpoint blocks and a
+//! it. A hit is the *last* cached boundary state (`[null] * i + [block]`). Served here: a
 //! Mamba block size equal to the hash block size (no sub-block "partial" hits, no
-//! copy-on-write); the adapter falls back for the rest with the reason.
+//! copy-on-write; the adapter falls back for those with the reason), with or without prefill
+//! checkpoint blocks (vLLM's MambaMixer2 always has them): a prefill chunk spanning more than
+//! one block past its initial state reserves one more block, just before the running state
+//! block, where the worker exports the state at the chunk's last cacheable boundary;
+//! `cache_blocks` keys it there when that state is reusable (the prompt's checkpoint, a
+//! retained boundary, the shared-prefix junction) and drops its key otherwise.
 //!
 //! Per request the align manager keeps, as vLLM does: `last_state_block_idx` (the state
 //! block of the previous step, freed once the step after it is processed), the number of
 //! retired table slots (`_num_retired_blocks`), whether the request ever got blocks
-//! (`_allocated_block_reqs`), and per manager the keys cached during the current step
+//! (`_allocated_block_reqs`), the checkpoint the last allocation reserved (`_checkpoints`),
+//! and per manager the keys cached during the current step
 //! (`cached_blocks_this_step`: a hit on such a state waits for the next step).
 //!
 //! Cost: every function here is O(1), except [`find_longest_cache_hit`], O(blocks scanned
@@ -112,6 +117,29 @@ pub fn reachable_block_mask(
     Some(mask)
 }
 
+/// vLLM's `is_mamba_prefill_checkpoint_valid`: whether a step computing tokens
+/// `query_start..query_end` can export the state at `checkpoint_position` into a block of its
+/// own (the backend writes it at a column past the one the step's initial state comes from,
+/// strictly inside the chunk, at least one hash block in, `alignment` tokens apart from the
+/// chunk start). Signed, as vLLM's integers (`query_start - 1` is -1 for a fresh prefill).
+pub fn prefill_checkpoint_valid(
+    query_start: i64,
+    query_end: i64,
+    checkpoint_position: i64,
+    hash_block_size: i64,
+    block_size: i64,
+    alignment: i64,
+) -> bool {
+    let initial_state_col = (query_start - 1).div_euclid(block_size);
+    let checkpoint_col = (query_end + block_size - 1).div_euclid(block_size) - 2;
+    query_start % hash_block_size == 0
+        && checkpoint_col > initial_state_col
+        && query_start + hash_block_size <= checkpoint_position
+        && query_start < checkpoint_position
+        && checkpoint_position < query_end
+        && (checkpoint_position - query_start) % alignment == 0
+}
+
 /// Tokens whose state is no longer needed after `num_computed_tokens` tokens: all but the
 /// last (`num_computed_tokens - 1`, 0 for none computed).
 #[inline]
@@ -161,6 +189,21 @@ mod tests {
         assert_eq!(reachable_block_mask(0, 4, 16, 16, Some(16), &[]), None);
         // A boundary below one block reaches nothing.
         assert_eq!(reachable_block_mask(0, 2, 16, 16, Some(0), &[5]), Some(vec![false, false]));
+    }
+
+    #[test]
+    fn prefill_checkpoint_valid_needs_a_column_past_the_initial_state() {
+        // A fresh prefill of 40 tokens (block 16): checkpoint 32 in column 1, initial -1.
+        assert!(prefill_checkpoint_valid(0, 40, 32, 16, 16, 1));
+        // 17 tokens: checkpoint 16 in column 0, still past the initial -1.
+        assert!(prefill_checkpoint_valid(0, 17, 16, 16, 16, 1));
+        // One block or less never reserves one.
+        assert!(!prefill_checkpoint_valid(0, 16, 0, 16, 16, 1));
+        assert!(!prefill_checkpoint_valid(16, 32, 16, 16, 16, 1));
+        // A chunk starting mid-block, or an alignment the distance misses.
+        assert!(!prefill_checkpoint_valid(8, 60, 48, 16, 16, 1));
+        assert!(!prefill_checkpoint_valid(16, 60, 48, 16, 16, 64));
+        assert!(prefill_checkpoint_valid(16, 60, 48, 16, 16, 32));
     }
 
     #[test]

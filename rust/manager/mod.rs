@@ -117,6 +117,8 @@ pub struct SingleTypeManager {
     pub enable_caching: bool,
     /// Alignment of cache hits in tokens (the coordinator's).
     pub cache_hit_alignment_tokens: u32,
+    /// Tokens per block hash (the pool's `hash_block_size`).
+    pub hash_block_size: u32,
     /// `req_blocks[h]`: the block table of request `h` (empty when it has none).
     req_blocks: Vec<Vec<BlockId>>,
     /// `num_cached[h]`: blocks of the table already cached, or `ABSENT`.
@@ -142,6 +144,11 @@ pub struct SingleTypeManager {
     /// Mamba "align" only: `prompt_boundary[h]`, the request's prefill checkpoint position
     /// as last seen (`mamba::NONE` until known); only the no-op limits read it.
     prompt_boundary: Vec<u32>,
+    /// Mamba "align" with prefill checkpoint blocks only: `checkpoint[h] = (position, table
+    /// index)` of the checkpoint the request's last allocation reserved (`_checkpoints`;
+    /// position 0 when none). Set by every allocation's count (not the admission gate's),
+    /// kept until the next one: `cache_blocks` keys that block at that position.
+    checkpoint: Vec<(u32, u32)>,
     /// Mamba "align" only: keys cached during the current scheduler step
     /// (`cached_blocks_this_step`); a hit ending on one of them waits a step.
     cached_this_step: rustc_hash::FxHashSet<crate::prefix_index::HashKey>,
@@ -155,6 +162,7 @@ impl SingleTypeManager {
         max_admission_blocks: Option<u32>,
         enable_caching: bool,
         cache_hit_alignment_tokens: u32,
+        hash_block_size: u32,
     ) -> Self {
         Self {
             spec,
@@ -162,6 +170,7 @@ impl SingleTypeManager {
             max_admission_blocks,
             enable_caching,
             cache_hit_alignment_tokens,
+            hash_block_size,
             req_blocks: Vec::new(),
             num_cached: Vec::new(),
             null_prefix: Vec::new(),
@@ -172,6 +181,7 @@ impl SingleTypeManager {
             retired: Vec::new(),
             allocated: Vec::new(),
             prompt_boundary: Vec::new(),
+            checkpoint: Vec::new(),
             cached_this_step: Default::default(),
         }
     }
@@ -206,44 +216,116 @@ impl SingleTypeManager {
             self.retired[h as usize] = 0;
             self.allocated[h as usize] = false;
             self.prompt_boundary[h as usize] = mamba::NONE;
+            self.checkpoint[h as usize] = (0, 0);
         }
     }
 
+    /// `(speculative_blocks, checkpoint_alignment)` of a Mamba group (zeros for others).
+    #[inline]
+    fn mamba_params(&self) -> (u32, u32) {
+        match self.spec.kind {
+            AttentionKind::Mamba { speculative_blocks, checkpoint_alignment, .. } => {
+                (speculative_blocks, checkpoint_alignment)
+            }
+            _ => (0, 0),
+        }
+    }
+
+    /// Mamba "align": whether a hit ending on `new_computed`'s last block waits a step (its
+    /// state was cached during this step: vLLM answers `num_gpu_blocks + 1`).
+    fn align_defers(&self, pool: &BlockPool, new_computed: &[BlockId]) -> bool {
+        new_computed.last().and_then(|&b| pool.block_hash(b)).is_some_and(|key| self.cached_this_step.contains(key))
+    }
+
+    /// Mamba "align": the prefill checkpoint a step computing tokens `query_start..query_end`
+    /// reserves a block for (vLLM's `get_mamba_prefill_checkpoint_position` of the chunk end,
+    /// kept when `_needs_internal_checkpoint`): its position, 0 for none. `prefill_end` is 0
+    /// except under retention interval 0, where only the chunk reaching it reserves one.
+    fn align_checkpoint(&self, h: Slot, query_start: u32, query_end: u32, prefill_end: u32) -> u32 {
+        let (spec, alignment) = self.mamba_params();
+        if alignment == 0 || query_end < prefill_end {
+            return 0;
+        }
+        let pos = mamba::prefill_checkpoint_position(query_end, self.cache_hit_alignment_tokens);
+        let bs = self.spec.block_size as i64;
+        if !mamba::prefill_checkpoint_valid(
+            query_start as i64,
+            query_end as i64,
+            pos as i64,
+            self.hash_block_size as i64,
+            bs,
+            alignment as i64,
+        ) {
+            return 0;
+        }
+        let idx = (query_end as i64 + bs - 1) / bs - 2;
+        if idx < 0 {
+            return 0;
+        }
+        let table = &self.req_blocks[h as usize];
+        let len = table.len() as i64;
+        let free_slot =
+            idx >= len || table[idx as usize] == NULL_BLOCK || (self.allocated[h as usize] && idx >= len - spec as i64);
+        if free_slot {
+            pos
+        } else {
+            0
+        }
+    }
+
+    /// Mamba "align" with prefill checkpoint blocks: records the checkpoint of this
+    /// allocation's count, as vLLM's `get_num_blocks_to_allocate` does outside the admission
+    /// gate (a count that defers a hit records nothing).
+    pub fn record_checkpoint(
+        &mut self,
+        pool: &BlockPool,
+        h: Slot,
+        new_computed: &[BlockId],
+        query_start: u32,
+        query_end: u32,
+        prefill_end: u32,
+    ) {
+        if !self.is_mamba_align() || self.mamba_params().1 == 0 || self.align_defers(pool, new_computed) {
+            return;
+        }
+        let pos = self.align_checkpoint(h, query_start, query_end, prefill_end);
+        let bs = self.spec.block_size as u64;
+        self.checkpoint[h as usize] = if pos > 0 { (pos, (cdiv(query_end as u64, bs) - 2) as u32) } else { (0, 0) };
+    }
+
     /// Mamba "align": the blocks to take (vLLM's align branch of
-    /// `MambaManager.get_num_blocks_to_allocate`, without partial hits or checkpoints). May be
-    /// negative (an over-allocated table), as in vLLM; `num_blocks + 1` defers a hit on a
-    /// state cached this step.
+    /// `MambaManager.get_num_blocks_to_allocate`, without partial hits): the running state
+    /// block, a prefill checkpoint block when the chunk reserves one, and the speculative
+    /// blocks of a first allocation. May be negative (an over-allocated table), as in vLLM;
+    /// `num_blocks + 1` defers a hit on a state cached this step.
     fn align_num_blocks_to_allocate(
         &self,
         pool: &BlockPool,
         h: Slot,
         new_computed: &[BlockId],
+        query_start: u32,
         num_tokens_main_model: u32,
+        prefill_end: u32,
     ) -> i64 {
-        if let Some(&last) = new_computed.last() {
-            if let Some(key) = pool.block_hash(last) {
-                if self.cached_this_step.contains(key) {
-                    return pool.num_blocks() as i64 + 1;
-                }
-            }
+        if self.align_defers(pool, new_computed) {
+            return pool.num_blocks() as i64 + 1;
         }
-        let spec = match self.spec.kind {
-            AttentionKind::Mamba { speculative_blocks, .. } => speculative_blocks as i64,
-            _ => 0,
-        };
+        let spec = self.mamba_params().0 as i64;
         let required = cdiv(num_tokens_main_model as u64, self.spec.block_size as u64) as i64 + spec;
         let mut num_new = required - new_computed.len() as i64 - self.req_blocks[h as usize].len() as i64;
         if num_new > 0 {
-            let cap = 1 + if self.allocated[h as usize] { 0 } else { spec };
+            let checkpoint = (self.align_checkpoint(h, query_start, num_tokens_main_model, prefill_end) > 0) as i64;
+            let cap = 1 + checkpoint + if self.allocated[h as usize] { 0 } else { spec };
             num_new = num_new.min(cap);
         }
         num_new + Self::count_evictable(pool, new_computed) as i64
     }
 
-    /// Mamba "align": vLLM's align branch of `MambaManager.allocate_new_blocks` (no
-    /// speculative blocks, no partial hit, no checkpoint): the table is padded with null
-    /// blocks up to the new running state block; the padding and the new block are the
-    /// "new blocks" reported.
+    /// Mamba "align": vLLM's align branch of `MambaManager.allocate_new_blocks` (no partial
+    /// hit): the table is padded with null blocks up to the new running state block (up to
+    /// the checkpoint block when the count reserved one, which is allocated then), the
+    /// speculative scratch blocks this step leaves behind move to the table's end, and the
+    /// padding, the moved blocks and the new blocks are the "new blocks" reported.
     fn align_allocate_new_blocks(
         &mut self,
         pool: &mut BlockPool,
@@ -252,23 +334,42 @@ impl SingleTypeManager {
         out: &mut Vec<BlockId>,
     ) {
         let hs = h as usize;
-        let required = cdiv(num_tokens_main_model as u64, self.spec.block_size as u64) as usize;
+        let spec = self.mamba_params().0 as usize;
+        let required = cdiv(num_tokens_main_model as u64, self.spec.block_size as u64) as usize + spec;
+        let checkpoint = (self.checkpoint[hs].0 > 0) as usize;
         let table = &mut self.req_blocks[hs];
-        if required <= table.len() {
+        if required <= table.len() && checkpoint == 0 {
             self.allocated[hs] = true;
             return;
         }
         let prev = table.len();
-        // vLLM: `prev - 1` whether or not the request was allocated before (no speculative
-        // blocks); a table is never empty once allocated (a step needs a token slot).
-        if prev > 0 {
+        let was_allocated = self.allocated[hs];
+        if was_allocated {
+            // The running state sits before the speculative blocks. An allocated table holds
+            // at least `1 + spec` blocks (its first allocation reached `required`).
+            self.last_state[hs] = prev.saturating_sub(1 + spec) as u32;
+        } else if prev > 0 {
+            // A new request on a hit: the hit's last block holds the state.
             self.last_state[hs] = (prev - 1) as u32;
         }
-        let num_skipped = required - 1;
-        if prev < num_skipped {
-            table.resize(num_skipped, NULL_BLOCK);
+        let num_skipped = required as i64 - spec as i64 - 1;
+        let null_end = num_skipped - checkpoint as i64;
+        if (prev as i64) < num_skipped && null_end > prev as i64 {
+            table.resize(null_end as usize, NULL_BLOCK);
         }
-        let n = required - table.len();
+        if was_allocated {
+            // Relocate the scratch blocks this step leaves behind (a checkpoint step keeps the
+            // one at the checkpoint index, where the worker exports the checkpoint).
+            for i in prev.saturating_sub(spec)..prev {
+                if (i as i64) >= null_end {
+                    break;
+                }
+                let b = table[i];
+                table.push(b);
+                table[i] = NULL_BLOCK;
+            }
+        }
+        let n = required.saturating_sub(table.len());
         pool.get_new_blocks(n as u32, table);
         out.extend_from_slice(&table[prev..]);
         self.allocated[hs] = true;
@@ -367,6 +468,56 @@ impl SingleTypeManager {
         self.cached_this_step.insert(key);
     }
 
+    /// Mamba "align": the checkpoint branch of vLLM's `_cache_partial_tail_block`. The block
+    /// reserved at the checkpoint index is keyed at the checkpoint position (replacing any key
+    /// it holds) when that state is reusable: the prompt's checkpoint, a retained boundary
+    /// (every one under dense retention) or the shared-prefix junction. Otherwise the state
+    /// is transient and any key the block got this step is dropped. The scheduler block size
+    /// is the Mamba block size here (the config requires it), so the position ends the block.
+    #[allow(clippy::too_many_arguments)]
+    fn align_cache_checkpoint(
+        &mut self,
+        pool: &mut BlockPool,
+        h: Slot,
+        req: ReqHandle,
+        hashes: &[BlockHash],
+        retention_interval: Option<u32>,
+        num_prompt_tokens: u32,
+        shared_prefix_boundary: u32,
+    ) {
+        let (pos, idx) = self.checkpoint[h as usize];
+        // vLLM asserts the index is in the table; a count whose allocation then failed can
+        // leave it past the table until the next allocation: nothing to key then.
+        let Some(&b) = self.req_blocks[h as usize].get(idx as usize) else { return };
+        let bs = self.spec.block_size;
+        let align = self.cache_hit_alignment_tokens;
+        let is_prompt_checkpoint = pos == mamba::prefill_checkpoint_position(num_prompt_tokens, align);
+        let mut retained = false;
+        if pos % bs == 0 {
+            let i = pos / bs - 1;
+            retained = mamba::reachable_block_mask(i, i + 1, align, bs, retention_interval, &[]).is_none_or(|m| m[0]);
+        }
+        if !is_prompt_checkpoint && !retained && pos != shared_prefix_boundary {
+            if b != NULL_BLOCK {
+                pool.maybe_evict_cached_block(b);
+            }
+            return;
+        }
+        if b == NULL_BLOCK || (pool.block_hash(b).is_some() && pool.block_hash_num_tokens(b) == pos) {
+            return;
+        }
+        let nh = (pos / self.hash_block_size) as usize;
+        if nh == 0 || nh > hashes.len() {
+            // vLLM asserts the request has the hashes (the scheduler's requests do).
+            return;
+        }
+        let key = (hashes[nh - 1], self.group_id);
+        pool.maybe_evict_cached_block(b);
+        let parent = if nh > 1 { Some(hashes[nh - 2]) } else { None };
+        pool.cache_one_block(req, b, pos / bs - 1, key, pos, bs, parent);
+        self.cached_this_step.insert(key);
+    }
+
     /// Drains the block ids recorded for zeroing (vLLM's `take_new_block_ids`).
     pub fn take_new_block_ids(&mut self, out: &mut Vec<BlockId>) {
         out.append(&mut self.new_block_ids);
@@ -416,6 +567,7 @@ impl SingleTypeManager {
                 self.retired.resize(n, 0);
                 self.allocated.resize(n, false);
                 self.prompt_boundary.resize(n, mamba::NONE);
+                self.checkpoint.resize(n, (0, 0));
             }
         }
     }
@@ -486,9 +638,17 @@ impl SingleTypeManager {
         total_computed_tokens: u32,
         apply_admission_cap: bool,
         adopting: bool,
+        prefill_end: u32,
     ) -> i64 {
         if self.is_mamba_align() {
-            return self.align_num_blocks_to_allocate(pool, h, new_computed, num_tokens_main_model);
+            return self.align_num_blocks_to_allocate(
+                pool,
+                h,
+                new_computed,
+                total_computed_tokens,
+                num_tokens_main_model,
+                prefill_end,
+            );
         }
         if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
             return self.req_blocks[h as usize].is_empty() as i64;
@@ -636,6 +796,7 @@ impl SingleTypeManager {
         retention_interval: Option<u32>,
         reachable_boundaries: &[u32],
         num_prompt_tokens: u32,
+        shared_prefix_boundary: u32,
     ) {
         if matches!(self.spec.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
             return;
@@ -651,16 +812,28 @@ impl SingleTypeManager {
             } else {
                 mamba::prefill_checkpoint_position(num_prompt_tokens, hash_block_size)
             };
-            self.align_cache_prompt_tail(
-                pool,
-                h,
-                req,
-                hashes,
-                hash_block_size,
-                num_tokens,
-                num_prompt_tokens,
-                rekey_cached_tail,
-            );
+            if self.checkpoint[h as usize].0 > 0 {
+                self.align_cache_checkpoint(
+                    pool,
+                    h,
+                    req,
+                    hashes,
+                    retention_interval,
+                    num_prompt_tokens,
+                    shared_prefix_boundary,
+                );
+            } else {
+                self.align_cache_prompt_tail(
+                    pool,
+                    h,
+                    req,
+                    hashes,
+                    hash_block_size,
+                    num_tokens,
+                    num_prompt_tokens,
+                    rekey_cached_tail,
+                );
+            }
             let after = self.num_cached(h);
             for i in before..after {
                 let b = self.req_blocks[h as usize][i as usize];
@@ -853,10 +1026,24 @@ impl SingleTypeManager {
 
     /// The limits under which a plain step of `h` (no new hit, no external tokens, no
     /// encoder tokens, no admission gate, no reserve, no watermark) changes nothing in this
-    /// group: `(slots, processed, cached)` such that a step with
-    /// `need_slot <= slots`, `processed < processed_limit` and `to_cache < cached` allocates,
-    /// frees and caches nothing. Conservative: a step outside them may still be a no-op.
-    pub fn noop_limits(&self, h: Slot) -> (u32, u32, u32) {
+    /// group: `(slots, processed, cached, new_tokens)` such that a step with
+    /// `need_slot <= slots`, `processed < processed_limit`, `to_cache < cached` and
+    /// `num_new_tokens <= new_tokens` allocates, frees and caches nothing. Conservative: a
+    /// step outside them may still be a no-op.
+    pub fn noop_limits(&self, h: Slot) -> (u32, u32, u32, u32) {
+        let (slots, processed, cached) = self.noop_limits3(h);
+        if !self.is_mamba_align() || self.mamba_params().1 == 0 {
+            return (slots, processed, cached, u32::MAX);
+        }
+        // Prefill checkpoints: a step reserves one only when it spans more than one block
+        // past the block its first token's state comes from (`prefill_checkpoint_valid`), so
+        // a step of at most one block never does; and a stored checkpoint is dropped (or
+        // renewed) by the next allocation's count, which the no-op answer would skip.
+        let slots = if self.checkpoint[h as usize].0 > 0 { 0 } else { slots };
+        (slots, processed, cached, self.spec.block_size)
+    }
+
+    fn noop_limits3(&self, h: Slot) -> (u32, u32, u32) {
         let bs = self.spec.block_size as u64;
         let clamp = |x: u64| x.min(u32::MAX as u64) as u32;
         if matches!(self.spec.kind, AttentionKind::Cross) {

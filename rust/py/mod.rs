@@ -79,7 +79,15 @@ fn handle_arg(h: i64) -> PyResult<u64> {
     u64::try_from(h).map_err(|_| UnknownRequestError::new_err(format!("unknown request handle {h}")))
 }
 
-fn parse_kind(kind: &str, p1: i64, p2: i64) -> PyResult<AttentionKind> {
+/// One `groups` entry of the constructor: `(kind, block_size, spec_key, param1, param2)`,
+/// or with a `param3` (a Mamba "align" group's prefill checkpoint alignment).
+#[derive(FromPyObject)]
+enum GroupArg {
+    Six((String, i64, i64, i64, i64, i64)),
+    Five((String, i64, i64, i64, i64)),
+}
+
+fn parse_kind(kind: &str, p1: i64, p2: i64, p3: i64) -> PyResult<AttentionKind> {
     Ok(match kind {
         "full" | "mla" => AttentionKind::Full,
         "sliding_window" => AttentionKind::SlidingWindow {
@@ -93,12 +101,15 @@ fn parse_kind(kind: &str, p1: i64, p2: i64) -> PyResult<AttentionKind> {
             speculative_blocks: u32_arg("num_speculative_blocks", p1)?,
             align: false,
             rekey_cached_tail: false,
+            checkpoint_alignment: 0,
         },
-        // param2: 1 for vLLM 0.32's rule (re-key the prompt's cached checkpoint state), 0 for 0.33's.
+        // param2: 1 for vLLM 0.32's rule (re-key the prompt's cached checkpoint state), 0 for 0.33's;
+        // param3: the prefill checkpoint alignment (0: no prefill checkpoint blocks).
         "mamba_align" => AttentionKind::Mamba {
             speculative_blocks: u32_arg("num_speculative_blocks", p1)?,
             align: true,
             rekey_cached_tail: p2 != 0,
+            checkpoint_alignment: u32_arg("prefill_checkpoint_alignment", p3)?,
         },
         other => {
             return Err(UnsupportedConfigError::new_err(format!(
@@ -247,9 +258,11 @@ impl PyAllocator {
 #[pymethods]
 impl PyAllocator {
     /// Builds an allocator. `groups` holds one `(kind, block_size, spec_key, param1,
-    /// param2)` per KV cache group: kind is "full", "mla", "sliding_window" (param1 the
-    /// window, param2 the extra retained tokens), "chunked_local" (param1 the chunk size) or
-    /// "cross"; groups with equal `spec_key` are looked up together.
+    /// param2[, param3])` per KV cache group: kind is "full", "mla", "sliding_window" (param1
+    /// the window, param2 the extra retained tokens), "chunked_local" (param1 the chunk size),
+    /// "cross", "circular_buffer", "mamba" (param1 the speculative state blocks) or
+    /// "mamba_align" (param1 as "mamba", param2 the 0.32 re-key rule, param3 the prefill
+    /// checkpoint alignment, 0 for none); groups with equal `spec_key` are looked up together.
     #[new]
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size, max_model_len,
         max_in_flight_tokens=None, enable_caching=true, enable_events=false, watermark_blocks=0,
@@ -257,7 +270,7 @@ impl PyAllocator {
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
-        groups: Vec<(String, i64, i64, i64, i64)>,
+        groups: Vec<GroupArg>,
         hash_block_size: i64,
         scheduler_block_size: i64,
         max_model_len: i64,
@@ -271,9 +284,13 @@ impl PyAllocator {
     ) -> PyResult<Self> {
         let policy = crate::policy::Policy::parse(policy)?;
         let mut gs = Vec::with_capacity(groups.len());
-        for (kind, bs, key, p1, p2) in groups {
+        for g in groups {
+            let (kind, bs, key, p1, p2, p3) = match g {
+                GroupArg::Six(t) => t,
+                GroupArg::Five((kind, bs, key, p1, p2)) => (kind, bs, key, p1, p2, 0),
+            };
             gs.push(GroupSpec {
-                kind: parse_kind(&kind, p1, p2)?,
+                kind: parse_kind(&kind, p1, p2, p3)?,
                 block_size: u32_arg("block_size", bs)?,
                 spec_key: u32_arg("spec_key", key)?,
             });
@@ -438,14 +455,14 @@ impl PyAllocator {
         Ok(self.core()?.record_blocks_for_zeroing(h, start)?)
     }
 
-    /// `(slots, processed, cached)`: a plain step (no new hit, external or encoder tokens,
-    /// admission gate, reserve or watermark) with `num_computed_tokens + num_new_tokens +
-    /// num_lookahead_tokens <= slots`, `num_computed_tokens - num_in_flight_tokens <
-    /// processed` and `min(num_computed_tokens + num_new_tokens, num_tokens) < cached`
-    /// changes nothing.
-    fn noop_limits(&self, handle: i64) -> PyResult<(u32, u32, u32)> {
+    /// `(slots, processed, cached, new_tokens)`: a plain step (no new hit, external or
+    /// encoder tokens, admission gate, reserve or watermark) with `num_computed_tokens +
+    /// num_new_tokens + num_lookahead_tokens <= slots`, `num_computed_tokens -
+    /// num_in_flight_tokens < processed`, `min(num_computed_tokens + num_new_tokens,
+    /// num_tokens) < cached` and `num_new_tokens <= new_tokens` changes nothing.
+    fn noop_limits(&self, handle: i64) -> PyResult<(u32, u32, u32, u32)> {
         let l = self.core()?.noop_limits(handle_arg(handle)?)?;
-        Ok((l.slots, l.processed, l.cached))
+        Ok((l.slots, l.processed, l.cached, l.new_tokens))
     }
 
     /// Syncs the request's `block_hashes` and caches full blocks up to `num_computed_tokens`.
@@ -478,8 +495,11 @@ impl PyAllocator {
     /// Blocks needed for `num_tokens` slots, `num_tokens_main_model` of them (default
     /// `num_tokens`) for the target model (vLLM's `coordinator.get_num_blocks_to_allocate`
     /// with no new hit); negative when a Mamba "align" table holds more than it needs.
+    /// `prefill_end` is where the request's prefill ends (vLLM's argument); without the
+    /// admission cap a Mamba "align" group records the prefill checkpoint it counts, as vLLM's.
     #[pyo3(signature = (handle, num_tokens, *, num_encoder_tokens=0, total_computed_tokens=0,
-        apply_admission_cap=false, num_tokens_main_model=None))]
+        apply_admission_cap=false, num_tokens_main_model=None, prefill_end=0))]
+    #[allow(clippy::too_many_arguments)]
     fn get_num_blocks_to_allocate(
         &self,
         handle: i64,
@@ -488,6 +508,7 @@ impl PyAllocator {
         total_computed_tokens: i64,
         apply_admission_cap: bool,
         num_tokens_main_model: Option<i64>,
+        prefill_end: i64,
     ) -> PyResult<i64> {
         let h = handle_arg(handle)?;
         Ok(self.core()?.get_num_blocks_to_allocate(
@@ -497,6 +518,7 @@ impl PyAllocator {
             u32_arg("num_encoder_tokens", num_encoder_tokens)?,
             u32_arg("total_computed_tokens", total_computed_tokens)?,
             apply_admission_cap,
+            u32_arg("prefill_end", prefill_end)?,
         )?)
     }
 

@@ -40,8 +40,11 @@ def gdn(bs: int = MML, mode: str = "none", spec_blocks: int = 0) -> MambaSpec:
     )
 
 
-def mamba2(bs: int = MML, mode: str = "none", spec_blocks: int = 0) -> MambaSpec:
-    """A Mamba2 layer's state (Nemotron-H, Jamba's Mamba layers, Granite 4, Falcon-H1)."""
+def mamba2(bs: int = MML, mode: str = "none", spec_blocks: int = 0, checkpoints: bool = True) -> MambaSpec:
+    """A Mamba2 layer's state (Nemotron-H, Granite 4, Falcon-H1, Bamba, Zamba2). vLLM's
+    MambaMixer2 always sets one prefill checkpoint block of alignment 1; the manager acts on
+    it in cache mode "align" only. ``checkpoints=False`` is a state without them (a
+    MambaMixer v1 layer, as Jamba's)."""
     return MambaSpec(
         block_size=bs,
         shapes=((3, 10240), (128, 64, 128)),
@@ -49,6 +52,19 @@ def mamba2(bs: int = MML, mode: str = "none", spec_blocks: int = 0) -> MambaSpec
         mamba_type=MambaAttentionBackendEnum.MAMBA2,
         mamba_cache_mode=mode,
         num_speculative_blocks=spec_blocks,
+        num_prefill_checkpoint_blocks=1 if checkpoints else 0,
+        prefill_checkpoint_alignment=1 if checkpoints else None,
+    )
+
+
+def mamba1(bs: int = MML, mode: str = "none") -> MambaSpec:
+    """A MambaMixer (v1) layer's state (Jamba): no prefill checkpoint blocks."""
+    return MambaSpec(
+        block_size=bs,
+        shapes=((3, 8192), (8192, 16)),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_type=MambaAttentionBackendEnum.MAMBA1,
+        mamba_cache_mode=mode,
     )
 
 
@@ -115,7 +131,7 @@ MAMBA_SETUPS: list[Setup] = [
     _nocache("qwen35_gdn_mtp2_nocache", [full(64), gdn(spec_blocks=2), gdn(spec_blocks=2), gdn(spec_blocks=2)],
              num_blocks=300),
     _nocache("nemotron_h_mamba2_nocache", [full(16)] + [mamba2() for _ in range(6)], num_blocks=450),
-    _nocache("jamba_mamba2_nocache", [full(16)] + [mamba2() for _ in range(7)], num_blocks=480),
+    _nocache("jamba_mamba1_nocache", [full(16)] + [mamba1() for _ in range(7)], num_blocks=480),
     _nocache("lfm2_short_conv_nocache", [full(16), full(16), short_conv(), short_conv(), short_conv()],
              num_blocks=420),
     _nocache("mamba_only_nocache", [mamba2()], num_blocks=30),
@@ -125,13 +141,23 @@ MAMBA_SETUPS: list[Setup] = [
           num_blocks=260, retention_interval=None),
     Setup("qwen35_gdn_3to1_align_retention0", [full(16), gdn(16, "align"), gdn(16, "align"), gdn(16, "align")],
           num_blocks=260, retention_interval=0),
+    # Mamba2 (MambaMixer2) in "align": one prefill checkpoint block of alignment 1.
     Setup("nemotron_h_mamba2_align", [full(16)] + [mamba2(16, "align") for _ in range(6)], num_blocks=420,
           retention_interval=None),
-    Setup("jamba_mamba2_align_retention64", [full(16)] + [mamba2(16, "align") for _ in range(7)], num_blocks=450,
+    Setup("nemotron_h_mamba2_align_retention0", [full(16)] + [mamba2(16, "align") for _ in range(6)],
+          num_blocks=420, retention_interval=0),
+    Setup("nemotron_h_mamba2_align_retention64", [full(16)] + [mamba2(16, "align") for _ in range(6)],
+          num_blocks=420, retention_interval=64),
+    Setup("mamba2_only_align", [mamba2(16, "align")], num_blocks=60, retention_interval=None),
+    # The same Mamba2 state without checkpoint blocks, and Jamba's MambaMixer (v1) layers.
+    Setup("nemotron_h_mamba2_align_no_checkpoints", [full(16)] + [mamba2(16, "align", checkpoints=False)
+                                                                   for _ in range(6)],
+          num_blocks=420, retention_interval=None),
+    Setup("jamba_mamba1_align_retention64", [full(16)] + [mamba1(16, "align") for _ in range(7)], num_blocks=450,
           retention_interval=64),
     Setup("lfm2_short_conv_align", [full(16), full(16), short_conv(16, "align"), short_conv(16, "align"),
                                     short_conv(16, "align")], num_blocks=420, retention_interval=None),
-    Setup("mamba_only_align", [mamba2(16, "align")], num_blocks=60, retention_interval=None),
+    Setup("mamba_only_align", [mamba2(16, "align", checkpoints=False)], num_blocks=60, retention_interval=None),
     # Full + sliding window + Mamba: three spec groups, the hybrid hit search iterates.
     Setup("full_swa_mamba_align", [full(16), swa_bf16(48, 16), mamba2(16, "align")], num_blocks=420,
           retention_interval=None),
@@ -153,6 +179,10 @@ class ZeroingParityRun(ParityRun):
         a, b = self.ref.take_new_block_ids(), self.ours.take_new_block_ids()
         self.eq("take_new_block_ids", a, b)
         self.stats["zeroed"] = self.stats.get("zeroed", 0) + len(a)
+        # Prefill checkpoints vLLM's Mamba "align" managers hold reserved (counted per op).
+        self.stats["checkpoints"] = self.stats.get("checkpoints", 0) + sum(
+            len(getattr(m, "_checkpoints", ())) for m in self.ref.coordinator.single_type_managers
+        )
         super().after_op()
 
     def maybe_new_step(self) -> None:

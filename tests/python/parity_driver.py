@@ -30,6 +30,11 @@ class ParityRun:
         self.full_check_every = full_check_every
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Running requests whose last allocation failed. The scheduler retries such a request
+        # (preempting others) until it succeeds or is itself preempted, and never caches its
+        # blocks in between: vLLM's Mamba "align" manager asserts that the prefill checkpoint
+        # block the failed count reserved exists when it caches.
+        self.alloc_failed: set[str] = set()
         self.next_id = 0
         r = self.rng
         self.prefixes = [[r.randrange(1, 5000) for _ in range(r.randrange(16, 400))] for _ in range(5)]
@@ -176,6 +181,7 @@ class ParityRun:
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.alloc_failed.discard(req.request_id)
         self.ref.free(req)
         self.ours.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -199,9 +205,11 @@ class ParityRun:
         self.after_op()
         if a is None:
             self.stats["none"] += 1
+            self.alloc_failed.add(req.request_id)
             victim = self.running[-1] if r.random() < 0.7 else r.choice(self.running)
             self.preempt(victim)
             return
+        self.alloc_failed.discard(req.request_id)
         req.num_computed_tokens += num_new
         self.maybe_sample(req)
 
@@ -244,8 +252,9 @@ class ParityRun:
             self.ours.evict_blocks(ids)
         elif x < 0.4 and self.running:
             req = r.choice(self.running)
-            self.ref.cache_blocks(req, req.num_computed_tokens)
-            self.ours.cache_blocks(req, req.num_computed_tokens)
+            if req.request_id not in self.alloc_failed:
+                self.ref.cache_blocks(req, req.num_computed_tokens)
+                self.ours.cache_blocks(req, req.num_computed_tokens)
         elif x < 0.6 and self.running:
             req = r.choice(self.running)
             self.ref.remove_skipped_blocks(req.request_id, req.num_computed_tokens)

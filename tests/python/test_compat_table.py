@@ -94,6 +94,12 @@ def _specs(name: str) -> list[Any]:
         "full_bs32": [full(32)],
         "cross": [full(16), CrossAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)],
         "mamba": [full(16), MambaSpec(block_size=16, shapes=((16, 16),), dtypes=(torch.float32,))],
+        # MambaMixer2's spec with prefix caching on: one prefill checkpoint block, alignment 1.
+        "mamba2_align": [
+            full(16),
+            MambaSpec(block_size=16, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align",
+                      num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1),
+        ],
     }[name]
 
 
@@ -114,6 +120,7 @@ CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("cross attention", "cross", {"enable_caching": False}, None),
     ("cross attention", "cross", {}, "cross attention with prefix caching on"),
     ("Mamba / linear attention", "mamba", {"enable_caching": False}, None),
+    ("Mamba / linear attention", "mamba2_align", {}, None),
     ("decode/prefill context parallelism", "full", {"dcp_world_size": 2}, "decode/prefill context parallelism"),
     ("KV cache residency metrics", "full", {"metrics_collector": object()}, "KV cache residency metrics"),
     ("multi-module MTP", "full", {"num_prefill_lookahead": 2}, "multi-token prefill lookahead"),

@@ -60,6 +60,14 @@ def test_mamba_parity_random_trace(name: str) -> None:
     assert total.get("rerecorded", 0) > 0
     if setup.enable_caching:
         assert total["hits"] > 0, f"{name}: no prefix-cache hit happened"
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    checkpoints = setup.enable_caching and any(
+        isinstance(s, MambaSpec) and s.num_prefill_checkpoint_blocks > 0 and s.prefill_checkpoint_alignment
+        for s in setup.specs
+    )
+    # Mamba2 in "align" reserves prefill checkpoint blocks (and only it).
+    assert (total.get("checkpoints", 0) > 0) == checkpoints, f"{name}: checkpoints {total.get('checkpoints', 0)}"
 
 
 def test_mamba_groups_are_served_natively() -> None:

@@ -3,7 +3,9 @@ KVCacheManager and once with ours on the same seeded workload (shared prefixes, 
 prefill, preemption, aborts): Qwen3.5-style GDN + full attention (3:1) and Nemotron-H-style
 Mamba2 + attention, with prefix caching on (cache mode "align", where the scheduler splits
 prefill chunks at Mamba block boundaries) and off (mode "none", one state block per request
-of ``max_model_len`` tokens). The SchedulerOutputs, KV events, usage, hits and the block ids
+of ``max_model_len`` tokens). Nemotron-H's Mamba2 layers carry MambaMixer2's prefill
+checkpoint block (alignment 1): the scheduler then does not split a prefill at block
+boundaries, and the manager reserves a block for the state at the chunk's last boundary. The SchedulerOutputs, KV events, usage, hits and the block ids
 handed to the model runner for zeroing must be identical at every step.
 
 The model folders are config-only (vLLM's planner groups and sizes the specs that
@@ -19,7 +21,14 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-CASES = ["qwen35_gdn_align_sync", "qwen35_gdn_align_async", "qwen35_gdn_nocache", "nemotron_h_align_sync"]
+CASES = [
+    "qwen35_gdn_align_sync",
+    "qwen35_gdn_align_async",
+    "qwen35_gdn_nocache",
+    "nemotron_h_align_sync",
+    "nemotron_h_align_async",
+    "nemotron_h_nocache",
+]
 
 
 def _setup(case: str) -> Any:
@@ -41,6 +50,10 @@ def _setup(case: str) -> Any:
         "qwen35_gdn_nocache": dict(shape=shape("tiny-qwen3.5", 4, 8, "GDN_ATTN"), num_blocks=260,
                                    enable_prefix_caching=False),
         "nemotron_h_align_sync": dict(shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=300),
+        "nemotron_h_align_async": dict(shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=300,
+                                       async_scheduling=True),
+        "nemotron_h_nocache": dict(shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=300,
+                                   enable_prefix_caching=False),
     }
     kw = cases[case]
     return SchedulerSetup(max_num_seqs=24, max_num_batched_tokens=512, kv_events=kw.get("enable_prefix_caching", True),
@@ -51,11 +64,24 @@ def _run(setup: Any) -> dict[str, Any]:
     from sched_driver import run_workload
 
     zeroed: list[list[int]] = []
+    # vLLM's managers only: how many caching calls found a prefill checkpoint reserved.
+    checkpoints = [0]
+    split_free = [False]
     orig = type(setup).build
 
     def build(self: Any) -> Any:
         sched = orig(self)
+        split_free[0] = sched.mamba_has_prefill_checkpoint_blocks
         mgr = sched.kv_cache_manager
+        for m in getattr(getattr(mgr, "coordinator", None), "single_type_managers", ()):
+            if hasattr(m, "_checkpoints"):
+                cache = m.cache_blocks
+
+                def cache_blocks(request: Any, *a: Any, _m: Any = m, _cache: Any = cache, **k: Any) -> Any:
+                    checkpoints[0] += request.request_id in _m._checkpoints
+                    return _cache(request, *a, **k)
+
+                m.cache_blocks = cache_blocks
         take = mgr.take_new_block_ids
 
         def take_new_block_ids() -> list[int]:
@@ -69,6 +95,8 @@ def _run(setup: Any) -> dict[str, Any]:
     setup.build = build.__get__(setup)
     out = run_workload(setup, seed=11, num_requests=40, max_tokens_hi=1000)
     out["zeroed"] = zeroed
+    out["checkpoints"] = checkpoints[0]
+    out["split_free"] = split_free[0]
     return out
 
 
@@ -93,3 +121,7 @@ def test_real_scheduler_identical_with_mamba(case: str) -> None:
     if base.enable_prefix_caching:
         assert ref["hits"] > 0
         assert ref["events"]
+    mixer2 = case.startswith("nemotron_h")
+    assert ref["split_free"] == ours["split_free"] == mixer2
+    if mixer2 and base.enable_prefix_caching:
+        assert ref["checkpoints"] > 0, f"{case}: no prefill checkpoint was reserved"

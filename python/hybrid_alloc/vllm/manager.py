@@ -186,7 +186,7 @@ class Unsupported(Exception):
     """A configuration the core does not serve; the message names the reason."""
 
 
-def _group_kind(spec: KVCacheSpec) -> tuple[str, int, int]:
+def _group_kind(spec: KVCacheSpec) -> tuple[str, int, int, int]:
     if isinstance(spec, UniformTypeKVCacheSpecs):
         kinds = {_group_kind(s) for s in spec.kv_cache_specs.values()}
         if len(kinds) != 1:
@@ -194,16 +194,16 @@ def _group_kind(spec: KVCacheSpec) -> tuple[str, int, int]:
         return kinds.pop()
     t = type(spec)
     if t in _FULL_TYPES:
-        return ("full", 0, 0)
+        return ("full", 0, 0, 0)
     if t is SlidingWindowSpec:
-        return ("sliding_window", spec.sliding_window, spec.extra_retained_tokens)
+        return ("sliding_window", spec.sliding_window, spec.extra_retained_tokens, 0)
     if t is SlidingWindowMLASpec:
         # vLLM serves it with the SlidingWindowManager (DeepSeek-V4's sliding-window MLA).
         if spec.bounded_replay:
             raise Unsupported("SlidingWindowMLASpec with bounded replay (prefix replay window)")
-        return ("sliding_window", spec.sliding_window, spec.extra_retained_tokens)
+        return ("sliding_window", spec.sliding_window, spec.extra_retained_tokens, 0)
     if t is CircularBufferSpec:
-        return ("circular_buffer", 0, 0)
+        return ("circular_buffer", 0, 0, 0)
     if t is RSWASpec:
         raise Unsupported("RSWASpec (R-SWA frees a gap in the middle of the table each decode step)")
     if t is SinkFullAttentionSpec:
@@ -212,25 +212,30 @@ def _group_kind(spec: KVCacheSpec) -> tuple[str, int, int]:
             "__init__ takes no needs_kv_cache_zeroing)"
         )
     if t is ChunkedLocalAttentionSpec:
-        return ("chunked_local", spec.attention_chunk_size, 0)
+        return ("chunked_local", spec.attention_chunk_size, 0, 0)
     if t is CrossAttentionSpec:
-        return ("cross", 0, 0)
+        return ("cross", 0, 0, 0)
     if t is MambaSpec:
         return _mamba_kind(spec)
     raise Unsupported(f"KV cache spec {t.__name__}")
 
 
-def _mamba_kind(spec: MambaSpec) -> tuple[str, int, int]:
+def _mamba_kind(spec: MambaSpec) -> tuple[str, int, int, int]:
     """A ``MambaSpec`` group (GDN, Mamba2, short conv, ...) as the core serves it."""
     mode = spec.mamba_cache_mode
     if mode == "none":
-        return ("mamba", spec.num_speculative_blocks, 0)
+        return ("mamba", spec.num_speculative_blocks, 0, 0)
     if mode == "align":
-        if spec.num_prefill_checkpoint_blocks > 0 and spec.prefill_checkpoint_alignment is not None:
-            raise Unsupported("Mamba prefill checkpoint blocks (mamba_cache_mode 'align')")
+        # Prefill checkpoint blocks (MambaMixer2 always sets one, alignment 1): vLLM reserves
+        # them only when both are set (``_needs_internal_checkpoint`` is False without an
+        # alignment); 0 tells the core there are none.
+        alignment = spec.prefill_checkpoint_alignment
+        checkpoint = alignment if spec.num_prefill_checkpoint_blocks > 0 and alignment is not None else 0
+        if not isinstance(checkpoint, int) or checkpoint < 0:
+            raise Unsupported(f"prefill_checkpoint_alignment={alignment!r}")
         # vLLM 0.32 re-keys the prompt's checkpoint state even when it is keyed already;
         # 0.33 skips it. The core applies the installed release's rule.
-        return ("mamba_align", spec.num_speculative_blocks, int(_VLLM_RELEASE.startswith("0.32.")))
+        return ("mamba_align", spec.num_speculative_blocks, int(_VLLM_RELEASE.startswith("0.32.")), checkpoint)
     raise Unsupported(f"Mamba cache mode {mode!r}")
 
 
@@ -287,7 +292,7 @@ def _native_plan(
     if metrics_collector is not None:
         raise Unsupported("KV cache residency metrics")
     zeroing = kv_cache_config.needs_kv_cache_zeroing
-    groups: list[tuple[str, int, int, int, int]] = []
+    groups: list[tuple[str, int, int, int, int, int]] = []
     seen_specs: list[KVCacheSpec] = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
@@ -298,7 +303,7 @@ def _native_plan(
             raise Unsupported(f"group {i} holds EAGLE/MTP draft layers (prefix-cache block drop)")
         if not spec.prefix_cacheable and type(spec) is not CircularBufferSpec:
             raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
-        kind, p1, p2 = _group_kind(spec)
+        kind, p1, p2, p3 = _group_kind(spec)
         if zeroing and isinstance(spec, UniformTypeKVCacheSpecs):
             # vLLM records new blocks for zeroing only for groups whose spec is an
             # AttentionSpec, which a uniform-type collection is not.
@@ -310,7 +315,7 @@ def _native_plan(
         if key is None:
             seen_specs.append(spec)
             key = len(seen_specs) - 1
-        groups.append((kind, spec.block_size, key, p1, p2))
+        groups.append((kind, spec.block_size, key, p1, p2, p3))
     if not groups:
         raise Unsupported("no KV cache groups (attention-free model)")
     native: dict[str, Any] = dict(
@@ -582,6 +587,7 @@ class _NativeCoordinator:
                     total_computed_tokens=total_computed_tokens,
                     apply_admission_cap=apply_admission_cap,
                     num_tokens_main_model=num_tokens_main_model,
+                    prefill_end=prefill_end,
                 )
             finally:
                 alloc.free(h)
@@ -592,6 +598,7 @@ class _NativeCoordinator:
             total_computed_tokens=total_computed_tokens,
             apply_admission_cap=apply_admission_cap,
             num_tokens_main_model=num_tokens_main_model,
+            prefill_end=prefill_end,
         )
 
     def get_blocks(self, request_id: str) -> tuple[list[Any], ...]:
@@ -708,7 +715,7 @@ class HybridKVCacheManager:
                     else ""
                 )
                 + f"/bs={bs}"
-                for k, bs, _, p1, _ in native["groups"]
+                for k, bs, _, p1, _, _ in native["groups"]
             ),
             kv_cache_config.num_blocks,
             "on" if enable_caching else "off",

@@ -134,6 +134,10 @@ class ModelShape:
                 ms = self.mamba_state
                 assert ms is not None, f"{self.name}: a mamba layer needs ModelShape.mamba_state"
                 page = FullAttentionSpec(**common).page_size_bytes
+                # vLLM's MambaMixer2 (every MAMBA2 layer) always adds one prefill checkpoint
+                # block of alignment 1 to its spec (``get_kv_cache_spec``); the managers act
+                # on it in cache mode "align" only.
+                mixer2 = ms.mamba_type == "MAMBA2"
                 specs[f"model.layers.{i}.mixer"] = MambaSpec(
                     block_size=block_size if mamba_cache_mode == "align" else self.max_model_len,
                     shapes=ms.shapes,
@@ -141,6 +145,8 @@ class ModelShape:
                     page_size_padded=page,
                     mamba_type=MambaAttentionBackendEnum[ms.mamba_type],
                     mamba_cache_mode=mamba_cache_mode,
+                    num_prefill_checkpoint_blocks=1 if mixer2 else 0,
+                    prefill_checkpoint_alignment=1 if mixer2 else None,
                 )
                 continue
             if layer.kind in ("mla", "swa_mla", "ring"):
