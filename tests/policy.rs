@@ -456,6 +456,16 @@ proptest! {
     }
 
     #[test]
+    fn hit_aware_full_and_rswa_hits_hold_own_content(
+        ops in proptest::collection::vec(op(), 1..120), nb in 16u32..160, r in 0u8..2,
+    ) {
+        // R-SWA frees the gap between the prompt and the window while decoding; its blocks
+        // stay cached and hit as full attention's.
+        let retention = [Some(0), None][r as usize];
+        run(&[AttentionKind::Full, AttentionKind::Rswa { window: 6 }], nb, retention, &ops);
+    }
+
+    #[test]
     fn hit_aware_window_only_hits_hold_own_content(
         ops in proptest::collection::vec(op(), 1..120), nb in 16u32..120,
     ) {

@@ -50,7 +50,7 @@ class RswaParityRun(ParityRun):
     def __init__(self, setup: Setup, seed: int, full_check_every: int = 64) -> None:
         super().__init__(setup, seed, full_check_every)
         self.finished_tokens: list[list[int]] = []
-        self.stats["gap_frees"] = 0
+        self.stats["gapped"] = 0
         self.stats["resends"] = 0
 
     def new_request(self) -> Request:
@@ -112,8 +112,9 @@ class RswaParityRun(ParityRun):
 
     def run_one(self) -> None:
         super().run_one()
-        # Requests whose R-SWA table holds a freed gap (null blocks after the prompt).
+        # Running requests seen with a freed gap in an R-SWA table (null blocks after the
+        # prompt), counted after every step.
         rswa_groups = [g for g, spec in enumerate(self.setup.specs) if isinstance(spec, RSWASpec)]
         for req in self.running:
             ids = self.ref.get_block_ids(req.request_id)
-            self.stats["gap_frees"] += any(0 in ids[g] for g in rswa_groups)
+            self.stats["gapped"] += any(0 in ids[g] for g in rswa_groups)
