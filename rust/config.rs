@@ -10,6 +10,12 @@ use crate::error::{Error, Result};
 pub enum AttentionKind {
     /// Full attention (also MLA, which allocates the same way): every block is kept.
     Full,
+    /// Reference sliding window attention (vLLM's `RSWASpec` + `RSWAManager`, DeepSeek-V2
+    /// "Unlimited-OCR"): full attention whose `allocate_slots` also frees the *gap*, the
+    /// blocks wholly between the prompt's last block and the `window` newest processed
+    /// tokens, replacing them by the null block in the middle of the table. Cache hits,
+    /// caching, admission and sizing are full attention's (it is a `FullAttentionSpec`).
+    Rswa { window: u32 },
     /// Sliding-window attention: blocks wholly before `window - 1 + extra_retained_tokens`
     /// tokens of the newest computed token are recycled.
     SlidingWindow { window: u32, extra_retained_tokens: u32 },
@@ -38,7 +44,7 @@ pub enum AttentionKind {
 impl AttentionKind {
     /// Whether vLLM treats this kind as a `FullAttentionSpec` in the hybrid hit search.
     pub fn is_full(&self) -> bool {
-        matches!(self, AttentionKind::Full)
+        matches!(self, AttentionKind::Full | AttentionKind::Rswa { .. })
     }
 
     /// Whether vLLM records this kind's new blocks for KV cache zeroing: attention specs

@@ -87,7 +87,7 @@ struct HashUndo {
 /// num_new_tokens + num_lookahead_tokens <= slots`, `num_computed_tokens -
 /// num_in_flight_tokens < processed` and `min(num_computed_tokens + num_new_tokens,
 /// num_tokens) < cached` and `num_new_tokens <= new_tokens` allocates, frees and caches
-/// nothing. `(0, 0, 0, 0)` proves nothing.
+/// nothing, provided its `num_prompt_tokens >= prompt`. `(0, 0, 0, 0, 0)` proves nothing.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NoopLimits {
     /// Token slots the tables already hold.
@@ -99,19 +99,24 @@ pub struct NoopLimits {
     /// Most tokens a no-op step schedules (a wider step may reserve a Mamba prefill
     /// checkpoint block).
     pub new_tokens: u32,
+    /// The smallest `num_prompt_tokens` the limits hold for (0: any). Only an R-SWA group
+    /// sets it: its gap starts after the prompt, so a shorter prompt could free more.
+    pub prompt: u32,
 }
 
 impl NoopLimits {
     /// Proves everything (the identity of [`Self::min`]).
-    pub const ANY: Self = Self { slots: u32::MAX, processed: u32::MAX, cached: u32::MAX, new_tokens: u32::MAX };
+    pub const ANY: Self =
+        Self { slots: u32::MAX, processed: u32::MAX, cached: u32::MAX, new_tokens: u32::MAX, prompt: 0 };
 
-    /// The component-wise minimum with one group's limits.
+    /// The component-wise minimum with one group's limits (the prompt bound is left).
     fn min(self, (slots, processed, cached, new_tokens): (u32, u32, u32, u32)) -> Self {
         Self {
             slots: self.slots.min(slots),
             processed: self.processed.min(processed),
             cached: self.cached.min(cached),
             new_tokens: self.new_tokens.min(new_tokens),
+            prompt: self.prompt,
         }
     }
 }
@@ -1001,7 +1006,7 @@ impl Allocator {
         let need_slot = (main + a.num_lookahead_tokens).min(mml);
         let processed = total_computed.saturating_sub(a.num_in_flight_tokens);
         for m in self.managers.iter_mut() {
-            m.remove_skipped_blocks(&mut self.pool, s, processed);
+            m.remove_skipped_blocks(&mut self.pool, s, processed, Some(a.num_prompt_tokens));
         }
         let need = self.num_blocks_to_allocate(
             s,
@@ -1065,8 +1070,18 @@ impl Allocator {
     }
 
     fn refresh_noop(&mut self, s: Slot) {
-        let lim = self.managers.iter().fold(NoopLimits::ANY, |l, m| l.min(m.noop_limits(s)));
-        self.reqs[s as usize].noop = lim;
+        self.reqs[s as usize].noop = self.compute_noop(s);
+    }
+
+    /// The component-wise minimum of every group's [`SingleTypeManager::noop_limits`] (the
+    /// largest of their prompt bounds).
+    fn compute_noop(&self, s: Slot) -> NoopLimits {
+        let mut lim = NoopLimits::ANY;
+        for m in &self.managers {
+            lim = lim.min(m.noop_limits(s));
+            lim.prompt = lim.prompt.max(m.noop_min_prompt(s));
+        }
+        lim
     }
 
     /// Whether `a` is a plain step (see [`NoopLimits`]) that the request's limits prove
@@ -1086,6 +1101,7 @@ impl Allocator {
         let main = a.num_computed_tokens as u64 + a.num_new_tokens as u64;
         a.num_new_tokens <= lim.new_tokens
             && main + a.num_lookahead_tokens as u64 <= lim.slots as u64
+            && a.num_prompt_tokens >= lim.prompt
             && a.num_computed_tokens.saturating_sub(a.num_in_flight_tokens) < lim.processed
             && main.min(a.num_tokens as u64) < lim.cached as u64
     }
@@ -1130,7 +1146,11 @@ impl Allocator {
             let below = nc < lim.processed as u64
                 || nc.saturating_sub(token_count("num_in_flight_tokens", req.num_in_flight_tokens()?)? as u64)
                     < lim.processed as u64;
+            // An R-SWA group's limits hold for its prompt length or a longer one (read only then).
+            let prompt_ok =
+                lim.prompt == 0 || token_count("num_prompt_tokens", req.num_prompt_tokens()?)? >= lim.prompt;
             if below
+                && prompt_ok
                 && (to_cache < lim.cached as u64
                     || (token_count("num_tokens", req.num_tokens()?)? as u64) < lim.cached as u64)
             {
@@ -1251,9 +1271,24 @@ impl Allocator {
     /// # Errors
     /// Unknown handle.
     pub fn remove_skipped_blocks(&mut self, h: ReqHandle, processed_computed_tokens: u32) -> Result<()> {
+        self.remove_skipped_blocks_with_prompt(h, processed_computed_tokens, None)
+    }
+
+    /// [`Self::remove_skipped_blocks`] with vLLM's optional `num_prompt_tokens` (passed by
+    /// `allocate_slots` and by the scheduler before a connector reads the table): with it an
+    /// R-SWA group frees its gap; without it R-SWA frees nothing, as full attention.
+    ///
+    /// # Errors
+    /// Unknown handle.
+    pub fn remove_skipped_blocks_with_prompt(
+        &mut self,
+        h: ReqHandle,
+        processed_computed_tokens: u32,
+        num_prompt_tokens: Option<u32>,
+    ) -> Result<()> {
         let s = self.slot(h)?;
         for m in self.managers.iter_mut() {
-            m.remove_skipped_blocks(&mut self.pool, s, processed_computed_tokens);
+            m.remove_skipped_blocks(&mut self.pool, s, processed_computed_tokens, num_prompt_tokens);
         }
         self.refresh_noop(s);
         Ok(())
@@ -1534,7 +1569,7 @@ impl Allocator {
             if !self.slot_is_live(s) {
                 continue;
             }
-            let lim = self.managers.iter().fold(NoopLimits::ANY, |l, m| l.min(m.noop_limits(s)));
+            let lim = self.compute_noop(s);
             if lim != self.reqs[s as usize].noop {
                 return Err(format!(
                     "slot {s}: stored no-op limits {:?}, tables say {lim:?}",

@@ -72,6 +72,16 @@ pub fn check(a: &Allocator) -> Result<(), String> {
             if np > t.len() || t[..np].iter().any(|&b| b != NULL_BLOCK) {
                 return Err(format!("handle {h} group {g}: null prefix {np} does not match the table"));
             }
+            if let Some((p, end)) = m.rswa_gap(s) {
+                // R-SWA: the known gap `cdiv(p, bs)..end` is all null and inside the table.
+                if p != u32::MAX {
+                    let first = (p as u64).div_ceil(m.block_size() as u64) as usize;
+                    let end = end as usize;
+                    if end > first && (end > t.len() || t[first..end].iter().any(|&b| b != NULL_BLOCK)) {
+                        return Err(format!("handle {h} group {g}: R-SWA gap {first}..{end} is not null"));
+                    }
+                }
+            }
             if !matches!(
                 m.spec.kind,
                 crate::config::AttentionKind::Cross | crate::config::AttentionKind::CircularBuffer

@@ -1,7 +1,7 @@
 //! # hybrid_alloc
 //!
 //! The KV cache block allocator of vLLM V1 (0.32.0), in Rust, for models whose layers mix
-//! attention types: full attention, sliding window, chunked local, cross attention, Mamba /
+//! attention types: full attention, R-SWA, sliding window, chunked local, cross attention, Mamba /
 //! linear-attention state (cache modes "none" and "align"), circular buffers. Same
 //! semantics as vLLM's Python `KVCacheManager` (same block ids, hits, free counts, events),
 //! at a fraction of its cost. `rust/py` (feature `python`) exposes it to Python; the vLLM
@@ -12,7 +12,7 @@
 //!  Allocator (coordinator.rs)        one per vLLM KVCacheManager
 //!   |- requests: slab of handles     generation, block hashes, pending cache hit, no-op limits
 //!   |- managers[g] (manager/)        one per KV cache group: block tables, num_cached,
-//!   |                                  attention-type rules (full | SWA | chunked | cross |
+//!   |                                  attention-type rules (full | R-SWA | SWA | chunked | cross |
 //!   |                                  Mamba none/align | circular buffer), zeroing records
 //!   '- BlockPool (block_pool.rs)     shared by all groups
 //!        |- ref_cnt / hash / hash_tokens  struct of arrays, indexed by block id
@@ -32,7 +32,9 @@
 //! - Each live request's stored no-op limits equal those its tables imply.
 //! - A block has a hash iff the prefix index maps that hash to it.
 //! - Tables are positional: out-of-window blocks become the null block in place (a Mamba
-//!   "align" table is null except for its last state blocks, with null gaps between them).
+//!   "align" table is null except for its last state blocks, with null gaps between them; an
+//!   R-SWA table has one null gap between its prompt and its window, all null as far as the
+//!   manager records it).
 //! - Under the `hit-aware` policy (`policy.rs`): a free cached block sits in the free-queue
 //!   segment of its retention level; the free blocks at the pinned level are counted and
 //!   stay within the pinned share.

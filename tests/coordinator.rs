@@ -738,3 +738,107 @@ fn new_huge_pool_errs_out_of_memory() {
     cfg.enable_caching = false;
     assert!(matches!(Allocator::new(cfg), Err(Error::OutOfMemory(_))));
 }
+
+// ---- reference sliding window (R-SWA) -------------------------------------------------
+
+fn rswa(window: u32) -> AttentionKind {
+    AttentionKind::Rswa { window }
+}
+
+/// Decodes `n` tokens of `h` one step at a time (prompt `p`, `computed` tokens so far).
+fn decode(a: &mut Allocator, h: ReqHandle, p: u32, computed: &mut u32, n: u32) {
+    for _ in 0..n {
+        let x = args(1, *computed, p, *computed + 1);
+        assert!(a.allocate_slots(h, &x, NewComputed::Empty).unwrap().is_some());
+        *computed += 1;
+        ok(a);
+    }
+}
+
+#[test]
+fn allocate_slots_rswa_frees_the_gap_between_prompt_and_window() {
+    let mut cfg = config(&[rswa(32)], 32);
+    cfg.enable_caching = false;
+    let mut a = alloc(cfg);
+    // Prompt of 40 tokens: blocks 0..3, block 2 partial (the prompt's tail stays).
+    let r = add(&mut a, &[], 40);
+    assert_eq!(prefill(&mut a, r, 40), Some(3));
+    let mut computed = 40;
+    // Until the window's start (processed - 32) passes block 3, nothing is freed.
+    decode(&mut a, r, 40, &mut computed, 56);
+    assert!(!table(&a, r, 0).contains(&NULL_BLOCK));
+    let t = table(&a, r, 0);
+    let free = a.num_free_blocks();
+    // processed 96 (window start 64 = block 4): block 3 is the gap.
+    decode(&mut a, r, 40, &mut computed, 1);
+    let after = table(&a, r, 0);
+    assert_eq!(after[3], NULL_BLOCK);
+    assert_eq!(&after[..3], &t[..3], "the prompt's blocks stay");
+    assert_eq!(&after[4..t.len()], &t[4..]);
+    assert_eq!(a.num_free_blocks(), free + 1 - (after.len() - t.len()) as u32);
+    // Far on: the gap is 3..(processed - 32) / 16, everything in it null, the rest kept.
+    decode(&mut a, r, 40, &mut computed, 100);
+    let t = table(&a, r, 0);
+    let end = ((computed - 32) / 16) as usize;
+    assert!(t[3..end].iter().all(|&b| b == NULL_BLOCK));
+    assert!(t[..3].iter().chain(&t[end..]).all(|&b| b != NULL_BLOCK));
+    a.free(r).unwrap();
+    assert_eq!(a.num_free_blocks(), 31);
+    ok(&a);
+}
+
+#[test]
+fn remove_skipped_blocks_rswa_without_prompt_is_full_attention() {
+    let mut cfg = config(&[rswa(16)], 32);
+    cfg.enable_caching = false;
+    let mut a = alloc(cfg);
+    let r = add(&mut a, &[], 200);
+    assert_eq!(prefill(&mut a, r, 200), Some(13));
+    let t = table(&a, r, 0);
+    // vLLM's other callers pass no prompt length: nothing is freed.
+    a.remove_skipped_blocks(r, 200).unwrap();
+    assert_eq!(table(&a, r, 0), t);
+    // With a prompt of 20 tokens, blocks 2..(200 - 16) / 16 = 11 form the gap, freed tail
+    // first (to the front of the queue: unhashed).
+    a.remove_skipped_blocks_with_prompt(r, 200, Some(20)).unwrap();
+    let after = table(&a, r, 0);
+    assert!(after[2..11].iter().all(|&b| b == NULL_BLOCK));
+    assert_eq!(&after[..2], &t[..2]);
+    assert_eq!(&after[11..], &t[11..]);
+    let q = a.pool().free_queue_order();
+    let freed: Vec<BlockId> = t[2..11].iter().rev().copied().collect();
+    assert_eq!(&q[..9], &freed[..]);
+    ok(&a);
+    // A shorter prompt moves the gap's start down to block 1, but the walk back from the
+    // gap's end meets a null block at once: nothing more is freed (as in vLLM).
+    a.remove_skipped_blocks_with_prompt(r, 200, Some(5)).unwrap();
+    assert_eq!(table(&a, r, 0), after);
+    ok(&a);
+}
+
+#[test]
+fn find_longest_cache_hit_rswa_hits_as_full_attention_over_freed_gap_blocks() {
+    // R-SWA next to full attention: both full attention in the hybrid search.
+    let mut a = alloc(config(&[full(), rswa(16)], 64));
+    let contents: Vec<u64> = (1..=12).collect();
+    let r1 = add(&mut a, &contents, 192);
+    assert_eq!(prefill(&mut a, r1, 32), Some(4));
+    let mut computed = 32;
+    // Decode to 176 tokens (the last step with 175 processed): the R-SWA gap
+    // 2..(175 - 16) / 16 = 9 is freed, its blocks still cached.
+    decode(&mut a, r1, 32, &mut computed, 144);
+    ok(&a);
+    assert!(table(&a, r1, 1)[2..9].iter().all(|&b| b == NULL_BLOCK));
+    assert_ne!(table(&a, r1, 1)[9], NULL_BLOCK);
+    // The same 176 tokens again: both groups hit 10 full blocks (the freed gap blocks are
+    // found in the free queue by their hash).
+    let r2 = add(&mut a, &contents, 176);
+    let hit = a.find_longest_cache_hit(r2, 175).unwrap();
+    assert_eq!(hit.num_tokens, 160);
+    assert_eq!(a.stored_hit(r2, 1).unwrap().len(), 10);
+    assert!(!a.stored_hit(r2, 1).unwrap().contains(&NULL_BLOCK));
+    let mut x = args(16, 0, 176, 176);
+    x.num_new_computed_tokens = 160;
+    assert!(a.allocate_slots(r2, &x, NewComputed::Stored).unwrap().is_some());
+    ok(&a);
+}

@@ -124,7 +124,7 @@ fn cdiv(a: u32, b: u32) -> u32 {
 
 fn num_skipped_tokens(kind: AttentionKind, n: u32) -> u32 {
     match kind {
-        AttentionKind::Full | AttentionKind::Cross | AttentionKind::CircularBuffer => 0,
+        AttentionKind::Full | AttentionKind::Rswa { .. } | AttentionKind::Cross | AttentionKind::CircularBuffer => 0,
         AttentionKind::SlidingWindow { window, extra_retained_tokens } => {
             (n as i64 - window as i64 + 1 - extra_retained_tokens as i64).max(0) as u32
         }
@@ -591,7 +591,7 @@ impl Harness {
         let other = |max_tokens: u32, g: usize| match self.kinds[g] {
             AttentionKind::SlidingWindow { window, .. } => sliding(max_tokens, g, window),
             AttentionKind::ChunkedLocal { chunk } => chunked(max_tokens, g, chunk),
-            AttentionKind::Full => full(max_tokens, g),
+            AttentionKind::Full | AttentionKind::Rswa { .. } => full(max_tokens, g),
             AttentionKind::Cross | AttentionKind::Mamba { .. } | AttentionKind::CircularBuffer => unreachable!(),
         };
         if self.ng() == 1 {

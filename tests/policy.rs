@@ -12,6 +12,11 @@
 //!
 //! and every hit the allocator serves is checked block by block, in every group, against
 //! the request's own content, with the blocks the attention type needs all present.
+//!
+//! With a Mamba "align" group the requests run as vLLM's scheduler runs them in that mode
+//! (a new scheduler step before each operation; the prefill split at the prompt's checkpoint
+//! position), so a state block holds the state after exactly its position's tokens whenever
+//! it is cached, and a Mamba hit needs its last block only.
 
 use std::collections::HashMap;
 
@@ -28,6 +33,10 @@ const BS: u32 = 4;
 
 fn swa(window: u32) -> AttentionKind {
     AttentionKind::SlidingWindow { window, extra_retained_tokens: 0 }
+}
+
+fn mamba_align() -> AttentionKind {
+    AttentionKind::Mamba { speculative_blocks: 0, align: true, rekey_cached_tail: false, checkpoint_alignment: 0 }
 }
 
 fn config(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>) -> Config {
@@ -111,6 +120,10 @@ impl Model {
         }
     }
 
+    fn has_mamba(&self) -> bool {
+        self.kinds.iter().any(|k| matches!(k, AttentionKind::Mamba { .. }))
+    }
+
     fn fresh(&mut self, n: usize) -> Vec<u64> {
         let v = (0..n as u64).map(|i| self.next_id + i).collect();
         self.next_id += n as u64;
@@ -145,6 +158,8 @@ impl Model {
     fn need(&self, g: usize) -> u32 {
         match self.kinds[g] {
             AttentionKind::SlidingWindow { window, .. } => (window - 1).div_ceil(BS),
+            // One state: the block ending the hit.
+            AttentionKind::Mamba { .. } => 1,
             _ => u32::MAX,
         }
     }
@@ -195,8 +210,13 @@ impl Model {
         self.send_hashes(i);
         let hit = self.a.find_longest_cache_hit(h, prompt - 1).unwrap();
         self.check_hit(i, hit.num_tokens);
+        // Mamba "align": the scheduler ends a prefill chunk on the prompt's checkpoint
+        // position, (prompt - 1) rounded down to a block, where that state is cached.
+        let checkpoint = (prompt - 1) / BS * BS;
+        let split = self.has_mamba() && checkpoint > hit.num_tokens;
+        let first_end = if split { checkpoint } else { prompt };
         let args = AllocateArgs {
-            num_new_tokens: prompt - hit.num_tokens,
+            num_new_tokens: first_end - hit.num_tokens,
             num_new_computed_tokens: hit.num_tokens,
             num_prompt_tokens: prompt,
             num_tokens: prompt,
@@ -207,7 +227,19 @@ impl Model {
             },
             ..Default::default()
         };
-        match self.a.allocate_slots(h, &args, NewComputed::Stored).unwrap() {
+        let mut res = self.a.allocate_slots(h, &args, NewComputed::Stored).unwrap();
+        if res.is_some() && split {
+            self.record_new_blocks(i);
+            let rest = AllocateArgs {
+                num_new_tokens: prompt - checkpoint,
+                num_computed_tokens: checkpoint,
+                num_prompt_tokens: prompt,
+                num_tokens: prompt,
+                ..Default::default()
+            };
+            res = self.a.allocate_slots(h, &rest, NewComputed::Empty).unwrap();
+        }
+        match res {
             Some(_) => {
                 self.record_new_blocks(i);
                 self.hits_served += (hit.num_tokens > 0) as u64;
@@ -345,8 +377,14 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn run(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>, ops: &[Op]) -> Model {
-    let mut m = Model::new(kinds, num_blocks, retention, Policy::HitAware);
+    run_with(kinds, num_blocks, retention, Policy::HitAware, ops)
+}
+
+fn run_with(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>, policy: Policy, ops: &[Op]) -> Model {
+    let mut m = Model::new(kinds, num_blocks, retention, policy);
     for o in ops {
+        // A scheduler step starts (Mamba "align" stops deferring hits on last step's states).
+        m.a.new_step_starts();
         match o {
             Op::Add { kind, pick, own, out } => m.add(*kind, *pick, *own, *out),
             Op::Step { pick, n } => {
@@ -402,6 +440,32 @@ proptest! {
     }
 
     #[test]
+    fn hit_aware_full_window_and_mamba_align_hits_hold_own_content(
+        ops in proptest::collection::vec(op(), 1..120), nb in 24u32..200, r in 0u8..3,
+    ) {
+        let retention = [Some(0), None, Some(16)][r as usize];
+        run(&[AttentionKind::Full, swa(9), mamba_align()], nb, retention, &ops);
+    }
+
+    #[test]
+    fn hit_aware_full_and_mamba_align_hits_hold_own_content(
+        ops in proptest::collection::vec(op(), 1..120), nb in 16u32..160, r in 0u8..3,
+    ) {
+        let retention = [Some(0), None, Some(16)][r as usize];
+        run(&[AttentionKind::Full, mamba_align(), mamba_align()], nb, retention, &ops);
+    }
+
+    #[test]
+    fn hit_aware_full_and_rswa_hits_hold_own_content(
+        ops in proptest::collection::vec(op(), 1..120), nb in 16u32..160, r in 0u8..2,
+    ) {
+        // R-SWA frees the gap between the prompt and the window while decoding; its blocks
+        // stay cached and hit as full attention's.
+        let retention = [Some(0), None][r as usize];
+        run(&[AttentionKind::Full, AttentionKind::Rswa { window: 6 }], nb, retention, &ops);
+    }
+
+    #[test]
     fn hit_aware_window_only_hits_hold_own_content(
         ops in proptest::collection::vec(op(), 1..120), nb in 16u32..120,
     ) {
@@ -421,7 +485,103 @@ fn ops_generator_serves_hits_under_pressure() {
     assert!(hits > 50, "only {hits} hits served over 32 runs");
 }
 
+#[test]
+fn ops_generator_serves_mamba_hits_and_hit_aware_serves_at_least_exact_in_an_ample_pool() {
+    // Full attention, a window and Mamba "align" (dense and sparse state retention): hits
+    // are served (every one checked block by block), and with no eviction (an ample pool,
+    // no explicit evictions or resets) hit-aware serves at least the tokens exact serves.
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let kinds = [AttentionKind::Full, swa(9), mamba_align()];
+    let (mut hits, mut aware_tokens, mut exact_tokens) = (0, 0, 0);
+    for k in 0..32 {
+        let ops: Vec<Op> = proptest::collection::vec(op(), 60..120)
+            .new_tree(&mut runner)
+            .unwrap()
+            .current()
+            .into_iter()
+            .filter(|o| matches!(o, Op::Add { .. } | Op::Step { .. } | Op::Free { .. }))
+            .collect();
+        let retention = [Some(0), None][k % 2];
+        hits += run(&kinds, 48, retention, &ops).hits_served;
+        let aware = run_with(&kinds, 4000, retention, Policy::HitAware, &ops).hit_tokens;
+        let exact = run_with(&kinds, 4000, retention, Policy::Exact, &ops).hit_tokens;
+        assert!(aware >= exact, "run {k}: hit-aware served {aware} hit tokens, exact {exact}");
+        aware_tokens += aware;
+        exact_tokens += exact;
+    }
+    assert!(hits > 50, "only {hits} hits served over 32 runs");
+    assert!(aware_tokens > exact_tokens, "hit-aware never served more ({aware_tokens} vs {exact_tokens})");
+}
+
 // ---- deterministic scenarios -------------------------------------------------------------
+
+#[test]
+fn allocate_hit_aware_mamba_none_mode_is_exact() {
+    // Mamba cache mode "none" runs with prefix caching off, where hit-aware has nothing to
+    // keep: the pool is not leveled and every decision is exact's.
+    let kinds = [
+        AttentionKind::Full,
+        AttentionKind::Mamba { speculative_blocks: 2, align: false, rekey_cached_tail: false, checkpoint_alignment: 0 },
+    ];
+    let mut cfg = config(&kinds, 64, None);
+    cfg.enable_caching = false;
+    cfg.retention_interval = None;
+    cfg.groups[1].block_size = 4096;
+    cfg.scheduler_block_size = 4096;
+    cfg.hash_block_size = 4096;
+    let mut e = Allocator::new(cfg.clone()).unwrap();
+    let mut w = Allocator::with_policy(cfg, Policy::HitAware).unwrap();
+    assert!(!w.pool().is_leveled());
+    let mut live: Vec<(ReqHandle, ReqHandle, u32)> = Vec::new();
+    for k in 0..400u32 {
+        if live.len() < 5 && k % 7 == 0 {
+            let (he, hw) = (e.add_request(), w.add_request());
+            let p = 5 + k % 37;
+            let args = AllocateArgs { num_new_tokens: p, num_prompt_tokens: p, num_tokens: p, ..Default::default() };
+            let (re, rw) = (
+                e.allocate_slots(he, &args, NewComputed::Empty).unwrap(),
+                w.allocate_slots(hw, &args, NewComputed::Empty).unwrap(),
+            );
+            assert_eq!(re, rw);
+            if re.is_some() {
+                live.push((he, hw, p));
+            } else {
+                e.free(he).unwrap();
+                w.free(hw).unwrap();
+            }
+        } else if !live.is_empty() {
+            let i = k as usize % live.len();
+            let (he, hw, c) = live[i];
+            let args = AllocateArgs {
+                num_new_tokens: 1,
+                num_lookahead_tokens: k % 3,
+                num_computed_tokens: c,
+                num_prompt_tokens: 5,
+                num_tokens: c + 1,
+                ..Default::default()
+            };
+            let (re, rw) = (
+                e.allocate_slots(he, &args, NewComputed::Empty).unwrap(),
+                w.allocate_slots(hw, &args, NewComputed::Empty).unwrap(),
+            );
+            assert_eq!(re, rw);
+            if re.is_none() || k % 11 == 0 {
+                live.swap_remove(i);
+                e.free(he).unwrap();
+                w.free(hw).unwrap();
+            } else {
+                live[i].2 += 1;
+            }
+        }
+        for &(he, hw, _) in &live {
+            for g in 0..2 {
+                assert_eq!(e.blocks(he, g).unwrap(), w.blocks(hw, g).unwrap());
+            }
+        }
+        assert_eq!(e.pool().free_queue_order(), w.pool().free_queue_order());
+        invariants::check(&w).unwrap();
+    }
+}
 
 /// Runs a chat: one request, then the next turn re-sending its whole sequence plus a new
 /// message; returns the second turn's hit.

@@ -144,7 +144,9 @@ class Allocator:
         num_prompt_tokens: int | None = None,
         shared_prefix_boundary: int = 0,
     ) -> None: ...
-    def remove_skipped_blocks(self, handle: int, processed_computed_tokens: int) -> None: ...
+    def remove_skipped_blocks(
+        self, handle: int, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None: ...
     def get_num_blocks_to_allocate(
         self,
         handle: int,

@@ -18,6 +18,7 @@
 pub mod chunked_local;
 pub mod full;
 pub mod mamba;
+pub mod rswa;
 pub mod sliding_window;
 
 use crate::block_pool::BlockPool;
@@ -81,7 +82,7 @@ pub fn find_longest_cache_hit(
         o.clear();
     }
     match kind {
-        AttentionKind::Full => {
+        AttentionKind::Full | AttentionKind::Rswa { .. } => {
             full::find_longest_cache_hit(pool, view, max_length, group_ids, block_size, alignment_tokens, out)
         }
         AttentionKind::SlidingWindow { window, .. } => sliding_window::find_longest_cache_hit(
@@ -152,6 +153,12 @@ pub struct SingleTypeManager {
     /// Mamba "align" only: keys cached during the current scheduler step
     /// (`cached_blocks_this_step`); a hit ending on one of them waits a step.
     cached_this_step: rustc_hash::FxHashSet<crate::prefix_index::HashKey>,
+    /// R-SWA only: `rswa_prompt[h]`, the prompt length the last gap removal was given
+    /// (`ABSENT` until one was).
+    rswa_prompt: Vec<u32>,
+    /// R-SWA only: `rswa_gap_end[h]`; slots `cdiv(rswa_prompt[h], bs)..rswa_gap_end[h]` all
+    /// hold the null block (see [`rswa`]).
+    rswa_gap_end: Vec<u32>,
 }
 
 impl SingleTypeManager {
@@ -183,6 +190,8 @@ impl SingleTypeManager {
             prompt_boundary: Vec::new(),
             checkpoint: Vec::new(),
             cached_this_step: Default::default(),
+            rswa_prompt: Vec::new(),
+            rswa_gap_end: Vec::new(),
         }
     }
 
@@ -210,7 +219,20 @@ impl SingleTypeManager {
         self.cached_this_step.clear();
     }
 
+    /// The window of an R-SWA group.
+    #[inline]
+    fn rswa_window(&self) -> Option<u32> {
+        match self.spec.kind {
+            AttentionKind::Rswa { window } => Some(window),
+            _ => None,
+        }
+    }
+
     fn clear_align_state(&mut self, h: Slot) {
+        if self.rswa_window().is_some() {
+            self.rswa_prompt[h as usize] = ABSENT;
+            self.rswa_gap_end[h as usize] = 0;
+        }
         if self.is_mamba_align() {
             self.last_state[h as usize] = mamba::NONE;
             self.retired[h as usize] = 0;
@@ -569,6 +591,10 @@ impl SingleTypeManager {
                 self.prompt_boundary.resize(n, mamba::NONE);
                 self.checkpoint.resize(n, (0, 0));
             }
+            if self.rswa_window().is_some() {
+                self.rswa_prompt.resize(n, ABSENT);
+                self.rswa_gap_end.resize(n, 0);
+            }
         }
     }
 
@@ -605,7 +631,9 @@ impl SingleTypeManager {
     #[inline]
     pub fn num_skipped_tokens(&self, num_computed_tokens: u32) -> u32 {
         match self.spec.kind {
-            AttentionKind::Full | AttentionKind::Cross | AttentionKind::CircularBuffer => 0,
+            AttentionKind::Full | AttentionKind::Rswa { .. } | AttentionKind::Cross | AttentionKind::CircularBuffer => {
+                0
+            }
             AttentionKind::SlidingWindow { window, extra_retained_tokens } => {
                 sliding_window::num_skipped_tokens(num_computed_tokens, window, extra_retained_tokens)
             }
@@ -917,9 +945,65 @@ impl SingleTypeManager {
         self.num_cached[h as usize] = num_full;
     }
 
+    /// R-SWA: vLLM's `RSWAManager.remove_skipped_blocks` given the prompt length: frees the
+    /// gap (see [`rswa`]) walking back from its end, stopping at the first null block.
+    fn rswa_remove_gap(&mut self, pool: &mut BlockPool, h: Slot, processed: u32, num_prompt_tokens: u32, window: u32) {
+        let hs = h as usize;
+        let bs = self.spec.block_size;
+        let (first, last) = rswa::gap_range(num_prompt_tokens, processed, window, bs);
+        if self.rswa_prompt[hs] != num_prompt_tokens {
+            // A new prompt length: nothing is known null yet past its first gap slot.
+            self.rswa_prompt[hs] = num_prompt_tokens;
+            self.rswa_gap_end[hs] = first.min(u32::MAX as u64) as u32;
+        }
+        if first >= last {
+            return;
+        }
+        let table = &mut self.req_blocks[hs];
+        let last = last.min(table.len() as u64);
+        let mut freed = std::mem::take(&mut self.scratch);
+        // `stop`: the slot of the null block the walk stopped at (vLLM's `break`), if any.
+        let mut stop = None;
+        let mut i = last;
+        while i > first {
+            i -= 1;
+            let b = table[i as usize];
+            if b == NULL_BLOCK {
+                stop = Some(i);
+                break;
+            }
+            freed.push(b);
+            table[i as usize] = NULL_BLOCK;
+        }
+        if !freed.is_empty() {
+            pool.free_blocks(freed.iter().copied());
+        }
+        freed.clear();
+        self.scratch = freed;
+        // `first..last` is all null now when the walk reached `first`, or stopped at a slot
+        // inside the known-null range (whose slots below it are null too).
+        let end = self.rswa_gap_end[hs] as u64;
+        if stop.is_none_or(|j| j <= end) && last > end {
+            self.rswa_gap_end[hs] = last as u32;
+        }
+    }
+
     /// Frees the blocks of `h` that fell out of the attention window, replacing them with
-    /// the null block (vLLM's `remove_skipped_blocks`).
-    pub fn remove_skipped_blocks(&mut self, pool: &mut BlockPool, h: Slot, processed_computed_tokens: u32) {
+    /// the null block (vLLM's `remove_skipped_blocks`). `num_prompt_tokens` is what vLLM's
+    /// `allocate_slots` passes (`None` from its other callers); only R-SWA reads it.
+    pub fn remove_skipped_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        h: Slot,
+        processed_computed_tokens: u32,
+        num_prompt_tokens: Option<u32>,
+    ) {
+        if let Some(window) = self.rswa_window() {
+            if let Some(p) = num_prompt_tokens {
+                self.rswa_remove_gap(pool, h, processed_computed_tokens, p, window);
+            }
+            return;
+        }
         if self.is_mamba_align() {
             return self.align_remove_skipped_blocks(pool, h, processed_computed_tokens);
         }
@@ -1088,6 +1172,12 @@ impl SingleTypeManager {
         let slots = clamp(self.req_blocks[h as usize].len() as u64 * bs);
         let k1 = self.null_prefix[h as usize] as u64 + 1;
         let processed = match self.spec.kind {
+            // Nothing frees until the window's start passes the known-null gap; before the
+            // first removal told the prompt length nothing is proven.
+            AttentionKind::Rswa { window } => match self.rswa_prompt[h as usize] {
+                ABSENT => 0,
+                _ => clamp(rswa::noop_processed_limit(self.rswa_gap_end[h as usize], window, self.spec.block_size)),
+            },
             AttentionKind::SlidingWindow { window, extra_retained_tokens } => {
                 clamp(k1 * bs + window as u64 - 1 + extra_retained_tokens as u64)
             }
@@ -1096,6 +1186,23 @@ impl SingleTypeManager {
         };
         let cached = if self.enable_caching { clamp((self.num_cached(h) as u64 + 1) * bs) } else { u32::MAX };
         (slots, processed, cached)
+    }
+
+    /// The smallest prompt length for which [`Self::noop_limits`] of `h` hold (R-SWA: the
+    /// prompt length they were computed for; a shorter one moves the gap's start down).
+    pub fn noop_min_prompt(&self, h: Slot) -> u32 {
+        match self.spec.kind {
+            AttentionKind::Rswa { .. } => match self.rswa_prompt[h as usize] {
+                ABSENT => 0,
+                p => p,
+            },
+            _ => 0,
+        }
+    }
+
+    /// R-SWA: `(prompt length, gap end)` of `h` (invariant checks).
+    pub fn rswa_gap(&self, h: Slot) -> Option<(u32, u32)> {
+        self.rswa_window().map(|_| (self.rswa_prompt[h as usize], self.rswa_gap_end[h as usize]))
     }
 
     /// Every live table (invariant checks).

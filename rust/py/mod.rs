@@ -94,6 +94,7 @@ fn parse_kind(kind: &str, p1: i64, p2: i64, p3: i64) -> PyResult<AttentionKind> 
             window: u32_arg("sliding_window", p1)?,
             extra_retained_tokens: u32_arg("extra_retained_tokens", p2)?,
         },
+        "rswa" => AttentionKind::Rswa { window: u32_arg("rswa_window", p1)? },
         "chunked_local" => AttentionKind::ChunkedLocal { chunk: u32_arg("attention_chunk_size", p1)? },
         "cross" => AttentionKind::Cross,
         "circular_buffer" => AttentionKind::CircularBuffer,
@@ -113,8 +114,8 @@ fn parse_kind(kind: &str, p1: i64, p2: i64, p3: i64) -> PyResult<AttentionKind> 
         },
         other => {
             return Err(UnsupportedConfigError::new_err(format!(
-                "attention kind {other:?} is not served (full, mla, sliding_window, chunked_local, cross, \
-                 mamba, mamba_align, circular_buffer are)"
+                "attention kind {other:?} is not served (full, mla, rswa, sliding_window, chunked_local, \
+                 cross, mamba, mamba_align, circular_buffer are)"
             )))
         }
     })
@@ -485,11 +486,19 @@ impl PyAllocator {
         Ok(core.cache_blocks_synced(h, src.as_ref().map(|s| s as &dyn HashSource), n, p, s)?)
     }
 
-    /// Frees out-of-window blocks (vLLM's `remove_skipped_blocks`).
-    fn remove_skipped_blocks(&self, handle: i64, processed_computed_tokens: i64) -> PyResult<()> {
+    /// Frees out-of-window blocks (vLLM's `remove_skipped_blocks`); with
+    /// `num_prompt_tokens` an R-SWA group also frees its gap.
+    #[pyo3(signature = (handle, processed_computed_tokens, num_prompt_tokens=None))]
+    fn remove_skipped_blocks(
+        &self,
+        handle: i64,
+        processed_computed_tokens: i64,
+        num_prompt_tokens: Option<i64>,
+    ) -> PyResult<()> {
         let h = handle_arg(handle)?;
         let n = u32_arg("processed_computed_tokens", processed_computed_tokens)?;
-        Ok(self.core()?.remove_skipped_blocks(h, n)?)
+        let p = num_prompt_tokens.map(|p| u32_arg("num_prompt_tokens", p)).transpose()?;
+        Ok(self.core()?.remove_skipped_blocks_with_prompt(h, n, p)?)
     }
 
     /// Blocks needed for `num_tokens` slots, `num_tokens_main_model` of them (default

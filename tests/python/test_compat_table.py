@@ -176,6 +176,34 @@ def test_lookahead_hashes_row_on_033() -> None:
     assert _cell("EAGLE / EAGLE3 / MTP").startswith("native")
 
 
+def _spec_table() -> dict[str, str]:
+    """Spec cell (first column) -> "served by" cell of the README's spec table."""
+    text = README.read_text()
+    section = text[text.index("### KV cache specs vLLM ships"):]
+    rows: dict[str, str] = {}
+    for ln in section.splitlines():
+        if ln.startswith("| `"):
+            cells = [c.strip() for c in ln.strip("|").split("|")]
+            rows[cells[0]] = cells[-1]
+    return rows
+
+
+def test_rswa_spec_row_is_native() -> None:
+    """Unlimited-OCR's ``RSWASpec`` (alone, with prefix caching off as vLLM runs it, and next
+    to full attention with it on) is served natively, as the spec table says."""
+    import torch
+    from vllm.v1.kv_cache_interface import RSWASpec
+
+    from vllm_harness import full
+
+    r = RSWASpec(block_size=16, num_kv_heads=10, head_size=128, dtype=torch.bfloat16, rswa_window=128)
+    for specs, over in (([r], {"enable_caching": False}), ([r], {}), ([full(16), r], {})):
+        native, reason = _decide(_kwargs(specs, **over))
+        assert native, reason
+    cell = next(v for k, v in _spec_table().items() if k.startswith("`RSWASpec`"))
+    assert cell.startswith("hybrid_alloc"), cell
+
+
 def test_every_row_has_every_tested_release() -> None:
     from hybrid_alloc.vllm.plugin import TESTED_VLLM_RELEASES
 

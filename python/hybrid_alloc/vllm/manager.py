@@ -205,7 +205,9 @@ def _group_kind(spec: KVCacheSpec) -> tuple[str, int, int, int]:
     if t is CircularBufferSpec:
         return ("circular_buffer", 0, 0, 0)
     if t is RSWASpec:
-        raise Unsupported("RSWASpec (R-SWA frees a gap in the middle of the table each decode step)")
+        # Full attention whose allocate_slots also frees the gap between the prompt and the
+        # window (vLLM's RSWAManager, the same on 0.32 and 0.33).
+        return ("rswa", spec.rswa_window, 0)
     if t is SinkFullAttentionSpec:
         raise Unsupported(
             "SinkFullAttentionSpec (vLLM's own SinkFullAttentionManager cannot be built: its "
@@ -970,7 +972,7 @@ class HybridKVCacheManager:
     ) -> None:
         st = self._reqs.get(request_id)
         if st is not None:
-            self._alloc.remove_skipped_blocks(st[0], processed_computed_tokens)
+            self._alloc.remove_skipped_blocks(st[0], processed_computed_tokens, num_prompt_tokens)
 
     def pop_blocks_for_free(self, request: Request) -> list[Any]:
         st = self._reqs.pop(request.request_id, None)

@@ -66,8 +66,9 @@ ManagerName = Literal["vllm", "hybrid_alloc", "no_hybrid"]
 
 @dataclass(frozen=True)
 class LayerKind:
-    """One layer's cache: ``kind`` is "full", "sliding_window", "chunked_local", "mamba" (a
-    Mamba / linear-attention state layer, shaped by ``ModelShape.mamba_state``), or one of
+    """One layer's cache: ``kind`` is "full", "sliding_window", "chunked_local", "rswa"
+    (reference sliding window attention, ``window`` its ``rswa_window``), "mamba" (a Mamba /
+    linear-attention state layer, shaped by ``ModelShape.mamba_state``), or one of
     DeepSeek-V4's: "mla" (compressed MLA, full attention), "swa_mla" (sliding-window MLA,
     ``window`` tokens) and "ring" (the compressor's circular buffer, one block per request)."""
 
@@ -166,6 +167,11 @@ class ModelShape:
                 spec = SlidingWindowSpec(**common, sliding_window=layer.window)
             elif layer.kind == "chunked_local":
                 spec = ChunkedLocalAttentionSpec(**common, attention_chunk_size=layer.window)
+            elif layer.kind == "rswa":
+                # Reference sliding window attention (Unlimited-OCR): ``window`` is rswa_window.
+                from vllm.v1.kv_cache_interface import RSWASpec
+
+                spec = RSWASpec(**common, rswa_window=layer.window)
             else:
                 raise ValueError(f"unknown layer kind {layer.kind!r}")
             specs[f"model.layers.{i}.self_attn.attn"] = spec
