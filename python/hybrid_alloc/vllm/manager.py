@@ -207,7 +207,7 @@ def _group_kind(spec: KVCacheSpec) -> tuple[str, int, int, int]:
     if t is RSWASpec:
         # Full attention whose allocate_slots also frees the gap between the prompt and the
         # window (vLLM's RSWAManager, the same on 0.32 and 0.33).
-        return ("rswa", spec.rswa_window, 0)
+        return ("rswa", spec.rswa_window, 0, 0)
     if t is SinkFullAttentionSpec:
         raise Unsupported(
             "SinkFullAttentionSpec (vLLM's own SinkFullAttentionManager cannot be built: its "
