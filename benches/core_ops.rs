@@ -46,6 +46,7 @@ fn full_only(num_blocks: u32) -> Config {
         watermark_blocks: 0,
         retention_interval: None,
         zero_new_blocks: false,
+        hash_lookahead_tokens: 0,
     }
 }
 

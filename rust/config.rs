@@ -100,6 +100,11 @@ pub struct Config {
     /// caches): attention groups record the blocks they hand out, for
     /// [`crate::Allocator::take_new_block_ids`].
     pub zero_new_blocks: bool,
+    /// vLLM 0.33's `num_hash_lookahead_tokens` (EAGLE-style lookahead block hashes): each
+    /// block hash also covers this many tokens past the block. The caller hashes; the core
+    /// reads it only where vLLM does (the Mamba "align" prefill checkpoint positions). 0 on
+    /// vLLM 0.32.
+    pub hash_lookahead_tokens: u32,
 }
 
 /// The largest pool: block ids and the free queue's two sentinel slots fit a `u32`.
@@ -236,18 +241,19 @@ impl Config {
                          to \"align\" when prefix caching is on)"
                     )));
                 }
-                if let AttentionKind::Mamba { align: true, speculative_blocks, checkpoint_alignment, .. } = g.kind {
+                if let AttentionKind::Mamba { align: true, checkpoint_alignment, .. } = g.kind {
+                    if checkpoint_alignment > 0 && self.hash_lookahead_tokens > 1 {
+                        return Err(Error::Unsupported(format!(
+                            "group {i}: Mamba prefill checkpoint blocks with {} lookahead hash tokens (the \
+                             checkpoint would be keyed inside its block, then promoted)",
+                            self.hash_lookahead_tokens
+                        )));
+                    }
                     if checkpoint_alignment > 0 && g.block_size != self.scheduler_block_size {
                         return Err(Error::Unsupported(format!(
                             "group {i}: Mamba prefill checkpoint blocks with a Mamba block size ({}) other than \
                              the scheduler block size ({}) (the checkpoint would be keyed inside its block)",
                             g.block_size, self.scheduler_block_size
-                        )));
-                    }
-                    if speculative_blocks > 0 {
-                        return Err(Error::Unsupported(format!(
-                            "group {i}: {speculative_blocks} speculative Mamba state blocks in cache mode \
-                             \"align\" (relocated scratch blocks)"
                         )));
                     }
                     if g.block_size != self.hash_block_size {

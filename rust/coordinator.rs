@@ -292,6 +292,7 @@ impl Allocator {
                     caching,
                     align,
                     cfg.hash_block_size,
+                    cfg.hash_lookahead_tokens,
                 );
                 m.records_new_block_ids = cfg.zero_new_blocks && g.kind.is_attention();
                 m

@@ -41,6 +41,7 @@ fn config(kinds: &[AttentionKind], num_blocks: u32) -> Config {
         watermark_blocks: 0,
         retention_interval: None,
         zero_new_blocks: false,
+        hash_lookahead_tokens: 0,
     }
 }
 

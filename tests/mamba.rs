@@ -33,6 +33,7 @@ fn config(kinds: &[(AttentionKind, u32)], num_blocks: u32, caching: bool, zero: 
         watermark_blocks: 0,
         retention_interval: None,
         zero_new_blocks: zero,
+        hash_lookahead_tokens: 0,
     }
 }
 
@@ -189,15 +190,62 @@ fn allocate_slots_circular_buffer_claims_one_block_for_life() {
 }
 
 #[test]
-fn config_mamba_align_with_partial_hits_or_speculative_blocks_is_unsupported() {
+fn config_mamba_align_with_partial_hits_or_checkpoints_inside_a_block_is_unsupported() {
     let c = config(&[(AttentionKind::Full, BS), (mamba(true, 0), 2 * BS)], 64, true, false);
     assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
+    // Speculative state blocks are served.
     let c = config(&[(AttentionKind::Full, BS), (mamba(true, 1), BS)], 64, true, false);
+    assert!(Allocator::new(c).is_ok());
+    // Prefill checkpoints need the Mamba block to be the scheduler block.
+    let ckpt =
+        AttentionKind::Mamba { speculative_blocks: 0, align: true, rekey_cached_tail: false, checkpoint_alignment: 1 };
+    let mut c = config(&[(AttentionKind::Full, BS), (ckpt, BS)], 64, true, false);
+    c.scheduler_block_size = 2 * BS;
+    assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
+    // ... and at most one lookahead hash token (more would key the checkpoint inside its block).
+    let mut c = config(&[(AttentionKind::Full, BS), (ckpt, BS)], 64, true, false);
+    c.hash_lookahead_tokens = 1;
+    assert!(Allocator::new(c.clone()).is_ok());
+    c.hash_lookahead_tokens = 2;
     assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
     let c = config(&[(AttentionKind::Full, BS), (mamba(false, 0), BS)], 64, true, false);
     assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
     let c = config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, false, false);
     assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
+}
+
+#[test]
+fn allocate_slots_mamba_align_relocates_speculative_blocks_past_the_new_running_state() {
+    let mut a = Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(true, 2), BS)], 64, true, false)).unwrap();
+    let h = add(&mut a, 100, 5);
+    // First allocation: running state plus two scratch blocks (cap 1 + 2).
+    assert!(a.allocate_slots(h, &args(20, 0, 100, 100), NewComputed::Empty).unwrap().is_some());
+    let t = table(&a, h, 1);
+    assert_eq!(t.len(), 1 + 2 + 1, "null, running state, two scratch blocks");
+    assert_eq!(t[0], NULL_BLOCK);
+    // A decode-sized step within the table allocates nothing.
+    let lim = a.noop_limits(h).unwrap();
+    assert_eq!(lim.slots, 2 * BS, "the scratch blocks hold no token slots");
+    // Into block 2: the first scratch block becomes the running state, one new block
+    // completes the two scratch blocks.
+    assert!(a.allocate_slots(h, &args(20, 20, 100, 100), NewComputed::Empty).unwrap().is_some());
+    let t2 = table(&a, h, 1);
+    assert_eq!(t2.len(), 3 + 2);
+    assert_eq!(t2[2], t[2], "the scratch block at the new running index stays");
+    assert_eq!(t2[3], t[3]);
+    ok(&a);
+    // Into block 4, skipping block 3: the scratch block left at index 3 moves to the end
+    // (vLLM's `_relocate_speculative_block`), index 3 becomes null.
+    assert!(a.allocate_slots(h, &args(32, 40, 100, 100), NewComputed::Empty).unwrap().is_some());
+    let t3 = table(&a, h, 1);
+    assert_eq!(t3.len(), 5 + 2);
+    assert_eq!(t3[3], NULL_BLOCK);
+    assert_eq!(t3[4], t2[4]);
+    assert_eq!(t3[5], t[3]);
+    ok(&a);
+    a.free(h).unwrap();
+    ok(&a);
+    assert_eq!(a.num_free_blocks(), 63);
 }
 
 #[test]

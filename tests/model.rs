@@ -108,6 +108,7 @@ fn make_config(shape: Shape, caching: bool, events: bool, num_blocks: u32, reten
         watermark_blocks: 2,
         retention_interval,
         zero_new_blocks: false,
+        hash_lookahead_tokens: 0,
     }
 }
 

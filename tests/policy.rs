@@ -56,6 +56,7 @@ fn config(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>) -> C
         watermark_blocks: 0,
         retention_interval: retention,
         zero_new_blocks: false,
+        hash_lookahead_tokens: 0,
     }
 }
 

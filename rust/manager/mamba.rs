@@ -22,7 +22,13 @@
 //! one block past its initial state reserves one more block, just before the running state
 //! block, where the worker exports the state at the chunk's last cacheable boundary;
 //! `cache_blocks` keys it there when that state is reusable (the prompt's checkpoint, a
-//! retained boundary, the shared-prefix junction) and drops its key otherwise.
+//! retained boundary, the shared-prefix junction) and drops its key otherwise. With
+//! speculative decoding the table also holds `speculative_blocks` scratch state blocks past
+//! the running one (allocated with the first blocks); a step that moves the running state
+//! past a scratch block moves that block to the table's end (`_relocate_speculative_block`),
+//! so a request keeps `1 + speculative_blocks` state blocks plus the previous state. With
+//! vLLM 0.33's lookahead block hashes the prompt's checkpoint positions move back by the
+//! lookahead tokens (`get_mamba_prefill_checkpoint_position`).
 //!
 //! Per request the align manager keeps, as vLLM does: `last_state_block_idx` (the state
 //! block of the previous step, freed once the step after it is processed), the number of
@@ -72,14 +78,16 @@ pub fn find_longest_cache_hit(
     0
 }
 
-/// vLLM's `get_mamba_prefill_checkpoint_position` without EAGLE: the last multiple of
-/// `hash_block_size` strictly below `num_tokens` (0 when there is none).
+/// vLLM's `get_mamba_prefill_checkpoint_position` without EAGLE's block drop: the last
+/// multiple of `block` at most `num_tokens - max(1, lookahead)` (0 when there is none).
+/// `lookahead` is vLLM 0.33's `num_hash_lookahead_tokens` (the checkpoint's hash covers that
+/// many tokens past it); 0.32 has none.
 #[inline]
-pub fn prefill_checkpoint_position(num_tokens: u32, hash_block_size: u32) -> u32 {
-    if num_tokens == 0 {
-        return 0;
+pub fn prefill_checkpoint_position(num_tokens: u32, block: u32, lookahead: u32) -> u32 {
+    match num_tokens.checked_sub(lookahead.max(1)) {
+        Some(limit) => limit / block * block,
+        None => 0,
     }
-    (num_tokens - 1) / hash_block_size * hash_block_size
 }
 
 /// vLLM's `MambaManager.reachable_block_mask` (sparse state retention): `None` caches every
@@ -173,10 +181,14 @@ mod tests {
 
     #[test]
     fn prefill_checkpoint_position_leaves_one_token() {
-        assert_eq!(prefill_checkpoint_position(0, 16), 0);
-        assert_eq!(prefill_checkpoint_position(16, 16), 0);
-        assert_eq!(prefill_checkpoint_position(17, 16), 16);
-        assert_eq!(prefill_checkpoint_position(33, 16), 32);
+        assert_eq!(prefill_checkpoint_position(0, 16, 0), 0);
+        assert_eq!(prefill_checkpoint_position(16, 16, 0), 0);
+        assert_eq!(prefill_checkpoint_position(17, 16, 0), 16);
+        assert_eq!(prefill_checkpoint_position(33, 16, 1), 32);
+        // Lookahead hashes: the hash at the checkpoint covers `lookahead` more tokens.
+        assert_eq!(prefill_checkpoint_position(33, 16, 2), 16);
+        assert_eq!(prefill_checkpoint_position(34, 16, 2), 32);
+        assert_eq!(prefill_checkpoint_position(1, 16, 3), 0);
     }
 
     #[test]

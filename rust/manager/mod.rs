@@ -120,6 +120,8 @@ pub struct SingleTypeManager {
     pub cache_hit_alignment_tokens: u32,
     /// Tokens per block hash (the pool's `hash_block_size`).
     pub hash_block_size: u32,
+    /// Tokens past each block its hash covers ([`crate::Config::hash_lookahead_tokens`]).
+    pub hash_lookahead_tokens: u32,
     /// `req_blocks[h]`: the block table of request `h` (empty when it has none).
     req_blocks: Vec<Vec<BlockId>>,
     /// `num_cached[h]`: blocks of the table already cached, or `ABSENT`.
@@ -170,6 +172,7 @@ impl SingleTypeManager {
         enable_caching: bool,
         cache_hit_alignment_tokens: u32,
         hash_block_size: u32,
+        hash_lookahead_tokens: u32,
     ) -> Self {
         Self {
             spec,
@@ -178,6 +181,7 @@ impl SingleTypeManager {
             enable_caching,
             cache_hit_alignment_tokens,
             hash_block_size,
+            hash_lookahead_tokens,
             req_blocks: Vec::new(),
             num_cached: Vec::new(),
             null_prefix: Vec::new(),
@@ -268,7 +272,8 @@ impl SingleTypeManager {
         if alignment == 0 || query_end < prefill_end {
             return 0;
         }
-        let pos = mamba::prefill_checkpoint_position(query_end, self.cache_hit_alignment_tokens);
+        let pos =
+            mamba::prefill_checkpoint_position(query_end, self.cache_hit_alignment_tokens, self.hash_lookahead_tokens);
         let bs = self.spec.block_size as i64;
         if !mamba::prefill_checkpoint_valid(
             query_start as i64,
@@ -453,7 +458,9 @@ impl SingleTypeManager {
         if num_tokens == 0 || num_tokens % hash_block_size != 0 {
             return;
         }
-        if num_tokens != mamba::prefill_checkpoint_position(num_prompt_tokens, hash_block_size) {
+        if num_tokens
+            != mamba::prefill_checkpoint_position(num_prompt_tokens, hash_block_size, self.hash_lookahead_tokens)
+        {
             return;
         }
         let bs = self.spec.block_size;
@@ -513,7 +520,8 @@ impl SingleTypeManager {
         let Some(&b) = self.req_blocks[h as usize].get(idx as usize) else { return };
         let bs = self.spec.block_size;
         let align = self.cache_hit_alignment_tokens;
-        let is_prompt_checkpoint = pos == mamba::prefill_checkpoint_position(num_prompt_tokens, align);
+        let is_prompt_checkpoint =
+            pos == mamba::prefill_checkpoint_position(num_prompt_tokens, align, self.hash_lookahead_tokens);
         let mut retained = false;
         if pos % bs == 0 {
             let i = pos / bs - 1;
@@ -838,7 +846,7 @@ impl SingleTypeManager {
             self.prompt_boundary[h as usize] = if num_tokens >= num_prompt_tokens {
                 0
             } else {
-                mamba::prefill_checkpoint_position(num_prompt_tokens, hash_block_size)
+                mamba::prefill_checkpoint_position(num_prompt_tokens, hash_block_size, self.hash_lookahead_tokens)
             };
             if self.checkpoint[h as usize].0 > 0 {
                 self.align_cache_checkpoint(
@@ -1138,13 +1146,14 @@ impl SingleTypeManager {
             return (slots, u32::MAX, u32::MAX);
         }
         if self.is_mamba_align() {
-            // No allocation while the main tokens fit the table (lookahead slots are not
-            // allocated in align mode, so `slots` is conservative); nothing freed below the
-            // retired range's next block nor before the previous state block falls out; no
-            // new full block, and not the prompt's checkpoint position (re-keyed there).
+            // No allocation while the main tokens fit the table before its speculative
+            // blocks (lookahead slots are not allocated in align mode, so `slots` is
+            // conservative); nothing freed below the retired range's next block nor before
+            // the previous state block falls out; no new full block, and not the prompt's
+            // checkpoint position (re-keyed there).
             let hs = h as usize;
             let len = self.req_blocks[hs].len() as u64;
-            let slots = clamp(len * bs);
+            let slots = clamp(len.saturating_sub(self.mamba_params().0 as u64) * bs);
             let mut processed = (self.retired[hs] as u64 + 1) * bs + 1;
             let ls = self.last_state[hs];
             if ls != mamba::NONE && self.req_blocks[hs][ls as usize] != NULL_BLOCK {

@@ -267,7 +267,7 @@ impl PyAllocator {
     #[new]
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size, max_model_len,
         max_in_flight_tokens=None, enable_caching=true, enable_events=false, watermark_blocks=0,
-        retention_interval=Some(0), policy="exact", zero_new_blocks=false))]
+        retention_interval=Some(0), policy="exact", zero_new_blocks=false, hash_lookahead_tokens=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -282,6 +282,7 @@ impl PyAllocator {
         retention_interval: Option<i64>,
         policy: &str,
         zero_new_blocks: bool,
+        hash_lookahead_tokens: i64,
     ) -> PyResult<Self> {
         let policy = crate::policy::Policy::parse(policy)?;
         let mut gs = Vec::with_capacity(groups.len());
@@ -308,6 +309,7 @@ impl PyAllocator {
             watermark_blocks: u32_arg("watermark_blocks", watermark_blocks)?,
             retention_interval: retention_interval.map(|r| u32_arg("retention_interval", r)).transpose()?,
             zero_new_blocks,
+            hash_lookahead_tokens: u32_arg("hash_lookahead_tokens", hash_lookahead_tokens)?,
         };
         Ok(Self { inner: Mutex::new(Allocator::with_policy(cfg, policy)?) })
     }

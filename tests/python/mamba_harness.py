@@ -158,6 +158,34 @@ MAMBA_SETUPS: list[Setup] = [
     Setup("lfm2_short_conv_align", [full(16), full(16), short_conv(16, "align"), short_conv(16, "align"),
                                     short_conv(16, "align")], num_blocks=420, retention_interval=None),
     Setup("mamba_only_align", [mamba2(16, "align", checkpoints=False)], num_blocks=60, retention_interval=None),
+    # Speculative decoding in "align" (vLLM sets num_speculative_blocks to the speculative
+    # tokens for every method; the trace schedules drafts and lookahead slots): scratch state
+    # blocks past the running one, relocated as the table grows.
+    Setup("qwen35_gdn_3to1_align_spec1", [full(16), gdn(16, "align", 1), gdn(16, "align", 1), gdn(16, "align", 1)],
+          num_blocks=300, retention_interval=None),
+    Setup("qwen3next_gdn_3to1_align_spec2_retention0",
+          [full(16), gdn(16, "align", 2), gdn(16, "align", 2), gdn(16, "align", 2)], num_blocks=320,
+          retention_interval=0),
+    Setup("qwen35_gdn_3to1_align_spec3", [full(16), gdn(16, "align", 3), gdn(16, "align", 3), gdn(16, "align", 3)],
+          num_blocks=340, retention_interval=None),
+    # Speculative blocks and prefill checkpoint blocks together (Nemotron-H with ngram).
+    Setup("nemotron_h_mamba2_align_spec2", [full(16)] + [mamba2(16, "align", 2) for _ in range(6)], num_blocks=480,
+          retention_interval=None),
+    Setup("nemotron_h_mamba2_align_spec1_retention64", [full(16)] + [mamba2(16, "align", 1) for _ in range(6)],
+          num_blocks=460, retention_interval=64),
+    Setup("mamba2_only_align_spec3", [mamba2(16, "align", 3)], num_blocks=80, retention_interval=None),
+    # vLLM 0.33 with MTP / EAGLE and prefix caching: lookahead block hashes (one token), the
+    # draft layer's group flagged (Qwen3.5 / Qwen3-Next MTP: a full-attention draft layer),
+    # one speculative state block per draft token; the prompt's checkpoint moves back by the
+    # lookahead. 0.32 drops the last block for EAGLE (a fallback), so these run on 0.33 only.
+    Setup("qwen35_gdn_3to1_mtp1_lookahead_align", [full(16), gdn(16, "align", 1), gdn(16, "align", 1),
+                                                  gdn(16, "align", 1), full(16)],
+          num_blocks=340, retention_interval=None, lookahead=1, eagle_groups=(4,), prefill_lookahead=1),
+    Setup("qwen3next_gdn_3to1_mtp3_lookahead_align_retention0",
+          [full(16), gdn(16, "align", 3), gdn(16, "align", 3), gdn(16, "align", 3), full(16)],
+          num_blocks=380, retention_interval=0, lookahead=1, eagle_groups=(4,), prefill_lookahead=1),
+    Setup("nemotron_h_mamba2_eagle2_lookahead_align", [full(16)] + [mamba2(16, "align", 2) for _ in range(6)]
+          + [full(16)], num_blocks=520, retention_interval=None, lookahead=1, eagle_groups=(7,), prefill_lookahead=1),
     # Full + sliding window + Mamba: three spec groups, the hybrid hit search iterates.
     Setup("full_swa_mamba_align", [full(16), swa_bf16(48, 16), mamba2(16, "align")], num_blocks=420,
           retention_interval=None),

@@ -35,6 +35,8 @@ def test_mamba_parity_random_trace(name: str) -> None:
     from mamba_harness import MAMBA_SETUPS, ZeroingParityRun
 
     setup = next(s for s in MAMBA_SETUPS if s.name == name)
+    if not setup.available:
+        pytest.skip(f"{name} is served natively only on vLLM 0.33 (lookahead hashes / no drop for flagged groups)")
     total: dict[str, int] = {}
     seeds = [2000 + i for i in range(4)]
     for seed in seeds:
@@ -76,5 +78,7 @@ def test_mamba_groups_are_served_natively() -> None:
     from mamba_harness import MAMBA_SETUPS
 
     for s in MAMBA_SETUPS:
+        if not s.available:
+            continue
         m = HybridKVCacheManager(**s.manager_kwargs(events=False))
         assert type(m) is HybridKVCacheManager, s.name

@@ -256,16 +256,16 @@ def test_fallback_for_mamba_groups(log_lines) -> None:  # type: ignore[no-untype
     from hybrid_alloc.vllm.manager import HybridKVCacheManager
     from vllm_harness import full
 
-    # Mamba groups are served natively (issue 10), except what cannot be exact: here
-    # speculative state blocks in cache mode "align".
-    mamba = MambaSpec(block_size=16, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align",
+    # Mamba groups are served natively (issue 10), except what cannot be exact: here a
+    # Mamba block of two hash blocks in cache mode "align" (sub-block partial hits).
+    mamba = MambaSpec(block_size=32, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align",
                       num_speculative_blocks=1)
     cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["a"], full(16)), KVCacheGroupSpec(["b"], mamba)])
-    kw = _kwargs(kv_cache_config=cfg, enable_caching=True)
+    kw = _kwargs(kv_cache_config=cfg, enable_caching=True, scheduler_block_size=32)
     m = HybridKVCacheManager(**kw)
     assert type(m) is KVCacheManager
-    assert any("falling back" in ln and "speculative Mamba state blocks" in ln for ln in log_lines)
+    assert any("falling back" in ln and "sub-block partial hits with copy-on-write" in ln for ln in log_lines)
 
 
 def test_fallback_for_kv_connector(log_lines) -> None:  # type: ignore[no-untyped-def]

@@ -28,6 +28,8 @@ CASES = [
     "nemotron_h_align_sync",
     "nemotron_h_align_async",
     "nemotron_h_nocache",
+    "qwen35_gdn_align_ngram_sync",
+    "nemotron_h_align_ngram_async",
 ]
 
 
@@ -54,8 +56,19 @@ def _setup(case: str) -> Any:
                                        async_scheduling=True),
         "nemotron_h_nocache": dict(shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=300,
                                    enable_prefix_caching=False),
+        # n-gram speculative decoding: drafts partly accepted, and one speculative Mamba state
+        # block per draft token (cache mode "align": scratch blocks relocated as tables grow).
+        "qwen35_gdn_align_ngram_sync": dict(shape=shape("tiny-qwen3.5", 4, 8, "GDN_ATTN"), num_blocks=320, spec=3),
+        "nemotron_h_align_ngram_async": dict(shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=340,
+                                             spec=2, async_scheduling=True),
     }
-    kw = cases[case]
+    kw = dict(cases[case])
+    spec = kw.pop("spec", 0)
+    if spec:
+        from sched_driver import SpecSchedulerSetup
+
+        return SpecSchedulerSetup(max_num_seqs=24, max_num_batched_tokens=512, kv_events=True, num_spec_tokens=spec,
+                                  **kw)
     return SchedulerSetup(max_num_seqs=24, max_num_batched_tokens=512, kv_events=kw.get("enable_prefix_caching", True),
                           **kw)
 

@@ -310,9 +310,6 @@ def _native_plan(
             # vLLM records new blocks for zeroing only for groups whose spec is an
             # AttentionSpec, which a uniform-type collection is not.
             raise Unsupported(f"group {i}: KV cache zeroing with a uniform-type spec collection")
-        if kind == "mamba_align" and num_hash_lookahead_tokens > 0:
-            # 0.33 moves the prompt's checkpoint position by the lookahead tokens.
-            raise Unsupported("EAGLE/MTP with Mamba cache mode align (lookahead block hashes)")
         key = next((k for k, s in enumerate(seen_specs) if s == spec), None)
         if key is None:
             seen_specs.append(spec)
@@ -334,6 +331,9 @@ def _native_plan(
     )
     if zeroing:
         native["zero_new_blocks"] = True
+    if num_hash_lookahead_tokens > 0:
+        # 0.33 moves the Mamba "align" prefill checkpoint positions by the lookahead tokens.
+        native["hash_lookahead_tokens"] = num_hash_lookahead_tokens
     policy = _policy_from_env()  # HYBRID_ALLOC_POLICY; raises Unsupported on a bad value
     if policy != "exact":
         native["policy"] = policy

@@ -120,8 +120,14 @@ class ModelShape:
         return total
 
     def kv_cache_specs(
-        self, block_size: int, no_hybrid: bool = False, mamba_cache_mode: str = "align"
+        self,
+        block_size: int,
+        no_hybrid: bool = False,
+        mamba_cache_mode: str = "align",
+        num_speculative_blocks: int = 0,
     ) -> dict[str, KVCacheSpec]:
+        """vLLM's layer specs; ``num_speculative_blocks`` is what Mamba layers get from a
+        speculative config (vLLM's ``num_speculative_tokens``, for every method)."""
         specs: dict[str, KVCacheSpec] = {}
         block_size = self.attention_block_size(block_size)
         for i, layer in enumerate(self.layers):
@@ -146,6 +152,7 @@ class ModelShape:
                     page_size_padded=page,
                     mamba_type=MambaAttentionBackendEnum[ms.mamba_type],
                     mamba_cache_mode=mamba_cache_mode,
+                    num_speculative_blocks=num_speculative_blocks,
                     num_prefill_checkpoint_blocks=1 if mixer2 else 0,
                     prefill_checkpoint_alignment=1 if mixer2 else None,
                 )
@@ -352,6 +359,7 @@ class SchedulerSetup:
             self.block_size,
             no_hybrid=self.manager == "no_hybrid",
             mamba_cache_mode="align" if self.enable_prefix_caching else "none",
+            num_speculative_blocks=vc.num_speculative_tokens,
         )
         groups = get_kv_cache_groups(vc, specs)
         if self.num_blocks is not None:
