@@ -204,6 +204,25 @@ def test_rswa_spec_row_is_native() -> None:
     assert cell.startswith("hybrid_alloc"), cell
 
 
+def test_uniform_type_spec_row_falls_back_as_vllm_cannot_build_it() -> None:
+    """vLLM's own manager cannot be built for a ``UniformTypeKVCacheSpecs`` group (no manager
+    is registered for the class), so the adapter falls back, as the spec table says."""
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
+
+    a = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    b = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)
+    u = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"l0": a, "l1": b})
+    kwargs = _kwargs([u])
+    with pytest.raises(AssertionError, match="No manager registered"):
+        KVCacheManager(**kwargs)
+    native, reason = _decide(kwargs)
+    assert not native and reason.startswith("UniformTypeKVCacheSpecs"), reason
+    cell = next(v for k, v in _spec_table().items() if k.startswith("`UniformTypeKVCacheSpecs`"))
+    assert cell.startswith("falls back"), cell
+
+
 def test_every_row_has_every_tested_release() -> None:
     from hybrid_alloc.vllm.plugin import TESTED_VLLM_RELEASES
 
