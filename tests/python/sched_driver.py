@@ -256,3 +256,18 @@ def run_workload(
         "native": type(sched.kv_cache_manager).__name__,
         "finished": step < max_steps,
     }
+
+
+def assert_same_run(case: str, ref: dict[str, Any], ours: dict[str, Any]) -> None:
+    """vLLM's own manager (``ref``) and ours ran the same workload identically: ours served
+    it natively, both finished, and every step's SchedulerOutput, the KV events, the usage
+    and the prefix-cache counters are the same."""
+    assert ref["native"] == "KVCacheManager"
+    assert ours["native"] == "HybridKVCacheManager"
+    assert ref["finished"] and ours["finished"]
+    assert len(ref["steps"]) == len(ours["steps"])
+    for i, (a, b) in enumerate(zip(ref["steps"], ours["steps"])):
+        assert a == b, f"{case}: SchedulerOutput differs at step {i}"
+    assert ref["events"] == ours["events"], f"{case}: KV events differ"
+    assert ref["usage"] == ours["usage"]
+    assert (ref["hits"], ref["queries"]) == (ours["hits"], ours["queries"])

@@ -44,7 +44,7 @@ def _setup(case: str) -> Any:
 
 @pytest.mark.parametrize("case", CASES)
 def test_real_scheduler_identical_with_rswa(case: str) -> None:
-    from sched_driver import run_workload
+    from sched_driver import assert_same_run, run_workload
 
     base = _setup(case)
     batch_queue = 2 if base.async_scheduling else 1
@@ -52,15 +52,7 @@ def test_real_scheduler_identical_with_rswa(case: str) -> None:
                        batch_queue=batch_queue)
     ours = run_workload(dataclasses.replace(base, manager="hybrid_alloc"), seed=7, num_requests=40,
                         max_tokens_hi=1000, batch_queue=batch_queue)
-    assert ref["native"] == "KVCacheManager"
-    assert ours["native"] == "HybridKVCacheManager"
-    assert ref["finished"] and ours["finished"]
-    assert len(ref["steps"]) == len(ours["steps"])
-    for i, (a, b) in enumerate(zip(ref["steps"], ours["steps"])):
-        assert a == b, f"{case}: SchedulerOutput differs at step {i}"
-    assert ref["events"] == ours["events"], f"{case}: KV events differ"
-    assert ref["usage"] == ours["usage"]
-    assert (ref["hits"], ref["queries"]) == (ours["hits"], ours["queries"])
+    assert_same_run(case, ref, ours)
     assert ref["preemptions"] > 0, f"{case}: no preemption; make the pool smaller"
     assert ref["aborted"]
     if base.enable_prefix_caching:

@@ -85,7 +85,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_real_scheduler_identical(case: str) -> None:
     from hybrid_alloc.vllm.offline import SchedulerSetup
-    from sched_driver import SpecSchedulerSetup, run_workload
+    from sched_driver import SpecSchedulerSetup, assert_same_run, run_workload
 
     from vllm_harness import HAVE_LOOKAHEAD_HASHES
 
@@ -101,15 +101,7 @@ def test_real_scheduler_identical(case: str) -> None:
     run = dict(seed=11, num_requests=40, max_tokens_hi=1000, batch_queue=batch_queue)
     ref = run_workload(dataclasses.replace(base, manager="vllm"), **run)
     ours = run_workload(dataclasses.replace(base, manager="hybrid_alloc"), **run)
-    assert ref["native"] == "KVCacheManager"
-    assert ours["native"] == "HybridKVCacheManager"
-    assert ref["finished"] and ours["finished"]
-    assert len(ref["steps"]) == len(ours["steps"])
-    for i, (a, b) in enumerate(zip(ref["steps"], ours["steps"])):
-        assert a == b, f"{case}: SchedulerOutput differs at step {i}"
-    assert ref["events"] == ours["events"], f"{case}: KV events differ"
-    assert ref["usage"] == ours["usage"]
-    assert (ref["hits"], ref["queries"]) == (ours["hits"], ours["queries"])
+    assert_same_run(case, ref, ours)
     # The workload must exercise what it claims.
     if EXPECT_PREEMPTION.get(case, True):
         assert ref["preemptions"] > 0, f"{case}: no preemption; make the pool smaller"
