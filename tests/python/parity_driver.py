@@ -331,3 +331,13 @@ class ParityRun:
         self.full_check()
         self.eq("all free at the end", self.ref.block_pool.get_num_free_blocks(), self.setup.num_blocks - 1)
         return self.stats
+
+
+def run_seeds(run_cls: type[ParityRun], setup: Any, first_seed: int, num_ops: int, num_seeds: int = 4) -> dict[str, int]:
+    """``num_ops`` operations of ``run_cls`` over ``setup``, split across ``num_seeds`` seeded
+    traces from ``first_seed``; the traces' statistics summed."""
+    total: dict[str, int] = {}
+    for seed in range(first_seed, first_seed + num_seeds):
+        for k, v in run_cls(setup, seed).run(num_ops // num_seeds).items():
+            total[k] = total.get(k, 0) + v
+    return total

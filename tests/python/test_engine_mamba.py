@@ -15,17 +15,9 @@ Mamba2 is proven at the scheduler level only (test_scheduler_mamba.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
-
-HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
@@ -69,26 +61,12 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"lfm2": str(root / "lfm2"), "qwen3next": str(root / "qwen3next"), "nemotronh": str(root / "nemotronh")}
 
 
-def run_engine(model: str, dtype: str, flag: bool, caching: bool = True) -> tuple[dict, str]:  # type: ignore[type-arg]
-    env = dict(os.environ)
-    env.pop("HYBRID_ALLOC", None)
-    if flag:
-        env["HYBRID_ALLOC"] = "1"
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env["HF_HUB_OFFLINE"] = "1"
-    args = [sys.executable, str(HERE / "engine_run_mamba.py"), model, dtype] + ([] if caching else ["nocache"])
-    out = subprocess.run(args, capture_output=True,
-                         text=True, env=env, timeout=900, cwd=HERE)
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-4000:]
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):]), log
-
-
 @pytest.mark.parametrize(("name", "dtype"), [("lfm2", "float32"), ("qwen3next", "bfloat16")])
 def test_engine_mamba_hybrid_outputs_identical_with_flag(tiny_models: dict[str, str], name: str, dtype: str) -> None:
-    off, log_off = run_engine(tiny_models[name], dtype, flag=False)
-    on, log_on = run_engine(tiny_models[name], dtype, flag=True)
+    from engine_run import run_engine
+
+    off, log_off = run_engine(tiny_models[name], "--dtype", dtype, flag=False)
+    on, log_on = run_engine(tiny_models[name], "--dtype", dtype, flag=True)
     assert "native KV cache manager serving" in log_on
     assert "mamba_align" in log_on
     assert "native KV cache manager serving" not in log_off
@@ -100,8 +78,10 @@ def test_engine_mamba_hybrid_outputs_identical_with_flag(tiny_models: dict[str, 
 
 
 def test_engine_mamba2_hybrid_without_prefix_caching_outputs_identical_with_flag(tiny_models: dict[str, str]) -> None:
-    off, log_off = run_engine(tiny_models["nemotronh"], "float32", flag=False, caching=False)
-    on, log_on = run_engine(tiny_models["nemotronh"], "float32", flag=True, caching=False)
+    from engine_run import run_engine
+
+    off, log_off = run_engine(tiny_models["nemotronh"], "--no-cache", flag=False)
+    on, log_on = run_engine(tiny_models["nemotronh"], "--no-cache", flag=True)
     assert "native KV cache manager serving" in log_on
     assert "mamba/bs=" in log_on and "prefix caching off" in log_on
     assert "native KV cache manager serving" not in log_off

@@ -6,28 +6,11 @@ turn's computation ended, so the next turn does not recompute the reply."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
-
-HERE = Path(__file__).parent
-
-
-def run_chat(model: str, policy: str) -> tuple[dict, str]:  # type: ignore[type-arg]
-    env = dict(os.environ, HYBRID_ALLOC="1", HYBRID_ALLOC_POLICY=policy, HF_HUB_OFFLINE="1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    out = subprocess.run([sys.executable, str(HERE / "engine_chat_run.py"), model], capture_output=True, text=True,
-                         env=env, timeout=900)
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-4000:]
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):]), log
 
 
 def test_engine_chat_hit_aware_same_outputs_more_hits(tmp_path: Path) -> None:
@@ -39,8 +22,10 @@ def test_engine_chat_hit_aware_same_outputs_more_hits(tmp_path: Path) -> None:
                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=2048,
                        sliding_window=64)
     Gemma2ForCausalLM(cfg).save_pretrained(tmp_path / "gemma2")
-    exact, log_exact = run_chat(str(tmp_path / "gemma2"), "exact")
-    aware, log_aware = run_chat(str(tmp_path / "gemma2"), "hit-aware")
+    from engine_run import run_engine
+
+    exact, log_exact = run_engine(str(tmp_path / "gemma2"), "--chat", HYBRID_ALLOC_POLICY="exact")
+    aware, log_aware = run_engine(str(tmp_path / "gemma2"), "--chat", HYBRID_ALLOC_POLICY="hit-aware")
     for log, pol in ((log_exact, "exact"), (log_aware, "hit-aware")):
         assert "native KV cache manager serving" in log and f"policy {pol}" in log
         assert "falling back" not in log

@@ -6,17 +6,13 @@ prefix-cache hits occur (vLLM's own counters)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
-
-HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
@@ -33,23 +29,10 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"gemma2": str(root / "gemma2"), "llama": str(root / "llama")}
 
 
-def run_engine(model: str, flag: bool) -> tuple[dict, str]:  # type: ignore[type-arg]
-    env = dict(os.environ)
-    env.pop("HYBRID_ALLOC", None)
-    if flag:
-        env["HYBRID_ALLOC"] = "1"
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env["HF_HUB_OFFLINE"] = "1"
-    out = subprocess.run([sys.executable, str(HERE / "engine_run.py"), model], capture_output=True, text=True,
-                         env=env, timeout=900)
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-4000:]
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):]), log
-
-
 @pytest.mark.parametrize("name", ["gemma2", "llama"])
 def test_engine_outputs_identical_with_flag(tiny_models: dict[str, str], name: str) -> None:
+    from engine_run import run_engine
+
     off, log_off = run_engine(tiny_models[name], flag=False)
     on, log_on = run_engine(tiny_models[name], flag=True)
     assert "native KV cache manager serving" in log_on

@@ -33,16 +33,12 @@ def _names() -> list[str]:
 @pytest.mark.parametrize("name", _names())
 def test_mamba_parity_random_trace(name: str) -> None:
     from mamba_harness import MAMBA_SETUPS, ZeroingParityRun
+    from parity_driver import run_seeds
 
     setup = next(s for s in MAMBA_SETUPS if s.name == name)
     if not setup.available:
         pytest.skip(f"{name} is served natively only on vLLM 0.33 (lookahead hashes / no drop for flagged groups)")
-    total: dict[str, int] = {}
-    seeds = [2000 + i for i in range(4)]
-    for seed in seeds:
-        stats = ZeroingParityRun(setup, seed).run(NUM_OPS // len(seeds))
-        for k, v in stats.items():
-            total[k] = total.get(k, 0) + v
+    total = run_seeds(ZeroingParityRun, setup, 2000, NUM_OPS)
     assert total["finish"] > 0
     assert total["reset_ok"] > 0
     if name in NEVER_PREEMPTS:

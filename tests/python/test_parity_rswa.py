@@ -28,15 +28,11 @@ def _names() -> list[str]:
 
 @pytest.mark.parametrize("name", _names())
 def test_rswa_parity_random_trace(name: str) -> None:
+    from parity_driver import run_seeds
     from rswa_harness import RSWA_SETUPS, RswaParityRun
 
     setup = next(s for s in RSWA_SETUPS if s.name == name)
-    total: dict[str, int] = {}
-    seeds = [3000 + i for i in range(4)]
-    for seed in seeds:
-        stats = RswaParityRun(setup, seed).run(NUM_OPS // len(seeds))
-        for k, v in stats.items():
-            total[k] = total.get(k, 0) + v
+    total = run_seeds(RswaParityRun, setup, 3000, NUM_OPS)
     assert total["finish"] > 0
     assert total["reset_ok"] > 0
     assert total["preempt"] > 0, f"{name}: no preemption happened; the pool is too large"

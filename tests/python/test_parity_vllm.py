@@ -33,7 +33,7 @@ def _names() -> list[str]:
 
 @pytest.mark.parametrize("name", _names())
 def test_parity_random_trace(name: str) -> None:
-    from parity_driver import ParityRun
+    from parity_driver import ParityRun, run_seeds
     from vllm_harness import SETUPS
 
     from vllm_harness import HAVE_MAX_CACHE_HIT_LENGTH
@@ -41,13 +41,7 @@ def test_parity_random_trace(name: str) -> None:
     setup = next(s for s in SETUPS if s.name == name)
     if not setup.available:
         pytest.skip(f"{name} is served natively only on vLLM 0.33 (lookahead hashes / no drop for flagged groups)")
-    total = {"hits": 0, "preempt": 0, "finish": 0, "none": 0, "reset_ok": 0, "popped": 0, "bounded_lookups": 0,
-             "lookahead_events": 0, "cached_block_hits": 0}
-    seeds = [1000 + i for i in range(4)]
-    for seed in seeds:
-        stats = ParityRun(setup, seed).run(NUM_OPS // len(seeds))
-        for k in total:
-            total[k] += stats[k]
+    total = run_seeds(ParityRun, setup, 1000, NUM_OPS)
     # The traces must actually exercise what they claim to.
     assert total["finish"] > 0
     assert total["reset_ok"] > 0, f"{name}: no successful prefix-cache reset happened"
