@@ -56,5 +56,8 @@ python_lint_steps() {
   run "ruff check (${PY_LINT_PATHS[*]})" "$venv/bin/ruff" check "${PY_LINT_PATHS[@]}"
   run "ruff format --check" "$venv/bin/ruff" format --check "${PY_LINT_PATHS[@]}"
   run "mypy (python/hybrid_alloc)" "$venv/bin/mypy"
-  run "mypy (tests that use the stub)" env MYPYPATH=python:tests/python "$venv/bin/mypy" "${MYPY_TEST_FILES[@]}"
+  # --no-warn-unused-ignores: the tests' own ignores (type-arg, override) may go unused as the
+  # stub changes, and the tests stay as they are; the package itself keeps pyproject's setting.
+  run "mypy (tests that use the stub)" env MYPYPATH=python:tests/python \
+    "$venv/bin/mypy" --no-warn-unused-ignores "${MYPY_TEST_FILES[@]}"
 }
