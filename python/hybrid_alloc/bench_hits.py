@@ -66,8 +66,15 @@ def _toks(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, 30000) for _ in range(n)]
 
 
-def chat_workload(sessions: int, turns: int, sys_len: int, in_flight: int, seed: int = 7,
-                  user: tuple[int, int] = (64, 256), reply: tuple[int, int] = (96, 256)) -> Workload:
+def chat_workload(
+    sessions: int,
+    turns: int,
+    sys_len: int,
+    in_flight: int,
+    seed: int = 7,
+    user: tuple[int, int] = (64, 256),
+    reply: tuple[int, int] = (96, 256),
+) -> Workload:
     rng = random.Random(seed)
     system = _toks(rng, sys_len)
     jobs: list[Job] = []
@@ -84,8 +91,15 @@ def chat_workload(sessions: int, turns: int, sys_len: int, in_flight: int, seed:
     return Workload("chat", jobs, in_flight)
 
 
-def shared_workload(num_prompts: int, prompt_len: int, requests: int, suffix: tuple[int, int], in_flight: int,
-                    out_len: int = 128, seed: int = 11) -> Workload:
+def shared_workload(
+    num_prompts: int,
+    prompt_len: int,
+    requests: int,
+    suffix: tuple[int, int],
+    in_flight: int,
+    out_len: int = 128,
+    seed: int = 11,
+) -> Workload:
     rng = random.Random(seed)
     prompts = [_toks(rng, prompt_len) for _ in range(num_prompts)]
     jobs = [
@@ -95,8 +109,15 @@ def shared_workload(num_prompts: int, prompt_len: int, requests: int, suffix: tu
     return Workload("shared", jobs, in_flight)
 
 
-def resend_workload(contexts: int, ctx_len: tuple[int, int], rounds: int, suffix: tuple[int, int], in_flight: int,
-                    out_len: int = 64, seed: int = 13) -> Workload:
+def resend_workload(
+    contexts: int,
+    ctx_len: tuple[int, int],
+    rounds: int,
+    suffix: tuple[int, int],
+    in_flight: int,
+    out_len: int = 64,
+    seed: int = 13,
+) -> Workload:
     rng = random.Random(seed)
     ctxs = [_toks(rng, rng.randint(*ctx_len)) for _ in range(contexts)]
     jobs = [
@@ -125,7 +146,11 @@ def shapes() -> dict[str, Any]:
     from hybrid_alloc.vllm.offline import SHAPES, LayerKind, ModelShape, alternating
 
     gemma3 = ModelShape(
-        "gemma3", alternating(48, 1024, every=6), num_kv_heads=8, head_size=128, weight_bytes=0,
+        "gemma3",
+        alternating(48, 1024, every=6),
+        num_kv_heads=8,
+        head_size=128,
+        weight_bytes=0,
         description="48 layers, sliding window 1024 with every 6th layer full (Gemma-3 style)",
     )
     assert sum(1 for x in gemma3.layers if x == LayerKind("full")) == 8
@@ -190,8 +215,13 @@ def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: in
     old = os.environ.get("HYBRID_ALLOC_POLICY")
     os.environ["HYBRID_ALLOC_POLICY"] = "hit-aware" if policy == "hit-aware" else "exact"
     try:
-        setup = Setup(shape, manager=manager, num_blocks=num_blocks, max_num_seqs=max(wl.in_flight, 1),  # type: ignore[arg-type]
-                      max_num_batched_tokens=8192)
+        setup = Setup(
+            shape,
+            manager=manager,  # type: ignore[arg-type]
+            num_blocks=num_blocks,
+            max_num_seqs=max(wl.in_flight, 1),
+            max_num_batched_tokens=8192,
+        )
         sched = setup.build()
     finally:
         if old is None:
@@ -209,14 +239,14 @@ def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: in
     def add_known(tokens: list[int], n: int) -> None:
         h = 0
         for i in range(n // bs):
-            h = hash((h, tuple(tokens[i * bs:(i + 1) * bs])))
+            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
             known.add(h)
 
     def ideal_hit(tokens: list[int]) -> int:
         h = 0
         best = 0
         for i in range((len(tokens) - 1) // bs):
-            h = hash((h, tuple(tokens[i * bs:(i + 1) * bs])))
+            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
             if h not in known:
                 break
             best = (i + 1) * bs
@@ -275,12 +305,19 @@ def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: in
         submit()
     prefill = scheduled - decode_tokens
     return Result(
-        shape=shape.name, workload=wl.name, budget="", policy=policy, num_blocks=num_blocks,
+        shape=shape.name,
+        workload=wl.name,
+        budget="",
+        policy=policy,
+        num_blocks=num_blocks,
         hit_rate=hits / queries if queries else 0.0,
         ideal_hit_rate=ideal_hits / ideal_queries if ideal_queries else 0.0,
-        prefill_tokens=prefill, ideal_prefill_tokens=prompt_total - ideal_hits, steps=steps,
+        prefill_tokens=prefill,
+        ideal_prefill_tokens=prompt_total - ideal_hits,
+        steps=steps,
         preemptions=sum(getattr(r, "num_preemptions", 0) for r in reqs.values()),
-        finished=not running and nxt == len(wl.jobs), seconds=time.perf_counter() - t0,
+        finished=not running and nxt == len(wl.jobs),
+        seconds=time.perf_counter() - t0,
     )
 
 
@@ -357,16 +394,18 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     print(f"\nJSON: {path}")
     if not args.no_plot:
         ppath = os.path.join(args.out_dir, "hits.png")
-        plot(rows, ppath)
-        print(f"plot: {ppath}")
+        if plot(rows, ppath):
+            print(f"plot: {ppath}")
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
+def plot(rows: list[dict[str, Any]], path: str) -> bool:
+    """Writes the PNG to ``path``; False (nothing written, one line on stderr) when matplotlib
+    is not installed."""
+    from hybrid_alloc.bench import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return False
     keys = sorted({(r["shape"], r["workload"], r["budget"]) for r in rows})
     pols = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(keys)), 4))
@@ -389,6 +428,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+    return True
 
 
 if __name__ == "__main__":

