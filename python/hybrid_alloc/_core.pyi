@@ -1,9 +1,11 @@
 """Type stubs of the compiled module (checked with ``mypy.stubtest``)."""
 
-from collections.abc import Sequence
-from typing import ClassVar, Literal, TypeAlias, final, overload
+from collections.abc import Callable, Iterator, Sequence
+from typing import ClassVar, Generic, Literal, Protocol, TypeAlias, TypeVar, final, overload
 
 from typing_extensions import disjoint_base
+
+from hybrid_alloc.events import CoreEvent
 
 __all__ = [
     "Allocator",
@@ -16,6 +18,7 @@ __all__ = [
     "InvalidBlockError",
     "InvalidConfigError",
     "InvariantError",
+    "NoopLimits",
     "OutOfRangeError",
     "UnknownRequestError",
     "UnsupportedConfigError",
@@ -33,7 +36,34 @@ class InvalidBlockError(HybridAllocError): ...
 class InvariantError(HybridAllocError): ...
 class ConcurrentUseError(HybridAllocError): ...
 
-_EventTuple: TypeAlias = tuple[object, ...]
+class _GroupSpec(Protocol):
+    """A named group spec (``hybrid_alloc.specs``), read by attribute: ``kind``,
+    ``block_size``, ``spec_key`` and the kind's own fields."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+
+_GroupTuple: TypeAlias = tuple[str, int, int, int, int] | tuple[str, int, int, int, int, int]
+_B = TypeVar("_B")
+
+class _Request(Protocol):
+    """What ``FastAllocate`` reads from a request (vLLM's ``Request``), see ``rust/py/fast.rs``;
+    it also reads ``_hybrid_alloc_handle: int`` when present (the adapter sets it)."""
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def num_in_flight_tokens(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def shared_prefix_boundary(self) -> int: ...
+    @property
+    def block_hashes(self) -> list[bytes]: ...
 
 def _noop(*_args: object, **_kwargs: object) -> None: ...
 
@@ -44,6 +74,27 @@ class Hit:
     NONE: ClassVar[Hit]
     STORED: ClassVar[Hit]
     def __int__(self) -> int: ...
+
+@final
+class NoopLimits:
+    """``noop_limits``' result: reads by name, unpacks as ``(slots, processed, cached, new_tokens)``."""
+
+    @property
+    def slots(self) -> int: ...
+    @property
+    def processed(self) -> int: ...
+    @property
+    def cached(self) -> int: ...
+    @property
+    def new_tokens(self) -> int: ...
+    def __len__(self) -> int: ...
+    @overload
+    def __getitem__(self, key: int, /) -> int: ...
+    @overload
+    def __getitem__(self, key: slice, /) -> tuple[int, ...]: ...
+    def __iter__(self) -> Iterator[int]: ...
+    def __eq__(self, value: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
 
 @final
 class BlockIds:
@@ -85,7 +136,7 @@ class AllocatorBase:
     def get_cached_block(self, block_hash: bytes, group_ids: list[int]) -> list[int] | None: ...
     def block_hash_num_tokens(self, block_id: int) -> int | None: ...
     def free_queue_order(self) -> list[int]: ...
-    def take_events(self) -> list[_EventTuple]: ...
+    def take_events(self) -> list[CoreEvent]: ...
     def check_invariants(self) -> None: ...
 
 @final
@@ -93,7 +144,7 @@ class Allocator(AllocatorBase):
     def __new__(
         cls,
         num_blocks: int,
-        groups: list[tuple[str, int, int, int, int] | tuple[str, int, int, int, int, int]],
+        groups: Sequence[_GroupSpec | _GroupTuple],
         hash_block_size: int,
         scheduler_block_size: int,
         max_model_len: int,
@@ -171,7 +222,7 @@ class Allocator(AllocatorBase):
         as_buffer: Literal[False] = False,
     ) -> tuple[list[int], ...] | None: ...
     def record_blocks_for_zeroing(self, handle: int, start_token: int) -> None: ...
-    def noop_limits(self, handle: int) -> tuple[int, int, int, int]: ...
+    def noop_limits(self, handle: int) -> NoopLimits: ...
     def cache_blocks(
         self,
         handle: int,
@@ -204,14 +255,28 @@ class Allocator(AllocatorBase):
     def estimate_cached_tokens(self, handle: int) -> int: ...
 
 @final
-class FastAllocate:
-    def __new__(cls, alloc: Allocator, empty: object, slow: object, make_blocks: object, on_events: object) -> FastAllocate: ...
+class FastAllocate(Generic[_B]):
+    """The vLLM adapter's ``allocate_slots`` fast path; ``_B`` is the adapter's blocks type.
+
+    ``empty`` is returned for a step with no new block, ``make_blocks`` wraps new block ids
+    (one list per group), ``slow`` serves every other call (the adapter's Python
+    ``allocate_slots``, called with the same arguments), and ``on_events(request)`` runs
+    after a step that queued events."""
+
+    def __new__(
+        cls,
+        alloc: Allocator,
+        empty: _B,
+        slow: Callable[..., _B | None],
+        make_blocks: Callable[[tuple[list[int], ...]], _B],
+        on_events: Callable[[_Request], object] | None,
+    ) -> FastAllocate[_B]: ...
     def __call__(
         self,
-        request: object,
+        request: _Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: object | None = None,
         num_lookahead_tokens: int = 0,
         **rest: object,
-    ) -> object: ...
+    ) -> _B | None: ...

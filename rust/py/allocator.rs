@@ -13,8 +13,9 @@ use pyo3::types::PyList;
 
 use super::block_ids::{tuple_of_groups, PyBlockIds};
 use super::convert::{handle_arg, hit_arg, u32_arg, PyHashes};
-use super::groups::GroupArg;
+use super::groups::group_spec;
 use super::pool::PyAllocatorBase;
+use super::results::PyNoopLimits;
 use crate::api::{self, AllocateRequest};
 use crate::config::Config;
 use crate::coordinator::{Allocator, HashSource};
@@ -30,12 +31,10 @@ pub(super) fn core<'a>(slf: &'a Bound<'_, PyAllocator>) -> PyResult<MutexGuard<'
 
 #[pymethods]
 impl PyAllocator {
-    /// Builds an allocator. `groups` holds one `(kind, block_size, spec_key, param1,
-    /// param2[, param3])` per KV cache group: kind is "full", "mla", "sliding_window" (param1
-    /// the window, param2 the extra retained tokens), "chunked_local" (param1 the chunk size),
-    /// "cross", "circular_buffer", "mamba" (param1 the speculative state blocks) or
-    /// "mamba_align" (param1 as "mamba", param2 the 0.32 re-key rule, param3 the prefill
-    /// checkpoint alignment, 0 for none); groups with equal `spec_key` are looked up together.
+    /// Builds an allocator. `groups` holds one group spec per KV cache group (an object with
+    /// `kind`, `block_size`, `spec_key` and its kind's fields, e.g. `hybrid_alloc.specs`), or
+    /// the legacy tuple `(kind, block_size, spec_key, param1, param2[, param3])` whose params
+    /// are the kind's fields in order; groups with equal `spec_key` are looked up together.
     #[new]
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size, max_model_len,
         max_in_flight_tokens=None, enable_caching=true, enable_events=false, watermark_blocks=0,
@@ -45,7 +44,7 @@ impl PyAllocator {
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
-        groups: Vec<GroupArg>,
+        groups: Vec<Bound<'_, PyAny>>,
         hash_block_size: i64,
         scheduler_block_size: i64,
         max_model_len: i64,
@@ -61,7 +60,7 @@ impl PyAllocator {
         let policy = crate::policy::Policy::parse(policy)?;
         let cfg = Config {
             num_blocks: u32_arg("num_blocks", num_blocks)?,
-            groups: groups.into_iter().map(GroupArg::spec).collect::<PyResult<_>>()?,
+            groups: groups.iter().enumerate().map(|(i, g)| group_spec(i, g)).collect::<PyResult<_>>()?,
             hash_block_size: u32_arg("hash_block_size", hash_block_size)?,
             scheduler_block_size: u32_arg("scheduler_block_size", scheduler_block_size)?,
             max_model_len: u32_arg("max_model_len", max_model_len)?,
@@ -191,14 +190,9 @@ impl PyAllocator {
         Ok(core(slf)?.record_blocks_for_zeroing(h, start)?)
     }
 
-    /// `(slots, processed, cached, new_tokens)`: a plain step (no new hit, external or
-    /// encoder tokens, admission gate, reserve or watermark) with `num_computed_tokens +
-    /// num_new_tokens + num_lookahead_tokens <= slots`, `num_computed_tokens -
-    /// num_in_flight_tokens < processed`, `min(num_computed_tokens + num_new_tokens,
-    /// num_tokens) < cached` and `num_new_tokens <= new_tokens` changes nothing.
-    fn noop_limits(slf: &Bound<'_, Self>, handle: i64) -> PyResult<(u32, u32, u32, u32)> {
-        let l = core(slf)?.noop_limits(handle_arg(handle)?)?;
-        Ok((l.slots, l.processed, l.cached, l.new_tokens))
+    /// The request's no-op limits: what a plain step may ask without changing anything.
+    fn noop_limits(slf: &Bound<'_, Self>, handle: i64) -> PyResult<PyNoopLimits> {
+        Ok(core(slf)?.noop_limits(handle_arg(handle)?)?.into())
     }
 
     /// Syncs the request's `block_hashes` and caches full blocks up to `num_computed_tokens`.

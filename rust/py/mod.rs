@@ -8,9 +8,9 @@
 //! |---|---|
 //! | `errors.rs` | the exception classes and the core error -> exception mapping |
 //! | `convert.rs` | counts, handles, block ids, block hashes, the `hit` argument |
-//! | `groups.rs` | the constructor's `groups` entries |
-//! | `events.rs` | the core's events as Python values |
-//! | `results.rs` | small typed results (`Hit`) |
+//! | `groups.rs` | the constructor's `groups`: named group specs and legacy tuples |
+//! | `events.rs` | the core's events as the `NamedTuple`s of `hybrid_alloc.events` |
+//! | `results.rs` | small typed values (`Hit`, `NoopLimits`) |
 //! | `block_ids.rs` | `BlockIds`, the flat block-id buffer |
 //! | `pool.rs` | `AllocatorBase`: the core, and the calls that take no request handle |
 //! | `allocator.rs` | `Allocator(AllocatorBase)`: the calls that take a request handle |
@@ -31,6 +31,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 /// Does nothing, with any arguments: the benchmark calibrates its timing wrappers on it.
+// TODO(issue 15): move out of the extension once `hybrid_alloc/bench.py` (`ManagerClock.calibrate`)
+// and `tests/python/test_bench_counting.py`, which import it from `_core`, take their baseline elsewhere.
 #[pyfunction]
 #[pyo3(signature = (*_args, **_kwargs))]
 fn _noop(_args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>) {}
@@ -41,6 +43,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<allocator::PyAllocator>()?;
     m.add_class::<fast::FastAllocate>()?;
     m.add_class::<results::PyHit>()?;
+    m.add_class::<results::PyNoopLimits>()?;
     m.add_class::<block_ids::PyBlockIds>()?;
     m.add_function(wrap_pyfunction!(_noop, m)?)?;
     errors::register(m)?;
