@@ -2,18 +2,22 @@
 //! `Request` as the core's [`StepFields`].
 //!
 //! # The `Request` protocol
-//! What `FastAllocate.__call__` reads from the `request` it is given, and only on a plain
-//! step (no new hit, no other keyword, `num_new_tokens > 0`):
+//! What `FastAllocate.__call__` reads from the `request` it is given (vLLM's `Request`), only
+//! on a plain step (no new hit, no other keyword, `num_new_tokens > 0`), each attribute
+//! only when the core asks for it ([`StepFields`]):
 //! - `_hybrid_alloc_handle: int`, optional: the request's handle in this allocator, set by
 //!   the adapter; absent, negative or stale sends the call to `slow`.
-//! - `num_computed_tokens: int` and `num_in_flight_tokens: int`: always (the no-op test).
-//! - `num_tokens: int`, `num_prompt_tokens: int`, `shared_prefix_boundary: int` and
-//!   `block_hashes: list[bytes]`: only when the no-op limits do not prove the step changes
-//!   nothing, read when the core asks (vLLM's `Request` computes some of them as properties).
+//! - `num_computed_tokens: int`: always.
+//! - `num_in_flight_tokens: int`, `num_prompt_tokens: int`, `num_tokens: int`: when the
+//!   no-op limits need them to prove the step changes nothing (in-flight tokens only if
+//!   `num_computed_tokens` alone is not below the window limit, the prompt only with an
+//!   R-SWA group, `num_tokens` only if the step would fill a block).
+//! - all of those and `shared_prefix_boundary: int` and `block_hashes: list[bytes]` when
+//!   the step allocates.
 //!
 //! A property that raises propagates its exception; a wrong type raises `TypeError` (an int
 //! field) or `OutOfRangeError` (`block_hashes` not a list, an item not 1 to 32 bytes). Cost:
-//! a no-op step makes no Python object and two attribute reads besides the handle.
+//! a no-op step makes no Python object and reads the handle and one to four counts.
 #![forbid(unsafe_code)]
 
 use pyo3::gc::PyVisit;
