@@ -71,6 +71,7 @@
 //! ids, hits and hashes are validated; a panic means a broken internal invariant (our bug).
 #![deny(unsafe_code)]
 
+pub mod api;
 pub mod block_pool;
 pub mod config;
 pub mod coordinator;

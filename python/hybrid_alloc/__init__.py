@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hybrid_alloc._core import Allocator, Hit, __version__
+    from hybrid_alloc._core import Allocator, Hit, NoopLimits, __version__
     from hybrid_alloc.errors import (
         ConcurrentUseError,
         HybridAllocError,
@@ -22,15 +22,21 @@ if TYPE_CHECKING:
         UnknownRequestError,
         UnsupportedConfigError,
     )
+    from hybrid_alloc.events import AllBlocksCleared, BlockRemoved, BlockStored, CoreEvent
 
 __all__ = [
+    "AllBlocksCleared",
     "Allocator",
+    "BlockRemoved",
+    "BlockStored",
     "ConcurrentUseError",
+    "CoreEvent",
     "Hit",
     "HybridAllocError",
     "InvalidBlockError",
     "InvalidConfigError",
     "InvariantError",
+    "NoopLimits",
     "OutOfRangeError",
     "UnknownRequestError",
     "UnsupportedConfigError",
@@ -40,7 +46,10 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from hybrid_alloc import _core, errors
+        from hybrid_alloc import _core, errors, events
 
-        return getattr(errors if name in errors.__all__ else _core, name)
+        for module in (errors, events):
+            if name in module.__all__:
+                return getattr(module, name)
+        return getattr(_core, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

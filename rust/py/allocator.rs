@@ -1,0 +1,293 @@
+//! `Allocator`, the native allocator class (one per vLLM `KVCacheManager`): its
+//! per-request half, every call that takes a request handle. The pool-wide half (pool and
+//! prefix-cache state, events, pinning) is its base class `AllocatorBase` (`pool.rs`), which
+//! holds the core. Each method converts its arguments (`convert`), makes one core call and
+//! converts the result; the rules (defaults, filters, levels, the kind registry) are the
+//! core's ([`crate::api`]).
+#![forbid(unsafe_code)]
+
+use std::sync::MutexGuard;
+
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use super::block_ids::{tuple_of_groups, PyBlockIds};
+use super::convert::{handle_arg, hit_arg, u32_arg, PyHashes};
+use super::groups::group_spec;
+use super::pool::PyAllocatorBase;
+use super::results::PyNoopLimits;
+use crate::api::{self, AllocateRequest};
+use crate::config::Config;
+use crate::coordinator::{Allocator, HashSource};
+
+/// The native allocator: one per vLLM `KVCacheManager`. Its state is its base's.
+#[pyclass(module = "hybrid_alloc._core", name = "Allocator", extends = PyAllocatorBase, frozen)]
+pub struct PyAllocator;
+
+/// The core of `slf` (see [`PyAllocatorBase::core`]).
+pub(super) fn core<'a>(slf: &'a Bound<'_, PyAllocator>) -> PyResult<MutexGuard<'a, Allocator>> {
+    slf.as_super().get().core()
+}
+
+#[pymethods]
+impl PyAllocator {
+    /// Builds an allocator. `groups` holds one group spec per KV cache group (an object with
+    /// `kind`, `block_size`, `spec_key` and its kind's fields, e.g. `hybrid_alloc.specs`), or
+    /// the legacy tuple `(kind, block_size, spec_key, param1, param2[, param3])` whose params
+    /// are the kind's fields in order; groups with equal `spec_key` are looked up together.
+    #[new]
+    #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size, max_model_len,
+        max_in_flight_tokens=None, enable_caching=true, enable_events=false, watermark_blocks=0,
+        retention_interval=Some(0), policy="exact", zero_new_blocks=false, hash_lookahead_tokens=0))]
+    // pyo3 0.30 maps each Python parameter to one Rust parameter (no struct of arguments);
+    // `*args, **kwargs` would change the signature the tests and the stub call.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_blocks: i64,
+        groups: Vec<Bound<'_, PyAny>>,
+        hash_block_size: i64,
+        scheduler_block_size: i64,
+        max_model_len: i64,
+        max_in_flight_tokens: Option<i64>,
+        enable_caching: bool,
+        enable_events: bool,
+        watermark_blocks: i64,
+        retention_interval: Option<i64>,
+        policy: &str,
+        zero_new_blocks: bool,
+        hash_lookahead_tokens: i64,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let policy = crate::policy::Policy::parse(policy)?;
+        let cfg = Config {
+            num_blocks: u32_arg("num_blocks", num_blocks)?,
+            groups: groups.iter().enumerate().map(|(i, g)| group_spec(i, g)).collect::<PyResult<_>>()?,
+            hash_block_size: u32_arg("hash_block_size", hash_block_size)?,
+            scheduler_block_size: u32_arg("scheduler_block_size", scheduler_block_size)?,
+            max_model_len: u32_arg("max_model_len", max_model_len)?,
+            max_in_flight_tokens: u32_arg("max_in_flight_tokens", max_in_flight_tokens.unwrap_or(max_model_len))?,
+            enable_caching,
+            enable_events,
+            watermark_blocks: u32_arg("watermark_blocks", watermark_blocks)?,
+            retention_interval: retention_interval.map(|r| u32_arg("retention_interval", r)).transpose()?,
+            zero_new_blocks,
+            hash_lookahead_tokens: u32_arg("hash_lookahead_tokens", hash_lookahead_tokens)?,
+        };
+        Ok(PyClassInitializer::from(PyAllocatorBase::new(Allocator::with_policy(cfg, policy)?)).add_subclass(Self))
+    }
+
+    /// Registers a request; returns its handle (an int, unique in the process).
+    fn add_request(slf: &Bound<'_, Self>) -> PyResult<u64> {
+        Ok(core(slf)?.add_request())
+    }
+
+    /// Brings the request's block hashes up to `block_hashes` (its whole list of `bytes`).
+    fn set_block_hashes(slf: &Bound<'_, Self>, handle: i64, block_hashes: &Bound<'_, PyList>) -> PyResult<()> {
+        let h = handle_arg(handle)?;
+        Ok(core(slf)?.set_hashes(h, &PyHashes(block_hashes))?)
+    }
+
+    /// Number of block hashes known for a request.
+    fn num_hashes(slf: &Bound<'_, Self>, handle: i64) -> PyResult<usize> {
+        Ok(core(slf)?.num_hashes(handle_arg(handle)?)?)
+    }
+
+    /// Syncs the request's `block_hashes`, finds the longest cache hit not longer than
+    /// `max_length` tokens and stores it as the request's pending hit. Returns `(hit_tokens,
+    /// uncached_common_prefix_tokens, hit block ids per group)`.
+    #[pyo3(signature = (handle, max_length, *, block_hashes=None, as_buffer=false))]
+    fn get_computed_blocks(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        handle: i64,
+        max_length: i64,
+        block_hashes: Option<&Bound<'_, PyList>>,
+        as_buffer: bool,
+    ) -> PyResult<(u32, u32, Py<PyAny>)> {
+        let h = handle_arg(handle)?;
+        let max_length = u32_arg("max_length", max_length)?;
+        let mut core = core(slf)?;
+        let src = block_hashes.map(PyHashes);
+        let hit = core.get_computed_blocks(h, src.as_ref().map(|s| s as &dyn HashSource), max_length)?;
+        let core = &*core;
+        let ids = PyBlockIds::gather(core.num_groups(), |g| core.stored_hit(h, g))?;
+        Ok((hit.num_tokens, hit.num_uncached_common_prefix_tokens, ids.into_py(py, as_buffer)?))
+    }
+
+    /// vLLM's `allocate_slots`. `hit` is `Hit.NONE`, `Hit.STORED` (the hit the last
+    /// `get_computed_blocks` found) or explicit block ids, one sequence per group. The
+    /// request's fields default to a request whose tokens are exactly those computed and
+    /// scheduled now. Returns `None` when the blocks do not fit, else the new block ids of
+    /// each group.
+    #[pyo3(signature = (handle, num_new_tokens, *, block_hashes=None, hit=None,
+        num_new_computed_tokens=0, num_lookahead_tokens=0, num_external_computed_tokens=0,
+        delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false, reserved_blocks=0,
+        apply_watermark=false, num_computed_tokens=0, num_in_flight_tokens=0, num_prompt_tokens=None,
+        num_tokens=None, shared_prefix_boundary=0, skip_zeroing_group_ids=Vec::new(), as_buffer=false))]
+    // One Rust parameter per Python keyword (pyo3 0.30 has no struct of arguments): a
+    // `**kwargs` dict instead would be a Python object per call on the adapter's path.
+    #[allow(clippy::too_many_arguments)]
+    fn allocate_slots<'py>(
+        slf: &Bound<'_, Self>,
+        py: Python<'py>,
+        handle: i64,
+        num_new_tokens: i64,
+        block_hashes: Option<&Bound<'_, PyList>>,
+        hit: Option<&Bound<'_, PyAny>>,
+        num_new_computed_tokens: i64,
+        num_lookahead_tokens: i64,
+        num_external_computed_tokens: i64,
+        delay_cache_blocks: bool,
+        num_encoder_tokens: i64,
+        full_sequence_must_fit: bool,
+        reserved_blocks: i64,
+        apply_watermark: bool,
+        num_computed_tokens: i64,
+        num_in_flight_tokens: i64,
+        num_prompt_tokens: Option<i64>,
+        num_tokens: Option<i64>,
+        shared_prefix_boundary: i64,
+        skip_zeroing_group_ids: Vec<i64>,
+        as_buffer: bool,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let h = handle_arg(handle)?;
+        let args = AllocateRequest {
+            num_new_tokens,
+            num_new_computed_tokens,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            apply_watermark,
+            num_computed_tokens,
+            num_in_flight_tokens,
+            num_prompt_tokens,
+            num_tokens,
+            shared_prefix_boundary,
+            skip_zeroing_group_ids: &skip_zeroing_group_ids,
+        }
+        .args()?;
+        let mut explicit = Vec::new();
+        let nc = hit_arg(hit, &mut explicit)?;
+        let mut core = core(slf)?;
+        let src = block_hashes.map(PyHashes);
+        if core.allocate_slots_synced(h, &args, nc, src.as_ref().map(|s| s as &dyn HashSource))?.is_none() {
+            return Ok(None);
+        }
+        let (ids, counts) = (core.new_block_ids(), core.new_block_counts());
+        Ok(Some(if as_buffer {
+            Bound::new(py, PyBlockIds::new(ids, counts))?.into_any()
+        } else {
+            tuple_of_groups(py, ids, counts)?.into_any()
+        }))
+    }
+
+    /// Records the request's blocks from token `start_token` on for zeroing again (vLLM's
+    /// `record_blocks_for_zeroing`).
+    fn record_blocks_for_zeroing(slf: &Bound<'_, Self>, handle: i64, start_token: i64) -> PyResult<()> {
+        let (h, start) = (handle_arg(handle)?, u32_arg("start_token", start_token)?);
+        Ok(core(slf)?.record_blocks_for_zeroing(h, start)?)
+    }
+
+    /// The request's no-op limits: what a plain step may ask without changing anything.
+    fn noop_limits(slf: &Bound<'_, Self>, handle: i64) -> PyResult<PyNoopLimits> {
+        Ok(core(slf)?.noop_limits(handle_arg(handle)?)?.into())
+    }
+
+    /// Syncs the request's `block_hashes` and caches full blocks up to `num_computed_tokens`.
+    #[pyo3(signature = (handle, num_computed_tokens, *, block_hashes=None, num_prompt_tokens=None,
+        shared_prefix_boundary=0))]
+    fn cache_blocks(
+        slf: &Bound<'_, Self>,
+        handle: i64,
+        num_computed_tokens: i64,
+        block_hashes: Option<&Bound<'_, PyList>>,
+        num_prompt_tokens: Option<i64>,
+        shared_prefix_boundary: i64,
+    ) -> PyResult<()> {
+        let h = handle_arg(handle)?;
+        let (n, p, s) = api::cache_blocks_counts(num_computed_tokens, num_prompt_tokens, shared_prefix_boundary)?;
+        let mut core = core(slf)?;
+        let src = block_hashes.map(PyHashes);
+        Ok(core.cache_blocks_synced(h, src.as_ref().map(|s| s as &dyn HashSource), n, p, s)?)
+    }
+
+    /// Frees out-of-window blocks (vLLM's `remove_skipped_blocks`); with
+    /// `num_prompt_tokens` an R-SWA group also frees its gap.
+    #[pyo3(signature = (handle, processed_computed_tokens, num_prompt_tokens=None))]
+    fn remove_skipped_blocks(
+        slf: &Bound<'_, Self>,
+        handle: i64,
+        processed_computed_tokens: i64,
+        num_prompt_tokens: Option<i64>,
+    ) -> PyResult<()> {
+        let h = handle_arg(handle)?;
+        let n = u32_arg("processed_computed_tokens", processed_computed_tokens)?;
+        let p = num_prompt_tokens.map(|p| u32_arg("num_prompt_tokens", p)).transpose()?;
+        Ok(core(slf)?.remove_skipped_blocks_with_prompt(h, n, p)?)
+    }
+
+    /// Blocks needed for `num_tokens` slots, `num_tokens_main_model` of them (default
+    /// `num_tokens`) for the target model (vLLM's `coordinator.get_num_blocks_to_allocate`
+    /// with no new hit); negative when a Mamba "align" table holds more than it needs.
+    /// `prefill_end` is where the request's prefill ends (vLLM's argument); without the
+    /// admission cap a Mamba "align" group records the prefill checkpoint it counts, as vLLM's.
+    #[pyo3(signature = (handle, num_tokens, *, num_encoder_tokens=0, total_computed_tokens=0,
+        apply_admission_cap=false, num_tokens_main_model=None, prefill_end=0))]
+    // One Rust parameter per Python parameter (pyo3 0.30); `self` makes it eight.
+    #[allow(clippy::too_many_arguments)]
+    fn get_num_blocks_to_allocate(
+        slf: &Bound<'_, Self>,
+        handle: i64,
+        num_tokens: i64,
+        num_encoder_tokens: i64,
+        total_computed_tokens: i64,
+        apply_admission_cap: bool,
+        num_tokens_main_model: Option<i64>,
+        prefill_end: i64,
+    ) -> PyResult<i64> {
+        let h = handle_arg(handle)?;
+        Ok(core(slf)?.get_num_blocks_to_allocate(
+            h,
+            u32_arg("num_tokens", num_tokens)?,
+            api::num_tokens_main_model(num_tokens, num_tokens_main_model)?,
+            u32_arg("num_encoder_tokens", num_encoder_tokens)?,
+            u32_arg("total_computed_tokens", total_computed_tokens)?,
+            apply_admission_cap,
+            u32_arg("prefill_end", prefill_end)?,
+        )?)
+    }
+
+    /// Frees every block of the request, tail first, and releases its handle. `retain`
+    /// (hit-aware only; ignored under exact): keep what the request leaves cached at the
+    /// pinned retention level (evicted last, within the pinned share of the pool).
+    #[pyo3(signature = (handle, *, retain=false))]
+    fn free(slf: &Bound<'_, Self>, handle: i64, retain: bool) -> PyResult<()> {
+        Ok(core(slf)?.free_with_level(handle_arg(handle)?, api::free_level(retain))?)
+    }
+
+    /// Releases the handle and returns its blocks (groups concatenated) without freeing.
+    fn pop_blocks_for_free<'py>(slf: &Bound<'_, Self>, py: Python<'py>, handle: i64) -> PyResult<Bound<'py, PyList>> {
+        let (h, mut out) = (handle_arg(handle)?, Vec::new());
+        core(slf)?.pop_blocks_for_free(h, &mut out)?;
+        PyList::new(py, out)
+    }
+
+    /// The block tables of a request, one list per group.
+    #[pyo3(signature = (handle, *, as_buffer=false))]
+    fn block_ids(slf: &Bound<'_, Self>, py: Python<'_>, handle: i64, as_buffer: bool) -> PyResult<Py<PyAny>> {
+        let h = handle_arg(handle)?;
+        let ids = {
+            let core = core(slf)?;
+            let core = &*core;
+            PyBlockIds::gather(core.num_groups(), |g| core.blocks(h, g))?
+        };
+        ids.into_py(py, as_buffer)
+    }
+
+    /// vLLM's `estimate_cached_tokens`.
+    fn estimate_cached_tokens(slf: &Bound<'_, Self>, handle: i64) -> PyResult<u32> {
+        Ok(core(slf)?.estimate_cached_tokens(handle_arg(handle)?)?)
+    }
+}

@@ -1,0 +1,203 @@
+//! `FastAllocate`, the vLLM adapter's `allocate_slots` fast path, and `PyStep`, the vLLM
+//! `Request` as the core's [`StepFields`].
+//!
+//! # The `Request` protocol
+//! What `FastAllocate.__call__` reads from the `request` it is given (vLLM's `Request`), only
+//! on a plain step (no new hit, no other keyword, `num_new_tokens > 0`), each attribute
+//! only when the core asks for it ([`StepFields`]):
+//! - `_hybrid_alloc_handle: int`, optional: the request's handle in this allocator, set by
+//!   the adapter; absent, negative or stale sends the call to `slow`.
+//! - `num_computed_tokens: int`: always.
+//! - `num_in_flight_tokens: int`, `num_prompt_tokens: int`, `num_tokens: int`: when the
+//!   no-op limits need them to prove the step changes nothing (in-flight tokens only if
+//!   `num_computed_tokens` alone is not below the window limit, the prompt only with an
+//!   R-SWA group, `num_tokens` only if the step would fill a block).
+//! - all of those and `shared_prefix_boundary: int` and `block_hashes: list[bytes]` when
+//!   the step allocates.
+//!
+//! A property that raises propagates its exception; a wrong type raises `TypeError` (an int
+//! field) or `OutOfRangeError` (`block_hashes` not a list, an item not 1 to 32 bytes). Cost:
+//! a no-op step makes no Python object and reads the handle and one to four counts.
+#![forbid(unsafe_code)]
+
+use pyo3::gc::PyVisit;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString};
+use pyo3::PyTraverseError;
+
+use super::allocator::PyAllocator;
+use super::block_ids::tuple_of_groups;
+use super::convert::PyHashes;
+use super::errors::{InvariantError, OutOfRangeError};
+use crate::coordinator::{HashSource, PlainStep, StepFields};
+
+/// A vLLM `Request` as the core's [`StepFields`]: its attributes, read when the core asks.
+struct PyStep<'a, 'py>(&'a Bound<'py, PyAny>);
+
+impl PyStep<'_, '_> {
+    fn int(&self, name: &Bound<'_, PyString>) -> PyResult<i64> {
+        self.0.getattr(name)?.extract()
+    }
+}
+
+impl StepFields for PyStep<'_, '_> {
+    type Error = PyErr;
+
+    fn num_computed_tokens(&self) -> PyResult<i64> {
+        self.int(intern!(self.0.py(), "num_computed_tokens"))
+    }
+
+    fn num_in_flight_tokens(&self) -> PyResult<i64> {
+        self.int(intern!(self.0.py(), "num_in_flight_tokens"))
+    }
+
+    fn num_tokens(&self) -> PyResult<i64> {
+        self.int(intern!(self.0.py(), "num_tokens"))
+    }
+
+    fn num_prompt_tokens(&self) -> PyResult<i64> {
+        self.int(intern!(self.0.py(), "num_prompt_tokens"))
+    }
+
+    fn shared_prefix_boundary(&self) -> PyResult<i64> {
+        self.int(intern!(self.0.py(), "shared_prefix_boundary"))
+    }
+
+    fn with_block_hashes<T>(&self, f: impl FnOnce(&dyn HashSource) -> PyResult<T>) -> PyResult<T> {
+        let bh = self.0.getattr(intern!(self.0.py(), "block_hashes"))?;
+        let list = bh.cast::<PyList>().map_err(|_| OutOfRangeError::new_err("request.block_hashes must be a list"))?;
+        f(&PyHashes(list))
+    }
+}
+
+/// The callbacks of a `FastAllocate` (dropped by the garbage collector's `__clear__`).
+struct Callbacks {
+    /// What a step with no new block returns (vLLM's empty `KVCacheBlocks`).
+    empty: Py<PyAny>,
+    /// The Python `allocate_slots`, for every call the fast path does not serve.
+    slow: Py<PyAny>,
+    /// Wraps new block ids (a tuple of lists, one per group) in the adapter's blocks class.
+    make_blocks: Py<PyAny>,
+    /// Called with the request when the step queued events, or `None`.
+    on_events: Py<PyAny>,
+}
+
+/// `allocate_slots` for the vLLM adapter, called by the scheduler for every request every
+/// step. A plain step of a running request (no new hit, no other keyword) is served here
+/// by the core's `plain_step`: answered without any work when the request's no-op limits
+/// prove it changes nothing (15 of 16 decode steps at block size 16), else with one call
+/// into the core, which reads the request's fields and new block hashes itself. Every
+/// other call, and a request that is not a live request of this allocator (its
+/// `_hybrid_alloc_handle` absent, negative or stale), goes to the Python implementation
+/// `slow`.
+///
+/// It holds the adapter's bound methods, and the adapter holds it: the cycle is visible to
+/// Python's garbage collector (`__traverse__` / `__clear__`), so dropped managers are freed.
+#[pyclass(module = "hybrid_alloc._core", name = "FastAllocate")]
+pub struct FastAllocate {
+    /// The allocator the steps run on.
+    alloc: Py<PyAllocator>,
+    /// `None` once the garbage collector cleared it.
+    callbacks: Option<Callbacks>,
+}
+
+impl FastAllocate {
+    fn callbacks(&self) -> PyResult<&Callbacks> {
+        self.callbacks.as_ref().ok_or_else(|| InvariantError::new_err("FastAllocate used after it was cleared"))
+    }
+
+    /// The step of a registered request, or `None` when the request is not ours.
+    fn plain(
+        &self,
+        py: Python<'_>,
+        cb: &Callbacks,
+        request: &Bound<'_, PyAny>,
+        handle: u64,
+        num_new_tokens: i64,
+        num_lookahead_tokens: i64,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let alloc = self.alloc.bind(py);
+        let (blocks, has_events) = {
+            let mut core = super::allocator::core(alloc)?;
+            match core.plain_step(handle, num_new_tokens, num_lookahead_tokens, &PyStep(request))? {
+                PlainStep::NotHere => return Ok(None),
+                PlainStep::NoOp => return Ok(Some(cb.empty.clone_ref(py))),
+                PlainStep::Allocated(None) => (None, core.has_events()),
+                PlainStep::Allocated(Some(0)) => (Some(None), core.has_events()),
+                PlainStep::Allocated(Some(_)) => {
+                    let t = tuple_of_groups(py, core.new_block_ids(), core.new_block_counts())?;
+                    (Some(Some(t)), core.has_events())
+                }
+            }
+        };
+        if has_events && !cb.on_events.is_none(py) {
+            cb.on_events.bind(py).call1((request,))?;
+        }
+        Ok(Some(match blocks {
+            None => py.None(),
+            Some(None) => cb.empty.clone_ref(py),
+            Some(Some(t)) => cb.make_blocks.bind(py).call1((t,))?.unbind(),
+        }))
+    }
+}
+
+#[pymethods]
+impl FastAllocate {
+    #[new]
+    fn new(
+        alloc: Py<PyAllocator>,
+        empty: Py<PyAny>,
+        slow: Py<PyAny>,
+        make_blocks: Py<PyAny>,
+        on_events: Py<PyAny>,
+    ) -> Self {
+        Self { alloc, callbacks: Some(Callbacks { empty, slow, make_blocks, on_events }) }
+    }
+
+    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
+        num_lookahead_tokens=0, **rest))]
+    fn __call__(
+        &self,
+        request: &Bound<'_, PyAny>,
+        num_new_tokens: i64,
+        num_new_computed_tokens: i64,
+        new_computed_blocks: Option<Py<PyAny>>,
+        num_lookahead_tokens: i64,
+        rest: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Py<PyAny>> {
+        let py = request.py();
+        let cb = self.callbacks()?;
+        let plain = new_computed_blocks.is_none()
+            && num_new_computed_tokens == 0
+            && num_new_tokens > 0
+            && rest.is_none_or(|d| d.is_empty());
+        if plain {
+            if let Some(tag) = request.getattr_opt(intern!(py, "_hybrid_alloc_handle"))? {
+                let tag: i64 = tag.extract()?;
+                if let Ok(h) = u64::try_from(tag) {
+                    if let Some(out) = self.plain(py, cb, request, h, num_new_tokens, num_lookahead_tokens)? {
+                        return Ok(out);
+                    }
+                }
+            }
+        }
+        let args = (request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens);
+        Ok(cb.slow.bind(py).call(args, rest)?.unbind())
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.alloc)?;
+        if let Some(cb) = &self.callbacks {
+            visit.call(&cb.empty)?;
+            visit.call(&cb.slow)?;
+            visit.call(&cb.make_blocks)?;
+            visit.call(&cb.on_events)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.callbacks = None;
+    }
+}

@@ -1,0 +1,193 @@
+//! `AllocatorBase`, the base class of `Allocator`: it holds the core and serves the
+//! pool-wide half of the allocator, calls that take no request handle (pool and prefix-cache
+//! state, eviction, pinning, events, zeroing records, the invariant check).
+//!
+//! Threads: the core sits behind a mutex that is only ever *tried*: a call made while another
+//! call on the same allocator is in progress (another thread, or re-entry from Python code
+//! the first call runs, such as a `Request` property read by `FastAllocate`) raises
+//! `ConcurrentUseError` and changes nothing. After a panic (a broken invariant, our bug) the
+//! allocator refuses every later call with `InvariantError`.
+#![forbid(unsafe_code)]
+
+use std::sync::{Mutex, MutexGuard, TryLockError};
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+
+use super::convert::{block_ids_arg, hash_arg, PyHashes};
+use super::errors::{ConcurrentUseError, InvalidBlockError, InvariantError};
+use crate::api;
+use crate::coordinator::{Allocator, HashSource};
+
+/// The state of an `Allocator` and its pool-wide calls.
+#[pyclass(module = "hybrid_alloc._core", name = "AllocatorBase", subclass, frozen)]
+pub struct PyAllocatorBase {
+    /// The core; only ever `try_lock`ed (see the module doc).
+    inner: Mutex<Allocator>,
+}
+
+impl PyAllocatorBase {
+    /// Wraps a core.
+    pub(super) fn new(core: Allocator) -> Self {
+        Self { inner: Mutex::new(core) }
+    }
+
+    /// The core, or `ConcurrentUseError` when a call on this allocator is in progress.
+    pub(super) fn core(&self) -> PyResult<MutexGuard<'_, Allocator>> {
+        match self.inner.try_lock() {
+            Ok(g) => Ok(g),
+            Err(TryLockError::WouldBlock) => Err(ConcurrentUseError::new_err(
+                "the allocator is in use by another call (another thread, or a callback of a call \
+                 in progress); an Allocator serves one thread at a time",
+            )),
+            Err(TryLockError::Poisoned(_)) => Err(InvariantError::new_err(
+                "an earlier call broke an internal invariant (a bug); this allocator refuses further calls",
+            )),
+        }
+    }
+
+    /// A block id of the pool.
+    fn block(core: &Allocator, block_id: i64) -> PyResult<u32> {
+        let n = core.pool().num_blocks();
+        match u32::try_from(block_id) {
+            Ok(b) if b < n => Ok(b),
+            _ => Err(InvalidBlockError::new_err(format!("block id {block_id} outside 0..{n}"))),
+        }
+    }
+}
+
+#[pymethods]
+impl PyAllocatorBase {
+    /// Drains the block ids attention groups handed out since the last call (vLLM's
+    /// `take_new_block_ids`, for KV cache zeroing); empty unless `zero_new_blocks`.
+    fn take_new_block_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.core()?.take_new_block_ids())
+    }
+
+    /// A new scheduler step starts (vLLM's `new_step_starts`).
+    fn new_step_starts(&self) -> PyResult<()> {
+        self.core()?.new_step_starts();
+        Ok(())
+    }
+
+    /// Pins a prefix given by its block hashes (`bytes`, at hash block size) under the
+    /// hit-aware policy: what a hit on the whole prefix needs is evicted after every other
+    /// cached block, within the pinned share. Returns the blocks pinned in all.
+    fn pin_prefix(&self, block_hashes: &Bound<'_, PyList>) -> PyResult<u32> {
+        let src = PyHashes(block_hashes);
+        let hashes = (0..src.len()).map(|i| src.get(i)).collect::<crate::Result<Vec<_>>>()?;
+        Ok(self.core()?.pin_prefix(&hashes)?)
+    }
+
+    /// Sets the pinned share of the pool (0.0 to 1.0; default 0.25).
+    fn set_pinned_share(&self, share: f64) -> PyResult<()> {
+        Ok(self.core()?.set_pinned_share(share)?)
+    }
+
+    /// The retention policy: "exact" or "hit-aware".
+    #[getter]
+    fn policy(&self) -> PyResult<&'static str> {
+        Ok(self.core()?.policy().name())
+    }
+
+    /// Drops one reference from each block that `pop_blocks_for_free` handed out, in
+    /// eviction order.
+    fn free_block_ids(&self, ids: Vec<i64>) -> PyResult<()> {
+        let ids = block_ids_arg(&ids)?;
+        Ok(self.core()?.free_block_ids(&ids)?)
+    }
+
+    /// Drops the prefix-cache hashes of these blocks.
+    fn evict_blocks(&self, ids: Vec<i64>) -> PyResult<()> {
+        let ids = block_ids_arg(&ids)?;
+        Ok(self.core()?.evict_blocks(&ids)?)
+    }
+
+    /// Clears the prefix cache if no block is in use; returns whether it did.
+    fn reset_prefix_cache(&self) -> PyResult<bool> {
+        Ok(self.core()?.reset_prefix_cache())
+    }
+
+    /// Free blocks.
+    #[getter]
+    fn num_free_blocks(&self) -> PyResult<u32> {
+        Ok(self.core()?.num_free_blocks())
+    }
+
+    /// Blocks in the pool, the null block included.
+    #[getter]
+    fn num_blocks(&self) -> PyResult<u32> {
+        Ok(self.core()?.pool().num_blocks())
+    }
+
+    /// Number of KV cache groups.
+    #[getter]
+    fn num_groups(&self) -> PyResult<usize> {
+        Ok(self.core()?.num_groups())
+    }
+
+    /// Live requests.
+    #[getter]
+    fn num_requests(&self) -> PyResult<usize> {
+        Ok(self.core()?.num_requests())
+    }
+
+    /// KV cache usage in [0, 1].
+    #[getter]
+    fn usage(&self) -> PyResult<f64> {
+        Ok(self.core()?.usage())
+    }
+
+    /// Whether events wait to be taken.
+    #[getter]
+    fn has_events(&self) -> PyResult<bool> {
+        Ok(self.core()?.has_events())
+    }
+
+    /// Reference count of a block.
+    fn ref_cnt(&self, block_id: i64) -> PyResult<u32> {
+        let core = self.core()?;
+        Ok(core.pool().ref_cnt(Self::block(&core, block_id)?))
+    }
+
+    /// `(hash bytes, group)` of a cached block, or None.
+    fn block_hash<'py>(&self, py: Python<'py>, block_id: i64) -> PyResult<Option<(Bound<'py, PyBytes>, u32)>> {
+        let core = self.core()?;
+        let b = Self::block(&core, block_id)?;
+        Ok(core.pool().block_hash(b).map(|(h, g)| (PyBytes::new(py, h.as_bytes()), *g)))
+    }
+
+    /// vLLM's `BlockPool.get_cached_block`: the first cached block for `block_hash` in each
+    /// group of `group_ids`, or None on a miss in any group. `OutOfRangeError` for a hash
+    /// that is not 1 to 32 bytes or a group that does not exist.
+    fn get_cached_block(&self, block_hash: &Bound<'_, PyBytes>, group_ids: Vec<i64>) -> PyResult<Option<Vec<u32>>> {
+        let core = self.core()?;
+        let hash = hash_arg(block_hash.as_bytes())?;
+        let groups = api::cached_block_groups(&group_ids, core.num_groups())?;
+        let mut out = Vec::with_capacity(groups.len());
+        Ok(core.pool().get_cached_block(&hash, &groups, &mut out).then_some(out))
+    }
+
+    /// Prefix tokens covered by a block's hash, or None when unhashed.
+    fn block_hash_num_tokens(&self, block_id: i64) -> PyResult<Option<u32>> {
+        let core = self.core()?;
+        let (b, pool) = (Self::block(&core, block_id)?, core.pool());
+        Ok(pool.block_hash(b).map(|_| pool.block_hash_num_tokens(b)))
+    }
+
+    /// Free blocks in eviction order.
+    fn free_queue_order<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.core()?.pool().free_queue_order())
+    }
+
+    /// Takes the queued events (see `hybrid_alloc.events`).
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = self.core()?.take_events();
+        super::events::to_list(py, events)
+    }
+
+    /// Checks every internal invariant; raises `InvariantError` on a violation.
+    fn check_invariants(&self) -> PyResult<()> {
+        crate::invariants::check(&*self.core()?).map_err(InvariantError::new_err)
+    }
+}

@@ -1,0 +1,147 @@
+"""The typed boundary of the compiled core: events are the NamedTuples of
+``hybrid_alloc.events`` (named fields, still equal to the old tuples), groups are accepted as
+named specs read by attribute (beside the legacy tuples), and ``noop_limits`` returns a
+``NoopLimits`` that reads by name and still unpacks as a 4-tuple.
+
+The spec classes below are a test-only copy of the shape ``hybrid_alloc.specs`` gives them
+(frozen, slotted, keyword-only dataclasses with a ``kind`` class variable), so this file
+tests the binding's reading by attribute on its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import hybrid_alloc as ha
+import pytest
+from hybrid_alloc import Allocator
+from hybrid_alloc._core import NoopLimits
+from hybrid_alloc.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+H = 32
+
+
+def hashes(*xs: int) -> list[bytes]:
+    return [x.to_bytes(H, "big") for x in xs]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FullAttention:
+    kind: ClassVar[str] = "full"
+    block_size: int
+    spec_key: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlidingWindow:
+    kind: ClassVar[str] = "sliding_window"
+    block_size: int
+    spec_key: int = 0
+    window: int
+    extra_retained_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkedLocal:
+    kind: ClassVar[str] = "chunked_local"
+    block_size: int
+    spec_key: int = 0
+    chunk: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MambaAlign:
+    kind: ClassVar[str] = "mamba_align"
+    block_size: int
+    spec_key: int = 0
+    speculative_blocks: int = 0
+    rekey_cached_tail: bool = False
+    checkpoint_alignment: int = 0
+
+
+def run(groups: list[Any]) -> tuple[object, ...]:
+    """What a short sequence of calls observes: block tables, limits, free blocks, events."""
+    a = Allocator(64, groups, 16, 16, 4096, 4096, True, True, 0, 0)
+    r = a.add_request()
+    a.allocate_slots(r, 40, block_hashes=hashes(1, 2), num_tokens=40)
+    a.cache_blocks(r, 40, block_hashes=hashes(1, 2))
+    a.allocate_slots(r, 30, num_computed_tokens=40, block_hashes=hashes(1, 2, 3, 4), num_tokens=70)
+    events = [e._replace(handle=0) if isinstance(e, BlockStored) else e for e in a.take_events()]  # handles differ
+    out = (a.block_ids(r), a.noop_limits(r), a.num_free_blocks, events)
+    a.free(r)
+    a.check_invariants()
+    return out
+
+
+def test_named_specs_equal_legacy_tuples() -> None:
+    named: list[Any] = [FullAttention(block_size=16), SlidingWindow(block_size=16, spec_key=1, window=32)]
+    assert run(named) == run([("full", 16, 0, 0, 0), ("sliding_window", 16, 1, 32, 0)])
+    named = [FullAttention(block_size=16), ChunkedLocal(block_size=16, spec_key=1, chunk=32)]
+    assert run(named) == run([("full", 16, 0, 0, 0), ("chunked_local", 16, 1, 32, 0)])
+    mixed: list[Any] = [
+        ("full", 16, 0, 0, 0),
+        SlidingWindow(block_size=16, spec_key=1, window=48, extra_retained_tokens=16),
+    ]
+    assert run(mixed) == run([("full", 16, 0, 0, 0), ("sliding_window", 16, 1, 48, 16)])
+
+
+def test_named_spec_by_attribute_on_any_object() -> None:
+    obj = SimpleNamespace(kind="sliding_window", block_size=16, window=32)  # spec_key, extra default to 0
+    assert run([obj]) == run([("sliding_window", 16, 0, 32, 0)])
+    a = Allocator(64, [MambaAlign(block_size=16, rekey_cached_tail=True, checkpoint_alignment=16)], 16, 16, 4096)
+    assert a.num_groups == 1
+
+
+def test_bad_named_spec_raises_clear_errors() -> None:
+    with pytest.raises(ha.UnsupportedConfigError, match="linear"):
+        Allocator(16, [SimpleNamespace(kind="linear", block_size=16)], 16, 16, 4096)
+    with pytest.raises(ha.InvalidConfigError, match=r"groups\[1\].*SimpleNamespace.*window"):
+        Allocator(
+            16, [FullAttention(block_size=16), SimpleNamespace(kind="sliding_window", block_size=16)], 16, 16, 4096
+        )
+    with pytest.raises(ha.InvalidConfigError, match="block_size"):
+        Allocator(16, [SimpleNamespace(kind="full")], 16, 16, 4096)
+    with pytest.raises(ha.InvalidConfigError, match="window must be an int"):
+        Allocator(16, [SimpleNamespace(kind="rswa", block_size=16, window="64")], 16, 16, 4096)
+    with pytest.raises(ha.InvalidConfigError, match="kind must be a str"):
+        Allocator(16, [SimpleNamespace(kind=3, block_size=16)], 16, 16, 4096)
+    with pytest.raises(ha.OutOfRangeError):
+        Allocator(16, [SlidingWindow(block_size=16, window=-1)], 16, 16, 4096)
+    with pytest.raises(TypeError):
+        Allocator(16, [["full", 16, 0, 0, 0]], 16, 16, 4096)  # type: ignore[list-item]  # neither spec nor tuple
+
+
+def test_events_are_typed_and_equal_old_tuples() -> None:
+    a = Allocator(16, [("full", 16, 0, 0, 0)], 16, 16, 4096, 4096, True, True, 0, 0)
+    r = a.add_request()
+    a.allocate_slots(r, 32, block_hashes=hashes(1, 2), num_tokens=32)
+    a.cache_blocks(r, 32, block_hashes=hashes(1, 2))
+    (ev,) = a.take_events()
+    assert type(ev) is BlockStored
+    assert ev.kind == "stored" and ev.handle == r and ev.group == 0 and ev.block_size == 16
+    assert (ev.start_token, ev.end_token, ev.parent_hash) == (0, 32, None)
+    assert ev.block_hashes == hashes(1, 2) and ev.block_indices == [0, 1]
+    assert ev == ("stored", r, 0, 16, 0, 32, None, hashes(1, 2), [0, 1])
+    a.free(r)
+    a.evict_blocks([2])
+    (ev,) = a.take_events()
+    assert type(ev) is BlockRemoved and ev == BlockRemoved("removed", hashes(2)[0], 0)
+    assert (ev.block_hash, ev.group) == (hashes(2)[0], 0) and ev == ("removed", hashes(2)[0], 0)
+    assert a.reset_prefix_cache()
+    (ev,) = a.take_events()
+    assert type(ev) is AllBlocksCleared and ev.kind == "cleared" and ev == ("cleared",)
+
+
+def test_noop_limits_reads_by_name_and_unpacks() -> None:
+    a = Allocator(16, [("full", 16, 0, 0, 0)], 16, 16, 4096)
+    r = a.add_request()
+    a.allocate_slots(r, 20, num_tokens=20)
+    lim = a.noop_limits(r)
+    assert isinstance(lim, NoopLimits)
+    slots, processed, cached, new_tokens = lim
+    assert (lim.slots, lim.processed, lim.cached, lim.new_tokens) == (slots, processed, cached, new_tokens)
+    assert lim == (slots, processed, cached, new_tokens) and lim == a.noop_limits(r)
+    assert lim.slots == 32 and lim[0] == 32 and lim[-1] == new_tokens and lim[:2] == (slots, processed)
+    assert len(lim) == 4 and hash(lim) == hash(tuple(lim)) and "slots=32" in repr(lim)
+    assert lim != (0, 0, 0, 0)
