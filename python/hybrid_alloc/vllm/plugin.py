@@ -11,10 +11,12 @@ vLLM's scheduler build :class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`:
 - it assigns ``vllm.v1.core.sched.scheduler.KVCacheManager``: the scheduler module bound
   that name at import (``from vllm.v1.core.kv_cache_manager import KVCacheManager``), so
   patching ``vllm.v1.core.kv_cache_manager.KVCacheManager`` alone would change nothing.
-  The name is bound to a small factory that builds the adapter and, should that raise
-  anyway, builds vLLM's own manager with the same arguments;
-- it wraps ``Scheduler.__init__`` to let the manager see the ``VllmConfig`` (a KV
-  connector there means falling back to vLLM's own manager).
+  The name is bound to a small factory that builds the adapter, passing it the
+  ``VllmConfig`` being scheduled (a KV connector there means falling back to vLLM's own
+  manager) and, should the adapter itself raise anyway, builds vLLM's own manager with the
+  same arguments;
+- it wraps ``Scheduler.__init__`` to know that ``VllmConfig`` while the scheduler builds
+  its manager.
 
 The plugin never stops vLLM from starting. On another vLLM release it leaves vLLM
 untouched and logs one line naming the release and the tested ones
@@ -27,6 +29,7 @@ The patch is applied in process 0 too, so an engine core forked from it inherits
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
@@ -117,12 +120,15 @@ def apply() -> bool:
         logger.warning("hybrid_alloc: not enabled, vLLM is left untouched: %s: %s", type(e).__name__, e)
         return False
 
+    # The VllmConfig of the scheduler being built in this thread (None outside one).
+    scheduling: contextvars.ContextVar[Any] = contextvars.ContextVar("hybrid_alloc_scheduling", default=None)
+
     def KVCacheManager(*args: Any, **kwargs: Any) -> Any:
-        """Builds ``HybridKVCacheManager`` (which falls back to vLLM's own manager, with one
-        line, on what it does not serve); should even that raise, builds vLLM's own manager
-        with the same arguments."""
+        """Builds ``HybridKVCacheManager`` for the scheduler being built (it falls back to
+        vLLM's own manager, with one line, on what it does not serve); should the adapter
+        itself raise anyway, builds vLLM's own manager with the same arguments."""
         try:
-            return native_cls(*args, **kwargs)
+            return native_cls(*args, vllm_config=scheduling.get(), **kwargs)
         except Exception as e:  # vLLM's own manager is always a valid answer
             logger.warning(
                 "hybrid_alloc: falling back to vLLM's KVCacheManager: building the native manager raised %s: %s",
@@ -134,16 +140,15 @@ def apply() -> bool:
 
     @functools.wraps(original_init)
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
-        previous = manager.current_vllm_config
-        manager.current_vllm_config = vllm_config
+        token = scheduling.set(vllm_config)
         try:
             original_init(self, vllm_config, *args, **kwargs)
         finally:
-            manager.current_vllm_config = previous
+            scheduling.reset(token)
 
     __init__._hybrid_alloc_wrapped = True  # type: ignore[attr-defined]
-    sched_mod.KVCacheManager = KVCacheManager  # type: ignore[misc,assignment]
-    sched_mod.Scheduler.__init__ = __init__  # type: ignore[method-assign]
+    sched_mod.KVCacheManager = KVCacheManager
+    sched_mod.Scheduler.__init__ = __init__
     _saved = (sched_mod, original_manager, original_init)
     return True
 
