@@ -20,6 +20,7 @@ constructor never raises what vLLM's own would not.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,7 @@ __all__ = [
     "VllmKVCacheManager",
     "current_vllm_config",
     "native_config_or_reason",
+    "raised_by_vllm",
 ]
 
 logger = init_logger("vllm.hybrid_alloc")
@@ -84,6 +86,29 @@ _WAITING_OR_PREEMPTED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 # its constructor arguments do not say (a KV connector, ...). The plugin passes the config
 # of the scheduler being built; direct callers (tests, the bench) may set this instead.
 current_vllm_config: Any = None
+
+# Set on an exception vLLM's own ``KVCacheManager`` raised in the fallback (see
+# :func:`raised_by_vllm`).
+_RAISED_BY_VLLM = "_hybrid_alloc_raised_by_vllm"
+
+
+def raised_by_vllm(error: BaseException) -> bool:
+    """Whether ``error`` was raised by vLLM's own ``KVCacheManager`` after the adapter fell
+    back to it: it is vLLM's answer, to reach the engine unchanged (not an adapter failure
+    to fall back from)."""
+    return getattr(error, _RAISED_BY_VLLM, False) is True
+
+
+def _build_vllm_manager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """vLLM's own manager, built once with the caller's arguments; what it raises is marked
+    (:func:`raised_by_vllm`) and re-raised unchanged."""
+    try:
+        return VllmKVCacheManager(*args, **kwargs)
+    except BaseException as e:
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(e, _RAISED_BY_VLLM, True)
+        raise
+
 
 @dataclass(slots=True)
 class RequestState:
@@ -208,7 +233,7 @@ class HybridKVCacheManager:
         except Exception as e:  # noqa: BLE001 - no exception of ours may reach the engine
             reason = f"{type(e).__name__} while building the native manager: {e}"
         logger.warning("hybrid_alloc: falling back to vLLM's KVCacheManager: %s", reason)
-        return VllmKVCacheManager(*args, **kwargs)
+        return _build_vllm_manager(args, kwargs)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Everything is built in ``__new__`` (``_setup``), where a failure can still fall

@@ -14,7 +14,8 @@ vLLM's scheduler build :class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`:
   The name is bound to a small factory that builds the adapter, passing it the
   ``VllmConfig`` being scheduled (a KV connector there means falling back to vLLM's own
   manager) and, should the adapter itself raise anyway, builds vLLM's own manager with the
-  same arguments;
+  same arguments. What vLLM's own manager raises (the adapter fell back to it, and it
+  refused the configuration) reaches the engine unchanged, with the adapter's one line;
 - it wraps ``Scheduler.__init__`` to know that ``VllmConfig`` while the scheduler builds
   its manager.
 
@@ -126,10 +127,13 @@ def apply() -> bool:
     def KVCacheManager(*args: Any, **kwargs: Any) -> Any:
         """Builds ``HybridKVCacheManager`` for the scheduler being built (it falls back to
         vLLM's own manager, with one line, on what it does not serve); should the adapter
-        itself raise anyway, builds vLLM's own manager with the same arguments."""
+        itself raise anyway, builds vLLM's own manager with the same arguments. What vLLM's
+        own manager raised in the adapter's fallback propagates unchanged."""
         try:
             return native_cls(*args, vllm_config=scheduling.get(), **kwargs)
         except Exception as e:  # vLLM's own manager is always a valid answer
+            if manager.raised_by_vllm(e):
+                raise  # vLLM's own answer to this configuration, built and logged once already
             logger.warning(
                 "hybrid_alloc: falling back to vLLM's KVCacheManager: building the native manager raised %s: %s",
                 type(e).__name__, e,
