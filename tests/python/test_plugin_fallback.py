@@ -1,6 +1,7 @@
-"""The plugin's fallback against the installed vLLM: what vLLM's own manager raises after the
-adapter fell back reaches the caller unchanged, after one line and one construction (issue 15,
-defect 8b)."""
+"""The plugin's fallback and environment controls against the installed vLLM: what vLLM's own
+manager raises after the adapter fell back reaches the caller unchanged, after one line and
+one construction (issue 15, defect 8b); ``HYBRID_ALLOC`` values; hit-aware controls set under
+the exact policy (issue 15, item 9)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,95 @@ def test_adapter_error_is_not_taken_for_vllm_error() -> None:
     from hybrid_alloc.vllm import manager
 
     assert not manager.raised_by_vllm(RuntimeError("an adapter bug"))
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", "Yes", "on", " ON "])
+def test_flag_on_values_enable_the_plugin_silently(
+    value: str, plugin_lines: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybrid_alloc.vllm import plugin
+
+    assert plugin.flag(value) is True
+    monkeypatch.setenv("HYBRID_ALLOC", value)
+    plugin.remove()
+    try:
+        plugin.register()
+        assert plugin.applied()
+    finally:
+        plugin.remove()
+    assert _hybrid_alloc_lines(plugin_lines) == []
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "false", "No", "OFF"])
+def test_flag_off_values_leave_vllm_untouched_silently(
+    value: str | None, plugin_lines: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybrid_alloc.vllm import plugin
+
+    assert plugin.flag(value) is False
+    if value is None:
+        monkeypatch.delenv("HYBRID_ALLOC", raising=False)
+    else:
+        monkeypatch.setenv("HYBRID_ALLOC", value)
+    plugin.remove()
+    plugin.register()
+    assert not plugin.applied()
+    assert _hybrid_alloc_lines(plugin_lines) == []
+
+
+@pytest.mark.parametrize("value", ["2", "enable", "y", "hit-aware"])
+def test_flag_other_values_leave_the_plugin_off_with_one_line(
+    value: str, plugin_lines: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybrid_alloc.vllm import plugin
+
+    assert plugin.flag(value) is None
+    monkeypatch.setenv("HYBRID_ALLOC", value)
+    plugin.remove()
+    plugin.register()
+    assert not plugin.applied()
+    lines = _hybrid_alloc_lines(plugin_lines)
+    assert len(lines) == 1, lines
+    assert f"HYBRID_ALLOC={value!r}" in lines[0] and "stays off" in lines[0] and "1/true/yes/on" in lines[0]
+
+
+def test_hit_aware_controls_under_exact_are_ignored_with_one_line(
+    plugin_lines: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from hybrid_alloc.vllm.manager import HybridKVCacheManager
+
+    pins = tmp_path / "pins.json"
+    pins.write_text("[[1, 2, 3]]")
+    monkeypatch.delenv("HYBRID_ALLOC_POLICY", raising=False)
+    monkeypatch.setenv("HYBRID_ALLOC_PIN_PREFIXES", str(pins))
+    monkeypatch.setenv("HYBRID_ALLOC_RETAIN_PRIORITY", "0")
+    m = HybridKVCacheManager(**_kwargs())
+    assert type(m) is HybridKVCacheManager and m._alloc.policy == "exact"
+    assert m._pending_pins == [] and m._retain_priority is None
+    ignored = [ln for ln in _hybrid_alloc_lines(plugin_lines) if "ignored" in ln]
+    assert len(ignored) == 1, plugin_lines
+    assert "HYBRID_ALLOC_RETAIN_PRIORITY, HYBRID_ALLOC_PIN_PREFIXES ignored" in ignored[0]
+    assert "policy is exact" in ignored[0] and "HYBRID_ALLOC_POLICY=hit-aware" in ignored[0]
+    assert not any("falling back" in ln for ln in plugin_lines)
+
+
+def test_hit_aware_controls_under_hit_aware_say_nothing(
+    plugin_lines: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybrid_alloc.vllm.manager import HybridKVCacheManager
+
+    monkeypatch.setenv("HYBRID_ALLOC_POLICY", "hit-aware")
+    monkeypatch.setenv("HYBRID_ALLOC_RETAIN_PRIORITY", "0")
+    m = HybridKVCacheManager(**_kwargs())
+    assert type(m) is HybridKVCacheManager and m._retain_priority == 0
+    assert not any("ignored" in ln for ln in plugin_lines)
+
+
+def test_no_controls_under_exact_say_nothing(plugin_lines: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybrid_alloc.vllm.manager import HybridKVCacheManager
+
+    for k in ("HYBRID_ALLOC_POLICY", "HYBRID_ALLOC_PIN_PREFIXES", "HYBRID_ALLOC_RETAIN_PRIORITY", "HYBRID_ALLOC_PIN_SHARE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HYBRID_ALLOC_PIN_SHARE", "  ")  # blank counts as unset
+    assert type(HybridKVCacheManager(**_kwargs())) is HybridKVCacheManager
+    assert not any("ignored" in ln for ln in plugin_lines)

@@ -14,8 +14,9 @@ specs), :mod:`.policy_env` (the retention policy's environment controls), :mod:`
 For a configuration the core does not serve exactly, and for anything the adapter does not
 know at construction (an argument it has never seen, a missing attribute, an exception while
 building the native manager), ``HybridKVCacheManager(...)`` returns vLLM's own
-``KVCacheManager``, built with the same arguments, and logs one line saying why. The
-constructor never raises what vLLM's own would not.
+``KVCacheManager``, built once with the same arguments, and logs one line saying why. The
+constructor never raises what vLLM's own would not; what vLLM's own raises reaches the caller
+unchanged (:func:`raised_by_vllm` tells it apart).
 """
 
 from __future__ import annotations
@@ -254,6 +255,12 @@ class HybridKVCacheManager:
             self._retain_priority, self._pending_pins = controls.retain_priority, controls.pins
             if controls.pin_share is not None:
                 self._alloc.set_pinned_share(controls.pin_share)
+        elif ignored := policy_env.ignored_controls():
+            logger.warning(
+                "hybrid_alloc: %s ignored: these steer the hit-aware policy, and the policy is exact "
+                "(set %s=hit-aware to use them)",
+                ", ".join(ignored), POLICY_ENV,
+            )
         self.kv_cache_config = kvc
         self.max_model_len = a.max_model_len
         self.enable_caching = a.enable_caching

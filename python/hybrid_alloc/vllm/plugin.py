@@ -5,8 +5,10 @@ workers), under fork and spawn. With ``HYBRID_ALLOC`` unset or ``0`` it returns 
 and imports nothing: this module needs only the standard library, and the
 ``hybrid_alloc`` and ``hybrid_alloc.vllm`` packages import their contents lazily.
 
-With ``HYBRID_ALLOC=1`` on a tested vLLM release (:data:`TESTED_VLLM_RELEASES`) it makes
-vLLM's scheduler build :class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`:
+With ``HYBRID_ALLOC`` set to ``1``, ``true``, ``yes`` or ``on`` (any case) on a tested vLLM
+release (:data:`TESTED_VLLM_RELEASES`) it makes vLLM's scheduler build
+:class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`; any value other than those and
+``0``, ``false``, ``no``, ``off`` or empty leaves the plugin off, with one line naming it:
 
 - it assigns ``vllm.v1.core.sched.scheduler.KVCacheManager``: the scheduler module bound
   that name at import (``from vllm.v1.core.kv_cache_manager import KVCacheManager``), so
@@ -50,8 +52,19 @@ logger = logging.getLogger("vllm.hybrid_alloc")
 _saved: tuple[Any, Any, Any] | None = None  # (scheduler module, KVCacheManager, Scheduler.__init__)
 
 
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
+
+
+def flag(value: str | None) -> bool | None:
+    """A boolean variable's value: ``True`` for 1/true/yes/on, ``False`` for unset, empty or
+    0/false/no/off (any case, surrounding blanks ignored), ``None`` for anything else."""
+    v = (value or "").strip().lower()
+    return True if v in _ON else False if v in _OFF else None
+
+
 def _truthy(value: str | None) -> bool:
-    return (value or "0").strip().lower() not in ("", "0", "false", "no", "off")
+    return flag(value) is True
 
 
 def enabled() -> bool:
@@ -81,7 +94,14 @@ def vllm_release() -> str | None:
 def register() -> None:
     """The plugin entry point: does nothing unless the flag is set; never raises."""
     try:
-        if not enabled():
+        on = flag(os.environ.get(ENV_FLAG))
+        if on is None:
+            logger.warning(
+                "hybrid_alloc: %s=%r is not one of %s (on) or %s (off); the plugin stays off",
+                ENV_FLAG, os.environ.get(ENV_FLAG), "/".join(_ON), "/".join(v for v in _OFF if v),
+            )
+            return
+        if not on:
             return
         release = vllm_release()
         if release not in TESTED_VLLM_RELEASES:

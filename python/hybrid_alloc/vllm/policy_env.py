@@ -11,7 +11,8 @@ built (issue 9).
   - ``HYBRID_ALLOC_PIN_SHARE=F``: the pinned share of the pool (default 0.25).
 
 A bad value raises ``Unsupported`` naming the variable (the adapter falls back to vLLM's own
-manager, with one line). Controls set under the exact policy are ignored.
+manager, with one line). Controls set under the exact policy are ignored; the manager says so
+in one line (:func:`ignored_controls`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "POLICY_ENV",
     "RETAIN_PRIORITY_ENV",
     "PolicyControls",
+    "ignored_controls",
     "policy_controls",
     "policy_from_env",
 ]
@@ -38,6 +40,7 @@ POLICIES = ("exact", "hit-aware")
 RETAIN_PRIORITY_ENV = "HYBRID_ALLOC_RETAIN_PRIORITY"
 PIN_PREFIXES_ENV = "HYBRID_ALLOC_PIN_PREFIXES"
 PIN_SHARE_ENV = "HYBRID_ALLOC_PIN_SHARE"
+CONTROL_ENVS = (RETAIN_PRIORITY_ENV, PIN_PREFIXES_ENV, PIN_SHARE_ENV)
 
 Policy = Literal["exact", "hit-aware"]
 
@@ -94,3 +97,9 @@ def policy_controls() -> PolicyControls:
         if not 0.0 <= share <= 1.0:
             raise Unsupported(f"{PIN_SHARE_ENV}={env[PIN_SHARE_ENV]!r} is not a number in 0..1")
     return PolicyControls(retain, pins, share)
+
+
+def ignored_controls() -> list[str]:
+    """The hit-aware controls set (non-empty) in the environment: under the exact policy
+    they are ignored, and the manager says so."""
+    return [name for name in CONTROL_ENVS if os.environ.get(name, "").strip()]
