@@ -7,8 +7,7 @@ and imports nothing: this module needs only the standard library, and the
 
 With ``HYBRID_ALLOC`` set to ``1``, ``true``, ``yes`` or ``on`` (any case) on a tested vLLM
 release (:data:`TESTED_VLLM_RELEASES`) it makes vLLM's scheduler build
-:class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`; any value other than those and
-``0``, ``false``, ``no``, ``off`` or empty leaves the plugin off, with one line naming it:
+:class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`:
 
 - it assigns ``vllm.v1.core.sched.scheduler.KVCacheManager``: the scheduler module bound
   that name at import (``from vllm.v1.core.kv_cache_manager import KVCacheManager``), so
@@ -20,6 +19,9 @@ release (:data:`TESTED_VLLM_RELEASES`) it makes vLLM's scheduler build
   refused the configuration) reaches the engine unchanged, with the adapter's one line;
 - it wraps ``Scheduler.__init__`` to know that ``VllmConfig`` while the scheduler builds
   its manager.
+
+Any other value than those and ``0``, ``false``, ``no``, ``off`` or empty leaves the plugin
+off, with one line naming the value.
 
 The plugin never stops vLLM from starting. On another vLLM release it leaves vLLM
 untouched and logs one line naming the release and the tested ones
