@@ -29,15 +29,8 @@ from typing import Any
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.kv_cache_interface import (
-    AttentionSpec,
-    CircularBufferSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
-    KVCacheGroupRole,
-    KVCacheSpec,
-    MambaSpec,
-)
+from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, CrossAttentionSpec, EncoderOnlyAttentionSpec
+from vllm.v1.kv_cache_interface import KVCacheGroupRole, KVCacheSpec, MambaSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
@@ -46,12 +39,8 @@ from hybrid_alloc.specs import GroupSpec, legacy_tuple
 from hybrid_alloc.vllm import compat, policy_env
 from hybrid_alloc.vllm.args import KNOWN_ARGS, ManagerArgs
 from hybrid_alloc.vllm.blocks import EmptyKVCacheBlocks, HitBlocks, NativeBlock, NativeKVCacheBlocks
-from hybrid_alloc.vllm.compat import (
-    EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE,
-    LOOKAHEAD_HASHES,
-    TRIM_NULL_HEAD,
-    VllmKVCacheManager,
-)
+from hybrid_alloc.vllm.compat import EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE, LOOKAHEAD_HASHES, TRIM_NULL_HEAD
+from hybrid_alloc.vllm.compat import VllmKVCacheManager
 from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
 from hybrid_alloc.vllm.kv_events import EventLog
 from hybrid_alloc.vllm.policy_env import PIN_PREFIXES_ENV, PIN_SHARE_ENV, POLICY_ENV, RETAIN_PRIORITY_ENV
