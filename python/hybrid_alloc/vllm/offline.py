@@ -53,13 +53,11 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-try:  # vLLM >= 0.33
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
-except ImportError:  # vLLM 0.32
-    from vllm.v1.core.kv_cache_utils import (  # type: ignore[attr-defined,no-redef]
-        get_kv_cache_config_from_groups,
-        get_kv_cache_groups,
-    )
+from hybrid_alloc.vllm.compat import (
+    config_hash_lookahead_tokens,
+    get_kv_cache_config_from_groups,
+    get_kv_cache_groups,
+)
 
 ManagerName = Literal["vllm", "hybrid_alloc", "no_hybrid"]
 
@@ -392,9 +390,9 @@ class SchedulerSetup:
         hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         # 0.33: with EAGLE-style speculative decoding, hashes lag by the lookahead tokens.
-        lookahead = getattr(vc, "num_hash_lookahead_tokens", 0)
+        lookahead = config_hash_lookahead_tokens(vc)
         hasher = get_request_block_hasher(hbs, hash_fn, lookahead) if lookahead else get_request_block_hasher(hbs, hash_fn)
-        sched._hybrid_alloc_block_hasher = hasher  # type: ignore[attr-defined]
+        sched._hybrid_alloc_block_hasher = hasher
         return sched
 
 
@@ -403,7 +401,7 @@ def make_request(sched: Scheduler, request_id: str, prompt: list[int], max_token
     return Request(
         request_id=request_id, prompt_token_ids=list(prompt),
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), pooling_params=None,
-        block_hasher=sched._hybrid_alloc_block_hasher,  # type: ignore[attr-defined]
+        block_hasher=sched._hybrid_alloc_block_hasher,
     )
 
 

@@ -5,16 +5,23 @@ workers), under fork and spawn. With ``HYBRID_ALLOC`` unset or ``0`` it returns 
 and imports nothing: this module needs only the standard library, and the
 ``hybrid_alloc`` and ``hybrid_alloc.vllm`` packages import their contents lazily.
 
-With ``HYBRID_ALLOC=1`` on a tested vLLM release (:data:`TESTED_VLLM_RELEASES`) it makes
-vLLM's scheduler build :class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`:
+With ``HYBRID_ALLOC`` set to ``1``, ``true``, ``yes`` or ``on`` (any case) on a tested vLLM
+release (:data:`TESTED_VLLM_RELEASES`) it makes vLLM's scheduler build
+:class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`:
 
 - it assigns ``vllm.v1.core.sched.scheduler.KVCacheManager``: the scheduler module bound
   that name at import (``from vllm.v1.core.kv_cache_manager import KVCacheManager``), so
   patching ``vllm.v1.core.kv_cache_manager.KVCacheManager`` alone would change nothing.
-  The name is bound to a small factory that builds the adapter and, should that raise
-  anyway, builds vLLM's own manager with the same arguments;
-- it wraps ``Scheduler.__init__`` to let the manager see the ``VllmConfig`` (a KV
-  connector there means falling back to vLLM's own manager).
+  The name is bound to a small factory that builds the adapter, passing it the
+  ``VllmConfig`` being scheduled (a KV connector there means falling back to vLLM's own
+  manager) and, should the adapter itself raise anyway, builds vLLM's own manager with the
+  same arguments. What vLLM's own manager raises (the adapter fell back to it, and it
+  refused the configuration) reaches the engine unchanged, with the adapter's one line;
+- it wraps ``Scheduler.__init__`` to know that ``VllmConfig`` while the scheduler builds
+  its manager.
+
+Any other value than those and ``0``, ``false``, ``no``, ``off`` or empty leaves the plugin
+off, with one line naming the value.
 
 The plugin never stops vLLM from starting. On another vLLM release it leaves vLLM
 untouched and logs one line naming the release and the tested ones
@@ -27,6 +34,7 @@ The patch is applied in process 0 too, so an engine core forked from it inherits
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
@@ -46,8 +54,19 @@ logger = logging.getLogger("vllm.hybrid_alloc")
 _saved: tuple[Any, Any, Any] | None = None  # (scheduler module, KVCacheManager, Scheduler.__init__)
 
 
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
+
+
+def flag(value: str | None) -> bool | None:
+    """A boolean variable's value: ``True`` for 1/true/yes/on, ``False`` for unset, empty or
+    0/false/no/off (any case, surrounding blanks ignored), ``None`` for anything else."""
+    v = (value or "").strip().lower()
+    return True if v in _ON else False if v in _OFF else None
+
+
 def _truthy(value: str | None) -> bool:
-    return (value or "0").strip().lower() not in ("", "0", "false", "no", "off")
+    return flag(value) is True
 
 
 def enabled() -> bool:
@@ -77,7 +96,14 @@ def vllm_release() -> str | None:
 def register() -> None:
     """The plugin entry point: does nothing unless the flag is set; never raises."""
     try:
-        if not enabled():
+        on = flag(os.environ.get(ENV_FLAG))
+        if on is None:
+            logger.warning(
+                "hybrid_alloc: %s=%r is not one of %s (on) or %s (off); the plugin stays off",
+                ENV_FLAG, os.environ.get(ENV_FLAG), "/".join(_ON), "/".join(v for v in _OFF if v),
+            )
+            return
+        if not on:
             return
         release = vllm_release()
         if release not in TESTED_VLLM_RELEASES:
@@ -117,13 +143,19 @@ def apply() -> bool:
         logger.warning("hybrid_alloc: not enabled, vLLM is left untouched: %s: %s", type(e).__name__, e)
         return False
 
+    # The VllmConfig of the scheduler being built in this thread (None outside one).
+    scheduling: contextvars.ContextVar[Any] = contextvars.ContextVar("hybrid_alloc_scheduling", default=None)
+
     def KVCacheManager(*args: Any, **kwargs: Any) -> Any:
-        """Builds ``HybridKVCacheManager`` (which falls back to vLLM's own manager, with one
-        line, on what it does not serve); should even that raise, builds vLLM's own manager
-        with the same arguments."""
+        """Builds ``HybridKVCacheManager`` for the scheduler being built (it falls back to
+        vLLM's own manager, with one line, on what it does not serve); should the adapter
+        itself raise anyway, builds vLLM's own manager with the same arguments. What vLLM's
+        own manager raised in the adapter's fallback propagates unchanged."""
         try:
-            return native_cls(*args, **kwargs)
+            return native_cls(*args, vllm_config=scheduling.get(), **kwargs)
         except Exception as e:  # vLLM's own manager is always a valid answer
+            if manager.raised_by_vllm(e):
+                raise  # vLLM's own answer to this configuration, built and logged once already
             logger.warning(
                 "hybrid_alloc: falling back to vLLM's KVCacheManager: building the native manager raised %s: %s",
                 type(e).__name__, e,
@@ -134,16 +166,15 @@ def apply() -> bool:
 
     @functools.wraps(original_init)
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
-        previous = manager.current_vllm_config
-        manager.current_vllm_config = vllm_config
+        token = scheduling.set(vllm_config)
         try:
             original_init(self, vllm_config, *args, **kwargs)
         finally:
-            manager.current_vllm_config = previous
+            scheduling.reset(token)
 
     __init__._hybrid_alloc_wrapped = True  # type: ignore[attr-defined]
-    sched_mod.KVCacheManager = KVCacheManager  # type: ignore[misc,assignment]
-    sched_mod.Scheduler.__init__ = __init__  # type: ignore[method-assign]
+    sched_mod.KVCacheManager = KVCacheManager
+    sched_mod.Scheduler.__init__ = __init__
     _saved = (sched_mod, original_manager, original_init)
     return True
 

@@ -1,0 +1,159 @@
+"""The ``KVCacheBlocks`` the adapter hands to vLLM, and the block views behind them.
+
+- :class:`NativeBlock`: one block as ``KVCacheBlocks.blocks`` shows it (``block_id``,
+  ``is_null``, ``ref_cnt``, ``block_hash``), made on demand, never on the hot path;
+- :class:`EmptyKVCacheBlocks`: the manager's shared "no block" result;
+- :class:`NativeKVCacheBlocks`: block ids per group (lists, or the core's flat ``BlockIds``
+  buffer, turned into Python ints only when a caller reads them);
+- :class:`HitBlocks`: a ``get_computed_blocks`` result, which ``allocate_slots`` recognises
+  to reuse the hit the core stored instead of sending its ids back.
+
+Cost: building any of these is O(1); ``get_block_ids`` is one crossing (a buffer) or one list
+copy per group; ``blocks`` makes one view per block, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+from hybrid_alloc._core import Allocator, BlockIds
+
+__all__ = ["EmptyKVCacheBlocks", "HitBlocks", "NativeBlock", "NativeKVCacheBlocks"]
+
+
+class NativeBlock:
+    """A block handed to a caller that reads ``KVCacheBlocks.blocks``: an id-backed view
+    of the pool, made on demand (never on the hot path)."""
+
+    __slots__ = ("_alloc", "block_id")
+
+    def __init__(self, alloc: Allocator, block_id: int) -> None:
+        self._alloc = alloc
+        self.block_id = block_id
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == 0
+
+    @property
+    def ref_cnt(self) -> int:
+        return self._alloc.ref_cnt(self.block_id)
+
+    @property
+    def block_hash(self) -> bytes | None:
+        h = self._alloc.block_hash(self.block_id)
+        return None if h is None else make_block_hash_with_group_id(h[0], h[1])
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        return self._alloc.block_hash_num_tokens(self.block_id)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NativeBlock) and other.block_id == self.block_id
+
+    def __hash__(self) -> int:
+        return hash(self.block_id)
+
+    def __repr__(self) -> str:
+        return f"NativeBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class EmptyKVCacheBlocks(KVCacheBlocks):
+    """The manager's shared "no block" result (``empty_kv_cache_blocks``): vLLM's empty
+    ``KVCacheBlocks`` (``blocks`` is one empty tuple per group, so ``+``, ``.blocks``,
+    ``new_empty`` and the connectors see exactly vLLM's object), whose ``get_block_ids``
+    answers without scanning the groups. The scheduler calls ``get_block_ids(allow_none=True)``
+    on it for every running request that got no new block (15 of 16 decode steps at block
+    size 16): vLLM's method costs about 0.4-0.6 us there, this one about 0.05 us."""
+
+    def __init__(self, num_groups: int) -> None:
+        super().__init__(tuple(() for _ in range(num_groups)))
+
+    def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None) -> Any:
+        if allow_none and group_ids is None:
+            return None
+        groups = self.blocks if group_ids is None else tuple(self.blocks[g] for g in group_ids)
+        if allow_none:
+            return None
+        return tuple([] for _ in groups)
+
+
+class NativeKVCacheBlocks(KVCacheBlocks):
+    """``KVCacheBlocks`` whose content is block ids; ``blocks`` makes block views lazily.
+    Made from lists, or from the core's flat ``BlockIds`` buffer: then no Python int is made
+    for an id until a caller reads the ids (the scheduler does not read an admission's new
+    blocks, nor a hit's)."""
+
+    __slots__ = ("_alloc", "_src", "_lists", "_blocks")
+
+    def __init__(self, alloc: Allocator, ids: tuple[list[int], ...] | BlockIds) -> None:
+        # Deliberately not calling the dataclass __init__: ``blocks`` is lazy.
+        self._alloc = alloc
+        self._src: BlockIds | None
+        self._lists: tuple[list[int], ...] | None
+        if type(ids) is BlockIds:
+            self._src, self._lists = ids, None
+        else:
+            self._src, self._lists = None, ids
+        self._blocks: tuple[list[NativeBlock], ...] | None = None
+
+    @property
+    def _ids(self) -> tuple[list[int], ...]:
+        if self._lists is None:
+            assert self._src is not None
+            self._lists = self._src.lists()
+        return self._lists
+
+    @property
+    def blocks(self) -> tuple[Sequence[Any], ...]:
+        if self._blocks is None:
+            a = self._alloc
+            self._blocks = tuple([NativeBlock(a, b) for b in g] for g in self._ids)
+        return self._blocks
+
+    def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None) -> Any:
+        src = self._src
+        if src is not None and group_ids is None:
+            # Fresh lists straight from the buffer (one crossing), as vLLM's are fresh.
+            return None if allow_none and src.is_empty() else src.lists()
+        groups = self._ids if group_ids is None else tuple(self._ids[g] for g in group_ids)
+        if allow_none and not any(groups):
+            return None
+        # Fresh lists, as vLLM's; ``map`` builds them in C (half the cost of a generator).
+        return tuple(map(list, groups))
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        other_ids = other.get_block_ids()
+        return NativeKVCacheBlocks(self._alloc, tuple(a + b for a, b in zip(self._ids, other_ids)))
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        assert len(self._ids) == 1, "Only one group is supported"
+        a = self._alloc
+        return [b for b in self._ids[0] if a.block_hash(b) is None]
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        a = self._alloc
+        return [[b for b in g if b != 0 and a.block_hash(b) is None] for g in self._ids]
+
+    def new_empty(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(() for _ in range(len(self._ids))))
+
+    def __repr__(self) -> str:
+        return f"NativeKVCacheBlocks({self._ids})"
+
+
+class HitBlocks(NativeKVCacheBlocks):
+    """The result of ``get_computed_blocks``: carries the generation of the hit stored in
+    Rust, so ``allocate_slots`` can reuse that hit instead of sending the ids back when it is
+    handed the latest lookup of the same request."""
+
+    __slots__ = ("_gen",)
+
+    def __init__(self, alloc: Allocator, ids: tuple[list[int], ...] | BlockIds, gen: int) -> None:
+        super().__init__(alloc, ids)
+        self._gen = gen
+
