@@ -7,9 +7,9 @@ fields. vLLM's own spec classes map onto these in ``hybrid_alloc.vllm.spec_table
 
 Pure Python, no vLLM: ``import hybrid_alloc.specs`` is cheap.
 
-:func:`legacy_tuple` converts one to the positional tuple ``(kind, block_size, spec_key,
-p1, p2, p3)`` the binding took before it read these objects by attribute; the adapter calls
-it in one place only, right before ``Allocator(...)``.
+The binding reads them by attribute (``kind``, ``block_size``, ``spec_key``, then the
+kind's own fields); it still takes the positional tuples ``(kind, block_size, spec_key,
+p1, p2[, p3])`` of earlier releases.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ __all__ = [
     "MambaAlign",
     "Rswa",
     "SlidingWindow",
-    "legacy_tuple",
 ]
 
 
@@ -120,28 +119,3 @@ class MambaAlign:
 GroupSpec: TypeAlias = (
     FullAttention | SlidingWindow | Rswa | ChunkedLocal | CrossAttention | CircularBuffer | Mamba | MambaAlign
 )
-
-LegacyTuple: TypeAlias = tuple[str, int, int, int, int, int]
-
-
-def legacy_tuple(spec: GroupSpec) -> LegacyTuple:
-    """``spec`` as the positional tuple ``(kind, block_size, spec_key, p1, p2, p3)`` whose
-    parameters mean, per kind: sliding_window (window, extra_retained_tokens, 0), rswa
-    (window, 0, 0), chunked_local (chunk, 0, 0), mamba (speculative_blocks, 0, 0),
-    mamba_align (speculative_blocks, rekey_cached_tail, checkpoint_alignment), others
-    (0, 0, 0). Goes once the binding reads the named specs."""
-    p: tuple[int, int, int]
-    match spec:
-        case SlidingWindow():
-            p = (spec.window, spec.extra_retained_tokens, 0)
-        case Rswa():
-            p = (spec.window, 0, 0)
-        case ChunkedLocal():
-            p = (spec.chunk, 0, 0)
-        case Mamba():
-            p = (spec.speculative_blocks, 0, 0)
-        case MambaAlign():
-            p = (spec.speculative_blocks, int(spec.rekey_cached_tail), spec.checkpoint_alignment)
-        case _:
-            p = (0, 0, 0)
-    return (spec.kind, spec.block_size, spec.spec_key, *p)

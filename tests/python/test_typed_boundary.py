@@ -3,61 +3,26 @@
 named specs read by attribute (beside the legacy tuples), and ``noop_limits`` returns a
 ``NoopLimits`` that reads by name and still unpacks as a 4-tuple.
 
-The spec classes below are a test-only copy of the shape ``hybrid_alloc.specs`` gives them
-(frozen, slotted, keyword-only dataclasses with a ``kind`` class variable), so this file
-tests the binding's reading by attribute on its own."""
+The named specs are ``hybrid_alloc.specs``'s own classes (the adapter builds them too); any
+object with the same attributes reads the same."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any
 
 import hybrid_alloc as ha
 import pytest
 from hybrid_alloc import Allocator
 from hybrid_alloc._core import NoopLimits
 from hybrid_alloc.events import AllBlocksCleared, BlockRemoved, BlockStored
+from hybrid_alloc.specs import ChunkedLocal, FullAttention, MambaAlign, SlidingWindow
 
 H = 32
 
 
 def hashes(*xs: int) -> list[bytes]:
     return [x.to_bytes(H, "big") for x in xs]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FullAttention:
-    kind: ClassVar[str] = "full"
-    block_size: int
-    spec_key: int = 0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SlidingWindow:
-    kind: ClassVar[str] = "sliding_window"
-    block_size: int
-    spec_key: int = 0
-    window: int
-    extra_retained_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ChunkedLocal:
-    kind: ClassVar[str] = "chunked_local"
-    block_size: int
-    spec_key: int = 0
-    chunk: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MambaAlign:
-    kind: ClassVar[str] = "mamba_align"
-    block_size: int
-    spec_key: int = 0
-    speculative_blocks: int = 0
-    rekey_cached_tail: bool = False
-    checkpoint_alignment: int = 0
 
 
 def run(groups: list[Any]) -> tuple[object, ...]:

@@ -1,7 +1,7 @@
 """vLLM's KV cache events (``vllm.distributed.kv_events``) made from the core's events.
 
 :class:`EventLog` collects them for one manager: :meth:`EventLog.drain` turns the core's
-events (``("stored", ...)``, ``("removed", ...)``, ``("cleared",)``) into vLLM's
+events (:mod:`hybrid_alloc.events`: ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) into vLLM's
 ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``, built as vLLM's own
 ``BlockPool`` builds them; :meth:`EventLog.take` hands them over, each ``BlockStored``
 tagged with its group's spec kind and sliding window, as vLLM's manager tags them.
@@ -30,6 +30,9 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_cache_interface import KVCacheConfig, get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 from vllm.v1.request import Request
 
+from hybrid_alloc.events import AllBlocksCleared as CoreAllBlocksCleared
+from hybrid_alloc.events import BlockRemoved as CoreBlockRemoved
+from hybrid_alloc.events import CoreEvent
 from hybrid_alloc.vllm import compat
 
 __all__ = ["EventLog"]
@@ -52,30 +55,30 @@ class EventLog:
             for g in kv_cache_config.kv_cache_groups
         )
 
-    def drain(self, core_events: Iterable[Sequence[Any]], request: Request | None) -> None:
+    def drain(self, core_events: Iterable[CoreEvent], request: Request | None) -> None:
         """Appends the vLLM events of ``core_events``; ``request`` is the request whose
         blocks were stored (``None`` where nothing can be stored: eviction, reset)."""
         for ev in core_events:
-            tag = ev[0]
-            if tag == "removed":
+            if isinstance(ev, CoreBlockRemoved):
                 self.events.append(
-                    BlockRemoved(block_hashes=[maybe_convert_block_hash(ev[1])], medium=MEDIUM_GPU, group_idx=ev[2])
+                    BlockRemoved(
+                        block_hashes=[maybe_convert_block_hash(ev.block_hash)], medium=MEDIUM_GPU, group_idx=ev.group
+                    )
                 )
-            elif tag == "cleared":
+            elif isinstance(ev, CoreAllBlocksCleared):
                 self.events.append(AllBlocksCleared())
             else:
-                _, _h, group, block_size, start, end, parent, hashes, idxs = ev
                 assert request is not None
                 self.events.append(
                     self.block_stored(
                         request,
-                        [maybe_convert_block_hash(h) for h in hashes],
-                        None if parent is None else maybe_convert_block_hash(parent),
-                        start,
-                        end,
-                        block_size,
-                        group,
-                        idxs,
+                        [maybe_convert_block_hash(h) for h in ev.block_hashes],
+                        None if ev.parent_hash is None else maybe_convert_block_hash(ev.parent_hash),
+                        ev.start_token,
+                        ev.end_token,
+                        ev.block_size,
+                        ev.group,
+                        ev.block_indices,
                     )
                 )
 

@@ -35,7 +35,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc._core import Allocator, FastAllocate, Hit, HybridAllocError, UnsupportedConfigError
-from hybrid_alloc.specs import GroupSpec, legacy_tuple
+from hybrid_alloc.specs import GroupSpec
 from hybrid_alloc.vllm import compat, policy_env
 from hybrid_alloc.vllm.args import KNOWN_ARGS, ManagerArgs
 from hybrid_alloc.vllm.blocks import EmptyKVCacheBlocks, HitBlocks, NativeBlock, NativeKVCacheBlocks
@@ -178,9 +178,9 @@ def _native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
 
 
 def _allocator(native: dict[str, Any]) -> Allocator:
-    """The core built from ``native``; the one place the named group specs become the
-    binding's positional tuples (goes once the binding reads the named specs)."""
-    return Allocator(**{**native, "groups": [legacy_tuple(g) for g in native["groups"]]})
+    """The core built from ``native`` (its ``groups`` are :mod:`hybrid_alloc.specs` objects,
+    which the binding reads by attribute)."""
+    return Allocator(**native)
 
 
 def native_config_or_reason(
