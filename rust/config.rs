@@ -58,6 +58,30 @@ impl AttentionKind {
     pub fn is_prefix_cacheable(&self) -> bool {
         !matches!(self, AttentionKind::CircularBuffer)
     }
+
+    /// Whether the group has a hit search and caches full blocks under the request's hashes
+    /// (every kind but cross attention and circular buffers).
+    pub fn takes_hits(&self) -> bool {
+        !matches!(self, AttentionKind::Cross | AttentionKind::CircularBuffer)
+    }
+
+    /// Whether the group's table is sized by the encoder tokens, not the sequence (cross
+    /// attention: one static allocation from the encoder length).
+    pub fn sized_by_encoder_tokens(&self) -> bool {
+        matches!(self, AttentionKind::Cross)
+    }
+
+    /// Whether the group's table is positional over the sequence (`len * block_size` covers
+    /// the tokens given): every kind but cross attention (sized by the encoder) and circular
+    /// buffers (one block for the whole sequence).
+    pub fn covers_sequence(&self) -> bool {
+        !matches!(self, AttentionKind::Cross | AttentionKind::CircularBuffer)
+    }
+
+    /// Whether this is a Mamba group in cache mode "align".
+    pub fn is_mamba_align(&self) -> bool {
+        matches!(self, AttentionKind::Mamba { align: true, .. })
+    }
 }
 
 /// One KV cache group.

@@ -15,7 +15,7 @@ use crate::block_pool::{BlockPool, Event};
 use crate::config::{AttentionKind, Config, CoordinatorKind};
 use crate::error::{Error, Result};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
-use crate::manager::{cdiv, find_longest_cache_hit, HashView, SingleTypeManager};
+use crate::manager::{cdiv, find_longest_cache_hit, CacheArgs, CountArgs, HashView, HitQuery, SingleTypeManager};
 use crate::policy::{Level, Policy, LEVEL_NORMAL, LEVEL_SPECULATIVE};
 
 /// Groups with equal specs, looked up together (vLLM's `SpecGroup`).
@@ -300,7 +300,7 @@ impl Allocator {
             .collect();
         let mut spec_groups: Vec<SpecGroup> = Vec::new();
         for (i, g) in cfg.groups.iter().enumerate() {
-            if matches!(g.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
+            if !g.kind.takes_hits() {
                 continue;
             }
             match spec_groups.iter_mut().find(|s| {
@@ -570,16 +570,15 @@ impl Allocator {
                 let m = &self.managers[0];
                 let bs = m.block_size();
                 let view = HashView { hashes: &self.reqs[s as usize].hashes, scale: bs / self.cfg.hash_block_size };
-                let n = find_longest_cache_hit(
-                    m.spec.kind,
-                    &self.pool,
+                let q = HitQuery {
+                    pool: &self.pool,
                     view,
-                    max_cache_hit_length,
-                    &[0],
-                    bs,
-                    bs,
-                    &mut hit[..1],
-                );
+                    max_length: max_cache_hit_length,
+                    group_ids: &[0],
+                    block_size: bs,
+                    alignment_tokens: bs,
+                };
+                let n = find_longest_cache_hit(m.spec.kind, &q, &mut hit[..1]);
                 Hit { num_tokens: n, num_uncached_common_prefix_tokens: 0 }
             }
             CoordinatorKind::Hybrid => self.hybrid_hit(s, max_cache_hit_length, &mut hit),
@@ -608,16 +607,15 @@ impl Allocator {
                 }
                 let view = HashView { hashes, scale: sg.block_size / self.cfg.hash_block_size };
                 let k = sg.group_ids.len();
-                let new_len = find_longest_cache_hit(
-                    sg.kind,
-                    &self.pool,
+                let q = HitQuery {
+                    pool: &self.pool,
                     view,
-                    curr,
-                    &sg.group_ids,
-                    sg.block_size,
-                    align,
-                    &mut tmp[..k],
-                );
+                    max_length: curr,
+                    group_ids: &sg.group_ids,
+                    block_size: sg.block_size,
+                    alignment_tokens: align,
+                };
+                let new_len = find_longest_cache_hit(sg.kind, &q, &mut tmp[..k]);
                 curr = new_len;
                 for (j, &gid) in sg.group_ids.iter().enumerate() {
                     std::mem::swap(&mut out[gid as usize], &mut tmp[j]);
@@ -667,32 +665,26 @@ impl Allocator {
     ) -> i64 {
         let mut n = 0i64;
         for (i, m) in self.managers.iter().enumerate() {
-            n += if matches!(m.spec.kind, AttentionKind::Cross) {
-                m.get_num_blocks_to_allocate(
-                    &self.pool,
-                    s,
-                    num_encoder_tokens,
-                    num_encoder_tokens,
-                    &[],
-                    0,
+            let c = if m.spec.kind.sized_by_encoder_tokens() {
+                CountArgs {
+                    num_tokens: num_encoder_tokens,
+                    num_tokens_main_model: num_encoder_tokens,
                     apply_admission_cap,
                     adopting,
-                    0,
-                )
+                    ..CountArgs::default()
+                }
             } else {
-                let nc: &[BlockId] = new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
-                m.get_num_blocks_to_allocate(
-                    &self.pool,
-                    s,
+                CountArgs {
                     num_tokens,
                     num_tokens_main_model,
-                    nc,
+                    new_computed: new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]),
                     total_computed_tokens,
                     apply_admission_cap,
                     adopting,
                     prefill_end,
-                )
+                }
             };
+            n += m.get_num_blocks_to_allocate(&self.pool, s, &c);
         }
         n
     }
@@ -872,7 +864,7 @@ impl Allocator {
         }
         let mut seen: rustc_hash::FxHashSet<BlockId> = Default::default();
         for (g, (m, v)) in self.managers.iter().zip(nc).enumerate() {
-            if matches!(m.spec.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
+            if !m.spec.kind.takes_hits() {
                 if !v.is_empty() {
                     return Err(Error::OutOfRange(format!(
                         "group {g} (cross attention or circular buffer) cannot have cache-hit blocks"
@@ -1037,7 +1029,7 @@ impl Allocator {
         self.out_ids.clear();
         for (g, m) in self.managers.iter_mut().enumerate() {
             let before = self.out_ids.len();
-            let n = if matches!(m.spec.kind, AttentionKind::Cross) { a.num_encoder_tokens } else { need_slot };
+            let n = if m.spec.kind.sized_by_encoder_tokens() { a.num_encoder_tokens } else { need_slot };
             m.allocate_new_blocks(&mut self.pool, s, n, main, &mut self.out_ids);
             self.out_counts[g] = (self.out_ids.len() - before) as u32;
         }
@@ -1198,19 +1190,17 @@ impl Allocator {
         let boundaries = if shared_prefix_boundary != 0 { &boundaries_buf[..] } else { &boundaries_buf[..1] };
         let hashes = &self.reqs[s as usize].hashes;
         let n = self.cache_target(num_tokens);
+        let c = CacheArgs {
+            req: handle,
+            hashes,
+            num_tokens: n,
+            retention_interval: self.cfg.retention_interval,
+            reachable_boundaries: boundaries,
+            num_prompt_tokens,
+            shared_prefix_boundary,
+        };
         for m in self.managers.iter_mut() {
-            m.cache_blocks(
-                &mut self.pool,
-                s,
-                handle,
-                hashes,
-                self.cfg.hash_block_size,
-                n,
-                self.cfg.retention_interval,
-                boundaries,
-                num_prompt_tokens,
-                shared_prefix_boundary,
-            );
+            m.cache_blocks(&mut self.pool, s, &c);
         }
     }
 
@@ -1250,7 +1240,7 @@ impl Allocator {
             let n = self.cache_target(num_computed_tokens);
             let num_hashes = self.reqs[s as usize].hashes.len();
             for (g, m) in self.managers.iter().enumerate() {
-                let (full, held) = m.blocks_to_cache(s, num_hashes, self.cfg.hash_block_size, n);
+                let (full, held) = m.blocks_to_cache(s, num_hashes, n);
                 if full > m.num_cached(s) && full > held {
                     if let Some(u) = undo {
                         self.undo_hashes(s, u);
@@ -1421,7 +1411,7 @@ impl Allocator {
         }
         let mut keys = Vec::new();
         for m in &self.managers {
-            if matches!(m.spec.kind, AttentionKind::Cross) {
+            if m.spec.kind.sized_by_encoder_tokens() {
                 continue;
             }
             let view = HashView { hashes, scale: m.block_size() / self.cfg.hash_block_size };
@@ -1484,7 +1474,7 @@ impl Allocator {
         let s = self.slot(h)?;
         let mut best: Option<u32> = None;
         for m in &self.managers {
-            if matches!(m.spec.kind, AttentionKind::Cross | AttentionKind::CircularBuffer) {
+            if !m.spec.kind.takes_hits() {
                 continue;
             }
             let t = m.blocks(s).iter().map(|&b| self.pool.block_hash_num_tokens(b)).max().unwrap_or(0);

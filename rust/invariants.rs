@@ -82,11 +82,7 @@ pub fn check(a: &Allocator) -> Result<(), String> {
                     }
                 }
             }
-            if !matches!(
-                m.spec.kind,
-                crate::config::AttentionKind::Cross | crate::config::AttentionKind::CircularBuffer
-            ) && slots as usize > t.len() * m.block_size() as usize
-            {
+            if m.spec.kind.covers_sequence() && slots as usize > t.len() * m.block_size() as usize {
                 return Err(format!("handle {h}: slot limit {slots} beyond group {g}'s table"));
             }
         }
