@@ -9,7 +9,7 @@
 //!
 //! ## Architecture
 //! ```text
-//!  Allocator (coordinator.rs)        one per vLLM KVCacheManager
+//!  Allocator (coordinator/)          one per vLLM KVCacheManager
 //!   |- requests: slab of handles     generation, block hashes, pending cache hit, no-op limits
 //!   |- managers[g] (manager/)        one per KV cache group: block tables, num_cached,
 //!   |                                  attention-type rules (full | R-SWA | SWA | chunked | cross |
@@ -88,7 +88,8 @@ mod py;
 pub use block_pool::Event;
 pub use config::{AttentionKind, Config, CoordinatorKind, GroupSpec};
 pub use coordinator::{
-    token_count, AllocateArgs, Allocator, HashSource, Hit, NewComputed, NoopLimits, PlainStep, StepFields,
+    token_count, AllocateArgs, Allocator, BlockCountArgs, CacheBlocksArgs, HashSource, Hit, NewComputed, NoopLimits,
+    PlainStep, StepFields,
 };
 pub use error::{Error, Result};
 pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};

@@ -105,7 +105,7 @@ struct Model {
 
 impl Model {
     fn new(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>, policy: Policy) -> Self {
-        let a = Allocator::with_policy(config(kinds, num_blocks, retention), policy).unwrap();
+        let a = Allocator::new(config(kinds, num_blocks, retention), policy).unwrap();
         let families = (0..3u64).map(|f| (0..24u64).map(|i| 1_000_000 * (f + 1) + i).collect()).collect();
         Self {
             a,
@@ -228,7 +228,7 @@ impl Model {
             },
             ..Default::default()
         };
-        let mut res = self.a.allocate_slots(h, &args, NewComputed::Stored).unwrap();
+        let mut res = self.a.allocate_slots(h, &args, NewComputed::Stored, None).unwrap();
         if res.is_some() && split {
             self.record_new_blocks(i);
             let rest = AllocateArgs {
@@ -238,7 +238,7 @@ impl Model {
                 num_tokens: prompt,
                 ..Default::default()
             };
-            res = self.a.allocate_slots(h, &rest, NewComputed::Empty).unwrap();
+            res = self.a.allocate_slots(h, &rest, NewComputed::Empty, None).unwrap();
         }
         match res {
             Some(_) => {
@@ -251,7 +251,7 @@ impl Model {
             }
             None => {
                 let r = self.live.pop().unwrap();
-                self.a.free(r.h).unwrap();
+                self.a.free(r.h, LEVEL_NORMAL).unwrap();
             }
         }
     }
@@ -270,7 +270,7 @@ impl Model {
             num_tokens: r.num_tokens,
             ..Default::default()
         };
-        if self.a.allocate_slots(r.h, &args, NewComputed::Empty).unwrap().is_some() {
+        if self.a.allocate_slots(r.h, &args, NewComputed::Empty, None).unwrap().is_some() {
             self.record_new_blocks(i);
             let r = &mut self.live[i];
             r.computed += 1;
@@ -292,7 +292,7 @@ impl Model {
             self.finished.remove(0);
         }
         let level = if retain { LEVEL_PINNED } else { LEVEL_NORMAL };
-        self.a.free_with_level(r.h, level).unwrap();
+        self.a.free(r.h, level).unwrap();
     }
 
     /// Pins a family's prefix (refused past the pinned share).
@@ -530,8 +530,8 @@ fn allocate_hit_aware_mamba_none_mode_is_exact() {
     cfg.groups[1].block_size = 4096;
     cfg.scheduler_block_size = 4096;
     cfg.hash_block_size = 4096;
-    let mut e = Allocator::new(cfg.clone()).unwrap();
-    let mut w = Allocator::with_policy(cfg, Policy::HitAware).unwrap();
+    let mut e = Allocator::new(cfg.clone(), Policy::Exact).unwrap();
+    let mut w = Allocator::new(cfg, Policy::HitAware).unwrap();
     assert!(!w.pool().is_leveled());
     let mut live: Vec<(ReqHandle, ReqHandle, u32)> = Vec::new();
     for k in 0..400u32 {
@@ -540,15 +540,15 @@ fn allocate_hit_aware_mamba_none_mode_is_exact() {
             let p = 5 + k % 37;
             let args = AllocateArgs { num_new_tokens: p, num_prompt_tokens: p, num_tokens: p, ..Default::default() };
             let (re, rw) = (
-                e.allocate_slots(he, &args, NewComputed::Empty).unwrap(),
-                w.allocate_slots(hw, &args, NewComputed::Empty).unwrap(),
+                e.allocate_slots(he, &args, NewComputed::Empty, None).unwrap(),
+                w.allocate_slots(hw, &args, NewComputed::Empty, None).unwrap(),
             );
             assert_eq!(re, rw);
             if re.is_some() {
                 live.push((he, hw, p));
             } else {
-                e.free(he).unwrap();
-                w.free(hw).unwrap();
+                e.free(he, LEVEL_NORMAL).unwrap();
+                w.free(hw, LEVEL_NORMAL).unwrap();
             }
         } else if !live.is_empty() {
             let i = k as usize % live.len();
@@ -562,14 +562,14 @@ fn allocate_hit_aware_mamba_none_mode_is_exact() {
                 ..Default::default()
             };
             let (re, rw) = (
-                e.allocate_slots(he, &args, NewComputed::Empty).unwrap(),
-                w.allocate_slots(hw, &args, NewComputed::Empty).unwrap(),
+                e.allocate_slots(he, &args, NewComputed::Empty, None).unwrap(),
+                w.allocate_slots(hw, &args, NewComputed::Empty, None).unwrap(),
             );
             assert_eq!(re, rw);
             if re.is_none() || k % 11 == 0 {
                 live.swap_remove(i);
-                e.free(he).unwrap();
-                w.free(hw).unwrap();
+                e.free(he, LEVEL_NORMAL).unwrap();
+                w.free(hw, LEVEL_NORMAL).unwrap();
             } else {
                 live[i].2 += 1;
             }
@@ -645,7 +645,7 @@ fn allocate_hit_aware_pressure_takes_speculative_before_normal() {
     let take = (free - normal) / 2 * BS; // two groups
     let h = m.a.add_request();
     let args = AllocateArgs { num_new_tokens: take, num_prompt_tokens: take, num_tokens: take, ..Default::default() };
-    assert!(m.a.allocate_slots(h, &args, NewComputed::Empty).unwrap().is_some());
+    assert!(m.a.allocate_slots(h, &args, NewComputed::Empty, None).unwrap().is_some());
     let p = m.a.pool();
     for b in normal_before {
         assert!(p.block_hash(b).is_some(), "normal block {b} evicted while speculative blocks were free");
@@ -654,10 +654,10 @@ fn allocate_hit_aware_pressure_takes_speculative_before_normal() {
 
 #[test]
 fn allocator_exact_policy_is_default_and_keeps_one_lru_level() {
-    let a = Allocator::new(config(&[AttentionKind::Full, swa(9)], 32, Some(0))).unwrap();
+    let a = Allocator::new(config(&[AttentionKind::Full, swa(9)], 32, Some(0)), Policy::Exact).unwrap();
     assert_eq!(a.policy(), Policy::Exact);
     assert!(!a.pool().is_leveled());
-    let b = Allocator::with_policy(config(&[AttentionKind::Full, swa(9)], 32, Some(0)), Policy::HitAware).unwrap();
+    let b = Allocator::new(config(&[AttentionKind::Full, swa(9)], 32, Some(0)), Policy::HitAware).unwrap();
     assert!(b.pool().is_leveled());
 }
 
@@ -706,7 +706,7 @@ fn pin_prefix_hit_aware_survives_pressure_that_evicts_unpinned() {
 
 #[test]
 fn pin_prefix_past_share_refused_and_exact_refuses_pinning() {
-    let mut a = Allocator::with_policy(config(&[AttentionKind::Full, swa(9)], 41, Some(0)), Policy::HitAware).unwrap();
+    let mut a = Allocator::new(config(&[AttentionKind::Full, swa(9)], 41, Some(0)), Policy::HitAware).unwrap();
     a.set_pinned_share(0.1).unwrap(); // 4 blocks
     let hashes: Vec<BlockHash> = chain_of(&[1, 2, 3, 4]).into_iter().map(BlockHash::from_u64).collect();
     let err = a.pin_prefix(&hashes).unwrap_err();
@@ -714,7 +714,7 @@ fn pin_prefix_past_share_refused_and_exact_refuses_pinning() {
     assert_eq!(a.pin_prefix(&hashes[..2]).unwrap(), 4);
     assert!(a.set_pinned_share(0.05).is_err());
     assert!(a.set_pinned_share(1.5).is_err());
-    let mut e = Allocator::new(config(&[AttentionKind::Full, swa(9)], 41, Some(0))).unwrap();
+    let mut e = Allocator::new(config(&[AttentionKind::Full, swa(9)], 41, Some(0)), Policy::Exact).unwrap();
     assert!(e.pin_prefix(&hashes).is_err());
 }
 

@@ -48,6 +48,24 @@ pub struct AllocateArgs {
     pub skip_zeroing_groups: u64,
 }
 
+/// The arguments of [`Allocator::get_num_blocks_to_allocate`] (vLLM's
+/// `coordinator.get_num_blocks_to_allocate` with no new hit).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockCountArgs {
+    /// Token slots the tables must hold.
+    pub num_tokens: u32,
+    /// Of them, the slots of the target model (usually `num_tokens`).
+    pub num_tokens_main_model: u32,
+    /// Encoder tokens (cross attention's slots).
+    pub num_encoder_tokens: u32,
+    /// Tokens computed so far.
+    pub total_computed_tokens: u32,
+    /// Cap each group at its admission cap (the admission gate).
+    pub apply_admission_cap: bool,
+    /// Where the request's prefill ends (read under retention interval 0 only).
+    pub prefill_end: u32,
+}
+
 /// Where `allocate_slots` takes the request's new cache-hit blocks from.
 #[derive(Clone, Copy, Debug)]
 pub enum NewComputed<'a> {
@@ -60,82 +78,59 @@ pub enum NewComputed<'a> {
 }
 
 impl Allocator {
-    /// The sum over groups of [`SingleTypeManager::get_num_blocks_to_allocate`]; may be
-    /// negative (a Mamba "align" group over-allocated in an earlier step), as in vLLM.
-    #[allow(clippy::too_many_arguments)]
+    /// The sum over groups of [`SingleTypeManager::get_num_blocks_to_allocate`] for `c`,
+    /// each group counting its own cache-hit blocks of `new_computed` (a cross-attention
+    /// group counts `num_encoder_tokens` slots, with no hit); may be negative (a Mamba
+    /// "align" group over-allocated in an earlier step), as in vLLM.
     pub(super) fn num_blocks_to_allocate(
         &self,
         s: Slot,
-        num_tokens: u32,
-        num_tokens_main_model: u32,
+        c: CountArgs<'_>,
         new_computed: &[Vec<BlockId>],
         num_encoder_tokens: u32,
-        total_computed_tokens: u32,
-        apply_admission_cap: bool,
-        adopting: bool,
-        prefill_end: u32,
     ) -> i64 {
         let mut n = 0i64;
         for (i, m) in self.managers.iter().enumerate() {
-            let c = if m.spec.kind.sized_by_encoder_tokens() {
+            let group = if m.spec.kind.sized_by_encoder_tokens() {
                 CountArgs {
                     num_tokens: num_encoder_tokens,
                     num_tokens_main_model: num_encoder_tokens,
-                    apply_admission_cap,
-                    adopting,
-                    ..CountArgs::default()
+                    new_computed: &[],
+                    total_computed_tokens: 0,
+                    prefill_end: 0,
+                    ..c
                 }
             } else {
-                CountArgs {
-                    num_tokens,
-                    num_tokens_main_model,
-                    new_computed: new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]),
-                    total_computed_tokens,
-                    apply_admission_cap,
-                    adopting,
-                    prefill_end,
-                }
+                CountArgs { new_computed: new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]), ..c }
             };
-            n += m.get_num_blocks_to_allocate(&self.pool, s, &c);
+            n += m.get_num_blocks_to_allocate(&self.pool, s, &group);
         }
         n
     }
 
-    /// Blocks `h` needs from the pool for `num_tokens` slots (`num_tokens_main_model` of
+    /// Blocks `h` needs from the pool for `c.num_tokens` slots (`c.num_tokens_main_model` of
     /// them for the target model) with no new hit (vLLM's
     /// `coordinator.get_num_blocks_to_allocate`, used by the scheduler directly). Negative
-    /// when a Mamba "align" table holds more than it needs, as in vLLM. `prefill_end` is
-    /// where the request's prefill ends (read under retention interval 0 only). Without the
+    /// when a Mamba "align" table holds more than it needs, as in vLLM. Without the
     /// admission cap the count records the Mamba prefill checkpoint it reserves, as vLLM's.
     ///
     /// # Errors
     /// Unknown handle.
-    #[allow(clippy::too_many_arguments)]
-    pub fn get_num_blocks_to_allocate(
-        &mut self,
-        h: ReqHandle,
-        num_tokens: u32,
-        num_tokens_main_model: u32,
-        num_encoder_tokens: u32,
-        total_computed_tokens: u32,
-        apply_admission_cap: bool,
-        prefill_end: u32,
-    ) -> Result<i64> {
+    pub fn get_num_blocks_to_allocate(&mut self, h: ReqHandle, c: &BlockCountArgs) -> Result<i64> {
         let s = self.slot(h)?;
-        let prefill_end = self.effective_prefill_end(prefill_end);
-        let n = self.num_blocks_to_allocate(
-            s,
-            num_tokens,
-            num_tokens_main_model,
-            &[],
-            num_encoder_tokens,
-            total_computed_tokens,
-            apply_admission_cap,
-            true,
+        let prefill_end = self.effective_prefill_end(c.prefill_end);
+        let count = CountArgs {
+            num_tokens: c.num_tokens,
+            num_tokens_main_model: c.num_tokens_main_model,
+            new_computed: &[],
+            total_computed_tokens: c.total_computed_tokens,
+            apply_admission_cap: c.apply_admission_cap,
+            adopting: true,
             prefill_end,
-        );
-        if !apply_admission_cap {
-            self.record_checkpoints(s, &[], total_computed_tokens, num_tokens_main_model, prefill_end);
+        };
+        let n = self.num_blocks_to_allocate(s, count, &[], c.num_encoder_tokens);
+        if !c.apply_admission_cap {
+            self.record_checkpoints(s, &[], c.total_computed_tokens, c.num_tokens_main_model, prefill_end);
             self.refresh_noop(s);
         }
         Ok(n)
@@ -161,12 +156,13 @@ impl Allocator {
         prefill_end: u32,
     ) {
         for (i, m) in self.managers.iter_mut().enumerate() {
-            let nc: &[BlockId] = new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
-            m.record_checkpoint(&self.pool, s, nc, query_start, query_end, prefill_end);
+            let blocks: &[BlockId] = new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
+            m.record_checkpoint(&self.pool, s, blocks, query_start, query_end, prefill_end);
         }
     }
 
-    /// vLLM's `KVCacheManager.allocate_slots`. On success the new blocks are in
+    /// vLLM's `KVCacheManager.allocate_slots`, after bringing the request's hashes up to
+    /// `hashes` when given (undone if the call fails). On success the new blocks are in
     /// [`Self::new_block_ids`] (per group counts in [`Self::new_block_counts`]) and the
     /// result is `Some(total new blocks)`; `None` means they do not fit. As in vLLM,
     /// out-of-window blocks are freed even when the result is `None`.
@@ -183,22 +179,9 @@ impl Allocator {
     ///   request has at that position; a stored hit whose blocks were reused since the
     ///   search is refused the same way);
     /// - cache-hit blocks with prefix caching off, for a running request, or for a request
-    ///   that already holds blocks (computed tokens are adopted only into an empty table).
+    ///   that already holds blocks (computed tokens are adopted only into an empty table);
+    /// - an invalid hash in `hashes`.
     pub fn allocate_slots(
-        &mut self,
-        h: ReqHandle,
-        a: &AllocateArgs,
-        new_computed: NewComputed<'_>,
-    ) -> Result<Option<u32>> {
-        self.allocate_slots_synced(h, a, new_computed, None)
-    }
-
-    /// [`Self::allocate_slots`] after bringing the request's hashes up to `hashes` (undone
-    /// if the call fails).
-    ///
-    /// # Errors
-    /// Those of [`Self::allocate_slots`]; an invalid hash.
-    pub fn allocate_slots_synced(
         &mut self,
         h: ReqHandle,
         a: &AllocateArgs,
@@ -270,16 +253,16 @@ impl Allocator {
         new_computed: NewComputed<'_>,
         stored: Option<&[Vec<BlockId>]>,
     ) -> Result<Option<u32>> {
-        let (nc, explicit): (&[Vec<BlockId>], bool) = match new_computed {
+        let (hit_blocks, explicit): (&[Vec<BlockId>], bool) = match new_computed {
             NewComputed::Empty => (&[], false),
             NewComputed::Stored => (stored.unwrap_or(&[]), false),
             NewComputed::Explicit(v) => (v, true),
         };
-        let has_new_computed = nc.iter().any(|v| !v.is_empty());
+        let has_new_computed = hit_blocks.iter().any(|v| !v.is_empty());
         if has_new_computed && !self.cfg.enable_caching {
             return Err(Error::OutOfRange("cache-hit blocks given with prefix caching off".into()));
         }
-        if nc.is_empty() {
+        if hit_blocks.is_empty() {
             if a.num_new_computed_tokens != 0 {
                 return Err(Error::OutOfRange(format!(
                     "num_new_computed_tokens={} without cache-hit blocks",
@@ -287,10 +270,10 @@ impl Allocator {
                 )));
             }
         } else {
-            self.validate_hit(s, nc, a.num_new_computed_tokens, explicit)?;
+            self.validate_hit(s, hit_blocks, a.num_new_computed_tokens, explicit)?;
         }
         let num_local = a.num_computed_tokens as u64 + a.num_new_computed_tokens as u64;
-        for (m, v) in self.managers.iter().zip(nc) {
+        for (m, v) in self.managers.iter().zip(hit_blocks) {
             if m.is_mamba_align() && !v.is_empty() && num_local % m.block_size() as u64 != 0 {
                 return Err(Error::OutOfRange(format!(
                     "a Mamba hit ending inside a block ({num_local} computed tokens, block size {}): \
@@ -309,7 +292,7 @@ impl Allocator {
         if adopts && !tracked && self.managers.iter().any(|m| !m.blocks(s).is_empty()) {
             return Err(Error::OutOfRange("a request that already holds blocks cannot adopt computed tokens".into()));
         }
-        Ok(self.allocate_slots_inner(s, a, nc, adopts && !tracked))
+        Ok(self.allocate_slots_inner(s, a, hit_blocks, adopts && !tracked))
     }
 
     /// The allocation itself; every check passed. Token sums fit `u32` (checked by the
@@ -318,7 +301,7 @@ impl Allocator {
         &mut self,
         s: Slot,
         a: &AllocateArgs,
-        nc: &[Vec<BlockId>],
+        hit_blocks: &[Vec<BlockId>],
         adopts: bool,
     ) -> Option<u32> {
         let mml = self.cfg.max_model_len;
@@ -330,17 +313,16 @@ impl Allocator {
         let prefill_end = self.effective_prefill_end(a.num_prompt_tokens.max(a.num_tokens.saturating_sub(1)));
         if a.full_sequence_must_fit {
             let full = a.num_tokens.min(mml);
-            let need = self.num_blocks_to_allocate(
-                s,
-                full,
-                full,
-                nc,
-                a.num_encoder_tokens,
-                total_computed,
-                true,
-                adopts,
+            let count = CountArgs {
+                num_tokens: full,
+                num_tokens_main_model: full,
+                new_computed: &[],
+                total_computed_tokens: total_computed,
+                apply_admission_cap: true,
+                adopting: adopts,
                 prefill_end,
-            );
+            };
+            let need = self.num_blocks_to_allocate(s, count, hit_blocks, a.num_encoder_tokens);
             if need + watermark as i64 > self.pool.num_free_blocks() as i64 {
                 return None;
             }
@@ -351,25 +333,30 @@ impl Allocator {
         for m in self.managers.iter_mut() {
             m.remove_skipped_blocks(&mut self.pool, s, processed, Some(a.num_prompt_tokens));
         }
-        let need = self.num_blocks_to_allocate(
-            s,
-            need_slot,
-            main,
-            nc,
-            a.num_encoder_tokens,
-            unclamped_total,
-            false,
-            adopts,
+        let count = CountArgs {
+            num_tokens: need_slot,
+            num_tokens_main_model: main,
+            new_computed: &[],
+            total_computed_tokens: unclamped_total,
+            apply_admission_cap: false,
+            adopting: adopts,
             prefill_end,
-        );
+        };
+        let need = self.num_blocks_to_allocate(s, count, hit_blocks, a.num_encoder_tokens);
         // Recorded before the capacity check, as vLLM's count records it.
-        self.record_checkpoints(s, nc, unclamped_total, main, prefill_end);
+        self.record_checkpoints(s, hit_blocks, unclamped_total, main, prefill_end);
         let available = self.pool.num_free_blocks() as i64 - a.reserved_blocks as i64;
         if need + watermark as i64 > available {
             return None;
         }
         if adopts {
-            self.allocate_new_computed_blocks(s, nc, num_local, a.num_external_computed_tokens, a.skip_zeroing_groups);
+            self.allocate_new_computed_blocks(
+                s,
+                hit_blocks,
+                num_local,
+                a.num_external_computed_tokens,
+                a.skip_zeroing_groups,
+            );
             if self.pool.is_leveled() {
                 for m in &self.managers {
                     m.promote_hit(&mut self.pool, s);
@@ -395,13 +382,13 @@ impl Allocator {
     pub(super) fn allocate_new_computed_blocks(
         &mut self,
         s: Slot,
-        nc: &[Vec<BlockId>],
+        hit_blocks: &[Vec<BlockId>],
         num_local: u32,
         num_external: u32,
         skip_zeroing_groups: u64,
     ) {
         for (i, m) in self.managers.iter_mut().enumerate() {
-            let blocks: &[BlockId] = nc.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
+            let blocks: &[BlockId] = hit_blocks.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
             m.add_local_computed_blocks(&mut self.pool, s, blocks, num_local, num_external);
         }
         if num_external > 0 {

@@ -14,7 +14,21 @@ use crate::ids::{BlockHash, BlockId, ReqHandle, Slot, NULL_BLOCK};
 use crate::manager::{CacheArgs, HashView};
 use crate::policy::{Level, LEVEL_NORMAL, LEVEL_SPECULATIVE};
 
+/// The arguments of [`Allocator::cache_blocks`] (the request fields vLLM's `cache_blocks`
+/// reads).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheBlocksArgs {
+    /// Cache full blocks up to this many tokens.
+    pub num_computed_tokens: u32,
+    /// `request.num_prompt_tokens` (the retention masks' replay boundary).
+    pub num_prompt_tokens: u32,
+    /// `request.shared_prefix_boundary` (0: none).
+    pub shared_prefix_boundary: u32,
+}
+
 impl Allocator {
+    /// Tokens whose full blocks are cached for `num_tokens` (a hybrid coordinator caches
+    /// whole scheduler blocks).
     pub(super) fn cache_target(&self, num_tokens: u32) -> u32 {
         match self.kind {
             CoordinatorKind::Hybrid => num_tokens / self.cfg.scheduler_block_size * self.cfg.scheduler_block_size,
@@ -51,33 +65,15 @@ impl Allocator {
         }
     }
 
-    /// Caches the full blocks of `h` up to `num_computed_tokens` (vLLM's `cache_blocks`).
+    /// Caches the full blocks of `h` up to `c.num_computed_tokens` (vLLM's `cache_blocks`),
+    /// after bringing the request's hashes up to `hashes` when given (undone if the call
+    /// fails).
     ///
     /// # Errors
-    /// Unknown handle; a full block the request's table does not hold (nothing changes).
-    pub fn cache_blocks(
-        &mut self,
-        h: ReqHandle,
-        num_computed_tokens: u32,
-        num_prompt_tokens: u32,
-        shared_prefix_boundary: u32,
-    ) -> Result<()> {
-        self.cache_blocks_synced(h, None, num_computed_tokens, num_prompt_tokens, shared_prefix_boundary)
-    }
-
-    /// [`Self::cache_blocks`] after bringing the request's hashes up to `hashes` (undone if
-    /// the call fails).
-    ///
-    /// # Errors
-    /// Those of [`Self::cache_blocks`]; an invalid hash.
-    pub fn cache_blocks_synced(
-        &mut self,
-        h: ReqHandle,
-        hashes: Option<&dyn HashSource>,
-        num_computed_tokens: u32,
-        num_prompt_tokens: u32,
-        shared_prefix_boundary: u32,
-    ) -> Result<()> {
+    /// Unknown handle; an invalid hash; a full block the request's table does not hold
+    /// (nothing changes).
+    pub fn cache_blocks(&mut self, h: ReqHandle, c: &CacheBlocksArgs, hashes: Option<&dyn HashSource>) -> Result<()> {
+        let CacheBlocksArgs { num_computed_tokens, num_prompt_tokens, shared_prefix_boundary } = *c;
         let s = self.slot(h)?;
         let undo = match hashes {
             Some(src) => Some(self.sync_hashes(s, src)?),
@@ -104,21 +100,14 @@ impl Allocator {
         Ok(())
     }
 
-    /// Frees out-of-window blocks of `h` (vLLM's `remove_skipped_blocks`).
+    /// Frees out-of-window blocks of `h` (vLLM's `remove_skipped_blocks`). With vLLM's
+    /// optional `num_prompt_tokens` (passed by `allocate_slots` and by the scheduler before a
+    /// connector reads the table) an R-SWA group frees its gap; without it R-SWA frees
+    /// nothing, as full attention.
     ///
     /// # Errors
     /// Unknown handle.
-    pub fn remove_skipped_blocks(&mut self, h: ReqHandle, processed_computed_tokens: u32) -> Result<()> {
-        self.remove_skipped_blocks_with_prompt(h, processed_computed_tokens, None)
-    }
-
-    /// [`Self::remove_skipped_blocks`] with vLLM's optional `num_prompt_tokens` (passed by
-    /// `allocate_slots` and by the scheduler before a connector reads the table): with it an
-    /// R-SWA group frees its gap; without it R-SWA frees nothing, as full attention.
-    ///
-    /// # Errors
-    /// Unknown handle.
-    pub fn remove_skipped_blocks_with_prompt(
+    pub fn remove_skipped_blocks(
         &mut self,
         h: ReqHandle,
         processed_computed_tokens: u32,
@@ -132,23 +121,16 @@ impl Allocator {
         Ok(())
     }
 
-    /// Frees every block of `h`, tail first, and releases the handle (vLLM's `free`).
+    /// Frees every block of `h`, tail first, and releases the handle (vLLM's `free`, with
+    /// `level` [`LEVEL_NORMAL`]). Under `hit-aware`, its full-attention prefix and the
+    /// window tail ending at its last cached block keep at least `level`
+    /// ([`crate::policy::LEVEL_PINNED`] for a request with a retention priority), and its
+    /// blocks are freed in token-position order across groups (a hit unit together). Under
+    /// `exact`, `level` is ignored.
     ///
     /// # Errors
     /// Unknown handle (a double free is one).
-    pub fn free(&mut self, h: ReqHandle) -> Result<()> {
-        self.free_with_level(h, LEVEL_NORMAL)
-    }
-
-    /// [`Self::free`] with a retention level for what the request leaves cached: under
-    /// `hit-aware`, its full-attention prefix and the window tail ending at its last cached
-    /// block keep at least `level` ([`crate::policy::LEVEL_PINNED`] for a request with a
-    /// retention priority), and its blocks are freed in token-position order across groups
-    /// (a hit unit together). Under `exact`, `level` is ignored: vLLM's `free`.
-    ///
-    /// # Errors
-    /// Unknown handle (a double free is one).
-    pub fn free_with_level(&mut self, h: ReqHandle, level: Level) -> Result<()> {
+    pub fn free(&mut self, h: ReqHandle, level: Level) -> Result<()> {
         let s = self.slot(h)?;
         if self.pool.is_leveled() {
             let mut blocks = Vec::new();
@@ -255,24 +237,7 @@ impl Allocator {
             let from = m.hit_tail_blocks().map_or(0, |t| n.saturating_sub(t));
             keys.extend((from..n).map(|i| (view.get(i), m.group_id)));
         }
-        keys.retain(|k| !self.pool.pinned_keys.contains(k));
-        keys.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()).then(a.1.cmp(&b.1)));
-        keys.dedup();
-        let total = self.pool.pinned_keys.len() as u64 + keys.len() as u64;
-        if total > self.pool.pinned_cap() as u64 {
-            return Err(Error::OutOfRange(format!(
-                "pinning {} more blocks would pin {total}, above the pinned share of {} blocks",
-                keys.len(),
-                self.pool.pinned_cap()
-            )));
-        }
-        for k in &keys {
-            self.pool.pinned_keys.insert(*k);
-            if let Some(b) = self.pool.index.get_one(k) {
-                self.pool.set_level(b, crate::policy::LEVEL_PINNED);
-            }
-        }
-        Ok(total as u32)
+        self.pool.pin_keys(keys)
     }
 
     /// Sets the pinned share of the pool (`0.0..=1.0`, default 0.25): at most that fraction
@@ -282,18 +247,7 @@ impl Allocator {
     /// # Errors
     /// [`Error::OutOfRange`] for a share outside `0.0..=1.0` or below the keys pinned.
     pub fn set_pinned_share(&mut self, share: f64) -> Result<()> {
-        if !(0.0..=1.0).contains(&share) {
-            return Err(Error::OutOfRange(format!("pinned share {share} is outside 0.0..=1.0")));
-        }
-        let cap = ((self.pool.num_blocks() - 1) as f64 * share).floor() as u32;
-        if (self.pool.pinned_keys.len() as u64) > cap as u64 {
-            return Err(Error::OutOfRange(format!(
-                "a pinned share of {cap} blocks is below the {} blocks already pinned",
-                self.pool.pinned_keys.len()
-            )));
-        }
-        self.pool.set_pinned_cap(cap);
-        Ok(())
+        self.pool.set_pinned_share(share)
     }
 
     /// Clears the prefix cache when no block is in use (vLLM's `reset_prefix_cache`).

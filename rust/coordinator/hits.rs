@@ -133,21 +133,21 @@ impl Allocator {
     pub(super) fn validate_hit(
         &self,
         s: Slot,
-        nc: &[Vec<BlockId>],
+        hit_blocks: &[Vec<BlockId>],
         num_new_computed_tokens: u32,
         explicit: bool,
     ) -> Result<()> {
         let ng = self.managers.len();
-        if nc.len() != ng {
-            return Err(Error::OutOfRange(format!("{} hit groups given, the config has {ng}", nc.len())));
+        if hit_blocks.len() != ng {
+            return Err(Error::OutOfRange(format!("{} hit groups given, the config has {ng}", hit_blocks.len())));
         }
         let hashes = &self.reqs[s as usize].hashes;
         let nb = self.pool.num_blocks();
-        if let Some(&b) = nc.iter().flatten().find(|&&b| b >= nb) {
+        if let Some(&b) = hit_blocks.iter().flatten().find(|&&b| b >= nb) {
             return Err(Error::InvalidBlock(format!("block id {b} >= num_blocks {nb}")));
         }
         let mut seen: rustc_hash::FxHashSet<BlockId> = Default::default();
-        for (g, (m, v)) in self.managers.iter().zip(nc).enumerate() {
+        for (g, (m, v)) in self.managers.iter().zip(hit_blocks).enumerate() {
             if !m.spec.kind.takes_hits() {
                 if !v.is_empty() {
                     return Err(Error::OutOfRange(format!(

@@ -23,7 +23,8 @@ mod hits;
 mod noop;
 mod requests;
 
-pub use allocate::{AllocateArgs, NewComputed};
+pub use allocate::{AllocateArgs, BlockCountArgs, NewComputed};
+pub use cache_free::CacheBlocksArgs;
 pub use noop::{NoopLimits, PlainStep, StepFields};
 pub use requests::HashSource;
 
@@ -113,20 +114,12 @@ pub struct Allocator {
 }
 
 impl Allocator {
-    /// Builds an allocator.
+    /// Builds an allocator with a retention policy ([`Policy::Exact`] is vLLM's).
     ///
     /// # Errors
     /// What [`Config::validate`] reports; [`Error::OutOfMemory`] when the pool's metadata
     /// cannot be allocated.
-    pub fn new(cfg: Config) -> Result<Self> {
-        Self::with_policy(cfg, Policy::Exact)
-    }
-
-    /// Builds an allocator with a retention policy ([`Policy::Exact`] is [`Self::new`]).
-    ///
-    /// # Errors
-    /// Those of [`Self::new`].
-    pub fn with_policy(cfg: Config, policy: Policy) -> Result<Self> {
+    pub fn new(cfg: Config, policy: Policy) -> Result<Self> {
         cfg.validate()?;
         let kind = cfg.coordinator_kind();
         let caching = cfg.enable_caching;

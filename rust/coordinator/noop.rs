@@ -153,15 +153,15 @@ impl Allocator {
         let Ok(s) = self.slot(h) else { return Ok(PlainStep::NotHere) };
         let new = token_count("num_new_tokens", num_new_tokens)? as u64;
         let look = token_count("num_lookahead_tokens", num_lookahead_tokens)? as u64;
-        let nc = token_count("num_computed_tokens", req.num_computed_tokens()?)? as u64;
+        let computed = token_count("num_computed_tokens", req.num_computed_tokens()?)? as u64;
         let lim = self.reqs[s as usize].noop;
-        let to_cache = nc + new;
+        let to_cache = computed + new;
         if new > 0 && new <= lim.new_tokens as u64 && to_cache + look <= lim.slots as u64 {
-            // In-flight tokens only lower `nc - inflight`: below the limit with `nc` alone,
+            // In-flight tokens only lower `computed - inflight`: below the limit with `computed` alone,
             // `num_in_flight_tokens` is not read (a decode step of full attention, or of a
             // window longer than the context, reads one field fewer).
-            let below = nc < lim.processed as u64
-                || nc.saturating_sub(token_count("num_in_flight_tokens", req.num_in_flight_tokens()?)? as u64)
+            let below = computed < lim.processed as u64
+                || computed.saturating_sub(token_count("num_in_flight_tokens", req.num_in_flight_tokens()?)? as u64)
                     < lim.processed as u64;
             // An R-SWA group's limits hold for its prompt length or a longer one (read only then).
             let prompt_ok =
@@ -177,14 +177,14 @@ impl Allocator {
         let a = AllocateArgs {
             num_new_tokens: new as u32,
             num_lookahead_tokens: look as u32,
-            num_computed_tokens: nc as u32,
+            num_computed_tokens: computed as u32,
             num_in_flight_tokens: token_count("num_in_flight_tokens", req.num_in_flight_tokens()?)?,
             num_prompt_tokens: token_count("num_prompt_tokens", req.num_prompt_tokens()?)?,
             num_tokens: token_count("num_tokens", req.num_tokens()?)?,
             shared_prefix_boundary: token_count("shared_prefix_boundary", req.shared_prefix_boundary()?)?,
             ..AllocateArgs::default()
         };
-        let r = req.with_block_hashes(|src| Ok(self.allocate_slots_synced(h, &a, NewComputed::Empty, Some(src))?))?;
+        let r = req.with_block_hashes(|src| Ok(self.allocate_slots(h, &a, NewComputed::Empty, Some(src))?))?;
         Ok(PlainStep::Allocated(r))
     }
 

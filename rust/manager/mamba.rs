@@ -42,7 +42,7 @@
 #![forbid(unsafe_code)]
 
 use super::{cdiv, CacheArgs, CountArgs, HitQuery, KindState, SingleTypeManager};
-use crate::block_pool::BlockPool;
+use crate::block_pool::{BlockPool, OneBlock};
 use crate::ids::{BlockId, Slot, NULL_BLOCK};
 use crate::prefix_index::HashKey;
 
@@ -483,14 +483,30 @@ impl SingleTypeManager {
             Some(_) if tokens < num_tokens => {
                 pool.maybe_evict_cached_block(b);
                 let parent = if nh > 1 { Some(hashes[nh - 2]) } else { None };
-                pool.cache_one_block(req, b, idx as u32, key, num_tokens, bs, parent);
+                pool.cache_one_block(&OneBlock {
+                    req,
+                    block: b,
+                    index: idx as u32,
+                    key,
+                    num_tokens,
+                    block_size: bs,
+                    parent,
+                });
             }
             // Another key at this position (a rewritten hash list): vLLM would add a second
             // key to the block; not served, and never reached through the scheduler.
             Some(_) => return,
             None => {
                 let parent = if nh > 1 { Some(hashes[nh - 2]) } else { None };
-                pool.cache_one_block(req, b, idx as u32, key, num_tokens, bs, parent);
+                pool.cache_one_block(&OneBlock {
+                    req,
+                    block: b,
+                    index: idx as u32,
+                    key,
+                    num_tokens,
+                    block_size: bs,
+                    parent,
+                });
             }
         }
         self.align_mut().cached_this_step.insert(key);
@@ -534,7 +550,8 @@ impl SingleTypeManager {
         let key = (hashes[nh - 1], self.group_id);
         pool.maybe_evict_cached_block(b);
         let parent = if nh > 1 { Some(hashes[nh - 2]) } else { None };
-        pool.cache_one_block(c.req, b, pos / bs - 1, key, pos, bs, parent);
+        let o = OneBlock { req: c.req, block: b, index: pos / bs - 1, key, num_tokens: pos, block_size: bs, parent };
+        pool.cache_one_block(&o);
         self.align_mut().cached_this_step.insert(key);
     }
 

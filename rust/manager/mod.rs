@@ -52,7 +52,7 @@ mod zeroing;
 
 pub use hit::{find_longest_cache_hit, HashView, HitQuery};
 
-use crate::block_pool::BlockPool;
+use crate::block_pool::{BlockPool, TableRef};
 use crate::config::{AttentionKind, GroupSpec};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
 
@@ -516,16 +516,10 @@ impl SingleTypeManager {
         // Hit-aware (a leveled pool): cache every block; those the mask skips go to the
         // speculative level (see `crate::policy`).
         let dense = pool.is_leveled() && mask.is_some();
-        pool.cache_full_blocks(
-            c.req,
-            &self.req_blocks[h as usize],
-            num_cached,
-            num_full,
-            bs,
-            self.group_id,
-            if dense { None } else { mask.as_deref() },
-            |i| view.get(i),
-        );
+        let table = TableRef { req: c.req, group: self.group_id, block_size: bs, blocks: &self.req_blocks[h as usize] };
+        pool.cache_full_blocks(&table, num_cached..num_full, if dense { None } else { mask.as_deref() }, |i| {
+            view.get(i)
+        });
         if let (true, Some(mask)) = (dense, &mask) {
             self.level_masked_blocks(pool, h, num_cached, mask, c.reachable_boundaries);
         }

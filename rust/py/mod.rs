@@ -24,7 +24,10 @@ use pyo3::PyTraverseError;
 
 use crate::block_pool::Event;
 use crate::config::{AttentionKind, Config, GroupSpec};
-use crate::coordinator::{token_count, AllocateArgs, Allocator, HashSource, NewComputed, PlainStep, StepFields};
+use crate::coordinator::{
+    token_count, AllocateArgs, Allocator, BlockCountArgs, CacheBlocksArgs, HashSource, NewComputed, PlainStep,
+    StepFields,
+};
 use crate::error::Error;
 use crate::ids::{BlockHash, BlockId, GroupId};
 
@@ -311,7 +314,7 @@ impl PyAllocator {
             zero_new_blocks,
             hash_lookahead_tokens: u32_arg("hash_lookahead_tokens", hash_lookahead_tokens)?,
         };
-        Ok(Self { inner: Mutex::new(Allocator::with_policy(cfg, policy)?) })
+        Ok(Self { inner: Mutex::new(Allocator::new(cfg, policy)?) })
     }
 
     /// Registers a request; returns its handle (an int, unique in the process).
@@ -433,7 +436,7 @@ impl PyAllocator {
         };
         let mut core = self.core()?;
         let src = block_hashes.map(PyHashes);
-        let res = core.allocate_slots_synced(h, &args, nc, src.as_ref().map(|s| s as &dyn HashSource))?;
+        let res = core.allocate_slots(h, &args, nc, src.as_ref().map(|s| s as &dyn HashSource))?;
         match res {
             None => Ok(None),
             Some(_) if as_buffer => {
@@ -485,7 +488,8 @@ impl PyAllocator {
         let s = u32_arg("shared_prefix_boundary", shared_prefix_boundary)?;
         let mut core = self.core()?;
         let src = block_hashes.map(PyHashes);
-        Ok(core.cache_blocks_synced(h, src.as_ref().map(|s| s as &dyn HashSource), n, p, s)?)
+        let c = CacheBlocksArgs { num_computed_tokens: n, num_prompt_tokens: p, shared_prefix_boundary: s };
+        Ok(core.cache_blocks(h, &c, src.as_ref().map(|s| s as &dyn HashSource))?)
     }
 
     /// Frees out-of-window blocks (vLLM's `remove_skipped_blocks`); with
@@ -500,7 +504,7 @@ impl PyAllocator {
         let h = handle_arg(handle)?;
         let n = u32_arg("processed_computed_tokens", processed_computed_tokens)?;
         let p = num_prompt_tokens.map(|p| u32_arg("num_prompt_tokens", p)).transpose()?;
-        Ok(self.core()?.remove_skipped_blocks_with_prompt(h, n, p)?)
+        Ok(self.core()?.remove_skipped_blocks(h, n, p)?)
     }
 
     /// Blocks needed for `num_tokens` slots, `num_tokens_main_model` of them (default
@@ -522,15 +526,15 @@ impl PyAllocator {
         prefill_end: i64,
     ) -> PyResult<i64> {
         let h = handle_arg(handle)?;
-        Ok(self.core()?.get_num_blocks_to_allocate(
-            h,
-            u32_arg("num_tokens", num_tokens)?,
-            u32_arg("num_tokens_main_model", num_tokens_main_model.unwrap_or(num_tokens))?,
-            u32_arg("num_encoder_tokens", num_encoder_tokens)?,
-            u32_arg("total_computed_tokens", total_computed_tokens)?,
+        let c = BlockCountArgs {
+            num_tokens: u32_arg("num_tokens", num_tokens)?,
+            num_tokens_main_model: u32_arg("num_tokens_main_model", num_tokens_main_model.unwrap_or(num_tokens))?,
+            num_encoder_tokens: u32_arg("num_encoder_tokens", num_encoder_tokens)?,
+            total_computed_tokens: u32_arg("total_computed_tokens", total_computed_tokens)?,
             apply_admission_cap,
-            u32_arg("prefill_end", prefill_end)?,
-        )?)
+            prefill_end: u32_arg("prefill_end", prefill_end)?,
+        };
+        Ok(self.core()?.get_num_blocks_to_allocate(h, &c)?)
     }
 
     /// A new scheduler step starts (vLLM's `new_step_starts`).
@@ -545,7 +549,7 @@ impl PyAllocator {
     #[pyo3(signature = (handle, *, retain=false))]
     fn free(&self, handle: i64, retain: bool) -> PyResult<()> {
         let level = if retain { crate::policy::LEVEL_PINNED } else { crate::policy::LEVEL_NORMAL };
-        Ok(self.core()?.free_with_level(handle_arg(handle)?, level)?)
+        Ok(self.core()?.free(handle_arg(handle)?, level)?)
     }
 
     /// Pins a prefix given by its block hashes (`bytes`, at hash block size) under the
