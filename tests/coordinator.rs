@@ -850,3 +850,45 @@ fn find_longest_cache_hit_rswa_hits_as_full_attention_over_freed_gap_blocks() {
     assert!(a.allocate_slots(r2, &x, NewComputed::Stored, None).unwrap().is_some());
     ok(&a);
 }
+
+#[test]
+fn allocate_slots_computed_ahead_of_table_is_refused_and_changes_nothing() {
+    // Issue 15, defect 8a: a 100-token request has computed 16 tokens; a direct-API call
+    // then claims 96 computed. Its blocks past the first were never written, so caching
+    // them under the request's hashes would give a second request a 96-token hit on them.
+    let contents: Vec<u64> = (0..7).collect();
+    let mut a = alloc(config(&[full()], 64));
+    let r = add(&mut a, &contents, 100);
+    a.allocate_slots(r, &args(16, 0, 100, 100), NewComputed::Empty, None).unwrap().unwrap();
+    let free = a.num_free_blocks();
+    let order = a.pool().free_queue_order();
+    let tables = table(&a, r, 0);
+    let limits = a.noop_limits(r).unwrap();
+    let res = a.allocate_slots(r, &args(1, 96, 100, 100), NewComputed::Empty, None);
+    assert!(matches!(&res, Err(Error::OutOfRange(m)) if m.contains("num_computed_tokens=96")), "{res:?}");
+    assert_eq!(a.num_free_blocks(), free);
+    assert_eq!(a.pool().free_queue_order(), order);
+    assert_eq!(table(&a, r, 0), tables);
+    assert_eq!(a.noop_limits(r).unwrap(), limits);
+    ok(&a);
+    let second = add(&mut a, &contents, 100);
+    assert_eq!(a.find_longest_cache_hit(second, 99).unwrap().num_tokens, 16, "only the written block hits");
+    // At the table's edge the count is accepted: 16 computed, the next step.
+    a.allocate_slots(r, &args(1, 16, 100, 100), NewComputed::Empty, None).unwrap().unwrap();
+    ok(&a);
+}
+
+#[test]
+fn allocate_slots_computed_ahead_trusted_is_vllm_exact() {
+    // The vLLM adapter's path: vLLM's manager takes the Request's count as it comes, and so
+    // does the core when told to trust it (the blocks are allocated and cached, as vLLM's).
+    let contents: Vec<u64> = (0..7).collect();
+    let mut a = alloc(config(&[full()], 64));
+    let r = add(&mut a, &contents, 100);
+    a.allocate_slots(r, &args(16, 0, 100, 100), NewComputed::Empty, None).unwrap().unwrap();
+    let x = AllocateArgs { trust_computed_tokens: true, ..args(1, 96, 100, 100) };
+    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty, None).unwrap(), Some(6));
+    let second = add(&mut a, &contents, 100);
+    assert_eq!(a.find_longest_cache_hit(second, 99).unwrap().num_tokens, 96);
+    ok(&a);
+}

@@ -46,6 +46,13 @@ pub struct AllocateArgs {
     /// Bit `g` set: group `g`'s blocks for external tokens are written by an async load and
     /// are not recorded for zeroing (vLLM's `skip_zeroing_group_ids`).
     pub skip_zeroing_groups: u64,
+    /// Take `num_computed_tokens` as vLLM's manager takes `request.num_computed_tokens`,
+    /// unchecked against the tables (the vLLM adapter, which must do what vLLM's manager
+    /// does with any `Request`). `false` (the direct API): a count ahead of the token slots
+    /// a table was given is refused when the call would cache blocks past them, since they
+    /// were never written and caching them under the request's hashes would serve hits on
+    /// them.
+    pub trust_computed_tokens: bool,
 }
 
 /// The arguments of [`Allocator::get_num_blocks_to_allocate`] (vLLM's
@@ -180,6 +187,8 @@ impl Allocator {
     ///   search is refused the same way);
     /// - cache-hit blocks with prefix caching off, for a running request, or for a request
     ///   that already holds blocks (computed tokens are adopted only into an empty table);
+    /// - unless [`AllocateArgs::trust_computed_tokens`], `num_computed_tokens` ahead of the
+    ///   token slots a table was given, when the call would cache blocks past them;
     /// - an invalid hash in `hashes`.
     pub fn allocate_slots(
         &mut self,
@@ -282,6 +291,9 @@ impl Allocator {
                 )));
             }
         }
+        if !a.trust_computed_tokens {
+            self.check_computed_within_tables(s, a)?;
+        }
         let tracked = self.managers.iter().any(|m| m.is_tracked(s));
         if has_new_computed && tracked {
             return Err(Error::OutOfRange("a running request cannot adopt new cache-hit blocks".into()));
@@ -293,6 +305,40 @@ impl Allocator {
             return Err(Error::OutOfRange("a request that already holds blocks cannot adopt computed tokens".into()));
         }
         Ok(self.allocate_slots_inner(s, a, hit_blocks, adopts && !tracked))
+    }
+
+    /// Refuses a computed-token count ahead of the token slots a table of `s` was given
+    /// when this call would cache blocks past them under the request's hashes: the tokens
+    /// between the slots and the count were never written (see
+    /// [`AllocateArgs::trust_computed_tokens`]). A count ahead with nothing to cache there
+    /// (no hashes for those blocks, caching off or delayed) allocates as vLLM's does.
+    fn check_computed_within_tables(&self, s: Slot, a: &AllocateArgs) -> Result<()> {
+        if !self.cfg.enable_caching || a.delay_cache_blocks {
+            return Ok(());
+        }
+        // What `allocate_slots_inner` caches; the sums fit `u32` (checked by the caller).
+        let mml = self.cfg.max_model_len;
+        let total = (a.num_computed_tokens + a.num_new_computed_tokens + a.num_external_computed_tokens).min(mml);
+        let main = total + a.num_new_tokens;
+        let to_cache = self.cache_target(main.min(a.num_tokens).min((main + a.num_lookahead_tokens).min(mml)));
+        let num_hashes = self.reqs[s as usize].hashes.len();
+        for (g, m) in self.managers.iter().enumerate() {
+            let slots = m.blocks(s).len() as u64 * m.block_size() as u64;
+            if !m.spec.kind.covers_sequence() || a.num_computed_tokens as u64 <= slots {
+                continue;
+            }
+            let (full, held) = m.blocks_to_cache(s, num_hashes, to_cache);
+            if full > held {
+                return Err(Error::OutOfRange(format!(
+                    "num_computed_tokens={} is ahead of the {slots} token slots group {g}'s table was given: \
+                     caching {to_cache} tokens would cache {} blocks never written under this request's hashes \
+                     (allocate the computed tokens first, or adopt them as a cache hit or external tokens)",
+                    a.num_computed_tokens,
+                    full - held
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The allocation itself; every check passed. Token sums fit `u32` (checked by the

@@ -182,6 +182,8 @@ impl Allocator {
             num_prompt_tokens: token_count("num_prompt_tokens", req.num_prompt_tokens()?)?,
             num_tokens: token_count("num_tokens", req.num_tokens()?)?,
             shared_prefix_boundary: token_count("shared_prefix_boundary", req.shared_prefix_boundary()?)?,
+            // vLLM's scheduler step: exact to vLLM's manager, whatever the request carries.
+            trust_computed_tokens: true,
             ..AllocateArgs::default()
         };
         let r = req.with_block_hashes(|src| Ok(self.allocate_slots(h, &a, NewComputed::Empty, Some(src))?))?;

@@ -12,6 +12,7 @@
 //! breaks (a panic, our bug), the allocator refuses every later call with `InvariantError`.
 #![forbid(unsafe_code)]
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use pyo3::create_exception;
@@ -232,6 +233,10 @@ impl PyBlockIds {
 #[pyclass(module = "hybrid_alloc._core", name = "Allocator", frozen)]
 pub struct PyAllocator {
     inner: Mutex<Allocator>,
+    /// Set once a `FastAllocate` serves this allocator (the vLLM adapter): its
+    /// `allocate_slots` is then exact to vLLM's manager and trusts the request's computed
+    /// tokens ([`AllocateArgs::trust_computed_tokens`]); the direct API checks them.
+    serves_vllm: AtomicBool,
 }
 
 impl PyAllocator {
@@ -314,7 +319,7 @@ impl PyAllocator {
             zero_new_blocks,
             hash_lookahead_tokens: u32_arg("hash_lookahead_tokens", hash_lookahead_tokens)?,
         };
-        Ok(Self { inner: Mutex::new(Allocator::new(cfg, policy)?) })
+        Ok(Self { inner: Mutex::new(Allocator::new(cfg, policy)?), serves_vllm: AtomicBool::new(false) })
     }
 
     /// Registers a request; returns its handle (an int, unique in the process).
@@ -418,6 +423,7 @@ impl PyAllocator {
                 .iter()
                 .filter(|&&g| (0..64).contains(&g))
                 .fold(0u64, |m, &g| m | 1 << g),
+            trust_computed_tokens: self.serves_vllm.load(Ordering::Relaxed),
         };
         let explicit: Vec<Vec<BlockId>>;
         let nc = match hit {
@@ -858,6 +864,7 @@ impl FastAllocate {
         make_blocks: Py<PyAny>,
         on_events: Py<PyAny>,
     ) -> Self {
+        alloc.get().serves_vllm.store(true, Ordering::Relaxed);
         Self { alloc, callbacks: Some(Callbacks { empty, slow, make_blocks, on_events }) }
     }
 
