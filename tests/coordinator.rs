@@ -3,11 +3,14 @@
 //! tables with null blocks after recycling, `None` on a pool too small, the free-queue order,
 //! events, and bad inputs that must fail without changing anything.
 
+mod common;
+
+use common::{chain_hashes, groups, hash_bytes};
 use hybrid_alloc::invariants;
 use hybrid_alloc::policy::LEVEL_NORMAL;
 use hybrid_alloc::{
-    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Error, Event, GroupSpec, NewComputed, Policy,
-    ReqHandle, NULL_BLOCK,
+    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Error, Event, NewComputed, Policy, ReqHandle,
+    NULL_BLOCK,
 };
 
 const BS: u32 = 16;
@@ -26,24 +29,7 @@ fn chunked(chunk: u32) -> AttentionKind {
 
 /// A config with block size 16 everywhere, caching on, events off, no watermark.
 fn config(kinds: &[AttentionKind], num_blocks: u32) -> Config {
-    Config {
-        num_blocks,
-        groups: kinds
-            .iter()
-            .enumerate()
-            .map(|(i, &kind)| GroupSpec { kind, block_size: BS, spec_key: i as u32 })
-            .collect(),
-        hash_block_size: BS,
-        scheduler_block_size: BS,
-        max_model_len: 8192,
-        max_in_flight_tokens: 8192,
-        enable_caching: true,
-        enable_events: false,
-        watermark_blocks: 0,
-        retention_interval: None,
-        zero_new_blocks: false,
-        hash_lookahead_tokens: 0,
-    }
+    Config { max_model_len: 8192, max_in_flight_tokens: 8192, ..common::config(num_blocks, groups(kinds, BS), BS) }
 }
 
 fn alloc(cfg: Config) -> Allocator {
@@ -52,22 +38,13 @@ fn alloc(cfg: Config) -> Allocator {
 
 /// Chained hashes of the full blocks of a request whose blocks have these contents.
 fn chain(contents: &[u64], num_tokens: u32) -> Vec<BlockHash> {
-    let mut prev = 0x5EEDu64;
-    contents
-        .iter()
-        .take((num_tokens / BS) as usize)
-        .map(|&c| {
-            prev = prev.rotate_left(5) ^ c.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xABCD;
-            BlockHash::from_u64(prev)
-        })
-        .collect()
+    chain_hashes(contents, num_tokens / BS)
 }
 
 /// A new request of `num_tokens` tokens whose blocks have these contents.
 fn add(a: &mut Allocator, contents: &[u64], num_tokens: u32) -> ReqHandle {
     let h = a.add_request();
-    let bytes: Vec<u8> = chain(contents, num_tokens).iter().flat_map(|x| x.as_bytes().to_vec()).collect();
-    a.append_hashes(h, &bytes, 8).unwrap();
+    a.append_hashes(h, &hash_bytes(&chain(contents, num_tokens)), 8).unwrap();
     h
 }
 

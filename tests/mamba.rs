@@ -4,6 +4,9 @@
 //! the last cached state, the same-step deferral, mode "none" with speculative state
 //! blocks, zeroing records, and bad inputs that must fail without changing anything.
 
+mod common;
+
+use common::{chain_from, hash_bytes};
 use hybrid_alloc::invariants;
 use hybrid_alloc::policy::LEVEL_NORMAL;
 use hybrid_alloc::{
@@ -18,34 +21,24 @@ fn mamba(align: bool, speculative_blocks: u32) -> AttentionKind {
 }
 
 fn config(kinds: &[(AttentionKind, u32)], num_blocks: u32, caching: bool, zero: bool) -> Config {
+    let groups = kinds
+        .iter()
+        .enumerate()
+        .map(|(i, &(kind, block_size))| GroupSpec { kind, block_size, spec_key: i as u32 })
+        .collect();
     Config {
-        num_blocks,
-        groups: kinds
-            .iter()
-            .enumerate()
-            .map(|(i, &(kind, block_size))| GroupSpec { kind, block_size, spec_key: i as u32 })
-            .collect(),
-        hash_block_size: BS,
         scheduler_block_size: kinds.iter().map(|k| k.1).max().unwrap(),
-        max_model_len: 4096,
-        max_in_flight_tokens: 4096,
         enable_caching: caching,
-        enable_events: false,
-        watermark_blocks: 0,
-        retention_interval: None,
         zero_new_blocks: zero,
-        hash_lookahead_tokens: 0,
+        ..common::config(num_blocks, groups, BS)
     }
 }
 
+/// The hash bytes of a request of `n` tokens whose prefix is identified by `seed`.
 fn chain(n: u32, seed: u64) -> Vec<u8> {
-    let mut prev = seed;
-    (0..n / BS)
-        .flat_map(|i| {
-            prev = prev.rotate_left(7) ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            BlockHash::from_u64(prev).as_bytes().to_vec()
-        })
-        .collect()
+    let contents: Vec<u64> = (1..=(n / BS) as u64).collect();
+    let hashes: Vec<BlockHash> = chain_from(seed, &contents).into_iter().map(BlockHash::from_u64).collect();
+    hash_bytes(&hashes)
 }
 
 fn add(a: &mut Allocator, num_tokens: u32, seed: u64) -> ReqHandle {

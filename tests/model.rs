@@ -39,6 +39,8 @@
 
 use std::collections::{HashMap, HashSet};
 
+mod common;
+
 use hybrid_alloc::invariants;
 use hybrid_alloc::policy::LEVEL_NORMAL;
 use hybrid_alloc::{
@@ -98,18 +100,13 @@ fn make_config(shape: Shape, caching: bool, events: bool, num_blocks: u32, reten
         _ => Some(0),
     };
     Config {
-        num_blocks,
-        groups,
-        hash_block_size: BS(),
-        scheduler_block_size: BS(),
         max_model_len: MAX_MODEL_LEN,
         max_in_flight_tokens: 128,
         enable_caching: caching,
         enable_events: events,
         watermark_blocks: 2,
         retention_interval,
-        zero_new_blocks: false,
-        hash_lookahead_tokens: 0,
+        ..common::config(num_blocks, groups, BS())
     }
 }
 

@@ -20,11 +20,13 @@
 
 use std::collections::HashMap;
 
+mod common;
+
+use common::{chain, groups};
 use hybrid_alloc::invariants;
 use hybrid_alloc::policy::{Policy, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_SPECULATIVE};
 use hybrid_alloc::{
-    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Event, GroupSpec, NewComputed, ReqHandle,
-    NULL_BLOCK,
+    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Event, NewComputed, ReqHandle, NULL_BLOCK,
 };
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
@@ -40,36 +42,7 @@ fn mamba_align() -> AttentionKind {
 }
 
 fn config(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>) -> Config {
-    Config {
-        num_blocks,
-        groups: kinds
-            .iter()
-            .enumerate()
-            .map(|(i, &kind)| GroupSpec { kind, block_size: BS, spec_key: i as u32 })
-            .collect(),
-        hash_block_size: BS,
-        scheduler_block_size: BS,
-        max_model_len: 4096,
-        max_in_flight_tokens: 4096,
-        enable_caching: true,
-        enable_events: true,
-        watermark_blocks: 0,
-        retention_interval: retention,
-        zero_new_blocks: false,
-        hash_lookahead_tokens: 0,
-    }
-}
-
-/// Chain of content ids: the identity of a block's KV (its whole prefix).
-fn chain_of(contents: &[u64]) -> Vec<u64> {
-    let mut prev = 0x5EEDu64;
-    contents
-        .iter()
-        .map(|&c| {
-            prev = prev.rotate_left(5) ^ c.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xABCD;
-            prev
-        })
-        .collect()
+    Config { enable_events: true, retention_interval: retention, ..common::config(num_blocks, groups(kinds, BS), BS) }
 }
 
 #[derive(Clone, Debug)]
@@ -203,7 +176,7 @@ impl Model {
         let extra = self.fresh(own_blocks + 8);
         let prompt = ((contents.len() + own_blocks) as u32 * BS).saturating_sub(own as u32 % BS).max(2);
         contents.extend(extra);
-        let chain = chain_of(&contents);
+        let chain = chain(&contents);
         let h = self.a.add_request();
         let max_tokens = (contents.len() as u32 * BS - prompt).min(out as u32 % 12 + 1);
         self.live.push(Req { h, contents, chain, prompt, num_tokens: prompt, computed: 0, hashed: 0, max_tokens });
@@ -299,7 +272,7 @@ impl Model {
     fn pin(&mut self, pick: u16) {
         let f = &self.families[pick as usize % self.families.len()];
         let k = (pick as usize / 3) % f.len() + 1;
-        let hashes: Vec<BlockHash> = chain_of(&f[..k]).into_iter().map(BlockHash::from_u64).collect();
+        let hashes: Vec<BlockHash> = chain(&f[..k]).into_iter().map(BlockHash::from_u64).collect();
         let before = self.a.pool().pinned_cap();
         match self.a.pin_prefix(&hashes) {
             Ok(n) => assert!(n <= before),
@@ -666,7 +639,7 @@ fn pin_prefix_hit_aware_survives_pressure_that_evicts_unpinned() {
     let mut m = Model::new(&[AttentionKind::Full, swa(9)], 64, Some(0), Policy::HitAware);
     // Pin family 0's first 6 blocks, then run it once and let it finish.
     let fam: Vec<u64> = m.families[0][..6].to_vec();
-    let hashes: Vec<BlockHash> = chain_of(&fam).into_iter().map(BlockHash::from_u64).collect();
+    let hashes: Vec<BlockHash> = chain(&fam).into_iter().map(BlockHash::from_u64).collect();
     // Full group: 6 blocks; window group (need 2): 2 blocks.
     assert_eq!(m.a.pin_prefix(&hashes).unwrap(), 8);
     m.add(1, 15, 0, 0); // family 0, 6 blocks (pick 15: 15 / 3 % 24 + 1 = 6), 1 own block
@@ -708,7 +681,7 @@ fn pin_prefix_hit_aware_survives_pressure_that_evicts_unpinned() {
 fn pin_prefix_past_share_refused_and_exact_refuses_pinning() {
     let mut a = Allocator::new(config(&[AttentionKind::Full, swa(9)], 41, Some(0)), Policy::HitAware).unwrap();
     a.set_pinned_share(0.1).unwrap(); // 4 blocks
-    let hashes: Vec<BlockHash> = chain_of(&[1, 2, 3, 4]).into_iter().map(BlockHash::from_u64).collect();
+    let hashes: Vec<BlockHash> = chain(&[1, 2, 3, 4]).into_iter().map(BlockHash::from_u64).collect();
     let err = a.pin_prefix(&hashes).unwrap_err();
     assert!(err.to_string().contains("pinned share"), "{err}");
     assert_eq!(a.pin_prefix(&hashes[..2]).unwrap(), 4);
