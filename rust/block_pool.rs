@@ -9,7 +9,7 @@
 //!   (freed unhashed blocks go to the front, hashed ones to the back).
 //!
 //! Cost: `get_new_blocks` O(n) (each popped block's lazy eviction O(1)); `touch`,
-//! `free_blocks` O(blocks given); `cache_full_blocks` O(blocks cached); `reset` O(num_blocks).
+//! `free_blocks` O(blocks given); `cache_full_blocks` O(blocks cached); `reset` O(`num_blocks`).
 #![forbid(unsafe_code)]
 
 use crate::error::{Error, Result};

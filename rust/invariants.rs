@@ -1,5 +1,5 @@
 //! Whole-state consistency checks, run by the property tests after every operation.
-//! O(num_blocks + table sizes + index size): for tests and debugging, never on a hot path.
+//! O(`num_blocks` + table sizes + index size): for tests and debugging, never on a hot path.
 #![forbid(unsafe_code)]
 
 use crate::coordinator::Allocator;

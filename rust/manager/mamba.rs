@@ -18,7 +18,7 @@
 //! it. A hit is the *last* cached boundary state (`[null] * i + [block]`). Served here: a
 //! Mamba block size equal to the hash block size (no sub-block "partial" hits, no
 //! copy-on-write; the adapter falls back for those with the reason), with or without prefill
-//! checkpoint blocks (vLLM's MambaMixer2 always has them): a prefill chunk spanning more than
+//! checkpoint blocks (vLLM's `MambaMixer2` always has them): a prefill chunk spanning more than
 //! one block past its initial state reserves one more block, just before the running state
 //! block, where the worker exports the state at the chunk's last cacheable boundary;
 //! `cache_blocks` keys it there when that state is reusable (the prompt's checkpoint, a
