@@ -43,3 +43,26 @@ impl SingleTypeManager {
         (slots, u32::MAX, u32::MAX)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{AttentionKind, GroupSpec};
+
+    #[test]
+    fn allocate_new_blocks_ring_claims_one_block_once() {
+        let spec = GroupSpec { kind: AttentionKind::CircularBuffer, block_size: 8, spec_key: 0 };
+        let mut m = SingleTypeManager::new(spec, 0, None, true, 16, 8, 0);
+        m.ensure_slot(0);
+        let mut pool = BlockPool::new(8, true, false);
+        assert_eq!(m.ring_num_blocks_to_allocate(0), 1);
+        assert_eq!(m.ring_noop_limits(0).0, 0);
+        let mut out = Vec::new();
+        m.allocate_new_blocks(&mut pool, 0, 500, 500, &mut out);
+        assert_eq!(out.len(), 1);
+        m.allocate_new_blocks(&mut pool, 0, 900, 900, &mut out);
+        assert_eq!((out.len(), m.blocks(0).len()), (1, 1));
+        assert_eq!(m.ring_num_blocks_to_allocate(0), 0);
+        assert_eq!(m.ring_noop_limits(0), (u32::MAX, u32::MAX, u32::MAX));
+    }
+}

@@ -134,6 +134,34 @@ pub fn noop_processed_limit(gap_end: u32, window: u32, block_size: u32) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{AttentionKind, GroupSpec};
+    use crate::ids::NULL_BLOCK;
+
+    fn manager() -> (SingleTypeManager, BlockPool) {
+        let spec = GroupSpec { kind: AttentionKind::Rswa { window: 32 }, block_size: 16, spec_key: 0 };
+        let mut m = SingleTypeManager::new(spec, 0, None, true, 16, 16, 0);
+        m.ensure_slot(0);
+        (m, BlockPool::new(32, true, false))
+    }
+
+    #[test]
+    fn remove_gap_frees_between_prompt_and_window_then_stops_at_first_null() {
+        let (mut m, mut pool) = manager();
+        let mut out = Vec::new();
+        m.allocate_new_blocks(&mut pool, 0, 160, 160, &mut out);
+        assert_eq!(out.len(), 10);
+        // Prompt 40 (blocks 0..3), processed 112: window start 80 -> gap 3..5.
+        m.remove_skipped_blocks(&mut pool, 0, 112, Some(40));
+        assert_eq!(m.blocks(0)[3..5], [NULL_BLOCK, NULL_BLOCK]);
+        assert_eq!(m.rswa_gap(0), Some((40, 5)));
+        let free = pool.num_free_blocks();
+        // A later step walks back from the new gap end and stops at slot 4 (already null).
+        m.remove_skipped_blocks(&mut pool, 0, 144, Some(40));
+        assert_eq!(m.blocks(0)[3..7], [NULL_BLOCK; 4]);
+        assert_eq!(pool.num_free_blocks(), free + 2);
+        assert_eq!(m.rswa_gap(0), Some((40, 7)));
+        assert!(m.blocks(0)[..3].iter().chain(&m.blocks(0)[7..]).all(|&b| b != NULL_BLOCK));
+    }
 
     #[test]
     fn gap_range_is_empty_inside_the_prompt_and_window() {
