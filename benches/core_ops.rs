@@ -25,8 +25,10 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use hybrid_alloc::block_pool::BlockPool;
+use hybrid_alloc::policy::LEVEL_NORMAL;
 use hybrid_alloc::{
-    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, GroupSpec, NewComputed, ReqHandle,
+    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, CacheBlocksArgs, Config, GroupSpec, NewComputed,
+    Policy, ReqHandle,
 };
 
 const BS: u32 = 16;
@@ -97,7 +99,7 @@ fn prefilled(a: &mut Allocator, seed: u64, num_tokens: u32) -> Running {
     a.append_hashes(h, &bytes, 8).unwrap();
     let args =
         AllocateArgs { num_new_tokens: num_tokens, num_prompt_tokens: num_tokens, num_tokens, ..Default::default() };
-    a.allocate_slots(h, &args, NewComputed::Empty).unwrap().expect("pool large enough");
+    a.allocate_slots(h, &args, NewComputed::Empty, None).unwrap().expect("pool large enough");
     let last = bytes.last_chunk::<8>().map_or(0x5EED, |b| u64::from_be_bytes(*b));
     Running { h, seed, prompt: num_tokens, computed: num_tokens, last_hash: last }
 }
@@ -134,9 +136,18 @@ impl Running {
             self.last_hash = mix(self.last_hash, content(self.seed, 0, num_tokens / BS - 1));
             a.append_hashes(self.h, BlockHash::from_u64(self.last_hash).as_bytes(), 8).unwrap();
         }
-        let res = a.allocate_slots(self.h, &decode_args(self.computed, self.prompt), NewComputed::Empty).unwrap();
+        let res = a.allocate_slots(self.h, &decode_args(self.computed, self.prompt), NewComputed::Empty, None).unwrap();
         black_box(res.expect("pool large enough"));
-        a.cache_blocks(self.h, num_tokens, self.prompt, 0).unwrap();
+        a.cache_blocks(
+            self.h,
+            &CacheBlocksArgs {
+                num_computed_tokens: num_tokens,
+                num_prompt_tokens: self.prompt,
+                shared_prefix_boundary: 0,
+            },
+            None,
+        )
+        .unwrap();
         self.computed = num_tokens;
     }
 }
@@ -175,9 +186,9 @@ fn bench_pool(c: &mut Criterion) {
 fn bench_find(c: &mut Criterion) {
     let mut g = c.benchmark_group("find_longest_cache_hit");
     for (name, cfg) in [("full/6144", full_only(2048)), ("gemma2/6144", gemma2(2048))] {
-        let mut a = Allocator::new(cfg).unwrap();
+        let mut a = Allocator::new(cfg, Policy::Exact).unwrap();
         let first = prefilled(&mut a, 1, PROMPT + 1);
-        a.free(first.h).unwrap();
+        a.free(first.h, LEVEL_NORMAL).unwrap();
         let h = a.add_request();
         a.append_hashes(h, &hash_bytes(1, 0, PROMPT / BS), 8).unwrap();
         assert_eq!(a.find_longest_cache_hit(h, PROMPT).unwrap().num_tokens, PROMPT, "{name}: a full hit");
@@ -200,7 +211,7 @@ impl Running {
     #[inline]
     fn allocate(&mut self, a: &mut Allocator) {
         let args = decode_args(self.computed, self.prompt);
-        let res = a.allocate_slots(self.h, black_box(&args), NewComputed::Empty).unwrap();
+        let res = a.allocate_slots(self.h, black_box(&args), NewComputed::Empty, None).unwrap();
         black_box(res.expect("pool large enough"));
         self.computed += 1;
     }
@@ -211,7 +222,7 @@ impl Running {
 /// `computed % 16` is selected are timed; the others run between them, as in a server.
 fn bench_decode(c: &mut Criterion) {
     let mut g = c.benchmark_group("decode");
-    let mut a = Allocator::new(gemma2(2048)).unwrap();
+    let mut a = Allocator::new(gemma2(2048), Policy::Exact).unwrap();
     let mut r = prefilled(&mut a, 1, PROMPT);
     decode_steps(&mut a, &mut r, BS);
     let base = (a, r);
@@ -268,7 +279,7 @@ struct Batch {
 impl Batch {
     fn new(n: u32) -> Self {
         let per_req = MAX_MODEL_LEN / BS + 4096 / BS + 4;
-        let mut a = Allocator::new(gemma2(n * per_req + 1)).unwrap();
+        let mut a = Allocator::new(gemma2(n * per_req + 1), Policy::Exact).unwrap();
         let mut reqs = Vec::with_capacity(n as usize);
         for i in 0..n {
             reqs.push(prefilled(&mut a, 1000 + i as u64, PROMPT + i % BS));
@@ -321,7 +332,7 @@ fn bench_scheduler_step(c: &mut Criterion) {
 fn bench_free(c: &mut Criterion) {
     let mut g = c.benchmark_group("free");
     for (name, cfg) in [("full/400_blocks", full_only(1024)), ("gemma2/400_blocks_per_group", gemma2(1024))] {
-        let mut a = Allocator::new(cfg).unwrap();
+        let mut a = Allocator::new(cfg, Policy::Exact).unwrap();
         let admit = |a: &mut Allocator| {
             let mut r = prefilled(a, 1, 400 * BS - 1);
             decode_steps(a, &mut r, 1);
@@ -334,7 +345,7 @@ fn bench_free(c: &mut Criterion) {
                 for _ in 0..iters {
                     let h = admit(&mut a);
                     let t = Instant::now();
-                    a.free(black_box(h)).unwrap();
+                    a.free(black_box(h), LEVEL_NORMAL).unwrap();
                     total += t.elapsed();
                 }
                 total
@@ -348,7 +359,7 @@ fn bench_prefill_burst(c: &mut Criterion) {
     const N: u64 = 16;
     const SHARED: u32 = 2048;
     let mut g = c.benchmark_group("prefill_burst");
-    let mut a = Allocator::new(gemma2(16384)).unwrap();
+    let mut a = Allocator::new(gemma2(16384), Policy::Exact).unwrap();
     let hashes: Vec<Vec<u8>> = (0..N).map(|i| hash_bytes(100 + i, SHARED / BS, PROMPT / BS)).collect();
     let admit = |a: &mut Allocator, handles: &mut Vec<ReqHandle>| {
         let mut hits = 0;
@@ -365,7 +376,7 @@ fn bench_prefill_burst(c: &mut Criterion) {
                 shared_prefix_boundary: SHARED,
                 ..Default::default()
             };
-            a.allocate_slots(h, &args, NewComputed::Stored).unwrap().expect("pool large enough");
+            a.allocate_slots(h, &args, NewComputed::Stored, None).unwrap().expect("pool large enough");
             hits += hit;
         }
         hits
@@ -375,7 +386,7 @@ fn bench_prefill_burst(c: &mut Criterion) {
     let mut handles: Vec<ReqHandle> = Vec::new();
     let reset = |a: &mut Allocator, handles: &mut Vec<ReqHandle>| {
         for h in handles.drain(..) {
-            a.free(h).unwrap();
+            a.free(h, LEVEL_NORMAL).unwrap();
         }
         assert!(a.reset_prefix_cache());
     };

@@ -210,6 +210,9 @@ pub struct AllocateRequest<'a> {
     pub shared_prefix_boundary: i64,
     /// vLLM's `skip_zeroing_group_ids` (filtered by [`group_mask`]).
     pub skip_zeroing_group_ids: &'a [i64],
+    /// Trust `num_computed_tokens` as vLLM's manager does ([`AllocateArgs::trust_computed_tokens`]):
+    /// set for an allocator a vLLM adapter drives, unset for the direct API, which checks it.
+    pub trust_computed_tokens: bool,
 }
 
 impl AllocateRequest<'_> {
@@ -243,6 +246,7 @@ impl AllocateRequest<'_> {
             num_tokens: token_count("num_tokens", num_tokens)?,
             shared_prefix_boundary: token_count("shared_prefix_boundary", self.shared_prefix_boundary)?,
             skip_zeroing_groups: group_mask(self.skip_zeroing_group_ids),
+            trust_computed_tokens: self.trust_computed_tokens,
         })
     }
 }

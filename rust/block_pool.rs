@@ -9,7 +9,7 @@
 //!   (freed unhashed blocks go to the front, hashed ones to the back).
 //!
 //! Cost: `get_new_blocks` O(n) (each popped block's lazy eviction O(1)); `touch`,
-//! `free_blocks` O(blocks given); `cache_full_blocks` O(blocks cached); `reset` O(num_blocks).
+//! `free_blocks` O(blocks given); `cache_full_blocks` O(blocks cached); `reset` O(`num_blocks`).
 #![forbid(unsafe_code)]
 
 use crate::error::{Error, Result};
@@ -53,35 +53,67 @@ pub enum Event {
     AllCleared,
 }
 
+/// A request's table in one group, as [`BlockPool::cache_full_blocks`] reads it.
+#[derive(Clone, Copy, Debug)]
+pub struct TableRef<'a> {
+    /// The request (events name it).
+    pub req: ReqHandle,
+    /// The KV cache group.
+    pub group: GroupId,
+    /// Tokens per block of the group.
+    pub block_size: u32,
+    /// The table.
+    pub blocks: &'a [BlockId],
+}
+
+/// One block keyed by [`BlockPool::cache_one_block`].
+#[derive(Clone, Copy, Debug)]
+pub struct OneBlock {
+    /// The request (events name it).
+    pub req: ReqHandle,
+    /// The block keyed.
+    pub block: BlockId,
+    /// Its index in the request's table.
+    pub index: u32,
+    /// The key (the hash of the prefix ending at the block, and the group).
+    pub key: HashKey,
+    /// Prefix tokens the key covers.
+    pub num_tokens: u32,
+    /// Tokens per block of the group.
+    pub block_size: u32,
+    /// The hash of the block before it, if any (the event's parent).
+    pub parent: Option<BlockHash>,
+}
+
 /// The arena of blocks with their free queue and prefix index.
 #[derive(Clone, Debug)]
 pub struct BlockPool {
     /// Blocks in the pool, the null block included.
     num_blocks: u32,
     /// Reference count of each block: table slots holding it plus `loose[b]`.
-    pub(crate) ref_cnt: Vec<u32>,
+    ref_cnt: Vec<u32>,
     /// References no table holds any more: blocks handed out by `pop_blocks_for_free` and
     /// not yet given back to `free_block_ids`. Only these may be freed by id, so a block a
     /// live table holds can never get a second owner.
-    pub(crate) loose: Vec<u32>,
+    loose: Vec<u32>,
     /// The hash key a block is cached under, if any.
-    pub(crate) hash: Vec<Option<HashKey>>,
+    hash: Vec<Option<HashKey>>,
     /// Prefix tokens the block's hash covers (`block_hash_num_tokens`), 0 when unhashed.
-    pub(crate) hash_tokens: Vec<u32>,
+    hash_tokens: Vec<u32>,
     /// Free blocks in eviction order.
-    pub(crate) queue: FreeQueue,
+    queue: FreeQueue,
     /// Retention level of each block (the `hit-aware` policy): where a cached block goes
     /// when freed. Empty under `exact`, whose queue has a single LRU level.
-    pub(crate) level: Vec<Level>,
+    level: Vec<Level>,
     /// Hash keys of pinned prefixes: a block cached under one is freed at `LEVEL_PINNED`.
-    pub(crate) pinned_keys: FxHashSet<HashKey>,
+    pinned_keys: FxHashSet<HashKey>,
     /// Free cached blocks at `LEVEL_PINNED` (invariant: equals the count in the queue).
-    pub(crate) pinned_free: u32,
+    pinned_free: u32,
     /// The most free cached blocks kept at `LEVEL_PINNED`: past it, the oldest is demoted to
     /// `LEVEL_NORMAL` (the pinned share of the pool).
-    pub(crate) pinned_cap: u32,
+    pinned_cap: u32,
     /// Cached blocks by hash key.
-    pub(crate) index: PrefixIndex,
+    index: PrefixIndex,
     /// Prefix caching on.
     enable_caching: bool,
     /// Record events.
@@ -299,10 +331,64 @@ impl BlockPool {
         }
     }
 
-    /// Sets the pinned share: at most `cap` free cached blocks stay at `LEVEL_PINNED`.
-    pub(crate) fn set_pinned_cap(&mut self, cap: u32) {
+    /// Pins hash keys (a prefix's, see [`crate::Allocator::pin_prefix`]): a block cached
+    /// under one is freed at `LEVEL_PINNED`; one cached now moves there now. Returns the
+    /// keys pinned in all.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] when the pinned keys would exceed the pinned share (nothing
+    /// changes).
+    pub(crate) fn pin_keys(&mut self, mut keys: Vec<HashKey>) -> Result<u32> {
+        keys.retain(|k| !self.pinned_keys.contains(k));
+        keys.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()).then(a.1.cmp(&b.1)));
+        keys.dedup();
+        let total = self.pinned_keys.len() as u64 + keys.len() as u64;
+        if total > self.pinned_cap as u64 {
+            return Err(Error::OutOfRange(format!(
+                "pinning {} more blocks would pin {total}, above the pinned share of {} blocks",
+                keys.len(),
+                self.pinned_cap
+            )));
+        }
+        for k in &keys {
+            self.pinned_keys.insert(*k);
+            if let Some(b) = self.index.get_one(k) {
+                self.set_level(b, LEVEL_PINNED);
+            }
+        }
+        Ok(total as u32)
+    }
+
+    /// Sets the pinned share of the pool (`0.0..=1.0`): at most that fraction of the blocks
+    /// may be pinned keys, or free at `LEVEL_PINNED` (past it the oldest free pinned block
+    /// is demoted to `LEVEL_NORMAL`).
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] for a share outside `0.0..=1.0` or below the keys pinned.
+    pub(crate) fn set_pinned_share(&mut self, share: f64) -> Result<()> {
+        if !(0.0..=1.0).contains(&share) {
+            return Err(Error::OutOfRange(format!("pinned share {share} is outside 0.0..=1.0")));
+        }
+        let cap = ((self.num_blocks - 1) as f64 * share).floor() as u32;
+        if (self.pinned_keys.len() as u64) > cap as u64 {
+            return Err(Error::OutOfRange(format!(
+                "a pinned share of {cap} blocks is below the {} blocks already pinned",
+                self.pinned_keys.len()
+            )));
+        }
         self.pinned_cap = cap;
         self.enforce_pinned_cap();
+        Ok(())
+    }
+
+    /// The free queue (invariant checks).
+    pub(crate) fn queue(&self) -> &FreeQueue {
+        &self.queue
+    }
+
+    /// The prefix index (invariant checks).
+    pub(crate) fn index(&self) -> &PrefixIndex {
+        &self.index
     }
 
     /// The pinned share in blocks.
@@ -412,21 +498,19 @@ impl BlockPool {
         self.scratch_last = last;
     }
 
-    /// Caches blocks `num_cached..num_full` of a table (vLLM's `cache_full_blocks`):
-    /// each non-null, unmasked block gets the hash of its position and joins the index.
-    /// `hash_of(i)` gives the hash of table block `i` at this group's block size.
-    #[allow(clippy::too_many_arguments)]
+    /// Caches blocks `range` (`num_cached..num_full`) of a table (vLLM's
+    /// `cache_full_blocks`): each non-null, unmasked block gets the hash of its position and
+    /// joins the index. `mask[i - num_cached]` false skips block `i`; `hash_of(i)` gives
+    /// the hash of table block `i` at this group's block size.
     pub fn cache_full_blocks(
         &mut self,
-        req: ReqHandle,
-        blocks: &[BlockId],
-        num_cached: u32,
-        num_full: u32,
-        block_size: u32,
-        group: GroupId,
+        t: &TableRef<'_>,
+        range: std::ops::Range<u32>,
         mask: Option<&[bool]>,
         hash_of: impl Fn(u32) -> BlockHash,
     ) {
+        let TableRef { req, group, block_size, blocks } = *t;
+        let (num_cached, num_full) = (range.start, range.end);
         if num_cached >= num_full {
             return;
         }
@@ -474,21 +558,12 @@ impl BlockPool {
         }
     }
 
-    /// Keys block `b` (table index `idx` of `req`, group `key.1`) under `key` for a prefix of
-    /// `num_tokens` tokens, one block of `block_size` ending there (vLLM's
-    /// `cache_partial_block` for a block that holds no hash yet), emitting `Stored` with
-    /// `parent`. Returns `false`, changing nothing, when `b` already holds a hash.
-    #[allow(clippy::too_many_arguments)]
-    pub fn cache_one_block(
-        &mut self,
-        req: ReqHandle,
-        b: BlockId,
-        idx: u32,
-        key: HashKey,
-        num_tokens: u32,
-        block_size: u32,
-        parent: Option<BlockHash>,
-    ) -> bool {
+    /// Keys one block under `o.key` for a prefix of `o.num_tokens` tokens, one block of
+    /// `o.block_size` ending there (vLLM's `cache_partial_block` for a block that holds no
+    /// hash yet), emitting `Stored` with `o.parent`. Returns `false`, changing nothing,
+    /// when the block already holds a hash.
+    pub fn cache_one_block(&mut self, o: &OneBlock) -> bool {
+        let OneBlock { req, block: b, index: idx, key, num_tokens, block_size, parent } = *o;
         if b == NULL_BLOCK || self.hash[b as usize].is_some() {
             return false;
         }
@@ -568,7 +643,9 @@ mod tests {
         let mut got = Vec::new();
         p.get_new_blocks(4, &mut got);
         assert_eq!(got, vec![1, 2, 3, 4]);
-        p.cache_full_blocks(0, &got, 0, 2, 16, 0, None, |i| BlockHash::from_u64(i as u64 + 100));
+        p.cache_full_blocks(&TableRef { req: 0, group: 0, block_size: 16, blocks: &got }, 0..2, None, |i| {
+            BlockHash::from_u64(i as u64 + 100)
+        });
         // Free the table tail first, as a request does.
         p.free_blocks(got.iter().rev().copied());
         // Unhashed 4, 3 go to the front in that order; hashed 2, 1 to the back.
@@ -583,7 +660,9 @@ mod tests {
         let mut p = BlockPool::new(3, true, true);
         let mut got = Vec::new();
         p.get_new_blocks(2, &mut got);
-        p.cache_full_blocks(0, &got, 0, 2, 16, 1, None, |i| BlockHash::from_u64(i as u64));
+        p.cache_full_blocks(&TableRef { req: 0, group: 1, block_size: 16, blocks: &got }, 0..2, None, |i| {
+            BlockHash::from_u64(i as u64)
+        });
         p.free_blocks(got.iter().rev().copied());
         p.take_events();
         let mut again = Vec::new();

@@ -15,12 +15,23 @@ pub enum AttentionKind {
     /// blocks wholly between the prompt's last block and the `window` newest processed
     /// tokens, replacing them by the null block in the middle of the table. Cache hits,
     /// caching, admission and sizing are full attention's (it is a `FullAttentionSpec`).
-    Rswa { window: u32 },
+    Rswa {
+        /// Generated tokens see this many newest tokens (the prompt stays visible).
+        window: u32,
+    },
     /// Sliding-window attention: blocks wholly before `window - 1 + extra_retained_tokens`
     /// tokens of the newest computed token are recycled.
-    SlidingWindow { window: u32, extra_retained_tokens: u32 },
+    SlidingWindow {
+        /// Tokens a token attends to (itself included).
+        window: u32,
+        /// Tokens kept past the window (vLLM's `extra_retained_tokens`).
+        extra_retained_tokens: u32,
+    },
     /// Chunked local attention (Llama 4): blocks of earlier chunks are recycled.
-    ChunkedLocal { chunk: u32 },
+    ChunkedLocal {
+        /// Tokens per chunk (vLLM's `attention_chunk_size`).
+        chunk: u32,
+    },
     /// Cross attention (encoder-decoder): a static allocation from the encoder length,
     /// never prefix cached.
     Cross,
@@ -33,9 +44,18 @@ pub enum AttentionKind {
     /// keyed there counts as cached again this step); vLLM 0.33 skips it.
     /// `checkpoint_alignment` is the spec's `prefill_checkpoint_alignment` when it has
     /// prefill checkpoint blocks (`num_prefill_checkpoint_blocks > 0`, "align" only; vLLM's
-    /// MambaMixer2 sets 1): a prefill chunk reserves one more block, where the worker exports
+    /// `MambaMixer2` sets 1): a prefill chunk reserves one more block, where the worker exports
     /// the state at the last cacheable boundary inside the chunk. 0: none.
-    Mamba { speculative_blocks: u32, align: bool, rekey_cached_tail: bool, checkpoint_alignment: u32 },
+    Mamba {
+        /// Extra state blocks kept for speculative decoding.
+        speculative_blocks: u32,
+        /// Cache mode "align" (`false`: "none").
+        align: bool,
+        /// vLLM 0.32's rule for the prompt's checkpoint state in "align".
+        rekey_cached_tail: bool,
+        /// `prefill_checkpoint_alignment` with prefill checkpoint blocks; 0: none.
+        checkpoint_alignment: u32,
+    },
     /// A circular buffer (vLLM's `CircularBufferSpec`, DeepSeek-V4's compressor ring): one
     /// block per request for its whole life, never prefix cached, never zeroed.
     CircularBuffer,
@@ -57,6 +77,30 @@ impl AttentionKind {
     /// attention is refused with caching on, so it counts as cacheable here).
     pub fn is_prefix_cacheable(&self) -> bool {
         !matches!(self, AttentionKind::CircularBuffer)
+    }
+
+    /// Whether the group has a hit search and caches full blocks under the request's hashes
+    /// (every kind but cross attention and circular buffers).
+    pub fn takes_hits(&self) -> bool {
+        !matches!(self, AttentionKind::Cross | AttentionKind::CircularBuffer)
+    }
+
+    /// Whether the group's table is sized by the encoder tokens, not the sequence (cross
+    /// attention: one static allocation from the encoder length).
+    pub fn sized_by_encoder_tokens(&self) -> bool {
+        matches!(self, AttentionKind::Cross)
+    }
+
+    /// Whether the group's table is positional over the sequence (`len * block_size` covers
+    /// the tokens given): every kind but cross attention (sized by the encoder) and circular
+    /// buffers (one block for the whole sequence).
+    pub fn covers_sequence(&self) -> bool {
+        !matches!(self, AttentionKind::Cross | AttentionKind::CircularBuffer)
+    }
+
+    /// Whether this is a Mamba group in cache mode "align".
+    pub fn is_mamba_align(&self) -> bool {
+        matches!(self, AttentionKind::Mamba { align: true, .. })
     }
 }
 

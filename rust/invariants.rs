@@ -1,5 +1,5 @@
 //! Whole-state consistency checks, run by the property tests after every operation.
-//! O(num_blocks + table sizes + index size): for tests and debugging, never on a hot path.
+//! O(`num_blocks` + table sizes + index size): for tests and debugging, never on a hot path.
 #![forbid(unsafe_code)]
 
 use crate::coordinator::Allocator;
@@ -11,24 +11,24 @@ use crate::ids::NULL_BLOCK;
 pub fn check(a: &Allocator) -> Result<(), String> {
     let pool = a.pool();
     let n = pool.num_blocks();
-    if pool.queue.contains(NULL_BLOCK) {
+    if pool.queue().contains(NULL_BLOCK) {
         return Err("the null block is in the free queue".into());
     }
     let mut queued = 0u32;
     for b in 1..n {
-        let q = pool.queue.contains(b);
+        let q = pool.queue().contains(b);
         let rc = pool.ref_cnt(b);
         if q != (rc == 0) {
             return Err(format!("block {b}: queued={q} but ref_cnt={rc}"));
         }
         queued += q as u32;
     }
-    if queued != pool.queue.len() || pool.queue.iter().count() as u32 != queued {
-        return Err(format!("free queue length {} but {queued} blocks have ref_cnt 0", pool.queue.len()));
+    if queued != pool.queue().len() || pool.queue().iter().count() as u32 != queued {
+        return Err(format!("free queue length {} but {queued} blocks have ref_cnt 0", pool.queue().len()));
     }
     if pool.is_leveled() {
         // Hit-aware: a free cached block sits in the segment of its retention level.
-        let levels = pool.queue.iter_levels();
+        let levels = pool.queue().iter_levels();
         let pinned = levels
             .get(crate::policy::LEVEL_PINNED as usize)
             .map_or(0, |seg| seg.iter().filter(|&&b| pool.block_hash(b).is_some()).count() as u32);
@@ -51,14 +51,14 @@ pub fn check(a: &Allocator) -> Result<(), String> {
     }
     for b in 1..n {
         if let Some(key) = pool.block_hash(b) {
-            if !pool.index.contains(key, b) {
+            if !pool.index().contains(key, b) {
                 return Err(format!("block {b} has a hash the index does not map to it"));
             }
         } else if pool.block_hash_num_tokens(b) != 0 {
             return Err(format!("block {b} has hash tokens but no hash"));
         }
     }
-    for (key, b) in pool.index.iter() {
+    for (key, b) in pool.index().iter() {
         if pool.block_hash(b) != Some(key) {
             return Err(format!("index maps a key to block {b}, whose hash differs"));
         }
@@ -82,11 +82,7 @@ pub fn check(a: &Allocator) -> Result<(), String> {
                     }
                 }
             }
-            if !matches!(
-                m.spec.kind,
-                crate::config::AttentionKind::Cross | crate::config::AttentionKind::CircularBuffer
-            ) && slots as usize > t.len() * m.block_size() as usize
-            {
+            if m.spec.kind.covers_sequence() && slots as usize > t.len() * m.block_size() as usize {
                 return Err(format!("handle {h}: slot limit {slots} beyond group {g}'s table"));
             }
         }

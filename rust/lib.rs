@@ -1,4 +1,4 @@
-//! # hybrid_alloc
+//! # `hybrid_alloc`
 //!
 //! The KV cache block allocator of vLLM V1 (0.32.0), in Rust, for models whose layers mix
 //! attention types: full attention, R-SWA, sliding window, chunked local, cross attention, Mamba /
@@ -9,7 +9,7 @@
 //!
 //! ## Architecture
 //! ```text
-//!  Allocator (coordinator.rs)        one per vLLM KVCacheManager
+//!  Allocator (coordinator/)          one per vLLM KVCacheManager
 //!   |- requests: slab of handles     generation, block hashes, pending cache hit, no-op limits
 //!   |- managers[g] (manager/)        one per KV cache group: block tables, num_cached,
 //!   |                                  attention-type rules (full | R-SWA | SWA | chunked | cross |
@@ -47,7 +47,7 @@
 //! | `find_longest_cache_hit` | O(blocks scanned) (full: hit + 1; SWA, Mamba: right-to-left scan) |
 //! | `free` | O(table) |
 //! | pool pop / touch / free of one block | O(1) |
-//! | `reset_prefix_cache` | O(num_blocks) |
+//! | `reset_prefix_cache` | O(`num_blocks`) |
 //!
 //! ## Performance notes
 //! - Per-request state is dense (handles into a slab, `Vec` tables); the hot decode path
@@ -58,7 +58,7 @@
 //!   from the request's stored no-op limits, without running any allocation code, when they
 //!   prove the step changes nothing (measured: about 0.35 us per
 //!   running request per step against about 10 us for vLLM's Python manager, 1024 requests,
-//!   gemma-2 shape; the Rust work itself is 0.1-0.2 us, the rest is CPython's call and the
+//!   `gemma-2` shape; the Rust work itself is 0.1-0.2 us, the rest is `CPython`'s call and the
 //!   `Request` attribute reads).
 //! - The prefix index reserves one key per block at construction (a pool never holds more),
 //!   so inserts never rehash inside a scheduler step (a rehash of ~10^5 keys showed up as a
@@ -89,7 +89,8 @@ mod py;
 pub use block_pool::Event;
 pub use config::{AttentionKind, Config, CoordinatorKind, GroupSpec};
 pub use coordinator::{
-    token_count, AllocateArgs, Allocator, HashSource, Hit, NewComputed, NoopLimits, PlainStep, StepFields,
+    token_count, AllocateArgs, Allocator, BlockCountArgs, CacheBlocksArgs, HashSource, Hit, NewComputed, NoopLimits,
+    PlainStep, StepFields,
 };
 pub use error::{Error, Result};
 pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};

@@ -3,10 +3,14 @@
 //! tables with null blocks after recycling, `None` on a pool too small, the free-queue order,
 //! events, and bad inputs that must fail without changing anything.
 
+mod common;
+
+use common::{chain_hashes, groups, hash_bytes};
 use hybrid_alloc::invariants;
+use hybrid_alloc::policy::LEVEL_NORMAL;
 use hybrid_alloc::{
-    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Error, Event, GroupSpec, NewComputed,
-    ReqHandle, NULL_BLOCK,
+    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Error, Event, NewComputed, Policy, ReqHandle,
+    NULL_BLOCK,
 };
 
 const BS: u32 = 16;
@@ -25,48 +29,22 @@ fn chunked(chunk: u32) -> AttentionKind {
 
 /// A config with block size 16 everywhere, caching on, events off, no watermark.
 fn config(kinds: &[AttentionKind], num_blocks: u32) -> Config {
-    Config {
-        num_blocks,
-        groups: kinds
-            .iter()
-            .enumerate()
-            .map(|(i, &kind)| GroupSpec { kind, block_size: BS, spec_key: i as u32 })
-            .collect(),
-        hash_block_size: BS,
-        scheduler_block_size: BS,
-        max_model_len: 8192,
-        max_in_flight_tokens: 8192,
-        enable_caching: true,
-        enable_events: false,
-        watermark_blocks: 0,
-        retention_interval: None,
-        zero_new_blocks: false,
-        hash_lookahead_tokens: 0,
-    }
+    Config { max_model_len: 8192, max_in_flight_tokens: 8192, ..common::config(num_blocks, groups(kinds, BS), BS) }
 }
 
 fn alloc(cfg: Config) -> Allocator {
-    Allocator::new(cfg).expect("valid config")
+    Allocator::new(cfg, Policy::Exact).expect("valid config")
 }
 
 /// Chained hashes of the full blocks of a request whose blocks have these contents.
 fn chain(contents: &[u64], num_tokens: u32) -> Vec<BlockHash> {
-    let mut prev = 0x5EEDu64;
-    contents
-        .iter()
-        .take((num_tokens / BS) as usize)
-        .map(|&c| {
-            prev = prev.rotate_left(5) ^ c.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xABCD;
-            BlockHash::from_u64(prev)
-        })
-        .collect()
+    chain_hashes(contents, num_tokens / BS)
 }
 
 /// A new request of `num_tokens` tokens whose blocks have these contents.
 fn add(a: &mut Allocator, contents: &[u64], num_tokens: u32) -> ReqHandle {
     let h = a.add_request();
-    let bytes: Vec<u8> = chain(contents, num_tokens).iter().flat_map(|x| x.as_bytes().to_vec()).collect();
-    a.append_hashes(h, &bytes, 8).unwrap();
+    a.append_hashes(h, &hash_bytes(&chain(contents, num_tokens)), 8).unwrap();
     h
 }
 
@@ -82,7 +60,7 @@ fn args(num_new: u32, computed: u32, prompt: u32, num_tokens: u32) -> AllocateAr
 
 /// Schedules the whole prompt of a new request, without looking for a hit.
 fn prefill(a: &mut Allocator, h: ReqHandle, num_tokens: u32) -> Option<u32> {
-    a.allocate_slots(h, &args(num_tokens, 0, num_tokens, num_tokens), NewComputed::Empty).unwrap()
+    a.allocate_slots(h, &args(num_tokens, 0, num_tokens, num_tokens), NewComputed::Empty, None).unwrap()
 }
 
 /// `get_computed_blocks` then `allocate_slots` for the whole prompt, as the scheduler does.
@@ -90,7 +68,7 @@ fn admit(a: &mut Allocator, h: ReqHandle, num_tokens: u32) -> (u32, Option<u32>)
     let hit = a.find_longest_cache_hit(h, num_tokens - 1).unwrap().num_tokens;
     let mut x = args(num_tokens - hit, 0, num_tokens, num_tokens);
     x.num_new_computed_tokens = hit;
-    (hit, a.allocate_slots(h, &x, NewComputed::Stored).unwrap())
+    (hit, a.allocate_slots(h, &x, NewComputed::Stored, None).unwrap())
 }
 
 fn table(a: &Allocator, h: ReqHandle, g: usize) -> Vec<BlockId> {
@@ -121,7 +99,7 @@ fn find_longest_cache_hit_full_after_cache_blocks_hits_cached_prefix() {
     let free = a.num_free_blocks();
     let mut x = args(1, 0, 65, 65);
     x.num_new_computed_tokens = 64;
-    assert_eq!(a.allocate_slots(r2, &x, NewComputed::Stored).unwrap(), Some(1));
+    assert_eq!(a.allocate_slots(r2, &x, NewComputed::Stored, None).unwrap(), Some(1));
     let t2 = table(&a, r2, 0);
     assert_eq!(&t2[..4], &t1[..4]);
     assert_ne!(t2[4], t1[4]);
@@ -147,7 +125,7 @@ fn find_longest_cache_hit_after_free_takes_blocks_from_free_queue() {
     let r1 = add(&mut a, &contents, 40);
     prefill(&mut a, r1, 40);
     let t1 = table(&a, r1, 0);
-    a.free(r1).unwrap();
+    a.free(r1, LEVEL_NORMAL).unwrap();
     assert_eq!(a.num_free_blocks(), 15);
     let r2 = add(&mut a, &contents, 40);
     let (hit, res) = admit(&mut a, r2, 40);
@@ -163,7 +141,7 @@ fn free_puts_unhashed_tail_first_and_hashed_blocks_last_in_lru_order() {
     let r = add(&mut a, &[1, 2, 3], 40);
     prefill(&mut a, r, 40);
     assert_eq!(table(&a, r, 0), vec![1, 2, 3]);
-    a.free(r).unwrap();
+    a.free(r, LEVEL_NORMAL).unwrap();
     // Block 3 (partial, unhashed) is reused first; hashed 2 then 1 (tail first) go last.
     assert_eq!(a.pool().free_queue_order(), vec![3, 4, 5, 6, 7, 2, 1]);
     ok(&a);
@@ -181,7 +159,7 @@ fn remove_skipped_blocks_sliding_window_frees_exactly_out_of_window_blocks() {
     let t = table(&a, r, 0);
     let free = a.num_free_blocks();
     // The next token (128) sees tokens 97..=128: blocks 0..6 (tokens 0..96) are out.
-    a.remove_skipped_blocks(r, 128).unwrap();
+    a.remove_skipped_blocks(r, 128, None).unwrap();
     let after = table(&a, r, 0);
     assert_eq!(&after[..6], &[NULL_BLOCK; 6]);
     assert_eq!(&after[6..], &t[6..]);
@@ -191,10 +169,10 @@ fn remove_skipped_blocks_sliding_window_frees_exactly_out_of_window_blocks() {
     assert_eq!(&q[..6], &[t[5], t[4], t[3], t[2], t[1], t[0]]);
     ok(&a);
     // Idempotent; block 6 (tokens 96..112) falls out once 143 tokens are computed.
-    a.remove_skipped_blocks(r, 128).unwrap();
-    a.remove_skipped_blocks(r, 142).unwrap();
+    a.remove_skipped_blocks(r, 128, None).unwrap();
+    a.remove_skipped_blocks(r, 142, None).unwrap();
     assert_eq!(table(&a, r, 0), after);
-    a.remove_skipped_blocks(r, 143).unwrap();
+    a.remove_skipped_blocks(r, 143, None).unwrap();
     assert_eq!(table(&a, r, 0)[6], NULL_BLOCK);
     assert_eq!(table(&a, r, 0)[7], t[7]);
     ok(&a);
@@ -207,7 +185,7 @@ fn allocate_slots_sliding_window_decode_keeps_table_positional() {
     prefill(&mut a, r, 20);
     let mut computed = 20;
     while computed < 400 {
-        let res = a.allocate_slots(r, &args(1, computed, 20, computed + 1), NewComputed::Empty).unwrap();
+        let res = a.allocate_slots(r, &args(1, computed, 20, computed + 1), NewComputed::Empty, None).unwrap();
         assert!(res.is_some(), "a sliding window decode never runs out at token {computed}");
         computed += 1;
         let t = table(&a, r, 0);
@@ -227,7 +205,7 @@ fn find_longest_cache_hit_hybrid_full_swa_is_min_and_swa_starts_with_nulls() {
     let r1 = add(&mut a, &contents, 161);
     prefill(&mut a, r1, 161);
     let (f1, s1) = (table(&a, r1, 0), table(&a, r1, 1));
-    a.free(r1).unwrap();
+    a.free(r1, LEVEL_NORMAL).unwrap();
 
     let r2 = add(&mut a, &contents, 161);
     let hit = a.find_longest_cache_hit(r2, 160).unwrap();
@@ -248,7 +226,7 @@ fn find_longest_cache_hit_hybrid_full_swa_is_min_and_swa_starts_with_nulls() {
 
     let mut x = args(17, 0, 161, 161);
     x.num_new_computed_tokens = 144;
-    assert_eq!(a.allocate_slots(r2, &x, NewComputed::Stored).unwrap(), Some(4));
+    assert_eq!(a.allocate_slots(r2, &x, NewComputed::Stored, None).unwrap(), Some(4));
     // 144 computed: tokens 0..113 are out of the window, so blocks 0..7 are null.
     let t = table(&a, r2, 1);
     assert_eq!(&t[..7], &[NULL_BLOCK; 7]);
@@ -298,11 +276,11 @@ fn remove_skipped_blocks_chunked_local_frees_previous_chunks() {
     let r = add(&mut a, &[], 100);
     assert_eq!(prefill(&mut a, r, 100), Some(7));
     let t = table(&a, r, 0);
-    a.remove_skipped_blocks(r, 100).unwrap();
+    a.remove_skipped_blocks(r, 100, None).unwrap();
     let after = table(&a, r, 0);
     assert_eq!(&after[..4], &[NULL_BLOCK; 4], "chunk 0 (tokens 0..64) is done");
     assert_eq!(&after[4..], &t[4..]);
-    a.remove_skipped_blocks(r, 127).unwrap();
+    a.remove_skipped_blocks(r, 127, None).unwrap();
     assert_eq!(table(&a, r, 0), after, "still inside chunk 1");
     ok(&a);
 }
@@ -314,7 +292,7 @@ fn find_longest_cache_hit_full_chunked_hit_starts_at_chunk_boundary() {
     let r1 = add(&mut a, &contents, 100);
     prefill(&mut a, r1, 100);
     let c1 = table(&a, r1, 1);
-    a.free(r1).unwrap();
+    a.free(r1, LEVEL_NORMAL).unwrap();
     let r2 = add(&mut a, &contents, 100);
     let hit = a.find_longest_cache_hit(r2, 99).unwrap();
     assert_eq!(hit.num_tokens, 96);
@@ -339,7 +317,7 @@ fn allocate_slots_pool_too_small_returns_none_without_changing_tables() {
     assert_eq!(prefill(&mut a, r2, 64), None);
     assert!(table(&a, r2, 0).is_empty());
     // Neither does a 64-token chunk of the first.
-    assert_eq!(a.allocate_slots(r1, &args(64, 64, 64, 128), NewComputed::Empty).unwrap(), None);
+    assert_eq!(a.allocate_slots(r1, &args(64, 64, 64, 128), NewComputed::Empty, None).unwrap(), None);
     assert_eq!(table(&a, r1, 0), t1);
     assert_eq!(a.pool().free_queue_order(), q);
     ok(&a);
@@ -354,7 +332,7 @@ fn allocate_slots_none_still_frees_out_of_window_blocks() {
     assert_eq!(prefill(&mut a, r, 128), Some(8));
     assert_eq!(a.num_free_blocks(), 1);
     // 200 more tokens need 13 blocks: recycling 6 is not enough, but happens anyway.
-    assert_eq!(a.allocate_slots(r, &args(200, 128, 128, 328), NewComputed::Empty).unwrap(), None);
+    assert_eq!(a.allocate_slots(r, &args(200, 128, 128, 328), NewComputed::Empty, None).unwrap(), None);
     let t = table(&a, r, 0);
     assert_eq!(t.len(), 8);
     assert_eq!(&t[..6], &[NULL_BLOCK; 6]);
@@ -371,12 +349,12 @@ fn allocate_slots_full_sequence_must_fit_uses_sliding_window_admission_cap() {
     let r = add(&mut a, &[], 1000);
     let mut x = args(64, 0, 1000, 1000);
     x.full_sequence_must_fit = true;
-    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty).unwrap(), Some(4));
+    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty, None).unwrap(), Some(4));
     // The same request with full attention would need all 63 blocks.
     cfg.groups[0].kind = full();
     let mut b = alloc(cfg);
     let r = add(&mut b, &[], 1000);
-    assert_eq!(b.allocate_slots(r, &x, NewComputed::Empty).unwrap(), None);
+    assert_eq!(b.allocate_slots(r, &x, NewComputed::Empty, None).unwrap(), None);
     ok(&a);
     ok(&b);
 }
@@ -389,12 +367,12 @@ fn allocate_slots_watermark_and_reserved_blocks_refuse_admission() {
     let r = add(&mut a, &[], 80);
     let mut x = args(80, 0, 80, 80);
     x.apply_watermark = true;
-    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty).unwrap(), None, "5 + watermark 3 > 7");
+    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty, None).unwrap(), None, "5 + watermark 3 > 7");
     x.apply_watermark = false;
     x.reserved_blocks = 3;
-    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty).unwrap(), None, "5 > 7 - 3 reserved");
+    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty, None).unwrap(), None, "5 > 7 - 3 reserved");
     x.reserved_blocks = 2;
-    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty).unwrap(), Some(5));
+    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty, None).unwrap(), Some(5));
     ok(&a);
 }
 
@@ -428,7 +406,7 @@ fn reset_prefix_cache_refused_while_blocks_in_use() {
     a.take_events();
     assert!(!a.reset_prefix_cache());
     assert!(!a.has_events());
-    a.free(r).unwrap();
+    a.free(r, LEVEL_NORMAL).unwrap();
     assert!(a.reset_prefix_cache());
     assert_eq!(a.take_events(), vec![Event::AllCleared]);
     assert!((1..8).all(|b| a.pool().block_hash(b).is_none()));
@@ -463,7 +441,7 @@ fn events_stored_removed_all_cleared_carry_blocks_hashes_and_order() {
     );
     // Decode to 48 tokens: block 2 becomes full, its parent is block 1.
     a.append_hashes(r, h[2].as_bytes(), 8).unwrap();
-    assert_eq!(a.allocate_slots(r, &args(8, 40, 40, 48), NewComputed::Empty).unwrap(), Some(0));
+    assert_eq!(a.allocate_slots(r, &args(8, 40, 40, 48), NewComputed::Empty, None).unwrap(), Some(0));
     assert_eq!(
         a.take_events(),
         vec![Event::Stored {
@@ -478,7 +456,7 @@ fn events_stored_removed_all_cleared_carry_blocks_hashes_and_order() {
         }]
     );
     // Freed tail first: the queue is [4, 5, 3, 2, 1]; a 5-block request evicts 3, 2, 1.
-    a.free(r).unwrap();
+    a.free(r, LEVEL_NORMAL).unwrap();
     assert!(!a.has_events());
     let r2 = add(&mut a, &[], 80);
     assert_eq!(prefill(&mut a, r2, 80), Some(5));
@@ -492,7 +470,7 @@ fn events_stored_removed_all_cleared_carry_blocks_hashes_and_order() {
         ],
         "no Stored: this request sent no hashes"
     );
-    a.free(r2).unwrap();
+    a.free(r2, LEVEL_NORMAL).unwrap();
     assert!(a.reset_prefix_cache());
     assert_eq!(a.take_events(), vec![Event::AllCleared]);
     ok(&a);
@@ -544,11 +522,17 @@ fn bad_inputs_return_errors_and_change_nothing() {
     let r = add(&mut a, &[1, 2, 3], 40);
     prefill(&mut a, r, 40);
     let gone = add(&mut a, &[1], 16);
-    a.free(gone).unwrap();
+    a.free(gone, LEVEL_NORMAL).unwrap();
     let s = state(&a);
-    assert_eq!(a.free(gone), Err(Error::UnknownRequest(gone)), "double free");
-    assert!(matches!(a.allocate_slots(99, &args(1, 0, 1, 1), NewComputed::Empty), Err(Error::UnknownRequest(99))));
-    assert!(matches!(a.allocate_slots(r, &AllocateArgs::default(), NewComputed::Empty), Err(Error::OutOfRange(_))));
+    assert_eq!(a.free(gone, LEVEL_NORMAL), Err(Error::UnknownRequest(gone)), "double free");
+    assert!(matches!(
+        a.allocate_slots(99, &args(1, 0, 1, 1), NewComputed::Empty, None),
+        Err(Error::UnknownRequest(99))
+    ));
+    assert!(matches!(
+        a.allocate_slots(r, &AllocateArgs::default(), NewComputed::Empty, None),
+        Err(Error::OutOfRange(_))
+    ));
     assert!(matches!(a.evict_blocks(&[1, 32]), Err(Error::InvalidBlock(_))));
     assert!(matches!(a.free_block_ids(&[2, 40]), Err(Error::InvalidBlock(_))));
     let b = table(&a, r, 0)[0];
@@ -557,16 +541,16 @@ fn bad_inputs_return_errors_and_change_nothing() {
     assert!(matches!(a.append_hashes(r, &[0; 10], 8), Err(Error::OutOfRange(_))));
     assert!(matches!(a.append_hashes(r, &[0; 66], 33), Err(Error::OutOfRange(_))));
     let wrong_groups = vec![vec![1]];
-    assert!(a.allocate_slots(r, &args(1, 40, 40, 41), NewComputed::Explicit(&wrong_groups)).is_err());
+    assert!(a.allocate_slots(r, &args(1, 40, 40, 41), NewComputed::Explicit(&wrong_groups), None).is_err());
     let out_of_range = vec![vec![32], vec![]];
     let w = add(&mut a, &[], 20);
     let s2 = state(&a);
     assert!(matches!(
-        a.allocate_slots(w, &args(1, 0, 20, 20), NewComputed::Explicit(&out_of_range)),
+        a.allocate_slots(w, &args(1, 0, 20, 20), NewComputed::Explicit(&out_of_range), None),
         Err(Error::InvalidBlock(_))
     ));
     assert_eq!(state(&a), s2);
-    a.free(w).unwrap();
+    a.free(w, LEVEL_NORMAL).unwrap();
     assert_eq!(state(&a), s);
     ok(&a);
 }
@@ -584,7 +568,7 @@ fn allocate_slots_running_request_adopting_hit_errs_unchanged() {
     let s = state(&a);
     let mut x = args(1, 48, 48, 49);
     x.num_new_computed_tokens = 32;
-    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Stored), Err(Error::OutOfRange(_))));
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Stored, None), Err(Error::OutOfRange(_))));
     assert_eq!(state(&a), s);
     assert_eq!(a.stored_hit(r2, 0).unwrap().len(), 2, "a refused hit stays stored");
     ok(&a);
@@ -598,21 +582,21 @@ fn allocate_slots_hit_for_request_holding_uncached_blocks_errs_unchanged() {
     let r1 = add(&mut a, &[1, 2, 3], 48);
     prefill(&mut a, r1, 48);
     let r2 = add(&mut a, &[1, 2, 3], 48);
-    assert_eq!(a.allocate_slots(r2, &args(10, 0, 48, 48), NewComputed::Empty).unwrap(), Some(2));
+    assert_eq!(a.allocate_slots(r2, &args(10, 0, 48, 48), NewComputed::Empty, None).unwrap(), Some(2));
     assert!(!a.managers()[0].is_tracked(r2 as u32));
     let hit = a.find_longest_cache_hit(r2, 47).unwrap();
     assert_eq!(hit.num_tokens, 32);
     let s = state(&a);
     let mut x = args(16, 0, 48, 48);
     x.num_new_computed_tokens = 32;
-    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Stored), Err(Error::OutOfRange(_))));
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Stored, None), Err(Error::OutOfRange(_))));
     assert_eq!(state(&a), s);
     assert_eq!(a.stored_hit(r2, 0).unwrap().len(), 2, "a refused hit stays stored");
     let explicit = vec![table(&a, r1, 0)[..2].to_vec(), vec![]];
-    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Explicit(&explicit)), Err(Error::OutOfRange(_))));
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Explicit(&explicit), None), Err(Error::OutOfRange(_))));
     x.num_new_computed_tokens = 0;
     x.num_external_computed_tokens = 32;
-    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Empty), Err(Error::OutOfRange(_))));
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Empty, None), Err(Error::OutOfRange(_))));
     assert_eq!(state(&a), s);
     ok(&a);
 }
@@ -629,7 +613,7 @@ fn allocate_slots_explicit_hit_with_caching_off_errs_unchanged() {
     let explicit = vec![table(&a, r1, 0)];
     let mut x = args(16, 0, 48, 48);
     x.num_new_computed_tokens = 32;
-    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Explicit(&explicit)), Err(Error::OutOfRange(_))));
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Explicit(&explicit), None), Err(Error::OutOfRange(_))));
     assert_eq!(state(&a), s);
     ok(&a);
 }
@@ -639,13 +623,13 @@ fn free_stale_handle_after_slot_reuse_errs_and_keeps_new_owner() {
     let mut a = alloc(config(&[full()], 32));
     let old = add(&mut a, &[1], 16);
     prefill(&mut a, old, 16);
-    a.free(old).unwrap();
+    a.free(old, LEVEL_NORMAL).unwrap();
     let new = add(&mut a, &[2], 16);
     prefill(&mut a, new, 16);
     assert_eq!(old & 0xFFFF_FFFF, new & 0xFFFF_FFFF, "the slot is reused");
     assert_ne!(old, new, "with another generation");
     let s = state(&a);
-    assert_eq!(a.free(old), Err(Error::UnknownRequest(old)));
+    assert_eq!(a.free(old, LEVEL_NORMAL), Err(Error::UnknownRequest(old)));
     assert_eq!(state(&a), s);
     assert_eq!(table(&a, new, 0).len(), 1);
     let other = alloc(config(&[full()], 32));
@@ -679,7 +663,7 @@ fn allocate_slots_error_after_hash_sync_restores_hashes() {
     let bad_hit = vec![vec![31]];
     let mut x = args(16, 0, 48, 48);
     x.num_new_computed_tokens = 16;
-    let res = a.allocate_slots_synced(h, &x, NewComputed::Explicit(&bad_hit), Some(&longer));
+    let res = a.allocate_slots(h, &x, NewComputed::Explicit(&bad_hit), Some(&longer));
     assert!(matches!(res, Err(Error::InvalidBlock(_))), "{res:?}");
     assert_eq!(a.hashes(h).unwrap(), &before[..]);
     ok(&a);
@@ -690,16 +674,16 @@ fn allocate_slots_stored_hit_reused_since_search_errs_unchanged() {
     let mut a = alloc(config(&[full()], 4));
     let r1 = add(&mut a, &[1, 2], 33);
     prefill(&mut a, r1, 33);
-    a.free(r1).unwrap();
+    a.free(r1, LEVEL_NORMAL).unwrap();
     let r2 = add(&mut a, &[1, 2], 33);
     assert_eq!(a.find_longest_cache_hit(r2, 32).unwrap().num_tokens, 32);
     let thief = add(&mut a, &[7, 8, 9], 48);
     prefill(&mut a, thief, 48);
-    a.free(thief).unwrap();
+    a.free(thief, LEVEL_NORMAL).unwrap();
     let s = state(&a);
     let mut x = args(1, 0, 33, 33);
     x.num_new_computed_tokens = 32;
-    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Stored), Err(Error::InvalidBlock(_))));
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Stored, None), Err(Error::InvalidBlock(_))));
     assert_eq!(state(&a), s);
     ok(&a);
 }
@@ -726,18 +710,18 @@ fn allocate_slots_token_sum_past_u32_errs_and_past_max_model_len_clamps() {
     let h = a.add_request();
     let s = state(&a);
     let huge = AllocateArgs { num_new_tokens: u32::MAX, num_computed_tokens: 1, ..Default::default() };
-    assert!(matches!(a.allocate_slots(h, &huge, NewComputed::Empty), Err(Error::OutOfRange(_))));
+    assert!(matches!(a.allocate_slots(h, &huge, NewComputed::Empty, None), Err(Error::OutOfRange(_))));
     let clamped = AllocateArgs { num_new_tokens: u32::MAX, num_tokens: u32::MAX, ..Default::default() };
-    assert_eq!(a.allocate_slots(h, &clamped, NewComputed::Empty), Ok(None), "8192 tokens do not fit 7 blocks");
+    assert_eq!(a.allocate_slots(h, &clamped, NewComputed::Empty, None), Ok(None), "8192 tokens do not fit 7 blocks");
     assert_eq!(state(&a), s);
 }
 
 #[test]
 fn new_huge_pool_errs_out_of_memory() {
     let mut cfg = config(&[full()], hybrid_alloc::config::MAX_NUM_BLOCKS);
-    assert!(matches!(Allocator::new(cfg.clone()), Err(Error::OutOfMemory(_))));
+    assert!(matches!(Allocator::new(cfg.clone(), Policy::Exact), Err(Error::OutOfMemory(_))));
     cfg.enable_caching = false;
-    assert!(matches!(Allocator::new(cfg), Err(Error::OutOfMemory(_))));
+    assert!(matches!(Allocator::new(cfg, Policy::Exact), Err(Error::OutOfMemory(_))));
 }
 
 // ---- reference sliding window (R-SWA) -------------------------------------------------
@@ -750,7 +734,7 @@ fn rswa(window: u32) -> AttentionKind {
 fn decode(a: &mut Allocator, h: ReqHandle, p: u32, computed: &mut u32, n: u32) {
     for _ in 0..n {
         let x = args(1, *computed, p, *computed + 1);
-        assert!(a.allocate_slots(h, &x, NewComputed::Empty).unwrap().is_some());
+        assert!(a.allocate_slots(h, &x, NewComputed::Empty, None).unwrap().is_some());
         *computed += 1;
         ok(a);
     }
@@ -783,7 +767,7 @@ fn allocate_slots_rswa_frees_the_gap_between_prompt_and_window() {
     let end = ((computed - 32) / 16) as usize;
     assert!(t[3..end].iter().all(|&b| b == NULL_BLOCK));
     assert!(t[..3].iter().chain(&t[end..]).all(|&b| b != NULL_BLOCK));
-    a.free(r).unwrap();
+    a.free(r, LEVEL_NORMAL).unwrap();
     assert_eq!(a.num_free_blocks(), 31);
     ok(&a);
 }
@@ -797,11 +781,11 @@ fn remove_skipped_blocks_rswa_without_prompt_is_full_attention() {
     assert_eq!(prefill(&mut a, r, 200), Some(13));
     let t = table(&a, r, 0);
     // vLLM's other callers pass no prompt length: nothing is freed.
-    a.remove_skipped_blocks(r, 200).unwrap();
+    a.remove_skipped_blocks(r, 200, None).unwrap();
     assert_eq!(table(&a, r, 0), t);
     // With a prompt of 20 tokens, blocks 2..(200 - 16) / 16 = 11 form the gap, freed tail
     // first (to the front of the queue: unhashed).
-    a.remove_skipped_blocks_with_prompt(r, 200, Some(20)).unwrap();
+    a.remove_skipped_blocks(r, 200, Some(20)).unwrap();
     let after = table(&a, r, 0);
     assert!(after[2..11].iter().all(|&b| b == NULL_BLOCK));
     assert_eq!(&after[..2], &t[..2]);
@@ -812,7 +796,7 @@ fn remove_skipped_blocks_rswa_without_prompt_is_full_attention() {
     ok(&a);
     // A shorter prompt moves the gap's start down to block 1, but the walk back from the
     // gap's end meets a null block at once: nothing more is freed (as in vLLM).
-    a.remove_skipped_blocks_with_prompt(r, 200, Some(5)).unwrap();
+    a.remove_skipped_blocks(r, 200, Some(5)).unwrap();
     assert_eq!(table(&a, r, 0), after);
     ok(&a);
 }
@@ -840,6 +824,48 @@ fn find_longest_cache_hit_rswa_hits_as_full_attention_over_freed_gap_blocks() {
     assert!(!a.stored_hit(r2, 1).unwrap().contains(&NULL_BLOCK));
     let mut x = args(16, 0, 176, 176);
     x.num_new_computed_tokens = 160;
-    assert!(a.allocate_slots(r2, &x, NewComputed::Stored).unwrap().is_some());
+    assert!(a.allocate_slots(r2, &x, NewComputed::Stored, None).unwrap().is_some());
+    ok(&a);
+}
+
+#[test]
+fn allocate_slots_computed_ahead_of_table_is_refused_and_changes_nothing() {
+    // Issue 15, defect 8a: a 100-token request has computed 16 tokens; a direct-API call
+    // then claims 96 computed. Its blocks past the first were never written, so caching
+    // them under the request's hashes would give a second request a 96-token hit on them.
+    let contents: Vec<u64> = (0..7).collect();
+    let mut a = alloc(config(&[full()], 64));
+    let r = add(&mut a, &contents, 100);
+    a.allocate_slots(r, &args(16, 0, 100, 100), NewComputed::Empty, None).unwrap().unwrap();
+    let free = a.num_free_blocks();
+    let order = a.pool().free_queue_order();
+    let tables = table(&a, r, 0);
+    let limits = a.noop_limits(r).unwrap();
+    let res = a.allocate_slots(r, &args(1, 96, 100, 100), NewComputed::Empty, None);
+    assert!(matches!(&res, Err(Error::OutOfRange(m)) if m.contains("num_computed_tokens=96")), "{res:?}");
+    assert_eq!(a.num_free_blocks(), free);
+    assert_eq!(a.pool().free_queue_order(), order);
+    assert_eq!(table(&a, r, 0), tables);
+    assert_eq!(a.noop_limits(r).unwrap(), limits);
+    ok(&a);
+    let second = add(&mut a, &contents, 100);
+    assert_eq!(a.find_longest_cache_hit(second, 99).unwrap().num_tokens, 16, "only the written block hits");
+    // At the table's edge the count is accepted: 16 computed, the next step.
+    a.allocate_slots(r, &args(1, 16, 100, 100), NewComputed::Empty, None).unwrap().unwrap();
+    ok(&a);
+}
+
+#[test]
+fn allocate_slots_computed_ahead_trusted_is_vllm_exact() {
+    // The vLLM adapter's path: vLLM's manager takes the Request's count as it comes, and so
+    // does the core when told to trust it (the blocks are allocated and cached, as vLLM's).
+    let contents: Vec<u64> = (0..7).collect();
+    let mut a = alloc(config(&[full()], 64));
+    let r = add(&mut a, &contents, 100);
+    a.allocate_slots(r, &args(16, 0, 100, 100), NewComputed::Empty, None).unwrap().unwrap();
+    let x = AllocateArgs { trust_computed_tokens: true, ..args(1, 96, 100, 100) };
+    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty, None).unwrap(), Some(6));
+    let second = add(&mut a, &contents, 100);
+    assert_eq!(a.find_longest_cache_hit(second, 99).unwrap().num_tokens, 96);
     ok(&a);
 }

@@ -4,10 +4,14 @@
 //! the last cached state, the same-step deferral, mode "none" with speculative state
 //! blocks, zeroing records, and bad inputs that must fail without changing anything.
 
+mod common;
+
+use common::{chain_from, hash_bytes};
 use hybrid_alloc::invariants;
+use hybrid_alloc::policy::LEVEL_NORMAL;
 use hybrid_alloc::{
-    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Error, GroupSpec, NewComputed, ReqHandle,
-    NULL_BLOCK,
+    AllocateArgs, Allocator, AttentionKind, BlockCountArgs, BlockHash, BlockId, Config, Error, GroupSpec, NewComputed,
+    Policy, ReqHandle, NULL_BLOCK,
 };
 
 const BS: u32 = 16;
@@ -17,34 +21,24 @@ fn mamba(align: bool, speculative_blocks: u32) -> AttentionKind {
 }
 
 fn config(kinds: &[(AttentionKind, u32)], num_blocks: u32, caching: bool, zero: bool) -> Config {
+    let groups = kinds
+        .iter()
+        .enumerate()
+        .map(|(i, &(kind, block_size))| GroupSpec { kind, block_size, spec_key: i as u32 })
+        .collect();
     Config {
-        num_blocks,
-        groups: kinds
-            .iter()
-            .enumerate()
-            .map(|(i, &(kind, block_size))| GroupSpec { kind, block_size, spec_key: i as u32 })
-            .collect(),
-        hash_block_size: BS,
         scheduler_block_size: kinds.iter().map(|k| k.1).max().unwrap(),
-        max_model_len: 4096,
-        max_in_flight_tokens: 4096,
         enable_caching: caching,
-        enable_events: false,
-        watermark_blocks: 0,
-        retention_interval: None,
         zero_new_blocks: zero,
-        hash_lookahead_tokens: 0,
+        ..common::config(num_blocks, groups, BS)
     }
 }
 
+/// The hash bytes of a request of `n` tokens whose prefix is identified by `seed`.
 fn chain(n: u32, seed: u64) -> Vec<u8> {
-    let mut prev = seed;
-    (0..n / BS)
-        .flat_map(|i| {
-            prev = prev.rotate_left(7) ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            BlockHash::from_u64(prev).as_bytes().to_vec()
-        })
-        .collect()
+    let contents: Vec<u64> = (1..=(n / BS) as u64).collect();
+    let hashes: Vec<BlockHash> = chain_from(seed, &contents).into_iter().map(BlockHash::from_u64).collect();
+    hash_bytes(&hashes)
 }
 
 fn add(a: &mut Allocator, num_tokens: u32, seed: u64) -> ReqHandle {
@@ -73,10 +67,12 @@ fn ok(a: &Allocator) {
 
 #[test]
 fn allocate_slots_mamba_align_pads_nulls_and_recycles_the_previous_state() {
-    let mut a = Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, true, true)).unwrap();
+    let mut a =
+        Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, true, true), Policy::Exact)
+            .unwrap();
     let h = add(&mut a, 100, 1);
     // A 48-token chunk: full attention takes 3 blocks, Mamba 2 nulls and one state block.
-    assert!(a.allocate_slots(h, &args(48, 0, 100, 100), NewComputed::Empty).unwrap().is_some());
+    assert!(a.allocate_slots(h, &args(48, 0, 100, 100), NewComputed::Empty, None).unwrap().is_some());
     let t = table(&a, h, 1);
     assert_eq!(&t[..2], &[NULL_BLOCK, NULL_BLOCK]);
     assert_ne!(t[2], NULL_BLOCK);
@@ -91,7 +87,7 @@ fn allocate_slots_mamba_align_pads_nulls_and_recycles_the_previous_state() {
     ok(&a);
     // The next chunk (48 more tokens): nulls up to the new state block; the old state stays
     // one more step (the new one is filled from it).
-    assert!(a.allocate_slots(h, &args(48, 48, 100, 100), NewComputed::Empty).unwrap().is_some());
+    assert!(a.allocate_slots(h, &args(48, 48, 100, 100), NewComputed::Empty, None).unwrap().is_some());
     let t2 = table(&a, h, 1);
     assert_eq!(t2.len(), 6);
     assert_eq!(t2[2], t[2]);
@@ -99,20 +95,22 @@ fn allocate_slots_mamba_align_pads_nulls_and_recycles_the_previous_state() {
     ok(&a);
     // Once the second chunk is processed, the state block of the first one is freed.
     let free = a.num_free_blocks();
-    a.remove_skipped_blocks(h, 96).unwrap();
+    a.remove_skipped_blocks(h, 96, None).unwrap();
     assert_eq!(table(&a, h, 1)[2], NULL_BLOCK);
     assert_eq!(a.num_free_blocks(), free + 1);
     ok(&a);
-    a.free(h).unwrap();
+    a.free(h, LEVEL_NORMAL).unwrap();
     ok(&a);
     assert_eq!(a.num_free_blocks(), 63);
 }
 
 #[test]
 fn find_longest_cache_hit_mamba_align_hits_the_last_cached_state_and_defers_it_within_a_step() {
-    let mut a = Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, true, false)).unwrap();
+    let mut a =
+        Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, true, false), Policy::Exact)
+            .unwrap();
     let r1 = add(&mut a, 80, 7);
-    assert!(a.allocate_slots(r1, &args(64, 0, 80, 80), NewComputed::Empty).unwrap().is_some());
+    assert!(a.allocate_slots(r1, &args(64, 0, 80, 80), NewComputed::Empty, None).unwrap().is_some());
     let state = table(&a, r1, 1)[3];
     let r2 = add(&mut a, 80, 7);
     let hit = a.find_longest_cache_hit(r2, 79).unwrap();
@@ -122,13 +120,27 @@ fn find_longest_cache_hit_mamba_align_hits_the_last_cached_state_and_defers_it_w
     x.num_new_computed_tokens = 64;
     // The state was cached in this step: the hit waits for the next one (vLLM answers
     // "does not fit" with num_gpu_blocks + 1).
-    assert_eq!(a.get_num_blocks_to_allocate(r2, 80, 80, 0, 0, false, 0).unwrap(), 5 + 1);
-    assert_eq!(a.allocate_slots(r2, &x, NewComputed::Stored).unwrap(), None);
+    assert_eq!(
+        a.get_num_blocks_to_allocate(
+            r2,
+            &BlockCountArgs {
+                num_tokens: 80,
+                num_tokens_main_model: 80,
+                num_encoder_tokens: 0,
+                total_computed_tokens: 0,
+                apply_admission_cap: false,
+                prefill_end: 0
+            }
+        )
+        .unwrap(),
+        5 + 1
+    );
+    assert_eq!(a.allocate_slots(r2, &x, NewComputed::Stored, None).unwrap(), None);
     assert!(table(&a, r2, 0).is_empty());
     // Next step: the scheduler looks the hit up again and adopts it.
     a.new_step_starts();
     assert_eq!(a.find_longest_cache_hit(r2, 79).unwrap().num_tokens, 64);
-    assert!(a.allocate_slots(r2, &x, NewComputed::Stored).unwrap().is_some());
+    assert!(a.allocate_slots(r2, &x, NewComputed::Stored, None).unwrap().is_some());
     assert_eq!(&table(&a, r2, 1)[..4], &[NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, state]);
     assert_eq!(a.pool().ref_cnt(state), 2);
     ok(&a);
@@ -136,16 +148,18 @@ fn find_longest_cache_hit_mamba_align_hits_the_last_cached_state_and_defers_it_w
 
 #[test]
 fn allocate_slots_mamba_partial_hit_is_refused_unchanged() {
-    let mut a = Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, true, false)).unwrap();
+    let mut a =
+        Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, true, false), Policy::Exact)
+            .unwrap();
     let r1 = add(&mut a, 80, 3);
-    a.allocate_slots(r1, &args(64, 0, 80, 80), NewComputed::Empty).unwrap();
+    a.allocate_slots(r1, &args(64, 0, 80, 80), NewComputed::Empty, None).unwrap();
     a.new_step_starts();
     let r2 = add(&mut a, 80, 3);
     a.find_longest_cache_hit(r2, 79).unwrap();
     let free = a.num_free_blocks();
     let mut x = args(8, 8, 80, 80);
     x.num_new_computed_tokens = 64;
-    let e = a.allocate_slots(r2, &x, NewComputed::Stored).unwrap_err();
+    let e = a.allocate_slots(r2, &x, NewComputed::Stored, None).unwrap_err();
     assert!(matches!(e, Error::OutOfRange(_)), "{e}");
     assert_eq!(a.num_free_blocks(), free);
     assert!(table(&a, r2, 1).is_empty());
@@ -154,15 +168,31 @@ fn allocate_slots_mamba_partial_hit_is_refused_unchanged() {
 
 #[test]
 fn allocate_slots_mamba_none_keeps_one_state_and_speculative_blocks() {
-    let mut a = Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(false, 2), 4096)], 64, false, true)).unwrap();
+    let mut a =
+        Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(false, 2), 4096)], 64, false, true), Policy::Exact)
+            .unwrap();
     let h = add(&mut a, 40, 1);
-    assert_eq!(a.get_num_blocks_to_allocate(h, 40, 40, 0, 0, false, 0).unwrap(), 3 + 3);
-    assert_eq!(a.allocate_slots(h, &args(40, 0, 40, 40), NewComputed::Empty).unwrap(), Some(6));
+    assert_eq!(
+        a.get_num_blocks_to_allocate(
+            h,
+            &BlockCountArgs {
+                num_tokens: 40,
+                num_tokens_main_model: 40,
+                num_encoder_tokens: 0,
+                total_computed_tokens: 0,
+                apply_admission_cap: false,
+                prefill_end: 0
+            }
+        )
+        .unwrap(),
+        3 + 3
+    );
+    assert_eq!(a.allocate_slots(h, &args(40, 0, 40, 40), NewComputed::Empty, None).unwrap(), Some(6));
     assert_eq!(table(&a, h, 1).len(), 3, "one state block and two speculative ones");
     assert_eq!(a.take_new_block_ids(), table(&a, h, 0), "Mamba state blocks are not zeroed");
     // Decoding never needs another state block.
     for n in 40..200 {
-        a.allocate_slots(h, &args(1, n, 40, n + 1), NewComputed::Empty).unwrap().unwrap();
+        a.allocate_slots(h, &args(1, n, 40, n + 1), NewComputed::Empty, None).unwrap().unwrap();
     }
     assert_eq!(table(&a, h, 1).len(), 3);
     ok(&a);
@@ -176,15 +206,17 @@ fn allocate_slots_mamba_none_keeps_one_state_and_speculative_blocks() {
 
 #[test]
 fn allocate_slots_circular_buffer_claims_one_block_for_life() {
-    let mut a =
-        Allocator::new(config(&[(AttentionKind::Full, BS), (AttentionKind::CircularBuffer, 8)], 64, true, true))
-            .unwrap();
+    let mut a = Allocator::new(
+        config(&[(AttentionKind::Full, BS), (AttentionKind::CircularBuffer, 8)], 64, true, true),
+        Policy::Exact,
+    )
+    .unwrap();
     let h = add(&mut a, 64, 1);
-    assert_eq!(a.allocate_slots(h, &args(64, 0, 64, 64), NewComputed::Empty).unwrap(), Some(5));
+    assert_eq!(a.allocate_slots(h, &args(64, 0, 64, 64), NewComputed::Empty, None).unwrap(), Some(5));
     assert_eq!(table(&a, h, 1).len(), 1);
     assert_eq!(a.take_new_block_ids(), table(&a, h, 0), "the ring is not zeroed");
     assert!(a.pool().block_hash(table(&a, h, 1)[0]).is_none(), "the ring is never cached");
-    a.allocate_slots(h, &args(16, 64, 64, 80), NewComputed::Empty).unwrap().unwrap();
+    a.allocate_slots(h, &args(16, 64, 64, 80), NewComputed::Empty, None).unwrap().unwrap();
     assert_eq!(table(&a, h, 1).len(), 1);
     ok(&a);
 }
@@ -192,34 +224,36 @@ fn allocate_slots_circular_buffer_claims_one_block_for_life() {
 #[test]
 fn config_mamba_align_with_partial_hits_or_checkpoints_inside_a_block_is_unsupported() {
     let c = config(&[(AttentionKind::Full, BS), (mamba(true, 0), 2 * BS)], 64, true, false);
-    assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
+    assert!(matches!(Allocator::new(c, Policy::Exact), Err(Error::Unsupported(_))));
     // Speculative state blocks are served.
     let c = config(&[(AttentionKind::Full, BS), (mamba(true, 1), BS)], 64, true, false);
-    assert!(Allocator::new(c).is_ok());
+    assert!(Allocator::new(c, Policy::Exact).is_ok());
     // Prefill checkpoints need the Mamba block to be the scheduler block.
     let ckpt =
         AttentionKind::Mamba { speculative_blocks: 0, align: true, rekey_cached_tail: false, checkpoint_alignment: 1 };
     let mut c = config(&[(AttentionKind::Full, BS), (ckpt, BS)], 64, true, false);
     c.scheduler_block_size = 2 * BS;
-    assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
+    assert!(matches!(Allocator::new(c, Policy::Exact), Err(Error::Unsupported(_))));
     // ... and at most one lookahead hash token (more would key the checkpoint inside its block).
     let mut c = config(&[(AttentionKind::Full, BS), (ckpt, BS)], 64, true, false);
     c.hash_lookahead_tokens = 1;
-    assert!(Allocator::new(c.clone()).is_ok());
+    assert!(Allocator::new(c.clone(), Policy::Exact).is_ok());
     c.hash_lookahead_tokens = 2;
-    assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
+    assert!(matches!(Allocator::new(c, Policy::Exact), Err(Error::Unsupported(_))));
     let c = config(&[(AttentionKind::Full, BS), (mamba(false, 0), BS)], 64, true, false);
-    assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
+    assert!(matches!(Allocator::new(c, Policy::Exact), Err(Error::Unsupported(_))));
     let c = config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, false, false);
-    assert!(matches!(Allocator::new(c), Err(Error::Unsupported(_))));
+    assert!(matches!(Allocator::new(c, Policy::Exact), Err(Error::Unsupported(_))));
 }
 
 #[test]
 fn allocate_slots_mamba_align_relocates_speculative_blocks_past_the_new_running_state() {
-    let mut a = Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(true, 2), BS)], 64, true, false)).unwrap();
+    let mut a =
+        Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(true, 2), BS)], 64, true, false), Policy::Exact)
+            .unwrap();
     let h = add(&mut a, 100, 5);
     // First allocation: running state plus two scratch blocks (cap 1 + 2).
-    assert!(a.allocate_slots(h, &args(20, 0, 100, 100), NewComputed::Empty).unwrap().is_some());
+    assert!(a.allocate_slots(h, &args(20, 0, 100, 100), NewComputed::Empty, None).unwrap().is_some());
     let t = table(&a, h, 1);
     assert_eq!(t.len(), 1 + 2 + 1, "null, running state, two scratch blocks");
     assert_eq!(t[0], NULL_BLOCK);
@@ -228,7 +262,7 @@ fn allocate_slots_mamba_align_relocates_speculative_blocks_past_the_new_running_
     assert_eq!(lim.slots, 2 * BS, "the scratch blocks hold no token slots");
     // Into block 2: the first scratch block becomes the running state, one new block
     // completes the two scratch blocks.
-    assert!(a.allocate_slots(h, &args(20, 20, 100, 100), NewComputed::Empty).unwrap().is_some());
+    assert!(a.allocate_slots(h, &args(20, 20, 100, 100), NewComputed::Empty, None).unwrap().is_some());
     let t2 = table(&a, h, 1);
     assert_eq!(t2.len(), 3 + 2);
     assert_eq!(t2[2], t[2], "the scratch block at the new running index stays");
@@ -236,14 +270,14 @@ fn allocate_slots_mamba_align_relocates_speculative_blocks_past_the_new_running_
     ok(&a);
     // Into block 4, skipping block 3: the scratch block left at index 3 moves to the end
     // (vLLM's `_relocate_speculative_block`), index 3 becomes null.
-    assert!(a.allocate_slots(h, &args(32, 40, 100, 100), NewComputed::Empty).unwrap().is_some());
+    assert!(a.allocate_slots(h, &args(32, 40, 100, 100), NewComputed::Empty, None).unwrap().is_some());
     let t3 = table(&a, h, 1);
     assert_eq!(t3.len(), 5 + 2);
     assert_eq!(t3[3], NULL_BLOCK);
     assert_eq!(t3[4], t2[4]);
     assert_eq!(t3[5], t[3]);
     ok(&a);
-    a.free(h).unwrap();
+    a.free(h, LEVEL_NORMAL).unwrap();
     ok(&a);
     assert_eq!(a.num_free_blocks(), 63);
 }
@@ -252,12 +286,27 @@ fn allocate_slots_mamba_align_relocates_speculative_blocks_past_the_new_running_
 fn allocate_slots_mamba_align_reserves_a_prefill_checkpoint_block_before_the_running_state() {
     let ckpt =
         AttentionKind::Mamba { speculative_blocks: 0, align: true, rekey_cached_tail: true, checkpoint_alignment: 1 };
-    let mut a = Allocator::new(config(&[(AttentionKind::Full, BS), (ckpt, BS)], 64, true, false)).unwrap();
+    let mut a =
+        Allocator::new(config(&[(AttentionKind::Full, BS), (ckpt, BS)], 64, true, false), Policy::Exact).unwrap();
     let h = add(&mut a, 100, 3);
     // 40 tokens from 0: the checkpoint at 32 (column 1) gets a block of its own before the
     // running state block (vLLM pads nulls only up to it), and is keyed at 32.
-    assert_eq!(a.get_num_blocks_to_allocate(h, 40, 40, 0, 0, true, 0).unwrap(), 3 + 2);
-    assert!(a.allocate_slots(h, &args(40, 0, 100, 100), NewComputed::Empty).unwrap().is_some());
+    assert_eq!(
+        a.get_num_blocks_to_allocate(
+            h,
+            &BlockCountArgs {
+                num_tokens: 40,
+                num_tokens_main_model: 40,
+                num_encoder_tokens: 0,
+                total_computed_tokens: 0,
+                apply_admission_cap: true,
+                prefill_end: 0
+            }
+        )
+        .unwrap(),
+        3 + 2
+    );
+    assert!(a.allocate_slots(h, &args(40, 0, 100, 100), NewComputed::Empty, None).unwrap().is_some());
     let t = table(&a, h, 1);
     assert_eq!(t.len(), 3);
     assert_eq!(t[0], NULL_BLOCK);
@@ -269,7 +318,7 @@ fn allocate_slots_mamba_align_reserves_a_prefill_checkpoint_block_before_the_run
     ok(&a);
     // A chunk starting inside a block reserves none: one state block, nulls before it. The
     // checkpoint block is recycled first (it stays cached in the free queue).
-    assert!(a.allocate_slots(h, &args(40, 40, 100, 100), NewComputed::Empty).unwrap().is_some());
+    assert!(a.allocate_slots(h, &args(40, 40, 100, 100), NewComputed::Empty, None).unwrap().is_some());
     let t2 = table(&a, h, 1);
     assert_eq!(t2.len(), 5);
     assert_eq!(&t2[..3], &[NULL_BLOCK, NULL_BLOCK, t[2]]);
@@ -277,6 +326,6 @@ fn allocate_slots_mamba_align_reserves_a_prefill_checkpoint_block_before_the_run
     assert_eq!(a.pool().block_hash_num_tokens(t[1]), 32);
     assert!(a.noop_limits(h).unwrap().slots > 0);
     ok(&a);
-    a.free(h).unwrap();
+    a.free(h, LEVEL_NORMAL).unwrap();
     ok(&a);
 }

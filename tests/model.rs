@@ -39,10 +39,13 @@
 
 use std::collections::{HashMap, HashSet};
 
+mod common;
+
 use hybrid_alloc::invariants;
+use hybrid_alloc::policy::LEVEL_NORMAL;
 use hybrid_alloc::{
-    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Event, GroupId, GroupSpec, HashSource,
-    NewComputed, PlainStep, ReqHandle, StepFields, NULL_BLOCK,
+    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, CacheBlocksArgs, Config, Event, GroupId, GroupSpec,
+    HashSource, NewComputed, PlainStep, Policy, ReqHandle, StepFields, NULL_BLOCK,
 };
 use proptest::prelude::*;
 
@@ -97,18 +100,13 @@ fn make_config(shape: Shape, caching: bool, events: bool, num_blocks: u32, reten
         _ => Some(0),
     };
     Config {
-        num_blocks,
-        groups,
-        hash_block_size: BS(),
-        scheduler_block_size: BS(),
         max_model_len: MAX_MODEL_LEN,
         max_in_flight_tokens: 128,
         enable_caching: caching,
         enable_events: events,
         watermark_blocks: 2,
         retention_interval,
-        zero_new_blocks: false,
-        hash_lookahead_tokens: 0,
+        ..common::config(num_blocks, groups, BS())
     }
 }
 
@@ -372,7 +370,7 @@ impl Harness {
         let caching = cfg.enable_caching;
         let events = cfg.enable_events;
         let kinds = cfg.groups.iter().map(|g| g.kind).collect();
-        let a = Allocator::new(cfg).expect("valid config");
+        let a = Allocator::new(cfg, Policy::Exact).expect("valid config");
         let h = Self {
             a,
             stats: Stats::default(),
@@ -786,7 +784,7 @@ impl Harness {
         let fits = !(o.must_fit && need_full + watermark > free) && need + watermark <= free - o.reserved as i64;
 
         let nc = if o.use_hit { NewComputed::Stored } else { NewComputed::Empty };
-        let res = self.a.allocate_slots(r.h, &args, nc).unwrap();
+        let res = self.a.allocate_slots(r.h, &args, nc, None).unwrap();
         assert_eq!(res.is_some(), fits, "admission of {r:?} ({o:?}): need {need} (full {need_full}), free {free}");
         if let Some(n) = res {
             let mut q = before.queue.clone();
@@ -909,7 +907,7 @@ impl Harness {
                 PlainStep::NotHere => panic!("live request {} not found by plain_step", r.h),
             }
         } else {
-            self.a.allocate_slots(r.h, &args, NewComputed::Empty).unwrap()
+            self.a.allocate_slots(r.h, &args, NewComputed::Empty, None).unwrap()
         };
         assert_eq!(res.is_some(), fits, "step of {r:?}: need {need}, free after recycling {}", q.len());
         if let Some(n) = res.filter(|_| !noop) {
@@ -941,7 +939,7 @@ impl Harness {
         for t in self.tables(r.h) {
             self.sim_free(&mut q, &mut rc, &before.hashed, t.into_iter().rev());
         }
-        self.a.free(r.h).unwrap();
+        self.a.free(r.h, LEVEL_NORMAL).unwrap();
         assert!(!self.a.is_live(r.h));
         assert_eq!(self.a.pool().free_queue_order(), q, "free queue after freeing {}", r.h);
     }
@@ -991,7 +989,17 @@ impl Harness {
         let Some(i) = self.pick(pick, |r| r.running) else { return };
         let r = &self.reqs[i];
         let before = self.snapshot();
-        self.a.cache_blocks(r.h, r.computed, r.num_prompt_tokens, 0).unwrap();
+        self.a
+            .cache_blocks(
+                r.h,
+                &CacheBlocksArgs {
+                    num_computed_tokens: r.computed,
+                    num_prompt_tokens: r.num_prompt_tokens,
+                    shared_prefix_boundary: 0,
+                },
+                None,
+            )
+            .unwrap();
         let after = self.snapshot();
         assert_eq!((after.queue, after.rc), (before.queue, before.rc), "cache_blocks moved blocks");
         if self.caching {
@@ -1008,7 +1016,7 @@ impl Harness {
         let mut rc = before.rc.clone();
         let mut tables = self.tables(r.h);
         let nps = self.sim_remove_skipped(&r, r.computed, &mut tables, &mut q, &mut rc, &before.hashed);
-        self.a.remove_skipped_blocks(r.h, r.computed).unwrap();
+        self.a.remove_skipped_blocks(r.h, r.computed, None).unwrap();
         assert_eq!(self.tables(r.h), tables, "tables after remove_skipped_blocks");
         assert_eq!(self.a.pool().free_queue_order(), q, "free queue after remove_skipped_blocks");
         self.reqs[i].null_prefix = nps;
@@ -1061,7 +1069,7 @@ impl Harness {
             self.free(i);
             self.check_all();
             let before = self.snapshot();
-            assert!(self.a.free(h).is_err(), "double free of {h} accepted");
+            assert!(self.a.free(h, LEVEL_NORMAL).is_err(), "double free of {h} accepted");
             assert_eq!(self.snapshot(), before, "a double free changed the state");
             return;
         }
@@ -1076,7 +1084,7 @@ impl Harness {
             }
             let before = self.snapshot();
             let args = AllocateArgs { num_new_tokens: 1, num_new_computed_tokens: hit.num_tokens, ..one };
-            assert!(self.a.allocate_slots(r.h, &args, NewComputed::Stored).is_err());
+            assert!(self.a.allocate_slots(r.h, &args, NewComputed::Stored, None).is_err());
             assert_eq!(self.snapshot(), before, "a refused adoption changed the state");
             return;
         }
@@ -1093,9 +1101,9 @@ impl Harness {
         let valid_hit: Vec<Vec<BlockId>> = (0..ng).map(|g| if g == 0 { vec![1] } else { Vec::new() }).collect();
         let before = self.snapshot();
         let err = match kind {
-            0 => self.a.allocate_slots(dead, &one, NewComputed::Empty).is_err(),
+            0 => self.a.allocate_slots(dead, &one, NewComputed::Empty, None).is_err(),
             2 => match live {
-                Some(h) => self.a.allocate_slots(h, &AllocateArgs::default(), NewComputed::Empty).is_err(),
+                Some(h) => self.a.allocate_slots(h, &AllocateArgs::default(), NewComputed::Empty, None).is_err(),
                 None => return,
             },
             3 => {
@@ -1117,8 +1125,15 @@ impl Harness {
                 self.a.free_block_ids(&ids).is_err()
             }
             6 => self.a.find_longest_cache_hit(dead, 100).is_err(),
-            7 => self.a.cache_blocks(dead, 16, 16, 0).is_err(),
-            8 => self.a.remove_skipped_blocks(dead, 1000).is_err(),
+            7 => self
+                .a
+                .cache_blocks(
+                    dead,
+                    &CacheBlocksArgs { num_computed_tokens: 16, num_prompt_tokens: 16, shared_prefix_boundary: 0 },
+                    None,
+                )
+                .is_err(),
+            8 => self.a.remove_skipped_blocks(dead, 1000, None).is_err(),
             9 => {
                 let mut out = Vec::new();
                 let e = self.a.pop_blocks_for_free(dead, &mut out).is_err()
@@ -1140,7 +1155,7 @@ impl Harness {
             11 => match waiting {
                 Some(h) => {
                     let wrong = vec![Vec::new(); ng + 1];
-                    self.a.allocate_slots(h, &one, NewComputed::Explicit(&wrong)).is_err()
+                    self.a.allocate_slots(h, &one, NewComputed::Explicit(&wrong), None).is_err()
                 }
                 None => return,
             },
@@ -1149,7 +1164,7 @@ impl Harness {
                     let mut bad = valid_hit.clone();
                     bad[0] = vec![nb + pick as u32 % 3];
                     let args = AllocateArgs { num_new_computed_tokens: BS(), num_tokens: 2 * BS(), ..one };
-                    self.a.allocate_slots(h, &args, NewComputed::Explicit(&bad)).is_err()
+                    self.a.allocate_slots(h, &args, NewComputed::Explicit(&bad), None).is_err()
                 }
                 None => return,
             },
@@ -1158,22 +1173,22 @@ impl Harness {
                 Some(h) => {
                     let args = AllocateArgs { num_new_computed_tokens: BS(), num_tokens: 2 * BS(), ..one };
                     let ext = AllocateArgs { num_external_computed_tokens: BS(), num_tokens: 2 * BS(), ..one };
-                    self.a.allocate_slots(h, &args, NewComputed::Explicit(&valid_hit)).is_err()
-                        && self.a.allocate_slots(h, &ext, NewComputed::Empty).is_err()
+                    self.a.allocate_slots(h, &args, NewComputed::Explicit(&valid_hit), None).is_err()
+                        && self.a.allocate_slots(h, &ext, NewComputed::Empty, None).is_err()
                 }
                 None => return,
             },
             16 => match waiting {
                 Some(h) if !self.caching => {
                     let args = AllocateArgs { num_new_computed_tokens: BS(), num_tokens: 2 * BS(), ..one };
-                    self.a.allocate_slots(h, &args, NewComputed::Explicit(&valid_hit)).is_err()
+                    self.a.allocate_slots(h, &args, NewComputed::Explicit(&valid_hit), None).is_err()
                 }
                 _ => return,
             },
             _ => match tracked {
                 Some(h) => {
                     let args = AllocateArgs { num_new_computed_tokens: BS(), num_tokens: 2 * BS(), ..one };
-                    self.a.allocate_slots(h, &args, NewComputed::Explicit(&valid_hit)).is_err()
+                    self.a.allocate_slots(h, &args, NewComputed::Explicit(&valid_hit), None).is_err()
                 }
                 None => return,
             },

@@ -20,11 +20,13 @@
 
 use std::collections::HashMap;
 
+mod common;
+
+use common::{chain, groups};
 use hybrid_alloc::invariants;
 use hybrid_alloc::policy::{Policy, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_SPECULATIVE};
 use hybrid_alloc::{
-    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Event, GroupSpec, NewComputed, ReqHandle,
-    NULL_BLOCK,
+    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Event, NewComputed, ReqHandle, NULL_BLOCK,
 };
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
@@ -40,36 +42,7 @@ fn mamba_align() -> AttentionKind {
 }
 
 fn config(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>) -> Config {
-    Config {
-        num_blocks,
-        groups: kinds
-            .iter()
-            .enumerate()
-            .map(|(i, &kind)| GroupSpec { kind, block_size: BS, spec_key: i as u32 })
-            .collect(),
-        hash_block_size: BS,
-        scheduler_block_size: BS,
-        max_model_len: 4096,
-        max_in_flight_tokens: 4096,
-        enable_caching: true,
-        enable_events: true,
-        watermark_blocks: 0,
-        retention_interval: retention,
-        zero_new_blocks: false,
-        hash_lookahead_tokens: 0,
-    }
-}
-
-/// Chain of content ids: the identity of a block's KV (its whole prefix).
-fn chain_of(contents: &[u64]) -> Vec<u64> {
-    let mut prev = 0x5EEDu64;
-    contents
-        .iter()
-        .map(|&c| {
-            prev = prev.rotate_left(5) ^ c.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xABCD;
-            prev
-        })
-        .collect()
+    Config { enable_events: true, retention_interval: retention, ..common::config(num_blocks, groups(kinds, BS), BS) }
 }
 
 #[derive(Clone, Debug)]
@@ -105,7 +78,7 @@ struct Model {
 
 impl Model {
     fn new(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>, policy: Policy) -> Self {
-        let a = Allocator::with_policy(config(kinds, num_blocks, retention), policy).unwrap();
+        let a = Allocator::new(config(kinds, num_blocks, retention), policy).unwrap();
         let families = (0..3u64).map(|f| (0..24u64).map(|i| 1_000_000 * (f + 1) + i).collect()).collect();
         Self {
             a,
@@ -203,7 +176,7 @@ impl Model {
         let extra = self.fresh(own_blocks + 8);
         let prompt = ((contents.len() + own_blocks) as u32 * BS).saturating_sub(own as u32 % BS).max(2);
         contents.extend(extra);
-        let chain = chain_of(&contents);
+        let chain = chain(&contents);
         let h = self.a.add_request();
         let max_tokens = (contents.len() as u32 * BS - prompt).min(out as u32 % 12 + 1);
         self.live.push(Req { h, contents, chain, prompt, num_tokens: prompt, computed: 0, hashed: 0, max_tokens });
@@ -228,7 +201,7 @@ impl Model {
             },
             ..Default::default()
         };
-        let mut res = self.a.allocate_slots(h, &args, NewComputed::Stored).unwrap();
+        let mut res = self.a.allocate_slots(h, &args, NewComputed::Stored, None).unwrap();
         if res.is_some() && split {
             self.record_new_blocks(i);
             let rest = AllocateArgs {
@@ -238,7 +211,7 @@ impl Model {
                 num_tokens: prompt,
                 ..Default::default()
             };
-            res = self.a.allocate_slots(h, &rest, NewComputed::Empty).unwrap();
+            res = self.a.allocate_slots(h, &rest, NewComputed::Empty, None).unwrap();
         }
         match res {
             Some(_) => {
@@ -251,7 +224,7 @@ impl Model {
             }
             None => {
                 let r = self.live.pop().unwrap();
-                self.a.free(r.h).unwrap();
+                self.a.free(r.h, LEVEL_NORMAL).unwrap();
             }
         }
     }
@@ -270,7 +243,7 @@ impl Model {
             num_tokens: r.num_tokens,
             ..Default::default()
         };
-        if self.a.allocate_slots(r.h, &args, NewComputed::Empty).unwrap().is_some() {
+        if self.a.allocate_slots(r.h, &args, NewComputed::Empty, None).unwrap().is_some() {
             self.record_new_blocks(i);
             let r = &mut self.live[i];
             r.computed += 1;
@@ -292,14 +265,14 @@ impl Model {
             self.finished.remove(0);
         }
         let level = if retain { LEVEL_PINNED } else { LEVEL_NORMAL };
-        self.a.free_with_level(r.h, level).unwrap();
+        self.a.free(r.h, level).unwrap();
     }
 
     /// Pins a family's prefix (refused past the pinned share).
     fn pin(&mut self, pick: u16) {
         let f = &self.families[pick as usize % self.families.len()];
         let k = (pick as usize / 3) % f.len() + 1;
-        let hashes: Vec<BlockHash> = chain_of(&f[..k]).into_iter().map(BlockHash::from_u64).collect();
+        let hashes: Vec<BlockHash> = chain(&f[..k]).into_iter().map(BlockHash::from_u64).collect();
         let before = self.a.pool().pinned_cap();
         match self.a.pin_prefix(&hashes) {
             Ok(n) => assert!(n <= before),
@@ -530,8 +503,8 @@ fn allocate_hit_aware_mamba_none_mode_is_exact() {
     cfg.groups[1].block_size = 4096;
     cfg.scheduler_block_size = 4096;
     cfg.hash_block_size = 4096;
-    let mut e = Allocator::new(cfg.clone()).unwrap();
-    let mut w = Allocator::with_policy(cfg, Policy::HitAware).unwrap();
+    let mut e = Allocator::new(cfg.clone(), Policy::Exact).unwrap();
+    let mut w = Allocator::new(cfg, Policy::HitAware).unwrap();
     assert!(!w.pool().is_leveled());
     let mut live: Vec<(ReqHandle, ReqHandle, u32)> = Vec::new();
     for k in 0..400u32 {
@@ -540,15 +513,15 @@ fn allocate_hit_aware_mamba_none_mode_is_exact() {
             let p = 5 + k % 37;
             let args = AllocateArgs { num_new_tokens: p, num_prompt_tokens: p, num_tokens: p, ..Default::default() };
             let (re, rw) = (
-                e.allocate_slots(he, &args, NewComputed::Empty).unwrap(),
-                w.allocate_slots(hw, &args, NewComputed::Empty).unwrap(),
+                e.allocate_slots(he, &args, NewComputed::Empty, None).unwrap(),
+                w.allocate_slots(hw, &args, NewComputed::Empty, None).unwrap(),
             );
             assert_eq!(re, rw);
             if re.is_some() {
                 live.push((he, hw, p));
             } else {
-                e.free(he).unwrap();
-                w.free(hw).unwrap();
+                e.free(he, LEVEL_NORMAL).unwrap();
+                w.free(hw, LEVEL_NORMAL).unwrap();
             }
         } else if !live.is_empty() {
             let i = k as usize % live.len();
@@ -562,14 +535,14 @@ fn allocate_hit_aware_mamba_none_mode_is_exact() {
                 ..Default::default()
             };
             let (re, rw) = (
-                e.allocate_slots(he, &args, NewComputed::Empty).unwrap(),
-                w.allocate_slots(hw, &args, NewComputed::Empty).unwrap(),
+                e.allocate_slots(he, &args, NewComputed::Empty, None).unwrap(),
+                w.allocate_slots(hw, &args, NewComputed::Empty, None).unwrap(),
             );
             assert_eq!(re, rw);
             if re.is_none() || k % 11 == 0 {
                 live.swap_remove(i);
-                e.free(he).unwrap();
-                w.free(hw).unwrap();
+                e.free(he, LEVEL_NORMAL).unwrap();
+                w.free(hw, LEVEL_NORMAL).unwrap();
             } else {
                 live[i].2 += 1;
             }
@@ -645,7 +618,7 @@ fn allocate_hit_aware_pressure_takes_speculative_before_normal() {
     let take = (free - normal) / 2 * BS; // two groups
     let h = m.a.add_request();
     let args = AllocateArgs { num_new_tokens: take, num_prompt_tokens: take, num_tokens: take, ..Default::default() };
-    assert!(m.a.allocate_slots(h, &args, NewComputed::Empty).unwrap().is_some());
+    assert!(m.a.allocate_slots(h, &args, NewComputed::Empty, None).unwrap().is_some());
     let p = m.a.pool();
     for b in normal_before {
         assert!(p.block_hash(b).is_some(), "normal block {b} evicted while speculative blocks were free");
@@ -654,10 +627,10 @@ fn allocate_hit_aware_pressure_takes_speculative_before_normal() {
 
 #[test]
 fn allocator_exact_policy_is_default_and_keeps_one_lru_level() {
-    let a = Allocator::new(config(&[AttentionKind::Full, swa(9)], 32, Some(0))).unwrap();
+    let a = Allocator::new(config(&[AttentionKind::Full, swa(9)], 32, Some(0)), Policy::Exact).unwrap();
     assert_eq!(a.policy(), Policy::Exact);
     assert!(!a.pool().is_leveled());
-    let b = Allocator::with_policy(config(&[AttentionKind::Full, swa(9)], 32, Some(0)), Policy::HitAware).unwrap();
+    let b = Allocator::new(config(&[AttentionKind::Full, swa(9)], 32, Some(0)), Policy::HitAware).unwrap();
     assert!(b.pool().is_leveled());
 }
 
@@ -666,7 +639,7 @@ fn pin_prefix_hit_aware_survives_pressure_that_evicts_unpinned() {
     let mut m = Model::new(&[AttentionKind::Full, swa(9)], 64, Some(0), Policy::HitAware);
     // Pin family 0's first 6 blocks, then run it once and let it finish.
     let fam: Vec<u64> = m.families[0][..6].to_vec();
-    let hashes: Vec<BlockHash> = chain_of(&fam).into_iter().map(BlockHash::from_u64).collect();
+    let hashes: Vec<BlockHash> = chain(&fam).into_iter().map(BlockHash::from_u64).collect();
     // Full group: 6 blocks; window group (need 2): 2 blocks.
     assert_eq!(m.a.pin_prefix(&hashes).unwrap(), 8);
     m.add(1, 15, 0, 0); // family 0, 6 blocks (pick 15: 15 / 3 % 24 + 1 = 6), 1 own block
@@ -706,15 +679,15 @@ fn pin_prefix_hit_aware_survives_pressure_that_evicts_unpinned() {
 
 #[test]
 fn pin_prefix_past_share_refused_and_exact_refuses_pinning() {
-    let mut a = Allocator::with_policy(config(&[AttentionKind::Full, swa(9)], 41, Some(0)), Policy::HitAware).unwrap();
+    let mut a = Allocator::new(config(&[AttentionKind::Full, swa(9)], 41, Some(0)), Policy::HitAware).unwrap();
     a.set_pinned_share(0.1).unwrap(); // 4 blocks
-    let hashes: Vec<BlockHash> = chain_of(&[1, 2, 3, 4]).into_iter().map(BlockHash::from_u64).collect();
+    let hashes: Vec<BlockHash> = chain(&[1, 2, 3, 4]).into_iter().map(BlockHash::from_u64).collect();
     let err = a.pin_prefix(&hashes).unwrap_err();
     assert!(err.to_string().contains("pinned share"), "{err}");
     assert_eq!(a.pin_prefix(&hashes[..2]).unwrap(), 4);
     assert!(a.set_pinned_share(0.05).is_err());
     assert!(a.set_pinned_share(1.5).is_err());
-    let mut e = Allocator::new(config(&[AttentionKind::Full, swa(9)], 41, Some(0))).unwrap();
+    let mut e = Allocator::new(config(&[AttentionKind::Full, swa(9)], 41, Some(0)), Policy::Exact).unwrap();
     assert!(e.pin_prefix(&hashes).is_err());
 }
 

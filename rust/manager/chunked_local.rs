@@ -6,9 +6,8 @@
 //! Cost: the hit search is O(blocks in one chunk + leading nulls written).
 #![forbid(unsafe_code)]
 
-use super::HashView;
-use crate::block_pool::BlockPool;
-use crate::ids::{BlockId, GroupId, NULL_BLOCK};
+use super::HitQuery;
+use crate::ids::{BlockId, NULL_BLOCK};
 
 /// Tokens of the chunks before the current one: `n / chunk * chunk`.
 #[inline]
@@ -17,15 +16,8 @@ pub fn num_skipped_tokens(num_computed_tokens: u32, chunk: u32) -> u32 {
 }
 
 /// vLLM's `ChunkedLocalAttentionManager.find_longest_cache_hit`.
-pub fn find_longest_cache_hit(
-    pool: &BlockPool,
-    view: HashView<'_>,
-    max_length: u32,
-    group_ids: &[GroupId],
-    block_size: u32,
-    chunk: u32,
-    out: &mut [Vec<BlockId>],
-) -> u32 {
+pub fn find_longest_cache_hit(q: &HitQuery<'_>, chunk: u32, out: &mut [Vec<BlockId>]) -> u32 {
+    let HitQuery { pool, view, max_length, group_ids, block_size, .. } = *q;
     let max_num_blocks = (max_length / block_size).min(view.len());
     let start_idx = if max_length > 0 { max_length / chunk * chunk } else { 0 };
     let start_block = start_idx / block_size;

@@ -4,20 +4,12 @@
 //! Cost: the hit search is O(hit blocks + 1) (chained hashes: the first miss ends it).
 #![forbid(unsafe_code)]
 
-use super::{cdiv, HashView};
-use crate::block_pool::BlockPool;
-use crate::ids::{BlockId, GroupId};
+use super::{cdiv, HitQuery};
+use crate::ids::BlockId;
 
 /// vLLM's `FullAttentionManager.find_longest_cache_hit` (block-aligned, no EAGLE drop).
-pub fn find_longest_cache_hit(
-    pool: &BlockPool,
-    view: HashView<'_>,
-    max_length: u32,
-    group_ids: &[GroupId],
-    block_size: u32,
-    alignment_tokens: u32,
-    out: &mut [Vec<BlockId>],
-) -> u32 {
+pub fn find_longest_cache_hit(q: &HitQuery<'_>, out: &mut [Vec<BlockId>]) -> u32 {
+    let HitQuery { pool, view, max_length, group_ids, block_size, alignment_tokens } = *q;
     let n = (max_length / block_size).min(view.len());
     let mut hit = Vec::with_capacity(group_ids.len());
     for i in 0..n {

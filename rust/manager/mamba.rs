@@ -18,7 +18,7 @@
 //! it. A hit is the *last* cached boundary state (`[null] * i + [block]`). Served here: a
 //! Mamba block size equal to the hash block size (no sub-block "partial" hits, no
 //! copy-on-write; the adapter falls back for those with the reason), with or without prefill
-//! checkpoint blocks (vLLM's MambaMixer2 always has them): a prefill chunk spanning more than
+//! checkpoint blocks (vLLM's `MambaMixer2` always has them): a prefill chunk spanning more than
 //! one block past its initial state reserves one more block, just before the running state
 //! block, where the worker exports the state at the chunk's last cacheable boundary;
 //! `cache_blocks` keys it there when that state is reusable (the prompt's checkpoint, a
@@ -41,9 +41,10 @@
 //! from the right until a cached one).
 #![forbid(unsafe_code)]
 
-use super::HashView;
-use crate::block_pool::BlockPool;
-use crate::ids::{BlockId, GroupId, NULL_BLOCK};
+use super::{cdiv, CacheArgs, CountArgs, HitQuery, KindState, SingleTypeManager};
+use crate::block_pool::{BlockPool, OneBlock};
+use crate::ids::{BlockId, Slot, NULL_BLOCK};
+use crate::prefix_index::HashKey;
 
 /// Marker for "no entry" in the per-request align state.
 pub const NONE: u32 = u32::MAX;
@@ -51,15 +52,8 @@ pub const NONE: u32 = u32::MAX;
 /// vLLM's `MambaManager.find_longest_cache_hit` without fine-grained hashing: the rightmost
 /// block (below `max_length`) cached in every group of `group_ids` whose end is a multiple of
 /// `alignment_tokens`; `out[k] = [null] * i + [block]`.
-pub fn find_longest_cache_hit(
-    pool: &BlockPool,
-    view: HashView<'_>,
-    max_length: u32,
-    group_ids: &[GroupId],
-    block_size: u32,
-    alignment_tokens: u32,
-    out: &mut [Vec<BlockId>],
-) -> u32 {
+pub fn find_longest_cache_hit(q: &HitQuery<'_>, out: &mut [Vec<BlockId>]) -> u32 {
+    let HitQuery { pool, view, max_length, group_ids, block_size, alignment_tokens } = *q;
     let max_num_blocks = (max_length / block_size).min(view.len());
     let mut hit = Vec::with_capacity(group_ids.len());
     for i in (0..max_num_blocks).rev() {
@@ -173,6 +167,432 @@ pub fn none_mode_noop_limits(table_len: u32, null_prefix: u32, block_size: u32, 
     let slots = (table_len as u64).saturating_sub(speculative_blocks as u64) * bs;
     let processed = (null_prefix as u64 + 1) * bs + 1;
     (slots, processed)
+}
+
+/// Mamba "align"'s per-request state, by slot, and the keys cached this step (vLLM's
+/// `MambaManager` attributes of the same meaning).
+#[derive(Clone, Debug, Default)]
+pub struct AlignState {
+    /// `last_state[h]`: the table index of the state block of the request's previous step
+    /// (`NONE` when absent).
+    last_state: Vec<u32>,
+    /// `retired[h]`: table slots below which every block was already recycled
+    /// (`_num_retired_blocks`, 0 when absent).
+    retired: Vec<u32>,
+    /// Whether `h` got blocks since it was admitted (`_allocated_block_reqs`).
+    allocated: Vec<bool>,
+    /// `prompt_boundary[h]`: the request's prefill checkpoint position as last seen (`NONE`
+    /// until known; 0 once the prompt is computed); only the no-op limits read it.
+    prompt_boundary: Vec<u32>,
+    /// With prefill checkpoint blocks only: `checkpoint[h] = (position, table index)` of the
+    /// checkpoint the request's last allocation reserved (`_checkpoints`; position 0 when
+    /// none). Set by every allocation's count (not the admission gate's), kept until the
+    /// next one: `cache_blocks` keys that block at that position.
+    checkpoint: Vec<(u32, u32)>,
+    /// Keys cached during the current scheduler step (`cached_blocks_this_step`); a hit
+    /// ending on one of them waits a step.
+    cached_this_step: rustc_hash::FxHashSet<HashKey>,
+}
+
+impl AlignState {
+    /// Makes room for `n` slots.
+    pub(super) fn ensure_slot(&mut self, n: usize) {
+        self.last_state.resize(n, NONE);
+        self.retired.resize(n, 0);
+        self.allocated.resize(n, false);
+        self.prompt_boundary.resize(n, NONE);
+        self.checkpoint.resize(n, (0, 0));
+    }
+
+    /// Forgets slot `h`.
+    pub(super) fn clear(&mut self, h: Slot) {
+        let hs = h as usize;
+        self.last_state[hs] = NONE;
+        self.retired[hs] = 0;
+        self.allocated[hs] = false;
+        self.prompt_boundary[hs] = NONE;
+        self.checkpoint[hs] = (0, 0);
+    }
+
+    /// A new scheduler step: hits on states cached in the previous step are served.
+    pub(super) fn new_step_starts(&mut self) {
+        self.cached_this_step.clear();
+    }
+}
+
+impl SingleTypeManager {
+    fn align(&self) -> &AlignState {
+        match &self.kind_state {
+            KindState::MambaAlign(st) => st,
+            _ => unreachable!("a Mamba align group keeps align state"),
+        }
+    }
+
+    fn align_mut(&mut self) -> &mut AlignState {
+        match &mut self.kind_state {
+            KindState::MambaAlign(st) => st,
+            _ => unreachable!("a Mamba align group keeps align state"),
+        }
+    }
+
+    /// `(speculative_blocks, checkpoint_alignment)` of a Mamba group (zeros for others).
+    #[inline]
+    fn mamba_params(&self) -> (u32, u32) {
+        match self.spec.kind {
+            crate::config::AttentionKind::Mamba { speculative_blocks, checkpoint_alignment, .. } => {
+                (speculative_blocks, checkpoint_alignment)
+            }
+            _ => (0, 0),
+        }
+    }
+
+    /// Whether a hit ending on `new_computed`'s last block waits a step (its state was
+    /// cached during this step: vLLM answers `num_gpu_blocks + 1`).
+    fn align_defers(&self, pool: &BlockPool, new_computed: &[BlockId]) -> bool {
+        let cached = &self.align().cached_this_step;
+        new_computed.last().and_then(|&b| pool.block_hash(b)).is_some_and(|key| cached.contains(key))
+    }
+
+    /// The prefill checkpoint a step computing tokens `query_start..query_end` reserves a
+    /// block for (vLLM's `get_mamba_prefill_checkpoint_position` of the chunk end, kept when
+    /// `_needs_internal_checkpoint`): its position, 0 for none. `prefill_end` is 0 except
+    /// under retention interval 0, where only the chunk reaching it reserves one.
+    fn align_checkpoint(&self, h: Slot, query_start: u32, query_end: u32, prefill_end: u32) -> u32 {
+        let (spec, alignment) = self.mamba_params();
+        if alignment == 0 || query_end < prefill_end {
+            return 0;
+        }
+        let pos = prefill_checkpoint_position(query_end, self.cache_hit_alignment_tokens, self.hash_lookahead_tokens);
+        let bs = self.spec.block_size as i64;
+        if !prefill_checkpoint_valid(
+            query_start as i64,
+            query_end as i64,
+            pos as i64,
+            self.hash_block_size as i64,
+            bs,
+            alignment as i64,
+        ) {
+            return 0;
+        }
+        let idx = (query_end as i64 + bs - 1) / bs - 2;
+        if idx < 0 {
+            return 0;
+        }
+        let table = &self.req_blocks[h as usize];
+        let len = table.len() as i64;
+        let free_slot = idx >= len
+            || table[idx as usize] == NULL_BLOCK
+            || (self.align().allocated[h as usize] && idx >= len - spec as i64);
+        if free_slot {
+            pos
+        } else {
+            0
+        }
+    }
+
+    /// With prefill checkpoint blocks: records the checkpoint of this allocation's count, as
+    /// vLLM's `get_num_blocks_to_allocate` does outside the admission gate (a count that
+    /// defers a hit records nothing). Nothing for other kinds.
+    pub fn record_checkpoint(
+        &mut self,
+        pool: &BlockPool,
+        h: Slot,
+        new_computed: &[BlockId],
+        query_start: u32,
+        query_end: u32,
+        prefill_end: u32,
+    ) {
+        if !self.is_mamba_align() || self.mamba_params().1 == 0 || self.align_defers(pool, new_computed) {
+            return;
+        }
+        let pos = self.align_checkpoint(h, query_start, query_end, prefill_end);
+        let bs = self.spec.block_size as u64;
+        self.align_mut().checkpoint[h as usize] =
+            if pos > 0 { (pos, (cdiv(query_end as u64, bs) - 2) as u32) } else { (0, 0) };
+    }
+
+    /// The blocks to take (vLLM's align branch of `MambaManager.get_num_blocks_to_allocate`,
+    /// without partial hits): the running state block, a prefill checkpoint block when the
+    /// chunk reserves one, and the speculative blocks of a first allocation. May be negative
+    /// (an over-allocated table), as in vLLM; `num_blocks + 1` defers a hit on a state cached
+    /// this step. `c.total_computed_tokens` is where the step's query starts.
+    pub(super) fn align_num_blocks_to_allocate(&self, pool: &BlockPool, h: Slot, c: &CountArgs<'_>) -> i64 {
+        if self.align_defers(pool, c.new_computed) {
+            return pool.num_blocks() as i64 + 1;
+        }
+        let spec = self.mamba_params().0 as i64;
+        let required = cdiv(c.num_tokens_main_model as u64, self.spec.block_size as u64) as i64 + spec;
+        let mut num_new = required - c.new_computed.len() as i64 - self.req_blocks[h as usize].len() as i64;
+        if num_new > 0 {
+            let checkpoint =
+                (self.align_checkpoint(h, c.total_computed_tokens, c.num_tokens_main_model, c.prefill_end) > 0) as i64;
+            let cap = 1 + checkpoint + if self.align().allocated[h as usize] { 0 } else { spec };
+            num_new = num_new.min(cap);
+        }
+        num_new + Self::count_evictable(pool, c.new_computed) as i64
+    }
+
+    /// vLLM's align branch of `MambaManager.allocate_new_blocks` (no partial hit): the table
+    /// is padded with null blocks up to the new running state block (up to the checkpoint
+    /// block when the count reserved one, which is allocated then), the speculative scratch
+    /// blocks this step leaves behind move to the table's end, and the padding, the moved
+    /// blocks and the new blocks are the "new blocks" reported.
+    pub(super) fn align_allocate_new_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        h: Slot,
+        num_tokens_main_model: u32,
+        out: &mut Vec<BlockId>,
+    ) {
+        let hs = h as usize;
+        let spec = self.mamba_params().0 as usize;
+        let required = cdiv(num_tokens_main_model as u64, self.spec.block_size as u64) as usize + spec;
+        let Self { req_blocks, kind_state, .. } = self;
+        let KindState::MambaAlign(st) = kind_state else { unreachable!("a Mamba align group keeps align state") };
+        let checkpoint = (st.checkpoint[hs].0 > 0) as usize;
+        let table = &mut req_blocks[hs];
+        if required <= table.len() && checkpoint == 0 {
+            st.allocated[hs] = true;
+            return;
+        }
+        let prev = table.len();
+        let was_allocated = st.allocated[hs];
+        if was_allocated {
+            // The running state sits before the speculative blocks. An allocated table holds
+            // at least `1 + spec` blocks (its first allocation reached `required`).
+            st.last_state[hs] = prev.saturating_sub(1 + spec) as u32;
+        } else if prev > 0 {
+            // A new request on a hit: the hit's last block holds the state.
+            st.last_state[hs] = (prev - 1) as u32;
+        }
+        let num_skipped = required as i64 - spec as i64 - 1;
+        let null_end = num_skipped - checkpoint as i64;
+        if (prev as i64) < num_skipped && null_end > prev as i64 {
+            table.resize(null_end as usize, NULL_BLOCK);
+        }
+        if was_allocated {
+            // Relocate the scratch blocks this step leaves behind (a checkpoint step keeps the
+            // one at the checkpoint index, where the worker exports the checkpoint).
+            for i in prev.saturating_sub(spec)..prev {
+                if (i as i64) >= null_end {
+                    break;
+                }
+                let b = table[i];
+                table.push(b);
+                table[i] = NULL_BLOCK;
+            }
+        }
+        let n = required.saturating_sub(table.len());
+        pool.get_new_blocks(n as u32, table);
+        out.extend_from_slice(&table[prev..]);
+        st.allocated[hs] = true;
+    }
+
+    /// vLLM's `MambaManager.remove_skipped_blocks` in mode "align" (the retired range, null
+    /// gaps skipped, then the previous step's state block once the step after it is processed).
+    pub(super) fn align_remove_skipped_blocks(&mut self, pool: &mut BlockPool, h: Slot, processed: u32) {
+        let hs = h as usize;
+        let bs = self.spec.block_size;
+        let skipped = num_skipped_tokens(processed);
+        if skipped > 0 {
+            let last = ((skipped / bs) as usize).min(self.req_blocks[hs].len());
+            let first = self.align().retired[hs] as usize;
+            if first < last {
+                self.null_out_backwards(pool, h, first, last, false);
+                self.align_mut().retired[hs] = last as u32;
+            }
+        }
+        let ls = self.align().last_state[hs];
+        if ls != NONE && (ls as u64) + 1 < cdiv(processed as u64, bs as u64) {
+            let table = &mut self.req_blocks[hs];
+            let b = table[ls as usize];
+            if b != NULL_BLOCK {
+                pool.free_blocks([b]);
+                table[ls as usize] = NULL_BLOCK;
+            }
+        }
+    }
+
+    /// What `cache_blocks` does in mode "align" after caching the full blocks (`before` of
+    /// them were cached before): the no-op limits' prompt boundary, the checkpoint or
+    /// prompt-tail state block, and the keys cached this step.
+    pub(super) fn align_cache_blocks(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>, before: u32) {
+        let crate::config::AttentionKind::Mamba { rekey_cached_tail, .. } = self.spec.kind else {
+            unreachable!("a Mamba align group")
+        };
+        let hash_block_size = self.hash_block_size;
+        let lookahead = self.hash_lookahead_tokens;
+        let st = self.align_mut();
+        // Once the prompt is computed, the tokens to cache never come back down to its
+        // checkpoint position (below the prompt's end), so the no-op limits stop watching it
+        // (0: no position to watch).
+        st.prompt_boundary[h as usize] = if c.num_tokens >= c.num_prompt_tokens {
+            0
+        } else {
+            prefill_checkpoint_position(c.num_prompt_tokens, hash_block_size, lookahead)
+        };
+        if st.checkpoint[h as usize].0 > 0 {
+            self.align_cache_checkpoint(pool, h, c);
+        } else {
+            self.align_cache_prompt_tail(pool, h, c, rekey_cached_tail);
+        }
+        let after = self.num_cached(h);
+        let Self { req_blocks, kind_state, .. } = self;
+        let KindState::MambaAlign(st) = kind_state else { unreachable!("a Mamba align group keeps align state") };
+        for i in before..after {
+            let b = req_blocks[h as usize][i as usize];
+            if b != NULL_BLOCK {
+                if let Some(key) = pool.block_hash(b) {
+                    st.cached_this_step.insert(*key);
+                }
+            }
+        }
+    }
+
+    /// vLLM's `_cache_partial_tail_block` when the Mamba block is the hash block: at the
+    /// prompt's checkpoint position the state block ending there is keyed (again, if an
+    /// eviction dropped its key) and counted as cached this step. `rekey_cached` is vLLM
+    /// 0.32's rule (a block already keyed there is counted again); 0.33 skips such a block.
+    fn align_cache_prompt_tail(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>, rekey_cached: bool) {
+        let (req, hashes, num_tokens) = (c.req, c.hashes, c.num_tokens);
+        let hash_block_size = self.hash_block_size;
+        if num_tokens == 0 || num_tokens % hash_block_size != 0 {
+            return;
+        }
+        if num_tokens != prefill_checkpoint_position(c.num_prompt_tokens, hash_block_size, self.hash_lookahead_tokens) {
+            return;
+        }
+        let bs = self.spec.block_size;
+        let idx = (num_tokens.div_ceil(bs) - 1) as usize;
+        let table = &self.req_blocks[h as usize];
+        let Some(&b) = table.get(idx) else { return };
+        if b == NULL_BLOCK {
+            return;
+        }
+        let nh = (num_tokens / hash_block_size) as usize;
+        if nh > hashes.len() {
+            return;
+        }
+        let key = (hashes[nh - 1], self.group_id);
+        let tokens = pool.block_hash_num_tokens(b);
+        if !rekey_cached && pool.block_hash(b).is_some() && tokens == num_tokens {
+            return;
+        }
+        match pool.block_hash(b) {
+            Some(k) if *k == key => {}
+            Some(_) if tokens < num_tokens => {
+                pool.maybe_evict_cached_block(b);
+                let parent = if nh > 1 { Some(hashes[nh - 2]) } else { None };
+                pool.cache_one_block(&OneBlock {
+                    req,
+                    block: b,
+                    index: idx as u32,
+                    key,
+                    num_tokens,
+                    block_size: bs,
+                    parent,
+                });
+            }
+            // Another key at this position (a rewritten hash list): vLLM would add a second
+            // key to the block; not served, and never reached through the scheduler.
+            Some(_) => return,
+            None => {
+                let parent = if nh > 1 { Some(hashes[nh - 2]) } else { None };
+                pool.cache_one_block(&OneBlock {
+                    req,
+                    block: b,
+                    index: idx as u32,
+                    key,
+                    num_tokens,
+                    block_size: bs,
+                    parent,
+                });
+            }
+        }
+        self.align_mut().cached_this_step.insert(key);
+    }
+
+    /// The checkpoint branch of vLLM's `_cache_partial_tail_block`. The block reserved at the
+    /// checkpoint index is keyed at the checkpoint position (replacing any key it holds) when
+    /// that state is reusable: the prompt's checkpoint, a retained boundary (every one under
+    /// dense retention) or the shared-prefix junction. Otherwise the state is transient and
+    /// any key the block got this step is dropped. The scheduler block size is the Mamba
+    /// block size here (the config requires it), so the position ends the block.
+    fn align_cache_checkpoint(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
+        let (pos, idx) = self.align().checkpoint[h as usize];
+        // vLLM asserts the index is in the table; a count whose allocation then failed can
+        // leave it past the table until the next allocation: nothing to key then.
+        let Some(&b) = self.req_blocks[h as usize].get(idx as usize) else { return };
+        let bs = self.spec.block_size;
+        let align = self.cache_hit_alignment_tokens;
+        let is_prompt_checkpoint =
+            pos == prefill_checkpoint_position(c.num_prompt_tokens, align, self.hash_lookahead_tokens);
+        let mut retained = false;
+        if pos % bs == 0 {
+            let i = pos / bs - 1;
+            retained = reachable_block_mask(i, i + 1, align, bs, c.retention_interval, &[]).is_none_or(|m| m[0]);
+        }
+        if !is_prompt_checkpoint && !retained && pos != c.shared_prefix_boundary {
+            if b != NULL_BLOCK {
+                pool.maybe_evict_cached_block(b);
+            }
+            return;
+        }
+        if b == NULL_BLOCK || (pool.block_hash(b).is_some() && pool.block_hash_num_tokens(b) == pos) {
+            return;
+        }
+        let hashes = c.hashes;
+        let nh = (pos / self.hash_block_size) as usize;
+        if nh == 0 || nh > hashes.len() {
+            // vLLM asserts the request has the hashes (the scheduler's requests do).
+            return;
+        }
+        let key = (hashes[nh - 1], self.group_id);
+        pool.maybe_evict_cached_block(b);
+        let parent = if nh > 1 { Some(hashes[nh - 2]) } else { None };
+        let o = OneBlock { req: c.req, block: b, index: pos / bs - 1, key, num_tokens: pos, block_size: bs, parent };
+        pool.cache_one_block(&o);
+        self.align_mut().cached_this_step.insert(key);
+    }
+
+    /// The no-op limits of a plain step in mode "align" (see
+    /// [`SingleTypeManager::noop_limits`]).
+    pub(super) fn align_noop_limits(&self, h: Slot) -> (u32, u32, u32, u32) {
+        let bs = self.spec.block_size as u64;
+        let clamp = |x: u64| x.min(u32::MAX as u64) as u32;
+        let (spec, alignment) = self.mamba_params();
+        let st = self.align();
+        // No allocation while the main tokens fit the table before its speculative blocks
+        // (lookahead slots are not allocated in align mode, so `slots` is conservative);
+        // nothing freed below the retired range's next block nor before the previous state
+        // block falls out; no new full block, and not the prompt's checkpoint position
+        // (re-keyed there).
+        let hs = h as usize;
+        let len = self.req_blocks[hs].len() as u64;
+        let slots = clamp(len.saturating_sub(spec as u64) * bs);
+        let mut processed = (st.retired[hs] as u64 + 1) * bs + 1;
+        let ls = st.last_state[hs];
+        if ls != NONE && self.req_blocks[hs][ls as usize] != NULL_BLOCK {
+            processed = processed.min((ls as u64 + 1) * bs + 1);
+        }
+        let mut cached = (self.num_cached(h) as u64 + 1) * bs;
+        let pb = st.prompt_boundary[hs];
+        if pb == NONE {
+            cached = 0;
+        } else if pb != 0 && (pb as u64) < cached {
+            cached = pb as u64;
+        }
+        let (processed, cached) = (clamp(processed), clamp(cached));
+        if alignment == 0 {
+            return (slots, processed, cached, u32::MAX);
+        }
+        // Prefill checkpoints: a step reserves one only when it spans more than one block
+        // past the block its first token's state comes from (`prefill_checkpoint_valid`), so
+        // a step of at most one block never does; and a stored checkpoint is dropped (or
+        // renewed) by the next allocation's count, which the no-op answer would skip.
+        let slots = if st.checkpoint[hs].0 > 0 { 0 } else { slots };
+        (slots, processed, cached, self.spec.block_size)
+    }
 }
 
 #[cfg(test)]

@@ -7,14 +7,110 @@
 //! from the gap's end, stopping at the first null block). Without the prompt length (vLLM's
 //! other callers pass `None`) it frees nothing, as full attention.
 //!
-//! Invariant kept per request by the manager (`rswa_prompt`, `rswa_gap_end`): with prompt
-//! length `p` as last seen, every slot in `cdiv(p, bs)..gap_end` holds the null block; it is
-//! what the no-op limit of a decode step is computed from in O(1).
+//! Invariant kept per request ([`RswaState`]: `prompt`, `gap_end`): with prompt length `p`
+//! as last seen, every slot in `cdiv(p, bs)..gap_end` holds the null block; it is what the
+//! no-op limit of a decode step is computed from in O(1).
 //!
 //! Cost: O(blocks freed + 1) per call.
 #![forbid(unsafe_code)]
 
-use super::cdiv;
+use super::{cdiv, KindState, SingleTypeManager, ABSENT};
+use crate::block_pool::BlockPool;
+use crate::ids::Slot;
+
+/// R-SWA's per-request state, by slot.
+#[derive(Clone, Debug, Default)]
+pub struct RswaState {
+    /// `prompt[h]`: the prompt length the last gap removal was given (`ABSENT` until one was).
+    prompt: Vec<u32>,
+    /// `gap_end[h]`: slots `cdiv(prompt[h], bs)..gap_end[h]` all hold the null block.
+    gap_end: Vec<u32>,
+}
+
+impl RswaState {
+    /// Makes room for `n` slots.
+    pub(super) fn ensure_slot(&mut self, n: usize) {
+        self.prompt.resize(n, ABSENT);
+        self.gap_end.resize(n, 0);
+    }
+
+    /// Forgets slot `h`.
+    pub(super) fn clear(&mut self, h: Slot) {
+        self.prompt[h as usize] = ABSENT;
+        self.gap_end[h as usize] = 0;
+    }
+
+    /// The smallest prompt length the no-op limits of `h` hold for (0: any).
+    pub(super) fn min_prompt(&self, h: Slot) -> u32 {
+        match self.prompt[h as usize] {
+            ABSENT => 0,
+            p => p,
+        }
+    }
+
+    /// `(prompt length, gap end)` of `h` (`ABSENT` prompt until a removal was given one).
+    pub(super) fn gap(&self, h: Slot) -> (u32, u32) {
+        (self.prompt[h as usize], self.gap_end[h as usize])
+    }
+}
+
+impl SingleTypeManager {
+    fn rswa_state(&mut self) -> &mut RswaState {
+        match &mut self.kind_state {
+            KindState::Rswa(st) => st,
+            _ => unreachable!("an R-SWA group keeps R-SWA state"),
+        }
+    }
+
+    /// vLLM's `RSWAManager.remove_skipped_blocks` given the prompt length: frees the gap
+    /// walking back from its end, stopping at the first null block.
+    pub(super) fn rswa_remove_gap(
+        &mut self,
+        pool: &mut BlockPool,
+        h: Slot,
+        processed: u32,
+        num_prompt_tokens: u32,
+        window: u32,
+    ) {
+        let hs = h as usize;
+        let bs = self.spec.block_size;
+        let (first, last) = gap_range(num_prompt_tokens, processed, window, bs);
+        let st = self.rswa_state();
+        if st.prompt[hs] != num_prompt_tokens {
+            // A new prompt length: nothing is known null yet past its first gap slot.
+            st.prompt[hs] = num_prompt_tokens;
+            st.gap_end[hs] = first.min(u32::MAX as u64) as u32;
+        }
+        if first >= last {
+            return;
+        }
+        let last = last.min(self.req_blocks[hs].len() as u64);
+        // `stop`: the slot of the null block the walk stopped at (vLLM's `break`), if any.
+        let stop = if first < last {
+            self.null_out_backwards(pool, h, first as usize, last as usize, true).map(|j| j as u64)
+        } else {
+            None
+        };
+        // `first..last` is all null now when the walk reached `first`, or stopped at a slot
+        // inside the known-null range (whose slots below it are null too).
+        let st = self.rswa_state();
+        let end = st.gap_end[hs] as u64;
+        if stop.is_none_or(|j| j <= end) && last > end {
+            st.gap_end[hs] = last as u32;
+        }
+    }
+
+    /// Processed tokens below which a plain step of `h` frees nothing: nothing frees until
+    /// the window's start passes the known-null gap; before the first removal told the
+    /// prompt length nothing is proven (0).
+    pub(super) fn rswa_noop_processed(&self, h: Slot, window: u32) -> u32 {
+        let KindState::Rswa(st) = &self.kind_state else { unreachable!("an R-SWA group keeps R-SWA state") };
+        match st.prompt[h as usize] {
+            ABSENT => 0,
+            _ => noop_processed_limit(st.gap_end[h as usize], window, self.spec.block_size).min(u32::MAX as u64) as u32,
+        }
+    }
+}
 
 /// The table range vLLM's `RSWAManager.remove_skipped_blocks` hands to
 /// `_remove_blocks_in_range`: from the first block wholly after the prompt to the block
@@ -38,6 +134,34 @@ pub fn noop_processed_limit(gap_end: u32, window: u32, block_size: u32) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{AttentionKind, GroupSpec};
+    use crate::ids::NULL_BLOCK;
+
+    fn manager() -> (SingleTypeManager, BlockPool) {
+        let spec = GroupSpec { kind: AttentionKind::Rswa { window: 32 }, block_size: 16, spec_key: 0 };
+        let mut m = SingleTypeManager::new(spec, 0, None, true, 16, 16, 0);
+        m.ensure_slot(0);
+        (m, BlockPool::new(32, true, false))
+    }
+
+    #[test]
+    fn remove_gap_frees_between_prompt_and_window_then_stops_at_first_null() {
+        let (mut m, mut pool) = manager();
+        let mut out = Vec::new();
+        m.allocate_new_blocks(&mut pool, 0, 160, 160, &mut out);
+        assert_eq!(out.len(), 10);
+        // Prompt 40 (blocks 0..3), processed 112: window start 80 -> gap 3..5.
+        m.remove_skipped_blocks(&mut pool, 0, 112, Some(40));
+        assert_eq!(m.blocks(0)[3..5], [NULL_BLOCK, NULL_BLOCK]);
+        assert_eq!(m.rswa_gap(0), Some((40, 5)));
+        let free = pool.num_free_blocks();
+        // A later step walks back from the new gap end and stops at slot 4 (already null).
+        m.remove_skipped_blocks(&mut pool, 0, 144, Some(40));
+        assert_eq!(m.blocks(0)[3..7], [NULL_BLOCK; 4]);
+        assert_eq!(pool.num_free_blocks(), free + 2);
+        assert_eq!(m.rswa_gap(0), Some((40, 7)));
+        assert!(m.blocks(0)[..3].iter().chain(&m.blocks(0)[7..]).all(|&b| b != NULL_BLOCK));
+    }
 
     #[test]
     fn gap_range_is_empty_inside_the_prompt_and_window() {

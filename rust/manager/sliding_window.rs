@@ -8,9 +8,8 @@
 //! the retention mask O(blocks cached).
 #![forbid(unsafe_code)]
 
-use super::{cdiv, HashView};
-use crate::block_pool::BlockPool;
-use crate::ids::{BlockId, GroupId, NULL_BLOCK};
+use super::{cdiv, HitQuery};
+use crate::ids::{BlockId, NULL_BLOCK};
 
 /// Tokens before the window of the next token: `max(0, n - window + 1 - extra)`.
 #[inline]
@@ -25,17 +24,8 @@ pub fn contiguous_blocks_for_hit(window: u32, block_size: u32) -> u32 {
 }
 
 /// vLLM's `SlidingWindowManager.find_longest_cache_hit` (no EAGLE drop).
-#[allow(clippy::too_many_arguments)]
-pub fn find_longest_cache_hit(
-    pool: &BlockPool,
-    view: HashView<'_>,
-    max_length: u32,
-    group_ids: &[GroupId],
-    block_size: u32,
-    alignment_tokens: u32,
-    window: u32,
-    out: &mut [Vec<BlockId>],
-) -> u32 {
+pub fn find_longest_cache_hit(q: &HitQuery<'_>, window: u32, out: &mut [Vec<BlockId>]) -> u32 {
+    let HitQuery { pool, view, max_length, group_ids, block_size, alignment_tokens } = *q;
     let need = contiguous_blocks_for_hit(window, block_size);
     // `max_length` may reach past the hashes the caller sent: only hashed blocks can hit.
     let max_num_blocks = (max_length / block_size).min(view.len());

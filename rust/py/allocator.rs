@@ -18,7 +18,7 @@ use super::pool::PyAllocatorBase;
 use super::results::PyNoopLimits;
 use crate::api::{self, AllocateRequest};
 use crate::config::Config;
-use crate::coordinator::{Allocator, HashSource};
+use crate::coordinator::{Allocator, BlockCountArgs, CacheBlocksArgs, HashSource};
 
 /// The native allocator: one per vLLM `KVCacheManager`. Its state is its base's.
 #[pyclass(module = "hybrid_alloc._core", name = "Allocator", extends = PyAllocatorBase, frozen)]
@@ -72,7 +72,7 @@ impl PyAllocator {
             zero_new_blocks,
             hash_lookahead_tokens: u32_arg("hash_lookahead_tokens", hash_lookahead_tokens)?,
         };
-        Ok(PyClassInitializer::from(PyAllocatorBase::new(Allocator::with_policy(cfg, policy)?)).add_subclass(Self))
+        Ok(PyClassInitializer::from(PyAllocatorBase::new(Allocator::new(cfg, policy)?)).add_subclass(Self))
     }
 
     /// Registers a request; returns its handle (an int, unique in the process).
@@ -166,13 +166,14 @@ impl PyAllocator {
             num_tokens,
             shared_prefix_boundary,
             skip_zeroing_group_ids: &skip_zeroing_group_ids,
+            trust_computed_tokens: slf.as_super().get().serves_vllm(),
         }
         .args()?;
         let mut explicit = Vec::new();
         let nc = hit_arg(hit, &mut explicit)?;
         let mut core = core(slf)?;
         let src = block_hashes.map(PyHashes);
-        if core.allocate_slots_synced(h, &args, nc, src.as_ref().map(|s| s as &dyn HashSource))?.is_none() {
+        if core.allocate_slots(h, &args, nc, src.as_ref().map(|s| s as &dyn HashSource))?.is_none() {
             return Ok(None);
         }
         let (ids, counts) = (core.new_block_ids(), core.new_block_counts());
@@ -208,9 +209,10 @@ impl PyAllocator {
     ) -> PyResult<()> {
         let h = handle_arg(handle)?;
         let (n, p, s) = api::cache_blocks_counts(num_computed_tokens, num_prompt_tokens, shared_prefix_boundary)?;
+        let c = CacheBlocksArgs { num_computed_tokens: n, num_prompt_tokens: p, shared_prefix_boundary: s };
         let mut core = core(slf)?;
         let src = block_hashes.map(PyHashes);
-        Ok(core.cache_blocks_synced(h, src.as_ref().map(|s| s as &dyn HashSource), n, p, s)?)
+        Ok(core.cache_blocks(h, &c, src.as_ref().map(|s| s as &dyn HashSource))?)
     }
 
     /// Frees out-of-window blocks (vLLM's `remove_skipped_blocks`); with
@@ -225,7 +227,7 @@ impl PyAllocator {
         let h = handle_arg(handle)?;
         let n = u32_arg("processed_computed_tokens", processed_computed_tokens)?;
         let p = num_prompt_tokens.map(|p| u32_arg("num_prompt_tokens", p)).transpose()?;
-        Ok(core(slf)?.remove_skipped_blocks_with_prompt(h, n, p)?)
+        Ok(core(slf)?.remove_skipped_blocks(h, n, p)?)
     }
 
     /// Blocks needed for `num_tokens` slots, `num_tokens_main_model` of them (default
@@ -248,15 +250,15 @@ impl PyAllocator {
         prefill_end: i64,
     ) -> PyResult<i64> {
         let h = handle_arg(handle)?;
-        Ok(core(slf)?.get_num_blocks_to_allocate(
-            h,
-            u32_arg("num_tokens", num_tokens)?,
-            api::num_tokens_main_model(num_tokens, num_tokens_main_model)?,
-            u32_arg("num_encoder_tokens", num_encoder_tokens)?,
-            u32_arg("total_computed_tokens", total_computed_tokens)?,
+        let c = BlockCountArgs {
+            num_tokens: u32_arg("num_tokens", num_tokens)?,
+            num_tokens_main_model: api::num_tokens_main_model(num_tokens, num_tokens_main_model)?,
+            num_encoder_tokens: u32_arg("num_encoder_tokens", num_encoder_tokens)?,
+            total_computed_tokens: u32_arg("total_computed_tokens", total_computed_tokens)?,
             apply_admission_cap,
-            u32_arg("prefill_end", prefill_end)?,
-        )?)
+            prefill_end: u32_arg("prefill_end", prefill_end)?,
+        };
+        Ok(core(slf)?.get_num_blocks_to_allocate(h, &c)?)
     }
 
     /// Frees every block of the request, tail first, and releases its handle. `retain`
@@ -264,7 +266,7 @@ impl PyAllocator {
     /// pinned retention level (evicted last, within the pinned share of the pool).
     #[pyo3(signature = (handle, *, retain=false))]
     fn free(slf: &Bound<'_, Self>, handle: i64, retain: bool) -> PyResult<()> {
-        Ok(core(slf)?.free_with_level(handle_arg(handle)?, api::free_level(retain))?)
+        Ok(core(slf)?.free(handle_arg(handle)?, api::free_level(retain))?)
     }
 
     /// Releases the handle and returns its blocks (groups concatenated) without freeing.

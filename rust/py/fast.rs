@@ -146,12 +146,14 @@ impl FastAllocate {
 impl FastAllocate {
     #[new]
     fn new(
+        py: Python<'_>,
         alloc: Py<PyAllocator>,
         empty: Py<PyAny>,
         slow: Py<PyAny>,
         make_blocks: Py<PyAny>,
         on_events: Py<PyAny>,
     ) -> Self {
+        alloc.bind(py).as_super().get().set_serves_vllm();
         Self { alloc, callbacks: Some(Callbacks { empty, slow, make_blocks, on_events }) }
     }
 

@@ -9,6 +9,7 @@
 //! allocator refuses every later call with `InvariantError`.
 #![forbid(unsafe_code)]
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use pyo3::prelude::*;
@@ -24,12 +25,27 @@ use crate::coordinator::{Allocator, HashSource};
 pub struct PyAllocatorBase {
     /// The core; only ever `try_lock`ed (see the module doc).
     inner: Mutex<Allocator>,
+    /// Set once a `FastAllocate` serves this allocator (the vLLM adapter): its
+    /// `allocate_slots` is then exact to vLLM's manager and trusts the request's computed
+    /// tokens ([`crate::coordinator::AllocateArgs::trust_computed_tokens`]); the direct API
+    /// checks them.
+    serves_vllm: AtomicBool,
 }
 
 impl PyAllocatorBase {
     /// Wraps a core.
     pub(super) fn new(core: Allocator) -> Self {
-        Self { inner: Mutex::new(core) }
+        Self { inner: Mutex::new(core), serves_vllm: AtomicBool::new(false) }
+    }
+
+    /// Whether a `FastAllocate` serves this allocator (see `serves_vllm`).
+    pub(super) fn serves_vllm(&self) -> bool {
+        self.serves_vllm.load(Ordering::Relaxed)
+    }
+
+    /// Marks this allocator as served by a `FastAllocate` (the vLLM adapter).
+    pub(super) fn set_serves_vllm(&self) {
+        self.serves_vllm.store(true, Ordering::Relaxed);
     }
 
     /// The core, or `ConcurrentUseError` when a call on this allocator is in progress.

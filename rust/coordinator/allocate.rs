@@ -1,0 +1,457 @@
+//! Allocation: the capacity count over every group (vLLM's `get_num_blocks_to_allocate`)
+//! and `allocate_slots` (checks, then out-of-window frees, the count, adoption of a hit or
+//! external tokens, new blocks, caching), which changes nothing when a check fails.
+//!
+//! Cost: O(groups) for a decode step with no new block, else O(new blocks + freed blocks).
+#![forbid(unsafe_code)]
+
+use super::{Allocator, HashSource};
+
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, ReqHandle, Slot};
+use crate::manager::CountArgs;
+
+/// The arguments of `allocate_slots` besides the request and its cache hit; the request
+/// fields vLLM reads are passed in (`num_computed_tokens`, `num_tokens`, ...).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AllocateArgs {
+    /// Tokens to compute this step (including unverified draft tokens).
+    pub num_new_tokens: u32,
+    /// Tokens of the local prefix-cache hit being adopted now.
+    pub num_new_computed_tokens: u32,
+    /// Speculative lookahead slots.
+    pub num_lookahead_tokens: u32,
+    /// Tokens a KV connector computed.
+    pub num_external_computed_tokens: u32,
+    /// Skip caching (P/D receives).
+    pub delay_cache_blocks: bool,
+    /// Encoder tokens for cross attention.
+    pub num_encoder_tokens: u32,
+    /// Admission gate: only allocate if the whole sequence fits.
+    pub full_sequence_must_fit: bool,
+    /// Free blocks kept for other in-flight sequences.
+    pub reserved_blocks: u32,
+    /// Apply the watermark (the request is waiting or preempted and others run).
+    pub apply_watermark: bool,
+    /// `request.num_computed_tokens`.
+    pub num_computed_tokens: u32,
+    /// `request.num_in_flight_tokens`.
+    pub num_in_flight_tokens: u32,
+    /// `request.num_prompt_tokens`.
+    pub num_prompt_tokens: u32,
+    /// `request.num_tokens`.
+    pub num_tokens: u32,
+    /// `request.shared_prefix_boundary`.
+    pub shared_prefix_boundary: u32,
+    /// Bit `g` set: group `g`'s blocks for external tokens are written by an async load and
+    /// are not recorded for zeroing (vLLM's `skip_zeroing_group_ids`).
+    pub skip_zeroing_groups: u64,
+    /// Take `num_computed_tokens` as vLLM's manager takes `request.num_computed_tokens`,
+    /// unchecked against the tables (the vLLM adapter, which must do what vLLM's manager
+    /// does with any `Request`). `false` (the direct API): a count ahead of the token slots
+    /// a table was given is refused when the call would cache blocks past them, since they
+    /// were never written and caching them under the request's hashes would serve hits on
+    /// them.
+    pub trust_computed_tokens: bool,
+}
+
+/// The arguments of [`Allocator::get_num_blocks_to_allocate`] (vLLM's
+/// `coordinator.get_num_blocks_to_allocate` with no new hit).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockCountArgs {
+    /// Token slots the tables must hold.
+    pub num_tokens: u32,
+    /// Of them, the slots of the target model (usually `num_tokens`).
+    pub num_tokens_main_model: u32,
+    /// Encoder tokens (cross attention's slots).
+    pub num_encoder_tokens: u32,
+    /// Tokens computed so far.
+    pub total_computed_tokens: u32,
+    /// Cap each group at its admission cap (the admission gate).
+    pub apply_admission_cap: bool,
+    /// Where the request's prefill ends (read under retention interval 0 only).
+    pub prefill_end: u32,
+}
+
+/// Where `allocate_slots` takes the request's new cache-hit blocks from.
+#[derive(Clone, Copy, Debug)]
+pub enum NewComputed<'a> {
+    /// No hit (vLLM's shared empty `KVCacheBlocks`).
+    Empty,
+    /// The hit the last `get_computed_blocks` found for this request.
+    Stored,
+    /// Explicit block ids per group.
+    Explicit(&'a [Vec<BlockId>]),
+}
+
+impl Allocator {
+    /// The sum over groups of [`SingleTypeManager::get_num_blocks_to_allocate`] for `c`,
+    /// each group counting its own cache-hit blocks of `new_computed` (a cross-attention
+    /// group counts `num_encoder_tokens` slots, with no hit); may be negative (a Mamba
+    /// "align" group over-allocated in an earlier step), as in vLLM.
+    pub(super) fn num_blocks_to_allocate(
+        &self,
+        s: Slot,
+        c: CountArgs<'_>,
+        new_computed: &[Vec<BlockId>],
+        num_encoder_tokens: u32,
+    ) -> i64 {
+        let mut n = 0i64;
+        for (i, m) in self.managers.iter().enumerate() {
+            let group = if m.spec.kind.sized_by_encoder_tokens() {
+                CountArgs {
+                    num_tokens: num_encoder_tokens,
+                    num_tokens_main_model: num_encoder_tokens,
+                    new_computed: &[],
+                    total_computed_tokens: 0,
+                    prefill_end: 0,
+                    ..c
+                }
+            } else {
+                CountArgs { new_computed: new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]), ..c }
+            };
+            n += m.get_num_blocks_to_allocate(&self.pool, s, &group);
+        }
+        n
+    }
+
+    /// Blocks `h` needs from the pool for `c.num_tokens` slots (`c.num_tokens_main_model` of
+    /// them for the target model) with no new hit (vLLM's
+    /// `coordinator.get_num_blocks_to_allocate`, used by the scheduler directly). Negative
+    /// when a Mamba "align" table holds more than it needs, as in vLLM. Without the
+    /// admission cap the count records the Mamba prefill checkpoint it reserves, as vLLM's.
+    ///
+    /// # Errors
+    /// Unknown handle.
+    pub fn get_num_blocks_to_allocate(&mut self, h: ReqHandle, c: &BlockCountArgs) -> Result<i64> {
+        let s = self.slot(h)?;
+        let prefill_end = self.effective_prefill_end(c.prefill_end);
+        let count = CountArgs {
+            num_tokens: c.num_tokens,
+            num_tokens_main_model: c.num_tokens_main_model,
+            new_computed: &[],
+            total_computed_tokens: c.total_computed_tokens,
+            apply_admission_cap: c.apply_admission_cap,
+            adopting: true,
+            prefill_end,
+        };
+        let n = self.num_blocks_to_allocate(s, count, &[], c.num_encoder_tokens);
+        if !c.apply_admission_cap {
+            self.record_checkpoints(s, &[], c.total_computed_tokens, c.num_tokens_main_model, prefill_end);
+            self.refresh_noop(s);
+        }
+        Ok(n)
+    }
+
+    /// vLLM's coordinator passes `prefill_end` on only under retention interval 0 (under
+    /// dense or segment retention every chunk publishes a state).
+    pub(super) fn effective_prefill_end(&self, prefill_end: u32) -> u32 {
+        if self.cfg.retention_interval == Some(0) {
+            prefill_end
+        } else {
+            0
+        }
+    }
+
+    /// Every Mamba "align" group records the prefill checkpoint of this count.
+    pub(super) fn record_checkpoints(
+        &mut self,
+        s: Slot,
+        new_computed: &[Vec<BlockId>],
+        query_start: u32,
+        query_end: u32,
+        prefill_end: u32,
+    ) {
+        for (i, m) in self.managers.iter_mut().enumerate() {
+            let blocks: &[BlockId] = new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
+            m.record_checkpoint(&self.pool, s, blocks, query_start, query_end, prefill_end);
+        }
+    }
+
+    /// vLLM's `KVCacheManager.allocate_slots`, after bringing the request's hashes up to
+    /// `hashes` when given (undone if the call fails). On success the new blocks are in
+    /// [`Self::new_block_ids`] (per group counts in [`Self::new_block_counts`]) and the
+    /// result is `Some(total new blocks)`; `None` means they do not fit. As in vLLM,
+    /// out-of-window blocks are freed even when the result is `None`.
+    ///
+    /// # Errors
+    /// Checked before any change, so a failed call changes nothing:
+    /// - unknown handle;
+    /// - nothing to do (`num_new_tokens == 0` with nothing to adopt);
+    /// - token counts whose sum leaves `u32`, or external tokens reaching past
+    ///   `max_model_len` (their blocks would not be counted by the capacity check);
+    /// - a cache hit that is not one: see [`NewComputed`] (wrong number of groups, a length
+    ///   other than `num_new_computed_tokens / block_size`, a block out of range, null
+    ///   where the group's layout has no null, used twice, or not cached with the hash this
+    ///   request has at that position; a stored hit whose blocks were reused since the
+    ///   search is refused the same way);
+    /// - cache-hit blocks with prefix caching off, for a running request, or for a request
+    ///   that already holds blocks (computed tokens are adopted only into an empty table);
+    /// - unless [`AllocateArgs::trust_computed_tokens`], `num_computed_tokens` ahead of the
+    ///   token slots a table was given, when the call would cache blocks past them;
+    /// - an invalid hash in `hashes`.
+    pub fn allocate_slots(
+        &mut self,
+        h: ReqHandle,
+        a: &AllocateArgs,
+        new_computed: NewComputed<'_>,
+        hashes: Option<&dyn HashSource>,
+    ) -> Result<Option<u32>> {
+        let s = self.slot(h)?;
+        if a.num_new_tokens == 0 && a.num_external_computed_tokens == 0 && a.num_new_computed_tokens == 0 {
+            return Err(Error::OutOfRange(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt".into(),
+            ));
+        }
+        let num_local = a.num_computed_tokens as u64 + a.num_new_computed_tokens as u64;
+        let total = num_local + a.num_external_computed_tokens as u64;
+        if total + a.num_new_tokens as u64 + a.num_lookahead_tokens as u64 > u32::MAX as u64 {
+            return Err(Error::OutOfRange(format!(
+                "num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens + num_new_tokens \
+                 + num_lookahead_tokens = {} does not fit 32 bits",
+                total + a.num_new_tokens as u64 + a.num_lookahead_tokens as u64
+            )));
+        }
+        if a.num_external_computed_tokens > 0 && total > self.cfg.max_model_len as u64 {
+            return Err(Error::OutOfRange(format!(
+                "{total} computed tokens (local + external) exceed max_model_len {}",
+                self.cfg.max_model_len
+            )));
+        }
+        let undo = match hashes {
+            Some(src) => Some(self.sync_hashes(s, src)?),
+            None => None,
+        };
+        if matches!(new_computed, NewComputed::Empty) && self.is_noop(s, a) {
+            // Provably changes nothing (see `NoopLimits`): skip the allocation code.
+            self.out_ids.clear();
+            self.out_counts.iter_mut().for_each(|c| *c = 0);
+            return Ok(Some(0));
+        }
+        let stored = match new_computed {
+            NewComputed::Stored => Some(std::mem::take(&mut self.reqs[s as usize].hit)),
+            _ => None,
+        };
+        let res = self.allocate_with(s, a, new_computed, stored.as_deref());
+        if let Some(mut back) = stored {
+            if res.is_ok() {
+                for v in back.iter_mut() {
+                    v.clear();
+                }
+            }
+            self.reqs[s as usize].hit = back;
+        }
+        match res {
+            Ok(r) => {
+                self.refresh_noop(s);
+                Ok(r)
+            }
+            Err(e) => {
+                if let Some(u) = undo {
+                    self.undo_hashes(s, u);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    pub(super) fn allocate_with(
+        &mut self,
+        s: Slot,
+        a: &AllocateArgs,
+        new_computed: NewComputed<'_>,
+        stored: Option<&[Vec<BlockId>]>,
+    ) -> Result<Option<u32>> {
+        let (hit_blocks, explicit): (&[Vec<BlockId>], bool) = match new_computed {
+            NewComputed::Empty => (&[], false),
+            NewComputed::Stored => (stored.unwrap_or(&[]), false),
+            NewComputed::Explicit(v) => (v, true),
+        };
+        let has_new_computed = hit_blocks.iter().any(|v| !v.is_empty());
+        if has_new_computed && !self.cfg.enable_caching {
+            return Err(Error::OutOfRange("cache-hit blocks given with prefix caching off".into()));
+        }
+        if hit_blocks.is_empty() {
+            if a.num_new_computed_tokens != 0 {
+                return Err(Error::OutOfRange(format!(
+                    "num_new_computed_tokens={} without cache-hit blocks",
+                    a.num_new_computed_tokens
+                )));
+            }
+        } else {
+            self.validate_hit(s, hit_blocks, a.num_new_computed_tokens, explicit)?;
+        }
+        let num_local = a.num_computed_tokens as u64 + a.num_new_computed_tokens as u64;
+        for (m, v) in self.managers.iter().zip(hit_blocks) {
+            if m.is_mamba_align() && !v.is_empty() && num_local % m.block_size() as u64 != 0 {
+                return Err(Error::OutOfRange(format!(
+                    "a Mamba hit ending inside a block ({num_local} computed tokens, block size {}): \
+                     a partial hit needs copy-on-write, which is not served",
+                    m.block_size()
+                )));
+            }
+        }
+        if !a.trust_computed_tokens {
+            self.check_computed_within_tables(s, a)?;
+        }
+        let tracked = self.managers.iter().any(|m| m.is_tracked(s));
+        if has_new_computed && tracked {
+            return Err(Error::OutOfRange("a running request cannot adopt new cache-hit blocks".into()));
+        }
+        // Not tracked yet (nothing cached) but holding blocks: adoption would need an empty
+        // table (`add_local_computed_blocks`; vLLM asserts it), so refuse before any change.
+        let adopts = has_new_computed || a.num_external_computed_tokens > 0;
+        if adopts && !tracked && self.managers.iter().any(|m| !m.blocks(s).is_empty()) {
+            return Err(Error::OutOfRange("a request that already holds blocks cannot adopt computed tokens".into()));
+        }
+        Ok(self.allocate_slots_inner(s, a, hit_blocks, adopts && !tracked))
+    }
+
+    /// Refuses a computed-token count ahead of the token slots a table of `s` was given
+    /// when this call would cache blocks past them under the request's hashes: the tokens
+    /// between the slots and the count were never written (see
+    /// [`AllocateArgs::trust_computed_tokens`]). A count ahead with nothing to cache there
+    /// (no hashes for those blocks, caching off or delayed) allocates as vLLM's does.
+    fn check_computed_within_tables(&self, s: Slot, a: &AllocateArgs) -> Result<()> {
+        if !self.cfg.enable_caching || a.delay_cache_blocks {
+            return Ok(());
+        }
+        // What `allocate_slots_inner` caches; the sums fit `u32` (checked by the caller).
+        let mml = self.cfg.max_model_len;
+        let total = (a.num_computed_tokens + a.num_new_computed_tokens + a.num_external_computed_tokens).min(mml);
+        let main = total + a.num_new_tokens;
+        let to_cache = self.cache_target(main.min(a.num_tokens).min((main + a.num_lookahead_tokens).min(mml)));
+        let num_hashes = self.reqs[s as usize].hashes.len();
+        for (g, m) in self.managers.iter().enumerate() {
+            let slots = m.blocks(s).len() as u64 * m.block_size() as u64;
+            if !m.spec.kind.covers_sequence() || a.num_computed_tokens as u64 <= slots {
+                continue;
+            }
+            let (full, held) = m.blocks_to_cache(s, num_hashes, to_cache);
+            if full > held {
+                return Err(Error::OutOfRange(format!(
+                    "num_computed_tokens={} is ahead of the {slots} token slots group {g}'s table was given: \
+                     caching {to_cache} tokens would cache {} blocks never written under this request's hashes \
+                     (allocate the computed tokens first, or adopt them as a cache hit or external tokens)",
+                    a.num_computed_tokens,
+                    full - held
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The allocation itself; every check passed. Token sums fit `u32` (checked by the
+    /// caller), so the arithmetic here cannot wrap.
+    pub(super) fn allocate_slots_inner(
+        &mut self,
+        s: Slot,
+        a: &AllocateArgs,
+        hit_blocks: &[Vec<BlockId>],
+        adopts: bool,
+    ) -> Option<u32> {
+        let mml = self.cfg.max_model_len;
+        let num_local = a.num_computed_tokens + a.num_new_computed_tokens;
+        let unclamped_total = num_local + a.num_external_computed_tokens;
+        let total_computed = unclamped_total.min(mml);
+        let watermark = if a.apply_watermark { self.cfg.watermark_blocks as u64 } else { 0 };
+        // vLLM: `max(num_prompt_tokens, num_tokens - 1)`, the scheduler's prefill boundary.
+        let prefill_end = self.effective_prefill_end(a.num_prompt_tokens.max(a.num_tokens.saturating_sub(1)));
+        if a.full_sequence_must_fit {
+            let full = a.num_tokens.min(mml);
+            let count = CountArgs {
+                num_tokens: full,
+                num_tokens_main_model: full,
+                new_computed: &[],
+                total_computed_tokens: total_computed,
+                apply_admission_cap: true,
+                adopting: adopts,
+                prefill_end,
+            };
+            let need = self.num_blocks_to_allocate(s, count, hit_blocks, a.num_encoder_tokens);
+            if need + watermark as i64 > self.pool.num_free_blocks() as i64 {
+                return None;
+            }
+        }
+        let main = total_computed + a.num_new_tokens;
+        let need_slot = (main + a.num_lookahead_tokens).min(mml);
+        let processed = total_computed.saturating_sub(a.num_in_flight_tokens);
+        for m in self.managers.iter_mut() {
+            m.remove_skipped_blocks(&mut self.pool, s, processed, Some(a.num_prompt_tokens));
+        }
+        let count = CountArgs {
+            num_tokens: need_slot,
+            num_tokens_main_model: main,
+            new_computed: &[],
+            total_computed_tokens: unclamped_total,
+            apply_admission_cap: false,
+            adopting: adopts,
+            prefill_end,
+        };
+        let need = self.num_blocks_to_allocate(s, count, hit_blocks, a.num_encoder_tokens);
+        // Recorded before the capacity check, as vLLM's count records it.
+        self.record_checkpoints(s, hit_blocks, unclamped_total, main, prefill_end);
+        let available = self.pool.num_free_blocks() as i64 - a.reserved_blocks as i64;
+        if need + watermark as i64 > available {
+            return None;
+        }
+        if adopts {
+            self.allocate_new_computed_blocks(
+                s,
+                hit_blocks,
+                num_local,
+                a.num_external_computed_tokens,
+                a.skip_zeroing_groups,
+            );
+            if self.pool.is_leveled() {
+                for m in &self.managers {
+                    m.promote_hit(&mut self.pool, s);
+                }
+            }
+        }
+        self.out_ids.clear();
+        for (g, m) in self.managers.iter_mut().enumerate() {
+            let before = self.out_ids.len();
+            let n = if m.spec.kind.sized_by_encoder_tokens() { a.num_encoder_tokens } else { need_slot };
+            m.allocate_new_blocks(&mut self.pool, s, n, main, &mut self.out_ids);
+            self.out_counts[g] = (self.out_ids.len() - before) as u32;
+        }
+        if !a.delay_cache_blocks {
+            // Draft tokens are never cached (vLLM); nor are tokens past the table (a step
+            // reaching past `max_model_len` gets `max_model_len` slots).
+            let to_cache = main.min(a.num_tokens).min(need_slot);
+            self.cache_blocks_inner(s, to_cache, a.num_prompt_tokens, a.shared_prefix_boundary);
+        }
+        Some(self.out_ids.len() as u32)
+    }
+
+    pub(super) fn allocate_new_computed_blocks(
+        &mut self,
+        s: Slot,
+        hit_blocks: &[Vec<BlockId>],
+        num_local: u32,
+        num_external: u32,
+        skip_zeroing_groups: u64,
+    ) {
+        for (i, m) in self.managers.iter_mut().enumerate() {
+            let blocks: &[BlockId] = hit_blocks.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
+            m.add_local_computed_blocks(&mut self.pool, s, blocks, num_local, num_external);
+        }
+        if num_external > 0 {
+            for (g, m) in self.managers.iter_mut().enumerate() {
+                let record = skip_zeroing_groups >> g & 1 == 0;
+                m.allocate_external_computed_blocks(&mut self.pool, s, num_local, num_external, record);
+            }
+        }
+    }
+
+    /// New block ids of the last successful `allocate_slots`, groups concatenated.
+    pub fn new_block_ids(&self) -> &[BlockId] {
+        &self.out_ids
+    }
+
+    /// Per-group counts of [`Self::new_block_ids`].
+    pub fn new_block_counts(&self) -> &[u32] {
+        &self.out_counts
+    }
+}

@@ -1,0 +1,223 @@
+//! The cache-hit search (vLLM's coordinator `find_longest_cache_hit`: one group, or the
+//! hybrid fixed point over spec groups, full attention first) and the validation of a hit
+//! before `allocate_slots` adopts it (explicit ids or the stored hit, checked block by
+//! block against the request's hashes).
+//!
+//! Cost: the search is O(blocks scanned); validation O(hit blocks).
+#![forbid(unsafe_code)]
+
+use super::{Allocator, HashSource, Hit};
+
+use crate::config::CoordinatorKind;
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
+use crate::manager::{cdiv, find_longest_cache_hit, HashView, HitQuery};
+
+impl Allocator {
+    /// Finds the longest cache hit of `h` not longer than `max_cache_hit_length` tokens and
+    /// stores it as the request's pending hit (vLLM's `coordinator.find_longest_cache_hit`,
+    /// called by `get_computed_blocks` with `num_tokens - 1`). Touches nothing.
+    ///
+    /// # Errors
+    /// Unknown handle.
+    pub fn find_longest_cache_hit(&mut self, h: ReqHandle, max_cache_hit_length: u32) -> Result<Hit> {
+        let s = self.slot(h)?;
+        Ok(self.find_hit(s, max_cache_hit_length))
+    }
+
+    /// [`Self::find_longest_cache_hit`] after bringing the request's hashes up to `hashes`.
+    ///
+    /// # Errors
+    /// Unknown handle; an invalid hash (nothing changes).
+    pub fn get_computed_blocks(
+        &mut self,
+        h: ReqHandle,
+        hashes: Option<&dyn HashSource>,
+        max_cache_hit_length: u32,
+    ) -> Result<Hit> {
+        let s = self.slot(h)?;
+        if let Some(src) = hashes {
+            self.sync_hashes(s, src)?;
+        }
+        Ok(self.find_hit(s, max_cache_hit_length))
+    }
+
+    pub(super) fn find_hit(&mut self, s: Slot, max_cache_hit_length: u32) -> Hit {
+        let mut hit = std::mem::take(&mut self.reqs[s as usize].hit);
+        for v in hit.iter_mut() {
+            v.clear();
+        }
+        let res = match self.kind {
+            CoordinatorKind::NoPrefixCache => Hit { num_tokens: 0, num_uncached_common_prefix_tokens: 0 },
+            CoordinatorKind::Unitary => {
+                let m = &self.managers[0];
+                let bs = m.block_size();
+                let view = HashView { hashes: &self.reqs[s as usize].hashes, scale: bs / self.cfg.hash_block_size };
+                let q = HitQuery {
+                    pool: &self.pool,
+                    view,
+                    max_length: max_cache_hit_length,
+                    group_ids: &[0],
+                    block_size: bs,
+                    alignment_tokens: bs,
+                };
+                let n = find_longest_cache_hit(m.spec.kind, &q, &mut hit[..1]);
+                Hit { num_tokens: n, num_uncached_common_prefix_tokens: 0 }
+            }
+            CoordinatorKind::Hybrid => self.hybrid_hit(s, max_cache_hit_length, &mut hit),
+        };
+        self.reqs[s as usize].hit = hit;
+        res
+    }
+
+    pub(super) fn hybrid_hit(&mut self, s: Slot, max_len: u32, out: &mut [Vec<BlockId>]) -> Hit {
+        let ng = self.managers.len();
+        let align = self.cfg.cache_hit_alignment_tokens();
+        let mut hit_length = max_len;
+        let mut longest = 0u32;
+        let mut computed = 0u64; // bitset of groups with a result
+        let mut len_by_group = [0u32; 64];
+        let simple = self.spec_groups.len() == 2 && self.spec_groups[0].kind.is_full();
+        let hashes = &self.reqs[s as usize].hashes;
+        let mut tmp = std::mem::take(&mut self.scratch_spec);
+        loop {
+            let mut curr = hit_length;
+            for sg in &self.spec_groups {
+                let first = sg.group_ids[0] as usize;
+                if sg.kind.is_full() && computed & (1 << first) != 0 {
+                    curr = curr.min(len_by_group[first]);
+                    continue;
+                }
+                let view = HashView { hashes, scale: sg.block_size / self.cfg.hash_block_size };
+                let k = sg.group_ids.len();
+                let q = HitQuery {
+                    pool: &self.pool,
+                    view,
+                    max_length: curr,
+                    group_ids: &sg.group_ids,
+                    block_size: sg.block_size,
+                    alignment_tokens: align,
+                };
+                let new_len = find_longest_cache_hit(sg.kind, &q, &mut tmp[..k]);
+                curr = new_len;
+                for (j, &gid) in sg.group_ids.iter().enumerate() {
+                    std::mem::swap(&mut out[gid as usize], &mut tmp[j]);
+                    len_by_group[gid as usize] = new_len;
+                    computed |= 1 << gid;
+                }
+                longest = longest.max(curr);
+            }
+            if curr >= hit_length {
+                break;
+            }
+            hit_length = curr;
+            if simple {
+                break;
+            }
+        }
+        self.scratch_spec = tmp;
+        for sg in &self.spec_groups {
+            if !sg.kind.is_full() {
+                continue;
+            }
+            let keep = cdiv(hit_length as u64, sg.block_size as u64) as usize;
+            for &gid in &sg.group_ids {
+                out[gid as usize].truncate(keep);
+            }
+        }
+        debug_assert!(ng <= 64);
+        Hit { num_tokens: hit_length, num_uncached_common_prefix_tokens: longest - hit_length }
+    }
+
+    /// Checks a hit before it is adopted (see [`Self::allocate_slots`]).
+    pub(super) fn validate_hit(
+        &self,
+        s: Slot,
+        hit_blocks: &[Vec<BlockId>],
+        num_new_computed_tokens: u32,
+        explicit: bool,
+    ) -> Result<()> {
+        let ng = self.managers.len();
+        if hit_blocks.len() != ng {
+            return Err(Error::OutOfRange(format!("{} hit groups given, the config has {ng}", hit_blocks.len())));
+        }
+        let hashes = &self.reqs[s as usize].hashes;
+        let nb = self.pool.num_blocks();
+        if let Some(&b) = hit_blocks.iter().flatten().find(|&&b| b >= nb) {
+            return Err(Error::InvalidBlock(format!("block id {b} >= num_blocks {nb}")));
+        }
+        let mut seen: rustc_hash::FxHashSet<BlockId> = Default::default();
+        for (g, (m, v)) in self.managers.iter().zip(hit_blocks).enumerate() {
+            if !m.spec.kind.takes_hits() {
+                if !v.is_empty() {
+                    return Err(Error::OutOfRange(format!(
+                        "group {g} (cross attention or circular buffer) cannot have cache-hit blocks"
+                    )));
+                }
+                continue;
+            }
+            let bs = m.block_size();
+            if v.len() as u64 * bs as u64 != num_new_computed_tokens as u64 {
+                return Err(Error::OutOfRange(format!(
+                    "group {g}: a hit of {} blocks of {bs} tokens for num_new_computed_tokens={num_new_computed_tokens}",
+                    v.len()
+                )));
+            }
+            if v.is_empty() {
+                continue;
+            }
+            let view = HashView { hashes, scale: bs / self.cfg.hash_block_size };
+            if v.len() as u64 > view.len() as u64 {
+                return Err(Error::OutOfRange(format!(
+                    "group {g}: a hit of {} blocks, but the request has hashes for {}",
+                    v.len(),
+                    view.len()
+                )));
+            }
+            let nulls_allowed = !m.spec.kind.is_full();
+            let mut leading = true;
+            for (i, &b) in v.iter().enumerate() {
+                if b == NULL_BLOCK {
+                    if !(nulls_allowed && leading) {
+                        return Err(Error::InvalidBlock(format!(
+                            "group {g}: the null block at hit position {i} (only a sliding-window or \
+                             chunked group's hit starts with null blocks)"
+                        )));
+                    }
+                    continue;
+                }
+                leading = false;
+                if explicit && !seen.insert(b) {
+                    return Err(Error::InvalidBlock(format!("block {b} appears twice in the hit")));
+                }
+                let want = (view.get(i as u32), g as GroupId);
+                if self.pool.block_hash(b) != Some(&want) {
+                    return Err(Error::InvalidBlock(format!(
+                        "block {b} at hit position {i} of group {g} is not cached with this request's \
+                         hash for that position{}",
+                        if explicit { "" } else { " (it was reused since the hit was found)" }
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// vLLM's `estimate_cached_tokens`: the minimum over cacheable groups of the longest
+    /// prefix any block of the table is hashed for.
+    ///
+    /// # Errors
+    /// Unknown handle.
+    pub fn estimate_cached_tokens(&self, h: ReqHandle) -> Result<u32> {
+        let s = self.slot(h)?;
+        let mut best: Option<u32> = None;
+        for m in &self.managers {
+            if !m.spec.kind.takes_hits() {
+                continue;
+            }
+            let t = m.blocks(s).iter().map(|&b| self.pool.block_hash_num_tokens(b)).max().unwrap_or(0);
+            best = Some(best.map_or(t, |x| x.min(t)));
+        }
+        Ok(best.unwrap_or(0))
+    }
+}

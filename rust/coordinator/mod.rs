@@ -1,0 +1,274 @@
+//! The coordinator: several KV cache groups sharing one block pool, with the request-level
+//! operations of vLLM's `KVCacheManager` (+ `KVCacheCoordinator`): cache-hit search across
+//! groups (the hybrid fixed point), slot allocation that checks capacity over every group
+//! before it changes anything, caching of full blocks, freeing, events.
+//!
+//! Requests are dense handles into a slab; per request the coordinator keeps the block
+//! hashes vLLM computed (appended incrementally, never re-sent) and the last cache hit
+//! found for it, and each group's manager keeps its block table.
+//!
+//! The rooms: [`requests`] (the slab of handles and the request's block hashes), [`hits`]
+//! (the hit search and the validation of a hit before it is adopted), [`noop`] (the no-op
+//! limits and the scheduler's plain step), [`allocate`] (counting and allocation),
+//! [`cache_free`] (caching, freeing, eviction and pinning). This file holds the types and
+//! the allocator's construction and accessors.
+//!
+//! Cost: `allocate_slots` for a decoding request is O(groups) with no allocation (new
+//! block ids go to reused buffers); a hit search is O(blocks scanned); `free` O(table).
+#![forbid(unsafe_code)]
+
+mod allocate;
+mod cache_free;
+mod hits;
+mod noop;
+mod requests;
+
+pub use allocate::{AllocateArgs, BlockCountArgs, NewComputed};
+pub use cache_free::CacheBlocksArgs;
+pub use noop::{NoopLimits, PlainStep, StepFields};
+pub use requests::HashSource;
+
+use crate::block_pool::{BlockPool, Event};
+use crate::config::{AttentionKind, Config, CoordinatorKind};
+use crate::error::{Error, Result};
+use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot};
+use crate::manager::SingleTypeManager;
+use crate::policy::Policy;
+
+/// Groups with equal specs, looked up together (vLLM's `SpecGroup`).
+#[derive(Clone, Debug)]
+struct SpecGroup {
+    kind: AttentionKind,
+    block_size: u32,
+    group_ids: Vec<GroupId>,
+}
+
+/// Per-request state kept by the coordinator.
+#[derive(Clone, Debug, Default)]
+struct ReqState {
+    /// The generation of the live request in this slot; 0 when the slot is free.
+    generation: u32,
+    /// Block hashes at `hash_block_size` granularity, as vLLM computed them.
+    hashes: Vec<BlockHash>,
+    /// The last cache hit found for the request, per group.
+    hit: Vec<Vec<BlockId>>,
+    /// The no-op limits of the request's next plain step: always equal to
+    /// [`Allocator::noop_limits`] of its tables (refreshed by every call that changes them).
+    noop: NoopLimits,
+}
+
+/// A caller-supplied token count as `u32`.
+///
+/// # Errors
+/// [`Error::OutOfRange`] when `v` is negative or above `u32::MAX`.
+pub fn token_count(name: &str, v: i64) -> Result<u32> {
+    u32::try_from(v).map_err(|_| Error::OutOfRange(format!("{name}={v} is outside 0..=4294967295")))
+}
+
+/// The next generation: process-wide, so handles of different allocators never collide;
+/// `1..2^31` (0 marks a free slot), so a handle fits an `i64`.
+fn next_generation() -> u32 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    loop {
+        let g = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) & 0x7FFF_FFFF;
+        if g != 0 {
+            return g;
+        }
+    }
+}
+
+/// Result of a cache-hit search.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hit {
+    /// Tokens of the hit (every group agrees on them).
+    pub num_tokens: u32,
+    /// A shared prefix that some group cached further than the hit (vLLM's
+    /// `num_uncached_common_prefix_tokens`).
+    pub num_uncached_common_prefix_tokens: u32,
+}
+
+/// The allocator: pool, managers, requests.
+#[derive(Clone, Debug)]
+pub struct Allocator {
+    cfg: Config,
+    /// The retention policy (see [`crate::policy`]); fixed at construction.
+    policy: Policy,
+    kind: CoordinatorKind,
+    pool: BlockPool,
+    managers: Vec<SingleTypeManager>,
+    /// Cacheable spec groups, full attention first (hybrid search order).
+    spec_groups: Vec<SpecGroup>,
+    /// Request slots; `reqs[s].generation == 0` iff slot `s` is in `free_slots`.
+    reqs: Vec<ReqState>,
+    free_slots: Vec<Slot>,
+    /// New block ids of the last `allocate_slots`, all groups concatenated.
+    out_ids: Vec<BlockId>,
+    /// `out_counts[g]`: how many of `out_ids` belong to group g.
+    out_counts: Vec<u32>,
+    /// Scratch for the hit search.
+    scratch_spec: Vec<Vec<BlockId>>,
+    /// Scratch: hashes read from the caller before they are committed.
+    scratch_hashes: Vec<BlockHash>,
+    /// The hashes the last sync dropped (put back when the call fails).
+    undo_tail: Vec<BlockHash>,
+}
+
+impl Allocator {
+    /// Builds an allocator with a retention policy ([`Policy::Exact`] is vLLM's).
+    ///
+    /// # Errors
+    /// What [`Config::validate`] reports; [`Error::OutOfMemory`] when the pool's metadata
+    /// cannot be allocated.
+    pub fn new(cfg: Config, policy: Policy) -> Result<Self> {
+        cfg.validate()?;
+        let kind = cfg.coordinator_kind();
+        let caching = cfg.enable_caching;
+        let leveled = policy == Policy::HitAware && caching;
+        let pool = BlockPool::try_new_leveled(cfg.num_blocks, caching, cfg.enable_events, leveled)?;
+        let align = cfg.cache_hit_alignment_tokens();
+        let managers = cfg
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                let mut m = SingleTypeManager::new(
+                    *g,
+                    i as GroupId,
+                    cfg.max_admission_blocks(g),
+                    caching,
+                    align,
+                    cfg.hash_block_size,
+                    cfg.hash_lookahead_tokens,
+                );
+                m.records_new_block_ids = cfg.zero_new_blocks && g.kind.is_attention();
+                m
+            })
+            .collect();
+        let mut spec_groups: Vec<SpecGroup> = Vec::new();
+        for (i, g) in cfg.groups.iter().enumerate() {
+            if !g.kind.takes_hits() {
+                continue;
+            }
+            match spec_groups.iter_mut().find(|s| {
+                s.kind == g.kind
+                    && s.block_size == g.block_size
+                    && cfg.groups[s.group_ids[0] as usize].spec_key == g.spec_key
+            }) {
+                Some(s) => s.group_ids.push(i as GroupId),
+                None => spec_groups.push(SpecGroup {
+                    kind: g.kind,
+                    block_size: g.block_size,
+                    group_ids: vec![i as GroupId],
+                }),
+            }
+        }
+        spec_groups.sort_by_key(|s| !s.kind.is_full());
+        let n = cfg.groups.len();
+        Ok(Self {
+            policy,
+            kind,
+            pool,
+            managers,
+            spec_groups,
+            reqs: Vec::new(),
+            free_slots: Vec::new(),
+            out_ids: Vec::new(),
+            out_counts: vec![0; n],
+            scratch_spec: vec![Vec::new(); n],
+            scratch_hashes: Vec::new(),
+            undo_tail: Vec::new(),
+            cfg,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The retention policy.
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// The block pool (read-only).
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// The managers, one per group.
+    pub fn managers(&self) -> &[SingleTypeManager] {
+        &self.managers
+    }
+
+    /// Number of groups.
+    pub fn num_groups(&self) -> usize {
+        self.managers.len()
+    }
+
+    /// A new scheduler step starts (vLLM's `KVCacheManager.new_step_starts`): Mamba "align"
+    /// groups stop deferring hits on states cached in the previous step.
+    pub fn new_step_starts(&mut self) {
+        for m in self.managers.iter_mut() {
+            m.new_step_starts();
+        }
+    }
+
+    /// Drains the block ids the attention groups handed out since the last call, group by
+    /// group, for the model runner to zero (vLLM's `KVCacheManager.take_new_block_ids`).
+    /// Empty unless [`Config::zero_new_blocks`].
+    pub fn take_new_block_ids(&mut self) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        for m in self.managers.iter_mut() {
+            m.take_new_block_ids(&mut out);
+        }
+        out
+    }
+
+    /// Whether block ids wait in [`Self::take_new_block_ids`].
+    pub fn has_new_block_ids(&self) -> bool {
+        self.managers.iter().any(|m| !m.pending_new_block_ids().is_empty())
+    }
+
+    /// Records `h`'s blocks from token `start_token` on for zeroing again (vLLM's
+    /// `record_blocks_for_zeroing`, after a failed KV load).
+    ///
+    /// # Errors
+    /// Unknown handle; `start_token` not a multiple of a recording group's block size
+    /// (checked before any change).
+    pub fn record_blocks_for_zeroing(&mut self, h: ReqHandle, start_token: u32) -> Result<()> {
+        let s = self.slot(h)?;
+        if let Some(m) = self.managers.iter().find(|m| m.records_new_block_ids && start_token % m.block_size() != 0) {
+            return Err(Error::OutOfRange(format!(
+                "start_token={start_token} is not a multiple of group {}'s block size {}",
+                m.group_id,
+                m.block_size()
+            )));
+        }
+        for m in self.managers.iter_mut() {
+            let idx = (start_token / m.block_size()) as usize;
+            m.record_blocks_for_zeroing(s, idx);
+        }
+        Ok(())
+    }
+
+    /// Free blocks.
+    pub fn num_free_blocks(&self) -> u32 {
+        self.pool.num_free_blocks()
+    }
+
+    /// Usage in `[0, 1]`.
+    pub fn usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// Takes the queued KV cache events.
+    pub fn take_events(&mut self) -> Vec<Event> {
+        self.pool.take_events()
+    }
+
+    /// Whether events wait.
+    pub fn has_events(&self) -> bool {
+        self.pool.has_events()
+    }
+}

@@ -1,0 +1,89 @@
+//! The `hit-aware` retention rules of a group (see [`crate::policy`]): which cached blocks
+//! a hit needs at its end, the levels masked blocks are cached at, and the promotions made
+//! when a request adopts a hit or is freed.
+//!
+//! Cost: O(blocks of the request's table) per call; nothing here runs under `exact`.
+#![forbid(unsafe_code)]
+
+use super::{sliding_window, SingleTypeManager};
+use crate::block_pool::BlockPool;
+use crate::config::AttentionKind;
+use crate::ids::{BlockId, GroupId, Slot, NULL_BLOCK};
+use crate::policy::{Level, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_SPECULATIVE};
+
+impl SingleTypeManager {
+    /// Contiguous cached blocks a hit in this group needs at its end (`None`: the group
+    /// needs the whole prefix, or never hits).
+    pub fn hit_tail_blocks(&self) -> Option<u32> {
+        match self.spec.kind {
+            AttentionKind::SlidingWindow { window, .. } => {
+                Some(sliding_window::contiguous_blocks_for_hit(window, self.spec.block_size))
+            }
+            _ => None,
+        }
+    }
+
+    /// Hit-aware: raises the retention level of the window tail ending at `h`'s last cached
+    /// block (where a request re-sending this sequence resumes) to at least `lvl`, and of
+    /// every other cached block of the table to at least `floor`.
+    pub fn promote_for_free(&self, pool: &mut BlockPool, h: Slot, lvl: Level, floor: Level) {
+        let table = &self.req_blocks[h as usize];
+        let end = (self.num_cached(h) as usize).min(table.len());
+        let tail = self.hit_tail_blocks().map_or(end, |n| n as usize);
+        for (i, &b) in table[..end].iter().enumerate() {
+            if b == NULL_BLOCK || pool.block_hash(b).is_none() {
+                continue;
+            }
+            let want = if i + tail >= end { lvl } else { floor };
+            if pool.level(b) < want {
+                pool.set_level(b, want);
+            }
+        }
+    }
+
+    /// Hit-aware: the blocks of a hit just adopted keep at least [`LEVEL_NORMAL`].
+    pub fn promote_hit(&self, pool: &mut BlockPool, h: Slot) {
+        for &b in &self.req_blocks[h as usize] {
+            if b != NULL_BLOCK && pool.level(b) < LEVEL_NORMAL {
+                pool.set_level(b, LEVEL_NORMAL);
+            }
+        }
+    }
+
+    /// Appends `(position, group, block)` for every non-null block of `h`'s table
+    /// (hit-aware free order).
+    pub fn positioned_blocks(&self, h: Slot, out: &mut Vec<(u64, GroupId, BlockId)>) {
+        let bs = self.spec.block_size as u64;
+        for (i, &b) in self.req_blocks[h as usize].iter().enumerate() {
+            if b != NULL_BLOCK {
+                out.push((i as u64 * bs, self.group_id, b));
+            }
+        }
+    }
+
+    /// Hit-aware caching of a masked range (blocks `num_cached..` of `h`'s table, all just
+    /// cached): the blocks the mask skips go to [`LEVEL_SPECULATIVE`], or to [`LEVEL_NEAR`]
+    /// when within one window tail before a reachable boundary's tail.
+    pub(super) fn level_masked_blocks(
+        &self,
+        pool: &mut BlockPool,
+        h: Slot,
+        num_cached: u32,
+        mask: &[bool],
+        reachable_boundaries: &[u32],
+    ) {
+        let bs = self.spec.block_size;
+        let table = &self.req_blocks[h as usize];
+        let need = self.hit_tail_blocks().unwrap_or(0) as u64;
+        let align = self.cache_hit_alignment_tokens.max(1);
+        // Block index where each boundary's retained tail ends.
+        let ends: Vec<u64> = reachable_boundaries.iter().map(|&b| (b / align * align / bs) as u64).collect();
+        for (k, &keep) in mask.iter().enumerate() {
+            if !keep {
+                let i = num_cached as u64 + k as u64;
+                let near = ends.iter().any(|&e| i + need < e && i + 2 * need >= e);
+                pool.set_level(table[i as usize], if near { LEVEL_NEAR } else { LEVEL_SPECULATIVE });
+            }
+        }
+    }
+}

@@ -1,0 +1,77 @@
+"""Defects of the direct API found on the way to issue 15, each run through
+``hybrid_alloc.Allocator`` as a user would.
+
+8a: ``allocate_slots`` accepted a computed-token count ahead of what the request's table
+was given, then cached never-written blocks under the request's real hashes, so a second
+request with the same prompt got a hit on them. The direct API now refuses it with
+``OutOfRangeError`` and changes nothing. The vLLM adapter stays exact to vLLM's manager,
+which takes a ``Request``'s count as it comes: an allocator a ``FastAllocate`` serves
+trusts the count."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hybrid_alloc as ha
+import pytest
+from hybrid_alloc import Allocator
+from hybrid_alloc._core import FastAllocate
+
+H = 32  # hash length (sha256)
+PROMPT = 100
+
+
+def hashes(n: int) -> list[bytes]:
+    """Chained-looking hashes of the prompt's full blocks (any distinct bytes do)."""
+    return [(1000 + i).to_bytes(H, "big") for i in range(n)]
+
+
+def allocator() -> Allocator:
+    return Allocator(64, [("full", 16, 0, 0, 0)], 16, 16, 4096, 4096, True, True, 0, 0)
+
+
+def snapshot(a: Allocator, h: int) -> tuple[Any, ...]:
+    return (a.num_free_blocks, a.free_queue_order(), a.block_ids(h), a.num_hashes(h), a.noop_limits(h),
+            [(a.ref_cnt(b), a.block_hash(b)) for b in range(a.num_blocks)])
+
+
+def first_chunk(a: Allocator) -> int:
+    """A 100-token request that has computed its first 16 tokens."""
+    h = a.add_request()
+    got = a.allocate_slots(h, 16, block_hashes=hashes(PROMPT // 16), num_computed_tokens=0,
+                           num_prompt_tokens=PROMPT, num_tokens=PROMPT)
+    assert got is not None and [len(g) for g in got] == [1]
+    return h
+
+
+def test_computed_tokens_ahead_of_the_table_are_refused_and_change_nothing() -> None:
+    a = allocator()
+    h = first_chunk(a)
+    a.take_events()
+    before = snapshot(a, h)
+    with pytest.raises(ha.OutOfRangeError, match="num_computed_tokens=96"):
+        a.allocate_slots(h, 1, num_computed_tokens=96, num_tokens=PROMPT)
+    assert snapshot(a, h) == before
+    assert not a.has_events
+    a.check_invariants()
+    # A second request with the same prompt hits only the block that was written.
+    second = a.add_request()
+    hit_tokens, _, _ = a.get_computed_blocks(second, PROMPT - 1, block_hashes=hashes(PROMPT // 16))
+    assert hit_tokens == 16
+    # The count the table was given is accepted: the next chunk goes on as before.
+    assert a.allocate_slots(h, 16, num_computed_tokens=16, num_tokens=PROMPT) is not None
+    a.check_invariants()
+
+
+def test_allocator_served_by_fast_allocate_stays_exact_to_vllm() -> None:
+    """vLLM's manager allocates and caches the blocks for such a count; an allocator the
+    vLLM adapter's ``FastAllocate`` serves does the same (its slow path included)."""
+    a = allocator()
+    h = first_chunk(a)
+    FastAllocate(a, None, lambda *args, **kw: None, lambda t: t, None)
+    got = a.allocate_slots(h, 1, num_computed_tokens=96, num_tokens=PROMPT)
+    assert got is not None and [len(g) for g in got] == [6]
+    second = a.add_request()
+    hit_tokens, _, _ = a.get_computed_blocks(second, PROMPT - 1, block_hashes=hashes(PROMPT // 16))
+    assert hit_tokens == 96
+    a.check_invariants()
