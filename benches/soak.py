@@ -86,9 +86,15 @@ def main() -> None:
             hit, _, hit_groups = a.get_computed_blocks(r.handle, r.num_tokens - 1, block_hashes=r.block_hashes)
             chunk = min(rng.randrange(1, 1024), r.num_tokens - hit)
             res = a.allocate_slots(
-                r.handle, chunk, block_hashes=r.block_hashes, hit=Hit.STORED if rng.random() < 0.5 else hit_groups,
-                num_new_computed_tokens=hit, full_sequence_must_fit=True, apply_watermark=True,
-                num_prompt_tokens=r.num_prompt_tokens, num_tokens=r.num_tokens,
+                r.handle,
+                chunk,
+                block_hashes=r.block_hashes,
+                hit=Hit.STORED if rng.random() < 0.5 else hit_groups,
+                num_new_computed_tokens=hit,
+                full_sequence_must_fit=True,
+                apply_watermark=True,
+                num_prompt_tokens=r.num_prompt_tokens,
+                num_tokens=r.num_tokens,
             )
             if res is None:
                 waiting.append(r)
@@ -152,8 +158,10 @@ def main() -> None:
             a.check_invariants()
         if n % args.report_every == 0:
             summary = " ".join(f"{k}={v}" for k, v in sorted(counts.items()))
-            print(f"{n:>10} {time.time() - start:>7.1f} {rss_mib():>8.1f} {len(running):>8} {a.num_free_blocks:>6}  {summary}",
-                  flush=True)
+            print(
+                f"{n:>10} {time.time() - start:>7.1f} {rss_mib():>8.1f} {len(running):>8} {a.num_free_blocks:>6}  {summary}",
+                flush=True,
+            )
     a.check_invariants()
 
 

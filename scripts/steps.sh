@@ -18,7 +18,8 @@ FAILED=0
 PY_LINT_PATHS=(python/hybrid_alloc tests/python benches)
 # The test files that call the compiled module directly, type-checked against python/hybrid_alloc's
 # stub (_core.pyi), as a user's code would be: a stub that types a parameter too narrowly fails here.
-MYPY_TEST_FILES=(tests/python/test_api.py tests/python/test_stateful.py tests/python/test_bench_noplot.py)
+MYPY_TEST_FILES=(tests/python/test_api.py tests/python/test_stateful.py tests/python/test_bench_noplot.py
+  tests/python/test_typed_boundary.py tests/python/test_api_defects.py)
 
 run() {
   local name=$1 rc start

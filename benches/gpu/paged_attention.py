@@ -94,8 +94,11 @@ class Batch:
         self.alloc = Allocator(
             num_blocks=num_blocks,
             groups=[("sliding_window", BLOCK, 0, self.window, 0), ("full", BLOCK, 1, 0, 0)],
-            hash_block_size=BLOCK, scheduler_block_size=BLOCK, max_model_len=top + BLOCK,
-            max_in_flight_tokens=top + BLOCK, enable_caching=False,
+            hash_block_size=BLOCK,
+            scheduler_block_size=BLOCK,
+            max_model_len=top + BLOCK,
+            max_in_flight_tokens=top + BLOCK,
+            enable_caching=False,
         )
         self.handles, self.lengths, self.limits, self.released = [], [], [], []
         self.tables = [[], []]
@@ -167,7 +170,9 @@ class Batch:
         return sum(1 for reqs in self.owners.values() if len(reqs) > 1)
 
 
-def token_kv(layer: int, req: torch.Tensor, pos: torch.Tensor, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def token_kv(
+    layer: int, req: torch.Tensor, pos: torch.Tensor, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The k and v of prompt token ``pos`` of request ``req`` in ``layer``: a deterministic
     function (no table), different for every (layer, request, position)."""
     g = torch.Generator(device="cpu").manual_seed(1000 + layer)
@@ -191,16 +196,25 @@ class Model:
             return (torch.randn(*shape, generator=g) / math.sqrt(shape[0])).to(device=device, dtype=dtype)
 
         self.layers = [
-            {"wq": w(HIDDEN, HEADS * HEAD_DIM), "wk": w(HIDDEN, KV_HEADS * HEAD_DIM),
-             "wv": w(HIDDEN, KV_HEADS * HEAD_DIM), "wo": w(HEADS * HEAD_DIM, HIDDEN)}
+            {
+                "wq": w(HIDDEN, HEADS * HEAD_DIM),
+                "wk": w(HIDDEN, KV_HEADS * HEAD_DIM),
+                "wv": w(HIDDEN, KV_HEADS * HEAD_DIM),
+                "wo": w(HEADS * HEAD_DIM, HIDDEN),
+            }
             for _ in range(2 * pairs)
         ]
-        self.kv = [torch.zeros(2, num_blocks * BLOCK, KV_HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(pairs)]
+        self.kv = [
+            torch.zeros(2, num_blocks * BLOCK, KV_HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(pairs)
+        ]
 
     def hidden(self, layer: int, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The hidden state entering ``layer`` for the token at ``pos`` (deterministic)."""
-        x = torch.sin((req.to(torch.float64) * 7.1 + pos.to(torch.float64) * 0.173 + layer)[:, None]
-                      * torch.arange(1, HIDDEN + 1, device=req.device, dtype=torch.float64) * 1e-3)
+        x = torch.sin(
+            (req.to(torch.float64) * 7.1 + pos.to(torch.float64) * 0.173 + layer)[:, None]
+            * torch.arange(1, HIDDEN + 1, device=req.device, dtype=torch.float64)
+            * 1e-3
+        )
         return x.to(device=self.device, dtype=self.dtype)
 
 
@@ -209,8 +223,15 @@ def slots_of(table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return table.gather(1, (pos // BLOCK)[:, None])[:, 0] * BLOCK + pos % BLOCK
 
 
-def paged_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, length: torch.Tensor,
-                    start: torch.Tensor, max_blocks: int, chunk: int = 256) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    table: torch.Tensor,
+    length: torch.Tensor,
+    start: torch.Tensor,
+    max_blocks: int,
+    chunk: int = 256,
+) -> torch.Tensor:
     """softmax(q k^T) v over tokens ``start[i] <= t < length[i]`` of request i, gathering its
     blocks ``start // 16 ..`` (at most ``max_blocks`` of them) through ``table``. q:
     ``[B, 32, 128]``; returns ``[B, 32, 128]`` in float32."""
@@ -309,7 +330,10 @@ class Runner:
         outs: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         for pair in range(self.model.pairs):
             kv = self.model.kv[pair]
-            for li, table, start, nb in ((2 * pair, swa, swa_start, swa_blocks), (2 * pair + 1, fullt, zero, full_blocks)):
+            for li, table, start, nb in (
+                (2 * pair, swa, swa_start, swa_blocks),
+                (2 * pair + 1, fullt, zero, full_blocks),
+            ):
                 w = self.model.layers[li]
                 x = self.model.hidden(li, req, pos)
                 q = (x @ w["wq"]).view(self.n, HEADS, HEAD_DIM)
@@ -378,8 +402,11 @@ class Runner:
         out: dict[str, Any] = {}
         i = self.check_ids[0]
         full_row = self.batch.tables[Batch.FULL][i]
-        other = next(b for r, row in enumerate(self.batch.tables[Batch.FULL]) if r != i for b in row if b not in full_row) \
-            if self.n > 1 else max(full_row) + 1
+        other = (
+            next(b for r, row in enumerate(self.batch.tables[Batch.FULL]) if r != i for b in row if b not in full_row)
+            if self.n > 1
+            else max(full_row) + 1
+        )
         j = len(full_row) // 2
         saved = full_row[j]
         full_row[j] = other
@@ -415,11 +442,18 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if check:
                 errs.append(err)
         row: dict[str, Any] = {
-            "running": n, "context": args.context, "window": args.window, "layer_pairs": args.layer_pairs,
-            "device": str(r.device), "dtype": args.dtype, "num_blocks": r.batch.alloc.num_blocks,
+            "running": n,
+            "context": args.context,
+            "window": args.window,
+            "layer_pairs": args.layer_pairs,
+            "device": str(r.device),
+            "dtype": args.dtype,
+            "num_blocks": r.batch.alloc.num_blocks,
             "device_ms_per_step": statistics.median(gpu) * 1e3 if gpu else float("nan"),
-            "device_ms_per_step_gemma2_27b": (statistics.median(gpu) * 1e3 * GEMMA2_LAYER_PAIRS / args.layer_pairs) if gpu else float("nan"),
-            "cpu_us_per_step_allocator": statistics.median(r.batch.cpu_ns[args.warmup:] or r.batch.cpu_ns) / 1e3,
+            "device_ms_per_step_gemma2_27b": (statistics.median(gpu) * 1e3 * GEMMA2_LAYER_PAIRS / args.layer_pairs)
+            if gpu
+            else float("nan"),
+            "cpu_us_per_step_allocator": statistics.median(r.batch.cpu_ns[args.warmup :] or r.batch.cpu_ns) / 1e3,
             "allocator_calls_per_step": r.batch.crossings / args.steps,
             "max_abs_error": max(errs) if errs else float("nan"),
             "recycled_window_blocks": r.batch.recycled(),
@@ -449,8 +483,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=4096, help="sliding window (gemma-2: 4096)")
     p.add_argument("--steps", type=int, default=40, help="decode steps")
     p.add_argument("--warmup", type=int, default=4, help="steps left out of the timing")
-    p.add_argument("--layer-pairs", type=int, default=1,
-                   help="(sliding-window, full) layer pairs run; the time is also scaled to gemma-2-27b's 23")
+    p.add_argument(
+        "--layer-pairs",
+        type=int,
+        default=1,
+        help="(sliding-window, full) layer pairs run; the time is also scaled to gemma-2-27b's 23",
+    )
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--check", type=int, default=4, help="requests checked against dense attention")
     p.add_argument("--check-every", type=int, default=8, help="check every this many steps (and the last)")
@@ -470,11 +508,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rows = run(args)
-    cols = ["running", "context", "layer_pairs", "device_ms_per_step", "device_ms_per_step_gemma2_27b",
-            "cpu_us_per_step_allocator", "cpu_us_per_running_request", "allocator_calls_per_step",
-            "max_abs_error", "recycled_window_blocks", "check_ok"] + (["selftest_ok"] if args.self_test else [])
-    print(f"device {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), dtype {args.dtype}, "
-          f"window {args.window}, {args.steps} steps")
+    cols = [
+        "running",
+        "context",
+        "layer_pairs",
+        "device_ms_per_step",
+        "device_ms_per_step_gemma2_27b",
+        "cpu_us_per_step_allocator",
+        "cpu_us_per_running_request",
+        "allocator_calls_per_step",
+        "max_abs_error",
+        "recycled_window_blocks",
+        "check_ok",
+    ] + (["selftest_ok"] if args.self_test else [])
+    print(
+        f"device {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), dtype {args.dtype}, "
+        f"window {args.window}, {args.steps} steps"
+    )
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
@@ -483,7 +533,10 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
     ok = all(r["check_ok"] and r.get("selftest_ok", True) for r in rows)
     if not ok:
-        print("MISMATCH: paged attention through hybrid_alloc's block tables differs from dense attention", file=sys.stderr)
+        print(
+            "MISMATCH: paged attention through hybrid_alloc's block tables differs from dense attention",
+            file=sys.stderr,
+        )
     return 0 if ok else 1
 
 

@@ -34,4 +34,6 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         w(f"{test + ' ' + params:<44} {ref * 1e6:>9.1f} us {ours * 1e6:>10.1f} us {ref / ours:>7.1f}x{extra}")
     for key, tot in admission.items():
         ref, ours = tot["vllm"], tot["hybrid_alloc"]
-        w(f"{'admission ' + key + ' (lookup+allocate+table)':<44} {ref * 1e6:>9.1f} us {ours * 1e6:>10.1f} us {ref / ours:>7.1f}x")
+        w(
+            f"{'admission ' + key + ' (lookup+allocate+table)':<44} {ref * 1e6:>9.1f} us {ours * 1e6:>10.1f} us {ref / ours:>7.1f}x"
+        )

@@ -41,8 +41,11 @@ from vllm_harness import Setup, full, swa  # noqa: E402
 
 GEMMA2 = Setup("gemma2", [full(16), swa(4096, 16)], num_blocks=300000, max_model_len=8192, max_in_flight_tokens=8192)
 GEMMA3_128K = Setup(
-    "gemma3_128k", [full(16)] + [swa(1024, 16) for _ in range(5)], num_blocks=120000,
-    max_model_len=131072, max_in_flight_tokens=131072,
+    "gemma3_128k",
+    [full(16)] + [swa(1024, 16) for _ in range(5)],
+    num_blocks=120000,
+    max_model_len=131072,
+    max_in_flight_tokens=131072,
 )
 ADMISSION = {"gemma2-6144": (GEMMA2, 6144), "gemma3-128k": (GEMMA3_128K, 131040)}
 
@@ -80,7 +83,9 @@ def _manager(setup: Setup, name: str):  # type: ignore[no-untyped-def]
 def test_decode_step(benchmark, manager: str, n: int) -> None:  # type: ignore[no-untyped-def]
     m = _manager(GEMMA2, manager)
     rng = random.Random(n)
-    reqs = [GEMMA2.make_request(f"r{i}", [rng.randrange(1, 30000) for _ in range(2048 + i % 16)], 100000) for i in range(n)]
+    reqs = [
+        GEMMA2.make_request(f"r{i}", [rng.randrange(1, 30000) for _ in range(2048 + i % 16)], 100000) for i in range(n)
+    ]
     for r in reqs:
         assert m.allocate_slots(r, r.num_tokens) is not None
         r.num_computed_tokens = r.num_tokens
@@ -140,9 +145,17 @@ class _Admission:
 
     def allocate(self, r: Any) -> None:
         out = self.m.allocate_slots(
-            r, r.num_tokens - self.hit, num_new_computed_tokens=self.hit, new_computed_blocks=self.blocks,
-            num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False,
-            skip_zeroing_group_ids=(), num_encoder_tokens=0, full_sequence_must_fit=True, reserved_blocks=0,
+            r,
+            r.num_tokens - self.hit,
+            num_new_computed_tokens=self.hit,
+            new_computed_blocks=self.blocks,
+            num_lookahead_tokens=0,
+            num_external_computed_tokens=0,
+            delay_cache_blocks=False,
+            skip_zeroing_group_ids=(),
+            num_encoder_tokens=0,
+            full_sequence_must_fit=True,
+            reserved_blocks=0,
             has_scheduled_reqs=False,
         )
         assert out is not None

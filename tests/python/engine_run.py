@@ -43,12 +43,17 @@ def run_engine(model: str, *options: str, flag: bool = True, **env: str) -> tupl
     full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     full_env["HF_HUB_OFFLINE"] = "1"
     full_env.update(env)
-    out = subprocess.run([sys.executable, str(Path(__file__)), model, *options], capture_output=True, text=True,
-                         env=full_env, timeout=900)
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__)), model, *options],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=900,
+    )
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):]), log
+    return json.loads(line[len("RESULT ") :]), log
 
 
 def main() -> None:
@@ -62,9 +67,17 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(
-        model=args.model, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=not args.no_cache,
-        max_model_len=1024, max_num_seqs=4 if args.chat else 8, max_num_batched_tokens=512, block_size=32, seed=0,
-        disable_log_stats=False, dtype=args.dtype,
+        model=args.model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        enable_prefix_caching=not args.no_cache,
+        max_model_len=1024,
+        max_num_seqs=4 if args.chat else 8,
+        max_num_batched_tokens=512,
+        block_size=32,
+        seed=0,
+        disable_log_stats=False,
+        dtype=args.dtype,
     )
     params = SamplingParams(temperature=0.0, max_tokens=40 if args.chat else 24, ignore_eos=True, detokenize=False)
     outs: list[list[int]] = []

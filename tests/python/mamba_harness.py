@@ -95,8 +95,9 @@ def swa_bf16(window: int, bs: int = 16) -> SlidingWindowSpec:
 
 def swa_mla(window: int, bs: int = 16) -> SlidingWindowMLASpec:
     """DeepSeek-V4's sliding-window MLA layer."""
-    return SlidingWindowMLASpec(block_size=bs, num_kv_heads=1, head_size=512, dtype=torch.bfloat16,
-                                sliding_window=window)
+    return SlidingWindowMLASpec(
+        block_size=bs, num_kv_heads=1, head_size=512, dtype=torch.bfloat16, sliding_window=window
+    )
 
 
 def ring(bs: int = 8) -> CircularBufferSpec:
@@ -128,71 +129,147 @@ def _nocache(name: str, specs: list[Any], num_blocks: int, attn_bs: int = 16) ->
 # 8) one and seven; LFM2-1.2B (6 attention : 10 conv) ~ two and three (sizes 3/3+2).
 MAMBA_SETUPS: list[Setup] = [
     _nocache("qwen35_gdn_3to1_nocache", [full(64), gdn(), gdn(), gdn()], num_blocks=220),
-    _nocache("qwen35_gdn_mtp2_nocache", [full(64), gdn(spec_blocks=2), gdn(spec_blocks=2), gdn(spec_blocks=2)],
-             num_blocks=300),
+    _nocache(
+        "qwen35_gdn_mtp2_nocache",
+        [full(64), gdn(spec_blocks=2), gdn(spec_blocks=2), gdn(spec_blocks=2)],
+        num_blocks=300,
+    ),
     _nocache("nemotron_h_mamba2_nocache", [full(16)] + [mamba2() for _ in range(6)], num_blocks=450),
     _nocache("jamba_mamba1_nocache", [full(16)] + [mamba1() for _ in range(7)], num_blocks=480),
-    _nocache("lfm2_short_conv_nocache", [full(16), full(16), short_conv(), short_conv(), short_conv()],
-             num_blocks=420),
+    _nocache("lfm2_short_conv_nocache", [full(16), full(16), short_conv(), short_conv(), short_conv()], num_blocks=420),
     _nocache("mamba_only_nocache", [mamba2()], num_blocks=30),
     # Prefix caching on: cache mode "align", the Mamba block size equal to the attention
     # block size and the hash block size (vLLM's default with prefix caching).
-    Setup("qwen35_gdn_3to1_align", [full(16), gdn(16, "align"), gdn(16, "align"), gdn(16, "align")],
-          num_blocks=260, retention_interval=None),
-    Setup("qwen35_gdn_3to1_align_retention0", [full(16), gdn(16, "align"), gdn(16, "align"), gdn(16, "align")],
-          num_blocks=260, retention_interval=0),
+    Setup(
+        "qwen35_gdn_3to1_align",
+        [full(16), gdn(16, "align"), gdn(16, "align"), gdn(16, "align")],
+        num_blocks=260,
+        retention_interval=None,
+    ),
+    Setup(
+        "qwen35_gdn_3to1_align_retention0",
+        [full(16), gdn(16, "align"), gdn(16, "align"), gdn(16, "align")],
+        num_blocks=260,
+        retention_interval=0,
+    ),
     # Mamba2 (MambaMixer2) in "align": one prefill checkpoint block of alignment 1.
-    Setup("nemotron_h_mamba2_align", [full(16)] + [mamba2(16, "align") for _ in range(6)], num_blocks=420,
-          retention_interval=None),
-    Setup("nemotron_h_mamba2_align_retention0", [full(16)] + [mamba2(16, "align") for _ in range(6)],
-          num_blocks=420, retention_interval=0),
-    Setup("nemotron_h_mamba2_align_retention64", [full(16)] + [mamba2(16, "align") for _ in range(6)],
-          num_blocks=420, retention_interval=64),
+    Setup(
+        "nemotron_h_mamba2_align",
+        [full(16)] + [mamba2(16, "align") for _ in range(6)],
+        num_blocks=420,
+        retention_interval=None,
+    ),
+    Setup(
+        "nemotron_h_mamba2_align_retention0",
+        [full(16)] + [mamba2(16, "align") for _ in range(6)],
+        num_blocks=420,
+        retention_interval=0,
+    ),
+    Setup(
+        "nemotron_h_mamba2_align_retention64",
+        [full(16)] + [mamba2(16, "align") for _ in range(6)],
+        num_blocks=420,
+        retention_interval=64,
+    ),
     Setup("mamba2_only_align", [mamba2(16, "align")], num_blocks=60, retention_interval=None),
     # The same Mamba2 state without checkpoint blocks, and Jamba's MambaMixer (v1) layers.
-    Setup("nemotron_h_mamba2_align_no_checkpoints", [full(16)] + [mamba2(16, "align", checkpoints=False)
-                                                                   for _ in range(6)],
-          num_blocks=420, retention_interval=None),
-    Setup("jamba_mamba1_align_retention64", [full(16)] + [mamba1(16, "align") for _ in range(7)], num_blocks=450,
-          retention_interval=64),
-    Setup("lfm2_short_conv_align", [full(16), full(16), short_conv(16, "align"), short_conv(16, "align"),
-                                    short_conv(16, "align")], num_blocks=420, retention_interval=None),
+    Setup(
+        "nemotron_h_mamba2_align_no_checkpoints",
+        [full(16)] + [mamba2(16, "align", checkpoints=False) for _ in range(6)],
+        num_blocks=420,
+        retention_interval=None,
+    ),
+    Setup(
+        "jamba_mamba1_align_retention64",
+        [full(16)] + [mamba1(16, "align") for _ in range(7)],
+        num_blocks=450,
+        retention_interval=64,
+    ),
+    Setup(
+        "lfm2_short_conv_align",
+        [full(16), full(16), short_conv(16, "align"), short_conv(16, "align"), short_conv(16, "align")],
+        num_blocks=420,
+        retention_interval=None,
+    ),
     Setup("mamba_only_align", [mamba2(16, "align", checkpoints=False)], num_blocks=60, retention_interval=None),
     # Speculative decoding in "align" (vLLM sets num_speculative_blocks to the speculative
     # tokens for every method; the trace schedules drafts and lookahead slots): scratch state
     # blocks past the running one, relocated as the table grows.
-    Setup("qwen35_gdn_3to1_align_spec1", [full(16), gdn(16, "align", 1), gdn(16, "align", 1), gdn(16, "align", 1)],
-          num_blocks=300, retention_interval=None),
-    Setup("qwen3next_gdn_3to1_align_spec2_retention0",
-          [full(16), gdn(16, "align", 2), gdn(16, "align", 2), gdn(16, "align", 2)], num_blocks=320,
-          retention_interval=0),
-    Setup("qwen35_gdn_3to1_align_spec3", [full(16), gdn(16, "align", 3), gdn(16, "align", 3), gdn(16, "align", 3)],
-          num_blocks=340, retention_interval=None),
+    Setup(
+        "qwen35_gdn_3to1_align_spec1",
+        [full(16), gdn(16, "align", 1), gdn(16, "align", 1), gdn(16, "align", 1)],
+        num_blocks=300,
+        retention_interval=None,
+    ),
+    Setup(
+        "qwen3next_gdn_3to1_align_spec2_retention0",
+        [full(16), gdn(16, "align", 2), gdn(16, "align", 2), gdn(16, "align", 2)],
+        num_blocks=320,
+        retention_interval=0,
+    ),
+    Setup(
+        "qwen35_gdn_3to1_align_spec3",
+        [full(16), gdn(16, "align", 3), gdn(16, "align", 3), gdn(16, "align", 3)],
+        num_blocks=340,
+        retention_interval=None,
+    ),
     # Speculative blocks and prefill checkpoint blocks together (Nemotron-H with ngram).
-    Setup("nemotron_h_mamba2_align_spec2", [full(16)] + [mamba2(16, "align", 2) for _ in range(6)], num_blocks=480,
-          retention_interval=None),
-    Setup("nemotron_h_mamba2_align_spec1_retention64", [full(16)] + [mamba2(16, "align", 1) for _ in range(6)],
-          num_blocks=460, retention_interval=64),
+    Setup(
+        "nemotron_h_mamba2_align_spec2",
+        [full(16)] + [mamba2(16, "align", 2) for _ in range(6)],
+        num_blocks=480,
+        retention_interval=None,
+    ),
+    Setup(
+        "nemotron_h_mamba2_align_spec1_retention64",
+        [full(16)] + [mamba2(16, "align", 1) for _ in range(6)],
+        num_blocks=460,
+        retention_interval=64,
+    ),
     Setup("mamba2_only_align_spec3", [mamba2(16, "align", 3)], num_blocks=80, retention_interval=None),
     # vLLM 0.33 with MTP / EAGLE and prefix caching: lookahead block hashes (one token), the
     # draft layer's group flagged (Qwen3.5 / Qwen3-Next MTP: a full-attention draft layer),
     # one speculative state block per draft token; the prompt's checkpoint moves back by the
     # lookahead. 0.32 drops the last block for EAGLE (a fallback), so these run on 0.33 only.
-    Setup("qwen35_gdn_3to1_mtp1_lookahead_align", [full(16), gdn(16, "align", 1), gdn(16, "align", 1),
-                                                  gdn(16, "align", 1), full(16)],
-          num_blocks=340, retention_interval=None, lookahead=1, eagle_groups=(4,), prefill_lookahead=1),
-    Setup("qwen3next_gdn_3to1_mtp3_lookahead_align_retention0",
-          [full(16), gdn(16, "align", 3), gdn(16, "align", 3), gdn(16, "align", 3), full(16)],
-          num_blocks=380, retention_interval=0, lookahead=1, eagle_groups=(4,), prefill_lookahead=1),
-    Setup("nemotron_h_mamba2_eagle2_lookahead_align", [full(16)] + [mamba2(16, "align", 2) for _ in range(6)]
-          + [full(16)], num_blocks=520, retention_interval=None, lookahead=1, eagle_groups=(7,), prefill_lookahead=1),
+    Setup(
+        "qwen35_gdn_3to1_mtp1_lookahead_align",
+        [full(16), gdn(16, "align", 1), gdn(16, "align", 1), gdn(16, "align", 1), full(16)],
+        num_blocks=340,
+        retention_interval=None,
+        lookahead=1,
+        eagle_groups=(4,),
+        prefill_lookahead=1,
+    ),
+    Setup(
+        "qwen3next_gdn_3to1_mtp3_lookahead_align_retention0",
+        [full(16), gdn(16, "align", 3), gdn(16, "align", 3), gdn(16, "align", 3), full(16)],
+        num_blocks=380,
+        retention_interval=0,
+        lookahead=1,
+        eagle_groups=(4,),
+        prefill_lookahead=1,
+    ),
+    Setup(
+        "nemotron_h_mamba2_eagle2_lookahead_align",
+        [full(16)] + [mamba2(16, "align", 2) for _ in range(6)] + [full(16)],
+        num_blocks=520,
+        retention_interval=None,
+        lookahead=1,
+        eagle_groups=(7,),
+        prefill_lookahead=1,
+    ),
     # Full + sliding window + Mamba: three spec groups, the hybrid hit search iterates.
-    Setup("full_swa_mamba_align", [full(16), swa_bf16(48, 16), mamba2(16, "align")], num_blocks=420,
-          retention_interval=None),
+    Setup(
+        "full_swa_mamba_align",
+        [full(16), swa_bf16(48, 16), mamba2(16, "align")],
+        num_blocks=420,
+        retention_interval=None,
+    ),
     # DeepSeek-V4-shaped: compressed MLA (full), sliding-window MLA and the compressor ring.
     Setup("deepseek_v4_swa_mla_ring", [mla_c(16), swa_mla(128, 16), ring(8)], num_blocks=300),
-    Setup("deepseek_v4_swa_mla_ring_nocache", [mla_c(16), swa_mla(128, 16), ring(8)], num_blocks=300,
-          enable_caching=False),
+    Setup(
+        "deepseek_v4_swa_mla_ring_nocache", [mla_c(16), swa_mla(128, 16), ring(8)], num_blocks=300, enable_caching=False
+    ),
     # Mixed-precision attention caches need zeroing too (no Mamba): new blocks are reported.
     Setup("mixed_precision_full_swa_zeroing", [full(16), swa_fp8(64, 16)], num_blocks=400),
     Setup("mixed_precision_full_nocache_zeroing", [full(16), full_fp8(16)], num_blocks=400, enable_caching=False),

@@ -261,7 +261,9 @@ class ParityRun:
             self.ours.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
         elif x < 0.8 and self.running:
             req = r.choice(self.running)
-            self.eq("estimate_cached_tokens", self.ref.estimate_cached_tokens(req), self.ours.estimate_cached_tokens(req))
+            self.eq(
+                "estimate_cached_tokens", self.ref.estimate_cached_tokens(req), self.ours.estimate_cached_tokens(req)
+            )
             n = r.randrange(0, req.num_computed_tokens + 1)
             self.eq(
                 "get_block_ids_for_computed_tokens",
@@ -271,7 +273,11 @@ class ParityRun:
         else:
             req = r.choice(self.running) if self.running else None
             if req is not None:
-                self.eq("get_blocks", self.ids(self.ref.get_blocks(req.request_id)), self.ids(self.ours.get_blocks(req.request_id)))
+                self.eq(
+                    "get_blocks",
+                    self.ids(self.ref.get_blocks(req.request_id)),
+                    self.ids(self.ours.get_blocks(req.request_id)),
+                )
                 kw = dict(
                     request_id=req.request_id,
                     num_tokens=req.num_tokens + 1,
@@ -333,7 +339,9 @@ class ParityRun:
         return self.stats
 
 
-def run_seeds(run_cls: type[ParityRun], setup: Any, first_seed: int, num_ops: int, num_seeds: int = 4) -> dict[str, int]:
+def run_seeds(
+    run_cls: type[ParityRun], setup: Any, first_seed: int, num_ops: int, num_seeds: int = 4
+) -> dict[str, int]:
     """``num_ops`` operations of ``run_cls`` over ``setup``, split across ``num_seeds`` seeded
     traces from ``first_seed``; the traces' statistics summed."""
     total: dict[str, int] = {}

@@ -27,7 +27,6 @@ from hybrid_alloc.vllm.offline import (
     stub_model_dir,
 )
 
-
 _EAGLE_DRAFT_DIR: str | None = None
 
 
@@ -38,10 +37,18 @@ def eagle_draft_dir() -> str:
     if _EAGLE_DRAFT_DIR is None:
         d = tempfile.mkdtemp(prefix="hybrid_alloc_eagle_stub_")
         cfg = {
-            "architectures": ["EagleLlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-            "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 32000,
-            "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+            "architectures": ["EagleLlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "vocab_size": 32000,
+            "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-5,
+            "torch_dtype": "bfloat16",
         }
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(cfg, f)
@@ -66,14 +73,20 @@ class SpecSchedulerSetup(SchedulerSetup):
         mml = self.shape.max_model_len
         # The target model as SchedulerSetup builds it (the drafter checks against it).
         target = ModelConfig(
-            model=stub_model_dir(mml), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=mml
+            model=stub_model_dir(mml),
+            tokenizer=None,
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            seed=0,
+            max_model_len=mml,
         )
         pc = ParallelConfig()
         if self.method == "eagle":
             method: dict[str, Any] = dict(method="eagle", model=eagle_draft_dir())
         else:
-            method = dict(method="ngram_gpu" if self.async_scheduling else "ngram", prompt_lookup_max=3,
-                          prompt_lookup_min=2)
+            method = dict(
+                method="ngram_gpu" if self.async_scheduling else "ngram", prompt_lookup_max=3, prompt_lookup_min=2
+            )
         spec = SpeculativeConfig(
             **method,
             num_speculative_tokens=self.num_spec_tokens,
@@ -88,9 +101,7 @@ def digest(so: Any) -> dict[str, Any]:
     cached = so.scheduled_cached_reqs
     return {
         "new": [(r.req_id, r.block_ids, r.num_computed_tokens) for r in so.scheduled_new_reqs],
-        "cached": list(
-            zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.num_output_tokens)
-        ),
+        "cached": list(zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.num_output_tokens)),
         "resumed": sorted(cached.resumed_req_ids),
         "num_scheduled": dict(so.num_scheduled_tokens),
         "total": so.total_num_scheduled_tokens,

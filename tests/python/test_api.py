@@ -14,8 +14,9 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-import hybrid_alloc as ha
 import pytest
+
+import hybrid_alloc as ha
 from hybrid_alloc import Allocator, Hit
 from hybrid_alloc._core import FastAllocate
 
@@ -26,7 +27,9 @@ def hashes(*xs: int) -> list[bytes]:
     return [x.to_bytes(H, "big") for x in xs]
 
 
-def alloc(kind: str = "full", window: int = 0, num_blocks: int = 16, caching: bool = True, mml: int = 4096) -> Allocator:
+def alloc(
+    kind: str = "full", window: int = 0, num_blocks: int = 16, caching: bool = True, mml: int = 4096
+) -> Allocator:
     groups = [("full", 16, 0, 0, 0)]
     if kind == "swa":
         groups.append(("sliding_window", 16, 1, window, 0))
@@ -35,19 +38,46 @@ def alloc(kind: str = "full", window: int = 0, num_blocks: int = 16, caching: bo
     return Allocator(num_blocks, groups, 16, 16, mml, mml, caching, True, 0, 0)
 
 
-def allocate(a: Allocator, h: int, n: int, *, computed: int = 0, hit: Any = None, hit_tokens: int = 0,
-             new: list[bytes] | None = None, prompt: int | None = None, tokens: int | None = None, **kw: Any) -> Any:
+def allocate(
+    a: Allocator,
+    h: int,
+    n: int,
+    *,
+    computed: int = 0,
+    hit: Any = None,
+    hit_tokens: int = 0,
+    new: list[bytes] | None = None,
+    prompt: int | None = None,
+    tokens: int | None = None,
+    **kw: Any,
+) -> Any:
     tokens = tokens if tokens is not None else computed + hit_tokens + n
-    return a.allocate_slots(h, n, block_hashes=new, hit=hit, num_new_computed_tokens=hit_tokens,
-                            num_computed_tokens=computed, num_prompt_tokens=prompt if prompt is not None else tokens,
-                            num_tokens=tokens, **kw)
+    return a.allocate_slots(
+        h,
+        n,
+        block_hashes=new,
+        hit=hit,
+        num_new_computed_tokens=hit_tokens,
+        num_computed_tokens=computed,
+        num_prompt_tokens=prompt if prompt is not None else tokens,
+        num_tokens=tokens,
+        **kw,
+    )
 
 
 def snapshot(a: Allocator, handles: list[int]) -> tuple:  # type: ignore[type-arg]
     """Everything a failed call must leave as it was."""
-    return (a.num_free_blocks, a.usage, a.free_queue_order(), [a.block_ids(h) for h in handles],
-            [a.num_hashes(h) for h in handles], [a.noop_limits(h) for h in handles], a.num_requests,
-            [(a.ref_cnt(b), a.block_hash(b)) for b in range(a.num_blocks)], a.has_events)
+    return (
+        a.num_free_blocks,
+        a.usage,
+        a.free_queue_order(),
+        [a.block_ids(h) for h in handles],
+        [a.num_hashes(h) for h in handles],
+        [a.noop_limits(h) for h in handles],
+        a.num_requests,
+        [(a.ref_cnt(b), a.block_hash(b)) for b in range(a.num_blocks)],
+        a.has_events,
+    )
 
 
 def unchanged(a: Allocator, handles: list[int], snap: tuple) -> None:  # type: ignore[type-arg]
@@ -143,8 +173,13 @@ def test_c7_stale_handle_is_refused_not_aliased() -> None:
     new = a.add_request()  # reuses the slot
     allocate(a, new, 20)
     snap = snapshot(a, [new])
-    for call in (lambda: a.free(old), lambda: a.block_ids(old), lambda: allocate(a, old, 1, computed=20),
-                 lambda: a.cache_blocks(old, 16), lambda: a.pop_blocks_for_free(old)):
+    for call in (
+        lambda: a.free(old),
+        lambda: a.block_ids(old),
+        lambda: allocate(a, old, 1, computed=20),
+        lambda: a.cache_blocks(old, 16),
+        lambda: a.pop_blocks_for_free(old),
+    ):
         with pytest.raises(ha.UnknownRequestError):
             call()
     unchanged(a, [new], snap)
@@ -344,8 +379,15 @@ def test_c5_explicit_hits_are_validated() -> None:
     for name, (hit, err) in bad.items():
         n = len(hit[1]) * 16
         with pytest.raises(err):
-            allocate(a, r2, 8, hit=hit, hit_tokens=n if name != "past the hashes" else 64,
-                     new=hashes(1, 2, 3) if name == "past the hashes" else None, tokens=72)
+            allocate(
+                a,
+                r2,
+                8,
+                hit=hit,
+                hit_tokens=n if name != "past the hashes" else 64,
+                new=hashes(1, 2, 3) if name == "past the hashes" else None,
+                tokens=72,
+            )
         unchanged(a, [r1, other, r2], snap)
     # The valid hit (SWA blocks before the window may be null) is adopted.
     assert allocate(a, r2, 8, hit=[full[:2], [0, swa[1]]], hit_tokens=32, tokens=40) is not None
@@ -448,8 +490,15 @@ def test_out_of_range_config_values_raise() -> None:
 
 
 def test_errors_share_one_base() -> None:
-    for cls in (ha.InvalidConfigError, ha.UnsupportedConfigError, ha.UnknownRequestError, ha.OutOfRangeError,
-                ha.InvalidBlockError, ha.InvariantError, ha.ConcurrentUseError):
+    for cls in (
+        ha.InvalidConfigError,
+        ha.UnsupportedConfigError,
+        ha.UnknownRequestError,
+        ha.OutOfRangeError,
+        ha.InvalidBlockError,
+        ha.InvariantError,
+        ha.ConcurrentUseError,
+    ):
         assert issubclass(cls, ha.HybridAllocError)
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import hybrid_alloc as ha
 import pytest
+
+import hybrid_alloc as ha
 from hybrid_alloc import Allocator
 from hybrid_alloc._core import FastAllocate
 
@@ -31,15 +32,22 @@ def allocator() -> Allocator:
 
 
 def snapshot(a: Allocator, h: int) -> tuple[Any, ...]:
-    return (a.num_free_blocks, a.free_queue_order(), a.block_ids(h), a.num_hashes(h), a.noop_limits(h),
-            [(a.ref_cnt(b), a.block_hash(b)) for b in range(a.num_blocks)])
+    return (
+        a.num_free_blocks,
+        a.free_queue_order(),
+        a.block_ids(h),
+        a.num_hashes(h),
+        a.noop_limits(h),
+        [(a.ref_cnt(b), a.block_hash(b)) for b in range(a.num_blocks)],
+    )
 
 
 def first_chunk(a: Allocator) -> int:
     """A 100-token request that has computed its first 16 tokens."""
     h = a.add_request()
-    got = a.allocate_slots(h, 16, block_hashes=hashes(PROMPT // 16), num_computed_tokens=0,
-                           num_prompt_tokens=PROMPT, num_tokens=PROMPT)
+    got = a.allocate_slots(
+        h, 16, block_hashes=hashes(PROMPT // 16), num_computed_tokens=0, num_prompt_tokens=PROMPT, num_tokens=PROMPT
+    )
     assert got is not None and [len(g) for g in got] == [1]
     return h
 

@@ -20,7 +20,9 @@ def test_help_lists_options() -> None:
 
 
 def test_without_vllm_says_how_to_install_in_one_line() -> None:
-    code = "import sys; sys.modules['vllm'] = None\nfrom hybrid_alloc.cli import main\nraise SystemExit(main(['bench']))\n"
+    code = (
+        "import sys; sys.modules['vllm'] = None\nfrom hybrid_alloc.cli import main\nraise SystemExit(main(['bench']))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 2
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
@@ -30,9 +32,28 @@ def test_without_vllm_says_how_to_install_in_one_line() -> None:
 @pytest.mark.vllm
 def test_small_bench_run_writes_outputs(tmp_path: Path) -> None:
     args = [
-        sys.executable, "-m", "hybrid_alloc.cli", "bench", "--model", "gpt-oss-120b", "--workload", "throughput",
-        "--workload", "decode", "--num-prompts", "6", "--input-len", "700", "--output-len", "40",
-        "--decode-concurrency", "16", "--decode-steps", "4", "--out-dir", str(tmp_path),
+        sys.executable,
+        "-m",
+        "hybrid_alloc.cli",
+        "bench",
+        "--model",
+        "gpt-oss-120b",
+        "--workload",
+        "throughput",
+        "--workload",
+        "decode",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "700",
+        "--output-len",
+        "40",
+        "--decode-concurrency",
+        "16",
+        "--decode-steps",
+        "4",
+        "--out-dir",
+        str(tmp_path),
     ]
     out = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

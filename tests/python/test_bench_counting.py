@@ -25,8 +25,16 @@ N = 24
 def _decode(manager: str) -> bench.RunResult:
     reqs = bench.decode_requests(N, 80, seed=1)
     return bench.run_scenario(
-        SHAPES["gpt-oss-120b"], manager, "decode", reqs, num_blocks=bench.decode_pool_blocks(N, 96, 64, 16),
-        kv_budget=None, max_num_seqs=N, max_num_batched_tokens=4096, measure_from_running=N, decode_steps=32,
+        SHAPES["gpt-oss-120b"],
+        manager,
+        "decode",
+        reqs,
+        num_blocks=bench.decode_pool_blocks(N, 96, 64, 16),
+        kv_budget=None,
+        max_num_seqs=N,
+        max_num_batched_tokens=4096,
+        measure_from_running=N,
+        decode_steps=32,
     )
 
 

@@ -29,7 +29,13 @@ def test_bench_shape_is_native_and_schedules_like_vllm(name: str) -> None:
     blocks_per_request = -(-(prefix_len + bs + 8) // bs) * len(kvc.kv_cache_groups)
     runs = {
         m: bench.run_scenario(
-            shape, m, "shared-prefix", reqs, num_blocks=5 * blocks_per_request, kv_budget=None, max_num_seqs=4,
+            shape,
+            m,
+            "shared-prefix",
+            reqs,
+            num_blocks=5 * blocks_per_request,
+            kv_budget=None,
+            max_num_seqs=4,
             max_num_batched_tokens=max(1024, 2 * bs),
         )
         for m in ("vllm", "hybrid_alloc")

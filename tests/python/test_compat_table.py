@@ -20,7 +20,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 def _table() -> dict[str, dict[str, str]]:
     """Row label -> {release: cell} of the README's compatibility table."""
     text = README.read_text()
-    section = text[text.index("### Compatibility"):]
+    section = text[text.index("### Compatibility") :]
     all_lines = section.splitlines()
     first = next(i for i, ln in enumerate(all_lines) if ln.startswith("|"))
     lines: list[str] = []
@@ -53,7 +53,7 @@ def _cell(row_prefix: str) -> str:
     assert release in rows[label], f"README compatibility table has no column for vLLM {release}"
     cell = rows[label][release]
     if cell.startswith("same as "):
-        cell = rows[label][cell[len("same as "):]]
+        cell = rows[label][cell[len("same as ") :]]
     return cell
 
 
@@ -97,8 +97,14 @@ def _specs(name: str) -> list[Any]:
         # MambaMixer2's spec with prefix caching on: one prefill checkpoint block, alignment 1.
         "mamba2_align": [
             full(16),
-            MambaSpec(block_size=16, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align",
-                      num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1),
+            MambaSpec(
+                block_size=16,
+                shapes=((16, 16),),
+                dtypes=(torch.float32,),
+                mamba_cache_mode="align",
+                num_prefill_checkpoint_blocks=1,
+                prefill_checkpoint_alignment=1,
+            ),
         ],
     }[name]
 
@@ -136,7 +142,9 @@ def test_row_matches_the_adapter(row: str, specs: str, over: dict[str, Any], fra
         assert cell.startswith("native"), cell
     else:
         assert not native and fragment in reason, (row, reason)
-        assert f'"{fragment}' in cell or fragment in cell, f"{row}: the README cell {cell!r} does not quote {fragment!r}"
+        assert f'"{fragment}' in cell or fragment in cell, (
+            f"{row}: the README cell {cell!r} does not quote {fragment!r}"
+        )
 
 
 def test_eagle_block_drop_row() -> None:
@@ -179,7 +187,7 @@ def test_lookahead_hashes_row_on_033() -> None:
 def _spec_table() -> dict[str, str]:
     """Spec cell (first column) -> "served by" cell of the README's spec table."""
     text = README.read_text()
-    section = text[text.index("### KV cache specs vLLM ships"):]
+    section = text[text.index("### KV cache specs vLLM ships") :]
     rows: dict[str, str] = {}
     for ln in section.splitlines():
         if ln.startswith("| `"):

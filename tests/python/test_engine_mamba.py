@@ -35,27 +35,64 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny_mamba")
     torch.manual_seed(0)
     lfm2 = Lfm2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=2048, conv_L_cache=3,
-        layer_types=["conv", "conv", "full_attention", "conv"], block_auto_adjust_ff_dim=False,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        conv_L_cache=3,
+        layer_types=["conv", "conv", "full_attention", "conv"],
+        block_auto_adjust_ff_dim=False,
         # vLLM's LFM2 reads these; the transformers config leaves them out.
-        conv_dim=64, conv_bias=False, block_dim=64, block_ffn_dim_multiplier=1.0, block_multiple_of=16,
+        conv_dim=64,
+        conv_bias=False,
+        block_dim=64,
+        block_ffn_dim_multiplier=1.0,
+        block_multiple_of=16,
     )
     Lfm2ForCausalLM(lfm2).save_pretrained(root / "lfm2")
     # vLLM's CPU GDN kernel takes head dims of 128 only.
     qwen = Qwen3NextConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=128, max_position_embeddings=2048, linear_num_key_heads=2,
-        linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-        decoder_sparse_step=1, full_attention_interval=4,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        max_position_embeddings=2048,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        decoder_sparse_step=1,
+        full_attention_interval=4,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
     )
     Qwen3NextForCausalLM(qwen).save_pretrained(root / "qwen3next")
     nemotron = NemotronHConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, hybrid_override_pattern="M*M-",
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, mamba_num_heads=4, mamba_head_dim=16,
-        ssm_state_size=16, n_groups=1, mamba_d_conv=4, chunk_size=64, max_position_embeddings=2048,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        hybrid_override_pattern="M*M-",
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=1,
+        mamba_d_conv=4,
+        chunk_size=64,
+        max_position_embeddings=2048,
     )
     NemotronHForCausalLM(nemotron).save_pretrained(root / "nemotronh")
     return {"lfm2": str(root / "lfm2"), "qwen3next": str(root / "qwen3next"), "nemotronh": str(root / "nemotronh")}
@@ -74,7 +111,10 @@ def test_engine_mamba_hybrid_outputs_identical_with_flag(tiny_models: dict[str, 
     assert on["outputs"] == off["outputs"]
     assert len(on["outputs"]) == 7 and all(len(o) == 24 for o in on["outputs"])
     assert on["prefix_cache_hits"] and on["prefix_cache_hits"] > 0
-    assert (on["prefix_cache_hits"], on["prefix_cache_queries"]) == (off["prefix_cache_hits"], off["prefix_cache_queries"])
+    assert (on["prefix_cache_hits"], on["prefix_cache_queries"]) == (
+        off["prefix_cache_hits"],
+        off["prefix_cache_queries"],
+    )
 
 
 def test_engine_mamba2_hybrid_without_prefix_caching_outputs_identical_with_flag(tiny_models: dict[str, str]) -> None:

@@ -18,9 +18,17 @@ def test_engine_chat_hit_aware_same_outputs_more_hits(tmp_path: Path) -> None:
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=2048,
-                       sliding_window=64)
+    cfg = Gemma2Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=2048,
+        sliding_window=64,
+    )
     Gemma2ForCausalLM(cfg).save_pretrained(tmp_path / "gemma2")
     from engine_run import run_engine
 
@@ -30,8 +38,10 @@ def test_engine_chat_hit_aware_same_outputs_more_hits(tmp_path: Path) -> None:
         assert "native KV cache manager serving" in log and f"policy {pol}" in log
         assert "falling back" not in log
     assert len(aware["outputs"]) == 9 and all(len(o) == 40 for o in aware["outputs"])
-    print(f"prefix-cache hits/queries: exact {exact['prefix_cache_hits']}/{exact['prefix_cache_queries']}, "
-          f"hit-aware {aware['prefix_cache_hits']}/{aware['prefix_cache_queries']}")
+    print(
+        f"prefix-cache hits/queries: exact {exact['prefix_cache_hits']}/{exact['prefix_cache_queries']}, "
+        f"hit-aware {aware['prefix_cache_hits']}/{aware['prefix_cache_queries']}"
+    )
     assert aware["outputs"] == exact["outputs"]
     assert aware["prefix_cache_queries"] == exact["prefix_cache_queries"]
     assert aware["prefix_cache_hits"] > exact["prefix_cache_hits"] > 0

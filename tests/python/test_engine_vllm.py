@@ -22,8 +22,16 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
     root = tmp_path_factory.mktemp("tiny_models")
     torch.manual_seed(0)
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=32, max_position_embeddings=2048)
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=2048,
+    )
     Gemma2ForCausalLM(Gemma2Config(sliding_window=64, **common)).save_pretrained(root / "gemma2")
     LlamaForCausalLM(LlamaConfig(**common)).save_pretrained(root / "llama")
     return {"gemma2": str(root / "gemma2"), "llama": str(root / "llama")}
@@ -43,7 +51,10 @@ def test_engine_outputs_identical_with_flag(tiny_models: dict[str, str], name: s
     assert on["outputs"] == off["outputs"]
     assert len(on["outputs"]) == 7 and all(len(o) == 24 for o in on["outputs"])
     assert on["prefix_cache_hits"] and on["prefix_cache_hits"] > 0
-    assert (on["prefix_cache_hits"], on["prefix_cache_queries"]) == (off["prefix_cache_hits"], off["prefix_cache_queries"])
+    assert (on["prefix_cache_hits"], on["prefix_cache_queries"]) == (
+        off["prefix_cache_hits"],
+        off["prefix_cache_queries"],
+    )
 
 
 def test_engine_fallback_config_runs_on_vllm_manager(tiny_models: dict[str, str]) -> None:

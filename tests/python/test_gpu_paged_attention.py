@@ -33,15 +33,30 @@ raise SystemExit(code)
 def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:  # type: ignore[type-arg]
     out = tmp_path / "rows.json"
     argv = ["--device", "cpu", *args, "--json", str(out)]
-    proc = subprocess.run([sys.executable, "-c", RUN.format(script=str(SCRIPT), args=argv)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN.format(script=str(SCRIPT), args=argv)], capture_output=True, text=True, timeout=600
+    )
     data = json.loads(out.read_text()) if out.exists() else {}
     return proc, data
 
 
 def test_paged_attention_matches_dense_and_self_test_catches_corruption(tmp_path: Path) -> None:
-    proc, data = _run(tmp_path, "--running", "3", "--context", "64", "--window", "32", "--steps", "20",
-                      "--self-test", "--check", "3", "--check-every", "4")
+    proc, data = _run(
+        tmp_path,
+        "--running",
+        "3",
+        "--context",
+        "64",
+        "--window",
+        "32",
+        "--steps",
+        "20",
+        "--self-test",
+        "--check",
+        "3",
+        "--check-every",
+        "4",
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (row,) = data["rows"]
     tol = data["args"]["tolerance"]

@@ -34,9 +34,7 @@ def _names() -> list[str]:
 @pytest.mark.parametrize("name", _names())
 def test_parity_random_trace(name: str) -> None:
     from parity_driver import ParityRun, run_seeds
-    from vllm_harness import SETUPS
-
-    from vllm_harness import HAVE_MAX_CACHE_HIT_LENGTH
+    from vllm_harness import HAVE_MAX_CACHE_HIT_LENGTH, SETUPS
 
     setup = next(s for s in SETUPS if s.name == name)
     if not setup.available:
@@ -98,15 +96,26 @@ def _scheduler_manager_flags(method: str) -> dict[str, int | bool]:
     from vllm.config import SpeculativeConfig, VllmConfig
 
     spec = types.SimpleNamespace(
-        method=method, disable_eagle_block_drop=False, disable_lookahead_block_hashes=False,
-        draft_model_config=None, num_speculative_tokens=3,
+        method=method,
+        disable_eagle_block_drop=False,
+        disable_lookahead_block_hashes=False,
+        draft_model_config=None,
+        num_speculative_tokens=3,
     )
-    for name in ("use_eagle", "use_dflash", "use_dspark", "needs_eagle_block_drop", "use_eagle_block_drop",
-                 "use_multi_module_mtp"):
+    for name in (
+        "use_eagle",
+        "use_dflash",
+        "use_dspark",
+        "needs_eagle_block_drop",
+        "use_eagle_block_drop",
+        "use_multi_module_mtp",
+    ):
         if hasattr(SpeculativeConfig, name):
             setattr(spec, name, types.MethodType(getattr(SpeculativeConfig, name), spec))
     vc = types.SimpleNamespace(
-        speculative_config=spec, kv_transfer_config=None, num_speculative_tokens=3,
+        speculative_config=spec,
+        kv_transfer_config=None,
+        num_speculative_tokens=3,
         cache_config=types.SimpleNamespace(enable_prefix_caching=True),
     )
     vc.num_prefill_lookahead_tokens = VllmConfig.num_prefill_lookahead_tokens.fget(vc)
@@ -127,8 +136,9 @@ def test_drafter_flags_served_natively_on_033(method: str) -> None:
 
     flags = _scheduler_manager_flags(method)
     base = next(s for s in SETUPS if s.name == "full_swa_bs16")
-    setup = dataclasses.replace(base, eagle_groups=(0,), lookahead=int(flags["lookahead"]),
-                                prefill_lookahead=int(flags["prefill"]))
+    setup = dataclasses.replace(
+        base, eagle_groups=(0,), lookahead=int(flags["lookahead"]), prefill_lookahead=int(flags["prefill"])
+    )
     kw = setup.manager_kwargs(events=True)
     kw["use_eagle"] = flags["use_eagle"]
     native, reason = native_config_or_reason(**kw)

@@ -192,7 +192,12 @@ def test_hit_aware_controls_under_hit_aware_say_nothing(
 def test_no_controls_under_exact_say_nothing(plugin_lines: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     from hybrid_alloc.vllm.manager import HybridKVCacheManager
 
-    for k in ("HYBRID_ALLOC_POLICY", "HYBRID_ALLOC_PIN_PREFIXES", "HYBRID_ALLOC_RETAIN_PRIORITY", "HYBRID_ALLOC_PIN_SHARE"):
+    for k in (
+        "HYBRID_ALLOC_POLICY",
+        "HYBRID_ALLOC_PIN_PREFIXES",
+        "HYBRID_ALLOC_RETAIN_PRIORITY",
+        "HYBRID_ALLOC_PIN_SHARE",
+    ):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("HYBRID_ALLOC_PIN_SHARE", "  ")  # blank counts as unset
     assert type(HybridKVCacheManager(**_kwargs())) is HybridKVCacheManager

@@ -51,7 +51,7 @@ def _run(code: str, **env_over: str | None) -> tuple[str, str]:
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     result = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return result[len("RESULT "):], log
+    return result[len("RESULT ") :], log
 
 
 def _plugin_lines(log: str) -> list[str]:
@@ -191,8 +191,14 @@ def test_adapter_raising_in_scheduler_falls_back_with_one_line(log_lines, monkey
         raise RuntimeError("an adapter bug")
 
     monkeypatch.setattr(manager.HybridKVCacheManager, "__new__", boom)
-    shape = ModelShape("tiny", (LayerKind("sliding_window", 64), LayerKind("full")), num_kv_heads=2, head_size=64,
-                       weight_bytes=0, max_model_len=512)
+    shape = ModelShape(
+        "tiny",
+        (LayerKind("sliding_window", 64), LayerKind("full")),
+        num_kv_heads=2,
+        head_size=64,
+        weight_bytes=0,
+        max_model_len=512,
+    )
     assert plugin.apply()
     try:
         sched = SchedulerSetup(shape, num_blocks=100, max_num_seqs=4).build_with_installed_manager()
@@ -258,10 +264,14 @@ def test_fallback_for_mamba_groups(log_lines) -> None:  # type: ignore[no-untype
 
     # Mamba groups are served natively (issue 10), except what cannot be exact: here a
     # Mamba block of two hash blocks in cache mode "align" (sub-block partial hits).
-    mamba = MambaSpec(block_size=32, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align",
-                      num_speculative_blocks=1)
-    cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["a"], full(16)), KVCacheGroupSpec(["b"], mamba)])
+    mamba = MambaSpec(
+        block_size=32, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align", num_speculative_blocks=1
+    )
+    cfg = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["a"], full(16)), KVCacheGroupSpec(["b"], mamba)],
+    )
     kw = _kwargs(kv_cache_config=cfg, enable_caching=True, scheduler_block_size=32)
     m = HybridKVCacheManager(**kw)
     assert type(m) is KVCacheManager
@@ -332,8 +342,14 @@ def test_too_long_prompt_through_real_scheduler_matches_vllm() -> None:
     from hybrid_alloc.vllm.offline import LayerKind, ModelShape, SchedulerSetup, fabricate_output, make_request
     from sched_driver import digest
 
-    shape = ModelShape("tiny", (LayerKind("sliding_window", 64), LayerKind("full")), num_kv_heads=2, head_size=64,
-                       weight_bytes=0, max_model_len=512)
+    shape = ModelShape(
+        "tiny",
+        (LayerKind("sliding_window", 64), LayerKind("full")),
+        num_kv_heads=2,
+        head_size=64,
+        weight_bytes=0,
+        max_model_len=512,
+    )
     base = SchedulerSetup(shape, num_blocks=100, max_num_seqs=4, max_num_batched_tokens=256)
     runs = []
     for name in ("vllm", "hybrid_alloc"):

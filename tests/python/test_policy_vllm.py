@@ -41,7 +41,6 @@ def test_policy_default_exact_env_selects_hit_aware(monkeypatch: pytest.MonkeyPa
     [
         {"HYBRID_ALLOC_POLICY": "fastest"},
         {"HYBRID_ALLOC_POLICY": "hit-aware", "HYBRID_ALLOC_RETAIN_PRIORITY": "high"},
-        {"HYBRID_ALLOC_POLICY": "hit-aware", "HYBRID_ALLOC_PIN_PREFIXES": "/nonexistent/pins.json"},
         {"HYBRID_ALLOC_POLICY": "hit-aware", "HYBRID_ALLOC_PIN_SHARE": "2"},
     ],
 )
@@ -56,9 +55,46 @@ def test_bad_policy_env_falls_back_to_vllm_manager(monkeypatch: pytest.MonkeyPat
     # The reason names the variable at fault.
     mgr = sched.kv_cache_manager
     args, reason = native_config_or_reason(
-        mgr.kv_cache_config, mgr.max_model_len, 16, 16, enable_caching=True,
+        mgr.kv_cache_config,
+        mgr.max_model_len,
+        16,
+        16,
+        enable_caching=True,
     )
     assert args is None and "HYBRID_ALLOC_" in reason
+
+
+@pytest.mark.parametrize("content", [None, "not json", '{"a": 1}', "[[1, 2], [3, true]]"])
+def test_bad_pin_file_keeps_hit_aware_and_drops_only_the_pins(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, content: str | None
+) -> None:
+    """Issue 15 (item 9): a pin file that cannot be used no longer turns the plugin off; the
+    manager stays native under hit-aware, pins nothing, and says so in one line."""
+    import logging
+
+    from hybrid_alloc.vllm.manager import HybridKVCacheManager
+
+    path = tmp_path / "pins.json"
+    if content is not None:
+        path.write_text(content)
+    lines: list[str] = []
+
+    class _Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    lg, h = logging.getLogger("vllm.hybrid_alloc"), _Lines()
+    lg.addHandler(h)
+    try:
+        sched = _build(monkeypatch, "hit-aware", HYBRID_ALLOC_PIN_PREFIXES=str(path))
+    finally:
+        lg.removeHandler(h)
+    mgr = sched.kv_cache_manager
+    assert isinstance(mgr, HybridKVCacheManager) and mgr._alloc.policy == "hit-aware"
+    assert mgr._pending_pins == []
+    pin_lines = [s for s in lines if "HYBRID_ALLOC_PIN_PREFIXES" in s]
+    assert len(pin_lines) == 1 and "without pinned prefixes" in pin_lines[0], lines
+    assert not any("falling back" in s for s in lines), lines
 
 
 def test_hits_bench_small_chat_hit_aware_at_least_exact(tmp_path: Path) -> None:
@@ -83,8 +119,21 @@ def test_hits_bench_small_chat_hit_aware_at_least_exact(tmp_path: Path) -> None:
 def test_hits_cli_writes_table_json_and_plot(tmp_path: Path) -> None:
     from hybrid_alloc.cli import main
 
-    rc = main(["bench", "--suite", "hits", "--shape", "gptoss", "--workload", "shared", "--budget", "ample",
-               "--out-dir", str(tmp_path)])
+    rc = main(
+        [
+            "bench",
+            "--suite",
+            "hits",
+            "--shape",
+            "gptoss",
+            "--workload",
+            "shared",
+            "--budget",
+            "ample",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     data = json.loads((tmp_path / "hits.json").read_text())
     assert {r["policy"] for r in data["results"]} == {"exact", "dense", "hit-aware"}
@@ -143,8 +192,12 @@ def test_retain_priority_env_frees_important_requests_pinned(monkeypatch: pytest
 
     def req(rid: str, priority: int) -> Request:
         return Request(
-            request_id=rid, prompt_token_ids=[3] * 100, sampling_params=SamplingParams(max_tokens=2, ignore_eos=True),
-            pooling_params=None, priority=priority, block_hasher=sched._hybrid_alloc_block_hasher,
+            request_id=rid,
+            prompt_token_ids=[3] * 100,
+            sampling_params=SamplingParams(max_tokens=2, ignore_eos=True),
+            pooling_params=None,
+            priority=priority,
+            block_hasher=sched._hybrid_alloc_block_hasher,
         )
 
     _drive(sched, [req("hi", 0)])
@@ -161,8 +214,15 @@ def _tiny_qwen35(max_model_len: int) -> Any:
 
     layers = tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(8))
     state = MambaState(shapes=((3, 256), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32), mamba_type="GDN_ATTN")
-    return ModelShape("tiny-qwen3.5", layers, num_kv_heads=2, head_size=64, weight_bytes=0,
-                      max_model_len=max_model_len, mamba_state=state)
+    return ModelShape(
+        "tiny-qwen3.5",
+        layers,
+        num_kv_heads=2,
+        head_size=64,
+        weight_bytes=0,
+        max_model_len=max_model_len,
+        mamba_state=state,
+    )
 
 
 def test_hit_aware_with_mamba_align_real_scheduler_hits_at_least_exact() -> None:
@@ -192,8 +252,13 @@ def test_hit_aware_with_mamba_none_mode_is_vllm_step_by_step(monkeypatch: pytest
     from hybrid_alloc.vllm.offline import SchedulerSetup
     from sched_driver import run_workload
 
-    base = dict(shape=_tiny_qwen35(2048), num_blocks=260, enable_prefix_caching=False, max_num_seqs=24,
-                max_num_batched_tokens=512)
+    base = dict(
+        shape=_tiny_qwen35(2048),
+        num_blocks=260,
+        enable_prefix_caching=False,
+        max_num_seqs=24,
+        max_num_batched_tokens=512,
+    )
     ref = run_workload(SchedulerSetup(manager="vllm", **base), seed=11, num_requests=40, max_tokens_hi=1000)
     monkeypatch.setenv("HYBRID_ALLOC_POLICY", "hit-aware")
     setup = SchedulerSetup(manager="hybrid_alloc", **base)

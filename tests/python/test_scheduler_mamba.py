@@ -41,36 +41,46 @@ def _setup(case: str) -> Any:
     def shape(name: str, every: int, n: int, mamba_type: str) -> ModelShape:
         # A state small enough for a 16-token attention page (vLLM pads it to that page).
         layers = tuple(LayerKind("full") if i % every == every - 1 else LayerKind("mamba") for i in range(n))
-        state = MambaState(shapes=((3, 256), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32), mamba_type=mamba_type)
-        return ModelShape(name, layers, num_kv_heads=2, head_size=64, weight_bytes=0, max_model_len=2048,
-                          mamba_state=state)
+        state = MambaState(
+            shapes=((3, 256), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32), mamba_type=mamba_type
+        )
+        return ModelShape(
+            name, layers, num_kv_heads=2, head_size=64, weight_bytes=0, max_model_len=2048, mamba_state=state
+        )
 
     cases = {
         "qwen35_gdn_align_sync": dict(shape=shape("tiny-qwen3.5", 4, 8, "GDN_ATTN"), num_blocks=260),
-        "qwen35_gdn_align_async": dict(shape=shape("tiny-qwen3.5", 4, 8, "GDN_ATTN"), num_blocks=300,
-                                       async_scheduling=True),
-        "qwen35_gdn_nocache": dict(shape=shape("tiny-qwen3.5", 4, 8, "GDN_ATTN"), num_blocks=260,
-                                   enable_prefix_caching=False),
+        "qwen35_gdn_align_async": dict(
+            shape=shape("tiny-qwen3.5", 4, 8, "GDN_ATTN"), num_blocks=300, async_scheduling=True
+        ),
+        "qwen35_gdn_nocache": dict(
+            shape=shape("tiny-qwen3.5", 4, 8, "GDN_ATTN"), num_blocks=260, enable_prefix_caching=False
+        ),
         "nemotron_h_align_sync": dict(shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=300),
-        "nemotron_h_align_async": dict(shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=300,
-                                       async_scheduling=True),
-        "nemotron_h_nocache": dict(shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=300,
-                                   enable_prefix_caching=False),
+        "nemotron_h_align_async": dict(
+            shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=300, async_scheduling=True
+        ),
+        "nemotron_h_nocache": dict(
+            shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=300, enable_prefix_caching=False
+        ),
         # n-gram speculative decoding: drafts partly accepted, and one speculative Mamba state
         # block per draft token (cache mode "align": scratch blocks relocated as tables grow).
         "qwen35_gdn_align_ngram_sync": dict(shape=shape("tiny-qwen3.5", 4, 8, "GDN_ATTN"), num_blocks=320, spec=3),
-        "nemotron_h_align_ngram_async": dict(shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=340,
-                                             spec=2, async_scheduling=True),
+        "nemotron_h_align_ngram_async": dict(
+            shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=340, spec=2, async_scheduling=True
+        ),
     }
     kw = dict(cases[case])
     spec = kw.pop("spec", 0)
     if spec:
         from sched_driver import SpecSchedulerSetup
 
-        return SpecSchedulerSetup(max_num_seqs=24, max_num_batched_tokens=512, kv_events=True, num_spec_tokens=spec,
-                                  **kw)
-    return SchedulerSetup(max_num_seqs=24, max_num_batched_tokens=512, kv_events=kw.get("enable_prefix_caching", True),
-                          **kw)
+        return SpecSchedulerSetup(
+            max_num_seqs=24, max_num_batched_tokens=512, kv_events=True, num_spec_tokens=spec, **kw
+        )
+    return SchedulerSetup(
+        max_num_seqs=24, max_num_batched_tokens=512, kv_events=kw.get("enable_prefix_caching", True), **kw
+    )
 
 
 def _run(setup: Any) -> dict[str, Any]:

@@ -15,7 +15,12 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-CASES = ["unlimited_ocr_nocache_sync", "unlimited_ocr_nocache_async", "unlimited_ocr_cached_sync", "full_rswa_one_group_sync"]
+CASES = [
+    "unlimited_ocr_nocache_sync",
+    "unlimited_ocr_nocache_async",
+    "unlimited_ocr_cached_sync",
+    "full_rswa_one_group_sync",
+]
 
 
 def _setup(case: str) -> Any:
@@ -32,14 +37,16 @@ def _setup(case: str) -> Any:
     mixed = shape("tiny-full-rswa", tuple(LayerKind("rswa", 64) if i % 2 else LayerKind("full") for i in range(4)))
     cases = {
         "unlimited_ocr_nocache_sync": dict(shape=ocr, num_blocks=220, enable_prefix_caching=False),
-        "unlimited_ocr_nocache_async": dict(shape=ocr, num_blocks=240, enable_prefix_caching=False,
-                                            async_scheduling=True),
+        "unlimited_ocr_nocache_async": dict(
+            shape=ocr, num_blocks=240, enable_prefix_caching=False, async_scheduling=True
+        ),
         "unlimited_ocr_cached_sync": dict(shape=ocr, num_blocks=220),
         "full_rswa_one_group_sync": dict(shape=mixed, num_blocks=440),
     }
     kw = cases[case]
-    return SchedulerSetup(max_num_seqs=24, max_num_batched_tokens=512, kv_events=kw.get("enable_prefix_caching", True),
-                          **kw)
+    return SchedulerSetup(
+        max_num_seqs=24, max_num_batched_tokens=512, kv_events=kw.get("enable_prefix_caching", True), **kw
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -48,10 +55,16 @@ def test_real_scheduler_identical_with_rswa(case: str) -> None:
 
     base = _setup(case)
     batch_queue = 2 if base.async_scheduling else 1
-    ref = run_workload(dataclasses.replace(base, manager="vllm"), seed=7, num_requests=40, max_tokens_hi=1000,
-                       batch_queue=batch_queue)
-    ours = run_workload(dataclasses.replace(base, manager="hybrid_alloc"), seed=7, num_requests=40,
-                        max_tokens_hi=1000, batch_queue=batch_queue)
+    ref = run_workload(
+        dataclasses.replace(base, manager="vllm"), seed=7, num_requests=40, max_tokens_hi=1000, batch_queue=batch_queue
+    )
+    ours = run_workload(
+        dataclasses.replace(base, manager="hybrid_alloc"),
+        seed=7,
+        num_requests=40,
+        max_tokens_hi=1000,
+        batch_queue=batch_queue,
+    )
     assert_same_run(case, ref, ours)
     assert ref["preemptions"] > 0, f"{case}: no preemption; make the pool smaller"
     assert ref["aborted"]

@@ -24,42 +24,89 @@ def _cases():
     from hybrid_alloc.vllm.offline import LayerKind, ModelShape
 
     gemma = ModelShape(
-        "tiny-gemma2", tuple(LayerKind("sliding_window", 64) if i % 2 == 0 else LayerKind("full") for i in range(4)),
-        num_kv_heads=2, head_size=64, weight_bytes=0, max_model_len=2048,
+        "tiny-gemma2",
+        tuple(LayerKind("sliding_window", 64) if i % 2 == 0 else LayerKind("full") for i in range(4)),
+        num_kv_heads=2,
+        head_size=64,
+        weight_bytes=0,
+        max_model_len=2048,
     )
-    llama = ModelShape("tiny-llama", tuple(LayerKind("full") for _ in range(4)), num_kv_heads=2, head_size=64,
-                       weight_bytes=0, max_model_len=2048)
+    llama = ModelShape(
+        "tiny-llama",
+        tuple(LayerKind("full") for _ in range(4)),
+        num_kv_heads=2,
+        head_size=64,
+        weight_bytes=0,
+        max_model_len=2048,
+    )
     scout = ModelShape(
-        "tiny-scout", tuple(LayerKind("chunked_local", 128) if i % 4 != 3 else LayerKind("full") for i in range(8)),
-        num_kv_heads=2, head_size=64, weight_bytes=0, max_model_len=2048,
+        "tiny-scout",
+        tuple(LayerKind("chunked_local", 128) if i % 4 != 3 else LayerKind("full") for i in range(8)),
+        num_kv_heads=2,
+        head_size=64,
+        weight_bytes=0,
+        max_model_len=2048,
     )
-    swa_only = ModelShape("tiny-swa", tuple(LayerKind("sliding_window", 96) for _ in range(4)), num_kv_heads=2,
-                          head_size=64, weight_bytes=0, max_model_len=2048)
+    swa_only = ModelShape(
+        "tiny-swa",
+        tuple(LayerKind("sliding_window", 96) for _ in range(4)),
+        num_kv_heads=2,
+        head_size=64,
+        weight_bytes=0,
+        max_model_len=2048,
+    )
     return {
         "gemma2_sync": dict(shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512),
-        "gemma2_async": dict(shape=gemma, num_blocks=300, max_num_seqs=24, max_num_batched_tokens=512, async_scheduling=True),
-        "gemma2_nocache": dict(shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512,
-                               enable_prefix_caching=False),
+        "gemma2_async": dict(
+            shape=gemma, num_blocks=300, max_num_seqs=24, max_num_batched_tokens=512, async_scheduling=True
+        ),
+        "gemma2_nocache": dict(
+            shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512, enable_prefix_caching=False
+        ),
         "llama_sync": dict(shape=llama, num_blocks=150, max_num_seqs=16, max_num_batched_tokens=384),
         "scout_sync": dict(shape=scout, num_blocks=300, max_num_seqs=16, max_num_batched_tokens=512),
         # Sliding window only: memory per request is bounded by the window, so the
         # workload does not preempt; it exercises recycling and hits instead.
-        "swa_only_bs32": dict(shape=swa_only, num_blocks=150, max_num_seqs=16, max_num_batched_tokens=256, block_size=32),
+        "swa_only_bs32": dict(
+            shape=swa_only, num_blocks=150, max_num_seqs=16, max_num_batched_tokens=256, block_size=32
+        ),
         # Async scheduling as the engine core runs it: the next step is scheduled before the
         # previous step's output is processed.
-        "gemma2_async_overlap": dict(shape=gemma, num_blocks=220, max_num_seqs=24, max_num_batched_tokens=512,
-                                     async_scheduling=True, batch_queue=2),
+        "gemma2_async_overlap": dict(
+            shape=gemma,
+            num_blocks=220,
+            max_num_seqs=24,
+            max_num_batched_tokens=512,
+            async_scheduling=True,
+            batch_queue=2,
+        ),
         # n-gram speculative decoding (3 drafts a step, partly accepted).
         "gemma2_ngram_sync": dict(shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512, spec=3),
-        "gemma2_ngram_async": dict(shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512, spec=3,
-                                   async_scheduling=True, batch_queue=2),
+        "gemma2_ngram_async": dict(
+            shape=gemma,
+            num_blocks=250,
+            max_num_seqs=24,
+            max_num_batched_tokens=512,
+            spec=3,
+            async_scheduling=True,
+            batch_queue=2,
+        ),
         "llama_ngram_sync": dict(shape=llama, num_blocks=150, max_num_seqs=16, max_num_batched_tokens=384, spec=2),
         # EAGLE with prefix caching: lookahead block hashes on vLLM 0.33 (on 0.32 the
         # last-block drop falls back, so these run on 0.33 only).
-        "gemma2_eagle_sync": dict(shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512, spec=3,
-                                  method="eagle"),
-        "gemma2_eagle_async": dict(shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512, spec=3,
-                                   method="eagle", async_scheduling=True, batch_queue=2),
+        "gemma2_eagle_sync": dict(
+            shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512, spec=3, method="eagle"
+        ),
+        "gemma2_eagle_async": dict(
+            shape=gemma,
+            num_blocks=250,
+            max_num_seqs=24,
+            max_num_batched_tokens=512,
+            spec=3,
+            method="eagle",
+            async_scheduling=True,
+            batch_queue=2,
+        ),
     }
 
 
@@ -86,7 +133,6 @@ CASES = [
 def test_real_scheduler_identical(case: str) -> None:
     from hybrid_alloc.vllm.offline import SchedulerSetup
     from sched_driver import SpecSchedulerSetup, assert_same_run, run_workload
-
     from vllm_harness import HAVE_LOOKAHEAD_HASHES
 
     kw = dict(_cases()[case])
@@ -131,8 +177,13 @@ def test_real_scheduler_identical(case: str) -> None:
 def _llama_setup() -> Any:
     from hybrid_alloc.vllm.offline import SchedulerSetup
 
-    return SchedulerSetup(shape=_cases()["llama_sync"]["shape"], num_blocks=150, max_num_seqs=16,
-                          max_num_batched_tokens=384, manager="hybrid_alloc")
+    return SchedulerSetup(
+        shape=_cases()["llama_sync"]["shape"],
+        num_blocks=150,
+        max_num_seqs=16,
+        max_num_batched_tokens=384,
+        manager="hybrid_alloc",
+    )
 
 
 def _fallback_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -158,14 +209,15 @@ def _capture(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="vllm.hybrid_alloc")
 
 
-def test_unknown_constructor_argument_falls_back(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_unknown_constructor_argument_falls_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A vLLM whose KVCacheManager takes an argument the adapter has never seen (faked here
     by a subclass with one more argument, which the scheduler passes): vLLM's own manager,
     built with every argument, runs the scheduler, and one line names the argument."""
     from vllm.v1.core.sched import scheduler as sched_mod
 
-    from hybrid_alloc.vllm import manager
-    from hybrid_alloc.vllm import plugin
+    from hybrid_alloc.vllm import manager, plugin
 
     class FutureKVCacheManager(manager.VllmKVCacheManager):  # type: ignore[misc,valid-type]
         def __init__(self, *args: Any, future_knob: int = 0, **kwargs: Any) -> None:
@@ -249,19 +301,19 @@ def test_aux_outputs_served_natively(monkeypatch: pytest.MonkeyPatch) -> None:
     native, and vLLM's own ``AuxOutputSchedulerConnector``, built over each manager, reads
     the same group, block size and capacity and answers the same ``max_cache_hit`` (through
     ``block_pool.get_cached_block``) as requests are admitted, cached and finished."""
+    import inspect
     from types import SimpleNamespace
 
     from hybrid_alloc.vllm import manager
     from vllm_harness import SETUPS
-
-    import inspect
 
     aux_mod = pytest.importorskip("vllm.distributed.aux_output_connector.connector")
     if "kv_cache_manager" not in inspect.signature(aux_mod.AuxOutputSchedulerConnector).parameters:
         pytest.skip("this vLLM's auxiliary-output connector does not read the KV cache manager (0.32)")
     setup = next(x for x in SETUPS if x.name == "full_swa_bs16")
     monkeypatch.setattr(
-        manager, "current_vllm_config",
+        manager,
+        "current_vllm_config",
         SimpleNamespace(kv_transfer_config=None, aux_output_config=SimpleNamespace(enabled=True)),
     )
     ref, ours = setup.build(events=False)

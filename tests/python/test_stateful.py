@@ -16,12 +16,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import hybrid_alloc as ha
-from hybrid_alloc import Allocator, Hit
-from hybrid_alloc._core import FastAllocate
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import hybrid_alloc as ha
+from hybrid_alloc import Allocator, Hit
+from hybrid_alloc._core import FastAllocate
 
 BS = 16
 MML = 512

@@ -11,8 +11,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import hybrid_alloc as ha
 import pytest
+
+import hybrid_alloc as ha
 from hybrid_alloc import Allocator
 from hybrid_alloc._core import NoopLimits
 from hybrid_alloc.events import AllBlocksCleared, BlockRemoved, BlockStored

@@ -127,7 +127,9 @@ class Setup:
         assert type(ours) is HybridKVCacheManager, f"{self.name}: fell back to vLLM's manager"
         return ref, ours
 
-    def make_request(self, request_id: str, tokens: list[int], max_tokens: int = 64, report_full: bool = False) -> Request:
+    def make_request(
+        self, request_id: str, tokens: list[int], max_tokens: int = 64, report_full: bool = False
+    ) -> Request:
         """A vLLM Request; ``report_full`` sets ``kv_cache_report_mode="full"`` (reused
         prefix blocks are reported in BlockStored events too)."""
         extra = {"kv_cache_report_mode": "full"} if report_full else None
@@ -149,15 +151,30 @@ SETUPS: list[Setup] = [
     Setup("mla_bs16", [mla(16)], num_blocks=300),
     Setup("full_swa_bs32", [full(32), swa(96, 32)], num_blocks=240, hash_block_size=32, scheduler_block_size=32),
     Setup("full_swa_nocache_bs16", [full(16), swa(64, 16)], num_blocks=400, enable_caching=False),
-    Setup("full_only_nocache_bs32", [full(32)], num_blocks=200, enable_caching=False, hash_block_size=32, scheduler_block_size=32),
+    Setup(
+        "full_only_nocache_bs32",
+        [full(32)],
+        num_blocks=200,
+        enable_caching=False,
+        hash_block_size=32,
+        scheduler_block_size=32,
+    ),
     Setup("gemma3_full_swa_swa_bs16", [full(16), swa(80, 16), swa(80, 16)], num_blocks=500, watermark=0.02),
     Setup("full_swa_dense_retention", [full(16), swa(40, 16)], num_blocks=400, retention_interval=None),
     Setup("full_swa_retention_64", [full(16), swa(40, 16)], num_blocks=400, retention_interval=64),
-    Setup("swa_bs32_over_full_bs16", [full(16), swa(64, 32)], num_blocks=500, hash_block_size=16, scheduler_block_size=32),
+    Setup(
+        "swa_bs32_over_full_bs16", [full(16), swa(64, 32)], num_blocks=500, hash_block_size=16, scheduler_block_size=32
+    ),
     # EAGLE with prefix caching on vLLM 0.33: lookahead block hashes (one token), the draft
     # layers' group flagged, nothing dropped; events carry lookahead_token_ids.
-    Setup("eagle_lookahead_full_swa_bs16", [full(16), swa(64, 16), full(16)], num_blocks=500, lookahead=1,
-          eagle_groups=(2,), prefill_lookahead=1),
+    Setup(
+        "eagle_lookahead_full_swa_bs16",
+        [full(16), swa(64, 16), full(16)],
+        num_blocks=500,
+        lookahead=1,
+        eagle_groups=(2,),
+        prefill_lookahead=1,
+    ),
     # DFlash/DSpark on vLLM 0.33: draft layers flagged, no block drop, no lookahead hashes.
     Setup("dflash_full_swa_bs16", [full(16), swa(64, 16)], num_blocks=400, eagle_groups=(0,), prefill_lookahead=1),
 ]

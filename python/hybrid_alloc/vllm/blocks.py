@@ -156,4 +156,3 @@ class HitBlocks(NativeKVCacheBlocks):
     def __init__(self, alloc: Allocator, ids: tuple[list[int], ...] | BlockIds, gen: int) -> None:
         super().__init__(alloc, ids)
         self._gen = gen
-

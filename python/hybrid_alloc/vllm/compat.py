@@ -15,10 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm.config import VllmConfig
+from vllm.v1 import kv_cache_interface as _vllm_kvi
 from vllm.v1.core import kv_cache_coordinator as _vllm_kvc
 from vllm.v1.core import kv_cache_manager as _vllm_kvm
 from vllm.v1.core import kv_cache_utils as _vllm_kvu
-from vllm.v1 import kv_cache_interface as _vllm_kvi
 
 __all__ = [
     "EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE",

@@ -92,7 +92,11 @@ class NativeCoordinator:
         self.eagle_group_ids: set[int] = {i for i, g in enumerate(kv_cache_config.kv_cache_groups) if g.is_eagle_group}
         self.drop_eagle_group_ids: set[int] = set()
         self.full_attention_group_id = next(
-            (i for i, g in enumerate(kv_cache_config.kv_cache_groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)),
+            (
+                i
+                for i, g in enumerate(kv_cache_config.kv_cache_groups)
+                if isinstance(g.kv_cache_spec, FullAttentionSpec)
+            ),
             None,
         )
 
@@ -138,4 +142,3 @@ class NativeCoordinator:
 
     def get_blocks(self, request_id: str) -> tuple[list[Any], ...]:
         return self._mgr.get_blocks(request_id).blocks
-

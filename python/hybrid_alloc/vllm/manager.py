@@ -29,8 +29,15 @@ from typing import Any
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, CrossAttentionSpec, EncoderOnlyAttentionSpec
-from vllm.v1.kv_cache_interface import KVCacheGroupRole, KVCacheSpec, MambaSpec
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    CircularBufferSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    KVCacheGroupRole,
+    KVCacheSpec,
+    MambaSpec,
+)
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
@@ -39,8 +46,12 @@ from hybrid_alloc.specs import GroupSpec
 from hybrid_alloc.vllm import compat, policy_env
 from hybrid_alloc.vllm.args import KNOWN_ARGS, ManagerArgs
 from hybrid_alloc.vllm.blocks import EmptyKVCacheBlocks, HitBlocks, NativeBlock, NativeKVCacheBlocks
-from hybrid_alloc.vllm.compat import EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE, LOOKAHEAD_HASHES, TRIM_NULL_HEAD
-from hybrid_alloc.vllm.compat import VllmKVCacheManager
+from hybrid_alloc.vllm.compat import (
+    EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE,
+    LOOKAHEAD_HASHES,
+    TRIM_NULL_HEAD,
+    VllmKVCacheManager,
+)
 from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
 from hybrid_alloc.vllm.kv_events import EventLog
 from hybrid_alloc.vllm.policy_env import PIN_PREFIXES_ENV, PIN_SHARE_ENV, POLICY_ENV, RETAIN_PRIORITY_ENV
@@ -183,9 +194,7 @@ def _allocator(native: dict[str, Any]) -> Allocator:
     return Allocator(**native)
 
 
-def native_config_or_reason(
-    *args: Any, vllm_config: Any = None, **kwargs: Any
-) -> tuple[dict[str, Any] | None, str]:
+def native_config_or_reason(*args: Any, vllm_config: Any = None, **kwargs: Any) -> tuple[dict[str, Any] | None, str]:
     """The native allocator's arguments for a ``KVCacheManager`` construction (vLLM's
     arguments, as the installed release takes them; ``vllm_config`` as for
     :class:`HybridKVCacheManager`), or ``None`` and the reason the core cannot serve it
@@ -244,11 +253,16 @@ class HybridKVCacheManager:
             self._retain_priority, self._pending_pins = controls.retain_priority, controls.pins
             if controls.pin_share is not None:
                 self._alloc.set_pinned_share(controls.pin_share)
+            if controls.pins_error is not None:
+                logger.warning(
+                    "hybrid_alloc: %s; the hit-aware policy runs without pinned prefixes", controls.pins_error
+                )
         elif ignored := policy_env.ignored_controls():
             logger.warning(
                 "hybrid_alloc: %s ignored: these steer the hit-aware policy, and the policy is exact "
                 "(set %s=hit-aware to use them)",
-                ", ".join(ignored), POLICY_ENV,
+                ", ".join(ignored),
+                POLICY_ENV,
             )
         self.kv_cache_config = kvc
         self.max_model_len = a.max_model_len
@@ -287,7 +301,9 @@ class HybridKVCacheManager:
             ", ".join(describe(g) for g in native["groups"]),
             kvc.num_blocks,
             "on" if a.enable_caching else "off",
-            f", lookahead block hashes of {a.num_hash_lookahead_tokens} token(s)" if a.num_hash_lookahead_tokens else "",
+            f", lookahead block hashes of {a.num_hash_lookahead_tokens} token(s)"
+            if a.num_hash_lookahead_tokens
+            else "",
             policy,
         )
 
@@ -343,7 +359,11 @@ class HybridKVCacheManager:
         hit, uncached, groups = self._alloc.get_computed_blocks(
             st.handle, max_cache_hit_length, block_hashes=request.block_hashes, as_buffer=True
         )
-        if hit > 0 and self.enable_kv_cache_events and getattr(request, "kv_cache_report_mode", "incremental") == "full":
+        if (
+            hit > 0
+            and self.enable_kv_cache_events
+            and getattr(request, "kv_cache_report_mode", "incremental") == "full"
+        ):
             self._event_log.cached_blocks(request, groups.counts())
         boundary = hit + uncached if uncached else 0
         if groups.is_empty():

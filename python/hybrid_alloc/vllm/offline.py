@@ -129,7 +129,9 @@ class ModelShape:
         specs: dict[str, KVCacheSpec] = {}
         block_size = self.attention_block_size(block_size)
         for i, layer in enumerate(self.layers):
-            common = dict(block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size, dtype=self.dtype)
+            common = dict(
+                block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size, dtype=self.dtype
+            )
             spec: KVCacheSpec
             if layer.kind == "mamba":
                 # Mamba layers stay Mamba layers even without the hybrid manager (vLLM
@@ -198,53 +200,86 @@ def alternating(n: int, window: int, kind: str = "sliding_window", every: int = 
 GiB = 1 << 30
 SHAPES: dict[str, ModelShape] = {
     "gemma-2-27b": ModelShape(
-        "gemma-2-27b", alternating(46, 4096), num_kv_heads=16, head_size=128, weight_bytes=int(54.5 * GiB),
+        "gemma-2-27b",
+        alternating(46, 4096),
+        num_kv_heads=16,
+        head_size=128,
+        weight_bytes=int(54.5 * GiB),
         description="46 layers, sliding window 4096 and full attention alternating, 16 KV heads of 128",
     ),
     "llama-3.1-8b": ModelShape(
-        "llama-3.1-8b", tuple(LayerKind("full") for _ in range(32)), num_kv_heads=8, head_size=128,
-        weight_bytes=int(16.1 * GiB), description="32 full-attention layers, 8 KV heads of 128",
+        "llama-3.1-8b",
+        tuple(LayerKind("full") for _ in range(32)),
+        num_kv_heads=8,
+        head_size=128,
+        weight_bytes=int(16.1 * GiB),
+        description="32 full-attention layers, 8 KV heads of 128",
     ),
     "gpt-oss-120b": ModelShape(
-        "gpt-oss-120b", alternating(36, 128), num_kv_heads=8, head_size=64, weight_bytes=int(65.3 * GiB),
+        "gpt-oss-120b",
+        alternating(36, 128),
+        num_kv_heads=8,
+        head_size=64,
+        weight_bytes=int(65.3 * GiB),
         description="36 layers, 128-token sliding window and full attention alternating, 8 KV heads of 64",
     ),
     "llama-4-scout": ModelShape(
-        "llama-4-scout", alternating(48, 8192, kind="chunked_local", every=4), num_kv_heads=8, head_size=128,
-        weight_bytes=int(40.0 * GiB), max_model_len=16384,
+        "llama-4-scout",
+        alternating(48, 8192, kind="chunked_local", every=4),
+        num_kv_heads=8,
+        head_size=128,
+        weight_bytes=int(40.0 * GiB),
+        max_model_len=16384,
         description="48 layers, chunked local attention (chunk 8192) with every 4th layer full, 8 KV heads of 128",
     ),
     # Qwen3.5 / Qwen3-Next style: 3 Gated DeltaNet layers to 1 full-attention layer (48
     # layers), GDN state of 16 key / 32 value heads of 128 (conv kernel 4), 2 KV heads of 256.
     "qwen3.5-style": ModelShape(
-        "qwen3.5-style", tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(48)),
-        num_kv_heads=2, head_size=256, weight_bytes=int(28.0 * GiB), max_model_len=32768,
-        mamba_state=MambaState(shapes=((3, 8192), (32, 128, 128)), dtypes=(torch.bfloat16, torch.float32),
-                               mamba_type="GDN_ATTN"),
+        "qwen3.5-style",
+        tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(48)),
+        num_kv_heads=2,
+        head_size=256,
+        weight_bytes=int(28.0 * GiB),
+        max_model_len=32768,
+        mamba_state=MambaState(
+            shapes=((3, 8192), (32, 128, 128)), dtypes=(torch.bfloat16, torch.float32), mamba_type="GDN_ATTN"
+        ),
         description="48 layers, 3 GDN : 1 full attention (Qwen3.5 / Qwen3-Next), 2 KV heads of 256",
     ),
     # Nemotron-H-8B style: 52 layers, 4 attention, 24 Mamba2 (the rest MLP, no cache).
     "nemotron-h-style": ModelShape(
         "nemotron-h-style",
         tuple(LayerKind("full") if i % 7 == 6 else LayerKind("mamba") for i in range(28)),
-        num_kv_heads=8, head_size=128, weight_bytes=int(16.2 * GiB), max_model_len=32768,
+        num_kv_heads=8,
+        head_size=128,
+        weight_bytes=int(16.2 * GiB),
+        max_model_len=32768,
         mamba_state=MambaState(shapes=((3, 10240), (128, 64, 128)), dtypes=(torch.bfloat16, torch.float32)),
         description="Mamba2 + attention (Nemotron-H 8B): 24 Mamba2, 4 attention layers, 8 KV heads of 128",
     ),
     # Jamba-1.5-Mini style: 32 layers, one attention layer in 8 (4), the rest Mamba (v1) with
     # an inner width of 8192 (conv kernel 4, state 16), 8 KV heads of 128.
     "jamba-style": ModelShape(
-        "jamba-style", tuple(LayerKind("full") if i % 8 == 4 else LayerKind("mamba") for i in range(32)),
-        num_kv_heads=8, head_size=128, weight_bytes=int(24.0 * GiB), max_model_len=32768,
-        mamba_state=MambaState(shapes=((3, 8192), (8192, 16)), dtypes=(torch.bfloat16, torch.float32),
-                               mamba_type="MAMBA1"),
+        "jamba-style",
+        tuple(LayerKind("full") if i % 8 == 4 else LayerKind("mamba") for i in range(32)),
+        num_kv_heads=8,
+        head_size=128,
+        weight_bytes=int(24.0 * GiB),
+        max_model_len=32768,
+        mamba_state=MambaState(
+            shapes=((3, 8192), (8192, 16)), dtypes=(torch.bfloat16, torch.float32), mamba_type="MAMBA1"
+        ),
         description="32 layers, Mamba (v1) with attention every 8th layer (Jamba 1.5 Mini), 8 KV heads of 128",
     ),
     # LFM2-1.2B style: 16 layers, 10 gated short-convolution blocks (kernel 3, hidden 2048)
     # and 6 grouped-query attention layers, 8 KV heads of 64.
     "lfm2-style": ModelShape(
-        "lfm2-style", tuple(LayerKind("full") if i in (2, 5, 8, 10, 12, 14) else LayerKind("mamba") for i in range(16)),
-        num_kv_heads=8, head_size=64, weight_bytes=int(2.3 * GiB), max_model_len=32768,
+        "lfm2-style",
+        tuple(LayerKind("full") if i in (2, 5, 8, 10, 12, 14) else LayerKind("mamba") for i in range(16)),
+        num_kv_heads=8,
+        head_size=64,
+        weight_bytes=int(2.3 * GiB),
+        max_model_len=32768,
         mamba_state=MambaState(shapes=((2, 2048),), dtypes=(torch.bfloat16,), mamba_type="SHORT_CONV"),
         description="16 layers, 10 short convolution : 6 attention (LFM2-1.2B), 8 KV heads of 64",
     ),
@@ -253,11 +288,18 @@ SHAPES: dict[str, ModelShape] = {
     "deepseek-v4-style": ModelShape(
         "deepseek-v4-style",
         tuple(LayerKind(k, 128 if k == "swa_mla" else 0) for _ in range(32) for k in ("mla", "swa_mla", "ring")),
-        num_kv_heads=1, head_size=576, weight_bytes=int(60.0 * GiB), max_model_len=32768,
+        num_kv_heads=1,
+        head_size=576,
+        weight_bytes=int(60.0 * GiB),
+        max_model_len=32768,
         description="32 layers, each compressed MLA (full) + sliding-window MLA (128) + compressor ring, latent 576",
     ),
     "mistral-sw": ModelShape(
-        "mistral-sw", alternating(32, 4096, every=4), num_kv_heads=8, head_size=128, weight_bytes=int(14.5 * GiB),
+        "mistral-sw",
+        alternating(32, 4096, every=4),
+        num_kv_heads=8,
+        head_size=128,
+        weight_bytes=int(14.5 * GiB),
         description="32 layers, sliding window 4096 with every 4th layer full (Mistral/Ministral style), 8 KV heads of 128",
     ),
 }
@@ -272,10 +314,18 @@ def stub_model_dir(max_model_len: int) -> str:
         return _STUB_DIRS[max_model_len]
     d = tempfile.mkdtemp(prefix="hybrid_alloc_stub_")
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 32000,
-        "max_position_embeddings": max_model_len, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 32000,
+        "max_position_embeddings": max_model_len,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "bfloat16",
     }
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -320,19 +370,30 @@ class SchedulerSetup:
     def vllm_config(self) -> VllmConfig:
         mml = self.shape.max_model_len
         mc = ModelConfig(
-            model=stub_model_dir(mml), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=mml
+            model=stub_model_dir(mml),
+            tokenizer=None,
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            seed=0,
+            max_model_len=mml,
         )
         sc = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=mml,
-            enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=self.async_scheduling,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=mml,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+            async_scheduling=self.async_scheduling,
         )
         kwargs: dict[str, Any] = dict(self.extra)
         if self.kv_events:
             kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         vc = VllmConfig(
-            model_config=mc, scheduler_config=sc,
+            model_config=mc,
+            scheduler_config=sc,
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching),
-            device_config=DeviceConfig(device="cpu"), **kwargs,
+            device_config=DeviceConfig(device="cpu"),
+            **kwargs,
         )
         # EngineCore resolves the layout before planning; the planner needs it set.
         vc.cache_config.kv_cache_layout = "LBHNC"
@@ -384,14 +445,20 @@ class SchedulerSetup:
         sbs, hbs = resolve_kv_cache_block_sizes(kvc, vc)
         cls = AsyncScheduler if self.async_scheduling else Scheduler
         sched = cls(
-            vllm_config=vc, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(vc),
-            block_size=sbs, hash_block_size=hbs, log_stats=True,
+            vllm_config=vc,
+            kv_cache_config=kvc,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=sbs,
+            hash_block_size=hbs,
+            log_stats=True,
         )
         hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         # 0.33: with EAGLE-style speculative decoding, hashes lag by the lookahead tokens.
         lookahead = config_hash_lookahead_tokens(vc)
-        hasher = get_request_block_hasher(hbs, hash_fn, lookahead) if lookahead else get_request_block_hasher(hbs, hash_fn)
+        hasher = (
+            get_request_block_hasher(hbs, hash_fn, lookahead) if lookahead else get_request_block_hasher(hbs, hash_fn)
+        )
         sched._hybrid_alloc_block_hasher = hasher
         return sched
 
@@ -399,8 +466,10 @@ class SchedulerSetup:
 def make_request(sched: Scheduler, request_id: str, prompt: list[int], max_tokens: int) -> Request:
     """A vLLM Request hashed with the scheduler's block hasher."""
     return Request(
-        request_id=request_id, prompt_token_ids=list(prompt),
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), pooling_params=None,
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        pooling_params=None,
         block_hasher=sched._hybrid_alloc_block_hasher,
     )
 
@@ -419,8 +488,12 @@ def fabricate_output(sched: Scheduler, so: Any) -> ModelRunnerOutput:
         done = req.num_computed_tokens >= req.num_tokens
         sampled.append([fake_token(rid, req.num_tokens)] if done else [])
     return ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
-        logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
     )
 
 

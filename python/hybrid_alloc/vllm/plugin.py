@@ -100,7 +100,10 @@ def register() -> None:
         if on is None:
             logger.warning(
                 "hybrid_alloc: %s=%r is not one of %s (on) or %s (off); the plugin stays off",
-                ENV_FLAG, os.environ.get(ENV_FLAG), "/".join(_ON), "/".join(v for v in _OFF if v),
+                ENV_FLAG,
+                os.environ.get(ENV_FLAG),
+                "/".join(_ON),
+                "/".join(v for v in _OFF if v),
             )
             return
         if not on:
@@ -112,12 +115,16 @@ def register() -> None:
                 logger.warning(
                     "hybrid_alloc: vLLM %s is not a tested release (tested: %s); vLLM's own KV cache manager "
                     "stays in place (set %s=1 to try hybrid_alloc anyway)",
-                    release or "of unknown release", tested, ENV_UNTESTED,
+                    release or "of unknown release",
+                    tested,
+                    ENV_UNTESTED,
                 )
                 return
             logger.warning(
                 "hybrid_alloc: vLLM %s is not a tested release (tested: %s); trying anyway (%s=1)",
-                release or "of unknown release", tested, ENV_UNTESTED,
+                release or "of unknown release",
+                tested,
+                ENV_UNTESTED,
             )
         apply()
     except Exception as e:  # a plugin must never stop vLLM from starting
@@ -158,7 +165,8 @@ def apply() -> bool:
                 raise  # vLLM's own answer to this configuration, built and logged once already
             logger.warning(
                 "hybrid_alloc: falling back to vLLM's KVCacheManager: building the native manager raised %s: %s",
-                type(e).__name__, e,
+                type(e).__name__,
+                e,
             )
             return original_manager(*args, **kwargs)
 

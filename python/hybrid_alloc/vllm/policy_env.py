@@ -10,8 +10,10 @@ built (issue 9).
     hashes, so LoRA, cache salt and the hash function are those vLLM uses);
   - ``HYBRID_ALLOC_PIN_SHARE=F``: the pinned share of the pool (default 0.25).
 
-A bad value raises ``Unsupported`` naming the variable (the adapter falls back to vLLM's own
-manager, with one line). Controls set under the exact policy are ignored; the manager says so
+A bad priority or share raises ``Unsupported`` naming the variable (the adapter falls back to
+vLLM's own manager, with one line). A pin file that cannot be read keeps the plugin and the
+hit-aware policy and drops only the pins (``PolicyControls.pins_error``; the manager says so
+in one line). Controls set under the exact policy are ignored; the manager says so
 in one line (:func:`ignored_controls`).
 """
 
@@ -63,11 +65,14 @@ class PolicyControls:
     retain_priority: int | None = None
     pins: list[list[int]] = field(default_factory=list)
     pin_share: float | None = None
+    #: Why the pin file was not used (``pins`` is then empty), or None.
+    pins_error: str | None = None
 
 
 def policy_controls() -> PolicyControls:
     """The hit-aware controls from the environment; raises ``Unsupported`` naming the
-    variable whose value is bad."""
+    variable whose value is bad, except for the pin file: one that cannot be read leaves
+    ``pins`` empty and says why in ``pins_error``."""
     env = os.environ
     retain: int | None = None
     if env.get(RETAIN_PRIORITY_ENV, "").strip():
@@ -76,18 +81,24 @@ def policy_controls() -> PolicyControls:
         except ValueError:
             raise Unsupported(f"{RETAIN_PRIORITY_ENV}={env[RETAIN_PRIORITY_ENV]!r} is not an integer") from None
     pins: list[list[int]] = []
+    pins_error: str | None = None
     path = env.get(PIN_PREFIXES_ENV, "").strip()
     if path:
         try:
             with open(path) as f:
                 data = json.load(f)
         except (OSError, ValueError) as e:
-            raise Unsupported(f"{PIN_PREFIXES_ENV}={path!r} cannot be read as JSON: {e}") from None
-        if not isinstance(data, list) or not all(
-            isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in data
+            data, pins_error = None, f"{PIN_PREFIXES_ENV}={path!r} cannot be read as JSON: {e}"
+        if pins_error is None and (
+            not isinstance(data, list)
+            or not all(
+                isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in data
+            )
         ):
-            raise Unsupported(f"{PIN_PREFIXES_ENV}={path!r} must hold a JSON list of token-id lists")
-        pins = [p for p in data if p]
+            pins_error = f"{PIN_PREFIXES_ENV}={path!r} must hold a JSON list of token-id lists"
+        if pins_error is None:
+            assert isinstance(data, list)
+            pins = [p for p in data if p]
     share: float | None = None
     if env.get(PIN_SHARE_ENV, "").strip():
         try:
@@ -96,7 +107,7 @@ def policy_controls() -> PolicyControls:
             share = -1.0
         if not 0.0 <= share <= 1.0:
             raise Unsupported(f"{PIN_SHARE_ENV}={env[PIN_SHARE_ENV]!r} is not a number in 0..1")
-    return PolicyControls(retain, pins, share)
+    return PolicyControls(retain, pins, share, pins_error)
 
 
 def ignored_controls() -> list[str]:

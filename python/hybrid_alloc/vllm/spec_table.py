@@ -54,7 +54,9 @@ def _full(spec: Any, key: int) -> GroupSpec:
 
 def _sliding_window(spec: Any, key: int) -> GroupSpec:
     return SlidingWindow(
-        block_size=spec.block_size, spec_key=key, window=spec.sliding_window,
+        block_size=spec.block_size,
+        spec_key=key,
+        window=spec.sliding_window,
         extra_retained_tokens=spec.extra_retained_tokens,
     )
 
@@ -98,8 +100,11 @@ def _mamba(spec: Any, key: int) -> GroupSpec:
         if not isinstance(checkpoint, int) or checkpoint < 0:
             raise Unsupported(f"prefill_checkpoint_alignment={alignment!r}")
         return MambaAlign(
-            block_size=spec.block_size, spec_key=key, speculative_blocks=spec.num_speculative_blocks,
-            rekey_cached_tail=compat.MAMBA_ALIGN_REKEYS_CACHED_TAIL, checkpoint_alignment=checkpoint,
+            block_size=spec.block_size,
+            spec_key=key,
+            speculative_blocks=spec.num_speculative_blocks,
+            rekey_cached_tail=compat.MAMBA_ALIGN_REKEYS_CACHED_TAIL,
+            checkpoint_alignment=checkpoint,
         )
     raise Unsupported(f"Mamba cache mode {mode!r}")
 
