@@ -56,10 +56,10 @@
 //! - The Python boundary is crossed at most once per vLLM call, with ints and flat lists;
 //!   the scheduler's per-request `allocate_slots` is answered by `Allocator::plain_step`
 //!   from the request's stored no-op limits, without running any allocation code, when they
-//!   prove the step changes nothing (measured: about 0.35 us per
-//!   running request per step against about 10 us for vLLM's Python manager, 1024 requests,
-//!   `gemma-2` shape; the Rust work itself is 0.1-0.2 us, the rest is `CPython`'s call and the
-//!   `Request` attribute reads).
+//!   prove the step changes nothing. The figures (dated, with their commands) are in
+//!   `docs/benchmarks.md`: 0.62 us per running request per step inside vLLM's scheduler
+//!   (gemma-2-27b decode at 1024 running, 2026-12-01, `bash scripts/bench.sh`), of which
+//!   `CPython`'s call and the `Request` attribute reads are most; the Rust work is a fraction.
 //! - The prefix index reserves one key per block at construction (a pool never holds more),
 //!   so inserts never rehash inside a scheduler step (a rehash of ~10^5 keys showed up as a
 //!   millisecond spike on the step where every request filled a block).

@@ -33,9 +33,12 @@
 //!    if it keeps per-request state, a state struct with `ensure_slot` / `clear`.
 //! 2. One enum arm: the variant of [`AttentionKind`] (with its predicates in `config.rs`
 //!    and its checks in `Config::validate`), matched where this module dispatches (and a
-//!    [`KindState`] arm when it keeps state); the binding's kind registry names it.
-//! 3. One adapter table entry: the vLLM spec class in the spec table of
-//!    `python/hybrid_alloc/vllm/specs` (vLLM's `spec_manager_map` shape).
+//!    [`KindState`] arm when it keeps state), and its entry in the kind registry
+//!    (`rust/api.rs`, `KINDS`: the kind's name and its named parameters).
+//! 3. One adapter table entry: the vLLM spec class in `SPEC_TABLE`
+//!    (`python/hybrid_alloc/vllm/spec_table.py`, vLLM's `spec_manager_map` shape), building
+//!    the kind's named spec (one frozen dataclass in `python/hybrid_alloc/specs.py`, fields
+//!    named as in the registry).
 //! 4. One README row in the spec table (with the test that proves it against vLLM).
 #![forbid(unsafe_code)]
 

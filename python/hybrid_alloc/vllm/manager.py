@@ -244,26 +244,12 @@ class HybridKVCacheManager:
         # BlockStored event's extra keys cover (0: none).
         self.num_hash_lookahead_tokens = a.num_hash_lookahead_tokens
         self._alloc = _allocator(native)
-        policy = native.get("policy", "exact")
         # Hit-aware user controls (see ``policy_env``); validated with the config.
-        self._retain_priority: int | None = None
-        self._pending_pins: list[list[int]] = []
-        if policy != "exact":
-            controls = policy_env.policy_controls()
-            self._retain_priority, self._pending_pins = controls.retain_priority, controls.pins
-            if controls.pin_share is not None:
-                self._alloc.set_pinned_share(controls.pin_share)
-            if controls.pins_error is not None:
-                logger.warning(
-                    "hybrid_alloc: %s; the hit-aware policy runs without pinned prefixes", controls.pins_error
-                )
-        elif ignored := policy_env.ignored_controls():
-            logger.warning(
-                "hybrid_alloc: %s ignored: these steer the hit-aware policy, and the policy is exact "
-                "(set %s=hit-aware to use them)",
-                ", ".join(ignored),
-                POLICY_ENV,
-            )
+        policy = native.get("policy", "exact")
+        controls = policy_env.controls_for(policy, logger)
+        self._retain_priority, self._pending_pins = controls.retain_priority, controls.pins
+        if controls.pin_share is not None:
+            self._alloc.set_pinned_share(controls.pin_share)
         self.kv_cache_config = kvc
         self.max_model_len = a.max_model_len
         self.enable_caching = a.enable_caching

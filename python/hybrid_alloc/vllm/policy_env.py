@@ -20,6 +20,7 @@ in one line (:func:`ignored_controls`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -114,3 +115,22 @@ def ignored_controls() -> list[str]:
     """The hit-aware controls set (non-empty) in the environment: under the exact policy
     they are ignored, and the manager says so."""
     return [name for name in CONTROL_ENVS if os.environ.get(name, "").strip()]
+
+
+def controls_for(policy: str, logger: logging.Logger) -> PolicyControls:
+    """The controls a manager under ``policy`` uses, saying in one line what it leaves out:
+    the pins of a pin file that cannot be read (hit-aware), or every control set under the
+    exact policy (ignored)."""
+    if policy != "exact":
+        controls = policy_controls()
+        if controls.pins_error is not None:
+            logger.warning("hybrid_alloc: %s; the hit-aware policy runs without pinned prefixes", controls.pins_error)
+        return controls
+    if ignored := ignored_controls():
+        logger.warning(
+            "hybrid_alloc: %s ignored: these steer the hit-aware policy, and the policy is exact "
+            "(set %s=hit-aware to use them)",
+            ", ".join(ignored),
+            POLICY_ENV,
+        )
+    return PolicyControls()
