@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -57,3 +59,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "engine" in item.keywords:
                 item.add_marker(skip)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def plugin_lines() -> Iterator[list[str]]:
+    """The plugin's log lines (logger ``vllm.hybrid_alloc``) while the test runs."""
+    h = _Lines()
+    lg = logging.getLogger("vllm.hybrid_alloc")
+    level = lg.level
+    lg.setLevel(logging.INFO)
+    lg.addHandler(h)
+    yield h.lines
+    lg.removeHandler(h)
+    lg.setLevel(level)

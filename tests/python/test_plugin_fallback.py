@@ -6,35 +6,11 @@ the exact policy (issue 15, item 9)."""
 from __future__ import annotations
 
 import functools
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 pytestmark = pytest.mark.vllm
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def plugin_lines() -> Iterator[list[str]]:
-    """The plugin's log lines (logger ``vllm.hybrid_alloc``) while the test runs."""
-    h = _Lines()
-    lg = logging.getLogger("vllm.hybrid_alloc")
-    level = lg.level
-    lg.setLevel(logging.INFO)
-    lg.addHandler(h)
-    yield h.lines
-    lg.removeHandler(h)
-    lg.setLevel(level)
 
 
 def _kwargs(setup: str = "full_swa_bs16", **over: Any) -> dict[str, Any]:

@@ -66,29 +66,17 @@ def test_bad_policy_env_falls_back_to_vllm_manager(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.parametrize("content", [None, "not json", '{"a": 1}', "[[1, 2], [3, true]]"])
 def test_bad_pin_file_keeps_hit_aware_and_drops_only_the_pins(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, content: str | None
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, plugin_lines: list[str], content: str | None
 ) -> None:
     """Issue 15 (item 9): a pin file that cannot be used no longer turns the plugin off; the
     manager stays native under hit-aware, pins nothing, and says so in one line."""
-    import logging
-
     from hybrid_alloc.vllm.manager import HybridKVCacheManager
 
     path = tmp_path / "pins.json"
     if content is not None:
         path.write_text(content)
-    lines: list[str] = []
-
-    class _Lines(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    lg, h = logging.getLogger("vllm.hybrid_alloc"), _Lines()
-    lg.addHandler(h)
-    try:
-        sched = _build(monkeypatch, "hit-aware", HYBRID_ALLOC_PIN_PREFIXES=str(path))
-    finally:
-        lg.removeHandler(h)
+    sched = _build(monkeypatch, "hit-aware", HYBRID_ALLOC_PIN_PREFIXES=str(path))
+    lines = plugin_lines
     mgr = sched.kv_cache_manager
     assert isinstance(mgr, HybridKVCacheManager) and mgr._alloc.policy == "hit-aware"
     assert mgr._pending_pins == []
