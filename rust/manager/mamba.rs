@@ -478,35 +478,26 @@ impl SingleTypeManager {
         if !rekey_cached && pool.block_hash(b).is_some() && tokens == num_tokens {
             return;
         }
+        let one = OneBlock {
+            req,
+            block: b,
+            index: idx as u32,
+            key,
+            num_tokens,
+            block_size: bs,
+            parent: if nh > 1 { Some(hashes[nh - 2]) } else { None },
+        };
         match pool.block_hash(b) {
             Some(k) if *k == key => {}
             Some(_) if tokens < num_tokens => {
                 pool.maybe_evict_cached_block(b);
-                let parent = if nh > 1 { Some(hashes[nh - 2]) } else { None };
-                pool.cache_one_block(&OneBlock {
-                    req,
-                    block: b,
-                    index: idx as u32,
-                    key,
-                    num_tokens,
-                    block_size: bs,
-                    parent,
-                });
+                pool.cache_one_block(&one);
             }
             // Another key at this position (a rewritten hash list): vLLM would add a second
             // key to the block; not served, and never reached through the scheduler.
             Some(_) => return,
             None => {
-                let parent = if nh > 1 { Some(hashes[nh - 2]) } else { None };
-                pool.cache_one_block(&OneBlock {
-                    req,
-                    block: b,
-                    index: idx as u32,
-                    key,
-                    num_tokens,
-                    block_size: bs,
-                    parent,
-                });
+                pool.cache_one_block(&one);
             }
         }
         self.align_mut().cached_this_step.insert(key);

@@ -4,7 +4,6 @@ its one log line), and bad input through vLLM's API behaving as vLLM's manager d
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import subprocess
 import sys
@@ -12,27 +11,6 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.vllm
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def log_lines():  # type: ignore[no-untyped-def]
-    h = _Lines()
-    lg = logging.getLogger("vllm.hybrid_alloc")
-    level = lg.level
-    lg.setLevel(logging.INFO)
-    lg.addHandler(h)
-    yield h.lines
-    lg.removeHandler(h)
-    lg.setLevel(level)
 
 
 def _run(code: str, **env_over: str | None) -> tuple[str, str]:
@@ -181,7 +159,7 @@ def test_missing_vllm_attribute_leaves_vllm_untouched_with_one_line() -> None:
     assert len(lines) == 1 and "not enabled, vLLM is left untouched: AttributeError" in lines[0], lines
 
 
-def test_adapter_raising_in_scheduler_falls_back_with_one_line(log_lines, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_adapter_raising_in_scheduler_falls_back_with_one_line(plugin_lines, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     from hybrid_alloc.vllm import manager, plugin
@@ -205,7 +183,7 @@ def test_adapter_raising_in_scheduler_falls_back_with_one_line(log_lines, monkey
     finally:
         plugin.remove()
     assert type(sched.kv_cache_manager) is KVCacheManager
-    lines = [ln for ln in log_lines if ln.startswith("hybrid_alloc:")]
+    lines = [ln for ln in plugin_lines if ln.startswith("hybrid_alloc:")]
     assert lines == [
         "hybrid_alloc: falling back to vLLM's KVCacheManager: building the native manager raised "
         "RuntimeError: an adapter bug"
@@ -243,18 +221,18 @@ def _kwargs(setup: str = "full_swa_bs16", **over):  # type: ignore[no-untyped-de
         (dict(num_prefill_lookahead=3), "prefill lookahead"),
     ],
 )
-def test_fallback_returns_vllm_manager_with_one_line(over, reason, log_lines) -> None:  # type: ignore[no-untyped-def]
+def test_fallback_returns_vllm_manager_with_one_line(over, reason, plugin_lines) -> None:  # type: ignore[no-untyped-def]
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     from hybrid_alloc.vllm.manager import HybridKVCacheManager
 
     m = HybridKVCacheManager(**_kwargs(**over))
     assert type(m) is KVCacheManager
-    fallback = [ln for ln in log_lines if "falling back" in ln]
+    fallback = [ln for ln in plugin_lines if "falling back" in ln]
     assert len(fallback) == 1 and reason in fallback[0]
 
 
-def test_fallback_for_mamba_groups(log_lines) -> None:  # type: ignore[no-untyped-def]
+def test_fallback_for_mamba_groups(plugin_lines) -> None:  # type: ignore[no-untyped-def]
     import torch
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
@@ -275,10 +253,10 @@ def test_fallback_for_mamba_groups(log_lines) -> None:  # type: ignore[no-untype
     kw = _kwargs(kv_cache_config=cfg, enable_caching=True, scheduler_block_size=32)
     m = HybridKVCacheManager(**kw)
     assert type(m) is KVCacheManager
-    assert any("falling back" in ln and "sub-block partial hits with copy-on-write" in ln for ln in log_lines)
+    assert any("falling back" in ln and "sub-block partial hits with copy-on-write" in ln for ln in plugin_lines)
 
 
-def test_fallback_for_kv_connector(log_lines) -> None:  # type: ignore[no-untyped-def]
+def test_fallback_for_kv_connector(plugin_lines) -> None:  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -291,15 +269,15 @@ def test_fallback_for_kv_connector(log_lines) -> None:  # type: ignore[no-untype
     finally:
         manager.current_vllm_config = None
     assert type(m) is KVCacheManager
-    assert any("KV connector" in ln for ln in log_lines)
+    assert any("KV connector" in ln for ln in plugin_lines)
 
 
-def test_native_manager_logs_one_serving_line(log_lines) -> None:  # type: ignore[no-untyped-def]
+def test_native_manager_logs_one_serving_line(plugin_lines) -> None:  # type: ignore[no-untyped-def]
     from hybrid_alloc.vllm.manager import HybridKVCacheManager
 
     m = HybridKVCacheManager(**_kwargs())
     assert type(m) is HybridKVCacheManager
-    serving = [ln for ln in log_lines if "native KV cache manager serving" in ln]
+    serving = [ln for ln in plugin_lines if "native KV cache manager serving" in ln]
     assert len(serving) == 1 and "sliding_window(window=64)" in serving[0]
 
 
