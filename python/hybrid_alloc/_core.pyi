@@ -23,7 +23,6 @@ __all__ = [
     "UnknownRequestError",
     "UnsupportedConfigError",
     "__version__",
-    "_noop",
 ]
 __version__: str
 
@@ -64,8 +63,6 @@ class _Request(Protocol):
     def shared_prefix_boundary(self) -> int: ...
     @property
     def block_hashes(self) -> list[bytes]: ...
-
-def _noop(*_args: object, **_kwargs: object) -> None: ...
 
 @final
 class Hit:

@@ -28,14 +28,6 @@ mod pool;
 mod results;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
-
-/// Does nothing, with any arguments: the benchmark calibrates its timing wrappers on it.
-// TODO(issue 15): move out of the extension once `hybrid_alloc/bench.py` (`ManagerClock.calibrate`)
-// and `tests/python/test_bench_counting.py`, which import it from `_core`, take their baseline elsewhere.
-#[pyfunction]
-#[pyo3(signature = (*_args, **_kwargs))]
-fn _noop(_args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>) {}
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -45,7 +37,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<results::PyHit>()?;
     m.add_class::<results::PyNoopLimits>()?;
     m.add_class::<block_ids::PyBlockIds>()?;
-    m.add_function(wrap_pyfunction!(_noop, m)?)?;
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

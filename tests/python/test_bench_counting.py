@@ -72,17 +72,15 @@ def test_clock_subtracts_its_calibrated_cost(monkeypatch: pytest.MonkeyPatch) ->
     callee that reads the clock once more (it "takes" 100 ns) counts 100."""
     from types import SimpleNamespace
 
-    from hybrid_alloc._core import _noop
-
     ticks = iter(range(0, 10**12, 100))
     monkeypatch.setattr(bench.time, "perf_counter_ns", lambda: next(ticks))
     clock = bench.ManagerClock()
     clock.calibrate()
     assert clock.overhead_ns == clock.overhead_method_ns == 100
-    o = SimpleNamespace(f=_noop, g=lambda: bench.time.perf_counter_ns())
+    o = SimpleNamespace(f=bench.NOOP, g=lambda: bench.time.perf_counter_ns())
 
     class P:
-        h = _noop
+        h = bench.NOOP
 
     clock._patch(o, "f", "f", False)
     clock._patch(o, "g", "g", False)
@@ -98,7 +96,7 @@ def test_clock_subtracts_its_calibrated_cost(monkeypatch: pytest.MonkeyPatch) ->
         assert clock.take() == 10 * 100
     finally:
         clock.off()
-    assert P.__dict__["h"] is _noop and vars(o)["f"] is _noop
+    assert P.__dict__["h"] is bench.NOOP and vars(o)["f"] is bench.NOOP
 
 
 def test_empty_result_is_vllms_empty_blocks_with_a_cheap_get_block_ids() -> None:
