@@ -9,11 +9,12 @@
 use std::sync::MutexGuard;
 
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::block_ids::{tuple_of_groups, PyBlockIds};
 use super::convert::{handle_arg, hit_arg, u32_arg, PyHashes};
 use super::groups::group_spec;
+use super::kwargs::{AllocateOptions, BlockCountOptions, NewOptions};
 use super::pool::PyAllocatorBase;
 use super::results::PyNoopLimits;
 use crate::api::{self, AllocateRequest};
@@ -36,41 +37,43 @@ impl PyAllocator {
     /// the legacy tuple `(kind, block_size, spec_key, param1, param2[, param3])` whose params
     /// are the kind's fields in order; groups with equal `spec_key` are looked up together.
     #[new]
-    #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size, max_model_len,
-        max_in_flight_tokens=None, enable_caching=true, enable_events=false, watermark_blocks=0,
-        retention_interval=Some(0), policy="exact", zero_new_blocks=false, hash_lookahead_tokens=0))]
-    // pyo3 0.30 maps each Python parameter to one Rust parameter (no struct of arguments);
-    // `*args, **kwargs` would change the signature the tests and the stub call.
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size, max_model_len, *options,
+        **keywords))]
+    #[pyo3(text_signature = "(num_blocks, groups, hash_block_size, scheduler_block_size, max_model_len, \
+        max_in_flight_tokens=None, enable_caching=True, enable_events=False, watermark_blocks=0, \
+        retention_interval=0, policy='exact', zero_new_blocks=False, hash_lookahead_tokens=0)")]
     fn new(
         num_blocks: i64,
         groups: Vec<Bound<'_, PyAny>>,
         hash_block_size: i64,
         scheduler_block_size: i64,
         max_model_len: i64,
-        max_in_flight_tokens: Option<i64>,
-        enable_caching: bool,
-        enable_events: bool,
-        watermark_blocks: i64,
-        retention_interval: Option<i64>,
-        policy: &str,
-        zero_new_blocks: bool,
-        hash_lookahead_tokens: i64,
+        options: &Bound<'_, PyTuple>,
+        keywords: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let policy = crate::policy::Policy::parse(policy)?;
+        let o = NewOptions::parse(Some(options), keywords)?;
+        let policy = crate::policy::Policy::parse(&o.policy.get::<String>("exact".into())?)?;
+        let retention_interval = match o.retention_interval.given() {
+            // An explicit `None` means "no retention"; left out, it is 0 (vLLM's default).
+            true => o.retention_interval.opt::<i64>()?,
+            false => Some(0),
+        };
         let cfg = Config {
             num_blocks: u32_arg("num_blocks", num_blocks)?,
             groups: groups.iter().enumerate().map(|(i, g)| group_spec(i, g)).collect::<PyResult<_>>()?,
             hash_block_size: u32_arg("hash_block_size", hash_block_size)?,
             scheduler_block_size: u32_arg("scheduler_block_size", scheduler_block_size)?,
             max_model_len: u32_arg("max_model_len", max_model_len)?,
-            max_in_flight_tokens: u32_arg("max_in_flight_tokens", max_in_flight_tokens.unwrap_or(max_model_len))?,
-            enable_caching,
-            enable_events,
-            watermark_blocks: u32_arg("watermark_blocks", watermark_blocks)?,
+            max_in_flight_tokens: u32_arg(
+                "max_in_flight_tokens",
+                o.max_in_flight_tokens.opt()?.unwrap_or(max_model_len),
+            )?,
+            enable_caching: o.enable_caching.get(true)?,
+            enable_events: o.enable_events.get(false)?,
+            watermark_blocks: u32_arg("watermark_blocks", o.watermark_blocks.get(0)?)?,
             retention_interval: retention_interval.map(|r| u32_arg("retention_interval", r)).transpose()?,
-            zero_new_blocks,
-            hash_lookahead_tokens: u32_arg("hash_lookahead_tokens", hash_lookahead_tokens)?,
+            zero_new_blocks: o.zero_new_blocks.get(false)?,
+            hash_lookahead_tokens: u32_arg("hash_lookahead_tokens", o.hash_lookahead_tokens.get(0)?)?,
         };
         Ok(PyClassInitializer::from(PyAllocatorBase::new(Allocator::new(cfg, policy)?)).add_subclass(Self))
     }
@@ -118,61 +121,47 @@ impl PyAllocator {
     /// request's fields default to a request whose tokens are exactly those computed and
     /// scheduled now. Returns `None` when the blocks do not fit, else the new block ids of
     /// each group.
-    #[pyo3(signature = (handle, num_new_tokens, *, block_hashes=None, hit=None,
-        num_new_computed_tokens=0, num_lookahead_tokens=0, num_external_computed_tokens=0,
-        delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false, reserved_blocks=0,
-        apply_watermark=false, num_computed_tokens=0, num_in_flight_tokens=0, num_prompt_tokens=None,
-        num_tokens=None, shared_prefix_boundary=0, skip_zeroing_group_ids=Vec::new(), as_buffer=false))]
-    // One Rust parameter per Python keyword (pyo3 0.30 has no struct of arguments): a
-    // `**kwargs` dict instead would be a Python object per call on the adapter's path.
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (handle, num_new_tokens, **keywords))]
+    #[pyo3(text_signature = "(self, handle, num_new_tokens, *, block_hashes=None, hit=None, \
+        num_new_computed_tokens=0, num_lookahead_tokens=0, num_external_computed_tokens=0, \
+        delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0, \
+        apply_watermark=False, num_computed_tokens=0, num_in_flight_tokens=0, num_prompt_tokens=None, \
+        num_tokens=None, shared_prefix_boundary=0, skip_zeroing_group_ids=[], as_buffer=False)")]
     fn allocate_slots<'py>(
         slf: &Bound<'_, Self>,
         py: Python<'py>,
         handle: i64,
         num_new_tokens: i64,
-        block_hashes: Option<&Bound<'_, PyList>>,
-        hit: Option<&Bound<'_, PyAny>>,
-        num_new_computed_tokens: i64,
-        num_lookahead_tokens: i64,
-        num_external_computed_tokens: i64,
-        delay_cache_blocks: bool,
-        num_encoder_tokens: i64,
-        full_sequence_must_fit: bool,
-        reserved_blocks: i64,
-        apply_watermark: bool,
-        num_computed_tokens: i64,
-        num_in_flight_tokens: i64,
-        num_prompt_tokens: Option<i64>,
-        num_tokens: Option<i64>,
-        shared_prefix_boundary: i64,
-        skip_zeroing_group_ids: Vec<i64>,
-        as_buffer: bool,
+        keywords: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let h = handle_arg(handle)?;
+        let o = AllocateOptions::parse(None, keywords)?;
+        let skip_zeroing_group_ids: Vec<i64> = o.skip_zeroing_group_ids.get(Vec::new())?;
         let args = AllocateRequest {
             num_new_tokens,
-            num_new_computed_tokens,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-            apply_watermark,
-            num_computed_tokens,
-            num_in_flight_tokens,
-            num_prompt_tokens,
-            num_tokens,
-            shared_prefix_boundary,
+            num_new_computed_tokens: o.num_new_computed_tokens.get(0)?,
+            num_lookahead_tokens: o.num_lookahead_tokens.get(0)?,
+            num_external_computed_tokens: o.num_external_computed_tokens.get(0)?,
+            delay_cache_blocks: o.delay_cache_blocks.get(false)?,
+            num_encoder_tokens: o.num_encoder_tokens.get(0)?,
+            full_sequence_must_fit: o.full_sequence_must_fit.get(false)?,
+            reserved_blocks: o.reserved_blocks.get(0)?,
+            apply_watermark: o.apply_watermark.get(false)?,
+            num_computed_tokens: o.num_computed_tokens.get(0)?,
+            num_in_flight_tokens: o.num_in_flight_tokens.get(0)?,
+            num_prompt_tokens: o.num_prompt_tokens.opt()?,
+            num_tokens: o.num_tokens.opt()?,
+            shared_prefix_boundary: o.shared_prefix_boundary.get(0)?,
             skip_zeroing_group_ids: &skip_zeroing_group_ids,
             trust_computed_tokens: slf.as_super().get().serves_vllm(),
         }
         .args()?;
+        let (block_hashes, hit) = (o.block_hashes.opt::<Bound<'py, PyList>>()?, o.hit.opt::<Bound<'py, PyAny>>()?);
+        let as_buffer = o.as_buffer.get(false)?;
         let mut explicit = Vec::new();
-        let nc = hit_arg(hit, &mut explicit)?;
+        let nc = hit_arg(hit.as_ref(), &mut explicit)?;
         let mut core = core(slf)?;
-        let src = block_hashes.map(PyHashes);
+        let src = block_hashes.as_ref().map(PyHashes);
         if core.allocate_slots(h, &args, nc, src.as_ref().map(|s| s as &dyn HashSource))?.is_none() {
             return Ok(None);
         }
@@ -235,20 +224,20 @@ impl PyAllocator {
     /// with no new hit); negative when a Mamba "align" table holds more than it needs.
     /// `prefill_end` is where the request's prefill ends (vLLM's argument); without the
     /// admission cap a Mamba "align" group records the prefill checkpoint it counts, as vLLM's.
-    #[pyo3(signature = (handle, num_tokens, *, num_encoder_tokens=0, total_computed_tokens=0,
-        apply_admission_cap=false, num_tokens_main_model=None, prefill_end=0))]
-    // One Rust parameter per Python parameter (pyo3 0.30); `self` makes it eight.
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (handle, num_tokens, **keywords))]
+    #[pyo3(text_signature = "(self, handle, num_tokens, *, num_encoder_tokens=0, total_computed_tokens=0, \
+        apply_admission_cap=False, num_tokens_main_model=None, prefill_end=0)")]
     fn get_num_blocks_to_allocate(
         slf: &Bound<'_, Self>,
         handle: i64,
         num_tokens: i64,
-        num_encoder_tokens: i64,
-        total_computed_tokens: i64,
-        apply_admission_cap: bool,
-        num_tokens_main_model: Option<i64>,
-        prefill_end: i64,
+        keywords: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<i64> {
+        let o = BlockCountOptions::parse(None, keywords)?;
+        let (num_encoder_tokens, total_computed_tokens) =
+            (o.num_encoder_tokens.get(0)?, o.total_computed_tokens.get(0)?);
+        let (apply_admission_cap, prefill_end) = (o.apply_admission_cap.get(false)?, o.prefill_end.get(0)?);
+        let num_tokens_main_model = o.num_tokens_main_model.opt()?;
         let h = handle_arg(handle)?;
         let c = BlockCountArgs {
             num_tokens: u32_arg("num_tokens", num_tokens)?,

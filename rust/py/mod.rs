@@ -24,6 +24,7 @@ mod errors;
 mod events;
 mod fast;
 mod groups;
+mod kwargs;
 mod pool;
 mod results;
 

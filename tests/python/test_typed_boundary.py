@@ -111,3 +111,45 @@ def test_noop_limits_reads_by_name_and_unpacks() -> None:
     assert lim.slots == 32 and lim[0] == 32 and lim[-1] == new_tokens and lim[:2] == (slots, processed)
     assert len(lim) == 4 and hash(lim) == hash(tuple(lim)) and "slots=32" in repr(lim)
     assert lim != (0, 0, 0, 0)
+
+
+def test_optional_arguments_follow_pythons_rules() -> None:
+    """The constructor, ``allocate_slots`` and ``get_num_blocks_to_allocate`` read their options by
+    name (``rust/py/kwargs.rs``): positionals in the declared order, each at most once, no unknown
+    name, a wrong type named in the message; a refused call changes nothing; the signature the
+    stub declares is the one ``inspect`` reads."""
+    import inspect
+
+    full = [("full", 16, 0, 0, 0)]
+    # Positionally and by name: the same allocator (retention_interval=None means none).
+    a = Allocator(16, full, 16, 16, 4096, 4096, True, True, 0, None, "exact")
+    b = Allocator(16, full, 16, 16, 4096, enable_events=True, retention_interval=None, max_in_flight_tokens=4096)
+    got: list[Any] = []
+    for x in (a, b):
+        r = x.add_request()
+        got.append((x.allocate_slots(r, 20, num_tokens=20), x.noop_limits(r), x.num_free_blocks))
+    assert got[0] == got[1] and len(got[0][0][0]) == 2 and got[0][2] == 13
+    with pytest.raises(TypeError, match="at most 8 optional positional"):
+        Allocator(16, full, 16, 16, 4096, None, True, False, 0, 0, "exact", False, 0, 1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="multiple values for argument 'max_in_flight_tokens'"):
+        Allocator(16, full, 16, 16, 4096, 4096, max_in_flight_tokens=4096)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'caching'"):
+        Allocator(16, full, 16, 16, 4096, caching=True)  # type: ignore[call-arg]
+    with pytest.raises(ha.InvalidConfigError):
+        Allocator(16, full, 16, 16, 4096, policy="fastest")
+    c = Allocator(16, full, 16, 16, 4096)
+    r = c.add_request()
+    free = c.num_free_blocks
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lookahead'"):
+        c.allocate_slots(r, 20, lookahead=1)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="argument 'num_lookahead_tokens'"):
+        c.allocate_slots(r, 20, num_lookahead_tokens="1")  # type: ignore[call-overload]
+    with pytest.raises(TypeError):
+        c.allocate_slots(r, 20, None)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'prefill'"):
+        c.get_num_blocks_to_allocate(r, 20, prefill=0)  # type: ignore[call-arg]
+    assert c.num_free_blocks == free and c.block_ids(r) == ([],)
+    assert c.get_num_blocks_to_allocate(r, 20, num_tokens_main_model=None) == 2
+    sig = inspect.signature(Allocator.allocate_slots)
+    assert sig.parameters["num_lookahead_tokens"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert list(inspect.signature(Allocator).parameters)[5:7] == ["max_in_flight_tokens", "enable_caching"]

@@ -1,0 +1,126 @@
+//! The optional arguments of the three calls that take more of them than a Rust function
+//! should (`Allocator.__new__`, `allocate_slots`, `get_num_blocks_to_allocate`): pyo3 maps each
+//! Python parameter to one Rust parameter, so these calls take their options as `*args` /
+//! `**kwargs` and read them here into a struct with one field per option, with Python's own
+//! rules (each at most once, no unknown name, positionals in the declared order). What each
+//! option means is the core's ([`crate::api`]); this only finds and converts it. O(options
+//! given): each name is matched once, by a `match` on its string.
+#![forbid(unsafe_code)]
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString, PyTuple};
+
+/// One option of a call: its value if it was given (`None` included), and where it belongs,
+/// for error messages.
+#[derive(Default)]
+pub(super) struct Opt<'py> {
+    value: Option<Bound<'py, PyAny>>,
+    call: &'static str,
+    name: &'static str,
+}
+
+impl<'py> Opt<'py> {
+    /// Whether it was given (`None` included).
+    pub(super) fn given(&self) -> bool {
+        self.value.is_some()
+    }
+
+    /// As a `T`, or `default` when it was not given or given as `None`.
+    pub(super) fn get<T: for<'a> FromPyObject<'a, 'py, Error: Into<PyErr>>>(&self, default: T) -> PyResult<T> {
+        Ok(self.opt()?.unwrap_or(default))
+    }
+
+    /// As a `T`, or `None` when it was not given or given as `None`; a value of the wrong
+    /// type raises `TypeError` naming the option.
+    pub(super) fn opt<T: for<'a> FromPyObject<'a, 'py, Error: Into<PyErr>>>(&self) -> PyResult<Option<T>> {
+        match &self.value {
+            Some(v) if !v.is_none() => v.extract::<T>().map(Some).map_err(|e| {
+                let (py, e): (_, PyErr) = (v.py(), e.into());
+                if e.is_instance_of::<PyTypeError>(py) {
+                    PyTypeError::new_err(format!("{}() argument '{}': {}", self.call, self.name, e.value(py)))
+                } else {
+                    e
+                }
+            }),
+            _ => Ok(None),
+        }
+    }
+}
+
+/// Declares the struct of one call's options (fields in positional order) and its `parse`.
+macro_rules! options {
+    ($(#[$doc:meta])* $ty:ident($call:literal) { $($field:ident),+ $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Default)]
+        pub(super) struct $ty<'py> {
+            $(pub(super) $field: Opt<'py>,)+
+        }
+
+        impl<'py> $ty<'py> {
+            /// Reads `positional` (filling the options in order) and `keywords`; raises
+            /// `TypeError` as Python does for too many positionals, an unknown name or one
+            /// given twice.
+            pub(super) fn parse(
+                positional: Option<&Bound<'py, PyTuple>>,
+                keywords: Option<&Bound<'py, PyDict>>,
+            ) -> PyResult<Self> {
+                let mut o = Self::default();
+                $(o.$field.call = $call; o.$field.name = stringify!($field);)+
+                if let Some(args) = positional {
+                    let mut slots = [$(&mut o.$field),+];
+                    if args.len() > slots.len() {
+                        return Err(PyTypeError::new_err(format!(
+                            "{}() takes at most {} optional positional arguments ({} given)",
+                            $call, slots.len(), args.len()
+                        )));
+                    }
+                    for (slot, v) in slots.iter_mut().zip(args.iter()) {
+                        slot.value = Some(v);
+                    }
+                }
+                for (k, v) in keywords.into_iter().flat_map(|kw| kw.iter()) {
+                    let key = k.cast::<PyString>()?.to_cow()?;
+                    let slot = match &*key {
+                        $(stringify!($field) => &mut o.$field,)+
+                        _ => return Err(PyTypeError::new_err(format!(
+                            "{}() got an unexpected keyword argument '{key}'", $call
+                        ))),
+                    };
+                    if slot.value.is_some() {
+                        return Err(PyTypeError::new_err(format!(
+                            "{}() got multiple values for argument '{key}'", $call
+                        )));
+                    }
+                    slot.value = Some(v);
+                }
+                Ok(o)
+            }
+        }
+    };
+}
+
+options! {
+    /// `Allocator(...)`'s options after its five required arguments.
+    NewOptions("Allocator") {
+        max_in_flight_tokens, enable_caching, enable_events, watermark_blocks, retention_interval, policy,
+        zero_new_blocks, hash_lookahead_tokens,
+    }
+}
+
+options! {
+    /// `allocate_slots`' keyword-only options.
+    AllocateOptions("allocate_slots") {
+        block_hashes, hit, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens,
+        delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit, reserved_blocks, apply_watermark,
+        num_computed_tokens, num_in_flight_tokens, num_prompt_tokens, num_tokens, shared_prefix_boundary,
+        skip_zeroing_group_ids, as_buffer,
+    }
+}
+
+options! {
+    /// `get_num_blocks_to_allocate`'s keyword-only options.
+    BlockCountOptions("get_num_blocks_to_allocate") {
+        num_encoder_tokens, total_computed_tokens, apply_admission_cap, num_tokens_main_model, prefill_end,
+    }
+}
