@@ -3,8 +3,9 @@
 # the wheel build, ruff (lint with import sorting, and format --check) over the Python paths, mypy
 # over python/hybrid_alloc and over the tests that use the stub, the stub check, and pytest with the
 # parity tests against the real vLLM, once for each supported release (each in a cached venv built
-# by scripts/test-env.sh; a run whose vLLM tests would be skipped fails instead). The steps it shares
-# with scripts/check.sh (its fast half) live in scripts/steps.sh.
+# by scripts/test-env.sh; a run whose vLLM tests would be skipped fails instead). The releases'
+# pytest runs go concurrently, each into target/test-logs/pytest-RELEASE.log, printed whole when it
+# ends. The steps it shares with scripts/check.sh (its fast half) live in scripts/steps.sh.
 #
 # HYBRID_ALLOC_VLLM_RELEASES narrows the releases (default "0.32.0 0.33.0"); extra arguments go to
 # pytest. The property tests bound their own cases in debug builds (tests/model.rs, `cases()`);
@@ -65,6 +66,7 @@ pytest_release() {
 }
 
 first=1
+declare -A PYTEST_PID
 for release in $RELEASES; do
   start=$SECONDS
   printf '\n== test environment (vLLM %s) (%s)\n' "$release" "$(date +%T)"
@@ -94,7 +96,26 @@ for release in $RELEASES; do
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     run "stubs (mypy.stubtest)" bash -c 'cd /tmp && "$0" -m mypy.stubtest hybrid_alloc._core' "$PY"
   fi
-  run "pytest (vLLM $release)" pytest_release "$release" "$PY" "$@"
+  # The releases' pytest runs go concurrently (each is mostly one busy process; two cores), each
+  # into its own log, printed whole when it ends; each writes its own duration next to its log.
+  printf '\n== pytest (vLLM %s) started (%s); its output follows when it ends\n' "$release" "$(date +%T)"
+  rm -f "$LOGDIR/pytest-$release.secs"
+  (
+    start=$SECONDS
+    pytest_release "$release" "$PY" "$@" >"$LOGDIR/pytest-$release.log" 2>&1
+    rc=$?
+    echo $((SECONDS - start)) >"$LOGDIR/pytest-$release.secs"
+    exit "$rc"
+  ) &
+  PYTEST_PID[$release]=$!
+done
+for release in $RELEASES; do
+  [ -n "${PYTEST_PID[$release]:-}" ] || continue
+  wait "${PYTEST_PID[$release]}"
+  rc=$?
+  printf '\n== pytest (vLLM %s) (ended; log %s)\n' "$release" "$LOGDIR/pytest-$release.log"
+  cat "$LOGDIR/pytest-$release.log"
+  record "pytest (vLLM $release)" "$rc" "$(cat "$LOGDIR/pytest-$release.secs" 2>/dev/null || echo 0)"
 done
 [ $first = 0 ] || { echo "no test environment could be built"; FAILED=1; }
 summary
