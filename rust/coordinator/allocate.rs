@@ -291,9 +291,7 @@ impl Allocator {
                 )));
             }
         }
-        if !a.trust_computed_tokens {
-            self.check_computed_within_tables(s, a)?;
-        }
+        let unwritten_from = if a.trust_computed_tokens { None } else { self.check_computed_within_tables(s, a)? };
         let tracked = self.managers.iter().any(|m| m.is_tracked(s));
         if has_new_computed && tracked {
             return Err(Error::OutOfRange("a running request cannot adopt new cache-hit blocks".into()));
@@ -304,17 +302,41 @@ impl Allocator {
         if adopts && !tracked && self.managers.iter().any(|m| !m.blocks(s).is_empty()) {
             return Err(Error::OutOfRange("a request that already holds blocks cannot adopt computed tokens".into()));
         }
-        Ok(self.allocate_slots_inner(s, a, hit_blocks, adopts && !tracked))
+        let unwritten_before = self.reqs[s as usize].unwritten_from;
+        if let Some(from) = unwritten_from {
+            // Marked first, so this call's own caching stops there too; undone if it does not fit.
+            self.reqs[s as usize].unwritten_from = Some(unwritten_before.map_or(from, |u| u.min(from)));
+        }
+        let got = self.allocate_slots_inner(s, a, hit_blocks, adopts && !tracked);
+        if got.is_none() {
+            self.reqs[s as usize].unwritten_from = unwritten_before;
+        }
+        Ok(got)
     }
 
     /// Refuses a computed-token count ahead of the token slots a table of `s` was given
     /// when this call would cache blocks past them under the request's hashes: the tokens
     /// between the slots and the count were never written (see
     /// [`AllocateArgs::trust_computed_tokens`]). A count ahead with nothing to cache there
-    /// (no hashes for those blocks, caching off or delayed) allocates as vLLM's does.
-    fn check_computed_within_tables(&self, s: Slot, a: &AllocateArgs) -> Result<()> {
-        if !self.cfg.enable_caching || a.delay_cache_blocks {
-            return Ok(());
+    /// (no hashes for those blocks yet, caching off or delayed) allocates as vLLM's does, and
+    /// returns the first never-written token (the fewest slots a covering table was given),
+    /// past which nothing of the request is ever cached (a later call that knows the hashes
+    /// caches only up to it).
+    fn check_computed_within_tables(&self, s: Slot, a: &AllocateArgs) -> Result<Option<u32>> {
+        if !self.cfg.enable_caching {
+            return Ok(None);
+        }
+        let covered = |m: &crate::manager::SingleTypeManager| m.blocks(s).len() as u64 * m.block_size() as u64;
+        let unwritten = self
+            .managers
+            .iter()
+            .filter(|m| m.spec.kind.covers_sequence())
+            .map(covered)
+            .min()
+            .filter(|&slots| (a.num_computed_tokens as u64) > slots)
+            .map(|slots| slots as u32);
+        if unwritten.is_none() || a.delay_cache_blocks {
+            return Ok(unwritten);
         }
         // What `allocate_slots_inner` caches; the sums fit `u32` (checked by the caller).
         let mml = self.cfg.max_model_len;
@@ -338,7 +360,7 @@ impl Allocator {
                 )));
             }
         }
-        Ok(())
+        Ok(unwritten)
     }
 
     /// The allocation itself; every check passed. Token sums fit `u32` (checked by the

@@ -49,8 +49,8 @@ impl Allocator {
         let handle = self.handle_of(s);
         let boundaries_buf = [num_prompt_tokens.saturating_sub(1), shared_prefix_boundary];
         let boundaries = if shared_prefix_boundary != 0 { &boundaries_buf[..] } else { &boundaries_buf[..1] };
-        let hashes = &self.reqs[s as usize].hashes;
-        let n = self.cache_target(num_tokens);
+        let st = &self.reqs[s as usize];
+        let (hashes, n) = (&st.hashes, self.cache_target(num_tokens.min(st.unwritten_from.unwrap_or(u32::MAX))));
         let c = CacheArgs {
             req: handle,
             hashes,
@@ -80,7 +80,8 @@ impl Allocator {
             None => None,
         };
         if self.cfg.enable_caching {
-            let n = self.cache_target(num_computed_tokens);
+            let n =
+                self.cache_target(num_computed_tokens.min(self.reqs[s as usize].unwritten_from.unwrap_or(u32::MAX)));
             let num_hashes = self.reqs[s as usize].hashes.len();
             for (g, m) in self.managers.iter().enumerate() {
                 let (full, held) = m.blocks_to_cache(s, num_hashes, n);

@@ -55,6 +55,11 @@ struct ReqState {
     /// The no-op limits of the request's next plain step: always equal to
     /// [`Allocator::noop_limits`] of its tables (refreshed by every call that changes them).
     noop: NoopLimits,
+    /// The direct API only: the first token the request's tables were given slots for only
+    /// after a `num_computed_tokens` already past it (those tokens were never written), so
+    /// no block from there on is ever cached for it; `None` for every request the vLLM
+    /// adapter drives ([`AllocateArgs::trust_computed_tokens`]).
+    unwritten_from: Option<u32>,
 }
 
 /// A caller-supplied token count as `u32`.

@@ -69,6 +69,7 @@ impl Allocator {
         let st = &mut self.reqs[s as usize];
         st.generation = next_generation();
         st.hashes.clear();
+        st.unwritten_from = None;
         if st.hit.len() != ng {
             st.hit = vec![Vec::new(); ng];
         }

@@ -4,7 +4,9 @@
 8a: ``allocate_slots`` accepted a computed-token count ahead of what the request's table
 was given, then cached never-written blocks under the request's real hashes, so a second
 request with the same prompt got a hit on them. The direct API now refuses it with
-``OutOfRangeError`` and changes nothing. The vLLM adapter stays exact to vLLM's manager,
+``OutOfRangeError`` and changes nothing when the call would cache those blocks; when it
+would not (their hashes are not known yet), it allocates as vLLM's does, and no later call
+ever caches the request's blocks from the first never-written token on. The vLLM adapter stays exact to vLLM's manager,
 which takes a ``Request``'s count as it comes: an allocator a ``FastAllocate`` serves
 trusts the count."""
 
@@ -69,6 +71,31 @@ def test_computed_tokens_ahead_of_the_table_are_refused_and_change_nothing() -> 
     # The count the table was given is accepted: the next chunk goes on as before.
     assert a.allocate_slots(h, 16, num_computed_tokens=16, num_tokens=PROMPT) is not None
     a.check_invariants()
+
+
+def test_blocks_never_written_are_never_cached_by_a_later_call() -> None:
+    """The same count in two calls: ahead of the table while the request's hashes cover only
+    its first block, so this call caches nothing and allocates as vLLM's does (P5 in
+    test_api); then the hashes arrive. Neither ``cache_blocks`` nor a later allocation caches
+    the never-written blocks: a second request with the same prompt hits only the block that
+    was written."""
+    a = allocator()
+    h = a.add_request()
+    assert a.allocate_slots(h, 16, block_hashes=hashes(1), num_prompt_tokens=PROMPT, num_tokens=PROMPT) is not None
+    got = a.allocate_slots(h, 1, block_hashes=hashes(1), num_computed_tokens=96, num_tokens=PROMPT)
+    assert got is not None and [len(g) for g in got] == [6]
+    a.cache_blocks(h, 97, block_hashes=hashes(PROMPT // 16))
+    assert a.allocate_slots(h, 3, num_computed_tokens=97, num_tokens=PROMPT) is not None
+    second = a.add_request()
+    hit_tokens, _, _ = a.get_computed_blocks(second, PROMPT - 1, block_hashes=hashes(PROMPT // 16))
+    assert hit_tokens == 16
+    a.check_invariants()
+    # A request that wrote every block caches them all (the mark is the request's own).
+    third = a.add_request()
+    assert a.allocate_slots(third, PROMPT, block_hashes=hashes(PROMPT // 16), num_tokens=PROMPT) is not None
+    fourth = a.add_request()
+    hit_tokens, _, _ = a.get_computed_blocks(fourth, PROMPT - 1, block_hashes=hashes(PROMPT // 16))
+    assert hit_tokens == 96
 
 
 def test_allocator_served_by_fast_allocate_stays_exact_to_vllm() -> None:
