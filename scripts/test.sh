@@ -56,7 +56,7 @@ pytest_release() {
   local release=$1 py=$2 rc
   shift 2
   HYBRID_ALLOC_REQUIRE_VLLM=$release HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
-    "$py" -m pytest tests/python -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::FutureWarning "$@"
+    "$py" -m pytest tests/python -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::FutureWarning --durations=15 "$@"
   rc=$?
   if [ "$rc" = 5 ] && [ $# -gt 0 ]; then
     echo "pytest: no test selected by '$*' on vLLM $release (counted as a pass: the arguments chose a subset)"
