@@ -91,3 +91,14 @@ def test_memory_counts_vllms_block_objects_and_none_of_ours() -> None:
     assert ref["python_objects_per_block"] >= 1.0 and ours["python_objects_per_block"] < 0.01
     assert ours["construction_s"] > 0 and ref["construction_s"] > 0
     assert ours["malloc_bytes_per_block"] > 0
+
+
+def test_kv_from_medians_sums_call_medians_and_the_rest() -> None:
+    row = {
+        "per_call": {
+            "allocate_slots/no-op": {"median_us": 1.0, "calls_per_step": 10.0},
+            "allocate_slots/crossing": {"median_us": 5.0, "calls_per_step": 2.0},
+        },
+        "kv_breakdown": {"allocate_slots": {"us_per_step": 99.0}, "free": {"us_per_step": 3.0}},
+    }
+    assert bench_serve.kv_from_medians(row) == 10.0 + 10.0 + 3.0
