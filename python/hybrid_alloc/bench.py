@@ -982,6 +982,9 @@ def plot(results: list[RunResult], rows: list[dict[str, Any]], path: str) -> boo
                 ax.plot(xs2, ys2, "-", color=color, marker=marker[m], markerfacecolor="white", linewidth=1)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ticks = sorted({int(r.scenario.split("-")[1]) for r in runs if r.scenario.split("-")[-1].isdigit()})
+        if ticks:
+            ax.set_xticks(ticks)
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("requests scheduled in the step")
