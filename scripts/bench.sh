@@ -2,7 +2,8 @@
 # The main job: builds hybrid_alloc's wheel (maturin) into this checkout's target/pysite, next to
 # the cached vLLM environment of one supported release (scripts/test-env.sh; HYBRID_ALLOC_VLLM,
 # default 0.32.0), and runs `hybrid-alloc bench` with the given options (none: the default
-# benchmark). Writes bench-out/bench.{json,png}. `bash scripts/bench.sh hits [options]` runs
+# benchmark: the serve workload's table first, then throughput, shared-prefix, decode-N and
+# memory). Writes bench-out/bench.{json,png}. `bash scripts/bench.sh hits [options]` runs
 # `hybrid-alloc hits` instead (as does `--suite hits`).
 #
 # The wheel is not installed into the environment, so `hybrid-alloc` is not on PATH: this script

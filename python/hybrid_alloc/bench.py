@@ -112,12 +112,16 @@ class ManagerClock:
         # name -> [ns, calls] since the last take_breakdown.
         self.by_name: dict[str, list[float]] = {}
         self._patches: list[tuple[Any, str, bool, Any, Any]] = []
+        # "name/kind" -> each call's ns (the timer's cost subtracted), for the calls that have
+        # a classifier (``_classifiers``), since the last reset_breakdown.
+        self.samples: dict[str, list[float]] = {}
         self._installed = False
 
-    def _timed(self, name: str, f: Any, method: bool) -> Any:
+    def _timed(self, name: str, f: Any, method: bool, classify: Classifier | None = None) -> Any:
         pc = time.perf_counter_ns
         clock = self
         entry = self.by_name.setdefault(name, [0.0, 0])
+        samples = self.samples
 
         def timed(*a: Any, **k: Any) -> Any:
             if clock.depth:  # a call inside a timed call: counted by the outer one
@@ -125,7 +129,7 @@ class ManagerClock:
             clock.depth = 1
             t = pc()
             try:
-                return f(*a, **k)
+                r = f(*a, **k)
             finally:
                 dt = pc() - t - (clock.overhead_method_ns if method else clock.overhead_ns)
                 clock.depth = 0
@@ -133,10 +137,18 @@ class ManagerClock:
                 clock.calls += 1
                 entry[0] += dt
                 entry[1] += 1
+            if classify is not None:  # after the clock is read: not part of the call's time
+                key = f"{name}/{classify(a, k, r)}"
+                found = samples.get(key)
+                if found is None:
+                    samples[key] = [dt]
+                else:
+                    found.append(dt)
+            return r
 
         return timed
 
-    def _patch(self, obj: Any, name: str, label: str, method: bool) -> None:
+    def _patch(self, obj: Any, name: str, label: str, method: bool, classify: Classifier | None = None) -> None:
         own = obj.__dict__ if isinstance(obj, type) else getattr(obj, "__dict__", {})
         had_own = name in own
         orig = own[name] if had_own else getattr(obj, name, None)
@@ -147,15 +159,16 @@ class ManagerClock:
                 return
             wrapper: Any = property(self._timed(label, orig.fget, True), orig.fset, orig.fdel, orig.__doc__)
         else:
-            wrapper = self._timed(label, orig, method)
+            wrapper = self._timed(label, orig, method, classify)
         self._patches.append((obj, name, had_own, orig, wrapper))
 
     def install(self, mgr: Any) -> None:
         """Prepares the wrappers for ``mgr`` (and the blocks classes) and calibrates them."""
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
+        classifiers = _classifiers(mgr.empty_kv_cache_blocks)
         for name in _TIMED:
-            self._patch(mgr, name, name, False)
+            self._patch(mgr, name, name, False, classifiers.get(name))
         self._patch(mgr.coordinator, "get_num_blocks_to_allocate", "coordinator.get_num_blocks_to_allocate", False)
         self._patch(mgr.block_pool, "free_blocks", "block_pool.free_blocks", False)
         for prop in _MANAGER_PROPERTIES:
@@ -166,7 +179,8 @@ class ManagerClock:
         for cls in _subclasses(KVCacheBlocks):
             for name in _RESULT_METHODS:
                 if name in cls.__dict__:
-                    self._patch(cls, name, f"blocks.{name}", True)
+                    label = f"blocks.{name}"
+                    self._patch(cls, name, label, True, classifiers.get(label))
         self.calibrate()
 
     def on(self) -> None:
@@ -221,7 +235,9 @@ class ManagerClock:
 
     def take(self) -> float:
         """Nanoseconds since the last take, the timer's cost subtracted."""
-        v = max(0.0, self.ns)
+        # Not clamped at 0: the step's total is the sum of its calls' times, as the breakdown
+        # is (a step of cheap calls can come out slightly negative when the calibration ran slow).
+        v = self.ns
         self.last_calls = self.calls
         self.ns = 0.0
         self.calls = 0
@@ -230,6 +246,47 @@ class ManagerClock:
     def reset_breakdown(self) -> None:
         for e in self.by_name.values():
             e[0], e[1] = 0.0, 0
+        self.samples.clear()
+
+
+Classifier = Any  # (args, kwargs, result) -> the kind of call, a short string
+
+
+def _classifiers(empty: Any) -> dict[str, Classifier]:
+    """How each call the per-call figures tell apart is classified, from its arguments and
+    result (``empty``: the manager's shared empty ``KVCacheBlocks``, which both managers
+    return for a step that got no new block):
+    - ``allocate_slots``: ``admission`` (a waiting request scheduled: the scheduler passes
+      ``new_computed_blocks``), ``chunk`` (a running request's next prefill chunk: more
+      than one new token), ``no-op`` (one new token, no new block: the empty result),
+      ``crossing`` (one new token and a new block: the step crossed a block boundary),
+      ``refused`` (``None``: it did not fit);
+    - ``blocks.get_block_ids``: ``empty`` (on the empty result) or ``ids``;
+    - ``get_computed_blocks``, ``get_blocks``, ``free``: one kind, ``all``."""
+
+    def allocate(a: tuple[Any, ...], k: dict[str, Any], r: Any) -> str:
+        if r is None:
+            return "refused"
+        if "new_computed_blocks" in k or len(a) > 3:
+            return "admission"
+        n = a[1] if len(a) > 1 else k.get("num_new_tokens", 0)
+        if n > 1:
+            return "chunk"
+        return "no-op" if r is empty else "crossing"
+
+    def block_ids(a: tuple[Any, ...], k: dict[str, Any], r: Any) -> str:
+        return "empty" if a and a[0] is empty else "ids"
+
+    def one(a: tuple[Any, ...], k: dict[str, Any], r: Any) -> str:
+        return "all"
+
+    return {
+        "allocate_slots": allocate,
+        "blocks.get_block_ids": block_ids,
+        "get_computed_blocks": one,
+        "get_blocks": one,
+        "free": one,
+    }
 
 
 @dataclasses.dataclass
@@ -250,6 +307,10 @@ class RunResult:
     usage: list[float]
     finished: bool
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Requests scheduled on each measured timed step (beside ``kv_ns``) and bare step (beside
+    # ``step_ns``): the plot's x axis.
+    kv_running: list[int] = dataclasses.field(default_factory=list)
+    step_running: list[int] = dataclasses.field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         def pct(xs: list[float], q: float) -> float:
@@ -302,11 +363,18 @@ def run_scenario(
     measure_from_running: int = 0,
     max_steps: int = 200000,
     decode_steps: int | None = None,
+    refill: Any = None,
+    warmup_finished: int = 0,
 ) -> RunResult:
     """Runs the scheduler to the end (or for ``decode_steps`` measured steps once
     ``measure_from_running`` requests run with their prompts done). Steps alternate: on even
     steps the manager's calls and the methods called on its results are timed (KV time); odd
-    steps run with no wrapper installed and give the whole step's time."""
+    steps run with no wrapper installed and give the whole step's time.
+
+    A closed loop (``refill``, a function of the request's index returning ``(id, prompt,
+    output length)``): after each step, every finished request is replaced at once by the next
+    one, so that ``len(requests)`` clients are always in the scheduler; measuring starts once
+    ``warmup_finished`` requests have been replaced."""
     from hybrid_alloc.vllm.offline import SchedulerSetup, fabricate_output, make_request
 
     setup = SchedulerSetup(
@@ -341,9 +409,14 @@ def run_scenario(
     step_cpu_ns: list[float] = []  # the same steps in this thread's CPU time (robust to a busy machine)
     running: list[int] = []
     usage: list[float] = []
+    running_timed: list[int] = []  # requests scheduled on each timed step
+    step_running: list[int] = []  # and on each bare step
     step = 0
-    measuring = measure_from_running == 0
+    measuring = measure_from_running == 0 and warmup_finished == 0
     measured = 0
+    clients = len(requests)
+    next_id = clients
+    replaced = 0
     pc = time.perf_counter_ns
     tt = time.thread_time_ns
     try:
@@ -372,17 +445,32 @@ def run_scenario(
                     kv_ns.append(kv)
                     kv_per_req_ns.append(kv / max(1, len(so.num_scheduled_tokens)))
                     raw_calls.append(clock.last_calls)
+                    running_timed.append(len(so.num_scheduled_tokens))
                 else:
                     step_ns.append((t1 - t0) + (t3 - t2))
                     step_cpu_ns.append((c1 - c0) + (c3 - c2))
+                    step_running.append(len(so.num_scheduled_tokens))
                 measured += 1
+            elif refill is not None:
+                if replaced >= warmup_finished:  # measured from the next step on
+                    measuring = True
+                    clock.reset_breakdown()
             elif n_run >= measure_from_running and all(
                 r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running
             ):  # measured from the next step on
                 measuring = True
                 clock.reset_breakdown()
+            if refill is not None:  # the closed loop: finished requests replaced at once
+                clock.off()
+                while sched.get_num_unfinished_requests() < clients:
+                    rid, toks, out_len = refill(next_id)
+                    sched.add_request(make_request(sched, rid, toks, out_len))
+                    next_id += 1
+                    replaced += 1
             running.append(n_run)
+            clock.depth = 1  # the bench's own read: not timed, not the scheduler's
             usage.append(mgr.usage)
+            clock.depth = 0
             step += 1
             if decode_steps is not None and measured >= decode_steps:
                 break
@@ -393,6 +481,16 @@ def run_scenario(
         name: {"us_per_step": ns / n_timed / 1e3, "calls_per_step": calls / n_timed}
         for name, (ns, calls) in sorted(clock.by_name.items(), key=lambda kv: -kv[1][0])
         if calls
+    }
+    per_call = {
+        key: {
+            "calls_per_step": len(xs) / n_timed,
+            "median_us": statistics.median(xs) / 1e3,
+            "mean_us": statistics.fmean(xs) / 1e3,
+            "us_per_step": sum(xs) / n_timed / 1e3,
+        }
+        for key, xs in sorted(clock.samples.items())
+        if xs
     }
     finished = not sched.get_num_unfinished_requests() or decode_steps is not None
     return RunResult(
@@ -411,6 +509,8 @@ def run_scenario(
         running=running,
         usage=usage,
         finished=finished,
+        kv_running=running_timed,
+        step_running=step_running,
         extra={
             "native": type(mgr).__name__ == "HybridKVCacheManager",
             "timer_overhead_ns_per_call": clock.overhead_ns,
@@ -420,6 +520,13 @@ def run_scenario(
             "kv_us_per_scheduled_request_median": _median(kv_per_req_ns) / 1e3,
             "step_cpu_us_median": _median(step_cpu_ns) / 1e3,
             "kv_breakdown": breakdown,
+            "per_call": per_call,
+            "step_us_mean": statistics.fmean(step_ns) / 1e3 if step_ns else 0.0,
+            "step_cpu_us_mean": statistics.fmean(step_cpu_ns) / 1e3 if step_cpu_ns else 0.0,
+            "running_mean": statistics.fmean(running_timed) if running_timed else 0.0,
+            # All timed steps' KV time over all the requests they scheduled.
+            "kv_us_per_running_request_mean": sum(kv_ns) / max(1, sum(running_timed)) / 1e3,
+            "replaced": replaced,
         },
     )
 
@@ -484,8 +591,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--workload",
         action="append",
-        choices=["throughput", "shared-prefix", "decode"],
-        help="scenario (repeatable); default: all three",
+        choices=["serve", "throughput", "shared-prefix", "decode", "memory"],
+        help="scenario (repeatable); default: all five. serve: the closed loop (--serve-*), on "
+        "gemma-2-27b, qwen3.5-style and deepseek-v4-style unless --model names shapes, vLLM's manager "
+        "and ours only; memory: each manager's construction time and bytes per block at 344k and 4M "
+        "blocks (gemma-2-27b unless --model names a shape), one fresh interpreter each",
+    )
+    p.add_argument("--serve-clients", type=int, default=1024, help="serve: requests always in the scheduler")
+    p.add_argument("--serve-prompt-len", type=int, default=2048, help="serve: prompt tokens per request")
+    p.add_argument(
+        "--serve-prefix-share",
+        type=float,
+        default=0.25,
+        help="serve: share of each prompt that is one system prompt all requests share (default 0.25: 512 of 2048)",
+    )
+    p.add_argument("--serve-output-len", type=int, default=256, help="serve: mean output tokens per request")
+    p.add_argument(
+        "--serve-output-spread",
+        type=int,
+        default=128,
+        help="serve: output lengths are uniform in output-len +- this (default 128-384), so finishes are staggered",
+    )
+    p.add_argument(
+        "--serve-steps",
+        type=int,
+        default=200,
+        help="serve: steps measured once half the clients have been replaced (half timed, half bare)",
     )
     p.add_argument("--input-len", type=int, default=6144)
     p.add_argument("--output-len", type=int, default=1024)
@@ -541,19 +672,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from tqdm import tqdm
 
+    from hybrid_alloc.bench_serve import SERVE_MODELS, run_serve
     from hybrid_alloc.vllm.offline import SHAPES
 
     models = args.model or list(DEFAULT_MODELS)
+    serve_models = args.model or list(SERVE_MODELS)
     for m in models:
         if m not in SHAPES:
             print(f"unknown model shape {m!r}; built in: {', '.join(SHAPES)}", file=sys.stderr)
             return 2
-    workloads = args.workload or ["throughput", "shared-prefix", "decode"]
+    workloads = args.workload or ["serve", "throughput", "shared-prefix", "decode", "memory"]
     managers = [m.strip() for m in args.managers.split(",") if m.strip()]
     conc = args.decode_concurrency or [256, 1024]
     plan: list[tuple[str, str, str, Any]] = []
+    if "serve" in workloads:
+        for m in serve_models:
+            for mg in managers:
+                if mg in ("vllm", "hybrid_alloc"):
+                    plan.append((m, "serve", mg, args.serve_clients))
     for m in models:
         for w in workloads:
+            if w in ("serve", "memory"):
+                continue
             if w == "decode":
                 for n in conc:
                     for mg in managers:
@@ -566,7 +706,9 @@ def main(argv: list[str] | None = None) -> int:
     for model, scen, mg, n in plan:
         shape = SHAPES[model]
         bar.set_postfix_str(f"{model} {scen} {mg}")
-        if scen == "throughput":
+        if scen == "serve":
+            r = run_serve(shape, mg, args)
+        elif scen == "throughput":
             reqs = throughput_requests(args.num_prompts, args.input_len, args.output_len)
             budget = kv_budget_bytes(shape, args.gpu_memory_gib, args.gpu_memory_utilization, args.reserve_gib)
             r = run_scenario(
@@ -611,7 +753,12 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         bar.update(1)
     bar.close()
-    report(results, args)
+    memory: list[dict[str, Any]] = []
+    if "memory" in workloads:
+        from hybrid_alloc.bench_memory import run_memory
+
+        memory = run_memory((args.model or ["gemma-2-27b"])[0], [m for m in managers if m != "no_hybrid"])
+    report(results, args, memory)
     return 0
 
 
@@ -630,9 +777,12 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
             r["step_cpu_speedup_vs_vllm"] = b["step_cpu_us_median"] / r["step_cpu_us_median"]
 
 
-def report(results: list[RunResult], args: argparse.Namespace) -> None:
+def report(results: list[RunResult], args: argparse.Namespace, memory: list[dict[str, Any]] | None = None) -> None:
+    from hybrid_alloc.bench_serve import print_serve_table, serve_ratios
+
     rows = [r.summary() for r in results]
     _ratios(rows)
+    serve_ratios(rows)
     os.makedirs(args.out_dir, exist_ok=True)
     from hybrid_alloc.vllm.plugin import vllm_release
 
@@ -651,6 +801,14 @@ def report(results: list[RunResult], args: argparse.Namespace) -> None:
             "num_prompts": args.num_prompts,
             "decode_context": args.decode_context,
             "decode_steps": args.decode_steps,
+            "serve": {
+                "clients": args.serve_clients,
+                "prompt_len": args.serve_prompt_len,
+                "prefix_share": args.serve_prefix_share,
+                "output_len": args.serve_output_len,
+                "output_spread": args.serve_output_spread,
+                "steps": args.serve_steps,
+            },
         },
         "counting": "KV time: every call into the manager (and the coordinator/block_pool methods the "
         "scheduler reaches through it) plus every method the scheduler calls on the KVCacheBlocks it "
@@ -658,12 +816,17 @@ def report(results: list[RunResult], args: argparse.Namespace) -> None:
         "schedule() + update_from_output() on the other steps, with no wrapper installed (wall time, "
         "and this thread's CPU time, which a busy machine disturbs less)",
         "results": rows,
+        "memory": memory or [],
     }
     jpath = os.path.join(args.out_dir, "bench.json")
     with open(jpath, "w") as f:
         json.dump(meta, f, indent=1, default=float)
-    print_table(rows, release)
+    print_serve_table(rows, release)
+    print_table([r for r in rows if not r["scenario"].startswith("serve")], release)
     print_breakdown(rows)
+    from hybrid_alloc.bench_memory import print_memory
+
+    print_memory(memory or [])
     print(f"\nJSON: {jpath}")
     if not args.no_plot:
         ppath = os.path.join(args.out_dir, "bench.png")
@@ -692,6 +855,8 @@ def print_table(rows: list[dict[str, Any]], vllm_release: str | None = None) -> 
         ("step_speedup_vs_vllm", "step x vs vLLM", "{:.2f}"),
         ("step_cpu_speedup_vs_vllm", "step CPU x", "{:.2f}"),
     ]
+    if not rows:
+        return
     timer = [r["timer_overhead_ns_per_call"] for r in rows] + [r["timer_overhead_ns_per_method_call"] for r in rows]
     caption = f"timer cost subtracted per timed call: {min(timer):.0f}-{max(timer):.0f} ns" if timer else ""
     title = f"hybrid-alloc bench (vLLM {vllm_release} scheduler, fabricated outputs)"
@@ -714,15 +879,24 @@ def print_table(rows: list[dict[str, Any]], vllm_release: str | None = None) -> 
 
 
 def print_breakdown(rows: list[dict[str, Any]]) -> None:
-    """Where the KV time of each decode scenario goes: us per step and calls per step, by call."""
+    """Where the KV time of each serve and decode scenario goes, by call: means per timed step
+    (a total and its parts are the same statistic, so the parts add up to the total)."""
+    lines = []
     for r in rows:
-        if not r.get("running_requests") or r["manager"] == "no_hybrid":
+        if not (r.get("running_requests") or r.get("clients")) or r["manager"] == "no_hybrid":
             continue
-        parts = ", ".join(
-            f"{name} {v['us_per_step']:.1f} us ({v['calls_per_step']:.0f} calls)"
-            for name, v in list(r.get("kv_breakdown", {}).items())[:6]
+        bd = list(r.get("kv_breakdown", {}).items())
+        parts = [f"{name} {v['us_per_step']:.1f} us ({v['calls_per_step']:.1f} calls)" for name, v in bd[:6]]
+        rest = sum(v["us_per_step"] for _, v in bd[6:])
+        if bd[6:]:
+            parts.append(f"{len(bd) - 6} other calls {rest:.1f} us")
+        lines.append(
+            f"{r['model']} {r['scenario']} {r['manager']}: KV {r['kv_us_mean']:.1f} us/step = " + " + ".join(parts)
         )
-        print(f"{r['model']} {r['scenario']} {r['manager']}: KV {r['kv_us_median']:.0f} us/step = {parts}")
+    if lines:
+        print("KV time per step by call (means per timed step; calls per timed step in brackets):")
+        for ln in lines:
+            print("  " + ln)
 
 
 def pyplot() -> Any | None:
@@ -740,60 +914,136 @@ def pyplot() -> Any | None:
     return plt
 
 
+MANAGER_STYLE = {"vllm": ("tab:blue", "vLLM's KVCacheManager"), "hybrid_alloc": ("tab:orange", "hybrid_alloc")}
+MARKERS = "osD^v<>Px*"
+
+
+def same_scheduling(results: list[RunResult]) -> tuple[int, int]:
+    """(scenarios where vLLM's manager and ours scheduled identically -- same steps, running
+    requests, usage and hit rate --, scenarios run under both)."""
+    by = {(r.model, r.scenario, r.manager): r for r in results}
+    pairs = [
+        (a, by[(a.model, a.scenario, "hybrid_alloc")])
+        for a in results
+        if a.manager == "vllm" and (a.model, a.scenario, "hybrid_alloc") in by
+    ]
+    same = sum(
+        a.steps == b.steps and a.running == b.running and a.usage == b.usage and a.hit_rate == b.hit_rate
+        for a, b in pairs
+    )
+    return same, len(pairs)
+
+
 def plot(results: list[RunResult], rows: list[dict[str, Any]], path: str) -> bool:
-    """Writes the PNG to ``path``; False (nothing written) when matplotlib is not installed."""
+    """Writes the PNG to ``path``; False (nothing written) when matplotlib is not installed.
+
+    Four panels: KV time per step and the whole step against the requests scheduled in it,
+    for both managers (a dot per measured step of the serve workload, a line through the
+    decode-N means); the speedups (KV and whole step, ratios of means) per scenario; and the
+    running requests per step of every scenario under both managers, drawn over each other
+    (identical scheduling is the point: the caption says in how many scenarios)."""
     plt = pyplot()
     if plt is None:
         return False
-    keys = sorted({(r.model, r.scenario) for r in results if not r.scenario.startswith("decode")})
-    fig = plt.figure(figsize=(13, 3.2 * (len(keys) + 1)))
-    grid = fig.add_gridspec(len(keys) + 1, 2)
-    for i, key in enumerate(keys):
-        ax_use, ax_run = fig.add_subplot(grid[i, 0]), fig.add_subplot(grid[i, 1])
-        for r in results:
-            if (r.model, r.scenario) != key:
-                continue
-            style = {"vllm": "-", "hybrid_alloc": "--", "no_hybrid": ":"}.get(r.manager, "-")
-            ax_use.plot(r.usage, style, label=r.manager, linewidth=1.2)
-            ax_run.plot(r.running, style, label=r.manager, linewidth=1.2)
-        ax_use.set_title(f"{key[0]} / {key[1]}: KV cache usage")
-        ax_run.set_title(f"{key[0]} / {key[1]}: running requests")
-        for ax in (ax_use, ax_run):
-            ax.set_xlabel("scheduler step")
-            ax.legend()
-    # KV time per step, vLLM's manager against ours, in every scenario and at each scale.
-    ax = fig.add_subplot(grid[len(keys), :])
-    scen = sorted(
-        {(r["model"], r["scenario"]) for r in rows if r["manager"] in ("vllm", "hybrid_alloc")},
-        key=lambda k: (
-            k[0],
-            k[1].startswith("decode"),
-            int(k[1].split("-")[1]) if k[1].startswith("decode") else 0,
-            k[1],
-        ),
-    )
-    by = {(r["model"], r["scenario"], r["manager"]): r for r in rows}
-    width = 0.38
-    for j, (mg, color) in enumerate((("vllm", "tab:blue"), ("hybrid_alloc", "tab:orange"))):
-        xs = [i + (j - 0.5) * width for i in range(len(scen))]
-        ys = [by[(m, s, mg)]["kv_us_median"] if (m, s, mg) in by else 0.0 for m, s in scen]
-        bars = ax.bar(xs, ys, width, label=mg, color=color)
-        for b, (m, s) in zip(bars, scen):
-            found = by.get((m, s, mg))
-            if found and mg == "hybrid_alloc" and found.get("kv_speedup_vs_vllm"):
-                ax.annotate(
-                    f"{found['kv_speedup_vs_vllm']:.0f}x",
-                    (b.get_x() + b.get_width() / 2, b.get_height()),
-                    ha="center",
-                    va="bottom",
-                    fontsize=8,
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    runs = [r for r in results if r.manager in MANAGER_STYLE]
+    models = sorted({r.model for r in runs})
+    marker = {m: MARKERS[i % len(MARKERS)] for i, m in enumerate(models)}
+    fig, axes = plt.subplots(2, 2, figsize=(15, 10.5))
+    ax_kv, ax_step, ax_x, ax_sched = axes[0, 0], axes[0, 1], axes[1, 0], axes[1, 1]
+    for ax, field, ylabel, title in (
+        (ax_kv, "kv", "KV time per step (us)", "KV cache manager time per scheduler step"),
+        (ax_step, "step", "whole step (ms): schedule() + update_from_output()", "Whole scheduler step"),
+    ):
+        scale = 1e3 if field == "kv" else 1e6
+        for r in runs:
+            color = MANAGER_STYLE[r.manager][0]
+            at, ns = (r.kv_running, r.kv_ns) if field == "kv" else (r.step_running, r.step_ns)
+            if r.scenario.startswith("serve") and at:
+                pts = [(x, y / scale) for x, y in zip(at, ns) if y > 0]  # log axis
+                ax.scatter(
+                    [x for x, _ in pts], [y for _, y in pts], s=9, alpha=0.45, color=color, marker=marker[r.model]
                 )
-    ax.set_xticks(range(len(scen)))
-    ax.set_xticklabels([f"{m}\n{s}" for m, s in scen], fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("KV time per step (us, median)")
-    ax.set_title("KV cache manager time per scheduler step (calls + methods on its results), vLLM vs hybrid_alloc")
-    ax.legend()
-    fig.tight_layout()
+        for m in models:
+            for mg, (color, _) in MANAGER_STYLE.items():
+                dec = sorted(
+                    (r for r in runs if r.model == m and r.manager == mg and r.scenario.startswith("decode-")),
+                    key=lambda r: int(r.scenario.split("-")[1]),
+                )
+                if not dec:
+                    continue
+                xs2 = [int(r.scenario.split("-")[1]) for r in dec]
+                ys2 = [
+                    statistics.fmean(r.kv_ns if field == "kv" else r.step_ns) / scale if (r.kv_ns and r.step_ns) else 0
+                    for r in dec
+                ]
+                ax.plot(xs2, ys2, "-", color=color, marker=marker[m], markerfacecolor="white", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ticks = sorted({int(r.scenario.split("-")[1]) for r in runs if r.scenario.split("-")[-1].isdigit()})
+        if ticks:
+            ax.set_xticks(ticks)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("requests scheduled in the step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title + " (dots: serve steps; lines: decode-N means)", fontsize=10)
+        ax.grid(True, which="both", alpha=0.25)
+    # The speedups, ratios of means (KV: timed steps; step: bare steps, wall time).
+    by = {(r["model"], r["scenario"], r["manager"]): r for r in rows}
+    keys = sorted(
+        {
+            (r["model"], r["scenario"])
+            for r in rows
+            if r["manager"] == "hybrid_alloc" and (r["model"], r["scenario"], "vllm") in by
+        },
+        key=lambda k: (not k[1].startswith("serve"), k[0], k[1]),
+    )
+    width = 0.4
+    for j, (label, color, num, den) in enumerate(
+        (
+            ("KV time, vLLM's / ours", "tab:green", "kv_us_mean", "kv_us_mean"),
+            ("whole step (wall), vLLM's / ours", "tab:purple", "step_us_mean", "step_us_mean"),
+        )
+    ):
+        xs = [i + (j - 0.5) * width for i in range(len(keys))]
+        ys = [
+            by[(m, s, "vllm")][num] / by[(m, s, "hybrid_alloc")][den] if by[(m, s, "hybrid_alloc")].get(den) else 0.0
+            for m, s in keys
+        ]
+        bars = ax_x.bar(xs, ys, width, color=color, label=label)
+        for b, y in zip(bars, ys):
+            ax_x.annotate(f"{y:.1f}x", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=7)
+    ax_x.axhline(1.0, color="gray", linewidth=0.8)
+    ax_x.set_xticks(range(len(keys)))
+    ax_x.set_xticklabels([f"{m}\n{s}" for m, s in keys], fontsize=7, rotation=30, ha="right")
+    ax_x.set_yscale("log")
+    top = ax_x.get_ylim()[1]
+    ax_x.set_ylim(top=top * 4)  # room above the bars for the legend
+    ax_x.set_ylabel("speedup over vLLM's manager (x, ratio of means)")
+    ax_x.set_title("How much less time: KV cache manager and whole step", fontsize=10)
+    ax_x.legend(loc="upper right", ncol=2, fontsize=8, frameon=False)
+    # Scheduling: every scenario's running requests per step, both managers over each other.
+    same, total = same_scheduling(results)
+    for r in runs:
+        style = "-" if r.manager == "vllm" else ":"
+        ax_sched.plot(
+            r.running, style, color=MANAGER_STYLE[r.manager][0], linewidth=1.4 if r.manager == "vllm" else 2.0
+        )
+    ax_sched.set_xlabel("scheduler step")
+    ax_sched.set_ylabel("running requests")
+    ax_sched.set_title(
+        f"Scheduling is identical: {same} of {total} scenarios have the same steps, running requests,\n"
+        "KV usage and hit rate under both managers (ours dotted over vLLM's solid line)",
+        fontsize=9,
+    )
+    handles = [Line2D([], [], color=c, linewidth=6, label=lab) for c, lab in MANAGER_STYLE.values()] + [
+        Line2D([], [], color="black", marker=marker[m], linestyle="none", markerfacecolor="white", label=m)
+        for m in models
+    ]
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=90)
     return True

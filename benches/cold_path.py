@@ -1,0 +1,85 @@
+"""The decode call's cost with a hot cache and a cold one (issue 19, item 2's profile).
+
+vLLM's real scheduler brings ``--running`` requests (gemma-2-27b shape, 2048-2063-token
+prompts) to decoding under vLLM's manager and ours; then, with the scheduler's state left as
+it is, each request's decode call (``allocate_slots(r, 1, num_lookahead_tokens=0)``, then
+``get_block_ids(allow_none=True)`` on its result, as the scheduler calls them) is timed:
+- ``hot``: one request, called ``--reps`` times in a row (everything in L1);
+- ``warm``: every request once, in turn, repeatedly (each request's objects are distinct,
+  the set of them fits in the last-level cache or nearly);
+- ``cold``: every request once, each pass after 64 MiB were written (what the rest of a
+  scheduler step does to the caches between two calls of one request).
+Only requests whose call is a no-op are timed (the call then changes nothing, so it can be
+repeated). Process CPU time, nanoseconds per call, best of ``--rounds``.
+
+    PYTHONPATH=target/pysite python benches/cold_path.py --running 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from typing import Any
+
+
+def _bring_to_decode(manager: str, n: int) -> tuple[Any, list[Any]]:
+    from hybrid_alloc import bench
+    from hybrid_alloc.vllm.offline import SHAPES, SchedulerSetup, fabricate_output, make_request
+
+    shape = SHAPES["gemma-2-27b"]
+    setup = SchedulerSetup(
+        shape,
+        manager=manager,  # type: ignore[arg-type]
+        num_blocks=bench.decode_pool_blocks(n, 2064, 64, 16),
+        max_num_seqs=n,
+        max_num_batched_tokens=max(8192, n),
+    )
+    sched = setup.build()
+    for rid, toks, out in bench.decode_requests(n, 2048, seed=n):
+        sched.add_request(make_request(sched, rid, toks, out))
+    while len(sched.running) < n or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+        so = sched.schedule()
+        sched.update_from_output(so, fabricate_output(sched, so))
+    mgr = sched.kv_cache_manager
+    noop = [r for r in sched.running if mgr.allocate_slots(r, 1, num_lookahead_tokens=0) is mgr.empty_kv_cache_blocks]
+    return mgr, noop
+
+
+def _time(mgr: Any, reqs: list[Any], passes: int, flush: bytearray | None) -> float:
+    alloc = mgr.allocate_slots
+    total = 0
+    calls = 0
+    pt = time.process_time_ns
+    for _ in range(passes):
+        if flush is not None:  # a write to every cache line of 64 MiB: evicts the caches
+            flush[::64] = bytes([flush[0] ^ 1]) * (len(flush) // 64)
+        t = pt()
+        for r in reqs:
+            alloc(r, 1, num_lookahead_tokens=0).get_block_ids(allow_none=True)
+        total += pt() - t
+        calls += len(reqs)
+    return total / calls
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--running", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=100_000)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    flush = bytearray(64 << 20)
+    for manager in ("vllm", "hybrid_alloc"):
+        mgr, reqs = _bring_to_decode(manager, args.running)
+        hot = min(_time(mgr, reqs[:1] * args.reps, 1, None) for _ in range(args.rounds))
+        warm = min(_time(mgr, reqs, max(1, args.reps // len(reqs)), None) for _ in range(args.rounds))
+        cold = min(_time(mgr, reqs, 20, flush) for _ in range(args.rounds))
+        print(
+            f"{manager}: {len(reqs)} no-op requests of {args.running}: decode call + get_block_ids, ns per call "
+            f"(process CPU, best of {args.rounds}): hot {hot:.0f}, warm {warm:.0f}, cold {cold:.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

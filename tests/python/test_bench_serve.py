@@ -1,0 +1,104 @@
+"""The bench's ``serve`` workload is a closed loop: finished requests are replaced at once,
+vLLM's manager and ours schedule it identically, and its per-call figures tell admissions,
+block-crossing and no-op decode calls apart, for both managers alike."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from hybrid_alloc import bench, bench_serve  # noqa: E402
+from hybrid_alloc.vllm.offline import SHAPES  # noqa: E402
+
+logging.getLogger("vllm").setLevel(logging.ERROR)
+
+ARGS = argparse.Namespace(
+    serve_clients=12,
+    serve_prompt_len=80,
+    serve_output_len=24,
+    serve_output_spread=8,
+    serve_prefix_share=0.4,
+    serve_steps=24,
+    max_num_batched_tokens=256,
+)
+
+
+def test_request_stream_is_deterministic_and_shares_its_prefix() -> None:
+    s = bench_serve.ServeRequests(2048, 256, 128, 0.25)
+    a, b = s(5), bench_serve.ServeRequests(2048, 256, 128, 0.25)(5)
+    assert a == b and a[0] == "sv5" and len(a[1]) == 2048
+    assert a[1][:512] == s(6)[1][:512] and a[1][512:] != s(6)[1][512:]
+    assert {s(k)[2] for k in range(200)} <= set(range(128, 385)) and len({s(k)[2] for k in range(200)}) > 50
+    with pytest.raises(SystemExit):
+        bench_serve.ServeRequests(100, 10, 10, 0.5)
+
+
+def test_serve_closed_loop_schedules_like_vllm_and_classifies_calls() -> None:
+    runs = {m: bench_serve.run_serve(SHAPES["gpt-oss-120b"], m, ARGS) for m in ("vllm", "hybrid_alloc")}
+    ours, ref = runs["hybrid_alloc"], runs["vllm"]
+    assert ours.extra["native"] and not ref.extra["native"]
+    assert ours.running == ref.running and ours.usage == ref.usage and ours.hit_rate == ref.hit_rate
+    assert ref.hit_rate > 0  # the shared system prompt hits
+    assert ref.extra["replaced"] == ours.extra["replaced"] > ARGS.serve_clients // 2
+    assert len(ref.kv_ns) == len(ref.step_ns) == ARGS.serve_steps // 2
+    for r in runs.values():
+        pc = r.extra["per_call"]
+        for kind in ("allocate_slots/no-op", "allocate_slots/crossing", "allocate_slots/admission"):
+            assert pc[kind]["calls_per_step"] > 0, kind
+        assert pc["blocks.get_block_ids/empty"]["calls_per_step"] == pc["allocate_slots/no-op"]["calls_per_step"]
+        # The per-call classes of allocate_slots add up to all its calls.
+        n = sum(v["calls_per_step"] for k, v in pc.items() if k.startswith("allocate_slots/"))
+        assert n == pytest.approx(r.extra["kv_breakdown"]["allocate_slots"]["calls_per_step"])
+        # The breakdown's parts (means per step) add up to the mean KV time per step.
+        total = sum(v["us_per_step"] for v in r.extra["kv_breakdown"].values())
+        assert total == pytest.approx(r.extra["kv_us_mean"], rel=1e-9)
+    rows = [r.summary() for r in (ref, ours)]
+    bench_serve.serve_ratios(rows)
+    assert rows[1]["serve_kv_x"] == pytest.approx(rows[0]["kv_us_mean"] / rows[1]["kv_us_mean"])
+    assert rows[1]["zero_kv_bound_us"] == pytest.approx(rows[0]["step_us_mean"] - rows[0]["kv_us_mean"])
+
+
+def test_breakdown_line_is_means_that_add_up(capsys: pytest.CaptureFixture[str]) -> None:
+    row = {
+        "model": "m",
+        "scenario": "decode-4",
+        "manager": "vllm",
+        "running_requests": 4,
+        "kv_us_mean": 10.0,
+        "kv_breakdown": {f"c{i}": {"us_per_step": 10.0 / 8, "calls_per_step": 1.0} for i in range(8)},
+    }
+    bench.print_breakdown([row])
+    out = capsys.readouterr().out
+    assert "means per timed step" in out
+    assert "KV 10.0 us/step = c0 1.2 us (1.0 calls)" in out and "2 other calls 2.5 us" in out
+
+
+def test_memory_counts_vllms_block_objects_and_none_of_ours() -> None:
+    """vLLM's manager makes at least one Python object per block (its ``KVCacheBlock``), ours
+    none; both report a construction time and bytes. (In this process: the bench measures
+    each in a fresh interpreter, ``run_memory``, which costs a vLLM import each.)"""
+    from hybrid_alloc import bench_memory
+
+    rows = {m: bench_memory.measure("gpt-oss-120b", m, 8192) for m in ("vllm", "hybrid_alloc")}
+    ours, ref = rows["hybrid_alloc"], rows["vllm"]
+    assert ours["native"] and not ref["native"]
+    assert ours["num_blocks"] == ref["num_blocks"] == 8192
+    assert ref["python_objects_per_block"] >= 1.0 and ours["python_objects_per_block"] < 0.01
+    assert ours["construction_s"] > 0 and ref["construction_s"] > 0
+    assert ours["malloc_bytes_per_block"] > 0
+
+
+def test_kv_from_medians_sums_call_medians_and_the_rest() -> None:
+    row = {
+        "per_call": {
+            "allocate_slots/no-op": {"median_us": 1.0, "calls_per_step": 10.0},
+            "allocate_slots/crossing": {"median_us": 5.0, "calls_per_step": 2.0},
+        },
+        "kv_breakdown": {"allocate_slots": {"us_per_step": 99.0}, "free": {"us_per_step": 3.0}},
+    }
+    assert bench_serve.kv_from_medians(row) == 10.0 + 10.0 + 3.0
