@@ -22,11 +22,11 @@ What a router can know, and what it cannot:
   tokens. So the index is keyed by tokens and needs no hash function: it walks the query's
   blocks from the root through ``(parent hash, block tokens, LoRA, extra keys)``.
 - Each group's kind (full attention, sliding window and its window) and block size: vLLM's
-  engine core annotates every published ``BlockStored`` with ``kv_cache_spec_kind`` and
-  ``kv_cache_spec_sliding_window``, so the index learns them. The manager's own events (a
-  Scheduler driven without an engine core) carry neither: then the router is told the groups
-  in vLLM's group order (``--groups``; ``GroupSpec.from_kv_cache_config``). That order is
-  vLLM's, not the layers': a Gemma-2-style model has the sliding-window group first.
+  manager annotates every ``BlockStored`` with ``kv_cache_spec_kind`` and
+  ``kv_cache_spec_sliding_window`` (in ``take_events``, 0.32 and 0.33; hybrid_alloc's events
+  are the same), so the index learns them. A router may also be told the groups, in vLLM's
+  group order (``--groups``; ``GroupSpec.from_kv_cache_config``). That order is vLLM's, not
+  the layers': a Gemma-2-style model has the sliding-window group first.
 - A hit is servable only if every group serves it, as the engine's coordinator decides:
   full attention needs every block of the prefix; sliding window (window W, block size B) needs
   only the ``ceil((W - 1) / B)`` blocks before the hit's end (the engine frees and evicts the
@@ -102,8 +102,8 @@ class PrefixIndex:
     """One rank's prefix index over its groups. ``apply`` costs O(blocks in the event);
     ``hit`` and ``servable_at`` O(blocks in the query x groups).
 
-    ``groups`` (in group order) may be left out: the engine core annotates each
-    ``BlockStored`` with its group's kind and window, and the index learns them there."""
+    ``groups`` (in group order) may be left out: vLLM annotates each ``BlockStored`` with its
+    group's kind and window, and the index learns them there."""
 
     def __init__(self, groups: list[GroupSpec] | None = None) -> None:
         self.groups: dict[int, GroupSpec] = {}

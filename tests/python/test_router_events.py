@@ -57,7 +57,8 @@ def _observe(sched: Any, kinds: list[str], log: list[dict[str, Any]]) -> None:
 
     groups = GroupSpec.from_kv_cache_config(sched.kv_cache_manager.kv_cache_config)
     assert sorted(g.kind for g in groups) == kinds
-    complete, published = PrefixIndex(groups), PrefixIndex(groups)
+    # "learnt" is told nothing: it learns the groups from the events' annotations.
+    complete, published, learnt = PrefixIndex(groups), PrefixIndex(groups), PrefixIndex()
     mgr = sched.kv_cache_manager
     take, lookup = mgr.take_events, mgr.get_computed_blocks
     queued: list[Any] = []
@@ -67,6 +68,7 @@ def _observe(sched: Any, kinds: list[str], log: list[dict[str, Any]]) -> None:
         queued.extend(evs)
         for e in evs:
             complete.apply(e)
+            learnt.apply(e)
 
     def take_events() -> list[Any]:
         drain()
@@ -81,6 +83,7 @@ def _observe(sched: Any, kinds: list[str], log: list[dict[str, Any]]) -> None:
         cap = kw.get("max_cache_hit_length", args[0] if args else None)
         toks = list(request.all_token_ids)
         pred, lag = complete.hit(toks, cap), published.hit(toks, cap)
+        assert learnt.hit(toks, cap) == pred
         res = lookup(request, *args, **kw)
         served = res[1]
         log.append(
