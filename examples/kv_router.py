@@ -6,10 +6,11 @@ router product. It uses only vLLM's event classes (``vllm.distributed.kv_events`
 (which vLLM's publisher encodes with) and pyzmq:
 
     python examples/kv_router.py --endpoint tcp://127.0.0.1:5557 --ranks 2 \\
-        --listen 10 --query 1,2,3,...
+        --replay-endpoint tcp://127.0.0.1:5657 --listen 10 --query 1,2,3,...
 
 subscribes to ranks 0..N-1 (vLLM offsets the publisher port by the rank: 5557, 5558, ...),
-listens, and prints each rank's index and the answer for each ``--query`` (token ids).
+fetches what they published before (their replay endpoints, 5657, 5658, ...), listens, and
+prints each rank's index and the answer for each ``--query`` (token ids).
 
 What a router can know, and what it cannot:
 
@@ -254,9 +255,19 @@ class PrefixIndex:
 
 
 class Router:
-    """Subscribes to N ranks' publishers (``endpoints[r]`` is rank r) and keeps one index each."""
+    """Subscribes to N ranks' publishers (``endpoints[r]`` is rank r) and keeps one index each.
 
-    def __init__(self, endpoints: list[str], groups: list[GroupSpec] | None = None, topic: str = "") -> None:
+    With ``replay_endpoints`` (the ranks' ``replay_endpoint``s), ``catch_up`` asks each rank
+    for the batches published before the router subscribed (PUB/SUB drops what is sent before a
+    subscriber connects), and a sequence gap in ``poll`` asks for the missed batches."""
+
+    def __init__(
+        self,
+        endpoints: list[str],
+        groups: list[GroupSpec] | None = None,
+        topic: str = "",
+        replay_endpoints: list[str] | None = None,
+    ) -> None:
         import msgspec
         import zmq
         from vllm.distributed.kv_events import KVEventBatch
@@ -265,19 +276,44 @@ class Router:
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.indexes = [PrefixIndex(groups) for _ in endpoints]
         self._last_seq = [-1] * len(endpoints)
+        self._replay = list(replay_endpoints or [])
         self.gaps = 0
         self.num_events = [0] * len(endpoints)
         self._socks = []
-        ctx: Any = zmq.Context.instance()
+        self._ctx: Any = zmq.Context.instance()
         for ep in endpoints:
-            s = ctx.socket(zmq.SUB)
+            s = self._ctx.socket(zmq.SUB)
             s.setsockopt(zmq.SUBSCRIBE, topic.encode())
             s.connect(ep)
             self._socks.append(s)
 
+    def _apply(self, rank: int, seq: int, payload: bytes) -> None:
+        if seq <= self._last_seq[rank]:
+            return  # seen (replayed, then delivered live)
+        self._last_seq[rank] = seq
+        batch = self._decoder.decode(payload)
+        for ev in batch.events:
+            self.indexes[rank].apply(ev)
+        self.num_events[rank] += len(batch.events)
+
+    def catch_up(self, rank: int | None = None, timeout_ms: int = 5000) -> None:
+        """Applies the batches rank ``rank`` (None: every rank) still buffers after the last
+        one seen, from its replay endpoint."""
+        for r in range(len(self._replay)) if rank is None else [rank]:
+            s = self._ctx.socket(self._zmq.DEALER)
+            s.connect(self._replay[r])
+            s.send_multipart((b"", (self._last_seq[r] + 1).to_bytes(8, "big")))
+            while s.poll(timeout_ms):
+                _empty, _topic, seq_bytes, payload = s.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if seq == -1:
+                    break
+                self._apply(r, seq, payload)
+            s.close(linger=0)
+
     def poll(self, timeout_ms: int = 0) -> int:
         """Applies every batch waiting (waiting up to ``timeout_ms`` for the first); returns
-        how many batches it applied."""
+        how many messages it read."""
         poller = self._zmq.Poller()
         for s in self._socks:
             poller.register(s, self._zmq.POLLIN)
@@ -287,12 +323,11 @@ class Router:
                 if s in ready:
                     _topic, seq_bytes, payload = s.recv_multipart()
                     seq = int.from_bytes(seq_bytes, "big")
-                    self.gaps += seq != self._last_seq[rank] + 1
-                    self._last_seq[rank] = seq
-                    batch = self._decoder.decode(payload)
-                    for ev in batch.events:
-                        self.indexes[rank].apply(ev)
-                    self.num_events[rank] += len(batch.events)
+                    if seq > self._last_seq[rank] + 1:
+                        self.gaps += 1
+                        if self._replay:
+                            self.catch_up(rank)
+                    self._apply(rank, seq, payload)
                     n += 1
             wait = 0
         return n
@@ -313,6 +348,7 @@ def main() -> None:
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="rank 0's publisher (rank r: port + r)")
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--topic", default="")
+    p.add_argument("--replay-endpoint", default=None, help="rank 0's replay endpoint (rank r: port + r)")
     p.add_argument(
         "--groups",
         nargs="*",
@@ -322,17 +358,24 @@ def main() -> None:
     p.add_argument("--listen", type=float, default=10.0, help="seconds to listen before answering")
     p.add_argument("--query", action="append", default=[], help="comma-separated token ids")
     args = p.parse_args()
-    base, port = args.endpoint.rsplit(":", 1)
+
+    def ranks(endpoint: str) -> list[str]:
+        base, port = endpoint.rsplit(":", 1)
+        return [f"{base}:{int(port) + r}" for r in range(args.ranks)]
+
     router = Router(
-        [f"{base}:{int(port) + r}" for r in range(args.ranks)],
+        ranks(args.endpoint),
         [GroupSpec.parse(g) for g in args.groups] or None,
         args.topic,
+        ranks(args.replay_endpoint) if args.replay_endpoint else None,
     )
+    router.catch_up()
     end = time.monotonic() + args.listen
     while time.monotonic() < end:
         router.poll(timeout_ms=100)
     for r, ix in enumerate(router.indexes):
-        print(f"rank {r}: {router.num_events[r]} events, blocks stored per group {ix.num_blocks()}")
+        kinds = {g: spec.kind for g, spec in sorted(ix.groups.items())}
+        print(f"rank {r}: {router.num_events[r]} events, groups {kinds}, blocks stored per group {ix.num_blocks()}")
     for q in args.query:
         tokens = [int(t) for t in q.split(",") if t.strip()]
         rank, hit = router.best_rank(tokens)

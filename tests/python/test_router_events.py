@@ -170,3 +170,76 @@ def test_hit_aware_pinned_under_pressure_events_tell_the_truth(
     print(shape, "hit-aware", c, "longer than predicted:", sum(r["served"] > r["pred"] for r in log))
     assert c["events"] > 1000 and c["removed"] > 0 and c["preemptions"] > 0
     assert c["hits"] > 20
+
+
+def test_example_router_over_vllms_zmq_publishers() -> None:
+    """The example's transport against vLLM's own ``ZmqEventPublisher`` (two ranks, loopback):
+    a batch published before the router subscribed comes from the replay endpoint, a batch
+    seen both live and replayed counts once, and the answer follows the events."""
+    import time
+
+    from kv_router import Router
+    from vllm.distributed.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+        ZmqEventPublisher,
+    )
+
+    from test_engine_dp import _free_base_port
+
+    def stored(hashes: list[int], tokens: list[int]) -> BlockStored:
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None,
+            token_ids=tokens,
+            block_size=BLOCK,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+        )
+
+    def publish(pub: ZmqEventPublisher, *events: Any) -> None:
+        pub.publish(KVEventBatch(ts=time.time(), events=list(events)))
+
+    base = _free_base_port()
+    pubs = [
+        ZmqEventPublisher(r, endpoint=f"tcp://*:{base}", replay_endpoint=f"tcp://*:{base + 100}", topic="kv")
+        for r in range(2)
+    ]
+    router = None
+    try:
+        prefix = list(range(1, 2 * BLOCK + 1))
+        query = prefix + [7, 7, 7]
+        publish(pubs[0], stored([11, 12], prefix))  # before the router subscribes
+        time.sleep(0.3)
+        router = Router(
+            [f"tcp://127.0.0.1:{base + r}" for r in range(2)],
+            topic="kv",
+            replay_endpoints=[f"tcp://127.0.0.1:{base + 100 + r}" for r in range(2)],
+        )
+        time.sleep(0.5)  # the SUB sockets join
+        publish(pubs[1], stored([11], prefix[:BLOCK]))  # live, and in rank 1's replay buffer
+        time.sleep(0.3)
+        router.catch_up()
+        router.poll(timeout_ms=500)
+        assert router.num_events == [1, 1]
+        assert router.best_rank(query) == (0, 2 * BLOCK)
+        assert [ix.hit(query) for ix in router.indexes] == [2 * BLOCK, BLOCK]
+        publish(pubs[0], BlockRemoved(block_hashes=[12], medium="GPU", group_idx=0))
+        time.sleep(0.3)
+        router.poll(timeout_ms=500)
+        assert router.best_rank(query) == (0, BLOCK)  # a tie: the lowest rank
+        publish(pubs[0], AllBlocksCleared())
+        time.sleep(0.3)
+        router.poll(timeout_ms=500)
+        assert router.best_rank(query) == (1, BLOCK)
+        assert router.num_events == [3, 1] and router.gaps == 0
+    finally:
+        if router is not None:
+            router.close()
+        for p in pubs:
+            p.shutdown()
