@@ -15,7 +15,7 @@ SUMMARY=()
 FAILED=0
 
 # What ruff lints and format-checks ([tool.ruff] in pyproject.toml: import sorting included).
-PY_LINT_PATHS=(python/hybrid_alloc tests/python benches)
+PY_LINT_PATHS=(python/hybrid_alloc tests/python benches examples)
 # The test files that call the compiled module directly, type-checked against python/hybrid_alloc's
 # stub (_core.pyi), as a user's code would be: a stub that types a parameter too narrowly fails here.
 MYPY_TEST_FILES=(tests/python/test_api.py tests/python/test_stateful.py tests/python/test_bench_noplot.py

@@ -146,6 +146,12 @@ def fabricate_drafts(sched: Any, so: Any, k: int) -> DraftTokenIds:
     return DraftTokenIds(ids, drafts)
 
 
+def shared_prefixes(rng: random.Random) -> list[list[int]]:
+    """The 4 prefixes ``run_workload`` shares among its requests: its first draws from
+    ``random.Random(seed)``, so a test can pin them before the run."""
+    return [[rng.randrange(1, 30000) for _ in range(rng.randrange(100, 600))] for _ in range(4)]
+
+
 def run_workload(
     setup: SchedulerSetup,
     seed: int,
@@ -204,7 +210,7 @@ def run_workload(
 
     mgr.cache_blocks = cache_blocks  # type: ignore[method-assign]
     mml = setup.shape.max_model_len
-    prefixes = [[rng.randrange(1, 30000) for _ in range(rng.randrange(100, 600))] for _ in range(4)]
+    prefixes = shared_prefixes(rng)
     pending = []
     for i in range(num_requests):
         toks = list(prefixes[rng.randrange(4)]) if rng.random() < 0.7 else []

