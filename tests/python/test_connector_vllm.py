@@ -1,7 +1,7 @@
 """KV connectors served natively: the installed vLLM's (0.32.0 or 0.33.0) real Scheduler and
-AsyncScheduler with NixlConnector configured (as KV consumer and as KV producer, alone and
-under a MultiConnector), run once with vLLM's KVCacheManager and once with ours, the worker
-side faked with ``KVConnectorOutput`` (see ``connector_driver``). Every step's
+AsyncScheduler with NixlConnector configured (as KV consumer and as KV producer, alone, as
+its push variant and under a MultiConnector), run once with vLLM's KVCacheManager and once
+with ours, the worker side faked with ``KVConnectorOutput`` (see ``connector_driver``). Every step's
 SchedulerOutput, the connector metadata the scheduler built, the free block count, the
 requests held for ``finished_sending`` (delayed frees), the KV events and the manager calls
 must be identical.
@@ -60,6 +60,8 @@ CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
     "llama_consumer_async": ("llama", "kv_consumer", 60, True, "recompute", "nixl"),
     "gemma_consumer_async": ("gemma", "kv_consumer", 100, True, "recompute", "nixl"),
     "gemma_consumer_multi": ("gemma", "kv_consumer", 60, False, "recompute", "multi"),
+    "llama_consumer_push": ("llama", "kv_consumer", 120, False, "recompute", "push"),
+    "gemma_producer_push": ("gemma", "kv_producer", 80, False, "recompute", "push"),
 }
 
 
@@ -77,6 +79,8 @@ def _setup(case: str) -> tuple[Any, Any, str]:
             kv_load_failure_policy=policy,
             kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": role}]},
         )
+    elif conn == "push":
+        ktc = KVTransferConfig(kv_connector="NixlPushConnector", kv_role=role, kv_load_failure_policy=policy)
     else:
         ktc = nixl_config(role, policy)
     setup = SchedulerSetup(
