@@ -180,6 +180,11 @@ def test_kv_connector_rows() -> None:
     )
     assert not native and reason == "KV connector OffloadingConnector is configured"
     assert '"KV connector <name> is configured"' in _cell("other KV connectors")
+    native, reason = _decide(
+        _kwargs(_specs("mamba2_align")), vllm_config=vc(kv_connector="NixlConnector", kv_role="kv_consumer")
+    )
+    assert not native and reason == "KV connector NixlConnector with Mamba layers is configured"
+    assert '"... with Mamba layers is configured"' in _cell("other KV connectors")
 
 
 def test_routed_experts_row() -> None:
