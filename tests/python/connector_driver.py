@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.sampling_params import SamplingParams
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
@@ -77,6 +78,10 @@ class PDWorkload:
     # Steps in flight (2: the next step is scheduled before the last one's output is
     # processed, as vLLM's engine core does with async scheduling).
     batch_queue: int = 1
+    # The native OffloadingConnector's worker: every transfer job in the metadata completes
+    # (``OffloadingWorkerMetadata.completed_jobs``) after the delays above, a sync load in its
+    # own step; an async load's request is reported in ``finished_recving``.
+    offload: bool = False
 
 
 def _make_request(sched: Any, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
@@ -177,6 +182,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         pending.append((rng.randrange(0, 30), rid, toks, mt, params))
     pending.sort(key=lambda p: p[0])
     recv_due: dict[str, int] = {}  # request -> step its load completes
+    jobs_due: dict[int, tuple[int, str | None]] = {}  # offloading job -> (step, request of an async load)
     send_due: dict[str, int] = {}
     loaded: dict[str, int] = {}  # request -> step its load was reported done
     steps: list[dict[str, Any]] = []
@@ -191,6 +197,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         "delayed_free": 0,
         "preempted": 0,
         "overlapped": 0,
+        "jobs": 0,
     }
     multi_group = len(sched.kv_cache_config.kv_cache_groups) > 1
     in_flight: deque[tuple[Any, Any, dict[str, Any]]] = deque()
@@ -199,6 +206,11 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         """The worker's answer to a step (its model output made when it was scheduled),
         then the scheduler's update from it."""
         finished_recving = {r for r, s in recv_due.items() if s <= step}
+        completed = {j: 1 for j, (s, _) in jobs_due.items() if s <= step}
+        for j in completed:
+            _, rid = jobs_due.pop(j)
+            if rid is not None:
+                finished_recving.add(rid)
         finished_sending = {r for r, s in send_due.items() if s <= step}
         invalid: set[int] = set()
         failed: set[str] = set()
@@ -222,7 +234,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                     invalid.add(ids[len(ids) // 3])
                     counters["failed_running"] += 1
         for r in finished_recving:
-            del recv_due[r]
+            recv_due.pop(r, None)
             loaded[r] = step
         for r in finished_sending:
             del send_due[r]
@@ -233,8 +245,16 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             finished_recving=finished_recving or None,
             invalid_block_ids=invalid,
             failed_recving=failed,
+            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed) if w.offload else None,
         )
-        d["worker"] = (sorted(finished_recving), sorted(finished_sending), sorted(invalid), sorted(failed))
+        d["worker"] = (
+            sorted(finished_recving),
+            sorted(finished_sending),
+            sorted(invalid),
+            sorted(failed),
+            sorted(completed),
+        )
+        counters["jobs"] += len(completed)
         sched.update_from_output(so, out)
         # Finished requests still held (their blocks wait for finished_sending).
         held = sorted(r for r, q in sched.requests.items() if q.is_finished())
@@ -247,7 +267,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         d["usage"] = mgr.usage
 
     step = 0
-    while (pending or sched.get_num_unfinished_requests() or recv_due or send_due) and step < max_steps:
+    while (pending or sched.get_num_unfinished_requests() or recv_due or send_due or jobs_due) and step < max_steps:
         while pending and pending[0][0] <= step:
             _, rid, toks, mt, params = pending.pop(0)
             sched.add_request(_make_request(sched, rid, toks, mt, params))
@@ -264,11 +284,18 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                 counters["aborted_running"] += 1
         so = sched.schedule()
         meta = so.kv_connector_metadata
-        # The worker starts each load the scheduler parked a request for.
         waiting = sorted(r for r, q in sched.requests.items() if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
-        for rid in waiting:
-            if rid not in loaded:  # a finished load waits for the scheduler to take it
-                recv_due.setdefault(rid, step + w.recv_delay)
+        if w.offload:
+            for jid, job in getattr(meta, "load_jobs", {}).items():
+                sync = getattr(job, "sync", False)
+                jobs_due[jid] = (step if sync else step + w.recv_delay, None if sync else job.req_id)
+            for jid in getattr(meta, "store_jobs", {}):
+                jobs_due[jid] = (step + w.send_delay, None)
+        else:
+            # The worker starts each load the scheduler parked a request for.
+            for rid in waiting:
+                if rid not in loaded:  # a finished load waits for the scheduler to take it
+                    recv_due.setdefault(rid, step + w.recv_delay)
         counters["waited"] += len(waiting)
         d = digest(so)
         counters["preempted"] += len(d["preempted"])

@@ -175,10 +175,13 @@ def test_kv_connector_rows() -> None:
     )
     assert _decide(_kwargs(_specs("full")), vllm_config=multi)[0]
     assert _cell("NixlConnector").startswith("native")
+    off = vc(kv_connector="OffloadingConnector", kv_role="kv_both")
+    assert _decide(_kwargs(_specs("swa_retained")), vllm_config=off) == (True, "")
+    assert _cell("the native `OffloadingConnector`").startswith("native")
     native, reason = _decide(
-        _kwargs(_specs("full")), vllm_config=vc(kv_connector="OffloadingConnector", kv_role="kv_both")
+        _kwargs(_specs("full")), vllm_config=vc(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
     )
-    assert not native and reason == "KV connector OffloadingConnector is configured"
+    assert not native and reason == "KV connector LMCacheConnectorV1 is configured"
     assert '"KV connector <name> is configured"' in _cell("other KV connectors")
     native, reason = _decide(
         _kwargs(_specs("mamba2_align")), vllm_config=vc(kv_connector="NixlConnector", kv_role="kv_consumer")

@@ -1,10 +1,10 @@
 """KV connectors served natively: the installed vLLM's (0.32.0 or 0.33.0) real Scheduler and
 AsyncScheduler with NixlConnector configured (as KV consumer and as KV producer, alone, as
-its push variant and under a MultiConnector), run once with vLLM's KVCacheManager and once
-with ours, the worker side faked with ``KVConnectorOutput`` (see ``connector_driver``). Every step's
-SchedulerOutput, the connector metadata the scheduler built, the free block count, the
-requests held for ``finished_sending`` (delayed frees), the KV events and the manager calls
-must be identical.
+its push variant and under a MultiConnector) and with the native OffloadingConnector, run
+once with vLLM's KVCacheManager and once with ours, the worker side faked with
+``KVConnectorOutput`` (see ``connector_driver``). Every step's SchedulerOutput, the connector
+metadata the scheduler built, the free block count, the requests held for
+``finished_sending`` (delayed frees), the KV events and the manager calls must be identical.
 
 Lifecycles: remote prefill (async loads), remote decode with the free delayed until
 ``finished_sending``, async load failure (``invalid_block_ids`` with one KV cache group,
@@ -62,6 +62,10 @@ CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
     "gemma_consumer_multi": ("gemma", "kv_consumer", 60, False, "recompute", "multi"),
     "llama_consumer_push": ("llama", "kv_consumer", 120, False, "recompute", "push"),
     "gemma_producer_push": ("gemma", "kv_producer", 80, False, "recompute", "push"),
+    # The native OffloadingConnector (CPU offloading): stores and loads as transfer jobs.
+    "llama_offload": ("llama", "kv_both", 60, False, "recompute", "offload"),
+    "gemma_offload": ("gemma", "kv_both", 60, False, "recompute", "offload"),
+    "gemma_offload_async": ("gemma", "kv_both", 100, True, "recompute", "offload"),
 }
 
 
@@ -79,6 +83,12 @@ def _setup(case: str) -> tuple[Any, Any, str]:
             kv_load_failure_policy=policy,
             kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": role}]},
         )
+    elif conn == "offload":
+        ktc = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role=role,
+            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 22},
+        )
     elif conn == "push":
         ktc = KVTransferConfig(kv_connector="NixlPushConnector", kv_role=role, kv_load_failure_policy=policy)
     else:
@@ -92,6 +102,16 @@ def _setup(case: str) -> tuple[Any, Any, str]:
         async_scheduling=overlap,
         extra={"kv_transfer_config": ktc},
     )
+    if conn == "offload":
+        # Local requests only: the offloaded prefixes come back as loads.
+        w = PDWorkload(
+            num_requests=30,
+            remote_share=0.0,
+            offload=True,
+            abort_running={"req2", "req13"},
+            batch_queue=2 if overlap else 1,
+        )
+        return setup, w, role
     w = PDWorkload(
         fail={"req3", "req7"},
         abort_waiting={"req5"},
@@ -122,7 +142,9 @@ def test_connector_scheduler_identical(case: str) -> None:
     _, role, _, overlap, policy, _ = CASES[case]
     # The workload exercises what the case claims.
     assert ref["events"]
-    if role == "kv_consumer":
+    if CASES[case][5] == "offload":
+        assert c["jobs"] > 20 and c["recv"] > 0 and calls["alloc_delay_cache"] > 0
+    elif role == "kv_consumer":
         assert c["recv"] > 10 and c["waited"] > 0
         assert calls["alloc_delay_cache"] > 0 and calls["cache_blocks"] > 0
         assert c["failed"] == 2 and c["aborted_waiting"] == 1
@@ -135,7 +157,9 @@ def test_connector_scheduler_identical(case: str) -> None:
         assert c["sent"] == c["delayed_free"] > 10
         assert any(s["held"] for s in ref["steps"])
     if overlap:
-        assert ref["defer_block_free"] and c["overlapped"] > 0
+        assert c["overlapped"] > 0
+    if overlap and role == "kv_consumer":
+        assert ref["defer_block_free"]
         assert calls["pop_blocks_for_free"] > 0
     if case in ("llama_consumer_fail", "llama_consumer_async", "gemma_consumer_async"):
         assert c["preempted"] > 0
@@ -203,28 +227,28 @@ def _fallback_line(caplog: pytest.LogCaptureFixture, ktc: Any) -> tuple[str, lis
 
 @pytest.mark.parametrize(
     "conn",
-    ["OffloadingConnector", "MultiConnector", "module_path"],
+    ["SimpleCPUOffloadConnector", "MultiConnector", "module_path"],
 )
 def test_unserved_connector_falls_back_with_one_line(conn: str, caplog: pytest.LogCaptureFixture) -> None:
-    """A connector whose scheduler side is not served (the native OffloadingConnector, a
-    MultiConnector over it, a connector loaded from a module path) builds vLLM's own
-    manager, with one line naming the connector."""
+    """A connector whose scheduler side is not served (SimpleCPUOffload, which reaches into
+    vLLM's BlockPool; a MultiConnector over it; a connector loaded from a module path) builds
+    vLLM's own manager, with one line naming the connector."""
     from vllm.config import KVTransferConfig
 
     off = {
-        "kv_connector": "OffloadingConnector",
+        "kv_connector": "SimpleCPUOffloadConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 24},
     }
-    if conn == "OffloadingConnector":
-        ktc, expect = KVTransferConfig(**off), "KV connector OffloadingConnector is configured"
+    if conn == "SimpleCPUOffloadConnector":
+        ktc, expect = KVTransferConfig(**off), "KV connector SimpleCPUOffloadConnector is configured"
     elif conn == "MultiConnector":
         ktc = KVTransferConfig(
             kv_connector="MultiConnector",
             kv_role="kv_both",
             kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}, off]},
         )
-        expect = "KV connector MultiConnector over OffloadingConnector is configured"
+        expect = "KV connector MultiConnector over SimpleCPUOffloadConnector is configured"
     else:
         ktc = KVTransferConfig(
             kv_connector="NixlConnector",

@@ -11,14 +11,16 @@ vLLM's semantics:
 
 - ``NixlConnector`` and its ``NixlPullConnector`` / ``NixlPushConnector`` variants, as KV
   producer, consumer or both;
+- the native ``OffloadingConnector`` (``--kv-offloading-size``) when it offloads every
+  prefix-cacheable group (otherwise it asks ``coordinator.find_longest_cache_hit_per_group``
+  of a ``HybridKVCacheCoordinator``, which the manager's facade is not);
 - ``MultiConnector`` whose children are all served.
 
 Anything else falls back to vLLM's own manager with one line naming the connector:
 connectors whose scheduler side reaches into vLLM's ``BlockPool`` / coordinator internals
 (SimpleCPUOffload, UMBP, MooncakeStore, HiSparse, LMCache, ...), connectors loaded from a
-module path, the native ``OffloadingConnector`` (its scheduler and worker metadata are not
-covered by a scheduler-level comparison yet), and a connector with Mamba layers (vLLM's
-per-group divergent hit and boundary-state offloads are not served yet).
+module path, and a connector with Mamba layers (vLLM's per-group divergent hit and
+boundary-state offloads are not served yet).
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ __all__ = ["NATIVE_CONNECTORS", "connector_reason"]
 NATIVE_CONNECTORS: frozenset[str] = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
 
 
-def _unserved(name: Any, module_path: Any, extra: Any) -> str | None:
+def _offloads_every_cached_group(kvc: KVCacheConfig) -> bool:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
+
+    offloaded = set(get_offloading_group_ids(kvc))
+    return all(g in offloaded for g, group in enumerate(kvc.kv_cache_groups) if group.kv_cache_spec.prefix_cacheable)
+
+
+def _unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> str | None:
     """The first connector in this (possibly nested) configuration the manager does not
     serve, or ``None``."""
     if module_path:
@@ -44,11 +53,13 @@ def _unserved(name: Any, module_path: Any, extra: Any) -> str | None:
             return "MultiConnector (no child connectors)"
         for c in children:
             bad = _unserved(
-                c.get("kv_connector"), c.get("kv_connector_module_path"), c.get("kv_connector_extra_config")
+                c.get("kv_connector"), c.get("kv_connector_module_path"), c.get("kv_connector_extra_config"), kvc
             )
             if bad is not None:
                 return f"MultiConnector over {bad}"
         return None
+    if name == "OffloadingConnector":
+        return None if _offloads_every_cached_group(kvc) else "OffloadingConnector (with groups it does not offload)"
     return None if name in NATIVE_CONNECTORS else str(name)
 
 
@@ -61,7 +72,12 @@ def connector_reason(vllm_config: Any, kv_cache_config: KVCacheConfig) -> str | 
     name = getattr(ktc, "kv_connector", "of unknown kind")
     if name is None:
         return None
-    bad = _unserved(name, getattr(ktc, "kv_connector_module_path", None), getattr(ktc, "kv_connector_extra_config", {}))
+    bad = _unserved(
+        name,
+        getattr(ktc, "kv_connector_module_path", None),
+        getattr(ktc, "kv_connector_extra_config", {}),
+        kv_cache_config,
+    )
     if bad is not None:
         return f"KV connector {bad} is configured"
     if any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups):
