@@ -157,12 +157,37 @@ def test_eagle_block_drop_row() -> None:
     assert '"EAGLE/MTP prefix-cache block drop"' in _cell(row)
 
 
-def test_kv_connector_row() -> None:
-    from types import SimpleNamespace
+def test_kv_connector_rows() -> None:
+    from vllm.config import KVTransferConfig
 
-    native, reason = _decide(_kwargs(_specs("full")), vllm_config=SimpleNamespace(kv_transfer_config=object()))
-    assert not native and reason == "a KV connector is configured"
-    assert f'"{reason}"' in _cell("a KV connector")
+    def vc(**kw: Any) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(kv_transfer_config=KVTransferConfig(**kw))
+
+    for role in ("kv_producer", "kv_consumer", "kv_both"):
+        native, reason = _decide(_kwargs(_specs("full")), vllm_config=vc(kv_connector="NixlConnector", kv_role=role))
+        assert native and reason == "", reason
+    multi = vc(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}]},
+    )
+    assert _decide(_kwargs(_specs("full")), vllm_config=multi)[0]
+    assert _cell("NixlConnector").startswith("native")
+    off = vc(kv_connector="OffloadingConnector", kv_role="kv_both")
+    assert _decide(_kwargs(_specs("swa_retained")), vllm_config=off) == (True, "")
+    assert _cell("the native `OffloadingConnector`").startswith("native")
+    native, reason = _decide(
+        _kwargs(_specs("full")), vllm_config=vc(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+    )
+    assert not native and reason == "KV connector LMCacheConnectorV1 is configured"
+    assert '"KV connector <name> is configured"' in _cell("other KV connectors")
+    native, reason = _decide(
+        _kwargs(_specs("mamba2_align")), vllm_config=vc(kv_connector="NixlConnector", kv_role="kv_consumer")
+    )
+    assert not native and reason == "KV connector NixlConnector with Mamba layers is configured"
+    assert '"... with Mamba layers is configured"' in _cell("other KV connectors")
 
 
 def test_routed_experts_row() -> None:

@@ -259,17 +259,19 @@ def test_fallback_for_mamba_groups(plugin_lines) -> None:  # type: ignore[no-unt
 def test_fallback_for_kv_connector(plugin_lines) -> None:  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 
+    from vllm.config import KVTransferConfig
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     from hybrid_alloc.vllm import manager
 
-    manager.current_vllm_config = SimpleNamespace(kv_transfer_config=object())
+    ktc = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+    manager.current_vllm_config = SimpleNamespace(kv_transfer_config=ktc)
     try:
         m = manager.HybridKVCacheManager(**_kwargs())
     finally:
         manager.current_vllm_config = None
     assert type(m) is KVCacheManager
-    assert any("KV connector" in ln for ln in plugin_lines)
+    assert any(ln.endswith("KV connector LMCacheConnectorV1 is configured") for ln in plugin_lines)
 
 
 def test_native_manager_logs_one_serving_line(plugin_lines) -> None:  # type: ignore[no-untyped-def]

@@ -52,6 +52,7 @@ from hybrid_alloc.vllm.compat import (
     TRIM_NULL_HEAD,
     VllmKVCacheManager,
 )
+from hybrid_alloc.vllm.connector import connector_reason
 from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
 from hybrid_alloc.vllm.kv_events import EventLog
 from hybrid_alloc.vllm.policy_env import PIN_PREFIXES_ENV, PIN_SHARE_ENV, POLICY_ENV, RETAIN_PRIORITY_ENV
@@ -133,8 +134,8 @@ def _native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
     """The native allocator's arguments (``groups`` as named specs); raises ``Unsupported``
     naming what is not served exactly. Does not build the allocator (which may still refuse
     the configuration)."""
-    if vllm_config is not None and getattr(vllm_config, "kv_transfer_config", None) is not None:
-        raise Unsupported("a KV connector is configured")
+    if (reason := connector_reason(vllm_config, a.kv_cache_config)) is not None:
+        raise Unsupported(reason)
     if a.use_eagle:
         raise Unsupported("EAGLE/MTP prefix-cache block drop")
     if not isinstance(a.num_hash_lookahead_tokens, int) or a.num_hash_lookahead_tokens < 0:

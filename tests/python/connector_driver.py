@@ -1,0 +1,340 @@
+"""Drives the installed vLLM's (0.32.0 or 0.33.0) real Scheduler (sync or async) with a KV
+connector configured (NixlConnector as KV consumer or producer) through a seeded workload of
+P/D lifecycles, faking the worker side as vLLM's own connector unit tests do: each step's
+``ModelRunnerOutput`` carries a ``KVConnectorOutput`` with ``finished_recving``,
+``finished_sending``, ``invalid_block_ids`` and ``failed_recving``.
+
+A run records, per step, the SchedulerOutput digest, the connector metadata the scheduler
+built (times dropped: they are wall-clock), the free block count, the requests whose blocks
+wait for ``finished_sending`` (delayed frees), and the KV cache events, so two runs (vLLM's
+manager and ours) can be compared step by step. The NIXL scheduler side needs ``zmq`` and
+``msgspec`` only (both in the test environments), not the ``nixl`` package.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+from vllm.sampling_params import SamplingParams
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request, RequestStatus
+
+from hybrid_alloc.vllm.offline import SchedulerSetup, fabricate_output
+from sched_driver import digest
+
+
+def nixl_config(role: str, failure_policy: str = "recompute") -> KVTransferConfig:
+    return KVTransferConfig(kv_connector="NixlConnector", kv_role=role, kv_load_failure_policy=failure_policy)
+
+
+def _plain(obj: Any, depth: int = 0) -> Any:
+    """A comparable form of connector metadata: Requests by id, floats (wall-clock
+    deadlines) dropped, objects by their attributes, sets sorted."""
+    if depth > 8:
+        return "..."
+    if isinstance(obj, Request):
+        return ("Request", obj.request_id)
+    if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str, bytes)):
+        return obj
+    if isinstance(obj, float):
+        return "float"
+    if isinstance(obj, dict):
+        return {str(k): _plain(v, depth + 1) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (set, frozenset)):
+        return sorted((_plain(v, depth + 1) for v in obj), key=repr)
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v, depth + 1) for v in obj]
+    attrs = getattr(obj, "__dict__", None)
+    if attrs is None and hasattr(obj, "__slots__"):
+        attrs = {s: getattr(obj, s, None) for s in obj.__slots__}
+    if attrs is None:
+        return type(obj).__name__
+    return {"_type": type(obj).__name__, **{k: _plain(v, depth + 1) for k, v in sorted(attrs.items())}}
+
+
+@dataclass
+class PDWorkload:
+    """What the fake worker does: a request listed in ``fail`` has its remote load fail
+    (``invalid_block_ids`` with one KV cache group, ``failed_recving`` otherwise, as vLLM 0.33
+    requires), one in ``abort_waiting`` is aborted while it waits for remote KVs; loads
+    finish ``recv_delay`` steps after the worker is asked for them, sends ``send_delay``
+    steps after the request finished."""
+
+    seed: int = 3
+    num_requests: int = 24
+    remote_share: float = 0.7
+    recv_delay: int = 2
+    send_delay: int = 3
+    fail: set[str] = field(default_factory=set)
+    abort_waiting: set[str] = field(default_factory=set)
+    use_failed_recving: bool = False
+    fail_running: set[str] = field(default_factory=set)
+    abort_running: set[str] = field(default_factory=set)
+    # Steps in flight (2: the next step is scheduled before the last one's output is
+    # processed, as vLLM's engine core does with async scheduling).
+    batch_queue: int = 1
+    # The native OffloadingConnector's worker: every transfer job in the metadata completes
+    # (``OffloadingWorkerMetadata.completed_jobs``) after the delays above, a sync load in its
+    # own step; an async load's request is reported in ``finished_recving``.
+    offload: bool = False
+
+
+def _make_request(sched: Any, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args=None if params is None else {"kv_transfer_params": params},
+        ),
+        pooling_params=None,
+        block_hasher=sched._hybrid_alloc_block_hasher,
+    )
+
+
+def _remote_params(role: str, rid: str) -> dict[str, Any]:
+    common = dict(
+        remote_engine_id="remote-engine",
+        remote_request_id=f"remote-{rid}",
+        remote_host="127.0.0.1",
+        remote_port=5999,
+        tp_size=1,
+    )
+    if role == "kv_consumer":
+        return dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=[1, 2, 3], **common)
+    return dict(do_remote_decode=True, do_remote_prefill=False)
+
+
+def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600) -> dict[str, Any]:
+    """One run; returns per-step records and counters (see the module docstring)."""
+    rng = random.Random(w.seed)
+    sched = setup.build()
+    mgr = sched.kv_cache_manager
+    events: list[Any] = []
+    orig_take = mgr.take_events
+
+    def take_events() -> list[Any]:
+        evs = orig_take()
+        events.extend(evs)
+        return evs
+
+    mgr.take_events = take_events  # type: ignore[method-assign]
+    calls: dict[str, int] = {}
+
+    def count(name: str) -> None:
+        fn = getattr(mgr, name)
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*a, **k)
+
+        setattr(mgr, name, wrapped)
+
+    for name in ("evict_blocks", "pop_blocks_for_free", "free", "record_blocks_for_zeroing"):
+        count(name)
+    # What the cache holds right after the scheduler caches an async load (before the next
+    # allocation would re-cache the same blocks): a probe with the same prompt looks it up.
+    after_load: list[tuple[str, int, int]] = []
+    orig_cache_blocks = mgr.cache_blocks
+
+    def cache_blocks(request: Request, num_computed_tokens: int) -> None:
+        calls["cache_blocks"] = calls.get("cache_blocks", 0) + 1
+        orig_cache_blocks(request, num_computed_tokens)
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            probe = _make_request(sched, "probe", request.prompt_token_ids, 1, None)
+            _, hit, _ = mgr.get_computed_blocks(probe)
+            mgr.free(probe)
+            after_load.append((request.request_id, num_computed_tokens, hit))
+
+    mgr.cache_blocks = cache_blocks  # type: ignore[method-assign]
+    orig_allocate = mgr.allocate_slots
+
+    def allocate_slots(request: Request, num_new_tokens: int, *a: Any, **k: Any) -> Any:
+        if k.get("num_external_computed_tokens", 0) > 0:
+            calls["alloc_external"] = calls.get("alloc_external", 0) + 1
+            if k.get("num_new_computed_tokens", 0) > 0:
+                calls["alloc_local_and_external"] = calls.get("alloc_local_and_external", 0) + 1
+            if k.get("delay_cache_blocks"):
+                calls["alloc_delay_cache"] = calls.get("alloc_delay_cache", 0) + 1
+        return orig_allocate(request, num_new_tokens, *a, **k)
+
+    mgr.allocate_slots = allocate_slots  # type: ignore[method-assign]
+    mml = setup.shape.max_model_len
+    prefixes = [[rng.randrange(1, 30000) for _ in range(rng.randrange(60, 300))] for _ in range(3)]
+    pending = []
+    remote: set[str] = set()
+    for i in range(w.num_requests):
+        rid = f"req{i}"
+        toks = list(prefixes[rng.randrange(3)]) if rng.random() < 0.6 else []
+        toks += [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 400))]
+        toks = toks[: mml - 100]
+        is_remote = rng.random() < w.remote_share or rid in w.fail | w.abort_waiting | w.fail_running
+        params = _remote_params(role, rid) if is_remote else None
+        if is_remote:
+            remote.add(rid)
+        mt = 1 if (is_remote and role == "kv_producer") else rng.randrange(1, 60)
+        pending.append((rng.randrange(0, 30), rid, toks, mt, params))
+    pending.sort(key=lambda p: p[0])
+    recv_due: dict[str, int] = {}  # request -> step its load completes
+    jobs_due: dict[int, tuple[int, str | None]] = {}  # offloading job -> (step, request of an async load)
+    send_due: dict[str, int] = {}
+    loaded: dict[str, int] = {}  # request -> step its load was reported done
+    steps: list[dict[str, Any]] = []
+    counters = {
+        "recv": 0,
+        "sent": 0,
+        "failed": 0,
+        "failed_running": 0,
+        "aborted_waiting": 0,
+        "aborted_running": 0,
+        "waited": 0,
+        "delayed_free": 0,
+        "preempted": 0,
+        "overlapped": 0,
+        "jobs": 0,
+    }
+    multi_group = len(sched.kv_cache_config.kv_cache_groups) > 1
+    in_flight: deque[tuple[Any, Any, dict[str, Any]]] = deque()
+
+    def process(so: Any, out: Any, d: dict[str, Any], step: int) -> None:
+        """The worker's answer to a step (its model output made when it was scheduled),
+        then the scheduler's update from it."""
+        finished_recving = {r for r, s in recv_due.items() if s <= step}
+        completed = {j: 1 for j, (s, _) in jobs_due.items() if s <= step}
+        for j in completed:
+            _, rid = jobs_due.pop(j)
+            if rid is not None:
+                finished_recving.add(rid)
+        finished_sending = {r for r, s in send_due.items() if s <= step}
+        invalid: set[int] = set()
+        failed: set[str] = set()
+        for rid in sorted(finished_recving & w.fail):
+            req = sched.requests.get(rid)
+            if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            counters["failed"] += 1
+            if multi_group or w.use_failed_recving:
+                failed.add(rid)
+            else:
+                (ids,) = mgr.get_block_ids(rid)
+                invalid.add(ids[len(ids) // 2])
+        for rid in sorted(w.fail_running):
+            # A load reported done, whose blocks turn out invalid once the request runs
+            # (a sync failure: the scheduler evicts them under the "fail" policy).
+            req = sched.requests.get(rid)
+            if loaded.get(rid) == step - 2 and req is not None and req.status == RequestStatus.RUNNING:
+                (ids,) = mgr.get_block_ids(rid)
+                if ids:
+                    invalid.add(ids[len(ids) // 3])
+                    counters["failed_running"] += 1
+        for r in finished_recving:
+            recv_due.pop(r, None)
+            loaded[r] = step
+        for r in finished_sending:
+            del send_due[r]
+        counters["recv"] += len(finished_recving)
+        counters["sent"] += len(finished_sending)
+        out.kv_connector_output = KVConnectorOutput(
+            finished_sending=finished_sending or None,
+            finished_recving=finished_recving or None,
+            invalid_block_ids=invalid,
+            failed_recving=failed,
+            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed) if w.offload else None,
+        )
+        d["worker"] = (
+            sorted(finished_recving),
+            sorted(finished_sending),
+            sorted(invalid),
+            sorted(failed),
+            sorted(completed),
+        )
+        counters["jobs"] += len(completed)
+        sched.update_from_output(so, out)
+        # Finished requests still held (their blocks wait for finished_sending).
+        held = sorted(r for r, q in sched.requests.items() if q.is_finished())
+        for r in held:
+            if r not in send_due and r in remote and role == "kv_producer":
+                send_due[r] = step + w.send_delay
+                counters["delayed_free"] += 1
+        d["held"] = held
+        d["free"] = mgr.block_pool.get_num_free_blocks()
+        d["usage"] = mgr.usage
+
+    step = 0
+    while (pending or sched.get_num_unfinished_requests() or recv_due or send_due or jobs_due) and step < max_steps:
+        while pending and pending[0][0] <= step:
+            _, rid, toks, mt, params = pending.pop(0)
+            sched.add_request(_make_request(sched, rid, toks, mt, params))
+        for rid in sorted(w.abort_waiting | w.abort_running):
+            req = sched.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            if rid in w.abort_waiting and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                counters["aborted_waiting"] += 1
+            elif rid in w.abort_running and req.status == RequestStatus.RUNNING and req.num_output_tokens > 0:
+                # With a step in flight: its blocks go back only once that step is done.
+                sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                counters["aborted_running"] += 1
+        so = sched.schedule()
+        meta = so.kv_connector_metadata
+        waiting = sorted(r for r, q in sched.requests.items() if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        if w.offload:
+            for jid, job in getattr(meta, "load_jobs", {}).items():
+                sync = getattr(job, "sync", False)
+                jobs_due[jid] = (step if sync else step + w.recv_delay, None if sync else job.req_id)
+            for jid in getattr(meta, "store_jobs", {}):
+                jobs_due[jid] = (step + w.send_delay, None)
+        else:
+            # The worker starts each load the scheduler parked a request for.
+            for rid in waiting:
+                if rid not in loaded:  # a finished load waits for the scheduler to take it
+                    recv_due.setdefault(rid, step + w.recv_delay)
+        counters["waited"] += len(waiting)
+        d = digest(so)
+        counters["preempted"] += len(d["preempted"])
+        d["meta"] = _plain(meta)
+        steps.append(d)
+        in_flight.appendleft((so, fabricate_output(sched, so), d))
+        if len(in_flight) < w.batch_queue and so.total_num_scheduled_tokens > 0:
+            step += 1
+            continue
+        if len(in_flight) > 1:
+            counters["overlapped"] += 1
+        process(*in_flight.pop(), step)
+        step += 1
+    while in_flight:
+        process(*in_flight.pop(), step)
+    deferred = bool(getattr(sched, "defer_block_free", False))
+    finished = step < max_steps
+    sched.shutdown()
+    return {
+        "steps": steps,
+        "events": events,
+        "calls": calls,
+        "after_load": after_load,
+        "counters": counters,
+        "native": type(mgr).__name__,
+        "finished": finished,
+        "defer_block_free": deferred,
+    }
+
+
+def assert_same_pd(case: str, ref: dict[str, Any], ours: dict[str, Any]) -> None:
+    assert ref["native"] == "KVCacheManager", ref["native"]
+    assert ours["native"] == "HybridKVCacheManager", ours["native"]
+    assert ref["finished"] and ours["finished"], case
+    for i, (a, b) in enumerate(zip(ref["steps"], ours["steps"])):
+        for k in a:
+            assert a[k] == b[k], f"{case}: step {i}: {k} differs:\n vllm: {a[k]}\n ours: {b[k]}"
+    assert len(ref["steps"]) == len(ours["steps"]), case
+    assert ref["events"] == ours["events"], f"{case}: KV events differ"
+    assert ref["calls"] == ours["calls"], (ref["calls"], ours["calls"])
+    assert ref["after_load"] == ours["after_load"], f"{case}: the cache after an async load differs"
+    assert ref["counters"] == ours["counters"]

@@ -1,0 +1,268 @@
+"""KV connectors served natively: the installed vLLM's (0.32.0 or 0.33.0) real Scheduler and
+AsyncScheduler with NixlConnector configured (as KV consumer and as KV producer, alone, as
+its push variant and under a MultiConnector) and with the native OffloadingConnector, run
+once with vLLM's KVCacheManager and once with ours, the worker side faked with
+``KVConnectorOutput`` (see ``connector_driver``). Every step's SchedulerOutput, the connector
+metadata the scheduler built, the free block count, the requests held for
+``finished_sending`` (delayed frees), the KV events and the manager calls must be identical.
+
+Lifecycles: remote prefill (async loads), remote decode with the free delayed until
+``finished_sending``, async load failure (``invalid_block_ids`` with one KV cache group,
+``failed_recving`` with several) under both ``kv_load_failure_policy`` values, a sync
+failure of a running request (``evict_blocks`` under "fail"), abort while waiting for
+remote KVs, abort with a step in flight (deferred frees through ``pop_blocks_for_free``),
+preemption, local hits combined with external hits. Shapes: full attention only, and
+sliding window + full (Gemma-like). Also: ``cache_blocks`` after an async load,
+``truncate_computed_blocks``, and the connectors that still fall back, with one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+def _shapes() -> dict[str, Any]:
+    from hybrid_alloc.vllm.offline import LayerKind, ModelShape
+
+    return {
+        "llama": ModelShape(
+            "tiny-llama",
+            tuple(LayerKind("full") for _ in range(4)),
+            num_kv_heads=2,
+            head_size=64,
+            weight_bytes=0,
+            max_model_len=2048,
+        ),
+        "gemma": ModelShape(
+            "tiny-gemma",
+            tuple(LayerKind("sliding_window", 64) if i % 2 == 0 else LayerKind("full") for i in range(4)),
+            num_kv_heads=2,
+            head_size=64,
+            weight_bytes=0,
+            max_model_len=2048,
+        ),
+    }
+
+
+# case: (shape, role, num_blocks, async with 2 steps in flight, load failure policy, connector)
+CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
+    "llama_consumer": ("llama", "kv_consumer", 120, False, "recompute", "nixl"),
+    "llama_consumer_fail": ("llama", "kv_consumer", 120, False, "fail", "nixl"),
+    "gemma_consumer": ("gemma", "kv_consumer", 60, False, "recompute", "nixl"),
+    "gemma_consumer_fail": ("gemma", "kv_consumer", 60, False, "fail", "nixl"),
+    "llama_producer": ("llama", "kv_producer", 50, False, "recompute", "nixl"),
+    "gemma_producer": ("gemma", "kv_producer", 80, False, "recompute", "nixl"),
+    "llama_consumer_async": ("llama", "kv_consumer", 60, True, "recompute", "nixl"),
+    "gemma_consumer_async": ("gemma", "kv_consumer", 100, True, "recompute", "nixl"),
+    "gemma_consumer_multi": ("gemma", "kv_consumer", 60, False, "recompute", "multi"),
+    "llama_consumer_push": ("llama", "kv_consumer", 120, False, "recompute", "push"),
+    "gemma_producer_push": ("gemma", "kv_producer", 80, False, "recompute", "push"),
+    # The native OffloadingConnector (CPU offloading): stores and loads as transfer jobs.
+    "llama_offload": ("llama", "kv_both", 60, False, "recompute", "offload"),
+    "gemma_offload": ("gemma", "kv_both", 60, False, "recompute", "offload"),
+    "gemma_offload_async": ("gemma", "kv_both", 100, True, "recompute", "offload"),
+}
+
+
+def _setup(case: str) -> tuple[Any, Any, str]:
+    from vllm.config import KVTransferConfig
+
+    from connector_driver import PDWorkload, nixl_config
+    from hybrid_alloc.vllm.offline import SchedulerSetup
+
+    shape, role, blocks, overlap, policy, conn = CASES[case]
+    if conn == "multi":
+        ktc = KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role=role,
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": role}]},
+        )
+    elif conn == "offload":
+        ktc = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role=role,
+            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 22},
+        )
+    elif conn == "push":
+        ktc = KVTransferConfig(kv_connector="NixlPushConnector", kv_role=role, kv_load_failure_policy=policy)
+    else:
+        ktc = nixl_config(role, policy)
+    setup = SchedulerSetup(
+        shape=_shapes()[shape],
+        num_blocks=blocks,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        kv_events=True,
+        async_scheduling=overlap,
+        extra={"kv_transfer_config": ktc},
+    )
+    if conn == "offload":
+        # Local requests only: the offloaded prefixes come back as loads.
+        w = PDWorkload(
+            num_requests=30,
+            remote_share=0.0,
+            offload=True,
+            abort_running={"req2", "req13"},
+            batch_queue=2 if overlap else 1,
+        )
+        return setup, w, role
+    w = PDWorkload(
+        fail={"req3", "req7"},
+        abort_waiting={"req5"},
+        # A sync failure maps invalid block ids to requests: one KV cache group only.
+        fail_running={"req9", "req11"} if shape == "llama" else set(),
+        abort_running={"req2", "req13", "req17"},
+        batch_queue=2 if overlap else 1,
+    )
+    return setup, w, role
+
+
+def _pair(case: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    from connector_driver import run_pd
+
+    setup, w, role = _setup(case)
+    ref = run_pd(dataclasses.replace(setup, manager="vllm"), role, w)
+    ours = run_pd(dataclasses.replace(setup, manager="hybrid_alloc"), role, w)
+    return ref, ours
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_connector_scheduler_identical(case: str) -> None:
+    from connector_driver import assert_same_pd
+
+    ref, ours = _pair(case)
+    assert_same_pd(case, ref, ours)
+    c, calls = ref["counters"], ref["calls"]
+    _, role, _, overlap, policy, _ = CASES[case]
+    # The workload exercises what the case claims.
+    assert ref["events"]
+    if CASES[case][5] == "offload":
+        assert c["jobs"] > 20 and c["recv"] > 0 and calls["alloc_delay_cache"] > 0
+    elif role == "kv_consumer":
+        assert c["recv"] > 10 and c["waited"] > 0
+        assert calls["alloc_delay_cache"] > 0 and calls["cache_blocks"] > 0
+        assert c["failed"] == 2 and c["aborted_waiting"] == 1
+        if case.startswith("llama"):
+            assert c["failed_running"] > 0
+            assert calls.get("alloc_local_and_external", 0) > 0
+            if policy == "fail":
+                assert calls["evict_blocks"] > 0
+    else:
+        assert c["sent"] == c["delayed_free"] > 10
+        assert any(s["held"] for s in ref["steps"])
+    if overlap:
+        assert c["overlapped"] > 0
+    if overlap and role == "kv_consumer":
+        assert ref["defer_block_free"]
+        assert calls["pop_blocks_for_free"] > 0
+    if case in ("llama_consumer_fail", "llama_consumer_async", "gemma_consumer_async"):
+        assert c["preempted"] > 0
+
+
+def test_cache_blocks_after_async_load() -> None:
+    """Right after the scheduler caches a finished async load (``cache_blocks`` while the
+    request still waits for remote KVs), a request with the same prompt hits the loaded
+    blocks, as with vLLM's manager: the next allocation would re-cache them anyway, so a
+    step-by-step diff would barely see a missing call."""
+    ref, ours = _pair("llama_consumer")
+    assert ref["after_load"] == ours["after_load"]
+    assert len(ref["after_load"]) >= 10
+    bs = 16
+    for rid, n, hit in ours["after_load"]:
+        if n >= bs:
+            assert hit >= (n // bs - 1) * bs > 0 or n < 2 * bs, (rid, n, hit)
+    assert all(hit > 0 for _, n, hit in ours["after_load"] if n >= 2 * 16)
+
+
+def test_truncate_computed_blocks_matches_vllm() -> None:
+    """``truncate_computed_blocks`` on a real hit (as the scheduler calls it when a remote
+    hit beats a local sub-block tail): the same block ids per group as vLLM's, for every
+    block-aligned endpoint, and the hit's own blocks untouched."""
+    from hybrid_alloc.vllm.offline import fabricate_output, make_request
+
+    out = {}
+    for mgr_name in ("vllm", "hybrid_alloc"):
+        setup, _, _ = _setup("gemma_consumer")
+        sched = dataclasses.replace(setup, manager=mgr_name).build()
+        prompt = list(range(1, 200))
+        sched.add_request(make_request(sched, "a", prompt, 2))
+        for _ in range(10):
+            so = sched.schedule()
+            sched.update_from_output(so, fabricate_output(sched, so))
+        mgr = sched.kv_cache_manager
+        probe = make_request(sched, "b", prompt, 1)
+        blocks, hit, _ = mgr.get_computed_blocks(probe)
+        before = blocks.get_block_ids()
+        res = [hit]
+        for n in range(0, hit + 1, 16):
+            t = mgr.truncate_computed_blocks(blocks, n)
+            res.append((n, t.get_block_ids(), [[b.block_id for b in g] for g in t.blocks]))
+        assert blocks.get_block_ids() == before
+        mgr.free(probe)
+        out[mgr_name] = res
+        sched.shutdown()
+    assert out["vllm"][0] >= 160
+    assert out["vllm"] == out["hybrid_alloc"]
+
+
+def _fallback_line(caplog: pytest.LogCaptureFixture, ktc: Any) -> tuple[str, list[str]]:
+    from hybrid_alloc.vllm.offline import SchedulerSetup
+
+    caplog.set_level(logging.INFO, logger="vllm.hybrid_alloc")
+    setup = SchedulerSetup(
+        shape=_shapes()["gemma"], manager="hybrid_alloc", num_blocks=60, extra={"kv_transfer_config": ktc}
+    )
+    sched = setup.build()
+    name = type(sched.kv_cache_manager).__name__
+    sched.shutdown()
+    lines = [r.getMessage() for r in caplog.records if "falling back to vLLM's KVCacheManager" in r.getMessage()]
+    return name, lines
+
+
+@pytest.mark.parametrize(
+    "conn",
+    ["SimpleCPUOffloadConnector", "MultiConnector", "module_path"],
+)
+def test_unserved_connector_falls_back_with_one_line(conn: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A connector whose scheduler side is not served (SimpleCPUOffload, which reaches into
+    vLLM's BlockPool; a MultiConnector over it; a connector loaded from a module path) builds
+    vLLM's own manager, with one line naming the connector."""
+    from vllm.config import KVTransferConfig
+
+    off = {
+        "kv_connector": "SimpleCPUOffloadConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 24},
+    }
+    if conn == "SimpleCPUOffloadConnector":
+        ktc, expect = KVTransferConfig(**off), "KV connector SimpleCPUOffloadConnector is configured"
+    elif conn == "MultiConnector":
+        ktc = KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}, off]},
+        )
+        expect = "KV connector MultiConnector over SimpleCPUOffloadConnector is configured"
+    else:
+        ktc = KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_connector_module_path="vllm.distributed.kv_transfer.kv_connector.v1.nixl",
+            kv_role="kv_both",
+        )
+        expect = "KV connector NixlConnector (from vllm.distributed.kv_transfer.kv_connector.v1.nixl) is configured"
+    name, lines = _fallback_line(caplog, ktc)
+    assert name == "KVCacheManager"
+    assert len(lines) == 1 and lines[0].endswith(expect), lines
+
+
+def test_nixl_is_served_natively_without_a_fallback_line(caplog: pytest.LogCaptureFixture) -> None:
+    from connector_driver import nixl_config
+
+    name, lines = _fallback_line(caplog, nixl_config("kv_both"))
+    assert name == "HybridKVCacheManager" and not lines
