@@ -55,6 +55,9 @@ struct ReqState {
     /// The no-op limits of the request's next plain step: always equal to
     /// [`Allocator::noop_limits`] of its tables (refreshed by every call that changes them).
     noop: NoopLimits,
+    /// Hit-aware: `(adopted hit tokens, prompt tokens)` as the last allocation saw them (the
+    /// probation rule of [`crate::policy::LEVEL_PROBATION`]).
+    hit_and_prompt: (u32, u32),
 }
 
 /// A caller-supplied token count as `u32`.
