@@ -731,3 +731,44 @@ fn free_retained_hit_aware_keeps_within_pinned_share() {
     }
     assert_eq!(m.a.pool().pinned_free(), 6, "retained requests fill the pinned share");
 }
+
+#[test]
+fn pinned_prefix_junction_reported_on_first_sighting_and_hit_on_second_mamba_align() {
+    // Full attention + Mamba "align": a pinned 3-block prefix's end is reported as the shared
+    // prefix's end before anything is cached (vLLM's scheduler ends a chunk there), its state
+    // is cached at that chunk's end, and the 2nd sighting hits the whole prefix.
+    let kinds = [AttentionKind::Full, mamba_align()];
+    let mut a = Allocator::new(config(&kinds, 64, Some(0)), Policy::HitAware).unwrap();
+    let prefix: Vec<u64> = (0..3).map(|i| 7_000 + i).collect();
+    let pinned: Vec<BlockHash> = chain(&prefix).into_iter().map(BlockHash::from_u64).collect();
+    assert!(a.pin_prefix(&pinned).unwrap() > 0);
+    let sighting = |a: &mut Allocator, own: u64| {
+        let contents: Vec<u64> = prefix.iter().copied().chain([own, own + 1]).collect();
+        let hashes: Vec<BlockHash> = chain(&contents).into_iter().map(BlockHash::from_u64).collect();
+        let h = a.add_request();
+        a.append_hashes(h, &common::hash_bytes(&hashes), 8).unwrap();
+        (h, a.find_longest_cache_hit(h, 19).unwrap())
+    };
+    let (h, hit) = sighting(&mut a, 100);
+    assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (0, 12));
+    for (start, end) in [(0, 12), (12, 20)] {
+        a.new_step_starts();
+        let args = AllocateArgs {
+            num_new_tokens: end - start,
+            num_computed_tokens: start,
+            num_prompt_tokens: 20,
+            num_tokens: 20,
+            shared_prefix_boundary: 12,
+            ..Default::default()
+        };
+        assert!(a.allocate_slots(h, &args, NewComputed::Empty, None).unwrap().is_some());
+    }
+    a.free(h, LEVEL_NORMAL).unwrap();
+    a.new_step_starts();
+    let (_, hit) = sighting(&mut a, 200);
+    assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (12, 0));
+    // Without the pin, the 1st sighting reports no junction (vLLM's rule).
+    let mut b = Allocator::new(config(&kinds, 64, Some(0)), Policy::HitAware).unwrap();
+    let (_, hit) = sighting(&mut b, 100);
+    assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (0, 0));
+}
