@@ -105,6 +105,9 @@ pub struct BlockPool {
     /// Retention level of each block (the `hit-aware` policy): where a cached block goes
     /// when freed. Empty under `exact`, whose queue has a single LRU level.
     level: Vec<Level>,
+    /// Hit-aware: whether a block was served in a cache hit since it was cached (it proved
+    /// reuse: never put on `LEVEL_PROBATION`). Empty under `exact`.
+    reused: Vec<bool>,
     /// Hash keys of pinned prefixes: a block cached under one is freed at `LEVEL_PINNED`.
     pinned_keys: FxHashSet<HashKey>,
     /// Free cached blocks at `LEVEL_PINNED` (invariant: equals the count in the queue).
@@ -163,6 +166,7 @@ impl BlockPool {
         }
         .map_err(oom("the free queue"))?;
         let level = if leveled { try_filled(n, LEVEL_NORMAL).map_err(oom("block levels"))? } else { Vec::new() };
+        let reused = if leveled { try_filled(n, false).map_err(oom("block reuse bits"))? } else { Vec::new() };
         let null = queue.pop_front();
         debug_assert_eq!(null, Some(NULL_BLOCK));
         Ok(Self {
@@ -173,6 +177,7 @@ impl BlockPool {
             hash_tokens,
             queue,
             level,
+            reused,
             pinned_keys: FxHashSet::default(),
             pinned_free: 0,
             pinned_cap: (num_blocks.saturating_sub(1)) / 4,
@@ -259,6 +264,17 @@ impl BlockPool {
     #[inline]
     pub fn is_leveled(&self) -> bool {
         !self.level.is_empty()
+    }
+
+    /// Whether `key` is a pinned prefix's (hit-aware; always false under `exact`).
+    pub fn is_pinned_key(&self, key: &HashKey) -> bool {
+        !self.pinned_keys.is_empty() && self.pinned_keys.contains(key)
+    }
+
+    /// Hit-aware: whether `b` was served in a cache hit since it was cached (false under
+    /// `exact`).
+    pub fn reused(&self, b: BlockId) -> bool {
+        self.reused.get(b as usize).copied().unwrap_or(false)
     }
 
     /// Retention level of `b` (`LEVEL_NORMAL` without levels).
@@ -441,6 +457,9 @@ impl BlockPool {
         }
         let Some(key) = self.hash[b as usize].take() else { return false };
         self.hash_tokens[b as usize] = 0;
+        if let Some(r) = self.reused.get_mut(b as usize) {
+            *r = false;
+        }
         if self.index.remove(&key, b) && self.enable_events {
             self.events.push(Event::Removed { hash: key.0, group: key.1 });
         }
@@ -460,6 +479,9 @@ impl BlockPool {
                 self.queue.remove(b);
             }
             self.ref_cnt[b as usize] += 1;
+            if let Some(r) = self.reused.get_mut(b as usize) {
+                *r = true;
+            }
         }
     }
 
@@ -606,6 +628,9 @@ impl BlockPool {
         }
         for t in self.hash_tokens.iter_mut() {
             *t = 0;
+        }
+        for r in self.reused.iter_mut() {
+            *r = false;
         }
         self.pinned_free = 0;
         if self.enable_events {

@@ -83,12 +83,18 @@ pub const LEVEL_SPECULATIVE: Level = 0;
 /// can resume anywhere in the window before the boundary (a shared prefix that ends a little
 /// before a prompt's end, as a re-sent context with a new question does).
 pub const LEVEL_NEAR: Level = 1;
+/// State-space hybrids only: the blocks a finished request computed itself, when its own
+/// hit saved less than half its prompt (it has not shown that its conversation comes back).
+/// Evicted before [`LEVEL_NORMAL`]: under a cyclic load larger than the cache (round-robin
+/// chat sessions) LRU evicts every session just before it returns; with this level the
+/// sessions that do hit keep their hit units and the others wait their turn (segmented LRU).
+pub const LEVEL_PROBATION: Level = 2;
 /// Every other cached block (vLLM's single LRU level).
-pub const LEVEL_NORMAL: Level = 2;
+pub const LEVEL_NORMAL: Level = 3;
 /// Blocks of a pinned prefix or of a request with a retention priority.
-pub const LEVEL_PINNED: Level = 3;
+pub const LEVEL_PINNED: Level = 4;
 /// Levels of a hit-aware free queue.
-pub const NUM_LEVELS: u32 = 4;
+pub const NUM_LEVELS: u32 = 5;
 
 #[cfg(test)]
 mod tests {

@@ -9,6 +9,9 @@
 //! - every hashed block holds exactly the content its hash names (a block keeps a hash only
 //!   while it holds the KV of those tokens);
 //! - the KV cache events replayed into a mirror give exactly the prefix index;
+//! - a block served in a hit since it was cached (with the content it was served with) is
+//!   never on probation (`LEVEL_PROBATION`, the state-space hybrids' rule for requests
+//!   whose own hit saved under half their prompt: only the blocks they computed go there);
 //!
 //! and every hit the allocator serves is checked block by block, in every group, against
 //! the request's own content, with the blocks the attention type needs all present.
@@ -24,7 +27,7 @@ mod common;
 
 use common::{chain, groups};
 use hybrid_alloc::invariants;
-use hybrid_alloc::policy::{Policy, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_SPECULATIVE};
+use hybrid_alloc::policy::{Policy, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_SPECULATIVE};
 use hybrid_alloc::{
     AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Event, NewComputed, ReqHandle, NULL_BLOCK,
 };
@@ -74,6 +77,10 @@ struct Model {
     mirror: HashMap<(BlockHash, u32), u32>,
     hits_served: u64,
     hit_tokens: u64,
+    /// Blocks served in an adopted hit since they entered a table, with the content served.
+    served: HashMap<BlockId, u64>,
+    /// The blocks of the hit just checked, served once the allocation adopts it.
+    pending_served: Vec<(BlockId, u64)>,
 }
 
 impl Model {
@@ -91,6 +98,8 @@ impl Model {
             mirror: HashMap::new(),
             hits_served: 0,
             hit_tokens: 0,
+            served: HashMap::new(),
+            pending_served: Vec::new(),
         }
     }
 
@@ -125,6 +134,7 @@ impl Model {
             let t = self.a.blocks(r.h, g).unwrap();
             for idx in t.len() - c as usize..t.len() {
                 self.held[t[idx] as usize] = r.chain.get(idx).copied().unwrap_or(u64::MAX);
+                self.served.remove(&t[idx]);
             }
         }
     }
@@ -140,7 +150,8 @@ impl Model {
 
     /// Checks the hit stored for request `i`: every block is the request's own content, and
     /// every block the attention type needs is there.
-    fn check_hit(&self, i: usize, hit: u32) {
+    fn check_hit(&mut self, i: usize, hit: u32) {
+        self.pending_served.clear();
         let r = &self.live[i];
         let nb = (hit / BS) as usize;
         for g in 0..self.kinds.len() {
@@ -156,6 +167,7 @@ impl Model {
                     self.held[b as usize], r.chain[idx],
                     "group {g}: hit block {b} at {idx} holds other content than the request's"
                 );
+                self.pending_served.push((b, r.chain[idx]));
             }
         }
     }
@@ -216,6 +228,7 @@ impl Model {
         match res {
             Some(_) => {
                 self.record_new_blocks(i);
+                self.served.extend(self.pending_served.drain(..));
                 self.hits_served += (hit.num_tokens > 0) as u64;
                 self.hit_tokens += hit.num_tokens as u64;
                 let r = &mut self.live[i];
@@ -284,6 +297,9 @@ impl Model {
         let n = self.a.pool().num_blocks();
         let ids: Vec<BlockId> = ids.iter().map(|&x| x as u32 % n).collect();
         self.a.evict_blocks(&ids).unwrap();
+        for b in &ids {
+            self.served.remove(b);
+        }
     }
 
     fn check(&mut self) {
@@ -323,6 +339,11 @@ impl Model {
             }
         }
         assert_eq!(index, self.mirror, "the events do not describe what is cached");
+        for (&b, &content) in &self.served {
+            if pool.block_hash(b).is_some() && self.held[b as usize] == content {
+                assert_ne!(pool.level(b), LEVEL_PROBATION, "block {b}, served in a hit, is on probation");
+            }
+        }
     }
 }
 
@@ -374,7 +395,9 @@ fn run_with(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>, po
             }
             Op::Evict(ids) => m.evict(ids),
             Op::Reset => {
-                m.a.reset_prefix_cache();
+                if m.a.reset_prefix_cache() {
+                    m.served.clear();
+                }
             }
             Op::Pin { pick } => m.pin(*pick),
             Op::Share(x) => {
@@ -707,4 +730,45 @@ fn free_retained_hit_aware_keeps_within_pinned_share() {
         assert!(m.a.pool().pinned_free() <= 6);
     }
     assert_eq!(m.a.pool().pinned_free(), 6, "retained requests fill the pinned share");
+}
+
+#[test]
+fn pinned_prefix_junction_reported_on_first_sighting_and_hit_on_second_mamba_align() {
+    // Full attention + Mamba "align": a pinned 3-block prefix's end is reported as the shared
+    // prefix's end before anything is cached (vLLM's scheduler ends a chunk there), its state
+    // is cached at that chunk's end, and the 2nd sighting hits the whole prefix.
+    let kinds = [AttentionKind::Full, mamba_align()];
+    let mut a = Allocator::new(config(&kinds, 64, Some(0)), Policy::HitAware).unwrap();
+    let prefix: Vec<u64> = (0..3).map(|i| 7_000 + i).collect();
+    let pinned: Vec<BlockHash> = chain(&prefix).into_iter().map(BlockHash::from_u64).collect();
+    assert!(a.pin_prefix(&pinned).unwrap() > 0);
+    let sighting = |a: &mut Allocator, own: u64| {
+        let contents: Vec<u64> = prefix.iter().copied().chain([own, own + 1]).collect();
+        let hashes: Vec<BlockHash> = chain(&contents).into_iter().map(BlockHash::from_u64).collect();
+        let h = a.add_request();
+        a.append_hashes(h, &common::hash_bytes(&hashes), 8).unwrap();
+        (h, a.find_longest_cache_hit(h, 19).unwrap())
+    };
+    let (h, hit) = sighting(&mut a, 100);
+    assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (0, 12));
+    for (start, end) in [(0, 12), (12, 20)] {
+        a.new_step_starts();
+        let args = AllocateArgs {
+            num_new_tokens: end - start,
+            num_computed_tokens: start,
+            num_prompt_tokens: 20,
+            num_tokens: 20,
+            shared_prefix_boundary: 12,
+            ..Default::default()
+        };
+        assert!(a.allocate_slots(h, &args, NewComputed::Empty, None).unwrap().is_some());
+    }
+    a.free(h, LEVEL_NORMAL).unwrap();
+    a.new_step_starts();
+    let (_, hit) = sighting(&mut a, 200);
+    assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (12, 0));
+    // Without the pin, the 1st sighting reports no junction (vLLM's rule).
+    let mut b = Allocator::new(config(&kinds, 64, Some(0)), Policy::HitAware).unwrap();
+    let (_, hit) = sighting(&mut b, 100);
+    assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (0, 0));
 }

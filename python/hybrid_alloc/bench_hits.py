@@ -15,9 +15,16 @@ a pool of ``--pressure`` times the live working set of the requests in flight):
 - ``shared``: a few long system prompts serve many requests, each with a unique suffix.
 - ``resend``: distinct long contexts re-sent round-robin with short new suffixes (the shape
   of vLLM issue #48435).
+- ``sightings``: one system prompt with unique suffixes, strictly one request after another
+  (nothing else in flight), reporting the hit of each sighting (``extra["hits"]``); ample
+  memory only. Policy ``pinned`` (this workload only) is hit-aware with the system prompt in
+  ``HYBRID_ALLOC_PIN_PREFIXES``.
 
 Shapes: ``gemma3`` (sliding window 1024, five window layers per full one) and ``gptoss``
-(window 128, alternating), block size 16.
+(window 128, alternating), block size 16; ``qwen35`` (Qwen3-Next / 3.5 / 3.6: three Gated
+DeltaNet layers per full-attention one) and ``nemotronh`` (Nemotron-H 8B: Mamba2 with its
+prefill checkpoint block), both Mamba "align" at the attention block size vLLM picks for them
+on a Hopper GPU (544 and 1040 tokens: :func:`hopper_block_size`).
 
 Measured per run: the hit rate vLLM's own ``PrefixCacheStats`` reports (hits / queried
 tokens of requests scheduled from the waiting queue, preempted ones excluded, as vLLM's
@@ -30,6 +37,7 @@ vLLM's lookup is). ``--size small`` is the CI size; ``--size full`` the issue's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -39,9 +47,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 POLICIES = ("exact", "dense", "hit-aware")
-WORKLOADS = ("chat", "shared", "resend")
+#: ``pinned``: hit-aware with the workload's ``pins`` (the sightings workload's system prompt).
+ALL_POLICIES = (*POLICIES, "pinned")
+WORKLOADS = ("chat", "shared", "resend", "sightings")
 BUDGETS = ("ample", "pressure")
-SHAPE_NAMES = ("gemma3", "gptoss")
+SHAPE_NAMES = ("gemma3", "gptoss", "qwen35", "nemotronh")
+#: The kernel block alignment of vLLM's FlashAttention backend on a Hopper GPU
+#: (``FlashAttentionBackend.get_supported_kernel_block_sizes``: ``[MultipleOf(16)]`` for
+#: FA3, which Hopper runs for these head sizes).
+HOPPER_KERNEL_BLOCK = 16
 
 
 @dataclass
@@ -60,6 +74,8 @@ class Workload:
     name: str
     jobs: list[Job]
     in_flight: int
+    #: Token-id prefixes policy ``pinned`` pins (``HYBRID_ALLOC_PIN_PREFIXES``).
+    pins: list[list[int]] = field(default_factory=list)
 
 
 def _toks(rng: random.Random, n: int) -> list[int]:
@@ -128,22 +144,57 @@ def resend_workload(
     return Workload("resend", jobs, in_flight)
 
 
+def sightings_workload(
+    sightings: int, sys_len: int, suffix: tuple[int, int], out_len: int = 32, seed: int = 17
+) -> Workload:
+    """One system prompt, ``sightings`` requests each with a unique suffix, one at a time."""
+    rng = random.Random(seed)
+    system = _toks(rng, sys_len)
+    jobs = [
+        Job(f"sighting-{i}", [system, _toks(rng, rng.randint(*suffix))], out_len, after=i - 1) for i in range(sightings)
+    ]
+    return Workload("sightings", jobs, 1, pins=[system])
+
+
 def workloads(size: str) -> list[Workload]:
     if size == "full":
         return [
             chat_workload(48, 6, 1024, 16),
             shared_workload(8, 2048, 256, (300, 800), 16),
             resend_workload(16, (5000, 6000), 4, (16, 64), 16),
+            sightings_workload(6, 2500, (300, 800), out_len=64),
         ]
     return [
         chat_workload(8, 3, 1024, 4, user=(32, 96), reply=(48, 96)),
         shared_workload(2, 1024, 12, (100, 300), 4, out_len=32),
         resend_workload(4, (1500, 2000), 3, (16, 48), 4, out_len=16),
+        sightings_workload(4, 2500, (300, 800), out_len=8),
     ]
 
 
+def hopper_block_size(shape: Any) -> int:
+    """The attention block size vLLM picks for a Mamba hybrid on a Hopper GPU: vLLM's
+    ``Platform._align_hybrid_block_size`` (``vllm/platforms/interface.py``, called from
+    ``update_block_size_for_backend`` once the attention backend is known) with the
+    FlashAttention backend's kernel block alignment (:data:`HOPPER_KERNEL_BLOCK`):
+    ``attn_block_size = align * cdiv(mamba_page_size, align * attn_page_size_1_token)``,
+    then rounded up to every backend's alignment (the same 16 here), so one attention page
+    holds one Mamba state. The default block size (16) for a shape without Mamba layers."""
+    if shape.mamba_state is None:
+        return 16
+    import torch
+
+    align = max(HOPPER_KERNEL_BLOCK, 16)  # max(kernel alignment, cache_config.block_size)
+    attn_page_1_token = 2 * shape.num_kv_heads * shape.head_size * torch.finfo(shape.dtype).bits // 8
+    mamba_page = shape.mamba_state_bytes()
+    bs = align * -(-mamba_page // (align * attn_page_1_token))
+    return HOPPER_KERNEL_BLOCK * -(-bs // HOPPER_KERNEL_BLOCK)
+
+
 def shapes() -> dict[str, Any]:
-    from hybrid_alloc.vllm.offline import SHAPES, LayerKind, ModelShape, alternating
+    import torch
+
+    from hybrid_alloc.vllm.offline import SHAPES, LayerKind, MambaState, ModelShape, alternating
 
     gemma3 = ModelShape(
         "gemma3",
@@ -154,11 +205,37 @@ def shapes() -> dict[str, Any]:
         description="48 layers, sliding window 1024 with every 6th layer full (Gemma-3 style)",
     )
     assert sum(1 for x in gemma3.layers if x == LayerKind("full")) == 8
-    return {"gemma3": gemma3, "gptoss": SHAPES["gpt-oss-120b"]}
+    # Qwen3-Next-80B-A3B (and Qwen3.5 / 3.6 of that layout): 48 layers, every 4th full
+    # attention with 2 KV heads of 256; Gated DeltaNet with 16 key / 32 value heads of 128 and
+    # conv kernel 4 (conv state 3 x (2 * 16 * 128 + 32 * 128)), SSM state in the model dtype
+    # (``mamba_ssm_cache_dtype`` "auto"): 1,097,728 bytes a state, 2,048 a token -> 544.
+    qwen35 = ModelShape(
+        "qwen35",
+        tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(48)),
+        num_kv_heads=2,
+        head_size=256,
+        weight_bytes=0,
+        max_model_len=32768,
+        mamba_state=MambaState(
+            shapes=((3, 8192), (32, 128, 128)), dtypes=(torch.bfloat16, torch.bfloat16), mamba_type="GDN_ATTN"
+        ),
+        description="48 layers, 3 Gated DeltaNet : 1 full attention (Qwen3-Next / 3.5 / 3.6), 2 KV heads of 256",
+    )
+    # Nemotron-H 8B: 24 Mamba2 layers (128 heads of 64, state 128, 8 groups: conv state
+    # 3 x 10240), 4 attention layers of 8 KV heads of 128; vLLM sets its SSM cache dtype to
+    # float32 (``NemotronHForCausalLMConfig``): 4,255,744 bytes a state, 4,096 a token -> 1040.
+    nemotronh = dataclasses.replace(SHAPES["nemotron-h-style"], name="nemotronh")
+    out = {"gemma3": gemma3, "gptoss": SHAPES["gpt-oss-120b"], "qwen35": qwen35, "nemotronh": nemotronh}
+    for sh in out.values():
+        # The offline scheduler sizes blocks with ModelShape.attention_block_size: the same rule.
+        assert sh.attention_block_size(16) == hopper_block_size(sh), sh.name
+    return out
 
 
 def _window_blocks(shape: Any, bs: int) -> tuple[int, int, int]:
-    """(full-attention groups, window groups, blocks a window group holds per request)."""
+    """(full-attention groups, window groups, blocks a window group holds per request; one
+    state for a Mamba group: the budget then comes within 4-12% of vLLM's own peak of blocks
+    held by running requests, ``extra["peak_held_blocks"]``, on the Mamba shapes' chat)."""
     full = sum(1 for x in shape.layers if x.kind == "full")
     local = len(shape.layers) - full
     per_group = full if full and local % full == 0 else 1
@@ -166,10 +243,12 @@ def _window_blocks(shape: Any, bs: int) -> tuple[int, int, int]:
     return full // per_group if full else 0, local // per_group, -(-window // bs) + 1
 
 
-def budget_blocks(shape: Any, wl: Workload, budget: str, pressure: float, bs: int = 16) -> int:
-    """Pool size in blocks: ``ample`` holds every token of every request in every group;
-    ``pressure`` is ``pressure`` times the live working set (``in_flight`` requests of
-    the mean length, window groups capped at their window)."""
+def budget_blocks(shape: Any, wl: Workload, budget: str, pressure: float, bs: int | None = None) -> int:
+    """Pool size in blocks (of the shape's block size, :func:`hopper_block_size`): ``ample``
+    holds every token of every request in every group; ``pressure`` is ``pressure`` times the
+    live working set (``in_flight`` requests of the mean length, window groups capped at
+    their window, Mamba groups at one state)."""
+    bs = bs or hopper_block_size(shape)
     nf, nw, wblocks = _window_blocks(shape, bs)
     lens = [sum(len(p) if isinstance(p, list) else 0 for p in j.parts) + j.max_tokens for j in wl.jobs]
     # Replies re-sent in a later prompt are not counted in ``parts``: add them.
@@ -211,9 +290,25 @@ def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: in
                 vc.cache_config.prefix_cache_retention_interval = None
             return vc
 
-    manager = "hybrid_alloc" if policy == "hit-aware" else "vllm"
-    old = os.environ.get("HYBRID_ALLOC_POLICY")
-    os.environ["HYBRID_ALLOC_POLICY"] = "hit-aware" if policy == "hit-aware" else "exact"
+    aware = policy in ("hit-aware", "pinned")
+    if policy == "pinned" and not wl.pins:
+        raise ValueError(f"policy 'pinned' needs a workload with prefixes to pin ({wl.name} has none)")
+    manager = "hybrid_alloc" if aware else "vllm"
+    env = {"HYBRID_ALLOC_POLICY": "hit-aware" if aware else "exact", "HYBRID_ALLOC_PIN_PREFIXES": None}
+    tmp = None
+    if policy == "pinned":
+        import tempfile
+
+        tmp = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        json.dump(wl.pins, tmp)
+        tmp.close()
+        env["HYBRID_ALLOC_PIN_PREFIXES"] = tmp.name
+    old = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         setup = Setup(
             shape,
@@ -224,12 +319,15 @@ def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: in
         )
         sched = setup.build()
     finally:
-        if old is None:
-            os.environ.pop("HYBRID_ALLOC_POLICY", None)
-        else:
-            os.environ["HYBRID_ALLOC_POLICY"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if tmp is not None:
+            os.unlink(tmp.name)
     mgr = sched.kv_cache_manager
-    if policy == "hit-aware":
+    if aware:
         if getattr(mgr, "_alloc", None) is None or mgr._alloc.policy != "hit-aware":
             raise RuntimeError("hit-aware is not active: the plugin fell back to vLLM's manager (see its log line)")
     bs = mgr.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
@@ -253,6 +351,8 @@ def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: in
         return best
 
     reqs: dict[int, Any] = {}
+    index_of: dict[str, int] = {j.rid: i for i, j in enumerate(wl.jobs)}
+    job_hits = [0] * len(wl.jobs)  # tokens each job got from the cache when first scheduled
     done: set[int] = set()
     running: set[int] = set()
     nxt = 0
@@ -260,6 +360,7 @@ def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: in
     scheduled = 0
     decode_tokens = 0
     steps = 0
+    peak_held = 0  # blocks held by running requests (vLLM's usage), at its peak
     t0 = time.perf_counter()
 
     def submit() -> None:
@@ -285,6 +386,9 @@ def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: in
     while (running or nxt < len(wl.jobs)) and steps < max_steps:
         so = sched.schedule()
         scheduled += sum(so.num_scheduled_tokens.values())
+        for nr in so.scheduled_new_reqs:
+            if nr.req_id in index_of and reqs[index_of[nr.req_id]].num_preemptions == 0:
+                job_hits[index_of[nr.req_id]] = nr.num_computed_tokens
         out = fabricate_output(sched, so)
         eco = sched.update_from_output(so, out)
         for o in eco.values():
@@ -294,6 +398,7 @@ def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: in
                 hits += pcs.hits
                 queries += pcs.queries
         steps += 1
+        peak_held = max(peak_held, round(mgr.usage * (num_blocks - 1)))
         for i in list(running):
             r = reqs[i]
             if r.is_finished():
@@ -318,6 +423,7 @@ def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: in
         preemptions=sum(getattr(r, "num_preemptions", 0) for r in reqs.values()),
         finished=not running and nxt == len(wl.jobs),
         seconds=time.perf_counter() - t0,
+        extra={"hits": job_hits, "block_size": bs, "peak_held_blocks": peak_held},
     )
 
 
@@ -331,7 +437,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shape", action="append", choices=SHAPE_NAMES, help="repeatable; default both")
     p.add_argument("--workload", action="append", choices=WORKLOADS, help="repeatable; default all")
     p.add_argument("--budget", action="append", choices=BUDGETS, help="repeatable; default both")
-    p.add_argument("--policy", action="append", choices=POLICIES, help="repeatable; default all three")
+    p.add_argument(
+        "--policy",
+        action="append",
+        choices=ALL_POLICIES,
+        help="repeatable; default exact, dense, hit-aware (and pinned on sightings)",
+    )
     p.add_argument("--pressure", type=float, default=3.0, help="pressure pool = this times the live working set")
     p.add_argument("--out-dir", default=os.environ.get("HYBRID_ALLOC_BENCH_OUT", "bench-out"))
     p.add_argument("--no-plot", action="store_true")
@@ -350,14 +461,20 @@ def main(argv: list[str] | None = None) -> int:
     for sn in args.shape or SHAPE_NAMES:
         for wn in args.workload or WORKLOADS:
             for b in args.budget or BUDGETS:
+                if wn == "sightings" and b != "ample":
+                    continue  # one request at a time: nothing to pressure
                 nb = budget_blocks(all_shapes[sn], wls[wn], b, args.pressure)
-                for pol in args.policy or POLICIES:
+                default = (*POLICIES, "pinned") if wls[wn].pins else POLICIES
+                for pol in args.policy or default:
+                    if pol == "pinned" and not wls[wn].pins:
+                        continue
                     r = run(all_shapes[sn], wls[wn], pol, nb)
                     r.budget = b
                     results.append(r)
                     print(
                         f"{sn:7} {wn:7} {b:8} {pol:9} blocks={nb:6} hit={r.hit_rate:.3f} ideal={r.ideal_hit_rate:.3f} "
-                        f"prefill={r.prefill_tokens} steps={r.steps} preempt={r.preemptions} ({r.seconds:.1f}s)",
+                        f"prefill={r.prefill_tokens} steps={r.steps} preempt={r.preemptions} "
+                        f"peak_held={r.extra['peak_held_blocks']} ({r.seconds:.1f}s)",
                         file=sys.stderr,
                     )
     report(results, args)
@@ -367,7 +484,10 @@ def main(argv: list[str] | None = None) -> int:
 def rows_of(results: list[Result]) -> list[dict[str, Any]]:
     rows = [dict(vars(r)) for r in results]
     for r in rows:
-        r.pop("extra", None)
+        extra = r.pop("extra", None) or {}
+        r["block_size"] = extra.get("block_size", 16)
+        if r["workload"] == "sightings":
+            r["sighting_hits"] = extra.get("hits", [])
     return rows
 
 
@@ -382,6 +502,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{100 * r['hit_rate']:.1f}% | {100 * r['ideal_hit_rate']:.1f}% | {r['prefill_tokens']} | {ratio:.2f}x | "
             f"{r['steps']} |"
         )
+    sight = [r for r in rows if r.get("sighting_hits")]
+    if sight:
+        print("\n| shape | block | policy | hit tokens per sighting (1st, 2nd, ...) |")
+        print("|---|---|---|---|")
+        for r in sight:
+            print(f"| {r['shape']} | {r['block_size']} | {r['policy']} | {' / '.join(map(str, r['sighting_hits']))} |")
 
 
 def report(results: list[Result], args: argparse.Namespace) -> None:
@@ -407,7 +533,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> bool:
     if plt is None:
         return False
     keys = sorted({(r["shape"], r["workload"], r["budget"]) for r in rows})
-    pols = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    pols = [p for p in ALL_POLICIES if any(r["policy"] == p for r in rows)]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(keys)), 4))
     width = 0.8 / max(len(pols), 1)
     for k, pol in enumerate(pols):

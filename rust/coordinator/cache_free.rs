@@ -135,8 +135,17 @@ impl Allocator {
         let s = self.slot(h)?;
         if self.pool.is_leveled() {
             let mut blocks = Vec::new();
+            // State-space hybrids: a request whose hit saved under half its prompt leaves
+            // the blocks it computed on probation (see `LEVEL_PROBATION`).
+            let (hit, prompt) = self.reqs[s as usize].hit_and_prompt;
+            let probation = level <= LEVEL_NORMAL
+                && (hit as u64) * 2 < prompt as u64
+                && self.managers.iter().any(|m| m.is_mamba_align());
             for m in self.managers.iter() {
                 m.promote_for_free(&mut self.pool, s, level.max(LEVEL_NORMAL), LEVEL_SPECULATIVE);
+                if probation {
+                    m.demote_unproven(&mut self.pool, s, hit);
+                }
                 m.positioned_blocks(s, &mut blocks);
             }
             // Tail first; at equal positions, group order (vLLM frees group after group).

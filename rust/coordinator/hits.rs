@@ -64,10 +64,40 @@ impl Allocator {
                 let n = find_longest_cache_hit(m.spec.kind, &q, &mut hit[..1]);
                 Hit { num_tokens: n, num_uncached_common_prefix_tokens: 0 }
             }
-            CoordinatorKind::Hybrid => self.hybrid_hit(s, max_cache_hit_length, &mut hit),
+            CoordinatorKind::Hybrid => {
+                let mut res = self.hybrid_hit(s, max_cache_hit_length, &mut hit);
+                let junction = self.pinned_junction(s, max_cache_hit_length);
+                let known = res.num_tokens + res.num_uncached_common_prefix_tokens;
+                if junction > known {
+                    res.num_uncached_common_prefix_tokens = junction - res.num_tokens;
+                }
+                res
+            }
         };
         self.reqs[s as usize].hit = hit;
         res
+    }
+
+    /// Hit-aware, Mamba "align": where a pinned prefix the request starts with ends, at a
+    /// state position (0 for none). Reported as the shared prefix's end, so the scheduler
+    /// ends a prefill chunk there and its state is cached the first time the prefix is
+    /// seen (vLLM finds the junction only when the full-attention index already shares it,
+    /// and a pinned prompt would hit only from its 3rd sighting). O(pinned blocks) per
+    /// lookup, nothing without pins.
+    fn pinned_junction(&self, s: Slot, max_len: u32) -> u32 {
+        let mut best = 0;
+        let hashes = &self.reqs[s as usize].hashes;
+        for m in self.managers.iter().filter(|m| m.is_mamba_align()) {
+            let bs = m.block_size();
+            let view = HashView { hashes, scale: bs / self.cfg.hash_block_size };
+            let n = (max_len / bs).min(view.len());
+            let mut i = 0;
+            while i < n && self.pool.is_pinned_key(&(view.get(i), m.group_id)) {
+                i += 1;
+            }
+            best = best.max(i * bs);
+        }
+        best
     }
 
     pub(super) fn hybrid_hit(&mut self, s: Slot, max_len: u32, out: &mut [Vec<BlockId>]) -> Hit {

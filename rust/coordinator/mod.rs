@@ -60,6 +60,9 @@ struct ReqState {
     /// no block from there on is ever cached for it; `None` for every request the vLLM
     /// adapter drives ([`AllocateArgs::trust_computed_tokens`]).
     unwritten_from: Option<u32>,
+    /// Hit-aware: `(adopted hit tokens, prompt tokens)` as the last allocation saw them (the
+    /// probation rule of [`crate::policy::LEVEL_PROBATION`]).
+    hit_and_prompt: (u32, u32),
 }
 
 /// A caller-supplied token count as `u32`.

@@ -124,6 +124,7 @@ impl Allocator {
             v.clear();
         }
         st.noop = NoopLimits::default();
+        st.hit_and_prompt = (0, 0);
         self.free_slots.push(s);
     }
 

@@ -192,6 +192,10 @@ pub struct AlignState {
     /// Keys cached during the current scheduler step (`cached_blocks_this_step`); a hit
     /// ending on one of them waits a step.
     cached_this_step: rustc_hash::FxHashSet<HashKey>,
+    /// Hit-aware only: `last_keyed[h] = (block, key, tokens)` of the furthest state the
+    /// request keyed (`tokens` 0: none). It dominates the request's earlier states: a later
+    /// request re-sending the sequence resumes from it (see [`SingleTypeManager::promote_for_free`]).
+    last_keyed: Vec<(BlockId, Option<HashKey>, u32)>,
 }
 
 impl AlignState {
@@ -202,6 +206,7 @@ impl AlignState {
         self.allocated.resize(n, false);
         self.prompt_boundary.resize(n, NONE);
         self.checkpoint.resize(n, (0, 0));
+        self.last_keyed.resize(n, (NULL_BLOCK, None, 0));
     }
 
     /// Forgets slot `h`.
@@ -212,6 +217,7 @@ impl AlignState {
         self.allocated[hs] = false;
         self.prompt_boundary[hs] = NONE;
         self.checkpoint[hs] = (0, 0);
+        self.last_keyed[hs] = (NULL_BLOCK, None, 0);
     }
 
     /// A new scheduler step: hits on states cached in the previous step are served.
@@ -447,6 +453,26 @@ impl SingleTypeManager {
                 }
             }
         }
+        if pool.is_leveled() {
+            // The few real blocks at the table's end (running state, previous state,
+            // checkpoint, speculative scratch): the furthest keyed one dominates.
+            let last = &mut st.last_keyed[h as usize];
+            for &b in req_blocks[h as usize].iter().rev().filter(|&&b| b != NULL_BLOCK).take(4) {
+                let t = pool.block_hash_num_tokens(b);
+                if t > last.2 {
+                    if let Some(key) = pool.block_hash(b) {
+                        *last = (b, Some(*key), t);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Hit-aware: the request's furthest keyed state, when its block still holds that key
+    /// (it may be free already: the previous state goes back to the pool during decode).
+    pub(super) fn align_dominant_state(&self, pool: &BlockPool, h: Slot) -> Option<BlockId> {
+        let (b, key, _) = *self.align().last_keyed.get(h as usize)?;
+        (key.is_some() && pool.block_hash(b) == key.as_ref()).then_some(b)
     }
 
     /// vLLM's `_cache_partial_tail_block` when the Mamba block is the hash block: at the

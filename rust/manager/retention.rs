@@ -9,7 +9,7 @@ use super::{sliding_window, SingleTypeManager};
 use crate::block_pool::BlockPool;
 use crate::config::AttentionKind;
 use crate::ids::{BlockId, GroupId, Slot, NULL_BLOCK};
-use crate::policy::{Level, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_SPECULATIVE};
+use crate::policy::{Level, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_PROBATION, LEVEL_SPECULATIVE};
 
 impl SingleTypeManager {
     /// Contiguous cached blocks a hit in this group needs at its end (`None`: the group
@@ -37,6 +37,45 @@ impl SingleTypeManager {
             let want = if i + tail >= end { lvl } else { floor };
             if pool.level(b) < want {
                 pool.set_level(b, want);
+            }
+        }
+        // Mamba "align": the furthest state the request keyed (often already free: decode
+        // returns the previous state block) is where the next turn resumes; the earlier
+        // states it dominates stay speculative.
+        if self.is_mamba_align() {
+            if let Some(b) = self.align_dominant_state(pool, h) {
+                if pool.level(b) < lvl {
+                    pool.set_level(b, lvl);
+                }
+            }
+        }
+    }
+
+    /// Hit-aware, state-space hybrids: the blocks `h` cached past its adopted hit of
+    /// `hit_tokens` (its furthest state included) that only it holds and that sit at
+    /// [`LEVEL_NORMAL`] go to [`LEVEL_PROBATION`] (see the level). Pinned blocks, blocks
+    /// another request holds and blocks served in a hit since they were cached keep their level.
+    pub fn demote_unproven(&self, pool: &mut BlockPool, h: Slot, hit_tokens: u32) {
+        let bs = self.spec.block_size as u64;
+        let from = (hit_tokens as u64).div_ceil(bs) as usize;
+        let table = &self.req_blocks[h as usize];
+        let demote = |pool: &mut BlockPool, b: BlockId| {
+            if b != NULL_BLOCK
+                && pool.block_hash(b).is_some()
+                && pool.level(b) == LEVEL_NORMAL
+                && pool.ref_cnt(b) <= 1
+                && !pool.reused(b)
+                && pool.block_hash_num_tokens(b) > hit_tokens
+            {
+                pool.set_level(b, LEVEL_PROBATION);
+            }
+        };
+        for &b in table.iter().skip(from) {
+            demote(pool, b);
+        }
+        if self.is_mamba_align() {
+            if let Some(b) = self.align_dominant_state(pool, h) {
+                demote(pool, b);
             }
         }
     }
