@@ -860,22 +860,7 @@ def print_table(rows: list[dict[str, Any]], vllm_release: str | None = None) -> 
     timer = [r["timer_overhead_ns_per_call"] for r in rows] + [r["timer_overhead_ns_per_method_call"] for r in rows]
     caption = f"timer cost subtracted per timed call: {min(timer):.0f}-{max(timer):.0f} ns" if timer else ""
     title = f"hybrid-alloc bench (vLLM {vllm_release} scheduler, fabricated outputs)"
-    try:
-        from rich.console import Console
-        from rich.table import Table
-
-        t = Table(title=title, caption=caption)
-        for _, head, _ in cols:
-            t.add_column(head, justify="right")
-        for r in rows:
-            t.add_row(*[fmt.format(r[k]) if k in r else "" for k, _, fmt in cols])
-        Console(width=320).print(t)
-    except ImportError:
-        print(title)
-        print(" | ".join(h for _, h, _ in cols))
-        for r in rows:
-            print(" | ".join(fmt.format(r[k]) if k in r else "" for k, _, fmt in cols))
-        print(caption)
+    render_table(title, cols, rows, caption)
 
 
 def print_breakdown(rows: list[dict[str, Any]]) -> None:
@@ -1047,3 +1032,27 @@ def plot(results: list[RunResult], rows: list[dict[str, Any]], path: str) -> boo
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=90)
     return True
+
+
+def render_table(
+    title: str, cols: list[tuple[str, str, str]], rows: list[dict[str, Any]], caption: str | None = None
+) -> None:
+    """One table: ``cols`` are (row key, heading, format); with rich if it is installed, else as
+    plain text."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=title, caption=caption)
+        for _, head, _ in cols:
+            t.add_column(head, justify="right")
+        for r in rows:
+            t.add_row(*[fmt.format(r[k]) if k in r else "" for k, _, fmt in cols])
+        Console(width=320).print(t)
+    except ImportError:
+        print(title)
+        print(" | ".join(h for _, h, _ in cols))
+        for r in rows:
+            print(" | ".join(fmt.format(r[k]) if k in r else "" for k, _, fmt in cols))
+        if caption is not None:
+            print(caption)

@@ -156,7 +156,9 @@ def print_serve_table(rows: list[dict[str, Any]], release: str | None) -> None:
         f"serve: closed loop, vLLM {release} scheduler, prefix caching on; "
         "means per step over the measured steps (KV on timed steps, step on bare ones)"
     )
-    _table(title, cols, serve)
+    from hybrid_alloc.bench import render_table
+
+    render_table(title, cols, serve)
     print(
         "call p50s: each kind of call's median times its calls per step, plus the mean of the calls not told "
         "apart (robust to a busy machine, which stretches the means)"
@@ -170,21 +172,3 @@ def print_serve_table(rows: list[dict[str, Any]], release: str | None) -> None:
             if key in pc
         ]
         print(f"  {r['model']} {r['manager']}: " + "; ".join(parts))
-
-
-def _table(title: str, cols: list[tuple[str, str, str]], rows: list[dict[str, Any]]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-
-        t = Table(title=title)
-        for _, head, _ in cols:
-            t.add_column(head, justify="right")
-        for r in rows:
-            t.add_row(*[fmt.format(r[k]) if k in r else "" for k, _, fmt in cols])
-        Console(width=320).print(t)
-    except ImportError:
-        print(title)
-        print(" | ".join(h for _, h, _ in cols))
-        for r in rows:
-            print(" | ".join(fmt.format(r[k]) if k in r else "" for k, _, fmt in cols))

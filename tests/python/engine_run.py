@@ -24,6 +24,29 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# The tiny random models' shape (the engine tests' Gemma-2 and Llama): 4 layers of width 64.
+TINY_MODEL = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    max_position_embeddings=2048,
+)
+
+
+def save_tiny_gemma2(path: Path) -> str:
+    """A tiny Gemma-2 (sliding window 64 + full attention) with random weights, seed 0, saved
+    at ``path``; returns the path as a string."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    Gemma2ForCausalLM(Gemma2Config(sliding_window=64, **TINY_MODEL)).save_pretrained(path)
+    return str(path)
+
 
 def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)

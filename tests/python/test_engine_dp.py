@@ -41,24 +41,9 @@ def _free_base_port() -> int:
 
 @pytest.fixture(scope="module")
 def tiny_gemma2(tmp_path_factory: pytest.TempPathFactory) -> str:
-    import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from engine_run import save_tiny_gemma2
 
-    root = tmp_path_factory.mktemp("tiny_dp")
-    torch.manual_seed(0)
-    cfg = Gemma2Config(
-        sliding_window=64,
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=2048,
-    )
-    Gemma2ForCausalLM(cfg).save_pretrained(root / "gemma2")
-    return str(root / "gemma2")
+    return save_tiny_gemma2(tmp_path_factory.mktemp("tiny_dp") / "gemma2")
 
 
 def _run(model: str, flag: bool) -> tuple[dict[str, Any], str]:

@@ -14,23 +14,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 
 
 def test_engine_chat_hit_aware_same_outputs_more_hits(tmp_path: Path) -> None:
-    import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from engine_run import run_engine, save_tiny_gemma2
 
-    torch.manual_seed(0)
-    cfg = Gemma2Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=2048,
-        sliding_window=64,
-    )
-    Gemma2ForCausalLM(cfg).save_pretrained(tmp_path / "gemma2")
-    from engine_run import run_engine
+    save_tiny_gemma2(tmp_path / "gemma2")
 
     exact, log_exact = run_engine(str(tmp_path / "gemma2"), "--chat", HYBRID_ALLOC_POLICY="exact")
     aware, log_aware = run_engine(str(tmp_path / "gemma2"), "--chat", HYBRID_ALLOC_POLICY="hit-aware")

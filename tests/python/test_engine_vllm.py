@@ -20,18 +20,11 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
+    from engine_run import TINY_MODEL
+
     root = tmp_path_factory.mktemp("tiny_models")
     torch.manual_seed(0)
-    common = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=2048,
-    )
+    common = dict(TINY_MODEL)
     Gemma2ForCausalLM(Gemma2Config(sliding_window=64, **common)).save_pretrained(root / "gemma2")
     LlamaForCausalLM(LlamaConfig(**common)).save_pretrained(root / "llama")
     return {"gemma2": str(root / "gemma2"), "llama": str(root / "llama")}
