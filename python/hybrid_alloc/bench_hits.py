@@ -485,7 +485,8 @@ def rows_of(results: list[Result]) -> list[dict[str, Any]]:
     rows = [dict(vars(r)) for r in results]
     for r in rows:
         extra = r.pop("extra", None) or {}
-        r["block_size"] = extra.get("block_size", 16)
+        if "block_size" in extra:  # every run's result has it (a row built by hand may not)
+            r["block_size"] = extra["block_size"]
         if r["workload"] == "sightings":
             r["sighting_hits"] = extra.get("hits", [])
     return rows
