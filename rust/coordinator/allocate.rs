@@ -432,7 +432,9 @@ impl Allocator {
                 self.reqs[s as usize].hit_and_prompt.0 = num_local;
             }
         }
-        self.reqs[s as usize].hit_and_prompt.1 = a.num_prompt_tokens;
+        if self.pool.is_leveled() {
+            self.reqs[s as usize].hit_and_prompt.1 = a.num_prompt_tokens;
+        }
         self.out_ids.clear();
         for (g, m) in self.managers.iter_mut().enumerate() {
             let before = self.out_ids.len();
