@@ -36,6 +36,12 @@ impl Allocator {
         }
     }
 
+    /// [`Self::cache_target`] for request `s`, never past its first never-written token
+    /// (`ReqState::unwritten_from`, direct API only).
+    fn request_cache_target(&self, s: Slot, num_tokens: u32) -> u32 {
+        self.cache_target(num_tokens.min(self.reqs[s as usize].unwritten_from.unwrap_or(u32::MAX)))
+    }
+
     pub(super) fn cache_blocks_inner(
         &mut self,
         s: Slot,
@@ -49,8 +55,8 @@ impl Allocator {
         let handle = self.handle_of(s);
         let boundaries_buf = [num_prompt_tokens.saturating_sub(1), shared_prefix_boundary];
         let boundaries = if shared_prefix_boundary != 0 { &boundaries_buf[..] } else { &boundaries_buf[..1] };
-        let st = &self.reqs[s as usize];
-        let (hashes, n) = (&st.hashes, self.cache_target(num_tokens.min(st.unwritten_from.unwrap_or(u32::MAX))));
+        let n = self.request_cache_target(s, num_tokens);
+        let hashes = &self.reqs[s as usize].hashes;
         let c = CacheArgs {
             req: handle,
             hashes,
@@ -80,8 +86,7 @@ impl Allocator {
             None => None,
         };
         if self.cfg.enable_caching {
-            let n =
-                self.cache_target(num_computed_tokens.min(self.reqs[s as usize].unwritten_from.unwrap_or(u32::MAX)));
+            let n = self.request_cache_target(s, num_computed_tokens);
             let num_hashes = self.reqs[s as usize].hashes.len();
             for (g, m) in self.managers.iter().enumerate() {
                 let (full, held) = m.blocks_to_cache(s, num_hashes, n);
