@@ -25,7 +25,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc.vllm.offline import SchedulerSetup, fabricate_output
-from sched_driver import digest
+from sched_driver import capture_events, digest
 
 
 def nixl_config(role: str, failure_policy: str = "recompute") -> KVTransferConfig:
@@ -116,15 +116,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     rng = random.Random(w.seed)
     sched = setup.build()
     mgr = sched.kv_cache_manager
-    events: list[Any] = []
-    orig_take = mgr.take_events
-
-    def take_events() -> list[Any]:
-        evs = orig_take()
-        events.extend(evs)
-        return evs
-
-    mgr.take_events = take_events  # type: ignore[method-assign]
+    events = capture_events(mgr)
     calls: dict[str, int] = {}
 
     def count(name: str) -> None:

@@ -179,16 +179,8 @@ def run_workload(
         sched._hybrid_alloc_block_hasher = get_request_block_hasher(  # type: ignore[attr-defined]
             sched.hash_block_size, get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo), lookahead
         )
-    events: list[Any] = []
     mgr = sched.kv_cache_manager
-    orig_take = mgr.take_events
-
-    def take_events() -> list[Any]:
-        evs = orig_take()
-        events.extend(evs)
-        return evs
-
-    mgr.take_events = take_events  # type: ignore[method-assign]
+    events = capture_events(mgr)
     lookups = {"hits": 0, "queries": 0}
     orig_record = mgr.record_prefix_cache_stats
 
@@ -288,3 +280,18 @@ def assert_same_run(case: str, ref: dict[str, Any], ours: dict[str, Any]) -> Non
     assert ref["events"] == ours["events"], f"{case}: KV events differ"
     assert ref["usage"] == ours["usage"]
     assert (ref["hits"], ref["queries"]) == (ours["hits"], ours["queries"])
+
+
+def capture_events(mgr: Any) -> list[Any]:
+    """Wraps ``mgr.take_events`` so that every event it hands the scheduler is also appended to
+    the list returned (the run's whole event stream, in order)."""
+    events: list[Any] = []
+    orig_take = mgr.take_events
+
+    def take_events() -> list[Any]:
+        evs = orig_take()
+        events.extend(evs)
+        return evs
+
+    mgr.take_events = take_events
+    return events
