@@ -49,6 +49,7 @@ fn full_only(num_blocks: u32) -> Config {
         retention_interval: None,
         zero_new_blocks: false,
         hash_lookahead_tokens: 0,
+        residency_log: false,
     }
 }
 

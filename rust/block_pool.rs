@@ -53,6 +53,24 @@ pub enum Event {
     AllCleared,
 }
 
+/// One call vLLM's `BlockPool` makes on its `KVCacheMetricsCollector` (`--kv-cache-metrics`),
+/// with the block it names (the collector reads only `block_id`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ResidencyOp {
+    /// `on_block_allocated`: a block handed out by `get_new_blocks`.
+    Allocated = 0,
+    /// `on_block_accessed`: a block touched by a cache hit (`touch`), the null block
+    /// included (vLLM 0.32 reports it, 0.33 skips it: the adapter drops it there).
+    Accessed = 1,
+    /// `on_block_evicted`: `_maybe_evict_cached_block`, called on every block
+    /// `get_new_blocks` takes with prefix caching on (hashed or not), on each block of
+    /// `evict_blocks` and on a transient Mamba checkpoint state.
+    Evicted = 2,
+    /// `reset`: a prefix-cache reset that succeeded (the block is 0).
+    Reset = 3,
+}
+
 /// A request's table in one group, as [`BlockPool::cache_full_blocks`] reads it.
 #[derive(Clone, Copy, Debug)]
 pub struct TableRef<'a> {
@@ -123,6 +141,10 @@ pub struct BlockPool {
     enable_events: bool,
     /// Events not yet taken.
     events: Vec<Event>,
+    /// Record the residency log ([`Self::take_residency_log`]).
+    record_residency: bool,
+    /// Residency log entries not yet taken, in vLLM's call order.
+    residency: Vec<(ResidencyOp, BlockId)>,
     /// Scratch buffers for `free_blocks` (kept to avoid allocating per call).
     scratch_first: Vec<BlockId>,
     scratch_last: Vec<BlockId>,
@@ -185,6 +207,8 @@ impl BlockPool {
             enable_caching,
             enable_events,
             events: Vec::new(),
+            record_residency: false,
+            residency: Vec::new(),
             scratch_first: Vec::new(),
             scratch_last: Vec::new(),
         })
@@ -193,6 +217,30 @@ impl BlockPool {
     /// [`Self::try_new`] for sizes known to fit (tests).
     pub fn new(num_blocks: u32, enable_caching: bool, enable_events: bool) -> Self {
         Self::try_new(num_blocks, enable_caching, enable_events).expect("pool allocation")
+    }
+
+    /// Turns the residency log on or off (see [`ResidencyOp`]); entries not taken stay.
+    pub fn set_residency_log(&mut self, on: bool) {
+        self.record_residency = on;
+    }
+
+    /// Appends to the residency log when it is on.
+    #[inline]
+    fn note(&mut self, op: ResidencyOp, b: BlockId) {
+        if self.record_residency {
+            self.residency.push((op, b));
+        }
+    }
+
+    /// Whether residency log entries wait.
+    pub fn has_residency_log(&self) -> bool {
+        !self.residency.is_empty()
+    }
+
+    /// Takes the residency log: the collector calls vLLM's pool would have made since the
+    /// last take, in its order. Empty unless [`Self::set_residency_log`].
+    pub fn take_residency_log(&mut self) -> Vec<(ResidencyOp, BlockId)> {
+        std::mem::take(&mut self.residency)
     }
 
     /// Blocks in the pool, the null block included.
@@ -446,12 +494,22 @@ impl BlockPool {
             }
             assert_eq!(self.ref_cnt[b as usize], 0, "free block {b} had references");
             self.ref_cnt[b as usize] = 1;
+            self.note(ResidencyOp::Allocated, b);
             out.push(b);
         }
     }
 
-    /// Drops `b`'s hash from the prefix index (emitting `Removed`); returns whether it had one.
+    /// vLLM's `_maybe_evict_cached_block`: reports `b` evicted to the residency log, then
+    /// drops its hash ([`Self::remove_cached_block_hashes`]); returns whether it had one.
     pub fn maybe_evict_cached_block(&mut self, b: BlockId) -> bool {
+        self.note(ResidencyOp::Evicted, b);
+        self.remove_cached_block_hashes(b)
+    }
+
+    /// Drops `b`'s hash from the prefix index (emitting `Removed`); returns whether it had one
+    /// (vLLM's `_remove_cached_block_hashes` with its events, which reports nothing to the
+    /// metrics collector: re-keying a block in `cache_partial_block` uses this).
+    pub fn remove_cached_block_hashes(&mut self, b: BlockId) -> bool {
         if self.ref_cnt[b as usize] == 0 && b != NULL_BLOCK && self.counts_pinned(b) && self.queue.contains(b) {
             self.pinned_free -= 1;
         }
@@ -467,8 +525,10 @@ impl BlockPool {
     }
 
     /// Takes a reference on each block (a cache hit), pulling free ones out of the queue.
+    /// Each block, the null block included, is reported accessed to the residency log.
     pub fn touch(&mut self, blocks: &[BlockId]) {
         for &b in blocks {
+            self.note(ResidencyOp::Accessed, b);
             if b == NULL_BLOCK {
                 continue;
             }
@@ -633,6 +693,7 @@ impl BlockPool {
             *r = false;
         }
         self.pinned_free = 0;
+        self.note(ResidencyOp::Reset, NULL_BLOCK);
         if self.enable_events {
             self.events.push(Event::AllCleared);
         }
@@ -712,6 +773,48 @@ mod tests {
         p.touch(&[1, NULL_BLOCK]);
         assert_eq!(p.ref_cnt(1), 1);
         assert_eq!(p.num_free_blocks(), 2);
+    }
+
+    #[test]
+    fn residency_log_follows_vllm_pool_calls() {
+        use ResidencyOp::*;
+        let mut p = BlockPool::new(4, true, false);
+        let mut got = Vec::new();
+        p.get_new_blocks(1, &mut got);
+        assert!(!p.has_residency_log(), "off by default");
+        p.set_residency_log(true);
+        p.get_new_blocks(1, &mut got);
+        p.cache_full_blocks(&TableRef { req: 0, group: 0, block_size: 16, blocks: &got }, 0..2, None, |i| {
+            BlockHash::from_u64(i as u64)
+        });
+        p.free_blocks([2, 1]);
+        p.touch(&[NULL_BLOCK, 1]);
+        // Block 3 first (free, unhashed), then 2 (cached): evicted before allocated, each.
+        got.clear();
+        p.get_new_blocks(2, &mut got);
+        assert_eq!(got, vec![3, 2]);
+        p.remove_cached_block_hashes(1);
+        p.evict_blocks(&[1]);
+        assert!(!p.reset_prefix_cache(), "blocks in use: no reset reported");
+        p.free_blocks([1, 2, 3]);
+        assert!(p.reset_prefix_cache());
+        let log = p.take_residency_log();
+        assert_eq!(
+            log,
+            vec![
+                (Evicted, 2),
+                (Allocated, 2),
+                (Accessed, NULL_BLOCK),
+                (Accessed, 1),
+                (Evicted, 3),
+                (Allocated, 3),
+                (Evicted, 2),
+                (Allocated, 2),
+                (Evicted, 1),
+                (Reset, NULL_BLOCK),
+            ]
+        );
+        assert!(!p.has_residency_log());
     }
 
     #[test]

@@ -149,6 +149,11 @@ pub struct Config {
     /// reads it only where vLLM does (the Mamba "align" prefill checkpoint positions). 0 on
     /// vLLM 0.32.
     pub hash_lookahead_tokens: u32,
+    /// Record the residency log: the calls vLLM's `BlockPool` makes on a
+    /// `KVCacheMetricsCollector` (`--kv-cache-metrics`), for
+    /// [`crate::Allocator::take_residency_log`]. Off: one untaken branch where a block is
+    /// handed out, touched or evicted.
+    pub residency_log: bool,
 }
 
 /// The largest pool: block ids and the free queue's two sentinel slots fit a `u32`.

@@ -86,7 +86,7 @@ pub mod prefix_index;
 #[cfg(feature = "python")]
 mod py;
 
-pub use block_pool::Event;
+pub use block_pool::{Event, ResidencyOp};
 pub use config::{AttentionKind, Config, CoordinatorKind, GroupSpec};
 pub use coordinator::{
     token_count, AllocateArgs, Allocator, BlockCountArgs, CacheBlocksArgs, HashSource, Hit, NewComputed, NoopLimits,

@@ -28,7 +28,7 @@ pub use cache_free::CacheBlocksArgs;
 pub use noop::{NoopLimits, PlainStep, StepFields};
 pub use requests::HashSource;
 
-use crate::block_pool::{BlockPool, Event};
+use crate::block_pool::{BlockPool, Event, ResidencyOp};
 use crate::config::{AttentionKind, Config, CoordinatorKind};
 use crate::error::{Error, Result};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot};
@@ -132,7 +132,8 @@ impl Allocator {
         let kind = cfg.coordinator_kind();
         let caching = cfg.enable_caching;
         let leveled = policy == Policy::HitAware && caching;
-        let pool = BlockPool::try_new_leveled(cfg.num_blocks, caching, cfg.enable_events, leveled)?;
+        let mut pool = BlockPool::try_new_leveled(cfg.num_blocks, caching, cfg.enable_events, leveled)?;
+        pool.set_residency_log(cfg.residency_log);
         let align = cfg.cache_hit_alignment_tokens();
         let managers = cfg
             .groups
@@ -278,5 +279,17 @@ impl Allocator {
     /// Whether events wait.
     pub fn has_events(&self) -> bool {
         self.pool.has_events()
+    }
+
+    /// Takes the residency log: the calls vLLM's `BlockPool` would have made on a
+    /// `KVCacheMetricsCollector` since the last take, in its order (see [`ResidencyOp`]).
+    /// Empty unless [`Config::residency_log`]; take it after every call, or it grows.
+    pub fn take_residency_log(&mut self) -> Vec<(ResidencyOp, BlockId)> {
+        self.pool.take_residency_log()
+    }
+
+    /// Whether residency log entries wait.
+    pub fn has_residency_log(&self) -> bool {
+        self.pool.has_residency_log()
     }
 }

@@ -516,7 +516,7 @@ impl SingleTypeManager {
         match pool.block_hash(b) {
             Some(k) if *k == key => {}
             Some(_) if tokens < num_tokens => {
-                pool.maybe_evict_cached_block(b);
+                pool.remove_cached_block_hashes(b);
                 pool.cache_one_block(&one);
             }
             // Another key at this position (a rewritten hash list): vLLM would add a second
@@ -550,9 +550,9 @@ impl SingleTypeManager {
             retained = reachable_block_mask(i, i + 1, align, bs, c.retention_interval, &[]).is_none_or(|m| m[0]);
         }
         if !is_prompt_checkpoint && !retained && pos != c.shared_prefix_boundary {
-            if b != NULL_BLOCK {
-                pool.maybe_evict_cached_block(b);
-            }
+            // vLLM's `_maybe_evict_cached_block`, on whatever block sits there (the metrics
+            // collector hears of it; the null block holds no hash to drop).
+            pool.maybe_evict_cached_block(b);
             return;
         }
         if b == NULL_BLOCK || (pool.block_hash(b).is_some() && pool.block_hash_num_tokens(b) == pos) {
@@ -565,7 +565,8 @@ impl SingleTypeManager {
             return;
         }
         let key = (hashes[nh - 1], self.group_id);
-        pool.maybe_evict_cached_block(b);
+        // `cache_partial_block(replace_existing_hashes=True)`: the metrics collector hears nothing.
+        pool.remove_cached_block_hashes(b);
         let parent = if nh > 1 { Some(hashes[nh - 2]) } else { None };
         let o = OneBlock { req: c.req, block: b, index: pos / bs - 1, key, num_tokens: pos, block_size: bs, parent };
         pool.cache_one_block(&o);

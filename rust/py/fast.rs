@@ -79,7 +79,8 @@ struct Callbacks {
     slow: Py<PyAny>,
     /// Wraps new block ids (a tuple of lists, one per group) in the adapter's blocks class.
     make_blocks: Py<PyAny>,
-    /// Called with the request when the step queued events, or `None`.
+    /// Called with the request when the step queued events or residency log entries, or
+    /// `None`.
     on_events: Py<PyAny>,
 }
 
@@ -123,11 +124,11 @@ impl FastAllocate {
             match core.plain_step(handle, num_new_tokens, num_lookahead_tokens, &PyStep(request))? {
                 PlainStep::NotHere => return Ok(None),
                 PlainStep::NoOp => return Ok(Some(cb.empty.clone_ref(py))),
-                PlainStep::Allocated(None) => (None, core.has_events()),
-                PlainStep::Allocated(Some(0)) => (Some(None), core.has_events()),
+                PlainStep::Allocated(None) => (None, core.has_events() || core.has_residency_log()),
+                PlainStep::Allocated(Some(0)) => (Some(None), core.has_events() || core.has_residency_log()),
                 PlainStep::Allocated(Some(_)) => {
                     let t = tuple_of_groups(py, core.new_block_ids(), core.new_block_counts())?;
-                    (Some(Some(t)), core.has_events())
+                    (Some(Some(t)), core.has_events() || core.has_residency_log())
                 }
             }
         };

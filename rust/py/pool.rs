@@ -160,6 +160,15 @@ impl PyAllocatorBase {
         Ok(self.core()?.has_events())
     }
 
+    /// Takes the residency log (``residency_log=True``): the calls vLLM's ``BlockPool`` would
+    /// have made on a ``KVCacheMetricsCollector`` since the last take, in its order, as flat
+    /// ``[op, block_id, op, block_id, ...]`` (op 0 ``on_block_allocated``, 1
+    /// ``on_block_accessed``, 2 ``on_block_evicted``, 3 ``reset`` with block 0).
+    fn take_residency_log<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let log = self.core()?.take_residency_log();
+        PyList::new(py, log.into_iter().flat_map(|(op, b)| [op as u32, b]))
+    }
+
     /// Reference count of a block.
     fn ref_cnt(&self, block_id: i64) -> PyResult<u32> {
         let core = self.core()?;
