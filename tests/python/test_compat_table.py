@@ -128,7 +128,8 @@ CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("Mamba / linear attention", "mamba", {"enable_caching": False}, None),
     ("Mamba / linear attention", "mamba2_align", {}, None),
     ("decode/prefill context parallelism", "full", {"dcp_world_size": 2}, "decode/prefill context parallelism"),
-    ("KV cache residency metrics", "full", {"metrics_collector": object()}, "KV cache residency metrics"),
+    ("KV cache residency metrics", "full", {"metrics_collector": object()}, None),
+    ("KV cache residency metrics", "mix", {"metrics_collector": object(), "enable_kv_cache_events": True}, None),
     ("multi-module MTP", "full", {"num_prefill_lookahead": 2}, "multi-token prefill lookahead"),
 ]
 

@@ -51,10 +51,11 @@ def test_engine_outputs_identical_with_flag(tiny_models: dict[str, str], name: s
 
 
 def test_engine_fallback_config_runs_on_vllm_manager(tiny_models: dict[str, str]) -> None:
-    """A configuration the core does not serve (prefix caching keyed with a KV connector
-    is not available on the CPU build, so: a KV-cache-metrics collector) runs on vLLM's
-    manager with the one log line naming why."""
-    env = dict(os.environ, HYBRID_ALLOC="1", HF_HUB_OFFLINE="1")
+    """A configuration the adapter does not serve (the CPU build runs none of the configurations
+    that fall back, so: a retention policy the adapter does not know) runs on vLLM's manager
+    with the one log line naming why; ``--kv-cache-metrics`` is on, which vLLM's manager then
+    serves (ours serves it too: ``test_metrics_vllm.py``)."""
+    env = dict(os.environ, HYBRID_ALLOC="1", HF_HUB_OFFLINE="1", HYBRID_ALLOC_POLICY="most-recent")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     code = (
         "import sys\n"
@@ -70,6 +71,6 @@ def test_engine_fallback_config_runs_on_vllm_manager(tiny_models: dict[str, str]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
-    assert "falling back to vLLM's KVCacheManager: KV cache residency metrics" in log
+    assert "falling back to vLLM's KVCacheManager: HYBRID_ALLOC_POLICY='most-recent' is not one of" in log
     assert "native KV cache manager serving" not in log
     assert "RESULT [" in out.stdout

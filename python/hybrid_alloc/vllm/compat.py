@@ -1,8 +1,9 @@
 """What the installed vLLM offers, read once at import: the one place the adapter tells the
 supported releases (0.32.0, 0.33.0) apart.
 
-Each capability has one feature probe (an import, an attribute, a signature, or the names a
-vLLM function's code reads); nothing compares a version string. The rest of
+Each capability has one feature probe (an import, an attribute, a signature, the names a
+vLLM function's code reads, or what a two-block ``BlockPool`` does); nothing compares a
+version string. The rest of
 ``hybrid_alloc.vllm`` reads the constants below and never probes vLLM itself.
 
 Cost: a few ``inspect.signature`` calls at import; nothing afterwards.
@@ -24,6 +25,7 @@ __all__ = [
     "EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE",
     "LOOKAHEAD_HASHES",
     "MAMBA_ALIGN_REKEYS_CACHED_TAIL",
+    "TOUCH_REPORTS_NULL",
     "TRIM_NULL_HEAD",
     "VllmKVCacheManager",
     "config_hash_lookahead_tokens",
@@ -71,6 +73,30 @@ TRIM_NULL_HEAD: bool = hasattr(_vllm_kvu, "trim_null_head")
 MAMBA_ALIGN_REKEYS_CACHED_TAIL: bool = "num_hash_lookahead_tokens" not in _parameters(
     getattr(_vllm_kvi, "get_mamba_prefill_checkpoint_position", lambda: None)
 )
+
+
+def _touch_reports_null() -> bool:
+    """Whether ``BlockPool.touch`` reports a hit's null block to the metrics collector."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    seen: list[int] = []
+
+    class _Collector:
+        def on_block_accessed(self, block: Any) -> None:
+            seen.append(block.block_id)
+
+    try:
+        pool = BlockPool(2, True, 16, metrics_collector=_Collector())
+        pool.touch([pool.null_block])
+    except Exception:  # noqa: BLE001 - a guess costs nothing: the collector ignores the null block
+        return False
+    return bool(seen)
+
+
+# Residency metrics: 0.32's ``BlockPool.touch`` calls ``on_block_accessed`` on each block of
+# a hit, the null block included; 0.33 skips the null block. The collector never samples the
+# null block, so only the call sequence differs. Probe: a two-block pool touching it.
+TOUCH_REPORTS_NULL: bool = _touch_reports_null()
 
 # KV cache planning moved to its own module in 0.33.
 try:

@@ -9,7 +9,7 @@ The rooms around it: :mod:`.compat` (what the installed vLLM offers, probed once
 :mod:`.args` (the constructor's arguments), :mod:`.spec_table` (vLLM specs to named group
 specs), :mod:`.policy_env` (the retention policy's environment controls), :mod:`.blocks`
 (the ``KVCacheBlocks`` handed out), :mod:`.facades` (``block_pool``, ``coordinator``) and
-:mod:`.kv_events` (vLLM's KV cache events).
+:mod:`.kv_events` (vLLM's KV cache events) and :mod:`.metrics` (residency metrics).
 
 For a configuration the core does not serve exactly, and for anything the adapter does not
 know at construction (an argument it has never seen, a missing attribute, an exception while
@@ -55,6 +55,7 @@ from hybrid_alloc.vllm.compat import (
 from hybrid_alloc.vllm.connector import connector_reason
 from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
 from hybrid_alloc.vllm.kv_events import EventLog
+from hybrid_alloc.vllm.metrics import after_call_hook
 from hybrid_alloc.vllm.policy_env import PIN_PREFIXES_ENV, PIN_SHARE_ENV, POLICY_ENV, RETAIN_PRIORITY_ENV
 from hybrid_alloc.vllm.spec_table import describe, group_spec
 from hybrid_alloc.vllm.unsupported import Unsupported
@@ -144,8 +145,6 @@ def _native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         raise Unsupported("multi-token prefill lookahead")
     if a.dcp_world_size > 1 or a.pcp_world_size > 1:
         raise Unsupported("decode/prefill context parallelism")
-    if a.metrics_collector is not None:
-        raise Unsupported("KV cache residency metrics")
     kvc = a.kv_cache_config
     groups: list[GroupSpec] = []
     seen_specs: list[KVCacheSpec] = []
@@ -179,6 +178,8 @@ def _native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
     )
     if kvc.needs_kv_cache_zeroing:
         native["zero_new_blocks"] = True
+    if a.metrics_collector:  # vLLM's pool tests it so (see ``metrics``)
+        native["residency_log"] = True
     if a.num_hash_lookahead_tokens > 0:
         # 0.33 moves the Mamba "align" prefill checkpoint positions by the lookahead tokens.
         native["hash_lookahead_tokens"] = a.num_hash_lookahead_tokens
@@ -275,12 +276,14 @@ class HybridKVCacheManager:
         # The scheduler's hot call goes straight to Rust (see ``allocate_slots``): an instance
         # attribute over the method on purpose, and the stub types the Rust callable loosely.
         alloc = self._alloc
+        # After each call that may queue events or residency metrics; None when neither is on.
+        self._after_call = after_call_hook(alloc, self._drain_events, a.enable_kv_cache_events, a.metrics_collector)
         self.allocate_slots = FastAllocate(  # type: ignore[method-assign,assignment]
             alloc,
             self.empty_kv_cache_blocks,
             HybridKVCacheManager.allocate_slots.__get__(self),
             lambda ids: NativeKVCacheBlocks(alloc, ids),
-            self._drain_events if a.enable_kv_cache_events else None,
+            self._after_call,
         )
         logger.info(
             "hybrid_alloc: native KV cache manager serving %d group(s): %s; %d blocks, prefix caching %s%s, policy %s",
@@ -436,8 +439,8 @@ class HybridKVCacheManager:
             skip_zeroing_group_ids=list(skip_zeroing_group_ids),
             as_buffer=True,
         )
-        if self.enable_kv_cache_events and self._alloc.has_events:
-            self._drain_events(request)
+        if self._after_call is not None:
+            self._after_call(request)
         if res is None:
             return None
         if res.is_empty():
@@ -478,13 +481,13 @@ class HybridKVCacheManager:
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         self._alloc.evict_blocks(list(block_ids))
-        if self.enable_kv_cache_events and self._alloc.has_events:
-            self._drain_events(None)
+        if self._after_call is not None:
+            self._after_call(None)
 
     def reset_prefix_cache(self) -> bool:
         ok = self._alloc.reset_prefix_cache()
-        if self.enable_kv_cache_events and self._alloc.has_events:
-            self._drain_events(None)
+        if self._after_call is not None:
+            self._after_call(None)
         if not ok:
             logger.warning("Failed to reset prefix cache because some blocks are not freed yet")
             return False
@@ -544,8 +547,8 @@ class HybridKVCacheManager:
             num_prompt_tokens=request.num_prompt_tokens,
             shared_prefix_boundary=request.shared_prefix_boundary,
         )
-        if self.enable_kv_cache_events and self._alloc.has_events:
-            self._drain_events(request)
+        if self._after_call is not None:
+            self._after_call(request)
 
     def create_kv_cache_blocks(self, blocks: tuple[list[Any], ...]) -> KVCacheBlocks:
         if not any(blocks):
