@@ -8,6 +8,11 @@
 //! - free blocks without a hash sit before hashed ones only as vLLM's order dictates
 //!   (freed unhashed blocks go to the front, hashed ones to the back).
 //!
+//! The residency log ([`ResidencyOp`], `--kv-cache-metrics`) is kept here, where vLLM's pool
+//! calls its collector: managers take blocks with `get_new_blocks` and hits with `touch`, and
+//! call `maybe_evict_cached_block` only where vLLM calls `_maybe_evict_cached_block`
+//! (re-keying a block, vLLM's `cache_partial_block`, is `remove_cached_block_hashes`).
+//!
 //! Cost: `get_new_blocks` O(n) (each popped block's lazy eviction O(1)); `touch`,
 //! `free_blocks` O(blocks given); `cache_full_blocks` O(blocks cached); `reset` O(`num_blocks`).
 #![forbid(unsafe_code)]
