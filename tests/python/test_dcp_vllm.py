@@ -248,6 +248,19 @@ def _shape(name: str) -> Any:
     )
 
 
+def _engine_core_view(sched: Any) -> tuple[Any, Any]:
+    """What vLLM's ``EngineCore`` derives from the managers: the effective attention block
+    size and the KV cache group metadata (external event consumers), by its own methods."""
+    import types
+
+    from vllm.v1.engine.core import EngineCore
+
+    core = types.SimpleNamespace(vllm_config=sched.vllm_config, scheduler=sched)
+    EngineCore._initialize_effective_attention_block_size(core)  # type: ignore[arg-type]
+    meta = EngineCore.get_kv_cache_group_metadata(core)  # type: ignore[arg-type]
+    return sched.vllm_config.cache_config.effective_attention_block_size, meta
+
+
 @pytest.mark.parametrize(
     "shape, dcp, num_blocks", [("llama", 2, 120), ("llama", 4, 60), ("mla", 2, 120), ("mla", 4, 60)]
 )
@@ -259,6 +272,10 @@ def test_dcp_real_scheduler_identical(shape: str, dcp: int, num_blocks: int) -> 
     spec_bs = sched.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
     assert sched.dcp_world_size == dcp and sched.block_size == sched.hash_block_size == spec_bs * dcp
     assert type(sched.kv_cache_manager).__name__ == "HybridKVCacheManager"
+    # vLLM's engine core reads the managers' (scaled) block sizes: the same from both.
+    ref_sched = dataclasses.replace(base, manager="vllm").build()
+    assert _engine_core_view(ref_sched) == _engine_core_view(sched)
+    assert _engine_core_view(ref_sched)[0] == spec_bs * dcp
     run = dict(seed=11, num_requests=30, max_tokens_hi=600)
     ref = run_workload(dataclasses.replace(base, manager="vllm"), **run)
     ours = run_workload(dataclasses.replace(base, manager="hybrid_alloc"), **run)
