@@ -109,7 +109,9 @@ impl AttentionKind {
 pub struct GroupSpec {
     /// The attention type and its parameters.
     pub kind: AttentionKind,
-    /// Tokens per block of this group (a multiple of `hash_block_size`).
+    /// Tokens per block of this group (a multiple of `hash_block_size`). Under vLLM's decode
+    /// context parallelism this is the manager's block size, `spec.block_size * dcp` for a
+    /// sharded group (the adapter passes it so; nothing else in the core depends on DCP).
     pub block_size: u32,
     /// Groups whose specs are equal in vLLM (same key here) are looked up together,
     /// as vLLM's `HybridKVCacheCoordinator` batches them into one `SpecGroup`.

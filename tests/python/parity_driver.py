@@ -49,6 +49,7 @@ class ParityRun:
             "bounded_lookups": 0,
             "lookahead_events": 0,
             "cached_block_hits": 0,
+            "removed_events": 0,
         }
 
     # ---- helpers -----------------------------------------------------------------------
@@ -73,6 +74,7 @@ class ParityRun:
         events = self.ref.take_events()
         self.eq("events", events, self.ours.take_events())
         self.stats["lookahead_events"] += sum(1 for e in events if getattr(e, "lookahead_token_ids", None))
+        self.stats["removed_events"] += sum(1 for e in events if type(e).__name__ == "BlockRemoved")
         if self.ops % self.full_check_every == 0:
             self.full_check()
 
@@ -113,7 +115,10 @@ class ParityRun:
         toks += [r.randrange(1, 5000) for _ in range(r.randrange(1, 300))]
         self.next_id += 1
         return self.setup.make_request(
-            f"r{self.next_id}", toks, max_tokens=r.randrange(1, 64), report_full=r.random() < 0.2
+            f"r{self.next_id}",
+            toks,
+            max_tokens=r.randrange(1, 64),
+            report_full=self.setup.report_full and r.random() < 0.2,
         )
 
     # ---- operations --------------------------------------------------------------------

@@ -109,6 +109,10 @@ def _specs(name: str) -> list[Any]:
     }[name]
 
 
+# The hash / scheduler block sizes vLLM resolves for one group of block 16 under DCP 2 / 4.
+_DCP2 = {"hash_block_size": 32, "scheduler_block_size": 32}
+_DCP4 = {"hash_block_size": 64, "scheduler_block_size": 64}
+
 # (row of the table, specs, extra KVCacheManager arguments, the fallback reason's quoted
 # fragment or None for native). Rows that need a whole VllmConfig (speculative methods,
 # routed experts) are proven by the scheduler parity tests instead.
@@ -127,7 +131,16 @@ CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("cross attention", "cross", {}, "cross attention with prefix caching on"),
     ("Mamba / linear attention", "mamba", {"enable_caching": False}, None),
     ("Mamba / linear attention", "mamba2_align", {}, None),
-    ("decode/prefill context parallelism", "full", {"dcp_world_size": 2}, "decode/prefill context parallelism"),
+    ("decode context parallelism (DCP > 1) on full", "full", {"dcp_world_size": 2, **_DCP2}, None),
+    ("decode context parallelism (DCP > 1) on full", "mla", {"dcp_world_size": 4, **_DCP4}, None),
+    (
+        "decode context parallelism with a sharded",
+        "swa",
+        {"dcp_world_size": 2, **_DCP2},
+        "with a sharded",
+    ),
+    ("decode context parallelism with a sharded", "mamba2_align", {"dcp_world_size": 2}, "with a Mamba group"),
+    ("prefill context parallelism", "full", {"pcp_world_size": 2}, "prefill context parallelism"),
     ("KV cache residency metrics", "full", {"metrics_collector": object()}, None),
     ("KV cache residency metrics", "mix", {"metrics_collector": object(), "enable_kv_cache_events": True}, None),
     ("multi-module MTP", "full", {"num_prefill_lookahead": 2}, "multi-token prefill lookahead"),

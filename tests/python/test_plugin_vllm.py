@@ -217,7 +217,7 @@ def _kwargs(setup: str = "full_swa_bs16", **over):  # type: ignore[no-untyped-de
     "over, reason",
     [
         (dict(use_eagle=True), "EAGLE"),
-        (dict(setup="full_bs16", dcp_world_size=2, hash_block_size=32, scheduler_block_size=32), "context parallelism"),
+        (dict(setup="full_bs16", pcp_world_size=2), "prefill context parallelism"),
         (dict(num_prefill_lookahead=3), "prefill lookahead"),
     ],
 )

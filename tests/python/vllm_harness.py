@@ -80,6 +80,12 @@ class Setup:
     eagle_groups: tuple[int, ...] = ()
     # What vLLM's Scheduler passes as num_prefill_lookahead (1 for EAGLE-family drafters).
     prefill_lookahead: int = 0
+    # Decode context parallelism: what the Scheduler passes as ``dcp_world_size``
+    # (``hash_block_size`` / ``scheduler_block_size`` then come from the DCP-scaled sizes).
+    dcp: int = 1
+    # Whether the trace gives some requests ``kv_cache_report_mode="full"`` (vLLM's own
+    # event code asserts on their hits under DCP, a test of its own covers that).
+    report_full: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -114,7 +120,7 @@ class Setup:
             num_prefill_lookahead=self.prefill_lookahead,
             log_stats=True,
             enable_kv_cache_events=events,
-            dcp_world_size=1,
+            dcp_world_size=self.dcp,
             pcp_world_size=1,
             metrics_collector=None,
             watermark=self.watermark,

@@ -62,12 +62,13 @@ class NativeBlockPool:
 class NativeSingleTypeManager:
     """What callers read from ``coordinator.single_type_managers[g]``."""
 
-    def __init__(self, group_id: int, spec: KVCacheSpec, pool: NativeBlockPool) -> None:
+    def __init__(self, group_id: int, spec: KVCacheSpec, pool: NativeBlockPool, block_size: int, dcp: int) -> None:
         self.kv_cache_group_id = group_id
         self.kv_cache_spec = spec
-        self.block_size = spec.block_size
+        # vLLM's: ``spec.block_size * dcp_world_size`` for a DCP-sharded group (see ``.dcp``).
+        self.block_size = block_size
         self.block_pool = pool
-        self.dcp_world_size = 1
+        self.dcp_world_size = dcp if spec.dcp_sharded else 1
         self.pcp_world_size = 1
         self.use_eagle = False
         self.retains_longer_hit = False
@@ -79,13 +80,17 @@ class NativeCoordinator:
     enable_partial_hash_hits = False
     num_reprefillable_tokens = 0
 
-    def __init__(self, mgr: HybridKVCacheManager, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, mgr: HybridKVCacheManager, kv_cache_config: KVCacheConfig, block_sizes: list[int], dcp_world_size: int
+    ) -> None:
         self._mgr = mgr
         self.kv_cache_config = kv_cache_config
         self.block_pool = mgr.block_pool
+        self.dcp_world_size = dcp_world_size
+        self.pcp_world_size = 1
         self.single_type_managers = tuple(
-            NativeSingleTypeManager(i, g.kv_cache_spec, mgr.block_pool)
-            for i, g in enumerate(kv_cache_config.kv_cache_groups)
+            NativeSingleTypeManager(i, g.kv_cache_spec, mgr.block_pool, bs, dcp_world_size)
+            for i, (g, bs) in enumerate(zip(kv_cache_config.kv_cache_groups, block_sizes, strict=True))
         )
         # Groups holding EAGLE/MTP draft layers; none drops its last block (a drop falls
         # back), so ``drop_eagle_group_ids`` (vLLM 0.33) is empty.

@@ -89,7 +89,10 @@ class EventLog:
         for g, n in enumerate(counts):
             if n == 0:
                 continue
-            bs = self.block_sizes[g]
+            bs = self.block_sizes[g]  # the spec's, unscaled under DCP, as vLLM's event reads it
+            # vLLM's resolve_block_hashes asserts this (it fails for a DCP-sharded group: the
+            # spec's size is below the hash block size there), before this group's event.
+            assert bs % self.hash_block_size == 0
             scale = bs // self.hash_block_size
             self.events.append(
                 self.block_stored(

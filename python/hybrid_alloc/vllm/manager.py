@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent
@@ -53,6 +53,7 @@ from hybrid_alloc.vllm.compat import (
     VllmKVCacheManager,
 )
 from hybrid_alloc.vllm.connector import connector_reason
+from hybrid_alloc.vllm.dcp import group_block_sizes
 from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
 from hybrid_alloc.vllm.kv_events import EventLog
 from hybrid_alloc.vllm.metrics import after_call_hook
@@ -143,9 +144,8 @@ def _native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         raise Unsupported(f"num_hash_lookahead_tokens={a.num_hash_lookahead_tokens!r}")
     if a.num_prefill_lookahead > 1:
         raise Unsupported("multi-token prefill lookahead")
-    if a.dcp_world_size > 1 or a.pcp_world_size > 1:
-        raise Unsupported("decode/prefill context parallelism")
     kvc = a.kv_cache_config
+    sizes = group_block_sizes(kvc, a.dcp_world_size, a.pcp_world_size)  # DCP-scaled (see .dcp)
     groups: list[GroupSpec] = []
     seen_specs: list[KVCacheSpec] = []
     for i, g in enumerate(kvc.kv_cache_groups):
@@ -161,7 +161,8 @@ def _native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         if key is None:
             seen_specs.append(spec)
             key = len(seen_specs) - 1
-        groups.append(group_spec(spec, key))
+        gs = group_spec(spec, key)
+        groups.append(gs if gs.block_size == sizes[i] else replace(gs, block_size=sizes[i]))
     if not groups:
         raise Unsupported("no KV cache groups (attention-free model)")
     native: dict[str, Any] = dict(
@@ -272,7 +273,7 @@ class HybridKVCacheManager:
         self._reqs: dict[str, RequestState] = {}
         self._hit_gen = 0
         self.block_pool = NativeBlockPool(self, a.hash_block_size, kvc.num_blocks)
-        self.coordinator = NativeCoordinator(self, kvc)
+        self.coordinator = NativeCoordinator(self, kvc, [g.block_size for g in native["groups"]], a.dcp_world_size)
         # The scheduler's hot call goes straight to Rust (see ``allocate_slots``): an instance
         # attribute over the method on purpose, and the stub types the Rust callable loosely.
         alloc = self._alloc
@@ -558,12 +559,12 @@ class HybridKVCacheManager:
     def truncate_computed_blocks(self, blocks: KVCacheBlocks, num_computed_tokens: int) -> KVCacheBlocks:
         ids = blocks.get_block_ids()
         out: list[list[int]] = []
-        for group_ids, g in zip(ids, self.kv_cache_config.kv_cache_groups):
+        for group_ids, g, m in zip(ids, self.kv_cache_config.kv_cache_groups, self.coordinator.single_type_managers):
             if not g.kv_cache_spec.prefix_cacheable:
                 assert not group_ids
                 out.append([])
                 continue
-            bs = g.kv_cache_spec.block_size
+            bs = m.block_size  # DCP-scaled, as vLLM's manager.block_size
             assert num_computed_tokens % bs == 0
             n = num_computed_tokens // bs
             if isinstance(g.kv_cache_spec, MambaSpec):
