@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.sampling_params import SamplingParams
 from vllm.v1.outputs import KVConnectorOutput
@@ -82,6 +83,11 @@ class PDWorkload:
     # (``OffloadingWorkerMetadata.completed_jobs``) after the delays above, a sync load in its
     # own step; an async load's request is reported in ``finished_recving``.
     offload: bool = False
+    # A MultiConnector over NixlConnector and the OffloadingConnector: the offloading child's
+    # index among ``num_children`` (its metadata and worker metadata are the Multi's tuples'
+    # entries); remote requests load through NIXL, the rest through offloaded transfer jobs.
+    offload_child: int | None = None
+    num_children: int = 2
 
 
 def _make_request(sched: Any, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
@@ -190,6 +196,8 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         "preempted": 0,
         "overlapped": 0,
         "jobs": 0,
+        "preempted_loading": 0,
+        "load_jobs": 0,
     }
     multi_group = len(sched.kv_cache_config.kv_cache_groups) > 1
     in_flight: deque[tuple[Any, Any, dict[str, Any]]] = deque()
@@ -232,12 +240,17 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             del send_due[r]
         counters["recv"] += len(finished_recving)
         counters["sent"] += len(finished_sending)
+        worker_meta: Any = OffloadingWorkerMetadata(completed_jobs=completed) if w.offload else None
+        if worker_meta is not None and w.offload_child is not None:
+            metas: list[Any] = [None] * w.num_children
+            metas[w.offload_child] = worker_meta
+            worker_meta = MultiKVConnectorWorkerMetadata(metadata=tuple(metas))
         out.kv_connector_output = KVConnectorOutput(
             finished_sending=finished_sending or None,
             finished_recving=finished_recving or None,
             invalid_block_ids=invalid,
             failed_recving=failed,
-            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed) if w.offload else None,
+            kv_connector_worker_meta=worker_meta,
         )
         d["worker"] = (
             sorted(finished_recving),
@@ -278,19 +291,24 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         meta = so.kv_connector_metadata
         waiting = sorted(r for r, q in sched.requests.items() if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
         if w.offload:
-            for jid, job in getattr(meta, "load_jobs", {}).items():
+            off_meta = meta if w.offload_child is None else meta.metadata[w.offload_child]
+            for jid, job in getattr(off_meta, "load_jobs", {}).items():
+                counters["load_jobs"] += 1
                 sync = getattr(job, "sync", False)
                 jobs_due[jid] = (step if sync else step + w.recv_delay, None if sync else job.req_id)
-            for jid in getattr(meta, "store_jobs", {}):
+            for jid in getattr(off_meta, "store_jobs", {}):
                 jobs_due[jid] = (step + w.send_delay, None)
-        else:
-            # The worker starts each load the scheduler parked a request for.
+        if not w.offload or w.offload_child is not None:
+            # The worker starts each remote load the scheduler parked a request for.
             for rid in waiting:
-                if rid not in loaded:  # a finished load waits for the scheduler to take it
+                if rid in remote and rid not in loaded:  # a finished load waits for the scheduler
                     recv_due.setdefault(rid, step + w.recv_delay)
         counters["waited"] += len(waiting)
         d = digest(so)
         counters["preempted"] += len(d["preempted"])
+        if waiting:
+            # Preempted while other requests' loads are pending.
+            counters["preempted_loading"] += len(d["preempted"])
         d["meta"] = _plain(meta)
         steps.append(d)
         in_flight.appendleft((so, fabricate_output(sched, so), d))
