@@ -11,14 +11,20 @@ Lifecycles: remote prefill (async loads), remote decode with the free delayed un
 ``failed_recving`` with several) under both ``kv_load_failure_policy`` values, a sync
 failure of a running request (``evict_blocks`` under "fail"), abort while waiting for
 remote KVs, abort with a step in flight (deferred frees through ``pop_blocks_for_free``),
-preemption, local hits combined with external hits. Shapes: full attention only, and
-sliding window + full (Gemma-like). Also: ``cache_blocks`` after an async load,
+preemption (also while other requests' loads are pending), local hits combined with external
+hits, each with vLLM's Scheduler and AsyncScheduler. Shapes: full attention only, and sliding
+window + full (Gemma-like). Also a MultiConnector over NixlConnector and the
+OffloadingConnector, ExampleConnector (no hybrid manager support: vLLM's one unified group,
+sync loads from folders the fake worker writes), ``cache_blocks`` after an async load,
 ``truncate_computed_blocks``, and the connectors that still fall back, with one line."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
@@ -77,6 +83,14 @@ CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
     "llama_multi_offload": ("llama", "kv_both", 80, False, "recompute", "multi_offload"),
     "gemma_multi_offload": ("gemma", "kv_both", 80, False, "fail", "multi_offload"),
     "gemma_multi_offload_async": ("gemma", "kv_both", 100, True, "recompute", "multi_offload"),
+    # ExampleConnector, without hybrid manager support: vLLM runs one unified group (the
+    # Gemma-like shape's sliding window layers promoted to full attention); sync loads.
+    "llama_example": ("llama", "kv_both", 80, False, "recompute", "example"),
+    "llama_example_fail": ("llama", "kv_both", 80, False, "fail", "example"),
+    "gemma_example": ("gemma", "kv_both", 80, False, "recompute", "example"),
+    "gemma_example_async": ("gemma", "kv_both", 80, True, "fail", "example"),
+    # A MultiConnector over NixlConnector and ExampleConnector: one unified group too.
+    "gemma_multi_example": ("gemma", "kv_both", 80, False, "recompute", "multi_example"),
 }
 # The workload's seed and share of remote requests, where a case needs others than the
 # default to show what it claims (the Gemma-like consumers: local hits joined with remote ones).
@@ -123,6 +137,19 @@ def _setup(case: str) -> tuple[Any, Any, str]:
                 ]
             },
         )
+    elif conn in ("example", "multi_example"):
+        storage = os.path.join(tempfile.gettempdir(), f"hybrid_alloc-example-{os.getpid()}-{case}")
+        example = {"kv_connector": "ExampleConnector", "kv_role": role}
+        example["kv_connector_extra_config"] = {"shared_storage_path": storage}
+        if conn == "example":
+            ktc = KVTransferConfig(**example, kv_load_failure_policy=policy)
+        else:
+            ktc = KVTransferConfig(
+                kv_connector="MultiConnector",
+                kv_role=role,
+                kv_load_failure_policy=policy,
+                kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": role}, example]},
+            )
     elif conn == "push":
         ktc = KVTransferConfig(kv_connector="NixlPushConnector", kv_role=role, kv_load_failure_policy=policy)
     else:
@@ -146,6 +173,18 @@ def _setup(case: str) -> tuple[Any, Any, str]:
             batch_queue=2 if overlap else 1,
         )
         return setup, w, role
+    if conn in ("example", "multi_example"):
+        w = PDWorkload(
+            num_requests=30,
+            remote_share=0.0 if conn == "example" else 0.3,
+            repeat_share=0.5,
+            example_storage=storage,
+            example_child=None if conn == "example" else 1,
+            fail_sync_loads=2,
+            abort_running={"req2", "req13"},
+            batch_queue=2 if overlap else 1,
+        )
+        return setup, w, "kv_consumer"
     if conn == "multi_offload":
         w = PDWorkload(
             num_requests=30,
@@ -176,8 +215,12 @@ def _pair(case: str) -> tuple[dict[str, Any], dict[str, Any]]:
     from connector_driver import run_pd
 
     setup, w, role = _setup(case)
-    ref = run_pd(dataclasses.replace(setup, manager="vllm"), role, w)
-    ours = run_pd(dataclasses.replace(setup, manager="hybrid_alloc"), role, w)
+    try:
+        ref = run_pd(dataclasses.replace(setup, manager="vllm"), role, w)
+        ours = run_pd(dataclasses.replace(setup, manager="hybrid_alloc"), role, w)
+    finally:
+        if w.example_storage is not None:
+            shutil.rmtree(w.example_storage, ignore_errors=True)
     return ref, ours
 
 
@@ -194,6 +237,15 @@ def test_connector_scheduler_identical(case: str) -> None:
     conn = CASES[case][5]
     if conn == "offload":
         assert c["jobs"] > 20 and c["recv"] > 0 and calls["alloc_delay_cache"] > 0
+    elif conn in ("example", "multi_example"):
+        # One unified group (vLLM promoted the sliding window layers), whole-prompt hits
+        # loaded in the step, two of them failing.
+        assert ref["groups"] == [("FullAttentionSpec", 64 if case.startswith("gemma") else None)]
+        assert c["stores"] > 5 and c["sync_loads"] > 5 and c["failed_sync"] == 2
+        assert calls["alloc_local_and_external"] > 0 and c["preempted"] > 0
+        if policy == "fail":
+            # And hits behind a longer local one (a negative external count).
+            assert calls["evict_blocks"] > 0 and calls["alloc_negative_external"] > 0
     elif conn == "multi_offload":
         # Both children load: NIXL for the remote prefills, offloading for local prefixes.
         assert c["jobs"] > 20 and c["load_jobs"] > 0 and c["recv"] > 10
