@@ -13,12 +13,16 @@ manager and ours) can be compared step by step. The NIXL scheduler side needs ``
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.sampling_params import SamplingParams
 from vllm.v1.outputs import KVConnectorOutput
@@ -43,6 +47,8 @@ def _plain(obj: Any, depth: int = 0) -> Any:
         return obj
     if isinstance(obj, float):
         return "float"
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
     if isinstance(obj, dict):
         return {str(k): _plain(v, depth + 1) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
     if isinstance(obj, (set, frozenset)):
@@ -82,6 +88,20 @@ class PDWorkload:
     # (``OffloadingWorkerMetadata.completed_jobs``) after the delays above, a sync load in its
     # own step; an async load's request is reported in ``finished_recving``.
     offload: bool = False
+    # A MultiConnector over NixlConnector and the OffloadingConnector: the offloading child's
+    # index among ``num_children`` (its metadata and worker metadata are the Multi's tuples'
+    # entries); remote requests load through NIXL, the rest through offloaded transfer jobs.
+    offload_child: int | None = None
+    num_children: int = 2
+    # ExampleConnector (one unified KV cache group): its worker saves each stored prompt to a
+    # folder under ``storage`` (the fake creates the folder, named as the connector names it)
+    # and loads synchronously in the step; the first ``fail_sync_loads`` loads report a block
+    # invalid (``invalid_block_ids``). ``repeat_share``: the share of requests that repeat an
+    # earlier request's whole prompt (the connector hits whole prompts only).
+    example_storage: str | None = None
+    example_child: int | None = None  # its index under a MultiConnector
+    fail_sync_loads: int = 0
+    repeat_share: float = 0.0
 
 
 def _make_request(sched: Any, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
@@ -114,6 +134,10 @@ def _remote_params(role: str, rid: str) -> dict[str, Any]:
 def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600) -> dict[str, Any]:
     """One run; returns per-step records and counters (see the module docstring)."""
     rng = random.Random(w.seed)
+    if w.example_storage is not None:
+        # Each run starts with nothing saved.
+        shutil.rmtree(w.example_storage, ignore_errors=True)
+        os.makedirs(w.example_storage)
     sched = setup.build()
     mgr = sched.kv_cache_manager
     events = capture_events(mgr)
@@ -148,6 +172,9 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     orig_allocate = mgr.allocate_slots
 
     def allocate_slots(request: Request, num_new_tokens: int, *a: Any, **k: Any) -> Any:
+        if k.get("num_external_computed_tokens", 0) < 0:
+            # ExampleConnector's hit behind a longer local one.
+            calls["alloc_negative_external"] = calls.get("alloc_negative_external", 0) + 1
         if k.get("num_external_computed_tokens", 0) > 0:
             calls["alloc_external"] = calls.get("alloc_external", 0) + 1
             if k.get("num_new_computed_tokens", 0) > 0:
@@ -166,6 +193,8 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         toks = list(prefixes[rng.randrange(3)]) if rng.random() < 0.6 else []
         toks += [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 400))]
         toks = toks[: mml - 100]
+        if w.repeat_share and pending and rng.random() < w.repeat_share:
+            toks = list(pending[rng.randrange(len(pending))][2])
         is_remote = rng.random() < w.remote_share or rid in w.fail | w.abort_waiting | w.fail_running
         params = _remote_params(role, rid) if is_remote else None
         if is_remote:
@@ -190,7 +219,15 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         "preempted": 0,
         "overlapped": 0,
         "jobs": 0,
+        "preempted_loading": 0,
+        "load_jobs": 0,
+        "sync_loads": 0,
+        "stores": 0,
+        "failed_sync": 0,
     }
+    # ExampleConnector: the prompts to save (folders to create) and the first block of each
+    # sync load, for the step whose output is next processed.
+    example_work: dict[int, tuple[list[Any], list[int]]] = {}
     multi_group = len(sched.kv_cache_config.kv_cache_groups) > 1
     in_flight: deque[tuple[Any, Any, dict[str, Any]]] = deque()
 
@@ -225,6 +262,14 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                 if ids:
                     invalid.add(ids[len(ids) // 3])
                     counters["failed_running"] += 1
+        stores, sync_loads = example_work.pop(id(so), ([], []))
+        for m in stores:
+            example = sched.connector if w.example_child is None else sched.connector._connectors[w.example_child]
+            example._generate_foldername_debug(m.token_ids, m.mm_hashes, create_folder=True)
+        for block in sync_loads:
+            if counters["failed_sync"] < w.fail_sync_loads:
+                invalid.add(block)
+                counters["failed_sync"] += 1
         for r in finished_recving:
             recv_due.pop(r, None)
             loaded[r] = step
@@ -232,12 +277,17 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             del send_due[r]
         counters["recv"] += len(finished_recving)
         counters["sent"] += len(finished_sending)
+        worker_meta: Any = OffloadingWorkerMetadata(completed_jobs=completed) if w.offload else None
+        if worker_meta is not None and w.offload_child is not None:
+            metas: list[Any] = [None] * w.num_children
+            metas[w.offload_child] = worker_meta
+            worker_meta = MultiKVConnectorWorkerMetadata(metadata=tuple(metas))
         out.kv_connector_output = KVConnectorOutput(
             finished_sending=finished_sending or None,
             finished_recving=finished_recving or None,
             invalid_block_ids=invalid,
             failed_recving=failed,
-            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed) if w.offload else None,
+            kv_connector_worker_meta=worker_meta,
         )
         d["worker"] = (
             sorted(finished_recving),
@@ -278,19 +328,30 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         meta = so.kv_connector_metadata
         waiting = sorted(r for r, q in sched.requests.items() if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
         if w.offload:
-            for jid, job in getattr(meta, "load_jobs", {}).items():
+            off_meta = meta if w.offload_child is None else meta.metadata[w.offload_child]
+            for jid, job in getattr(off_meta, "load_jobs", {}).items():
+                counters["load_jobs"] += 1
                 sync = getattr(job, "sync", False)
                 jobs_due[jid] = (step if sync else step + w.recv_delay, None if sync else job.req_id)
-            for jid in getattr(meta, "store_jobs", {}):
+            for jid in getattr(off_meta, "store_jobs", {}):
                 jobs_due[jid] = (step + w.send_delay, None)
-        else:
-            # The worker starts each load the scheduler parked a request for.
-            for rid in waiting:
-                if rid not in loaded:  # a finished load waits for the scheduler to take it
-                    recv_due.setdefault(rid, step + w.recv_delay)
+        if w.example_storage is not None:
+            reqs = (meta if w.example_child is None else meta.metadata[w.example_child]).requests
+            stores = [m for m in reqs if m.is_store]
+            loads = [int(m.slot_mapping[0]) // setup.block_size for m in reqs if not m.is_store]
+            counters["stores"] += len(stores)
+            counters["sync_loads"] += len(loads)
+            example_work[id(so)] = (stores, loads)
+        # The worker starts each remote (NIXL) load the scheduler parked a request for.
+        for rid in waiting:
+            if rid in remote and rid not in loaded:  # a finished load waits for the scheduler
+                recv_due.setdefault(rid, step + w.recv_delay)
         counters["waited"] += len(waiting)
         d = digest(so)
         counters["preempted"] += len(d["preempted"])
+        if waiting:
+            # Preempted while other requests' loads are pending.
+            counters["preempted_loading"] += len(d["preempted"])
         d["meta"] = _plain(meta)
         steps.append(d)
         in_flight.appendleft((so, fabricate_output(sched, so), d))
@@ -304,6 +365,10 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     while in_flight:
         process(*in_flight.pop(), step)
     deferred = bool(getattr(sched, "defer_block_free", False))
+    groups = [
+        (type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None))
+        for g in sched.kv_cache_config.kv_cache_groups
+    ]
     finished = step < max_steps
     sched.shutdown()
     return {
@@ -315,6 +380,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         "native": type(mgr).__name__,
         "finished": finished,
         "defer_block_free": deferred,
+        "groups": groups,
     }
 
 
@@ -330,3 +396,4 @@ def assert_same_pd(case: str, ref: dict[str, Any], ours: dict[str, Any]) -> None
     assert ref["calls"] == ours["calls"], (ref["calls"], ours["calls"])
     assert ref["after_load"] == ours["after_load"], f"{case}: the cache after an async load differs"
     assert ref["counters"] == ours["counters"]
+    assert ref["groups"] == ours["groups"]

@@ -197,6 +197,12 @@ def test_kv_connector_rows() -> None:
     )
     assert not native and reason == "KV connector LMCacheConnectorV1 is configured"
     assert '"KV connector <name> is configured"' in _cell("other KV connectors")
+    # ExampleConnector: in the one unified group vLLM makes for it, when that is full attention.
+    example = vc(kv_connector="ExampleConnector", kv_role="kv_both")
+    assert _decide(_kwargs(_specs("full")), vllm_config=example) == (True, "")
+    assert _cell("`ExampleConnector`").startswith("native")
+    native, reason = _decide(_kwargs(_specs("swa")), vllm_config=example)
+    assert not native and reason == "KV connector ExampleConnector (with a SlidingWindowSpec group) is configured"
     native, reason = _decide(
         _kwargs(_specs("mamba2_align")), vllm_config=vc(kv_connector="NixlConnector", kv_role="kv_consumer")
     )

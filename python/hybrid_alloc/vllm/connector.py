@@ -14,25 +14,33 @@ vLLM's semantics:
 - the native ``OffloadingConnector`` (``--kv-offloading-size``) when it offloads every
   prefix-cacheable group (otherwise it asks ``coordinator.find_longest_cache_hit_per_group``
   of a ``HybridKVCacheCoordinator``, which the manager's facade is not);
+- ``ExampleConnector``, which does not support the hybrid manager: vLLM turns that off for it
+  (``VllmConfig``: "Turning off hybrid kv cache manager ...") and ``get_kv_cache_groups``
+  makes one unified group, which the manager serves like any single-group model. Its
+  scheduler side reads none of the manager's results (``update_state_after_alloc`` only
+  counts external tokens; the hits are folders on disk, found by the prompt's hash);
 - ``MultiConnector`` whose children are all served.
 
 Anything else falls back to vLLM's own manager with one line naming the connector:
 connectors whose scheduler side reaches into vLLM's ``BlockPool`` / coordinator internals
-(SimpleCPUOffload, UMBP, MooncakeStore, HiSparse, LMCache, ...), connectors loaded from a
-module path, and a connector with Mamba layers (vLLM's per-group divergent hit and
-boundary-state offloads are not served yet).
+(SimpleCPUOffload, UMBP, MooncakeStore, HiSparse, ...), connectors whose scheduler side
+lives outside vLLM (LMCacheConnectorV1 and LMCacheMPConnector run the ``lmcache`` package's
+code), connectors loaded from a module path, and a connector with Mamba layers (vLLM's
+per-group divergent hit and boundary-state offloads are not served yet).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
 
-__all__ = ["NATIVE_CONNECTORS", "connector_reason"]
+__all__ = ["NATIVE_CONNECTORS", "SINGLE_GROUP_CONNECTORS", "connector_reason", "fold_negative_external"]
 
 # Registered connector names whose scheduler side the native manager serves exactly.
 NATIVE_CONNECTORS: frozenset[str] = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
+# Those without hybrid manager support, served in the one unified group vLLM then makes.
+SINGLE_GROUP_CONNECTORS: frozenset[str] = frozenset({"ExampleConnector"})
 
 
 def _offloads_every_cached_group(kvc: KVCacheConfig) -> bool:
@@ -60,6 +68,14 @@ def _unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> st
         return None
     if name == "OffloadingConnector":
         return None if _offloads_every_cached_group(kvc) else "OffloadingConnector (with groups it does not offload)"
+    if name in SINGLE_GROUP_CONNECTORS:
+        groups = kvc.kv_cache_groups
+        if len(groups) > 1:
+            return f"{name} (with {len(groups)} KV cache groups)"
+        if groups and not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+            # ``fold_negative_external`` is exact where no tokens are skipped.
+            return f"{name} (with a {type(groups[0].kv_cache_spec).__name__} group)"
+        return None
     return None if name in NATIVE_CONNECTORS else str(name)
 
 
@@ -83,3 +99,22 @@ def connector_reason(vllm_config: Any, kv_cache_config: KVCacheConfig) -> str | 
     if any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups):
         return f"KV connector {name} with Mamba layers is configured"
     return None
+
+
+def fold_negative_external(
+    num_new_tokens: int, num_external_computed_tokens: int, num_lookahead_tokens: int
+) -> tuple[int, int, int]:
+    """``allocate_slots``' token counts with a negative external count folded in.
+
+    ExampleConnector's hit is its prompt's length rounded down (``align_to_block_size``),
+    less the local hit; a local hit past it (a prompt one token past a block boundary, or a
+    resumed request whose hit covers its output tokens) makes that negative, and vLLM's
+    scheduler passes it on. vLLM's manager then computes from ``local + external`` tokens
+    while holding the whole local hit: for full attention (no skipped tokens) that is the
+    same allocation and caching as no external tokens and ``num_new_tokens + external`` new
+    tokens (when that is negative, the hit's blocks already hold every slot needed, and the
+    lookahead slots come off the shortfall)."""
+    if num_external_computed_tokens >= 0:
+        return num_new_tokens, num_external_computed_tokens, num_lookahead_tokens
+    short = num_new_tokens + num_external_computed_tokens
+    return max(short, 0), 0, max(num_lookahead_tokens + min(short, 0), 0)

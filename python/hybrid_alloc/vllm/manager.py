@@ -52,7 +52,7 @@ from hybrid_alloc.vllm.compat import (
     TRIM_NULL_HEAD,
     VllmKVCacheManager,
 )
-from hybrid_alloc.vllm.connector import connector_reason
+from hybrid_alloc.vllm.connector import connector_reason, fold_negative_external
 from hybrid_alloc.vllm.dcp import group_block_sizes
 from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
 from hybrid_alloc.vllm.kv_events import EventLog
@@ -419,14 +419,15 @@ class HybridKVCacheManager:
                 if any(groups):
                     hit = groups
         watermark = self.watermark_blocks > 0 and has_scheduled_reqs and request.status in _WAITING_OR_PREEMPTED
+        n, ext, la = fold_negative_external(num_new_tokens, num_external_computed_tokens, num_lookahead_tokens)
         res = self._alloc.allocate_slots(
             st.handle,
-            num_new_tokens,
+            n,
             block_hashes=request.block_hashes,
             hit=hit,
             num_new_computed_tokens=num_new_computed_tokens,
-            num_lookahead_tokens=num_lookahead_tokens,
-            num_external_computed_tokens=num_external_computed_tokens,
+            num_lookahead_tokens=la,
+            num_external_computed_tokens=ext,
             delay_cache_blocks=delay_cache_blocks,
             num_encoder_tokens=num_encoder_tokens,
             full_sequence_must_fit=full_sequence_must_fit,

@@ -398,8 +398,15 @@ class SchedulerSetup:
         # EngineCore resolves the layout before planning; the planner needs it set.
         vc.cache_config.kv_cache_layout = "LBHNC"
         # A platform without hybrid KV cache support (0.33's CUDA wheel on a GPU-less
-        # machine) turned the hybrid manager off; say again what this run asks for.
-        vc.scheduler_config.disable_hybrid_kv_cache_manager = self.manager == "no_hybrid"
+        # machine) turned the hybrid manager off; say again what this run asks for. A KV
+        # connector that does not support the hybrid manager (ExampleConnector) turns it off
+        # as vLLM's config does: ``get_kv_cache_groups`` then makes one unified group.
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        ktc = vc.kv_transfer_config
+        vc.scheduler_config.disable_hybrid_kv_cache_manager = self.manager == "no_hybrid" or (
+            ktc is not None and ktc.kv_connector is not None and not KVConnectorFactory.supports_hma_config(ktc)
+        )
         # vLLM's CPU platform turns async scheduling off; put back what was asked for.
         vc.scheduler_config.async_scheduling = self.async_scheduling
         if self.shape.mamba_state is not None:
