@@ -6,7 +6,8 @@ vLLM's ``Scheduler``, ``AsyncScheduler``, engine core and stats use, with vLLM's
 types. Each call crosses into Rust once; ints, bytes and flat lists cross the boundary.
 
 The rooms around it: :mod:`.compat` (what the installed vLLM offers, probed once),
-:mod:`.args` (the constructor's arguments), :mod:`.spec_table` (vLLM specs to named group
+:mod:`.args` (the constructor's arguments), :mod:`.plan` (what the core is built with, and
+what it does not serve), :mod:`.spec_table` (vLLM specs to named group
 specs), :mod:`.policy_env` (the retention policy's environment controls), :mod:`.blocks`
 (the ``KVCacheBlocks`` handed out), :mod:`.facades` (``block_pool``, ``coordinator``) and
 :mod:`.kv_events` (vLLM's KV cache events) and :mod:`.metrics` (residency metrics).
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent
@@ -31,18 +32,14 @@ from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
-    CircularBufferSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
-    KVCacheGroupRole,
-    KVCacheSpec,
     MambaSpec,
 )
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc._core import Allocator, FastAllocate, Hit, HybridAllocError, UnsupportedConfigError
-from hybrid_alloc.specs import GroupSpec
 from hybrid_alloc.vllm import compat, policy_env
 from hybrid_alloc.vllm.args import KNOWN_ARGS, ManagerArgs
 from hybrid_alloc.vllm.blocks import EmptyKVCacheBlocks, HitBlocks, NativeBlock, NativeKVCacheBlocks
@@ -52,13 +49,13 @@ from hybrid_alloc.vllm.compat import (
     TRIM_NULL_HEAD,
     VllmKVCacheManager,
 )
-from hybrid_alloc.vllm.connector import connector_reason, fold_negative_external
-from hybrid_alloc.vllm.dcp import group_block_sizes
+from hybrid_alloc.vllm.connector import fold_negative_external
 from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
 from hybrid_alloc.vllm.kv_events import EventLog
 from hybrid_alloc.vllm.metrics import after_call_hook
+from hybrid_alloc.vllm.plan import native_plan
 from hybrid_alloc.vllm.policy_env import PIN_PREFIXES_ENV, PIN_SHARE_ENV, POLICY_ENV, RETAIN_PRIORITY_ENV
-from hybrid_alloc.vllm.spec_table import describe, group_spec
+from hybrid_alloc.vllm.spec_table import describe
 from hybrid_alloc.vllm.unsupported import Unsupported
 
 __all__ = [
@@ -132,65 +129,6 @@ def _config(vllm_config: Any) -> Any:
     return current_vllm_config if vllm_config is None else vllm_config
 
 
-def _native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
-    """The native allocator's arguments (``groups`` as named specs); raises ``Unsupported``
-    naming what is not served exactly. Does not build the allocator (which may still refuse
-    the configuration)."""
-    if (reason := connector_reason(vllm_config, a.kv_cache_config)) is not None:
-        raise Unsupported(reason)
-    if a.use_eagle:
-        raise Unsupported("EAGLE/MTP prefix-cache block drop")
-    if not isinstance(a.num_hash_lookahead_tokens, int) or a.num_hash_lookahead_tokens < 0:
-        raise Unsupported(f"num_hash_lookahead_tokens={a.num_hash_lookahead_tokens!r}")
-    if a.num_prefill_lookahead > 1:
-        raise Unsupported("multi-token prefill lookahead")
-    kvc = a.kv_cache_config
-    sizes = group_block_sizes(kvc, a.dcp_world_size, a.pcp_world_size)  # DCP-scaled (see .dcp)
-    groups: list[GroupSpec] = []
-    seen_specs: list[KVCacheSpec] = []
-    for i, g in enumerate(kvc.kv_cache_groups):
-        spec = g.kv_cache_spec
-        if g.role != KVCacheGroupRole.DEFAULT or g.host_resident:
-            raise Unsupported(f"group {i} has role {g.role.name} (HiSparse)")
-        # On 0.33 a flagged group drops its last block only with use_eagle (refused above).
-        if g.is_eagle_group and not compat.EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE:
-            raise Unsupported(f"group {i} holds EAGLE/MTP draft layers (prefix-cache block drop)")
-        if not spec.prefix_cacheable and type(spec) is not CircularBufferSpec:
-            raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
-        key = next((k for k, s in enumerate(seen_specs) if s == spec), None)
-        if key is None:
-            seen_specs.append(spec)
-            key = len(seen_specs) - 1
-        gs = group_spec(spec, key)
-        groups.append(gs if gs.block_size == sizes[i] else replace(gs, block_size=sizes[i]))
-    if not groups:
-        raise Unsupported("no KV cache groups (attention-free model)")
-    native: dict[str, Any] = dict(
-        num_blocks=kvc.num_blocks,
-        groups=groups,
-        hash_block_size=a.hash_block_size,
-        scheduler_block_size=a.scheduler_block_size,
-        max_model_len=a.max_model_len,
-        max_in_flight_tokens=a.max_model_len if a.max_in_flight_tokens is None else a.max_in_flight_tokens,
-        enable_caching=a.enable_caching,
-        enable_events=a.enable_kv_cache_events,
-        watermark_blocks=int(a.watermark * kvc.num_blocks),
-        retention_interval=kvc.prefix_cache_retention_interval,
-    )
-    if kvc.needs_kv_cache_zeroing:
-        native["zero_new_blocks"] = True
-    if a.metrics_collector:  # vLLM's pool tests it so (see ``metrics``)
-        native["residency_log"] = True
-    if a.num_hash_lookahead_tokens > 0:
-        # 0.33 moves the Mamba "align" prefill checkpoint positions by the lookahead tokens.
-        native["hash_lookahead_tokens"] = a.num_hash_lookahead_tokens
-    policy = policy_env.policy_from_env()  # raises Unsupported on a bad value
-    if policy != "exact":
-        native["policy"] = policy
-        policy_env.policy_controls()  # validated here, so a bad control falls back at construction
-    return native
-
-
 def _allocator(native: dict[str, Any]) -> Allocator:
     """The core built from ``native`` (its ``groups`` are :mod:`hybrid_alloc.specs` objects,
     which the binding reads by attribute)."""
@@ -203,7 +141,7 @@ def native_config_or_reason(*args: Any, vllm_config: Any = None, **kwargs: Any) 
     :class:`HybridKVCacheManager`), or ``None`` and the reason the core cannot serve it
     exactly. Never raises."""
     try:
-        native = _native_plan(ManagerArgs.bind(VllmKVCacheManager, args, kwargs), _config(vllm_config))
+        native = native_plan(ManagerArgs.bind(VllmKVCacheManager, args, kwargs), _config(vllm_config))
         _allocator(native)  # validates; UnsupportedConfigError names what is not served
         return native, ""
     except (Unsupported, UnsupportedConfigError) as e:
@@ -226,7 +164,7 @@ class HybridKVCacheManager:
     def __new__(cls, *args: Any, vllm_config: Any = None, **kwargs: Any) -> Any:
         try:
             bound = ManagerArgs.bind(VllmKVCacheManager, args, kwargs)
-            native = _native_plan(bound, _config(vllm_config))
+            native = native_plan(bound, _config(vllm_config))
             self = super().__new__(cls)
             self._setup(native, bound)
             return self

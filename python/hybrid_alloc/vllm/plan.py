@@ -1,0 +1,80 @@
+"""The native allocator's arguments read from a ``KVCacheManager`` construction: the
+configuration checks that name what the core does not serve exactly (each raises
+:class:`~hybrid_alloc.vllm.unsupported.Unsupported` with the fallback line's reason) and the
+group specs, sized as vLLM's managers size them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheGroupRole, KVCacheSpec
+
+from hybrid_alloc.specs import GroupSpec
+from hybrid_alloc.vllm import compat, policy_env
+from hybrid_alloc.vllm.args import ManagerArgs
+from hybrid_alloc.vllm.connector import connector_reason
+from hybrid_alloc.vllm.dcp import group_block_sizes
+from hybrid_alloc.vllm.spec_table import group_spec
+from hybrid_alloc.vllm.unsupported import Unsupported
+
+__all__ = ["native_plan"]
+
+
+def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
+    """The native allocator's arguments (``groups`` as named specs); raises ``Unsupported``
+    naming what is not served exactly. Does not build the allocator (which may still refuse
+    the configuration)."""
+    if (reason := connector_reason(vllm_config, a.kv_cache_config)) is not None:
+        raise Unsupported(reason)
+    if a.use_eagle:
+        raise Unsupported("EAGLE/MTP prefix-cache block drop")
+    if not isinstance(a.num_hash_lookahead_tokens, int) or a.num_hash_lookahead_tokens < 0:
+        raise Unsupported(f"num_hash_lookahead_tokens={a.num_hash_lookahead_tokens!r}")
+    if a.num_prefill_lookahead > 1:
+        raise Unsupported("multi-token prefill lookahead")
+    kvc = a.kv_cache_config
+    sizes = group_block_sizes(kvc, a.dcp_world_size, a.pcp_world_size)  # DCP-scaled (see .dcp)
+    groups: list[GroupSpec] = []
+    seen_specs: list[KVCacheSpec] = []
+    for i, g in enumerate(kvc.kv_cache_groups):
+        spec = g.kv_cache_spec
+        if g.role != KVCacheGroupRole.DEFAULT or g.host_resident:
+            raise Unsupported(f"group {i} has role {g.role.name} (HiSparse)")
+        # On 0.33 a flagged group drops its last block only with use_eagle (refused above).
+        if g.is_eagle_group and not compat.EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE:
+            raise Unsupported(f"group {i} holds EAGLE/MTP draft layers (prefix-cache block drop)")
+        if not spec.prefix_cacheable and type(spec) is not CircularBufferSpec:
+            raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
+        key = next((k for k, s in enumerate(seen_specs) if s == spec), None)
+        if key is None:
+            seen_specs.append(spec)
+            key = len(seen_specs) - 1
+        gs = group_spec(spec, key)
+        groups.append(gs if gs.block_size == sizes[i] else replace(gs, block_size=sizes[i]))
+    if not groups:
+        raise Unsupported("no KV cache groups (attention-free model)")
+    native: dict[str, Any] = dict(
+        num_blocks=kvc.num_blocks,
+        groups=groups,
+        hash_block_size=a.hash_block_size,
+        scheduler_block_size=a.scheduler_block_size,
+        max_model_len=a.max_model_len,
+        max_in_flight_tokens=a.max_model_len if a.max_in_flight_tokens is None else a.max_in_flight_tokens,
+        enable_caching=a.enable_caching,
+        enable_events=a.enable_kv_cache_events,
+        watermark_blocks=int(a.watermark * kvc.num_blocks),
+        retention_interval=kvc.prefix_cache_retention_interval,
+    )
+    if kvc.needs_kv_cache_zeroing:
+        native["zero_new_blocks"] = True
+    if a.metrics_collector:  # vLLM's pool tests it so (see ``metrics``)
+        native["residency_log"] = True
+    if a.num_hash_lookahead_tokens > 0:
+        # 0.33 moves the Mamba "align" prefill checkpoint positions by the lookahead tokens.
+        native["hash_lookahead_tokens"] = a.num_hash_lookahead_tokens
+    policy = policy_env.policy_from_env()  # raises Unsupported on a bad value
+    if policy != "exact":
+        native["policy"] = policy
+        policy_env.policy_controls()  # validated here, so a bad control falls back at construction
+    return native
