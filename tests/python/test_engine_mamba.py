@@ -183,3 +183,16 @@ def test_engine_gdn_chat_hit_aware_same_outputs_more_hits(
     assert aware["outputs"] == exact["outputs"]
     assert aware["prefix_cache_queries"] == exact["prefix_cache_queries"]
     assert aware["prefix_cache_hits"] > exact["prefix_cache_hits"] > 0
+
+
+def test_engine_mamba2_hybrid_without_prefix_caching_outputs_identical_with_flag(tiny_models: dict[str, str]) -> None:
+    from engine_run import run_engine
+
+    off, log_off = run_engine(tiny_models["nemotronh"], "--no-cache", flag=False)
+    on, log_on = run_engine(tiny_models["nemotronh"], "--no-cache", flag=True)
+    assert "native KV cache manager serving" in log_on
+    assert "mamba/bs=" in log_on and "prefix caching off" in log_on
+    assert "native KV cache manager serving" not in log_off
+    assert "falling back" not in log_on
+    assert on["outputs"] == off["outputs"]
+    assert len(on["outputs"]) == 7 and all(len(o) == 24 for o in on["outputs"])
