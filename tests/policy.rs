@@ -197,30 +197,51 @@ impl Model {
         let hit = self.a.find_longest_cache_hit(h, prompt - 1).unwrap();
         self.check_hit(i, hit.num_tokens);
         // Mamba "align": the scheduler ends a prefill chunk on the prompt's checkpoint
-        // position, (prompt - 1) rounded down to a block, where that state is cached.
+        // position, (prompt - 1) rounded down to a block, where that state is cached, and on
+        // the junction the lookup reports (the shared prefix's end), where its state is cached.
+        let junction = if hit.num_uncached_common_prefix_tokens > 0 {
+            hit.num_tokens + hit.num_uncached_common_prefix_tokens
+        } else {
+            0
+        };
+        if junction > 0 {
+            assert!(
+                junction % BS == 0 && junction > hit.num_tokens && junction < prompt,
+                "junction {junction} reported for a hit of {} in a prompt of {prompt}: not a block boundary \
+                 inside the prompt's uncached part",
+                hit.num_tokens
+            );
+        }
         let checkpoint = (prompt - 1) / BS * BS;
-        let split = self.has_mamba() && checkpoint > hit.num_tokens;
-        let first_end = if split { checkpoint } else { prompt };
+        let mut ends: Vec<u32> = Vec::new();
+        if self.has_mamba() {
+            ends.extend([junction, checkpoint].into_iter().filter(|&e| e > hit.num_tokens && e < prompt));
+            ends.sort_unstable();
+            ends.dedup();
+        }
+        ends.push(prompt);
         let args = AllocateArgs {
-            num_new_tokens: first_end - hit.num_tokens,
+            num_new_tokens: ends[0] - hit.num_tokens,
             num_new_computed_tokens: hit.num_tokens,
             num_prompt_tokens: prompt,
             num_tokens: prompt,
-            shared_prefix_boundary: if hit.num_uncached_common_prefix_tokens > 0 {
-                hit.num_tokens + hit.num_uncached_common_prefix_tokens
-            } else {
-                0
-            },
+            shared_prefix_boundary: junction,
             ..Default::default()
         };
         let mut res = self.a.allocate_slots(h, &args, NewComputed::Stored, None).unwrap();
-        if res.is_some() && split {
+        for w in ends.windows(2) {
+            if res.is_none() {
+                break;
+            }
             self.record_new_blocks(i);
+            // A new scheduler step for each chunk (a state is cached at a chunk's end).
+            self.a.new_step_starts();
             let rest = AllocateArgs {
-                num_new_tokens: prompt - checkpoint,
-                num_computed_tokens: checkpoint,
+                num_new_tokens: w[1] - w[0],
+                num_computed_tokens: w[0],
                 num_prompt_tokens: prompt,
                 num_tokens: prompt,
+                shared_prefix_boundary: junction,
                 ..Default::default()
             };
             res = self.a.allocate_slots(h, &rest, NewComputed::Empty, None).unwrap();
@@ -767,8 +788,66 @@ fn pinned_prefix_junction_reported_on_first_sighting_and_hit_on_second_mamba_ali
     a.new_step_starts();
     let (_, hit) = sighting(&mut a, 200);
     assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (12, 0));
-    // Without the pin, the 1st sighting reports no junction (vLLM's rule).
+    // Without the pin, the 1st sighting reports the first-sighting junction: the largest
+    // power-of-two number of blocks within the 19 tokens looked up (4 blocks).
     let mut b = Allocator::new(config(&kinds, 64, Some(0)), Policy::HitAware).unwrap();
     let (_, hit) = sighting(&mut b, 100);
+    assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (0, 16));
+    // Under exact, vLLM's rule: nothing is shared yet, so no junction.
+    let mut e = Allocator::new(config(&kinds, 64, Some(0)), Policy::Exact).unwrap();
+    let (_, hit) = sighting(&mut e, 100);
     assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (0, 0));
+}
+
+#[test]
+fn unpinned_prefix_hits_on_second_sighting_mamba_align_hit_aware_only() {
+    // Full attention + Mamba "align", a 4-block shared prefix and 2-3 unique blocks: with
+    // hit-aware the 1st sighting's lookup reports the first-sighting junction (4 blocks, the
+    // largest power of two within the prompt), the scheduler ends a chunk there, the state
+    // is cached, and the 2nd sighting hits the whole prefix. Under exact (vLLM's rule) the
+    // 2nd sighting hits nothing: only the 2nd sighting's own junction caches the state.
+    let kinds = [AttentionKind::Full, mamba_align()];
+    let prefix: Vec<u64> = (0..4).map(|i| 9_000 + i).collect();
+    for (policy, second) in [(Policy::HitAware, 16), (Policy::Exact, 0)] {
+        let mut a = Allocator::new(config(&kinds, 64, Some(0)), policy).unwrap();
+        let mut hits = Vec::new();
+        for own in [100u64, 200, 300] {
+            let contents: Vec<u64> = prefix.iter().copied().chain(own..own + 3).collect();
+            let hashes: Vec<BlockHash> = chain(&contents).into_iter().map(BlockHash::from_u64).collect();
+            let prompt = 4 * BS + 2 * BS + 2; // 26 tokens: 6 full blocks
+            let h = a.add_request();
+            a.append_hashes(h, &common::hash_bytes(&hashes[..6]), 8).unwrap();
+            let hit = a.find_longest_cache_hit(h, prompt - 1).unwrap();
+            hits.push(hit.num_tokens);
+            let junction = if hit.num_uncached_common_prefix_tokens > 0 {
+                hit.num_tokens + hit.num_uncached_common_prefix_tokens
+            } else {
+                0
+            };
+            // The scheduler's chunk ends: the junction, the checkpoint (24), the prompt's end.
+            let mut ends: Vec<u32> = [junction, 24].into_iter().filter(|&e| e > hit.num_tokens).collect();
+            ends.sort_unstable();
+            ends.dedup();
+            ends.push(prompt);
+            let mut start = hit.num_tokens;
+            for (k, &end) in ends.iter().enumerate() {
+                a.new_step_starts();
+                let args = AllocateArgs {
+                    num_new_tokens: end - start,
+                    num_new_computed_tokens: if k == 0 { hit.num_tokens } else { 0 },
+                    num_computed_tokens: if k == 0 { 0 } else { start },
+                    num_prompt_tokens: prompt,
+                    num_tokens: prompt,
+                    shared_prefix_boundary: junction,
+                    ..Default::default()
+                };
+                let nc = if k == 0 { NewComputed::Stored } else { NewComputed::Empty };
+                assert!(a.allocate_slots(h, &args, nc, None).unwrap().is_some());
+                start = end;
+            }
+            a.free(h, LEVEL_NORMAL).unwrap();
+            a.new_step_starts();
+        }
+        assert_eq!(hits, vec![0, second, 16], "{policy:?}: hit tokens per sighting");
+    }
 }

