@@ -22,6 +22,7 @@ unchanged (:func:`raised_by_vllm` tells it apart).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -279,7 +280,7 @@ class HybridKVCacheManager:
             alloc,
             self.empty_kv_cache_blocks,
             HybridKVCacheManager.allocate_slots.__get__(self),
-            lambda ids: NativeKVCacheBlocks(alloc, ids),
+            functools.partial(NativeKVCacheBlocks, alloc),  # in C: no frame of its own
             self._drain_events if a.enable_kv_cache_events else None,
         )
         logger.info(
