@@ -13,12 +13,22 @@ Only requests whose call is a no-op are timed (the call then changes nothing, so
 repeated). Process CPU time, nanoseconds per call, best of ``--rounds``.
 
     PYTHONPATH=target/pysite python benches/cold_path.py --running 1024
+
+``--callgrind`` (under ``valgrind --tool=callgrind --instr-atstart=no``): instrumentation is
+on for one warm pass over the no-op requests only (``callgrind_control -i on``), so the
+profile's instruction count over the requests timed is what one decode call costs, with no
+machine load in it; ``--managers`` picks the managers.
+
+    PYTHONPATH=target/pysite valgrind --tool=callgrind --instr-atstart=no \
+        python benches/cold_path.py --managers hybrid_alloc --callgrind
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import subprocess
 import time
 from typing import Any
 
@@ -67,11 +77,21 @@ def main() -> None:
     p.add_argument("--running", type=int, default=1024)
     p.add_argument("--reps", type=int, default=100_000)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--managers", default="vllm,hybrid_alloc")
+    p.add_argument("--callgrind", action="store_true", help="instrument one warm pass (see the module's doc)")
     args = p.parse_args()
     logging.getLogger("vllm").setLevel(logging.ERROR)
     flush = bytearray(64 << 20)
-    for manager in ("vllm", "hybrid_alloc"):
+    for manager in args.managers.split(","):
         mgr, reqs = _bring_to_decode(manager, args.running)
+        if args.callgrind:
+            _time(mgr, reqs, 1, None)  # every request's objects warm once
+            toggle = ["callgrind_control", "-i"]
+            subprocess.run([*toggle, "on", str(os.getpid())], capture_output=True, check=False)
+            _time(mgr, reqs, 1, None)
+            subprocess.run([*toggle, "off", str(os.getpid())], capture_output=True, check=False)
+            print(f"{manager}: instrumented one pass of {len(reqs)} no-op decode calls + get_block_ids")
+            continue
         hot = min(_time(mgr, reqs[:1] * args.reps, 1, None) for _ in range(args.rounds))
         warm = min(_time(mgr, reqs, max(1, args.reps // len(reqs)), None) for _ in range(args.rounds))
         cold = min(_time(mgr, reqs, 20, flush) for _ in range(args.rounds))

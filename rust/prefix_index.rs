@@ -4,7 +4,7 @@
 //! is cached even when an identical block already is (block tables stay append-only).
 //! Lookups return the earliest-inserted block still present, matching vLLM's dict order.
 //!
-//! Cost: `get_one`, `insert` O(1); `remove` O(1) for a unique key, O(k) for k duplicates.
+//! Cost: `get_one`, `insert` O(1), one hash and one probe each; `remove` O(1) for a unique key, O(k) for k duplicates.
 #![forbid(unsafe_code)]
 
 use crate::ids::{BlockHash, BlockId, GroupId};
@@ -62,38 +62,44 @@ impl PrefixIndex {
     }
 
     /// Adds `block` under `key` (after any block already there).
+    /// One hash of the key and one probe (the entry API), where a lookup then an insert
+    /// hashed and probed twice for every new key.
     pub fn insert(&mut self, key: HashKey, block: BlockId) {
-        match self.map.get_mut(&key) {
-            None => {
-                self.map.insert(key, Entry::One(block));
+        match self.map.entry(key) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(Entry::One(block));
             }
-            Some(e) => match e {
-                Entry::One(b) => *e = Entry::Many(vec![*b, block]),
-                Entry::Many(v) => v.push(block),
-            },
+            std::collections::hash_map::Entry::Occupied(mut o) => {
+                let e = o.get_mut();
+                match e {
+                    Entry::One(b) => *e = Entry::Many(vec![*b, block]),
+                    Entry::Many(v) => v.push(block),
+                }
+            }
         }
     }
 
     /// Removes `block` from `key`; returns whether it was there.
+    /// One hash and one probe, as [`Self::insert`].
     pub fn remove(&mut self, key: &HashKey, block: BlockId) -> bool {
-        let Some(e) = self.map.get_mut(key) else { return false };
-        match e {
+        let std::collections::hash_map::Entry::Occupied(mut o) = self.map.entry(*key) else { return false };
+        let emptied = match o.get_mut() {
             Entry::One(b) => {
                 if *b != block {
                     return false;
                 }
-                self.map.remove(key);
                 true
             }
             Entry::Many(v) => {
                 let Some(pos) = v.iter().position(|&x| x == block) else { return false };
                 v.remove(pos);
-                if v.is_empty() {
-                    self.map.remove(key);
-                }
-                true
+                v.is_empty()
             }
+        };
+        if emptied {
+            o.remove();
         }
+        true
     }
 
     /// Number of distinct keys.

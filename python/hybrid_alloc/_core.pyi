@@ -1,7 +1,7 @@
 """Type stubs of the compiled module (checked with ``mypy.stubtest``)."""
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import ClassVar, Generic, Literal, Protocol, TypeAlias, TypeVar, final, overload
+from typing import Any, ClassVar, Generic, Literal, Protocol, TypeAlias, TypeVar, final, overload
 
 from typing_extensions import disjoint_base
 
@@ -12,6 +12,7 @@ __all__ = [
     "AllocatorBase",
     "BlockIds",
     "ConcurrentUseError",
+    "EmptyBlockIds",
     "FastAllocate",
     "Hit",
     "HybridAllocError",
@@ -92,6 +93,14 @@ class NoopLimits:
     def __iter__(self) -> Iterator[int]: ...
     def __eq__(self, value: object, /) -> bool: ...
     def __hash__(self) -> int: ...
+
+@final
+class EmptyBlockIds:
+    """``get_block_ids`` of the empty ``KVCacheBlocks``: ``None`` with ``allow_none``, else
+    one empty list per group (per ``group_ids``)."""
+
+    def __new__(cls, num_groups: int) -> EmptyBlockIds: ...
+    def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None) -> Any: ...
 
 @final
 class BlockIds:

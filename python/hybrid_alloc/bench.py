@@ -181,6 +181,11 @@ class ManagerClock:
                 if name in cls.__dict__:
                     label = f"blocks.{name}"
                     self._patch(cls, name, label, True, classifiers.get(label))
+        # Ours: the empty result's get_block_ids is an instance attribute (a builtin method),
+        # which the class's wrapper does not reach; it gets no ``self`` to classify by.
+        empty = mgr.empty_kv_cache_blocks
+        if "get_block_ids" in getattr(empty, "__dict__", {}):
+            self._patch(empty, "get_block_ids", "blocks.get_block_ids", False, lambda a, k, r: "empty")
         self.calibrate()
 
     def on(self) -> None:

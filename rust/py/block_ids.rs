@@ -3,6 +3,7 @@
 //! `BlockIds` makes no Python int until a caller asks for lists.
 #![forbid(unsafe_code)]
 
+use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
@@ -91,5 +92,53 @@ impl PyBlockIds {
             })
             .collect();
         format!("BlockIds({})", groups.join(", "))
+    }
+}
+
+/// `get_block_ids` of the adapter's shared empty `KVCacheBlocks`, as a builtin: the
+/// scheduler calls `get_block_ids(allow_none=True)` on it for every running request that got
+/// no new block, and a builtin method answers with no Python frame. `None` when
+/// `allow_none`; otherwise one fresh empty list per group (per `group_ids` when given).
+#[pyclass(module = "hybrid_alloc._core", name = "EmptyBlockIds", frozen)]
+pub struct PyEmptyBlockIds {
+    /// Groups of the manager.
+    num_groups: usize,
+}
+
+#[pymethods]
+impl PyEmptyBlockIds {
+    #[new]
+    fn new(num_groups: usize) -> Self {
+        Self { num_groups }
+    }
+
+    #[pyo3(signature = (allow_none=false, *, group_ids=None))]
+    fn get_block_ids<'py>(
+        &self,
+        py: Python<'py>,
+        allow_none: bool,
+        group_ids: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        // As the tuple of groups indexes them: negative from the end, else an IndexError.
+        let n = match group_ids {
+            None => self.num_groups,
+            Some(ids) => {
+                let groups = self.num_groups as i64;
+                let mut n = 0usize;
+                for g in ids.try_iter()? {
+                    let g: i64 = g?.extract()?;
+                    if g >= groups || g < -groups {
+                        return Err(PyIndexError::new_err("tuple index out of range"));
+                    }
+                    n += 1;
+                }
+                n
+            }
+        };
+        if allow_none {
+            return Ok(py.None().into_bound(py));
+        }
+        let lists = (0..n).map(|_| PyList::empty(py)).collect::<Vec<_>>();
+        Ok(PyTuple::new(py, lists)?.into_any())
     }
 }

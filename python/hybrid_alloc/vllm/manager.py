@@ -23,6 +23,7 @@ unchanged (:func:`raised_by_vllm` tells it apart).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -221,7 +222,7 @@ class HybridKVCacheManager:
             alloc,
             self.empty_kv_cache_blocks,
             HybridKVCacheManager.allocate_slots.__get__(self),
-            lambda ids: NativeKVCacheBlocks(alloc, ids),
+            functools.partial(NativeKVCacheBlocks, alloc),  # in C: no frame of its own
             self._after_call,
         )
         logger.info(

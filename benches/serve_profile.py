@@ -1,0 +1,77 @@
+"""The serve workload's steps under a deterministic profiler (issue 19, item 2).
+
+Runs ``hybrid-alloc bench --workload serve``'s closed loop (gemma-2-27b shape, ``--clients``
+clients, 2048-token prompts with a 512-token shared prefix, outputs 256 +- 128) with one
+manager and no timer installed, to its steady state (half the clients replaced), then
+``--steps`` more steps. Under callgrind, started with instrumentation off, it turns
+instrumentation on for those steps only (``callgrind_control -i on``), so the profile holds
+real steps with 1024 distinct requests and nothing of the warm-up:
+
+    PYTHONPATH=target/pysite valgrind --tool=callgrind --instr-atstart=no --cache-sim=yes \\
+        --callgrind-out-file=/tmp/sp.%p python benches/serve_profile.py --steps 4
+    callgrind_annotate --inclusive=yes /tmp/sp.<pid> | grep -E 'hybrid_alloc|PyObject_GetAttr'
+
+Instruction counts (``Ir``) and the simulated cache's misses (``D1mr``, ``DLmr``: first
+level and last level) do not depend on the machine's load. Without valgrind, it prints the
+wall time of the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import subprocess
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--manager", default="hybrid_alloc", choices=["hybrid_alloc", "vllm"])
+    p.add_argument("--model", default="gemma-2-27b")
+    p.add_argument("--clients", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=4)
+    args = p.parse_args()
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    from hybrid_alloc.bench_serve import ServeRequests, serve_pool_blocks
+    from hybrid_alloc.vllm.offline import SHAPES, SchedulerSetup, fabricate_output, make_request
+
+    n = args.clients
+    stream = ServeRequests(2048, 256, 128, 0.25)
+    sched = SchedulerSetup(
+        SHAPES[args.model],
+        manager=args.manager,  # type: ignore[arg-type]
+        num_blocks=serve_pool_blocks(n, stream.max_tokens()),
+        max_num_seqs=n,
+        max_num_batched_tokens=8192,
+    ).build()
+    for k in range(n):
+        sched.add_request(make_request(sched, *stream(k)))
+    next_id, replaced, measured = n, 0, -1
+    t0 = 0.0
+    while measured < args.steps:
+        if measured == 0:
+            if shutil.which("callgrind_control"):
+                subprocess.run(["callgrind_control", "-i", "on", str(os.getpid())], capture_output=True, check=False)
+            t0 = time.perf_counter()
+        so = sched.schedule()
+        sched.update_from_output(so, fabricate_output(sched, so))
+        if measured >= 0:
+            measured += 1
+        while sched.get_num_unfinished_requests() < n:
+            sched.add_request(make_request(sched, *stream(next_id)))
+            next_id += 1
+            replaced += 1
+        if measured < 0 and replaced >= n // 2:
+            measured = 0
+    dt = time.perf_counter() - t0
+    if shutil.which("callgrind_control"):
+        subprocess.run(["callgrind_control", "-i", "off", str(os.getpid())], capture_output=True, check=False)
+    print(
+        f"{args.manager}: {args.steps} steps in {dt * 1e3:.1f} ms (includes request creation), {len(sched.running)} running"
+    )
+
+
+if __name__ == "__main__":
+    main()
