@@ -14,10 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import tempfile
 from typing import Any
 
 import pytest
@@ -188,53 +185,17 @@ def test_dcp_fallback_names_why(case: str, plugin_lines: list[str]) -> None:
 
 # ---- the real Scheduler ----------------------------------------------------------------
 
-_MQA_DIRS: dict[int, str] = {}
-
-
-def _mqa_model_dir(max_model_len: int) -> str:
-    """A Llama-style ``config.json`` with one KV head: vLLM's config checks then allow DCP 2
-    and 4 with tensor parallelism 4 on both releases (0.32 wants TP above the KV heads, 0.33
-    DCP at most TP / KV heads)."""
-    if max_model_len not in _MQA_DIRS:
-        d = tempfile.mkdtemp(prefix="hybrid_alloc_dcp_stub_")
-        cfg = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": 256,
-            "intermediate_size": 512,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 1,
-            "head_dim": 64,
-            "vocab_size": 32000,
-            "max_position_embeddings": max_model_len,
-            "rms_norm_eps": 1e-5,
-            "torch_dtype": "bfloat16",
-        }
-        with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump(cfg, f)
-        _MQA_DIRS[max_model_len] = d
-    return _MQA_DIRS[max_model_len]
-
 
 def _dcp_scheduler_setup(shape: Any, dcp: int, num_blocks: int) -> Any:
     from vllm.config import ParallelConfig
 
     from hybrid_alloc.vllm import offline
 
-    @dataclasses.dataclass
-    class DcpSchedulerSetup(offline.SchedulerSetup):
-        def vllm_config(self) -> Any:
-            orig = offline.stub_model_dir
-            offline.stub_model_dir = _mqa_model_dir  # type: ignore[assignment]
-            try:
-                return super().vllm_config()
-            finally:
-                offline.stub_model_dir = orig
-
     pc = ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=dcp)
-    return DcpSchedulerSetup(
+    # One KV head: 0.32 wants TP above the KV heads, 0.33 DCP at most TP / KV heads.
+    return offline.SchedulerSetup(
         shape=shape,
+        stub_kv_heads=1,
         num_blocks=num_blocks,
         max_num_seqs=16,
         max_num_batched_tokens=512,

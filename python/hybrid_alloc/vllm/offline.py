@@ -305,13 +305,16 @@ SHAPES: dict[str, ModelShape] = {
 }
 
 
-_STUB_DIRS: dict[int, str] = {}
+_STUB_DIRS: dict[tuple[int, int], str] = {}
 
 
-def stub_model_dir(max_model_len: int) -> str:
-    """A folder holding only a Llama-style ``config.json`` (cached per context length)."""
-    if max_model_len in _STUB_DIRS:
-        return _STUB_DIRS[max_model_len]
+def stub_model_dir(max_model_len: int, num_kv_heads: int = 2) -> str:
+    """A folder holding only a Llama-style ``config.json`` (cached per context length and
+    KV head count; one KV head lets vLLM's config checks allow decode context parallelism
+    4 with tensor parallelism 4 on both releases)."""
+    key = (max_model_len, num_kv_heads)
+    if key in _STUB_DIRS:
+        return _STUB_DIRS[key]
     d = tempfile.mkdtemp(prefix="hybrid_alloc_stub_")
     cfg = {
         "architectures": ["LlamaForCausalLM"],
@@ -320,7 +323,7 @@ def stub_model_dir(max_model_len: int) -> str:
         "intermediate_size": 512,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_key_value_heads": num_kv_heads,
         "head_dim": 64,
         "vocab_size": 32000,
         "max_position_embeddings": max_model_len,
@@ -329,7 +332,7 @@ def stub_model_dir(max_model_len: int) -> str:
     }
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
-    _STUB_DIRS[max_model_len] = d
+    _STUB_DIRS[key] = d
     return d
 
 
@@ -364,13 +367,15 @@ class SchedulerSetup:
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
     kv_events: bool = False
+    # KV heads of the stub model's ``config.json`` (vLLM's parallelism checks read them).
+    stub_kv_heads: int = 2
     # More ``VllmConfig`` arguments (e.g. ``speculative_config``).
     extra: dict[str, Any] = field(default_factory=dict)
 
     def vllm_config(self) -> VllmConfig:
         mml = self.shape.max_model_len
         mc = ModelConfig(
-            model=stub_model_dir(mml),
+            model=stub_model_dir(mml, self.stub_kv_heads),
             tokenizer=None,
             skip_tokenizer_init=True,
             dtype="bfloat16",
