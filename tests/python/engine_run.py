@@ -59,9 +59,9 @@ def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def run_engine(model: str, *options: str, flag: bool = True, **env: str) -> tuple[dict[str, Any], str]:
-    """Runs this script on ``model`` with ``options`` in a subprocess, ``HYBRID_ALLOC=1`` set
-    when ``flag`` (else unset) and ``env`` added; returns its RESULT line and its log."""
+def engine_env(flag: bool, **env: str) -> dict[str, str]:
+    """The environment of an engine subprocess: ``HYBRID_ALLOC=1`` when ``flag`` (else unset),
+    offline, vLLM's CPU KV cache space 1 GiB unless set, then ``env``."""
     full_env = dict(os.environ)
     full_env.pop("HYBRID_ALLOC", None)
     if flag:
@@ -69,17 +69,28 @@ def run_engine(model: str, *options: str, flag: bool = True, **env: str) -> tupl
     full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     full_env["HF_HUB_OFFLINE"] = "1"
     full_env.update(env)
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__)), model, *options],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=900,
-    )
+    return full_env
+
+
+def result_line(output: str) -> Any:
+    """The JSON of the last ``RESULT`` line an engine script printed."""
+    line = [ln for ln in output.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT ") :])
+
+
+def run_script(cmd: list[str], env: dict[str, str]) -> tuple[Any, str]:
+    """Runs an engine script (``cmd``) in a subprocess; asserts it succeeded and returns its
+    RESULT line and its log."""
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT ") :]), log
+    return result_line(out.stdout), log
+
+
+def run_engine(model: str, *options: str, flag: bool = True, **env: str) -> tuple[dict[str, Any], str]:
+    """Runs this script on ``model`` with ``options`` in a subprocess, ``HYBRID_ALLOC=1`` set
+    when ``flag`` (else unset) and ``env`` added; returns its RESULT line and its log."""
+    return run_script([sys.executable, str(Path(__file__)), model, *options], engine_env(flag, **env))
 
 
 def main() -> None:

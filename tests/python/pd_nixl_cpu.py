@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_run import make_prompts, save_tiny_gemma2  # noqa: E402
+from engine_run import engine_env, make_prompts, result_line, save_tiny_gemma2  # noqa: E402
 
 
 def _engine(model: str, role: str, out: str, perturb: bool) -> None:
@@ -82,11 +82,7 @@ def _engine(model: str, role: str, out: str, perturb: bool) -> None:
 
 
 def _spawn(model: str, role: str, out: str, perturb: bool, flag: bool, port: int) -> subprocess.Popen[str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(port))
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.pop("HYBRID_ALLOC", None)
-    if flag:
-        env["HYBRID_ALLOC"] = "1"
+    env = engine_env(flag, VLLM_NIXL_SIDE_CHANNEL_PORT=str(port))
     cmd = [sys.executable, __file__, model, "--role", role, "--out", out] + (["--perturb"] if perturb else [])
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -94,8 +90,7 @@ def _spawn(model: str, role: str, out: str, perturb: bool, flag: bool, port: int
 def _result(p: subprocess.Popen[str]) -> tuple[list[list[int]], str]:
     log, _ = p.communicate(timeout=1200)
     assert p.returncode == 0, log[-4000:]
-    line = [ln for ln in log.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT ") :]), log
+    return result_line(log), log
 
 
 def main() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,23 +46,11 @@ def tiny_gemma2(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _run(model: str, flag: bool) -> tuple[dict[str, Any], str]:
-    import json
-    import os
+    from engine_run import engine_env, run_script
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env.pop("HYBRID_ALLOC", None)
-    if flag:
-        env["HYBRID_ALLOC"] = "1"
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     script = Path(__file__).with_name("dp_run.py")
     port = str(_free_base_port())
-    out = subprocess.run(
-        [sys.executable, str(script), model, "--port", port], capture_output=True, text=True, env=env, timeout=900
-    )
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-4000:]
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT ") :]), log
+    return run_script([sys.executable, str(script), model, "--port", port], engine_env(flag))
 
 
 def test_dp2_event_streams_and_outputs_identical_with_flag(tiny_gemma2: str) -> None:
