@@ -121,6 +121,7 @@ WORKLOAD_SEED: dict[str, tuple[int, float]] = {
 # vLLM's per-group one (``get_computed_blocks_for_connector``): shared prefixes whose Mamba
 # state is not cached make full attention hit deeper than the Mamba groups (``hit_diverged``),
 # adopted as is when the connector loads the rest.
+# Widen ``MAMBA_ROLES`` (and narrow ``MAMBA_FALLBACK_ROLES``) once producers are served.
 MAMBA_ROLES: tuple[str, ...] = ("kv_consumer",)
 MAMBA_FALLBACK_ROLES: tuple[str, ...] = ("kv_producer", "kv_both")
 # (suffix, num_blocks, async, load failure policy, connector, workload seed)
@@ -314,10 +315,16 @@ def test_connector_scheduler_identical(case: str) -> None:
         assert c["preempted_loading"] > 0
     if case in QWEN_CASES:
         # The per-group hits really diverged in vLLM's run (full attention deeper than the
-        # Mamba groups), such hits were adopted with remote tokens, and the rest reconciled.
+        # Mamba groups).
         assert ref["per_group"]["fa_deeper"] > 0 and calls["hit_diverged"] > 0
-        assert calls["alloc_divergent"] > 0 and calls["alloc_local_and_external"] > 0
-        assert c["preempted"] > 0 and c["preempted_loading"] > 0
+        if role == "kv_consumer":
+            # Such hits were adopted with remote tokens (the rest reconciled), with
+            # preemption while loads were pending.
+            assert calls["alloc_divergent"] > 0 and calls["alloc_local_and_external"] > 0
+            assert c["preempted"] > 0 and c["preempted_loading"] > 0
+        else:
+            # No remote tokens back a diverged hit: the scheduler reconciles every one.
+            assert calls.get("alloc_divergent", 0) == 0
 
 
 # Cases whose workload preempts requests (and, for the second set, while other requests'
