@@ -6,8 +6,10 @@ P/D lifecycles, faking the worker side as vLLM's own connector unit tests do: ea
 
 A run records, per step, the SchedulerOutput digest, the connector metadata the scheduler
 built (times dropped: they are wall-clock), the free block count, the requests whose blocks
-wait for ``finished_sending`` (delayed frees), and the KV cache events, so two runs (vLLM's
-manager and ours) can be compared step by step. The NIXL scheduler side needs ``zmq`` and
+wait for ``finished_sending`` (delayed frees), and the KV cache events, and every local hit
+the scheduler took through ``get_computed_blocks_for_connector`` (block ids per group, tokens,
+boundary, ``hit_diverged``), so two runs (vLLM's manager and ours) can be compared step by
+step; with vLLM's manager, also how often its per-group lookup diverged each way. The NIXL scheduler side needs ``zmq`` and
 ``msgspec`` only (both in the test environments), not the ``nixl`` package.
 """
 
@@ -106,6 +108,9 @@ class PDWorkload:
     # one (those decode 1 token). Short ones finish while their prompt's last Mamba state is
     # still in their table.
     max_tokens: tuple[int, int] = (1, 60)
+    # Requests aborted once their prefill has started and before it ends (with a step in
+    # flight under async scheduling: their table is freed deferred, in reverse).
+    abort_prefilling: set[str] = field(default_factory=set)
 
 
 def _make_request(sched: Any, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
@@ -271,6 +276,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         "failed_running": 0,
         "aborted_waiting": 0,
         "aborted_running": 0,
+        "aborted_prefilling": 0,
         "waited": 0,
         "delayed_free": 0,
         "preempted": 0,
@@ -370,9 +376,14 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         while pending and pending[0][0] <= step:
             _, rid, toks, mt, params = pending.pop(0)
             sched.add_request(_make_request(sched, rid, toks, mt, params))
-        for rid in sorted(w.abort_waiting | w.abort_running):
+        for rid in sorted(w.abort_waiting | w.abort_running | w.abort_prefilling):
             req = sched.requests.get(rid)
             if req is None or req.is_finished():
+                continue
+            if rid in w.abort_prefilling and req.status == RequestStatus.RUNNING:
+                if 0 < req.num_computed_tokens - req.num_in_flight_tokens < req.num_prompt_tokens:
+                    sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                    counters["aborted_prefilling"] += 1
                 continue
             if rid in w.abort_waiting and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)

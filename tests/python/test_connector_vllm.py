@@ -12,11 +12,15 @@ Lifecycles: remote prefill (async loads), remote decode with the free delayed un
 failure of a running request (``evict_blocks`` under "fail"), abort while waiting for
 remote KVs, abort with a step in flight (deferred frees through ``pop_blocks_for_free``),
 preemption (also while other requests' loads are pending), local hits combined with external
-hits, each with vLLM's Scheduler and AsyncScheduler. Shapes: full attention only, and sliding
-window + full (Gemma-like). Also a MultiConnector over NixlConnector and the
+hits, each with vLLM's Scheduler and AsyncScheduler. Shapes: full attention only, sliding
+window + full (Gemma-like), and GDN + full (Qwen3.5-like, Mamba "align") with NixlConnector as
+KV consumer, where every connector lookup (``get_computed_blocks_for_connector``) is compared
+too and vLLM's per-group hits diverge both ways (full attention deeper, adopted with remote
+tokens; a Mamba group deeper, reconciled). Also a MultiConnector over NixlConnector and the
 OffloadingConnector, ExampleConnector (no hybrid manager support: vLLM's one unified group,
 sync loads from folders the fake worker writes), ``cache_blocks`` after an async load,
-``truncate_computed_blocks``, and the connectors that still fall back, with one line."""
+``truncate_computed_blocks``, and the connectors that still fall back, with one line (with
+Mamba layers: NixlConnector as producer, the OffloadingConnector)."""
 
 from __future__ import annotations
 
@@ -132,13 +136,24 @@ _QWEN: tuple[tuple[str, int, bool, str, str, int], ...] = (
     ("_async_fail", 70, True, "fail", "nixl", 11),
     ("_multi", 80, False, "recompute", "multi", 7),
     ("_push", 80, False, "recompute", "push", 7),
+    # The reverse: a Mamba group deeper than full attention (vLLM reconciles). Requests
+    # aborted mid-prefill with a step in flight are freed deferred, in reverse (full
+    # attention's blocks first), so pressure evicts full attention's tail while the Mamba
+    # state survives, and repeated prompts look it up.
+    ("_async_reverse", 50, True, "recompute", "nixl", 11),
 )
+# Workload changes per case suffix (``PDWorkload`` fields).
+QWEN_WORKLOAD: dict[str, dict[str, Any]] = {
+    "_async_reverse": dict(repeat_share=0.5, abort_prefilling={f"req{i}" for i in range(0, 24, 2)} - {"req2"}),
+}
+# The remote share of the workload, where a case needs another than 0.7.
+QWEN_REMOTE_SHARE: dict[str, float] = {"_async_reverse": 0.3}
 QWEN_CASES: list[str] = []
 for _role in MAMBA_ROLES:
     for _sfx, _blocks, _overlap, _policy, _conn, _seed in _QWEN:
         _case = f"qwen_{_role.removeprefix('kv_')}{_sfx}"
         CASES[_case] = ("qwen", _role, _blocks, _overlap, _policy, _conn)
-        WORKLOAD_SEED[_case] = (_seed, 0.7)
+        WORKLOAD_SEED[_case] = (_seed, QWEN_REMOTE_SHARE.get(_sfx, 0.7))
         QWEN_CASES.append(_case)
 
 
@@ -239,6 +254,7 @@ def _setup(case: str) -> tuple[Any, Any, str]:
         )
         return setup, w, "kv_consumer"
     seed, share = WORKLOAD_SEED.get(case, (3, 0.7))
+    over = next((v for k, v in QWEN_WORKLOAD.items() if case in QWEN_CASES and case.endswith(k)), {})
     w = PDWorkload(
         seed=seed,
         remote_share=share,
@@ -249,6 +265,8 @@ def _setup(case: str) -> tuple[Any, Any, str]:
         abort_running={"req2", "req13", "req17"},
         batch_queue=2 if overlap else 1,
     )
+    w = dataclasses.replace(w, **over)
+    w.abort_prefilling -= w.fail | w.abort_waiting | w.abort_running
     return setup, w, role
 
 
@@ -319,12 +337,15 @@ def test_connector_scheduler_identical(case: str) -> None:
         assert ref["per_group"]["fa_deeper"] > 0 and calls["hit_diverged"] > 0
         if role == "kv_consumer":
             # Such hits were adopted with remote tokens (the rest reconciled), with
-            # preemption while loads were pending.
+            # preemption (while loads were pending, but in the reverse case's workload).
             assert calls["alloc_divergent"] > 0 and calls["alloc_local_and_external"] > 0
-            assert c["preempted"] > 0 and c["preempted_loading"] > 0
+            assert c["preempted"] > 0
+            assert c["preempted_loading"] > 0 or case.endswith("_reverse")
         else:
             # No remote tokens back a diverged hit: the scheduler reconciles every one.
             assert calls.get("alloc_divergent", 0) == 0
+        if case.endswith("_reverse"):
+            assert ref["per_group"]["fa_lagging"] > 0 and c["aborted_prefilling"] > 0
 
 
 # Cases whose workload preempts requests (and, for the second set, while other requests'
