@@ -89,8 +89,8 @@ mod py;
 pub use block_pool::{Event, ResidencyOp};
 pub use config::{AttentionKind, Config, CoordinatorKind, GroupSpec};
 pub use coordinator::{
-    token_count, AllocateArgs, Allocator, BlockCountArgs, CacheBlocksArgs, HashSource, Hit, NewComputed, NoopLimits,
-    PlainStep, StepFields,
+    token_count, AllocateArgs, Allocator, BlockCountArgs, CacheBlocksArgs, ConnectorHit, HashSource, Hit, NewComputed,
+    NoopLimits, PlainStep, StepFields,
 };
 pub use error::{Error, Result};
 pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};

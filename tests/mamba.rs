@@ -1,7 +1,8 @@
 //! Deterministic integration tests of Mamba groups (vLLM's `MambaManager`), circular
 //! buffers and KV cache zeroing in the coordinator: the positional align-mode table (null
 //! padding, the running state block, the previous state recycled one step later), hits on
-//! the last cached state, the same-step deferral, mode "none" with speculative state
+//! the last cached state, the same-step deferral, a KV connector's per-group hit (full
+//! attention deeper than Mamba) and its adoption, mode "none" with speculative state
 //! blocks, zeroing records, and bad inputs that must fail without changing anything.
 
 mod common;
@@ -163,6 +164,56 @@ fn allocate_slots_mamba_partial_hit_is_refused_unchanged() {
     assert!(matches!(e, Error::OutOfRange(_)), "{e}");
     assert_eq!(a.num_free_blocks(), free);
     assert!(table(&a, r2, 1).is_empty());
+    ok(&a);
+}
+
+#[test]
+fn connector_per_group_hit_lets_full_attention_run_deeper_and_allocate_slots_adopts_it() {
+    let mut a =
+        Allocator::new(config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, true, false), Policy::Exact)
+            .unwrap();
+    // r1 computes 64 tokens in one chunk: full attention caches 4 blocks, Mamba one state (at 64).
+    let r1 = add(&mut a, 80, 7);
+    a.allocate_slots(r1, &args(64, 0, 80, 80), NewComputed::Empty, None).unwrap();
+    a.new_step_starts();
+    let fa1 = table(&a, r1, 0);
+    // r2, the first 64 tokens of the same prompt, looks up at most 63 tokens: full attention
+    // hits 3 blocks, the Mamba group nothing (its only state is at 64).
+    let r2 = add(&mut a, 64, 7);
+    assert_eq!(a.find_longest_cache_hit_per_group(r2, None, 63).unwrap(), vec![48, 0]);
+    let c = a.get_computed_blocks_for_connector(r2, None, 63).unwrap();
+    assert_eq!((c.hit.num_tokens, c.hit.num_uncached_common_prefix_tokens), (48, 0));
+    assert_eq!(c.per_group, Some(vec![48, 0]));
+    assert!(c.diverged());
+    assert_eq!(a.stored_hit(r2, 0).unwrap(), &fa1[..3]);
+    assert!(a.stored_hit(r2, 1).unwrap().is_empty());
+    // The reconciled hit (`get_computed_blocks`) agrees on nothing, the shared prefix uncached.
+    let h = a.get_computed_blocks(r2, None, 63).unwrap();
+    assert_eq!((h.num_tokens, h.num_uncached_common_prefix_tokens), (0, 48));
+    // A full-attention group shorter than the hit's tokens is refused, unchanged.
+    let free = a.num_free_blocks();
+    let mut x = args(1, 0, 64, 64);
+    x.num_new_computed_tokens = 48;
+    x.num_external_computed_tokens = 15;
+    x.delay_cache_blocks = true;
+    let short = vec![fa1[..2].to_vec(), vec![]];
+    let e = a.allocate_slots(r2, &x, NewComputed::Explicit(&short), None).unwrap_err();
+    assert!(matches!(e, Error::OutOfRange(_)), "{e}");
+    assert_eq!(a.num_free_blocks(), free);
+    // Adopted as vLLM's manager adopts it with 15 external tokens: the lagging Mamba group's
+    // (empty) hit is skipped, its table nulls up to the block the external state goes to (the
+    // external tokens' blocks are the tables', not the call's new blocks).
+    a.get_computed_blocks_for_connector(r2, None, 63).unwrap();
+    assert_eq!(a.allocate_slots(r2, &x, NewComputed::Stored, None).unwrap(), Some(0));
+    assert_eq!(&table(&a, r2, 0)[..3], &fa1[..3]);
+    assert_eq!(table(&a, r2, 0).len(), 4);
+    assert_eq!(&table(&a, r2, 1)[..3], &[NULL_BLOCK; 3]);
+    assert_ne!(table(&a, r2, 1)[3], NULL_BLOCK);
+    assert_eq!(a.num_free_blocks(), free - 2);
+    assert_eq!(a.pool().ref_cnt(fa1[0]), 2);
+    ok(&a);
+    a.free(r2, LEVEL_NORMAL).unwrap();
+    a.free(r1, LEVEL_NORMAL).unwrap();
     ok(&a);
 }
 

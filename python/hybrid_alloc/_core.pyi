@@ -182,6 +182,26 @@ class Allocator(AllocatorBase):
         self, handle: int, max_length: int, *, block_hashes: list[bytes] | None = None, as_buffer: Literal[True]
     ) -> tuple[int, int, BlockIds]: ...
     @overload
+    def get_computed_blocks_for_connector(
+        self,
+        handle: int,
+        max_length: int,
+        *,
+        block_hashes: list[bytes] | None = None,
+        reconcile: bool = True,
+        as_buffer: Literal[False] = False,
+    ) -> tuple[int, int, list[int] | None, tuple[list[int], ...]]: ...
+    @overload
+    def get_computed_blocks_for_connector(
+        self,
+        handle: int,
+        max_length: int,
+        *,
+        block_hashes: list[bytes] | None = None,
+        reconcile: bool = True,
+        as_buffer: Literal[True],
+    ) -> tuple[int, int, list[int] | None, BlockIds]: ...
+    @overload
     def allocate_slots(
         self,
         handle: int,

@@ -1,7 +1,9 @@
 //! The cache-hit search (vLLM's coordinator `find_longest_cache_hit`: one group, or the
-//! hybrid fixed point over spec groups, full attention first) and the validation of a hit
-//! before `allocate_slots` adopts it (explicit ids or the stored hit, checked block by
-//! block against the request's hashes).
+//! hybrid fixed point over spec groups, full attention first), the per-group search a KV
+//! connector's scheduler takes (`find_longest_cache_hit_per_group`, and
+//! `get_computed_blocks_for_connector` over it) and the validation of a hit before
+//! `allocate_slots` adopts it (explicit ids or the stored hit, checked block by block against
+//! the request's hashes).
 //!
 //! Cost: the search is O(blocks scanned); validation O(hit blocks).
 #![forbid(unsafe_code)]
@@ -13,6 +15,26 @@ use crate::error::{Error, Result};
 use crate::ids::{BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
 use crate::manager::{cdiv, find_longest_cache_hit, HashView, HitQuery};
 use crate::policy::Policy;
+
+/// The local hit a KV connector's scheduler takes (vLLM's
+/// `KVCacheManager.get_computed_blocks_for_connector`): see
+/// [`Allocator::get_computed_blocks_for_connector`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnectorHit {
+    /// The hit: full attention's per-group hit (no uncached shared prefix) when
+    /// `per_group` is given, else the reconciled hit of `get_computed_blocks`.
+    pub hit: Hit,
+    /// Every group's own hit length (0 for a group that takes no hits) when the per-group
+    /// hit was taken; `None` when the reconciled hit was.
+    pub per_group: Option<Vec<u32>>,
+}
+
+impl ConnectorHit {
+    /// vLLM's `hit_diverged`: a per-group hit some group lags behind full attention in.
+    pub fn diverged(&self) -> bool {
+        self.per_group.as_ref().is_some_and(|v| v.iter().any(|&n| n < self.hit.num_tokens))
+    }
+}
 
 impl Allocator {
     /// Finds the longest cache hit of `h` not longer than `max_cache_hit_length` tokens and
@@ -41,6 +63,92 @@ impl Allocator {
             self.sync_hashes(s, src)?;
         }
         Ok(self.find_hit(s, max_cache_hit_length))
+    }
+
+    /// vLLM's `HybridKVCacheCoordinator.find_longest_cache_hit_per_group`: each spec group's
+    /// own longest hit within `max_cache_hit_length` tokens, with no reconciliation between
+    /// groups (so their lengths may differ), stored as the request's pending hit after
+    /// bringing its hashes up to `hashes`. Returns each group's hit length (0 for a group
+    /// that takes no hits, and for every group with prefix caching off). Touches nothing.
+    ///
+    /// # Errors
+    /// Unknown handle; an invalid hash (nothing changes).
+    pub fn find_longest_cache_hit_per_group(
+        &mut self,
+        h: ReqHandle,
+        hashes: Option<&dyn HashSource>,
+        max_cache_hit_length: u32,
+    ) -> Result<Vec<u32>> {
+        let s = self.slot(h)?;
+        if let Some(src) = hashes {
+            self.sync_hashes(s, src)?;
+        }
+        Ok(self.per_group_hit(s, max_cache_hit_length))
+    }
+
+    /// vLLM's `KVCacheManager.get_computed_blocks_for_connector` (both releases) after
+    /// bringing the request's hashes up to `hashes`: with Mamba layers, several groups and
+    /// a full-attention group, the per-group hit ([`Self::find_longest_cache_hit_per_group`]),
+    /// whose tokens are full attention's, unless some group hit deeper than full attention
+    /// (its full-attention blocks were evicted), where the reconciled hit of
+    /// [`Self::get_computed_blocks`] is taken instead; without them, always the reconciled
+    /// hit. Either is stored as the request's pending hit; `allocate_slots` adopts a
+    /// per-group one with each group's own blocks (a lagging group's are shorter).
+    ///
+    /// # Errors
+    /// Unknown handle; an invalid hash (nothing changes).
+    pub fn get_computed_blocks_for_connector(
+        &mut self,
+        h: ReqHandle,
+        hashes: Option<&dyn HashSource>,
+        max_cache_hit_length: u32,
+    ) -> Result<ConnectorHit> {
+        let s = self.slot(h)?;
+        if let Some(src) = hashes {
+            self.sync_hashes(s, src)?;
+        }
+        let mamba = self.managers.iter().any(|m| matches!(m.spec.kind, crate::config::AttentionKind::Mamba { .. }));
+        let full = self.spec_groups.first().filter(|sg| sg.kind.is_full()).map(|sg| sg.group_ids[0] as usize);
+        if let (true, CoordinatorKind::Hybrid, Some(fa)) = (mamba, self.kind, full) {
+            let lens = self.per_group_hit(s, max_cache_hit_length);
+            let num_tokens = lens[fa];
+            if lens.iter().all(|&n| n <= num_tokens) {
+                let hit = Hit { num_tokens, num_uncached_common_prefix_tokens: 0 };
+                return Ok(ConnectorHit { hit, per_group: Some(lens) });
+            }
+        }
+        Ok(ConnectorHit { hit: self.find_hit(s, max_cache_hit_length), per_group: None })
+    }
+
+    fn per_group_hit(&mut self, s: Slot, max_len: u32) -> Vec<u32> {
+        let mut hit = std::mem::take(&mut self.reqs[s as usize].hit);
+        for v in hit.iter_mut() {
+            v.clear();
+        }
+        let mut lens = vec![0u32; self.managers.len()];
+        if self.kind != CoordinatorKind::NoPrefixCache {
+            let align = self.cfg.cache_hit_alignment_tokens();
+            let hashes = &self.reqs[s as usize].hashes;
+            let mut tmp = std::mem::take(&mut self.scratch_spec);
+            for sg in &self.spec_groups {
+                let q = HitQuery {
+                    pool: &self.pool,
+                    view: HashView { hashes, scale: sg.block_size / self.cfg.hash_block_size },
+                    max_length: max_len,
+                    group_ids: &sg.group_ids,
+                    block_size: sg.block_size,
+                    alignment_tokens: align,
+                };
+                let n = find_longest_cache_hit(sg.kind, &q, &mut tmp[..sg.group_ids.len()]);
+                for (j, &gid) in sg.group_ids.iter().enumerate() {
+                    std::mem::swap(&mut hit[gid as usize], &mut tmp[j]);
+                    lens[gid as usize] = n;
+                }
+            }
+            self.scratch_spec = tmp;
+        }
+        self.reqs[s as usize].hit = hit;
+        lens
     }
 
     pub(super) fn find_hit(&mut self, s: Slot, max_cache_hit_length: u32) -> Hit {
@@ -218,7 +326,11 @@ impl Allocator {
                 continue;
             }
             let bs = m.block_size();
-            if v.len() as u64 * bs as u64 != num_new_computed_tokens as u64 {
+            // A group other than full attention may lag behind it: a connector's per-group
+            // hit (`get_computed_blocks_for_connector`) holds each group's own blocks.
+            let len = v.len() as u64 * bs as u64;
+            if len != num_new_computed_tokens as u64 && (m.spec.kind.is_full() || len > num_new_computed_tokens as u64)
+            {
                 return Err(Error::OutOfRange(format!(
                     "group {g}: a hit of {} blocks of {bs} tokens for num_new_computed_tokens={num_new_computed_tokens}",
                     v.len()

@@ -25,6 +25,7 @@ mod requests;
 
 pub use allocate::{AllocateArgs, BlockCountArgs, NewComputed};
 pub use cache_free::CacheBlocksArgs;
+pub use hits::ConnectorHit;
 pub use noop::{NoopLimits, PlainStep, StepFields};
 pub use requests::HashSource;
 

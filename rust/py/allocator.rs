@@ -13,13 +13,15 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::block_ids::{tuple_of_groups, PyBlockIds};
 use super::convert::{handle_arg, hit_arg, u32_arg, PyHashes};
-use super::groups::group_spec;
 use super::kwargs::{AllocateOptions, BlockCountOptions, NewOptions};
 use super::pool::PyAllocatorBase;
 use super::results::PyNoopLimits;
 use crate::api::{self, AllocateRequest};
-use crate::config::Config;
 use crate::coordinator::{Allocator, BlockCountArgs, CacheBlocksArgs, HashSource};
+
+/// `get_computed_blocks_for_connector`'s result: `(hit tokens, uncached shared-prefix tokens,
+/// per-group hit lengths or None, hit block ids per group)`.
+type ConnectorHitResult = (u32, u32, Option<Vec<u32>>, Py<PyAny>);
 
 /// The native allocator: one per vLLM `KVCacheManager`. Its state is its base's.
 #[pyclass(module = "hybrid_alloc._core", name = "Allocator", extends = PyAllocatorBase, frozen)]
@@ -52,30 +54,7 @@ impl PyAllocator {
         keywords: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let o = NewOptions::parse(Some(options), keywords)?;
-        let policy = crate::policy::Policy::parse(&o.policy.get::<String>("exact".into())?)?;
-        let retention_interval = match o.retention_interval.given() {
-            // An explicit `None` means "no retention"; left out, it is 0 (vLLM's default).
-            true => o.retention_interval.opt::<i64>()?,
-            false => Some(0),
-        };
-        let cfg = Config {
-            num_blocks: u32_arg("num_blocks", num_blocks)?,
-            groups: groups.iter().enumerate().map(|(i, g)| group_spec(i, g)).collect::<PyResult<_>>()?,
-            hash_block_size: u32_arg("hash_block_size", hash_block_size)?,
-            scheduler_block_size: u32_arg("scheduler_block_size", scheduler_block_size)?,
-            max_model_len: u32_arg("max_model_len", max_model_len)?,
-            max_in_flight_tokens: u32_arg(
-                "max_in_flight_tokens",
-                o.max_in_flight_tokens.opt()?.unwrap_or(max_model_len),
-            )?,
-            enable_caching: o.enable_caching.get(true)?,
-            enable_events: o.enable_events.get(false)?,
-            watermark_blocks: u32_arg("watermark_blocks", o.watermark_blocks.get(0)?)?,
-            retention_interval: retention_interval.map(|r| u32_arg("retention_interval", r)).transpose()?,
-            zero_new_blocks: o.zero_new_blocks.get(false)?,
-            hash_lookahead_tokens: u32_arg("hash_lookahead_tokens", o.hash_lookahead_tokens.get(0)?)?,
-            residency_log: o.residency_log.get(false)?,
-        };
+        let (cfg, policy) = o.config(num_blocks, &groups, hash_block_size, scheduler_block_size, max_model_len)?;
         Ok(PyClassInitializer::from(PyAllocatorBase::new(Allocator::new(cfg, policy)?)).add_subclass(Self))
     }
 
@@ -115,6 +94,40 @@ impl PyAllocator {
         let core = &*core;
         let ids = PyBlockIds::gather(core.num_groups(), |g| core.stored_hit(h, g))?;
         Ok((hit.num_tokens, hit.num_uncached_common_prefix_tokens, ids.into_py(py, as_buffer)?))
+    }
+
+    /// Syncs the request's `block_hashes` and finds the local hit a KV connector's scheduler
+    /// takes, stored as the request's pending hit: with `reconcile` (vLLM's
+    /// `KVCacheManager.get_computed_blocks_for_connector`) the per-group hit, or the
+    /// reconciled one where that does not apply or some group hit deeper than full
+    /// attention; without (vLLM's `find_longest_cache_hit_per_group`) always the per-group
+    /// one. Returns `(hit_tokens, uncached_common_prefix_tokens, per-group hit lengths or
+    /// None for the reconciled hit, hit block ids per group)`.
+    #[pyo3(signature = (handle, max_length, *, block_hashes=None, reconcile=true, as_buffer=false))]
+    fn get_computed_blocks_for_connector(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        handle: i64,
+        max_length: i64,
+        block_hashes: Option<&Bound<'_, PyList>>,
+        reconcile: bool,
+        as_buffer: bool,
+    ) -> PyResult<ConnectorHitResult> {
+        let (h, max_length) = (handle_arg(handle)?, u32_arg("max_length", max_length)?);
+        let mut core = core(slf)?;
+        let src = block_hashes.map(PyHashes);
+        let src = src.as_ref().map(|s| s as &dyn HashSource);
+        let c = if reconcile {
+            core.get_computed_blocks_for_connector(h, src, max_length)?
+        } else {
+            let lens = core.find_longest_cache_hit_per_group(h, src, max_length)?;
+            let hit = crate::coordinator::Hit { num_tokens: 0, num_uncached_common_prefix_tokens: 0 };
+            crate::coordinator::ConnectorHit { hit, per_group: Some(lens) }
+        };
+        let core = &*core;
+        let ids = PyBlockIds::gather(core.num_groups(), |g| core.stored_hit(h, g))?;
+        let hit = c.hit;
+        Ok((hit.num_tokens, hit.num_uncached_common_prefix_tokens, c.per_group, ids.into_py(py, as_buffer)?))
     }
 
     /// vLLM's `allocate_slots`. `hit` is `Hit.NONE`, `Hit.STORED` (the hit the last

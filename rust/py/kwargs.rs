@@ -1,5 +1,6 @@
 //! The optional arguments of the three calls that take more of them than a Rust function
-//! should (`Allocator.__new__`, `allocate_slots`, `get_num_blocks_to_allocate`): pyo3 maps each
+//! should (`Allocator.__new__`, `allocate_slots`, `get_num_blocks_to_allocate`), and the
+//! configuration the first one builds from them: pyo3 maps each
 //! Python parameter to one Rust parameter, so these calls take their options as `*args` /
 //! `**kwargs` and read them here into a struct with one field per option, with Python's own
 //! rules (each at most once, no unknown name, positionals in the declared order). What each
@@ -10,6 +11,11 @@
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
+
+use super::convert::u32_arg;
+use super::groups::group_spec;
+use crate::config::Config;
+use crate::policy::Policy;
 
 /// One option of a call: its value if it was given (`None` included), and where it belongs,
 /// for error messages.
@@ -122,5 +128,44 @@ options! {
     /// `get_num_blocks_to_allocate`'s keyword-only options.
     BlockCountOptions("get_num_blocks_to_allocate") {
         num_encoder_tokens, total_computed_tokens, apply_admission_cap, num_tokens_main_model, prefill_end,
+    }
+}
+
+impl NewOptions<'_> {
+    /// The core's configuration and policy from `Allocator(...)`'s five required arguments
+    /// and these options.
+    pub(super) fn config(
+        &self,
+        num_blocks: i64,
+        groups: &[Bound<'_, PyAny>],
+        hash_block_size: i64,
+        scheduler_block_size: i64,
+        max_model_len: i64,
+    ) -> PyResult<(Config, Policy)> {
+        let policy = Policy::parse(&self.policy.get::<String>("exact".into())?)?;
+        let retention_interval = match self.retention_interval.given() {
+            // An explicit `None` means "no retention"; left out, it is 0 (vLLM's default).
+            true => self.retention_interval.opt::<i64>()?,
+            false => Some(0),
+        };
+        let cfg = Config {
+            num_blocks: u32_arg("num_blocks", num_blocks)?,
+            groups: groups.iter().enumerate().map(|(i, g)| group_spec(i, g)).collect::<PyResult<_>>()?,
+            hash_block_size: u32_arg("hash_block_size", hash_block_size)?,
+            scheduler_block_size: u32_arg("scheduler_block_size", scheduler_block_size)?,
+            max_model_len: u32_arg("max_model_len", max_model_len)?,
+            max_in_flight_tokens: u32_arg(
+                "max_in_flight_tokens",
+                self.max_in_flight_tokens.opt()?.unwrap_or(max_model_len),
+            )?,
+            enable_caching: self.enable_caching.get(true)?,
+            enable_events: self.enable_events.get(false)?,
+            watermark_blocks: u32_arg("watermark_blocks", self.watermark_blocks.get(0)?)?,
+            retention_interval: retention_interval.map(|r| u32_arg("retention_interval", r)).transpose()?,
+            zero_new_blocks: self.zero_new_blocks.get(false)?,
+            hash_lookahead_tokens: u32_arg("hash_lookahead_tokens", self.hash_lookahead_tokens.get(0)?)?,
+            residency_log: self.residency_log.get(false)?,
+        };
+        Ok((cfg, policy))
     }
 }

@@ -6,8 +6,10 @@ P/D lifecycles, faking the worker side as vLLM's own connector unit tests do: ea
 
 A run records, per step, the SchedulerOutput digest, the connector metadata the scheduler
 built (times dropped: they are wall-clock), the free block count, the requests whose blocks
-wait for ``finished_sending`` (delayed frees), and the KV cache events, so two runs (vLLM's
-manager and ours) can be compared step by step. The NIXL scheduler side needs ``zmq`` and
+wait for ``finished_sending`` (delayed frees), and the KV cache events, and every local hit
+the scheduler took through ``get_computed_blocks_for_connector`` (block ids per group, tokens,
+boundary, ``hit_diverged``), so two runs (vLLM's manager and ours) can be compared step by
+step; with vLLM's manager, also how often its per-group lookup diverged each way. The NIXL scheduler side needs ``zmq`` and
 ``msgspec`` only (both in the test environments), not the ``nixl`` package.
 """
 
@@ -102,6 +104,13 @@ class PDWorkload:
     example_child: int | None = None  # its index under a MultiConnector
     fail_sync_loads: int = 0
     repeat_share: float = 0.0
+    # The range ``max_tokens`` is drawn from for a request that is not a producer's remote
+    # one (those decode 1 token). Short ones finish while their prompt's last Mamba state is
+    # still in their table.
+    max_tokens: tuple[int, int] = (1, 60)
+    # Requests aborted once their prefill has started and before it ends (with a step in
+    # flight under async scheduling: their table is freed deferred, in reverse).
+    abort_prefilling: set[str] = field(default_factory=set)
 
 
 def _make_request(sched: Any, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
@@ -129,6 +138,54 @@ def _remote_params(role: str, rid: str) -> dict[str, Any]:
     if role == "kv_consumer":
         return dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=[1, 2, 3], **common)
     return dict(do_remote_decode=True, do_remote_prefill=False)
+
+
+def _lagging_groups(mgr: Any, blocks: Any, num_new_computed_tokens: int) -> list[int]:
+    """The groups of ``blocks`` (an ``allocate_slots`` hit) holding fewer tokens than
+    ``num_new_computed_tokens``: a per-group hit whose groups diverged."""
+    if blocks is None or not num_new_computed_tokens:
+        return []
+    sizes = [m.block_size for m in mgr.coordinator.single_type_managers]
+    return [g for g, ids in enumerate(blocks.get_block_ids()) if len(ids) * sizes[g] < num_new_computed_tokens]
+
+
+def _record_local_hits(mgr: Any, calls: dict[str, int]) -> list[Any]:
+    """Wraps ``mgr.get_computed_blocks_for_connector`` (the local hit the scheduler takes
+    when the connector allows divergent hybrid hits): each call's request, block ids per
+    group, local tokens, shared-prefix boundary and ``hit_diverged``, in order."""
+    out: list[Any] = []
+    orig = mgr.get_computed_blocks_for_connector
+
+    def lookup(request: Request, *a: Any, **k: Any) -> Any:
+        blocks, n, boundary, diverged = orig(request, *a, **k)
+        out.append((request.request_id, blocks.get_block_ids(), n, boundary, diverged))
+        if diverged:
+            calls["hit_diverged"] = calls.get("hit_diverged", 0) + 1
+        return blocks, n, boundary, diverged
+
+    mgr.get_computed_blocks_for_connector = lookup  # type: ignore[method-assign]
+    return out
+
+
+def _record_per_group(mgr: Any) -> dict[str, int]:
+    """vLLM's manager only: how often its per-group lookup (the coordinator's
+    ``find_longest_cache_hit_per_group``) found full attention deeper than another group,
+    and another group deeper than full attention (the hit it then reconciles)."""
+    out = {"fa_deeper": 0, "fa_lagging": 0}
+    coord = mgr.coordinator
+    fa = getattr(coord, "full_attention_group_id", None)
+    if type(mgr).__name__ != "KVCacheManager" or fa is None:
+        return out
+    orig = coord.find_longest_cache_hit_per_group
+
+    def per_group(*a: Any, **k: Any) -> Any:
+        blocks, hits = orig(*a, **k)
+        out["fa_deeper"] += min(hits) < hits[fa]
+        out["fa_lagging"] += max(hits) > hits[fa]
+        return blocks, hits
+
+    coord.find_longest_cache_hit_per_group = per_group
+    return out
 
 
 def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600) -> dict[str, Any]:
@@ -175,6 +232,9 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         if k.get("num_external_computed_tokens", 0) < 0:
             # ExampleConnector's hit behind a longer local one.
             calls["alloc_negative_external"] = calls.get("alloc_negative_external", 0) + 1
+        if _lagging_groups(mgr, k.get("new_computed_blocks"), k.get("num_new_computed_tokens", 0)):
+            # A connector's per-group hit adopted with a group lagging behind full attention.
+            calls["alloc_divergent"] = calls.get("alloc_divergent", 0) + 1
         if k.get("num_external_computed_tokens", 0) > 0:
             calls["alloc_external"] = calls.get("alloc_external", 0) + 1
             if k.get("num_new_computed_tokens", 0) > 0:
@@ -184,6 +244,8 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         return orig_allocate(request, num_new_tokens, *a, **k)
 
     mgr.allocate_slots = allocate_slots  # type: ignore[method-assign]
+    local_hits = _record_local_hits(mgr, calls)
+    per_group = _record_per_group(mgr)
     mml = setup.shape.max_model_len
     prefixes = [[rng.randrange(1, 30000) for _ in range(rng.randrange(60, 300))] for _ in range(3)]
     pending = []
@@ -199,7 +261,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         params = _remote_params(role, rid) if is_remote else None
         if is_remote:
             remote.add(rid)
-        mt = 1 if (is_remote and role == "kv_producer") else rng.randrange(1, 60)
+        mt = 1 if (is_remote and role == "kv_producer") else rng.randrange(*w.max_tokens)
         pending.append((rng.randrange(0, 30), rid, toks, mt, params))
     pending.sort(key=lambda p: p[0])
     recv_due: dict[str, int] = {}  # request -> step its load completes
@@ -214,6 +276,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         "failed_running": 0,
         "aborted_waiting": 0,
         "aborted_running": 0,
+        "aborted_prefilling": 0,
         "waited": 0,
         "delayed_free": 0,
         "preempted": 0,
@@ -313,9 +376,14 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         while pending and pending[0][0] <= step:
             _, rid, toks, mt, params = pending.pop(0)
             sched.add_request(_make_request(sched, rid, toks, mt, params))
-        for rid in sorted(w.abort_waiting | w.abort_running):
+        for rid in sorted(w.abort_waiting | w.abort_running | w.abort_prefilling):
             req = sched.requests.get(rid)
             if req is None or req.is_finished():
+                continue
+            if rid in w.abort_prefilling and req.status == RequestStatus.RUNNING:
+                if 0 < req.num_computed_tokens - req.num_in_flight_tokens < req.num_prompt_tokens:
+                    sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                    counters["aborted_prefilling"] += 1
                 continue
             if rid in w.abort_waiting and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
@@ -373,6 +441,8 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     sched.shutdown()
     return {
         "steps": steps,
+        "local_hits": local_hits,
+        "per_group": per_group,
         "events": events,
         "calls": calls,
         "after_load": after_load,
@@ -392,6 +462,9 @@ def assert_same_pd(case: str, ref: dict[str, Any], ours: dict[str, Any]) -> None
         for k in a:
             assert a[k] == b[k], f"{case}: step {i}: {k} differs:\n vllm: {a[k]}\n ours: {b[k]}"
     assert len(ref["steps"]) == len(ours["steps"]), case
+    for i, (a, b) in enumerate(zip(ref["local_hits"], ours["local_hits"])):
+        assert a == b, f"{case}: connector lookup {i} differs:\n vllm: {a}\n ours: {b}"
+    assert len(ref["local_hits"]) == len(ours["local_hits"]), case
     assert ref["events"] == ours["events"], f"{case}: KV events differ"
     assert ref["calls"] == ours["calls"], (ref["calls"], ours["calls"])
     assert ref["after_load"] == ours["after_load"], f"{case}: the cache after an async load differs"

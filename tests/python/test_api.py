@@ -695,3 +695,36 @@ def test_direct_api_example_runs() -> None:
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     assert code is not None
     exec(compile(code.group(1), "docs/direct-api.md", "exec"), {})  # noqa: S102 (the docs' own example)
+
+
+def test_connector_hit_per_group_and_bad_input() -> None:
+    """``get_computed_blocks_for_connector``: without Mamba groups the reconciled hit (no
+    per-group lengths); with ``reconcile=False`` each group's own hit; a GDN-like Mamba group
+    lagging behind full attention gives the per-group hit. Bad input raises, state unchanged."""
+    a = alloc("swa", window=32)
+    r1 = a.add_request()
+    allocate(a, r1, 64, new=hashes(1, 2, 3, 4), prompt=64, tokens=64)
+    r2 = a.add_request()
+    assert a.get_computed_blocks_for_connector(r2, 63, block_hashes=hashes(1, 2, 3, 4)) == (
+        48,
+        0,
+        None,
+        ([1, 2, 3], [0, 6, 7]),
+    )
+    _, _, lens, _ = a.get_computed_blocks_for_connector(r2, 63, reconcile=False)
+    assert lens == [48, 48]
+    from hybrid_alloc.specs import FullAttention, MambaAlign
+
+    m = Allocator(16, [FullAttention(block_size=16), MambaAlign(block_size=16, spec_key=1)], 16, 16, 4096)
+    r1 = m.add_request()
+    assert allocate(m, r1, 64, new=hashes(1, 2, 3, 4, 5), prompt=80, tokens=80) is not None
+    r2 = m.add_request()
+    # Full attention hits 3 blocks within 63 tokens; the Mamba state is only at 64.
+    hit, uncached, lens, groups = m.get_computed_blocks_for_connector(r2, 63, block_hashes=hashes(1, 2, 3, 4))
+    assert (hit, uncached, lens, groups[1]) == (48, 0, [48, 0], [])
+    snap = snapshot(m, [r1, r2])
+    with pytest.raises(ha.UnknownRequestError):
+        m.get_computed_blocks_for_connector(12345, 63)
+    with pytest.raises(ha.OutOfRangeError):
+        m.get_computed_blocks_for_connector(r2, -1)
+    unchanged(m, [r1, r2], snap)

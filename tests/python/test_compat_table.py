@@ -188,7 +188,7 @@ def test_kv_connector_rows() -> None:
         kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}]},
     )
     assert _decide(_kwargs(_specs("full")), vllm_config=multi)[0]
-    assert _cell("NixlConnector").startswith("native")
+    assert _cell("NixlConnector (and `NixlPullConnector`").startswith("native")
     off = vc(kv_connector="OffloadingConnector", kv_role="kv_both")
     assert _decide(_kwargs(_specs("swa_retained")), vllm_config=off) == (True, "")
     assert _cell("the native `OffloadingConnector`").startswith("native")
@@ -203,10 +203,17 @@ def test_kv_connector_rows() -> None:
     assert _cell("`ExampleConnector`").startswith("native")
     native, reason = _decide(_kwargs(_specs("swa")), vllm_config=example)
     assert not native and reason == "KV connector ExampleConnector (with a SlidingWindowSpec group) is configured"
-    native, reason = _decide(
-        _kwargs(_specs("mamba2_align")), vllm_config=vc(kv_connector="NixlConnector", kv_role="kv_consumer")
-    )
-    assert not native and reason == "KV connector NixlConnector with Mamba layers is configured"
+    # With Mamba layers: NixlConnector as consumer is served, as producer it falls back.
+    mamba = _kwargs(_specs("mamba2_align"))
+    assert _decide(mamba, vllm_config=vc(kv_connector="NixlConnector", kv_role="kv_consumer")) == (True, "")
+    assert _cell(
+        "NixlConnector (and its variants, alone or under a `MultiConnector` over them) as KV consumer"
+    ).startswith("native")
+    native, reason = _decide(mamba, vllm_config=vc(kv_connector="NixlConnector", kv_role="kv_producer"))
+    assert not native and reason.startswith("KV connector NixlConnector as kv_producer with Mamba layers is configured")
+    assert reason in _cell("other KV connectors")
+    native, reason = _decide(mamba, vllm_config=vc(kv_connector="OffloadingConnector", kv_role="kv_both"))
+    assert not native and reason == "KV connector OffloadingConnector with Mamba layers is configured"
     assert '"... with Mamba layers is configured"' in _cell("other KV connectors")
 
 

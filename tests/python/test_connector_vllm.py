@@ -12,11 +12,15 @@ Lifecycles: remote prefill (async loads), remote decode with the free delayed un
 failure of a running request (``evict_blocks`` under "fail"), abort while waiting for
 remote KVs, abort with a step in flight (deferred frees through ``pop_blocks_for_free``),
 preemption (also while other requests' loads are pending), local hits combined with external
-hits, each with vLLM's Scheduler and AsyncScheduler. Shapes: full attention only, and sliding
-window + full (Gemma-like). Also a MultiConnector over NixlConnector and the
+hits, each with vLLM's Scheduler and AsyncScheduler. Shapes: full attention only, sliding
+window + full (Gemma-like), and GDN + full (Qwen3.5-like, Mamba "align") with NixlConnector as
+KV consumer, where every connector lookup (``get_computed_blocks_for_connector``) is compared
+too and vLLM's per-group hits diverge both ways (full attention deeper, adopted with remote
+tokens; a Mamba group deeper, reconciled). Also a MultiConnector over NixlConnector and the
 OffloadingConnector, ExampleConnector (no hybrid manager support: vLLM's one unified group,
 sync loads from folders the fake worker writes), ``cache_blocks`` after an async load,
-``truncate_computed_blocks``, and the connectors that still fall back, with one line."""
+``truncate_computed_blocks``, and the connectors that still fall back, with one line (with
+Mamba layers: NixlConnector as producer, the OffloadingConnector)."""
 
 from __future__ import annotations
 
@@ -33,7 +37,9 @@ pytestmark = pytest.mark.vllm
 
 
 def _shapes() -> dict[str, Any]:
-    from hybrid_alloc.vllm.offline import LayerKind, ModelShape
+    import torch
+
+    from hybrid_alloc.vllm.offline import LayerKind, MambaState, ModelShape
 
     return {
         "llama": ModelShape(
@@ -51,6 +57,18 @@ def _shapes() -> dict[str, Any]:
             head_size=64,
             weight_bytes=0,
             max_model_len=2048,
+        ),
+        # GDN + full attention (Qwen3.5-like): Mamba "align" with prefix caching on.
+        "qwen": ModelShape(
+            "tiny-qwen3.5",
+            tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(8)),
+            num_kv_heads=2,
+            head_size=64,
+            weight_bytes=0,
+            max_model_len=2048,
+            mamba_state=MambaState(
+                shapes=((3, 256), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32), mamba_type="GDN_ATTN"
+            ),
         ),
     }
 
@@ -99,6 +117,44 @@ WORKLOAD_SEED: dict[str, tuple[int, float]] = {
     "gemma_consumer_fail": (7, 0.5),
     "gemma_consumer_multi": (7, 0.5),
 }
+
+# GDN + full attention (Qwen3.5-like, Mamba "align") with NixlConnector: the roles served with
+# Mamba layers (a producer also needs ``finalize_partial_tail_offloads``: it falls back, see
+# ``MAMBA_FALLBACK_ROLES``), each with vLLM's Scheduler and AsyncScheduler, both failure
+# policies, NixlConnector alone, its push variant and under a MultiConnector. The local hit is
+# vLLM's per-group one (``get_computed_blocks_for_connector``): shared prefixes whose Mamba
+# state is not cached make full attention hit deeper than the Mamba groups (``hit_diverged``),
+# adopted as is when the connector loads the rest.
+# Widen ``MAMBA_ROLES`` (and narrow ``MAMBA_FALLBACK_ROLES``) once producers are served.
+MAMBA_ROLES: tuple[str, ...] = ("kv_consumer",)
+MAMBA_FALLBACK_ROLES: tuple[str, ...] = ("kv_producer", "kv_both")
+# (suffix, num_blocks, async, load failure policy, connector, workload seed)
+_QWEN: tuple[tuple[str, int, bool, str, str, int], ...] = (
+    ("", 120, False, "recompute", "nixl", 3),
+    ("_fail", 80, False, "fail", "nixl", 7),
+    ("_async", 70, True, "recompute", "nixl", 7),
+    ("_async_fail", 70, True, "fail", "nixl", 11),
+    ("_multi", 80, False, "recompute", "multi", 7),
+    ("_push", 80, False, "recompute", "push", 7),
+    # The reverse: a Mamba group deeper than full attention (vLLM reconciles). Requests
+    # aborted mid-prefill with a step in flight are freed deferred, in reverse (full
+    # attention's blocks first), so pressure evicts full attention's tail while the Mamba
+    # state survives, and repeated prompts look it up.
+    ("_async_reverse", 50, True, "recompute", "nixl", 11),
+)
+# Workload changes per case suffix (``PDWorkload`` fields).
+QWEN_WORKLOAD: dict[str, dict[str, Any]] = {
+    "_async_reverse": dict(repeat_share=0.5, abort_prefilling={f"req{i}" for i in range(0, 24, 2)} - {"req2"}),
+}
+# The remote share of the workload, where a case needs another than 0.7.
+QWEN_REMOTE_SHARE: dict[str, float] = {"_async_reverse": 0.3}
+QWEN_CASES: list[str] = []
+for _role in MAMBA_ROLES:
+    for _sfx, _blocks, _overlap, _policy, _conn, _seed in _QWEN:
+        _case = f"qwen_{_role.removeprefix('kv_')}{_sfx}"
+        CASES[_case] = ("qwen", _role, _blocks, _overlap, _policy, _conn)
+        WORKLOAD_SEED[_case] = (_seed, QWEN_REMOTE_SHARE.get(_sfx, 0.7))
+        QWEN_CASES.append(_case)
 
 
 def _setup(case: str) -> tuple[Any, Any, str]:
@@ -198,6 +254,7 @@ def _setup(case: str) -> tuple[Any, Any, str]:
         )
         return setup, w, "kv_consumer"
     seed, share = WORKLOAD_SEED.get(case, (3, 0.7))
+    over = next((v for k, v in QWEN_WORKLOAD.items() if case in QWEN_CASES and case.endswith(k)), {})
     w = PDWorkload(
         seed=seed,
         remote_share=share,
@@ -208,6 +265,8 @@ def _setup(case: str) -> tuple[Any, Any, str]:
         abort_running={"req2", "req13", "req17"},
         batch_queue=2 if overlap else 1,
     )
+    w = dataclasses.replace(w, **over)
+    w.abort_prefilling -= w.fail | w.abort_waiting | w.abort_running
     return setup, w, role
 
 
@@ -272,6 +331,21 @@ def test_connector_scheduler_identical(case: str) -> None:
         assert c["preempted"] > 0
     if case in PREEMPTS_WHILE_LOADING:
         assert c["preempted_loading"] > 0
+    if case in QWEN_CASES:
+        # The per-group hits really diverged in vLLM's run (full attention deeper than the
+        # Mamba groups).
+        assert ref["per_group"]["fa_deeper"] > 0 and calls["hit_diverged"] > 0
+        if role == "kv_consumer":
+            # Such hits were adopted with remote tokens (the rest reconciled), with
+            # preemption (while loads were pending, but in the reverse case's workload).
+            assert calls["alloc_divergent"] > 0 and calls["alloc_local_and_external"] > 0
+            assert c["preempted"] > 0
+            assert c["preempted_loading"] > 0 or case.endswith("_reverse")
+        else:
+            # No remote tokens back a diverged hit: the scheduler reconciles every one.
+            assert calls.get("alloc_divergent", 0) == 0
+        if case.endswith("_reverse"):
+            assert ref["per_group"]["fa_lagging"] > 0 and c["aborted_prefilling"] > 0
 
 
 # Cases whose workload preempts requests (and, for the second set, while other requests'
@@ -333,12 +407,12 @@ def test_truncate_computed_blocks_matches_vllm(case: str) -> None:
     assert out["vllm"] == out["hybrid_alloc"]
 
 
-def _fallback_line(caplog: pytest.LogCaptureFixture, ktc: Any) -> tuple[str, list[str]]:
+def _fallback_line(caplog: pytest.LogCaptureFixture, ktc: Any, shape: str = "gemma") -> tuple[str, list[str]]:
     from hybrid_alloc.vllm.offline import SchedulerSetup
 
     caplog.set_level(logging.INFO, logger="vllm.hybrid_alloc")
     setup = SchedulerSetup(
-        shape=_shapes()["gemma"], manager="hybrid_alloc", num_blocks=60, extra={"kv_transfer_config": ktc}
+        shape=_shapes()[shape], manager="hybrid_alloc", num_blocks=60, extra={"kv_transfer_config": ktc}
     )
     sched = setup.build()
     name = type(sched.kv_cache_manager).__name__
@@ -388,3 +462,163 @@ def test_nixl_is_served_natively_without_a_fallback_line(caplog: pytest.LogCaptu
 
     name, lines = _fallback_line(caplog, nixl_config("kv_both"))
     assert name == "HybridKVCacheManager" and not lines
+
+
+def test_mamba_divergent_hit_planted_bug_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proof can fail: with the reconciled hit handed back where vLLM's manager hands the
+    per-group one (``get_computed_blocks`` plus ``hit_diverged=False``), the step-by-step
+    comparison of a GDN + full consumer case breaks."""
+    import dataclasses
+
+    import hybrid_alloc.vllm.manager as manager
+    from connector_driver import assert_same_pd, run_pd
+
+    case = QWEN_CASES[0]
+    setup, w, role = _setup(case)
+    ref = run_pd(dataclasses.replace(setup, manager="vllm"), role, w)
+
+    def reconciled(mgr: Any, request: Any, max_cache_hit_length: Any) -> Any:
+        return *mgr.get_computed_blocks(request, max_cache_hit_length), False
+
+    monkeypatch.setattr(manager, "local_hit_for_connector", reconciled)
+    planted = run_pd(dataclasses.replace(setup, manager="hybrid_alloc"), role, w)
+    with pytest.raises(AssertionError):
+        assert_same_pd(case, ref, planted)
+
+
+def _qwen_manager(mgr_name: str) -> tuple[Any, Any]:
+    from connector_driver import nixl_config
+    from hybrid_alloc.vllm.offline import SchedulerSetup
+
+    setup = SchedulerSetup(
+        shape=_shapes()["qwen"],
+        manager=mgr_name,
+        num_blocks=60,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        kv_events=True,
+        extra={"kv_transfer_config": nixl_config("kv_consumer")},
+    )
+    sched = setup.build()
+    return sched, sched.kv_cache_manager
+
+
+def _lookup(mgr: Any, request: Any) -> tuple[Any, ...]:
+    blocks, n, boundary, diverged = mgr.get_computed_blocks_for_connector(request)
+    per_group_blocks, per_group = mgr.coordinator.find_longest_cache_hit_per_group(
+        request.block_hashes, request.num_tokens - 1
+    )
+    return (
+        blocks.get_block_ids(),
+        n,
+        boundary,
+        diverged,
+        [[b.block_id for b in g] for g in per_group_blocks],
+        tuple(per_group),
+    )
+
+
+def test_mamba_connector_hit_both_ways_matches_vllm() -> None:
+    """``get_computed_blocks_for_connector`` on a GDN + full manager, against vLLM's on the same
+    calls: a convergent hit; then, after a deferred free (the scheduler frees a deferred table
+    in reverse, full attention's blocks first) and block pressure that evicts full attention's
+    tail while the Mamba state survives, a Mamba group deeper than full attention (vLLM then
+    reconciles: no hit, the shared prefix as the boundary); and full attention deeper than the
+    Mamba groups (``hit_diverged``), adopted with external tokens as the scheduler does. The
+    coordinator facade's ``find_longest_cache_hit_per_group`` answers as vLLM's, and the
+    tables, free counts and events after the adoption are the same."""
+    import random
+
+    from hybrid_alloc.vllm.offline import make_request
+
+    out: dict[str, list[Any]] = {}
+    for mgr_name in ("vllm", "hybrid_alloc"):
+        sched, mgr = _qwen_manager(mgr_name)
+        fa = mgr.coordinator.full_attention_group_id
+        bs = mgr.coordinator.single_type_managers[fa].block_size
+        rng = random.Random(1)
+        prompt = [rng.randrange(1, 30000) for _ in range(9 * bs + 6)]
+        res: list[Any] = []
+        a = make_request(sched, "a", prompt, 1)
+        assert mgr.get_computed_blocks_for_connector(a)[1] == 0
+        # One chunk up to the prompt's last block boundary: its Mamba state is cached there.
+        assert mgr.allocate_slots(a, 9 * bs) is not None
+        b = make_request(sched, "b", prompt, 1)
+        res.append(_lookup(mgr, b))
+        # The scheduler's deferred free of ``a`` (``pop_blocks_for_free``, freed in reverse).
+        mgr.block_pool.free_blocks(reversed(mgr.pop_blocks_for_free(a)))
+        # Pressure: a fresh request takes every never-used block and two of ``a``'s.
+        held = sum(len([x for x in g if x]) for g in res[0][0])
+        unused = mgr.block_pool.get_num_free_blocks() - held
+        c = make_request(sched, "c", [rng.randrange(1, 30000) for _ in range(60 * bs)], 1)
+        assert mgr.allocate_slots(c, (unused + 2 - 3) * bs) is not None
+        res.append(_lookup(mgr, b))
+        # Full attention deeper than the Mamba groups: ``a``'s first blocks, another suffix.
+        d = make_request(sched, "d", prompt[: 5 * bs] + [rng.randrange(1, 30000) for _ in range(3 * bs)], 1)
+        blocks, n, _, diverged = mgr.get_computed_blocks_for_connector(d)
+        res.append(_lookup(mgr, d))
+        assert diverged
+        mgr.free(c)
+        new = mgr.allocate_slots(
+            d,
+            0,
+            num_new_computed_tokens=n,
+            new_computed_blocks=blocks,
+            num_external_computed_tokens=d.num_tokens - 1 - n,
+            delay_cache_blocks=True,
+        )
+        res.append((new.get_block_ids(), mgr.get_block_ids("d"), mgr.block_pool.get_num_free_blocks()))
+        res.append(mgr.take_events())
+        out[mgr_name] = res
+        sched.shutdown()
+    ref = out["vllm"]
+    fa_hit = ref[0][5][-1]
+    # Convergent at first; then the Mamba groups hold a deeper state than full attention
+    # (reconciled: no hit, a boundary); then full attention deeper (diverged).
+    assert ref[0][1] == fa_hit > 0 and not ref[0][3] and min(ref[0][5]) == fa_hit
+    assert max(ref[1][5]) > ref[1][5][-1] and ref[1][1] == 0 and ref[1][2] > 0 and not ref[1][3]
+    assert ref[2][3] and min(ref[2][5]) < ref[2][1]
+    assert out["hybrid_alloc"][:4] == ref[:4]
+    assert [repr(e) for e in out["hybrid_alloc"][4]] == [repr(e) for e in ref[4]]
+
+
+@pytest.mark.parametrize("role", MAMBA_FALLBACK_ROLES)
+def test_mamba_nixl_producer_falls_back_with_one_line(role: str, caplog: pytest.LogCaptureFixture) -> None:
+    """With Mamba layers, NixlConnector as a producer (``finalize_partial_tail_offloads`` is not
+    served yet) builds vLLM's own manager, with one line that says why; as consumer it is
+    served natively."""
+    from connector_driver import nixl_config
+
+    name, lines = _fallback_line(caplog, nixl_config(role), shape="qwen")
+    assert name == "KVCacheManager"
+    assert len(lines) == 1 and lines[0].endswith(
+        f"KV connector NixlConnector as {role} with Mamba layers is configured "
+        "(a producer's partial-tail offloads, finalize_partial_tail_offloads, are not served)"
+    ), lines
+    caplog.clear()
+    name, lines = _fallback_line(caplog, nixl_config("kv_consumer"), shape="qwen")
+    assert name == "HybridKVCacheManager" and not lines
+
+
+def test_mamba_offloading_falls_back_with_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_consumer",
+        kv_connector_extra_config={
+            "connectors": [
+                {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"},
+                {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": "kv_consumer",
+                    "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 22},
+                },
+            ]
+        },
+    )
+    name, lines = _fallback_line(caplog, ktc, shape="qwen")
+    assert name == "KVCacheManager"
+    assert len(lines) == 1 and lines[0].endswith(
+        "KV connector MultiConnector over OffloadingConnector with Mamba layers is configured"
+    ), lines

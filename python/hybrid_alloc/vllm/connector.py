@@ -25,8 +25,11 @@ Anything else falls back to vLLM's own manager with one line naming the connecto
 connectors whose scheduler side reaches into vLLM's ``BlockPool`` / coordinator internals
 (SimpleCPUOffload, UMBP, MooncakeStore, HiSparse, ...), connectors whose scheduler side
 lives outside vLLM (LMCacheConnectorV1 and LMCacheMPConnector run the ``lmcache`` package's
-code), connectors loaded from a module path, and a connector with Mamba layers (vLLM's
-per-group divergent hit and boundary-state offloads are not served yet).
+code), connectors loaded from a module path, and, with Mamba layers, every connector but
+NixlConnector (its variants, a MultiConnector over them) as KV consumer: its local hit is
+vLLM's per-group one (:mod:`.connector_hits`) and it reads no boundary-state offloads, while a
+producer (``kv_producer`` / ``kv_both``) also needs ``finalize_partial_tail_offloads``, not
+served yet.
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ from typing import Any
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
 
-__all__ = ["NATIVE_CONNECTORS", "SINGLE_GROUP_CONNECTORS", "connector_reason", "fold_negative_external"]
+__all__ = [
+    "MAMBA_PRODUCER_ROLES",
+    "NATIVE_CONNECTORS",
+    "SINGLE_GROUP_CONNECTORS",
+    "connector_reason",
+    "fold_negative_external",
+]
 
 # Registered connector names whose scheduler side the native manager serves exactly.
 NATIVE_CONNECTORS: frozenset[str] = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
@@ -97,7 +106,36 @@ def connector_reason(vllm_config: Any, kv_cache_config: KVCacheConfig) -> str | 
     if bad is not None:
         return f"KV connector {bad} is configured"
     if any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups):
-        return f"KV connector {name} with Mamba layers is configured"
+        return _mamba_reason(name, ktc)
+    return None
+
+
+# Roles whose scheduler side, with Mamba layers, needs what the manager does not serve yet:
+# a producer's partial-tail offloads at a request's end (``finalize_partial_tail_offloads``,
+# which the scheduler calls for ``is_kv_producer`` only).
+MAMBA_PRODUCER_ROLES: frozenset[str] = frozenset({"kv_producer", "kv_both"})
+
+
+def _mamba_reason(name: Any, ktc: Any) -> str | None:
+    """With Mamba layers: ``None`` for NixlConnector (a variant, or a MultiConnector over
+    them only) as KV consumer, whose local hit is vLLM's per-group one
+    (:mod:`.connector_hits`); else why not."""
+    roles = [getattr(ktc, "kv_role", None)]
+    names = [name]
+    if name == "MultiConnector":
+        children = (getattr(ktc, "kv_connector_extra_config", None) or {}).get("connectors") or []
+        names = [c.get("kv_connector") for c in children]
+        roles += [c.get("kv_role") for c in children]
+    other = next((n for n in names if n not in NATIVE_CONNECTORS), None)
+    if other is not None:
+        where = f"{name} over {other}" if name == "MultiConnector" else str(name)
+        return f"KV connector {where} with Mamba layers is configured"
+    producer = next((r for r in roles if r in MAMBA_PRODUCER_ROLES), None)
+    if producer is not None:
+        return (
+            f"KV connector {name} as {producer} with Mamba layers is configured "
+            "(a producer's partial-tail offloads, finalize_partial_tail_offloads, are not served)"
+        )
     return None
 
 

@@ -2,7 +2,8 @@
 ``coordinator`` and ``coordinator.single_type_managers[g]``, each with the attributes and
 methods vLLM's scheduler, connectors and stats read, served by the manager's native core.
 
-Cost: each method is one crossing into the core; construction is O(groups).
+Cost: each method is one crossing into the core (`find_longest_cache_hit_per_group`, off the
+scheduler's path, three); construction is O(groups).
 """
 
 from __future__ import annotations
@@ -147,3 +148,22 @@ class NativeCoordinator:
 
     def get_blocks(self, request_id: str) -> tuple[list[Any], ...]:
         return self._mgr.get_blocks(request_id).blocks
+
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple[tuple[list[NativeBlock], ...], tuple[int, ...]]:
+        """vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``: each group's
+        own longest hit (blocks, tokens) within ``max_cache_hit_length``, not reconciled
+        across groups; touches nothing. Off the scheduler's path (the OffloadingConnector
+        asks it only for groups it does not offload, which is HiSparse's layout, and only of
+        a ``HybridKVCacheCoordinator``): three crossings, through a handle made for the call."""
+        alloc = self._mgr._alloc
+        h = alloc.add_request()
+        try:
+            _, _, hits, ids = alloc.get_computed_blocks_for_connector(
+                h, max_cache_hit_length, block_hashes=list(block_hashes), reconcile=False
+            )
+        finally:
+            alloc.free(h)
+        assert hits is not None
+        return tuple([NativeBlock(alloc, b) for b in g] for g in ids), tuple(hits)

@@ -40,7 +40,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from hybrid_alloc._core import Allocator, FastAllocate, Hit, HybridAllocError, UnsupportedConfigError
+from hybrid_alloc._core import Allocator, BlockIds, FastAllocate, Hit, HybridAllocError, UnsupportedConfigError
 from hybrid_alloc.vllm import compat, policy_env
 from hybrid_alloc.vllm.args import KNOWN_ARGS, ManagerArgs
 from hybrid_alloc.vllm.blocks import EmptyKVCacheBlocks, HitBlocks, NativeBlock, NativeKVCacheBlocks
@@ -51,6 +51,7 @@ from hybrid_alloc.vllm.compat import (
     VllmKVCacheManager,
 )
 from hybrid_alloc.vllm.connector import fold_negative_external
+from hybrid_alloc.vllm.connector_hits import local_hit_for_connector
 from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
 from hybrid_alloc.vllm.kv_events import EventLog
 from hybrid_alloc.vllm.metrics import after_call_hook
@@ -289,19 +290,29 @@ class HybridKVCacheManager:
         hit, uncached, groups = self._alloc.get_computed_blocks(
             st.handle, max_cache_hit_length, block_hashes=request.block_hashes, as_buffer=True
         )
+        return self._reconciled_hit(request, st, hit, uncached, groups)
+
+    def _reconciled_hit(
+        self, request: Request, st: RequestState, hit: int, uncached: int, groups: BlockIds
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """``get_computed_blocks``' result for the hit the core found and stored."""
         if (
             hit > 0
             and self.enable_kv_cache_events
             and getattr(request, "kv_cache_report_mode", "incremental") == "full"
         ):
             self._event_log.cached_blocks(request, groups.counts())
-        boundary = hit + uncached if uncached else 0
+        return self._hit_blocks(st, groups), hit, hit + uncached if uncached else 0
+
+    def _hit_blocks(self, st: RequestState, groups: BlockIds) -> KVCacheBlocks:
+        """The ``KVCacheBlocks`` of the hit stored for ``st`` (vLLM's
+        ``create_kv_cache_blocks``: the shared empty one when no group has a block)."""
         if groups.is_empty():
             st.hit_gen = -1
-            return self.empty_kv_cache_blocks, hit, boundary
+            return self.empty_kv_cache_blocks
         self._hit_gen += 1
         st.hit_gen = self._hit_gen
-        return HitBlocks(self._alloc, groups, self._hit_gen), hit, boundary
+        return HitBlocks(self._alloc, groups, self._hit_gen)
 
     def pin_prefix(self, token_ids: Sequence[int]) -> None:
         """Pins a prefix (hit-aware only), the first time a request starting with it is
@@ -325,8 +336,7 @@ class HybridKVCacheManager:
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int, bool]:
-        # vLLM's per-group path applies only with Mamba layers, which fall back.
-        return *self.get_computed_blocks(request, max_cache_hit_length), False
+        return local_hit_for_connector(self, request, max_cache_hit_length)
 
     def allocate_slots(
         self,
