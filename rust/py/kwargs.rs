@@ -104,7 +104,7 @@ options! {
     /// `Allocator(...)`'s options after its five required arguments.
     NewOptions("Allocator") {
         max_in_flight_tokens, enable_caching, enable_events, watermark_blocks, retention_interval, policy,
-        zero_new_blocks, hash_lookahead_tokens, residency_log,
+        zero_new_blocks, hash_lookahead_tokens, residency_log, boundary_offloads,
     }
 }
 
