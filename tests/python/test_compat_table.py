@@ -208,6 +208,9 @@ def test_kv_connector_rows() -> None:
     )
     assert not native and reason == "KV connector NixlConnector with Mamba layers is configured"
     assert '"... with Mamba layers is configured"' in _cell("other KV connectors")
+    # The OffloadingConnector with Mamba "align" groups: the boundary-state offloads.
+    assert _decide(_kwargs(_specs("mamba2_align")), vllm_config=off) == (True, "")
+    assert "take_boundary_state_offloads" in _cell("the native `OffloadingConnector`")
 
 
 def test_routed_experts_row() -> None:

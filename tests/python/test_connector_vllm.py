@@ -33,9 +33,23 @@ pytestmark = pytest.mark.vllm
 
 
 def _shapes() -> dict[str, Any]:
-    from hybrid_alloc.vllm.offline import LayerKind, ModelShape
+    import torch
 
+    from hybrid_alloc.vllm.offline import LayerKind, MambaState, ModelShape
+
+    gdn = MambaState(shapes=((3, 256), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32), mamba_type="GDN_ATTN")
     return {
+        # Qwen3.5-like: GDN layers with one full attention layer in four (three Mamba "align"
+        # groups and one full attention group).
+        "qwen": ModelShape(
+            "tiny-qwen3.5",
+            tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(8)),
+            num_kv_heads=2,
+            head_size=64,
+            weight_bytes=0,
+            max_model_len=2048,
+            mamba_state=gdn,
+        ),
         "llama": ModelShape(
             "tiny-llama",
             tuple(LayerKind("full") for _ in range(4)),
@@ -83,6 +97,11 @@ CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
     "llama_multi_offload": ("llama", "kv_both", 80, False, "recompute", "multi_offload"),
     "gemma_multi_offload": ("gemma", "kv_both", 80, False, "fail", "multi_offload"),
     "gemma_multi_offload_async": ("gemma", "kv_both", 100, True, "recompute", "multi_offload"),
+    # GDN + full (Mamba "align"): the OffloadingConnector stores the boundary states the
+    # manager hands it (``take_boundary_state_offloads``) and loads them back.
+    "qwen_offload": ("qwen", "kv_both", 120, False, "recompute", "offload"),
+    "qwen_offload_async": ("qwen", "kv_both", 140, True, "recompute", "offload"),
+    "qwen_multi_offload": ("qwen", "kv_both", 120, False, "recompute", "multi_offload_only"),
     # ExampleConnector, without hybrid manager support: vLLM runs one unified group (the
     # Gemma-like shape's sliding window layers promoted to full attention); sync loads.
     "llama_example": ("llama", "kv_both", 80, False, "recompute", "example"),
@@ -120,6 +139,20 @@ def _setup(case: str) -> tuple[Any, Any, str]:
             kv_connector="OffloadingConnector",
             kv_role=role,
             kv_connector_extra_config={"cpu_bytes_to_use": 1 << 22},
+        )
+    elif conn == "multi_offload_only":
+        ktc = KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role=role,
+            kv_connector_extra_config={
+                "connectors": [
+                    {
+                        "kv_connector": "OffloadingConnector",
+                        "kv_role": role,
+                        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 22},
+                    },
+                ]
+            },
         )
     elif conn == "multi_offload":
         ktc = KVTransferConfig(
@@ -163,12 +196,14 @@ def _setup(case: str) -> tuple[Any, Any, str]:
         async_scheduling=overlap,
         extra={"kv_transfer_config": ktc},
     )
-    if conn == "offload":
+    if conn in ("offload", "multi_offload_only"):
         # Local requests only: the offloaded prefixes come back as loads.
         w = PDWorkload(
             num_requests=30,
             remote_share=0.0,
             offload=True,
+            offload_child=0 if conn == "multi_offload_only" else None,
+            num_children=1,
             abort_running={"req2", "req13"},
             batch_queue=2 if overlap else 1,
         )
@@ -235,7 +270,7 @@ def test_connector_scheduler_identical(case: str) -> None:
     # The workload exercises what the case claims.
     assert ref["events"]
     conn = CASES[case][5]
-    if conn == "offload":
+    if conn in ("offload", "multi_offload_only"):
         assert c["jobs"] > 20 and c["recv"] > 0 and calls["alloc_delay_cache"] > 0
     elif conn in ("example", "multi_example"):
         # One unified group (vLLM promoted the sliding window layers), whole-prompt hits
@@ -268,6 +303,8 @@ def test_connector_scheduler_identical(case: str) -> None:
     if overlap and role in ("kv_consumer", "kv_both"):
         assert ref["defer_block_free"]
         assert calls["pop_blocks_for_free"] > 0
+    if case.startswith("qwen"):
+        _assert_boundary_lifecycles(ref)
     if case in PREEMPTS:
         assert c["preempted"] > 0
     if case in PREEMPTS_WHILE_LOADING:
@@ -278,7 +315,50 @@ def test_connector_scheduler_identical(case: str) -> None:
 # loads are pending), on both releases.
 PREEMPTS = {"llama_consumer", "llama_consumer_fail", "llama_consumer_async", "gemma_consumer"}
 PREEMPTS |= {"gemma_consumer_async", "llama_offload", "llama_multi_offload", "gemma_multi_offload"}
+PREEMPTS |= {"qwen_offload", "qwen_offload_async", "qwen_multi_offload"}
 PREEMPTS_WHILE_LOADING = {"llama_consumer", "gemma_consumer_async"}
+
+
+def _assert_boundary_lifecycles(ref: dict[str, Any]) -> None:
+    """What a GDN + full case claims, in vLLM's own run (ours is compared to it): vLLM's
+    manager handed the OffloadingConnector boundary states (the same ones, step by step, as
+    ours: ``steps[i]["boundary"]``), over several chunks of one prefill, and later requests
+    loaded offloaded prefixes back (a Mamba state only reaches the CPU tier as a boundary
+    state); requests finished (producer role: ``finalize_partial_tail_offloads`` called for
+    each) and were aborted while running."""
+    c = ref["counters"]
+    assert c["boundary_states"] > 50 and c["load_jobs"] > 0 and c["recv"] > 0 and c["aborted_running"] > 0
+    chunks: dict[str, set[int]] = {}  # request -> steps that handed over its states
+    for i, step in enumerate(ref["steps"]):
+        for taken in step["boundary"]:
+            for rid, entries in taken:
+                # Each boundary once per Mamba group (a chunk with a prefill checkpoint
+                # hands over two: the checkpoint and the running state).
+                bounds = {n for _, _, n in entries}
+                assert all(sorted(g for g, _, m in entries if m == n) == [0, 1, 2] for n in bounds), entries
+                chunks.setdefault(rid, set()).add(i)
+    assert max(len(s) for s in chunks.values()) >= 2, chunks
+    # vLLM hands a finishing producer's partial tail over only for a boundary key ending
+    # inside its Mamba block (sub-block partial hits, which fall back: see
+    # ``test_mamba_with_connector_falls_back_or_not``); here it returns nothing, as ours.
+    assert len(ref["finals"]) >= 20 and not any(res for _, res in ref["finals"])
+
+
+def test_boundary_state_offloads_planted_bug_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An off-by-one boundary in the offloads our manager hands the connector fails the
+    step-by-step comparison (the direct record and the store jobs the connector builds)."""
+    from connector_driver import assert_same_pd
+    from hybrid_alloc.vllm.boundary import BoundaryOffloads
+
+    orig = BoundaryOffloads.take
+
+    def off_by_one(self: Any) -> dict[str, list[tuple[int, int, int]]]:
+        return {r: [(g, b, n + 1) for g, b, n in e] for r, e in orig(self).items()}
+
+    monkeypatch.setattr(BoundaryOffloads, "take", off_by_one)
+    ref, ours = _pair("qwen_offload")
+    with pytest.raises(AssertionError, match="step [0-9]+: (boundary|meta) differs"):
+        assert_same_pd("qwen_offload", ref, ours)
 
 
 @pytest.mark.parametrize("case", ["llama_consumer", "gemma_consumer", "gemma_multi_offload"])
@@ -333,13 +413,26 @@ def test_truncate_computed_blocks_matches_vllm(case: str) -> None:
     assert out["vllm"] == out["hybrid_alloc"]
 
 
-def _fallback_line(caplog: pytest.LogCaptureFixture, ktc: Any) -> tuple[str, list[str]]:
+def _fallback_line(
+    caplog: pytest.LogCaptureFixture, ktc: Any, shape: str = "gemma", **cache: Any
+) -> tuple[str, list[str]]:
     from hybrid_alloc.vllm.offline import SchedulerSetup
 
     caplog.set_level(logging.INFO, logger="vllm.hybrid_alloc")
     setup = SchedulerSetup(
-        shape=_shapes()["gemma"], manager="hybrid_alloc", num_blocks=60, extra={"kv_transfer_config": ktc}
+        shape=_shapes()[shape], manager="hybrid_alloc", num_blocks=60, extra={"kv_transfer_config": ktc}
     )
+    if cache:
+        # ``CacheConfig`` fields set on the built config (``SchedulerSetup`` makes its own).
+        vllm_config = setup.vllm_config
+
+        def patched() -> Any:
+            vc = vllm_config()
+            for k, v in cache.items():
+                setattr(vc.cache_config, k, v)
+            return vc
+
+        setup.vllm_config = patched  # type: ignore[method-assign]
     sched = setup.build()
     name = type(sched.kv_cache_manager).__name__
     sched.shutdown()
@@ -388,3 +481,29 @@ def test_nixl_is_served_natively_without_a_fallback_line(caplog: pytest.LogCaptu
 
     name, lines = _fallback_line(caplog, nixl_config("kv_both"))
     assert name == "HybridKVCacheManager" and not lines
+
+
+@pytest.mark.parametrize("conn", ["offload", "multi_offload", "nixl", "multi_nixl_offload", "sub_block"])
+def test_mamba_with_connector_falls_back_or_not(conn: str, caplog: pytest.LogCaptureFixture) -> None:
+    """GDN + full: the OffloadingConnector (alone or under a MultiConnector over it only) is
+    served natively; NixlConnector, whose scheduler asks for vLLM's per-group divergent hit,
+    falls back with one line (alone or under a MultiConnector), and so does a prefix match
+    unit below the Mamba block (sub-block partial hits with copy-on-write: the only case
+    where vLLM's ``finalize_partial_tail_offloads`` returns a tail)."""
+    from connector_driver import nixl_config
+
+    case = {"multi_offload": "qwen_multi_offload", "multi_nixl_offload": "gemma_multi_offload"}.get(
+        conn, "qwen_offload"
+    )
+    ktc = nixl_config("kv_both") if conn == "nixl" else _setup(case)[0].extra["kv_transfer_config"]
+    cache = {"prefix_match_unit": 8} if conn == "sub_block" else {}
+    name, lines = _fallback_line(caplog, ktc, "qwen", **cache)
+    if conn in ("offload", "multi_offload"):
+        assert name == "HybridKVCacheManager" and not lines, lines
+        return
+    assert name == "KVCacheManager" and len(lines) == 1, lines
+    if conn == "sub_block":
+        assert "Mamba block size 16 over hash block size 8" in lines[0], lines
+    else:
+        expect = "NixlConnector" if conn == "nixl" else "MultiConnector"
+        assert lines[0].endswith(f"KV connector {expect} with Mamba layers is configured"), lines

@@ -25,8 +25,11 @@ Anything else falls back to vLLM's own manager with one line naming the connecto
 connectors whose scheduler side reaches into vLLM's ``BlockPool`` / coordinator internals
 (SimpleCPUOffload, UMBP, MooncakeStore, HiSparse, ...), connectors whose scheduler side
 lives outside vLLM (LMCacheConnectorV1 and LMCacheMPConnector run the ``lmcache`` package's
-code), connectors loaded from a module path, and a connector with Mamba layers (vLLM's
-per-group divergent hit and boundary-state offloads are not served yet).
+code), connectors loaded from a module path, and, with Mamba layers, any connector but the
+OffloadingConnector (alone or under a MultiConnector over it only): NixlConnector asks for
+vLLM's per-group divergent hit (``get_computed_blocks_for_connector``), not served yet. With
+Mamba "align" groups the OffloadingConnector reads the boundary states the manager keys
+(``take_boundary_state_offloads``, see :mod:`.boundary`).
 """
 
 from __future__ import annotations
@@ -96,9 +99,27 @@ def connector_reason(vllm_config: Any, kv_cache_config: KVCacheConfig) -> str | 
     )
     if bad is not None:
         return f"KV connector {bad} is configured"
-    if any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups):
-        return f"KV connector {name} with Mamba layers is configured"
+    mamba = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    if mamba:
+        if not _offloading_only(name, getattr(ktc, "kv_connector_extra_config", {})):
+            # NixlConnector's scheduler asks for vLLM's per-group divergent hit
+            # (``get_computed_blocks_for_connector``), not served yet.
+            return f"KV connector {name} with Mamba layers is configured"
+        if any(s.mamba_cache_mode != "align" for s in mamba):
+            return f"KV connector {name} with Mamba layers in cache mode {mamba[0].mamba_cache_mode!r} is configured"
     return None
+
+
+def _offloading_only(name: Any, extra: Any) -> bool:
+    """Whether the connector is the OffloadingConnector, alone or under MultiConnectors over
+    it only: with Mamba layers it needs no more of the manager than the boundary-state
+    offloads (it does not ask for divergent per-group hits)."""
+    if name == "MultiConnector":
+        children = (extra or {}).get("connectors") or []
+        return bool(children) and all(
+            _offloading_only(c.get("kv_connector"), c.get("kv_connector_extra_config")) for c in children
+        )
+    return name == "OffloadingConnector"
 
 
 def fold_negative_external(
