@@ -507,3 +507,41 @@ def test_mamba_with_connector_falls_back_or_not(conn: str, caplog: pytest.LogCap
     else:
         expect = "NixlConnector" if conn == "nixl" else "MultiConnector"
         assert lines[0].endswith(f"KV connector {expect} with Mamba layers is configured"), lines
+
+
+def test_boundary_state_offloads_dropped_with_freed_blocks() -> None:
+    """The manager calls without the scheduler, on vLLM's manager and ours (GDN + full, the
+    OffloadingConnector configured): four chunked prefills of the same length key their
+    prompt's state in their third chunk; one request freed and one popped for a deferred free
+    before the offloads are taken take their entries with them (vLLM's
+    ``pop_blocks_for_free`` drops them: the blocks may already be another request's). Same
+    dicts, step by step."""
+    from hybrid_alloc.vllm.offline import make_request
+
+    out = {}
+    for mgr_name in ("vllm", "hybrid_alloc"):
+        setup, _, _ = _setup("qwen_offload")
+        sched = dataclasses.replace(setup, manager=mgr_name).build()
+        mgr = sched.kv_cache_manager
+        reqs = [make_request(sched, f"r{i}", [i * 1000 + t for t in range(1, 200)], 1) for i in range(4)]
+        got: list[Any] = []
+        # The scheduler's chunks for Mamba "align": block-aligned, the last but one ending
+        # at the prompt's checkpoint (192), whose state is kept.
+        for chunk, n in enumerate((80, 80, 32)):
+            for r in reqs:
+                assert mgr.allocate_slots(r, n) is not None
+                r.num_computed_tokens += n
+            if chunk == 2:
+                mgr.free(reqs[1])
+                mgr.block_pool.free_blocks(mgr.pop_blocks_for_free(reqs[2]))
+            got.append(list(mgr.take_boundary_state_offloads().items()))
+            mgr.new_step_starts()
+        out[mgr_name] = (type(mgr).__name__, got)
+        sched.shutdown()
+    assert out["vllm"][0] == "KVCacheManager" and out["hybrid_alloc"][0] == "HybridKVCacheManager"
+    got = out["vllm"][1]
+    # vLLM's retention mask keys only the prompt's state (at 192 of 199 tokens) here.
+    assert got[:2] == [[], []]
+    assert [r for r, _ in got[2]] == ["r0", "r3"], "the freed and the popped request's entries are dropped"
+    assert all(sorted((g, n) for g, _, n in e) == [(0, 192), (1, 192), (2, 192)] for _, e in got[2]), got[2]
+    assert out["vllm"][1] == out["hybrid_alloc"][1]
