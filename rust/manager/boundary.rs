@@ -61,8 +61,9 @@ impl BoundaryOffloads {
         }
     }
 
-    /// Entries pending.
-    pub fn len(&self) -> usize {
+    /// Entries pending (tests).
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.pending.len()
     }
 }
@@ -83,11 +84,12 @@ impl SingleTypeManager {
         }
     }
 
-    /// Boundary-state offloads pending in this group.
-    pub fn num_boundary_offloads(&self) -> usize {
+    /// This group's pending boundary-state offloads, `(request, block, tokens)` (invariant
+    /// checks).
+    pub fn pending_boundary_offloads(&self) -> &[(ReqHandle, BlockId, u32)] {
         match &self.kind_state {
-            KindState::MambaAlign(st) => st.offloads.len(),
-            _ => 0,
+            KindState::MambaAlign(st) => &st.offloads.pending,
+            _ => &[],
         }
     }
 }

@@ -252,6 +252,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     example_work: dict[int, tuple[list[Any], list[int]]] = {}
     multi_group = len(sched.kv_cache_config.kv_cache_groups) > 1
     in_flight: deque[tuple[Any, Any, dict[str, Any]]] = deque()
+    check = getattr(mgr, "check_invariants", None)
 
     def process(so: Any, out: Any, d: dict[str, Any], step: int) -> None:
         """The worker's answer to a step (its model output made when it was scheduled),
@@ -327,6 +328,8 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                 send_due[r] = step + w.send_delay
                 counters["delayed_free"] += 1
         d["held"] = held
+        if check is not None:
+            check()  # ours: the core's invariants (boundary offloads name live requests, ...)
         d["free"] = mgr.block_pool.get_num_free_blocks()
         d["usage"] = mgr.usage
 
