@@ -414,13 +414,17 @@ def test_truncate_computed_blocks_matches_vllm(case: str) -> None:
 
 
 def _fallback_line(
-    caplog: pytest.LogCaptureFixture, ktc: Any, shape: str = "gemma", **cache: Any
+    caplog: pytest.LogCaptureFixture, ktc: Any, shape: str = "gemma", caching: bool = True, **cache: Any
 ) -> tuple[str, list[str]]:
     from hybrid_alloc.vllm.offline import SchedulerSetup
 
     caplog.set_level(logging.INFO, logger="vllm.hybrid_alloc")
     setup = SchedulerSetup(
-        shape=_shapes()[shape], manager="hybrid_alloc", num_blocks=60, extra={"kv_transfer_config": ktc}
+        shape=_shapes()[shape],
+        manager="hybrid_alloc",
+        num_blocks=60,
+        enable_prefix_caching=caching,
+        extra={"kv_transfer_config": ktc},
     )
     if cache:
         # ``CacheConfig`` fields set on the built config (``SchedulerSetup`` makes its own).
@@ -483,13 +487,14 @@ def test_nixl_is_served_natively_without_a_fallback_line(caplog: pytest.LogCaptu
     assert name == "HybridKVCacheManager" and not lines
 
 
-@pytest.mark.parametrize("conn", ["offload", "multi_offload", "nixl", "multi_nixl_offload", "sub_block"])
+@pytest.mark.parametrize("conn", ["offload", "multi_offload", "nixl", "multi_nixl_offload", "sub_block", "mode_none"])
 def test_mamba_with_connector_falls_back_or_not(conn: str, caplog: pytest.LogCaptureFixture) -> None:
     """GDN + full: the OffloadingConnector (alone or under a MultiConnector over it only) is
     served natively; NixlConnector, whose scheduler asks for vLLM's per-group divergent hit,
     falls back with one line (alone or under a MultiConnector), and so does a prefix match
     unit below the Mamba block (sub-block partial hits with copy-on-write: the only case
-    where vLLM's ``finalize_partial_tail_offloads`` returns a tail)."""
+    where vLLM's ``finalize_partial_tail_offloads`` returns a tail). With prefix caching off
+    (Mamba cache mode "none") vLLM's OffloadingConnector refuses the hybrid."""
     from connector_driver import nixl_config
 
     case = {"multi_offload": "qwen_multi_offload", "multi_nixl_offload": "gemma_multi_offload"}.get(
@@ -497,6 +502,13 @@ def test_mamba_with_connector_falls_back_or_not(conn: str, caplog: pytest.LogCap
     )
     ktc = nixl_config("kv_both") if conn == "nixl" else _setup(case)[0].extra["kv_transfer_config"]
     cache = {"prefix_match_unit": 8} if conn == "sub_block" else {}
+    if conn == "mode_none":
+        # Prefix caching off (Mamba cache mode "none"): vLLM's OffloadingConnector refuses
+        # the hybrid itself; the manager's guard for that mode ("... in cache mode 'none'")
+        # stays for a release that would not.
+        with pytest.raises(AssertionError, match="need --enable-prefix-caching"):
+            _fallback_line(caplog, ktc, "qwen", caching=False)
+        return
     name, lines = _fallback_line(caplog, ktc, "qwen", **cache)
     if conn in ("offload", "multi_offload"):
         assert name == "HybridKVCacheManager" and not lines, lines
