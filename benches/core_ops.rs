@@ -50,6 +50,7 @@ fn full_only(num_blocks: u32) -> Config {
         zero_new_blocks: false,
         hash_lookahead_tokens: 0,
         residency_log: false,
+        boundary_offloads: false,
     }
 }
 

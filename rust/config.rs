@@ -156,6 +156,10 @@ pub struct Config {
     /// [`crate::Allocator::take_residency_log`]. Off: one untaken branch where a block is
     /// handed out, touched or evicted.
     pub residency_log: bool,
+    /// Record the boundary states Mamba "align" groups key, for a KV connector
+    /// ([`crate::Allocator::take_boundary_state_offloads`], vLLM's
+    /// `take_boundary_state_offloads`). Off: one untaken branch per newly cached align block.
+    pub boundary_offloads: bool,
 }
 
 /// The largest pool: block ids and the free queue's two sentinel slots fit a `u32`.

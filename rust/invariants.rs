@@ -87,6 +87,14 @@ pub fn check(a: &Allocator) -> Result<(), String> {
             }
         }
     }
+    for m in a.managers() {
+        // Boundary-state offloads name live requests only (dropped with their blocks).
+        for &(h, b, tokens) in m.pending_boundary_offloads() {
+            if !a.is_live(h) || b == NULL_BLOCK || b >= n || tokens == 0 {
+                return Err(format!("group {}: boundary offload ({h}, {b}, {tokens}) is stale", m.group_id));
+            }
+        }
+    }
     a.check_noop_limits()?;
     let mut refs = vec![0u32; n as usize];
     for m in a.managers() {

@@ -380,3 +380,48 @@ fn allocate_slots_mamba_align_reserves_a_prefill_checkpoint_block_before_the_run
     a.free(h, LEVEL_NORMAL).unwrap();
     ok(&a);
 }
+
+#[test]
+fn take_boundary_state_offloads_hands_each_keyed_state_once_and_drops_a_freed_request() {
+    let kinds = [(AttentionKind::Full, BS), (mamba(true, 0), BS), (mamba(true, 0), BS)];
+    // Off (no KV connector): nothing is recorded.
+    let mut off = Allocator::new(config(&kinds, 64, true, false), Policy::Exact).unwrap();
+    let h = add(&mut off, 100, 1);
+    off.allocate_slots(h, &args(48, 0, 100, 100), NewComputed::Empty, None).unwrap().unwrap();
+    assert!(off.take_boundary_state_offloads().is_empty());
+
+    let mut cfg = config(&kinds, 64, true, false);
+    cfg.boundary_offloads = true;
+    let mut a = Allocator::new(cfg, Policy::Exact).unwrap();
+    let r1 = add(&mut a, 100, 1);
+    let r2 = add(&mut a, 100, 2);
+    // A 48-token chunk each: every Mamba group keys its state at token 48 (the null slots
+    // before it are not offered).
+    a.allocate_slots(r1, &args(48, 0, 100, 100), NewComputed::Empty, None).unwrap().unwrap();
+    a.allocate_slots(r2, &args(48, 0, 100, 100), NewComputed::Empty, None).unwrap().unwrap();
+    let (s1, s2) = (table(&a, r1, 1)[2], table(&a, r2, 1)[2]);
+    let (t1, t2) = (table(&a, r1, 2)[2], table(&a, r2, 2)[2]);
+    // Group by group, each in the order its states were keyed.
+    assert_eq!(
+        a.take_boundary_state_offloads(),
+        vec![r1, 1, s1 as u64, 48, r2, 1, s2 as u64, 48, r1, 2, t1 as u64, 48, r2, 2, t2 as u64, 48]
+    );
+    assert!(a.take_boundary_state_offloads().is_empty(), "drained");
+    // The next chunk of r1 keys its state at 96; r2's is dropped with its blocks (a
+    // preemption frees them before the scheduler takes the offloads).
+    a.allocate_slots(r1, &args(48, 48, 100, 100), NewComputed::Empty, None).unwrap().unwrap();
+    a.allocate_slots(r2, &args(48, 48, 100, 100), NewComputed::Empty, None).unwrap().unwrap();
+    a.free(r2, LEVEL_NORMAL).unwrap();
+    let s = table(&a, r1, 1)[5];
+    let t = table(&a, r1, 2)[5];
+    assert_eq!(a.take_boundary_state_offloads(), vec![r1, 1, s as u64, 96, r1, 2, t as u64, 96]);
+    // A request adopting a hit offers nothing for the hit's states (already cached).
+    a.new_step_starts();
+    let r3 = add(&mut a, 100, 1);
+    assert_eq!(a.find_longest_cache_hit(r3, 99).unwrap().num_tokens, 96);
+    let mut x = args(4, 0, 100, 100);
+    x.num_new_computed_tokens = 96;
+    a.allocate_slots(r3, &x, NewComputed::Stored, None).unwrap().unwrap();
+    assert!(a.take_boundary_state_offloads().is_empty());
+    ok(&a);
+}

@@ -151,6 +151,7 @@ impl Allocator {
                     cfg.hash_lookahead_tokens,
                 );
                 m.records_new_block_ids = cfg.zero_new_blocks && g.kind.is_attention();
+                m.set_boundary_offloads(cfg.boundary_offloads);
                 m
             })
             .collect();
@@ -231,6 +232,18 @@ impl Allocator {
         let mut out = Vec::new();
         for m in self.managers.iter_mut() {
             m.take_new_block_ids(&mut out);
+        }
+        out
+    }
+
+    /// Drains the boundary states the Mamba "align" groups keyed since the last call, for a
+    /// KV connector (vLLM's `KVCacheManager.take_boundary_state_offloads`), as flat
+    /// `[request handle, group, block, boundary tokens]` quadruples, group by group, each in
+    /// the order the group keyed them. Empty unless [`Config::boundary_offloads`].
+    pub fn take_boundary_state_offloads(&mut self) -> Vec<u64> {
+        let mut out = Vec::new();
+        for m in self.managers.iter_mut() {
+            m.take_boundary_offloads(&mut out);
         }
         out
     }

@@ -196,6 +196,8 @@ pub struct AlignState {
     /// request keyed (`tokens` 0: none). It dominates the request's earlier states: a later
     /// request re-sending the sequence resumes from it (see [`SingleTypeManager::promote_for_free`]).
     last_keyed: Vec<(BlockId, Option<HashKey>, u32)>,
+    /// The boundary states keyed for a KV connector, not yet taken (see [`super::boundary`]).
+    pub(super) offloads: super::boundary::BoundaryOffloads,
 }
 
 impl AlignState {
@@ -218,6 +220,7 @@ impl AlignState {
         self.prompt_boundary[hs] = NONE;
         self.checkpoint[hs] = (0, 0);
         self.last_keyed[hs] = (NULL_BLOCK, None, 0);
+        self.offloads.drop_slot(h);
     }
 
     /// A new scheduler step: hits on states cached in the previous step are served.
@@ -450,6 +453,7 @@ impl SingleTypeManager {
             if b != NULL_BLOCK {
                 if let Some(key) = pool.block_hash(b) {
                     st.cached_this_step.insert(*key);
+                    st.offloads.record(c.req, b, pool.block_hash_num_tokens(b));
                 }
             }
         }

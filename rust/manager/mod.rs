@@ -16,8 +16,9 @@
 //!
 //! Cross attention (one static allocation from the encoder length, never cached or recycled;
 //! refused with prefix caching on) needs only the shared bookkeeping, so it has no file.
-//! Beside the kinds: `hit` (the search's inputs), `noop` (the decode fast path's limits),
-//! `retention` (hit-aware levels), `zeroing` (KV cache zeroing records).
+//! Beside the kinds: `boundary` (Mamba "align" boundary-state offloads for a KV connector),
+//! `hit` (the search's inputs), `noop` (the decode fast path's limits), `retention`
+//! (hit-aware levels), `zeroing` (KV cache zeroing records).
 //!
 //! Per request (by handle) a manager keeps its block table and `num_cached_block`.
 //! Invariants: every non-null block in a table holds one reference for that slot; a
@@ -42,6 +43,7 @@
 //! 4. One README row in the spec table (with the test that proves it against vLLM).
 #![forbid(unsafe_code)]
 
+mod boundary;
 pub mod chunked_local;
 pub mod circular_buffer;
 pub mod full;

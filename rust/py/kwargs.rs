@@ -110,7 +110,7 @@ options! {
     /// `Allocator(...)`'s options after its five required arguments.
     NewOptions("Allocator") {
         max_in_flight_tokens, enable_caching, enable_events, watermark_blocks, retention_interval, policy,
-        zero_new_blocks, hash_lookahead_tokens, residency_log,
+        zero_new_blocks, hash_lookahead_tokens, residency_log, boundary_offloads,
     }
 }
 
@@ -165,6 +165,7 @@ impl NewOptions<'_> {
             zero_new_blocks: self.zero_new_blocks.get(false)?,
             hash_lookahead_tokens: u32_arg("hash_lookahead_tokens", self.hash_lookahead_tokens.get(0)?)?,
             residency_log: self.residency_log.get(false)?,
+            boundary_offloads: self.boundary_offloads.get(false)?,
         };
         Ok((cfg, policy))
     }

@@ -169,6 +169,13 @@ impl PyAllocatorBase {
         PyList::new(py, log.into_iter().flat_map(|(op, b)| [op as u32, b]))
     }
 
+    /// Takes the boundary states Mamba "align" groups keyed since the last take
+    /// (``boundary_offloads=True``; vLLM's ``take_boundary_state_offloads``), as flat
+    /// ``[handle, group, block_id, boundary_tokens, ...]``, group by group.
+    fn take_boundary_state_offloads<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.core()?.take_boundary_state_offloads())
+    }
+
     /// Reference count of a block.
     fn ref_cnt(&self, block_id: i64) -> PyResult<u32> {
         let core = self.core()?;

@@ -29,6 +29,7 @@ pub fn config(num_blocks: u32, groups: Vec<GroupSpec>, block_size: u32) -> Confi
         zero_new_blocks: false,
         hash_lookahead_tokens: 0,
         residency_log: false,
+        boundary_offloads: false,
     }
 }
 

@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorWorkerMetadata
@@ -40,7 +41,8 @@ def nixl_config(role: str, failure_policy: str = "recompute") -> KVTransferConfi
 
 def _plain(obj: Any, depth: int = 0) -> Any:
     """A comparable form of connector metadata: Requests by id, floats (wall-clock
-    deadlines) dropped, objects by their attributes, sets sorted."""
+    deadlines) dropped, tensors and arrays (a transfer job's block ids) as lists, objects by
+    their attributes, sets sorted."""
     if depth > 8:
         return "..."
     if isinstance(obj, Request):
@@ -49,7 +51,7 @@ def _plain(obj: Any, depth: int = 0) -> Any:
         return obj
     if isinstance(obj, float):
         return "float"
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
         return obj.tolist()
     if isinstance(obj, dict):
         return {str(k): _plain(v, depth + 1) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
@@ -246,6 +248,25 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     mgr.allocate_slots = allocate_slots  # type: ignore[method-assign]
     local_hits = _record_local_hits(mgr, calls)
     per_group = _record_per_group(mgr)
+    # The Mamba "align" boundary states the scheduler hands the connector each step, and the
+    # producer partial tails finished requests hand it, as each manager returned them.
+    boundary: list[Any] = []
+    finals: list[tuple[str, Any]] = []
+    orig_take = mgr.take_boundary_state_offloads
+    orig_finalize = mgr.finalize_partial_tail_offloads
+
+    def take_boundary_state_offloads() -> dict[str, list[tuple[int, int, int]]]:
+        res = orig_take()
+        boundary.append(list(res.items()))
+        return res
+
+    def finalize_partial_tail_offloads(request: Request) -> list[tuple[int, int, int]]:
+        res = orig_finalize(request)
+        finals.append((request.request_id, list(res)))
+        return res
+
+    mgr.take_boundary_state_offloads = take_boundary_state_offloads  # type: ignore[method-assign]
+    mgr.finalize_partial_tail_offloads = finalize_partial_tail_offloads  # type: ignore[method-assign]
     mml = setup.shape.max_model_len
     prefixes = [[rng.randrange(1, 30000) for _ in range(rng.randrange(60, 300))] for _ in range(3)]
     pending = []
@@ -287,12 +308,14 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         "sync_loads": 0,
         "stores": 0,
         "failed_sync": 0,
+        "boundary_states": 0,
     }
     # ExampleConnector: the prompts to save (folders to create) and the first block of each
     # sync load, for the step whose output is next processed.
     example_work: dict[int, tuple[list[Any], list[int]]] = {}
     multi_group = len(sched.kv_cache_config.kv_cache_groups) > 1
     in_flight: deque[tuple[Any, Any, dict[str, Any]]] = deque()
+    check = getattr(mgr, "check_invariants", None)
 
     def process(so: Any, out: Any, d: dict[str, Any], step: int) -> None:
         """The worker's answer to a step (its model output made when it was scheduled),
@@ -368,6 +391,8 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                 send_due[r] = step + w.send_delay
                 counters["delayed_free"] += 1
         d["held"] = held
+        if check is not None:
+            check()  # ours: the core's invariants (boundary offloads name live requests, ...)
         d["free"] = mgr.block_pool.get_num_free_blocks()
         d["usage"] = mgr.usage
 
@@ -416,6 +441,9 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                 recv_due.setdefault(rid, step + w.recv_delay)
         counters["waited"] += len(waiting)
         d = digest(so)
+        d["boundary"] = list(boundary)
+        counters["boundary_states"] += sum(len(e) for taken in boundary for _, e in taken)
+        boundary.clear()
         counters["preempted"] += len(d["preempted"])
         if waiting:
             # Preempted while other requests' loads are pending.
@@ -446,6 +474,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         "events": events,
         "calls": calls,
         "after_load": after_load,
+        "finals": finals,
         "counters": counters,
         "native": type(mgr).__name__,
         "finished": finished,
@@ -468,5 +497,6 @@ def assert_same_pd(case: str, ref: dict[str, Any], ours: dict[str, Any]) -> None
     assert ref["events"] == ours["events"], f"{case}: KV events differ"
     assert ref["calls"] == ours["calls"], (ref["calls"], ours["calls"])
     assert ref["after_load"] == ours["after_load"], f"{case}: the cache after an async load differs"
+    assert ref["finals"] == ours["finals"], f"{case}: finalize_partial_tail_offloads differs"
     assert ref["counters"] == ours["counters"]
     assert ref["groups"] == ours["groups"]

@@ -278,11 +278,40 @@ MAMBA_SETUPS: list[Setup] = [
 
 class ZeroingParityRun(ParityRun):
     """``ParityRun`` that also compares the block ids reported for zeroing after every
-    operation and sometimes re-records a request's blocks for zeroing."""
+    operation and sometimes re-records a request's blocks for zeroing. With Mamba "align"
+    groups and prefix caching on, ours is built as with a KV connector (the
+    OffloadingConnector), and the boundary states both managers would hand it
+    (``take_boundary_state_offloads``, recorded always by vLLM's) are compared every 16
+    operations too."""
+
+    def __init__(self, setup: Setup, seed: int, full_check_every: int = 64) -> None:
+        super().__init__(setup, seed, full_check_every)
+        self.boundary_ops = 0
+        self.boundary = setup.enable_caching and any(
+            isinstance(s, MambaSpec) and s.mamba_cache_mode == "align" for s in setup.specs
+        )
+        if self.boundary:
+            from types import SimpleNamespace
+
+            from vllm.config import KVTransferConfig
+
+            from hybrid_alloc.vllm import HybridKVCacheManager
+
+            ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
+            self.ours = HybridKVCacheManager(
+                **setup.manager_kwargs(True), vllm_config=SimpleNamespace(kv_transfer_config=ktc)
+            )
+            assert type(self.ours) is HybridKVCacheManager, f"{setup.name}: fell back with a connector"
 
     def after_op(self) -> None:
         a, b = self.ref.take_new_block_ids(), self.ours.take_new_block_ids()
         self.eq("take_new_block_ids", a, b)
+        self.boundary_ops += 1
+        if self.boundary and self.boundary_ops % 16 == 0:
+            # Every 16 operations (cheaper; entries of requests freed meanwhile must be gone).
+            x, y = self.ref.take_boundary_state_offloads(), self.ours.take_boundary_state_offloads()
+            self.eq("take_boundary_state_offloads", list(x.items()), list(y.items()))
+            self.stats["boundary_states"] = self.stats.get("boundary_states", 0) + sum(len(e) for e in x.values())
         self.stats["zeroed"] = self.stats.get("zeroed", 0) + len(a)
         # Prefill checkpoints vLLM's Mamba "align" managers hold reserved (counted per op).
         self.stats["checkpoints"] = self.stats.get("checkpoints", 0) + sum(

@@ -203,18 +203,15 @@ def test_kv_connector_rows() -> None:
     assert _cell("`ExampleConnector`").startswith("native")
     native, reason = _decide(_kwargs(_specs("swa")), vllm_config=example)
     assert not native and reason == "KV connector ExampleConnector (with a SlidingWindowSpec group) is configured"
-    # With Mamba layers: NixlConnector as consumer is served, as producer it falls back.
+    # With Mamba layers: NixlConnector in every role (alone or beside the OffloadingConnector).
     mamba = _kwargs(_specs("mamba2_align"))
-    assert _decide(mamba, vllm_config=vc(kv_connector="NixlConnector", kv_role="kv_consumer")) == (True, "")
-    assert _cell(
-        "NixlConnector (and its variants, alone or under a `MultiConnector` over them) as KV consumer"
-    ).startswith("native")
-    native, reason = _decide(mamba, vllm_config=vc(kv_connector="NixlConnector", kv_role="kv_producer"))
-    assert not native and reason.startswith("KV connector NixlConnector as kv_producer with Mamba layers is configured")
-    assert reason in _cell("other KV connectors")
-    native, reason = _decide(mamba, vllm_config=vc(kv_connector="OffloadingConnector", kv_role="kv_both"))
-    assert not native and reason == "KV connector OffloadingConnector with Mamba layers is configured"
-    assert '"... with Mamba layers is configured"' in _cell("other KV connectors")
+    for role in ("kv_consumer", "kv_producer", "kv_both"):
+        assert _decide(mamba, vllm_config=vc(kv_connector="NixlConnector", kv_role=role)) == (True, ""), role
+    assert _cell("NixlConnector (and its variants").startswith("native")
+    assert "get_computed_blocks_for_connector" in _cell("NixlConnector (and its variants")
+    # The OffloadingConnector with Mamba "align" groups: the boundary-state offloads.
+    assert _decide(_kwargs(_specs("mamba2_align")), vllm_config=off) == (True, "")
+    assert "take_boundary_state_offloads" in _cell("the native `OffloadingConnector`")
 
 
 def test_routed_experts_row() -> None:

@@ -4,8 +4,9 @@ sliding-window MLA with its compressor ring (``SlidingWindowMLASpec`` + ``Circul
 and for KV cache zeroing: vLLM's own KVCacheManager against ours on seeded random traces (shared prefixes,
 chunked prefill, decode with lookahead, preemption, aborts, resets, explicit
 ``cache_blocks`` / ``remove_skipped_blocks`` / ``record_blocks_for_zeroing``). Block ids,
-hits, free counts, usage, events and the blocks reported for zeroing must be identical after
-every call.
+hits, free counts, usage, events, the blocks reported for zeroing and, with Mamba "align"
+groups (ours built as with a KV connector), the boundary states ``take_boundary_state_offloads``
+hands over (every 16 calls) must be identical.
 
 ``HYBRID_ALLOC_PARITY_OPS`` sets the operations per configuration (default 100000)."""
 
@@ -58,6 +59,9 @@ def test_mamba_parity_random_trace(name: str) -> None:
     assert total.get("rerecorded", 0) > 0
     if setup.enable_caching:
         assert total["hits"] > 0, f"{name}: no prefix-cache hit happened"
+    if setup.enable_caching and any(getattr(s, "mamba_cache_mode", None) == "align" for s in setup.specs):
+        # The boundary states a KV connector is handed, compared every 16 operations.
+        assert total.get("boundary_states", 0) > 0, f"{name}: no boundary state was handed over"
     from vllm.v1.kv_cache_interface import MambaSpec
 
     checkpoints = setup.enable_caching and any(

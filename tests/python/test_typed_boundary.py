@@ -129,8 +129,8 @@ def test_optional_arguments_follow_pythons_rules() -> None:
         r = x.add_request()
         got.append((x.allocate_slots(r, 20, num_tokens=20), x.noop_limits(r), x.num_free_blocks))
     assert got[0] == got[1] and len(got[0][0][0]) == 2 and got[0][2] == 13
-    with pytest.raises(TypeError, match="at most 9 optional positional"):
-        Allocator(16, full, 16, 16, 4096, None, True, False, 0, 0, "exact", False, 0, False, 1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="at most 10 optional positional"):
+        Allocator(16, full, 16, 16, 4096, None, True, False, 0, 0, "exact", False, 0, False, False, 1)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="multiple values for argument 'max_in_flight_tokens'"):
         Allocator(16, full, 16, 16, 4096, 4096, max_in_flight_tokens=4096)  # type: ignore[misc]
     with pytest.raises(TypeError, match="unexpected keyword argument 'caching'"):

@@ -25,11 +25,13 @@ Anything else falls back to vLLM's own manager with one line naming the connecto
 connectors whose scheduler side reaches into vLLM's ``BlockPool`` / coordinator internals
 (SimpleCPUOffload, UMBP, MooncakeStore, HiSparse, ...), connectors whose scheduler side
 lives outside vLLM (LMCacheConnectorV1 and LMCacheMPConnector run the ``lmcache`` package's
-code), connectors loaded from a module path, and, with Mamba layers, every connector but
-NixlConnector (its variants, a MultiConnector over them) as KV consumer: its local hit is
-vLLM's per-group one (:mod:`.connector_hits`) and it reads no boundary-state offloads, while a
-producer (``kv_producer`` / ``kv_both``) also needs ``finalize_partial_tail_offloads``, not
-served yet.
+code), connectors loaded from a module path, and, with Mamba layers, any connector but
+NixlConnector (its variants) and the OffloadingConnector, alone or under MultiConnectors over
+them only. With Mamba layers NixlConnector's local hit is vLLM's per-group one
+(:mod:`.connector_hits`) and it reads no boundary-state offloads; the OffloadingConnector reads
+the boundary states the manager keys in Mamba "align" groups (``take_boundary_state_offloads``,
+see :mod:`.boundary`); a producer's ``finalize_partial_tail_offloads`` is ``[]`` in vLLM for
+every configuration served (a partial tail needs a Mamba block larger than the hash block).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from typing import Any
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
 
 __all__ = [
-    "MAMBA_PRODUCER_ROLES",
     "NATIVE_CONNECTORS",
     "SINGLE_GROUP_CONNECTORS",
     "connector_reason",
@@ -105,38 +106,26 @@ def connector_reason(vllm_config: Any, kv_cache_config: KVCacheConfig) -> str | 
     )
     if bad is not None:
         return f"KV connector {bad} is configured"
-    if any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups):
-        return _mamba_reason(name, ktc)
+    mamba = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    if mamba:
+        # Every connector ``_unserved`` passes is served with them (NixlConnector's divergent
+        # per-group hit: :mod:`.connector_hits`; the OffloadingConnector's boundary states:
+        # :mod:`.boundary`), the OffloadingConnector in cache mode "align" only.
+        extra = getattr(ktc, "kv_connector_extra_config", {})
+        if _offloading_in(name, extra) and any(s.mamba_cache_mode != "align" for s in mamba):
+            return f"KV connector {name} with Mamba layers in cache mode {mamba[0].mamba_cache_mode!r} is configured"
     return None
 
 
-# Roles whose scheduler side, with Mamba layers, needs what the manager does not serve yet:
-# a producer's partial-tail offloads at a request's end (``finalize_partial_tail_offloads``,
-# which the scheduler calls for ``is_kv_producer`` only).
-MAMBA_PRODUCER_ROLES: frozenset[str] = frozenset({"kv_producer", "kv_both"})
+def _children(extra: Any) -> list[dict[str, Any]]:
+    return list((extra or {}).get("connectors") or [])
 
 
-def _mamba_reason(name: Any, ktc: Any) -> str | None:
-    """With Mamba layers: ``None`` for NixlConnector (a variant, or a MultiConnector over
-    them only) as KV consumer, whose local hit is vLLM's per-group one
-    (:mod:`.connector_hits`); else why not."""
-    roles = [getattr(ktc, "kv_role", None)]
-    names = [name]
+def _offloading_in(name: Any, extra: Any) -> bool:
+    """Whether the OffloadingConnector is configured, alone or under MultiConnectors."""
     if name == "MultiConnector":
-        children = (getattr(ktc, "kv_connector_extra_config", None) or {}).get("connectors") or []
-        names = [c.get("kv_connector") for c in children]
-        roles += [c.get("kv_role") for c in children]
-    other = next((n for n in names if n not in NATIVE_CONNECTORS), None)
-    if other is not None:
-        where = f"{name} over {other}" if name == "MultiConnector" else str(name)
-        return f"KV connector {where} with Mamba layers is configured"
-    producer = next((r for r in roles if r in MAMBA_PRODUCER_ROLES), None)
-    if producer is not None:
-        return (
-            f"KV connector {name} as {producer} with Mamba layers is configured "
-            "(a producer's partial-tail offloads, finalize_partial_tail_offloads, are not served)"
-        )
-    return None
+        return any(_offloading_in(c.get("kv_connector"), c.get("kv_connector_extra_config")) for c in _children(extra))
+    return name == "OffloadingConnector"
 
 
 def fold_negative_external(

@@ -9,8 +9,9 @@ The rooms around it: :mod:`.compat` (what the installed vLLM offers, probed once
 :mod:`.args` (the constructor's arguments), :mod:`.plan` (what the core is built with, and
 what it does not serve), :mod:`.spec_table` (vLLM specs to named group
 specs), :mod:`.policy_env` (the retention policy's environment controls), :mod:`.blocks`
-(the ``KVCacheBlocks`` handed out), :mod:`.facades` (``block_pool``, ``coordinator``) and
-:mod:`.kv_events` (vLLM's KV cache events) and :mod:`.metrics` (residency metrics).
+(the ``KVCacheBlocks`` handed out), :mod:`.facades` (``block_pool``, ``coordinator``),
+:mod:`.kv_events` (vLLM's KV cache events), :mod:`.metrics` (residency metrics) and
+:mod:`.boundary` (Mamba boundary-state offloads for a KV connector).
 
 For a configuration the core does not serve exactly, and for anything the adapter does not
 know at construction (an argument it has never seen, a missing attribute, an exception while
@@ -44,6 +45,7 @@ from hybrid_alloc._core import Allocator, BlockIds, FastAllocate, Hit, HybridAll
 from hybrid_alloc.vllm import compat, policy_env
 from hybrid_alloc.vllm.args import KNOWN_ARGS, ManagerArgs
 from hybrid_alloc.vllm.blocks import EmptyKVCacheBlocks, HitBlocks, NativeBlock, NativeKVCacheBlocks
+from hybrid_alloc.vllm.boundary import BoundaryOffloads
 from hybrid_alloc.vllm.compat import (
     EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE,
     LOOKAHEAD_HASHES,
@@ -212,6 +214,8 @@ class HybridKVCacheManager:
         # only the hashes it has not seen (from the first difference when vLLM rewrote the list).
         self._reqs: dict[str, RequestState] = {}
         self._hit_gen = 0
+        # With a KV connector and Mamba "align" groups: the boundary states to hand off.
+        self._boundary = BoundaryOffloads(self._alloc) if native.get("boundary_offloads") else None
         self.block_pool = NativeBlockPool(self, a.hash_block_size, kvc.num_blocks)
         self.coordinator = NativeCoordinator(self, kvc, [g.block_size for g in native["groups"]], a.dcp_world_size)
         # The scheduler's hot call goes straight to Rust (see ``allocate_slots``): an instance
@@ -245,6 +249,8 @@ class HybridKVCacheManager:
         if st is None:
             st = RequestState(self._alloc.add_request())
             self._reqs[request.request_id] = st
+            if self._boundary is not None:
+                self._boundary.req_ids[st.handle] = request.request_id
             request._hybrid_alloc_handle = st.handle
         return st
 
@@ -402,6 +408,8 @@ class HybridKVCacheManager:
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             request._hybrid_alloc_handle = -1
+            if self._boundary is not None:
+                del self._boundary.req_ids[st.handle]
             rp = self._retain_priority
             self._alloc.free(st.handle, retain=rp is not None and request.priority <= rp)
 
@@ -417,6 +425,8 @@ class HybridKVCacheManager:
         if st is None:
             return []
         request._hybrid_alloc_handle = -1
+        if self._boundary is not None:
+            del self._boundary.req_ids[st.handle]
         groups = self._alloc.block_ids(st.handle) if compat.TRIM_NULL_HEAD else None
         ids = self._alloc.pop_blocks_for_free(st.handle)
         if groups is not None:
@@ -537,9 +547,10 @@ class HybridKVCacheManager:
         return [], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        return {}
+        return {} if self._boundary is None else self._boundary.take()
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        # Only for sub-block partial keys, which fall back (see ``.boundary``).
         return []
 
     def new_step_starts(self) -> None:

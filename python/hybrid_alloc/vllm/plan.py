@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheGroupRole, KVCacheSpec
+from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheGroupRole, KVCacheSpec, MambaSpec
 
 from hybrid_alloc.specs import GroupSpec
 from hybrid_alloc.vllm import compat, policy_env
@@ -70,6 +70,12 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         native["zero_new_blocks"] = True
     if a.metrics_collector:  # vLLM's pool tests it so (see ``metrics``)
         native["residency_log"] = True
+    if getattr(vllm_config, "kv_transfer_config", None) is not None and any(
+        isinstance(g.kv_cache_spec, MambaSpec) for g in kvc.kv_cache_groups
+    ):
+        # The scheduler hands a connector the boundary states Mamba "align" groups key (see
+        # ``.boundary``); without a connector nobody reads them.
+        native["boundary_offloads"] = True
     if a.num_hash_lookahead_tokens > 0:
         # 0.33 moves the Mamba "align" prefill checkpoint positions by the lookahead tokens.
         native["hash_lookahead_tokens"] = a.num_hash_lookahead_tokens
