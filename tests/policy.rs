@@ -12,6 +12,9 @@
 //! - a block served in a hit since it was cached (with the content it was served with) is
 //!   never on probation (`LEVEL_PROBATION`, the state-space hybrids' rule for requests
 //!   whose own hit saved under half their prompt: only the blocks they computed go there);
+//! - with a Mamba group, a free full-attention block that duplicates the block a lookup of
+//!   its key finds (recomputed because no state served it) is speculative, and a state marked
+//!   a branch point (at a junction another request shares) is not;
 //!
 //! and every hit the allocator serves is checked block by block, in every group, against
 //! the request's own content, with the blocks the attention type needs all present.
@@ -363,6 +366,26 @@ impl Model {
         for (&b, &content) in &self.served {
             if pool.block_hash(b).is_some() && self.held[b as usize] == content {
                 assert_ne!(pool.level(b), LEVEL_PROBATION, "block {b}, served in a hit, is on probation");
+            }
+        }
+        if self.has_mamba() && pool.is_leveled() {
+            let mut first = Vec::new();
+            for b in 1..pool.num_blocks() {
+                let Some(&(hash, g)) = pool.block_hash(b) else { continue };
+                let kind = self.kinds[g as usize];
+                pool.get_cached_block(&hash, &[g], &mut first);
+                let is_first = first.first() == Some(&b);
+                if kind.is_full() && pool.ref_cnt(b) == 0 && !is_first && !pool.is_pinned_key(&(hash, g)) {
+                    assert_eq!(
+                        pool.level(b),
+                        LEVEL_SPECULATIVE,
+                        "free block {b} duplicates block {:?}, which lookups find, and is not speculative",
+                        first.first()
+                    );
+                }
+                if matches!(kind, AttentionKind::Mamba { .. }) && pool.is_branch(b) && is_first {
+                    assert_ne!(pool.level(b), LEVEL_SPECULATIVE, "state block {b}, a branch point, is speculative");
+                }
             }
         }
     }
