@@ -24,6 +24,15 @@ use crate::policy::{Level, LEVEL_NORMAL, LEVEL_PINNED, NUM_LEVELS};
 use crate::prefix_index::{HashKey, PrefixIndex};
 use rustc_hash::FxHashSet;
 
+/// Hit-aware block flag: served in a cache hit since it was cached.
+const FLAG_REUSED: u8 = 1;
+/// Hit-aware block flag: a Mamba state at a shared-prefix junction (see
+/// `SingleTypeManager::demote_passed_state`).
+const FLAG_BRANCH: u8 = 2;
+/// Hit-aware block flag: a full-attention block that ended a finished request's cached
+/// sequence (a chat's next turn continues there; see `Allocator::free`).
+const FLAG_TAIL: u8 = 4;
+
 /// A KV cache event, in the order vLLM emits them. `Stored` carries what the vLLM adapter
 /// needs to build `BlockStored` (token ids and extra keys come from the request there).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -128,9 +137,11 @@ pub struct BlockPool {
     /// Retention level of each block (the `hit-aware` policy): where a cached block goes
     /// when freed. Empty under `exact`, whose queue has a single LRU level.
     level: Vec<Level>,
-    /// Hit-aware: whether a block was served in a cache hit since it was cached (it proved
-    /// reuse: never put on `LEVEL_PROBATION`). Empty under `exact`.
-    reused: Vec<bool>,
+    /// Hit-aware: what a block proved since it was cached, as bits: [`FLAG_REUSED`] (served
+    /// in a cache hit: never put on `LEVEL_PROBATION`) and [`FLAG_BRANCH`] (a Mamba state
+    /// where requests branch off: kept when a request passes it). Cleared when the block
+    /// loses its hash. Empty under `exact`.
+    flags: Vec<u8>,
     /// Hash keys of pinned prefixes: a block cached under one is freed at `LEVEL_PINNED`.
     pinned_keys: FxHashSet<HashKey>,
     /// Free cached blocks at `LEVEL_PINNED` (invariant: equals the count in the queue).
@@ -193,7 +204,7 @@ impl BlockPool {
         }
         .map_err(oom("the free queue"))?;
         let level = if leveled { try_filled(n, LEVEL_NORMAL).map_err(oom("block levels"))? } else { Vec::new() };
-        let reused = if leveled { try_filled(n, false).map_err(oom("block reuse bits"))? } else { Vec::new() };
+        let flags = if leveled { try_filled(n, 0u8).map_err(oom("block flags"))? } else { Vec::new() };
         let null = queue.pop_front();
         debug_assert_eq!(null, Some(NULL_BLOCK));
         Ok(Self {
@@ -204,7 +215,7 @@ impl BlockPool {
             hash_tokens,
             queue,
             level,
-            reused,
+            flags,
             pinned_keys: FxHashSet::default(),
             pinned_free: 0,
             pinned_cap: (num_blocks.saturating_sub(1)) / 4,
@@ -327,7 +338,39 @@ impl BlockPool {
     /// Hit-aware: whether `b` was served in a cache hit since it was cached (false under
     /// `exact`).
     pub fn reused(&self, b: BlockId) -> bool {
-        self.reused.get(b as usize).copied().unwrap_or(false)
+        self.flags.get(b as usize).is_some_and(|f| f & FLAG_REUSED != 0)
+    }
+
+    /// Hit-aware: whether `b` (a Mamba state) was marked a branch point since it was cached
+    /// ([`Self::mark_branch`]; false under `exact`).
+    pub fn is_branch(&self, b: BlockId) -> bool {
+        self.flags.get(b as usize).is_some_and(|f| f & FLAG_BRANCH != 0)
+    }
+
+    /// Hit-aware: marks cached block `b` a branch point until it loses its hash (no-op under
+    /// `exact` or for an unhashed block).
+    pub(crate) fn mark_branch(&mut self, b: BlockId) {
+        self.set_flag(b, FLAG_BRANCH);
+    }
+
+    /// Hit-aware: whether `b` ended a finished request's cached sequence since it was cached
+    /// ([`Self::mark_tail`]; false under `exact`).
+    pub fn is_tail(&self, b: BlockId) -> bool {
+        self.flags.get(b as usize).is_some_and(|f| f & FLAG_TAIL != 0)
+    }
+
+    /// Hit-aware: marks cached block `b` as the end of a finished request's cached sequence
+    /// until it loses its hash (no-op under `exact` or for an unhashed block).
+    pub(crate) fn mark_tail(&mut self, b: BlockId) {
+        self.set_flag(b, FLAG_TAIL);
+    }
+
+    fn set_flag(&mut self, b: BlockId, flag: u8) {
+        if self.hash[b as usize].is_some() {
+            if let Some(f) = self.flags.get_mut(b as usize) {
+                *f |= flag;
+            }
+        }
     }
 
     /// Retention level of `b` (`LEVEL_NORMAL` without levels).
@@ -520,8 +563,8 @@ impl BlockPool {
         }
         let Some(key) = self.hash[b as usize].take() else { return false };
         self.hash_tokens[b as usize] = 0;
-        if let Some(r) = self.reused.get_mut(b as usize) {
-            *r = false;
+        if let Some(f) = self.flags.get_mut(b as usize) {
+            *f = 0;
         }
         if self.index.remove(&key, b) && self.enable_events {
             self.events.push(Event::Removed { hash: key.0, group: key.1 });
@@ -544,8 +587,8 @@ impl BlockPool {
                 self.queue.remove(b);
             }
             self.ref_cnt[b as usize] += 1;
-            if let Some(r) = self.reused.get_mut(b as usize) {
-                *r = true;
+            if let Some(f) = self.flags.get_mut(b as usize) {
+                *f |= FLAG_REUSED;
             }
         }
     }
@@ -694,8 +737,8 @@ impl BlockPool {
         for t in self.hash_tokens.iter_mut() {
             *t = 0;
         }
-        for r in self.reused.iter_mut() {
-            *r = false;
+        for f in self.flags.iter_mut() {
+            *f = 0;
         }
         self.pinned_free = 0;
         self.note(ResidencyOp::Reset, NULL_BLOCK);

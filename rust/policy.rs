@@ -27,6 +27,16 @@
 //!      tail together with the full-attention blocks of the same span instead of leaving one
 //!      group holding blocks the other can no longer complete.
 //!
+//!   5. *State-space hybrids (Mamba "align"): only the states a hit resumes from keep their
+//!      level.* A state its request has passed (a chat's previous turn, once the next turn
+//!      computes on from it; the prompt's tail state, once decode passes the next boundary)
+//!      goes to [`LEVEL_SPECULATIVE`] unless it is a branch point (a junction the lookup found
+//!      shared with another request, or pinned; a prefix where a finished request's sequence
+//!      ended, which a chat's next turn continues, is no junction). A full-attention block
+//!      that duplicates the one lookups find for its key (recomputed because no state served
+//!      it) is freed speculative. So under pressure the pool holds whole hit units, not
+//!      dominated states and unreachable copies.
+//!
 //!   User controls ride on the same levels: blocks of a request freed with a retention
 //!   priority and blocks of a pinned prefix go to [`LEVEL_PINNED`] (bounded share of the
 //!   pool; see [`crate::Allocator::pin_prefix`]).

@@ -12,6 +12,9 @@
 //! - a block served in a hit since it was cached (with the content it was served with) is
 //!   never on probation (`LEVEL_PROBATION`, the state-space hybrids' rule for requests
 //!   whose own hit saved under half their prompt: only the blocks they computed go there);
+//! - with a Mamba group, a free full-attention block that duplicates the block a lookup of
+//!   its key finds (recomputed because no state served it) is speculative, and a state marked
+//!   a branch point (at a junction another request shares) is not;
 //!
 //! and every hit the allocator serves is checked block by block, in every group, against
 //! the request's own content, with the blocks the attention type needs all present.
@@ -363,6 +366,26 @@ impl Model {
         for (&b, &content) in &self.served {
             if pool.block_hash(b).is_some() && self.held[b as usize] == content {
                 assert_ne!(pool.level(b), LEVEL_PROBATION, "block {b}, served in a hit, is on probation");
+            }
+        }
+        if self.has_mamba() && pool.is_leveled() {
+            let mut first = Vec::new();
+            for b in 1..pool.num_blocks() {
+                let Some(&(hash, g)) = pool.block_hash(b) else { continue };
+                let kind = self.kinds[g as usize];
+                pool.get_cached_block(&hash, &[g], &mut first);
+                let is_first = first.first() == Some(&b);
+                if kind.is_full() && pool.ref_cnt(b) == 0 && !is_first && !pool.is_pinned_key(&(hash, g)) {
+                    assert_eq!(
+                        pool.level(b),
+                        LEVEL_SPECULATIVE,
+                        "free block {b} duplicates block {:?}, which lookups find, and is not speculative",
+                        first.first()
+                    );
+                }
+                if matches!(kind, AttentionKind::Mamba { .. }) && pool.is_branch(b) && is_first {
+                    assert_ne!(pool.level(b), LEVEL_SPECULATIVE, "state block {b}, a branch point, is speculative");
+                }
             }
         }
     }
@@ -850,4 +873,57 @@ fn unpinned_prefix_hits_on_second_sighting_mamba_align_hit_aware_only() {
         }
         assert_eq!(hits, vec![0, second, 16], "{policy:?}: hit tokens per sighting");
     }
+}
+
+#[test]
+fn chat_turn_passing_its_hit_state_leaves_it_speculative_mamba_align() {
+    // Full attention + Mamba "align", a 2-turn chat: turn 1 (a 10-token prompt decoded to 17
+    // tokens) ends with its furthest state at 16 tokens, kept at the normal level. Turn 2
+    // re-sends those 16 tokens and 6 more, hits that state and decodes past the next two
+    // block boundaries: the state it passed goes speculative, and its own furthest state (at
+    // 28) is kept at the normal level. Under exact nothing is leveled.
+    let kinds = [AttentionKind::Full, mamba_align()];
+    let contents: Vec<u64> = (0..8).map(|i| 5_000 + i).collect();
+    let hashes: Vec<BlockHash> = chain(&contents).into_iter().map(BlockHash::from_u64).collect();
+    let mut a = Allocator::new(config(&kinds, 64, Some(0)), Policy::HitAware).unwrap();
+    let state_level = |a: &Allocator, tokens: u32| {
+        let mut out = Vec::new();
+        a.pool().get_cached_block(&hashes[(tokens / BS - 1) as usize], &[1], &mut out);
+        out.first().map(|&b| a.pool().level(b))
+    };
+    let turn = |a: &mut Allocator, prompt: u32, end: u32| -> u32 {
+        let h = a.add_request();
+        a.append_hashes(h, &common::hash_bytes(&hashes[..(end / BS) as usize]), 8).unwrap();
+        let hit = a.find_longest_cache_hit(h, prompt - 1).unwrap();
+        a.new_step_starts();
+        let args = AllocateArgs {
+            num_new_tokens: prompt - hit.num_tokens,
+            num_new_computed_tokens: hit.num_tokens,
+            num_prompt_tokens: prompt,
+            num_tokens: prompt,
+            ..Default::default()
+        };
+        let nc = if hit.num_tokens > 0 { NewComputed::Stored } else { NewComputed::Empty };
+        assert!(a.allocate_slots(h, &args, nc, None).unwrap().is_some());
+        for c in prompt..end {
+            a.new_step_starts();
+            let args = AllocateArgs {
+                num_new_tokens: 1,
+                num_computed_tokens: c,
+                num_prompt_tokens: prompt,
+                num_tokens: c + 1,
+                ..Default::default()
+            };
+            assert!(a.allocate_slots(h, &args, NewComputed::Empty, None).unwrap().is_some());
+        }
+        a.free(h, LEVEL_NORMAL).unwrap();
+        a.new_step_starts();
+        hit.num_tokens
+    };
+    assert_eq!(turn(&mut a, 10, 17), 0);
+    assert_eq!(state_level(&a, 16), Some(LEVEL_PROBATION), "turn 1 hit nothing: its state is on probation");
+    assert_eq!(turn(&mut a, 22, 29), 16, "turn 2 resumes from turn 1's furthest state");
+    assert_eq!(state_level(&a, 16), Some(LEVEL_SPECULATIVE), "the state turn 2 passed");
+    assert_eq!(state_level(&a, 28), Some(LEVEL_NORMAL), "turn 2's furthest state");
+    invariants::check(&a).unwrap();
 }

@@ -146,8 +146,20 @@ impl Allocator {
             let probation = level <= LEVEL_NORMAL
                 && (hit as u64) * 2 < prompt as u64
                 && self.managers.iter().any(|m| m.is_mamba_align());
+            let mamba = self.managers.iter().any(|m| m.is_mamba_align());
             for m in self.managers.iter() {
+                if mamba && m.spec.kind.is_full() {
+                    // Where a chat's next turn continues: a junction found there later is
+                    // no branch point (see `Allocator::find_hit`).
+                    let n = m.num_cached(s) as usize;
+                    if let Some(&b) = n.checked_sub(1).and_then(|i| m.blocks(s).get(i)) {
+                        self.pool.mark_tail(b);
+                    }
+                }
                 m.promote_for_free(&mut self.pool, s, level.max(LEVEL_NORMAL), LEVEL_SPECULATIVE);
+                if mamba {
+                    m.demote_duplicates(&mut self.pool, s);
+                }
                 if probation {
                     m.demote_unproven(&mut self.pool, s, hit);
                 }

@@ -176,10 +176,23 @@ impl Allocator {
             CoordinatorKind::Hybrid => {
                 let mut res = self.hybrid_hit(s, max_cache_hit_length, &mut hit);
                 let mut junction = self.pinned_junction(s, max_cache_hit_length);
+                let known = res.num_tokens + res.num_uncached_common_prefix_tokens;
+                if self.pool.is_leveled() {
+                    // A junction another request shares (or a pin) is a branch point, unless
+                    // the shared prefix is where a finished request's sequence ended (a
+                    // chat's earlier turn, which this request continues).
+                    let shared = if res.num_uncached_common_prefix_tokens > 0 && !self.ends_a_sequence(s, known) {
+                        known
+                    } else {
+                        0
+                    };
+                    for m in self.managers.iter_mut().filter(|m| m.is_mamba_align()) {
+                        m.set_align_junction(s, junction.max(shared));
+                    }
+                }
                 if junction == 0 && res.num_tokens == 0 && res.num_uncached_common_prefix_tokens == 0 {
                     junction = self.first_sighting_junction(max_cache_hit_length);
                 }
-                let known = res.num_tokens + res.num_uncached_common_prefix_tokens;
                 if junction > known {
                     res.num_uncached_common_prefix_tokens = junction - res.num_tokens;
                 }
@@ -188,6 +201,20 @@ impl Allocator {
         };
         self.reqs[s as usize].hit = hit;
         res
+    }
+
+    /// Hit-aware: whether the full-attention block of `s` ending at `tokens` ended a
+    /// finished request's cached sequence ([`crate::block_pool::BlockPool::is_tail`]). O(groups).
+    fn ends_a_sequence(&self, s: Slot, tokens: u32) -> bool {
+        let hashes = &self.reqs[s as usize].hashes;
+        self.managers.iter().filter(|m| m.spec.kind.is_full()).any(|m| {
+            let bs = m.block_size();
+            let view = HashView { hashes, scale: bs / self.cfg.hash_block_size };
+            let n = tokens / bs;
+            n > 0
+                && n <= view.len()
+                && self.pool.index().get_one(&(view.get(n - 1), m.group_id)).is_some_and(|b| self.pool.is_tail(b))
+        })
     }
 
     /// Hit-aware, Mamba "align": where a pinned prefix the request starts with ends, at a

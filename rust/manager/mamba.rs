@@ -198,6 +198,11 @@ pub struct AlignState {
     last_keyed: Vec<(BlockId, Option<HashKey>, u32)>,
     /// The boundary states keyed for a KV connector, not yet taken (see [`super::boundary`]).
     pub(super) offloads: super::boundary::BoundaryOffloads,
+    /// Hit-aware only: `junction[h]`, the junction the request's last lookup found shared
+    /// with another request or pinned (0: none). The state there is where other requests
+    /// branch off: it is not demoted when the request passes it (see
+    /// [`SingleTypeManager::demote_passed_state`]).
+    junction: Vec<u32>,
 }
 
 impl AlignState {
@@ -209,6 +214,7 @@ impl AlignState {
         self.prompt_boundary.resize(n, NONE);
         self.checkpoint.resize(n, (0, 0));
         self.last_keyed.resize(n, (NULL_BLOCK, None, 0));
+        self.junction.resize(n, 0);
     }
 
     /// Forgets slot `h`.
@@ -221,6 +227,7 @@ impl AlignState {
         self.checkpoint[hs] = (0, 0);
         self.last_keyed[hs] = (NULL_BLOCK, None, 0);
         self.offloads.drop_slot(h);
+        self.junction[hs] = 0;
     }
 
     /// A new scheduler step: hits on states cached in the previous step are served.
@@ -407,15 +414,23 @@ impl SingleTypeManager {
             let last = ((skipped / bs) as usize).min(self.req_blocks[hs].len());
             let first = self.align().retired[hs] as usize;
             if first < last {
+                if pool.is_leveled() {
+                    for i in first..last {
+                        self.demote_passed_state(pool, h, self.req_blocks[hs][i]);
+                    }
+                }
                 self.null_out_backwards(pool, h, first, last, false);
                 self.align_mut().retired[hs] = last as u32;
             }
         }
         let ls = self.align().last_state[hs];
         if ls != NONE && (ls as u64) + 1 < cdiv(processed as u64, bs as u64) {
-            let table = &mut self.req_blocks[hs];
-            let b = table[ls as usize];
+            let b = self.req_blocks[hs][ls as usize];
             if b != NULL_BLOCK {
+                if pool.is_leveled() {
+                    self.demote_passed_state(pool, h, b);
+                }
+                let table = &mut self.req_blocks[hs];
                 pool.free_blocks([b]);
                 table[ls as usize] = NULL_BLOCK;
             }
@@ -477,6 +492,20 @@ impl SingleTypeManager {
     pub(super) fn align_dominant_state(&self, pool: &BlockPool, h: Slot) -> Option<BlockId> {
         let (b, key, _) = *self.align().last_keyed.get(h as usize)?;
         (key.is_some() && pool.block_hash(b) == key.as_ref()).then_some(b)
+    }
+
+    /// Hit-aware: the junction `h`'s last lookup found shared (0: none).
+    pub(super) fn align_junction(&self, h: Slot) -> u32 {
+        self.align().junction.get(h as usize).copied().unwrap_or(0)
+    }
+
+    /// Hit-aware: records the junction `h`'s lookup found shared with another request or
+    /// pinned (0: none; not a first-sighting guess), where other requests branch off.
+    pub fn set_align_junction(&mut self, h: Slot, pos: u32) {
+        let st = self.align_mut();
+        if let Some(j) = st.junction.get_mut(h as usize) {
+            *j = pos;
+        }
     }
 
     /// vLLM's `_cache_partial_tail_block` when the Mamba block is the hash block: at the

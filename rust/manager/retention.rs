@@ -9,7 +9,7 @@ use super::{sliding_window, SingleTypeManager};
 use crate::block_pool::BlockPool;
 use crate::config::AttentionKind;
 use crate::ids::{BlockId, GroupId, Slot, NULL_BLOCK};
-use crate::policy::{Level, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_PROBATION, LEVEL_SPECULATIVE};
+use crate::policy::{Level, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_SPECULATIVE};
 
 impl SingleTypeManager {
     /// Contiguous cached blocks a hit in this group needs at its end (`None`: the group
@@ -29,6 +29,22 @@ impl SingleTypeManager {
     pub fn promote_for_free(&self, pool: &mut BlockPool, h: Slot, lvl: Level, floor: Level) {
         let table = &self.req_blocks[h as usize];
         let end = (self.num_cached(h) as usize).min(table.len());
+        if self.is_mamba_align() {
+            // The furthest state the request keyed is where the next turn resumes; the
+            // earlier states it holds are passed (see `demote_passed_state`).
+            let dominant = self.align_dominant_state(pool, h);
+            for &b in &table[..end] {
+                if Some(b) != dominant {
+                    self.demote_passed_state(pool, h, b);
+                }
+            }
+            if let Some(b) = dominant {
+                if pool.level(b) < lvl {
+                    pool.set_level(b, lvl);
+                }
+            }
+            return;
+        }
         let tail = self.hit_tail_blocks().map_or(end, |n| n as usize);
         for (i, &b) in table[..end].iter().enumerate() {
             if b == NULL_BLOCK || pool.block_hash(b).is_none() {
@@ -39,16 +55,40 @@ impl SingleTypeManager {
                 pool.set_level(b, want);
             }
         }
-        // Mamba "align": the furthest state the request keyed (often already free: decode
-        // returns the previous state block) is where the next turn resumes; the earlier
-        // states it dominates stay speculative.
-        if self.is_mamba_align() {
-            if let Some(b) = self.align_dominant_state(pool, h) {
-                if pool.level(b) < lvl {
-                    pool.set_level(b, lvl);
-                }
+    }
+
+    /// Hit-aware: the cached blocks of `h` that are not the block a lookup of their key finds
+    /// (a copy of a prefix cached before, recomputed because no state served it) go to
+    /// [`LEVEL_SPECULATIVE`]: no hit can use them while the other copy is cached (a pinned
+    /// key's block still goes back at the pinned level). O(table).
+    pub fn demote_duplicates(&self, pool: &mut BlockPool, h: Slot) {
+        for &b in &self.req_blocks[h as usize] {
+            let Some(key) = (b != NULL_BLOCK).then(|| pool.block_hash(b)).flatten() else { continue };
+            if pool.level(b) != LEVEL_SPECULATIVE && pool.index().get_one(key) != Some(b) {
+                pool.set_level(b, LEVEL_SPECULATIVE);
             }
         }
+    }
+
+    /// Hit-aware, Mamba "align": a state block `h` holds and has passed (it computes on
+    /// from a later state, or ends with a later one) goes to [`LEVEL_SPECULATIVE`]: a
+    /// request re-sending this sequence resumes from the later state (a chat's next turn
+    /// does), so the earlier one only uses memory nothing else wants. A state at the
+    /// shared-prefix boundary `h` reported is where other requests branch off: it is marked a
+    /// branch point ([`BlockPool::mark_branch`]) and keeps its level, as does every branch
+    /// point passed later, a block another request holds, and a pinned block. O(1).
+    pub fn demote_passed_state(&self, pool: &mut BlockPool, h: Slot, b: BlockId) {
+        if b == NULL_BLOCK || pool.block_hash(b).is_none() {
+            return;
+        }
+        if pool.block_hash_num_tokens(b) == self.align_junction(h) {
+            pool.mark_branch(b);
+        }
+        let lvl = pool.level(b);
+        if lvl == LEVEL_SPECULATIVE || lvl >= LEVEL_PINNED || pool.ref_cnt(b) > 1 || pool.is_branch(b) {
+            return;
+        }
+        pool.set_level(b, LEVEL_SPECULATIVE);
     }
 
     /// Hit-aware, state-space hybrids: the blocks `h` cached past its adopted hit of
