@@ -3,8 +3,9 @@
 //!
 //! # The `Request` protocol
 //! What `FastAllocate.__call__` reads from the `request` it is given (vLLM's `Request`), only
-//! on a plain step (no new hit, no other keyword, `num_new_tokens > 0`), each attribute
-//! only when the core asks for it ([`StepFields`]):
+//! on a plain step as the scheduler makes it for a running request (`(request,
+//! num_new_tokens)` and at most the keyword `num_lookahead_tokens`, `num_new_tokens > 0`),
+//! each attribute only when the core asks for it ([`StepFields`]):
 //! - `_hybrid_alloc_handle: int`, optional: the request's handle in this allocator, set by
 //!   the adapter; absent, negative or stale sends the call to `slow`.
 //! - `num_computed_tokens: int`: always.
@@ -23,7 +24,7 @@
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use pyo3::PyTraverseError;
 
 use super::allocator::PyAllocator;
@@ -71,6 +72,46 @@ impl StepFields for PyStep<'_, '_> {
     }
 }
 
+/// `(request, num_new_tokens, num_lookahead_tokens)` of a plain step as the scheduler
+/// calls it for a running request: two positionals, `num_new_tokens` an int above 0, and no
+/// keyword but an int `num_lookahead_tokens`. Anything else (another keyword, a third
+/// positional, a value of the wrong type) is `None`: the call goes to `slow`, which takes
+/// every argument and raises for a wrong one. Cost: no Python object is made; the keyword's
+/// dict is read by its one item, not probed.
+fn decode_call<'py>(
+    args: &Bound<'py, PyTuple>,
+    kwargs: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Option<(Bound<'py, PyAny>, i64, i64)>> {
+    if args.len() != 2 {
+        return Ok(None);
+    }
+    let Ok(num_new_tokens) = args.get_borrowed_item(1)?.extract::<i64>() else { return Ok(None) };
+    if num_new_tokens <= 0 {
+        return Ok(None);
+    }
+    let look = match kwargs {
+        None => 0,
+        Some(d) => match d.len() {
+            0 => 0,
+            // The dict's one item, and the key compared by identity first (CPython interns
+            // keyword names): cheaper than a probe by key.
+            1 => {
+                let Some((key, value)) = d.iter().next() else { return Ok(None) };
+                let name = intern!(args.py(), "num_lookahead_tokens");
+                if !(key.is(name) || key.eq(name)?) {
+                    return Ok(None);
+                }
+                match value.extract::<i64>() {
+                    Ok(n) => n,
+                    Err(_) => return Ok(None),
+                }
+            }
+            _ => return Ok(None),
+        },
+    };
+    Ok(Some((args.get_item(0)?, num_new_tokens, look)))
+}
+
 /// The callbacks of a `FastAllocate` (dropped by the garbage collector's `__clear__`).
 struct Callbacks {
     /// What a step with no new block returns (vLLM's empty `KVCacheBlocks`).
@@ -85,7 +126,7 @@ struct Callbacks {
 }
 
 /// `allocate_slots` for the vLLM adapter, called by the scheduler for every request every
-/// step. A plain step of a running request (no new hit, no other keyword) is served here
+/// step. A plain step of a running request (see [`decode_call`]) is served here
 /// by the core's `plain_step`: answered without any work when the request's no-op limits
 /// prove it changes nothing (15 of 16 decode steps at block size 16), else with one call
 /// into the core, which reads the request's fields and new block hashes itself. Every
@@ -158,35 +199,27 @@ impl FastAllocate {
         Self { alloc, callbacks: Some(Callbacks { empty, slow, make_blocks, on_events }) }
     }
 
-    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
-        num_lookahead_tokens=0, **rest))]
-    fn __call__(
-        &self,
-        request: &Bound<'_, PyAny>,
-        num_new_tokens: i64,
-        num_new_computed_tokens: i64,
-        new_computed_blocks: Option<Py<PyAny>>,
-        num_lookahead_tokens: i64,
-        rest: Option<&Bound<'_, PyDict>>,
-    ) -> PyResult<Py<PyAny>> {
-        let py = request.py();
+    /// `allocate_slots(request, num_new_tokens, num_new_computed_tokens=0,
+    /// new_computed_blocks=None, num_lookahead_tokens=0, **rest)`, vLLM's signature. Taken
+    /// as `*args, **kwargs` and read here, not by pyo3's argument parser: the scheduler's
+    /// decode call (`(request, num_new_tokens, num_lookahead_tokens=n)`, see
+    /// [`decode_call`]) is recognised from the tuple and the one-key dict CPython builds for
+    /// it anyway, and every other call is forwarded to `slow` as it came.
+    #[pyo3(signature = (*args, **kwargs))]
+    fn __call__(&self, args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Py<PyAny>> {
+        let py = args.py();
         let cb = self.callbacks()?;
-        let plain = new_computed_blocks.is_none()
-            && num_new_computed_tokens == 0
-            && num_new_tokens > 0
-            && rest.is_none_or(|d| d.is_empty());
-        if plain {
+        if let Some((request, num_new_tokens, num_lookahead_tokens)) = decode_call(args, kwargs)? {
             if let Some(tag) = request.getattr_opt(intern!(py, "_hybrid_alloc_handle"))? {
                 let tag: i64 = tag.extract()?;
                 if let Ok(h) = u64::try_from(tag) {
-                    if let Some(out) = self.plain(py, cb, request, h, num_new_tokens, num_lookahead_tokens)? {
+                    if let Some(out) = self.plain(py, cb, &request, h, num_new_tokens, num_lookahead_tokens)? {
                         return Ok(out);
                     }
                 }
             }
         }
-        let args = (request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens);
-        Ok(cb.slow.bind(py).call(args, rest)?.unbind())
+        Ok(cb.slow.bind(py).call(args, kwargs)?.unbind())
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {

@@ -575,6 +575,46 @@ def test_fast_allocate_noop_crossing_and_fallback() -> None:
     a.check_invariants()
 
 
+def test_fast_allocate_serves_only_the_decode_call_form_and_forwards_the_rest_as_given() -> None:
+    """The fast path reads ``*args, **kwargs`` itself: it serves ``(request, n)`` and
+    ``(request, n, num_lookahead_tokens=k)`` (the scheduler's decode call); any other form,
+    explicit defaults included, or a value of the wrong type, reaches ``slow`` with the
+    positionals and keywords exactly as given (so its own checks and errors apply)."""
+    a = alloc()
+    r = a.add_request()
+    allocate(a, r, 20, new=hashes(1), tokens=20)
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def slow(*args: Any, **kw: Any) -> str:
+        seen.append((args, kw))
+        return "slow"
+
+    fa: FastAllocate[Any] = FastAllocate(a, EMPTY, slow, lambda groups: ("blocks", groups), None)
+    req = FakeRequest(r, 20, 21, hashes(1))
+    assert fa(req, 1) is EMPTY
+    assert fa(req, 1, num_lookahead_tokens=0) is EMPTY
+    assert fa(req, 1, num_lookahead_tokens=11) is EMPTY  # 20 + 1 + 11 slots: block 2 holds them
+    assert fa(req, 1, **{"".join(["num_look", "ahead_tokens"]): 0}) is EMPTY  # a key equal, not interned
+    assert seen == []
+    forms: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((req, 1, 0), {}),
+        ((req, 1), {"num_new_computed_tokens": 0}),
+        ((req, 1), {"num_lookahead_tokens": 0, "new_computed_blocks": None}),
+        ((req,), {"num_new_tokens": 1}),
+        ((req, 0), {}),
+        ((req, "1"), {}),
+        ((req, 1), {"num_lookahead_tokens": "0"}),
+        ((req, 1), {"delay_cache_blocks": True}),
+    ]
+    for args, kw in forms:
+        assert fa(*args, **kw) == "slow"
+    assert seen == forms
+    with pytest.raises(ha.OutOfRangeError):
+        fa(req, 1, num_lookahead_tokens=-1)  # the fast path's own check, as before
+    assert a.num_hashes(r) == 1
+    a.check_invariants()
+
+
 def test_reentrant_call_raises_concurrent_use_error_and_changes_nothing() -> None:
     """A Request property that calls back into the allocator while FastAllocate holds it
     (the deterministic form of two threads sharing one allocator) gets ConcurrentUseError,

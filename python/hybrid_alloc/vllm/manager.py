@@ -362,8 +362,9 @@ class HybridKVCacheManager:
         """vLLM's ``allocate_slots``.
 
         The instance attribute ``allocate_slots`` is a ``FastAllocate`` made in
-        ``__init__``: it serves, in Rust, a plain step of a running request (no new hit, no
-        other keyword) and calls this method for everything else."""
+        ``__init__``: it serves, in Rust, a plain step of a running request as the scheduler
+        calls it (``(request, num_new_tokens, num_lookahead_tokens=n)``) and calls this
+        method, with the arguments as given, for everything else."""
         st = self._state(request)
         hit: Hit | tuple[list[int], ...] = Hit.NONE
         if new_computed_blocks is not None and new_computed_blocks is not self.empty_kv_cache_blocks:
