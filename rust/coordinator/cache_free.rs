@@ -143,10 +143,8 @@ impl Allocator {
             // State-space hybrids: a request whose hit saved under half its prompt leaves
             // the blocks it computed on probation (see `LEVEL_PROBATION`).
             let (hit, prompt) = self.reqs[s as usize].hit_and_prompt;
-            let probation = level <= LEVEL_NORMAL
-                && (hit as u64) * 2 < prompt as u64
-                && self.managers.iter().any(|m| m.is_mamba_align());
             let mamba = self.managers.iter().any(|m| m.is_mamba_align());
+            let probation = level <= LEVEL_NORMAL && (hit as u64) * 2 < prompt as u64 && mamba;
             for m in self.managers.iter() {
                 if mamba && m.spec.kind.is_full() {
                     // Where a chat's next turn continues: a junction found there later is

@@ -58,10 +58,7 @@ impl Allocator {
         hashes: Option<&dyn HashSource>,
         max_cache_hit_length: u32,
     ) -> Result<Hit> {
-        let s = self.slot(h)?;
-        if let Some(src) = hashes {
-            self.sync_hashes(s, src)?;
-        }
+        let s = self.synced_slot(h, hashes)?;
         Ok(self.find_hit(s, max_cache_hit_length))
     }
 
@@ -79,10 +76,7 @@ impl Allocator {
         hashes: Option<&dyn HashSource>,
         max_cache_hit_length: u32,
     ) -> Result<Vec<u32>> {
-        let s = self.slot(h)?;
-        if let Some(src) = hashes {
-            self.sync_hashes(s, src)?;
-        }
+        let s = self.synced_slot(h, hashes)?;
         Ok(self.per_group_hit(s, max_cache_hit_length))
     }
 
@@ -103,10 +97,7 @@ impl Allocator {
         hashes: Option<&dyn HashSource>,
         max_cache_hit_length: u32,
     ) -> Result<ConnectorHit> {
-        let s = self.slot(h)?;
-        if let Some(src) = hashes {
-            self.sync_hashes(s, src)?;
-        }
+        let s = self.synced_slot(h, hashes)?;
         let mamba = self.managers.iter().any(|m| matches!(m.spec.kind, crate::config::AttentionKind::Mamba { .. }));
         let full = self.spec_groups.first().filter(|sg| sg.kind.is_full()).map(|sg| sg.group_ids[0] as usize);
         if let (true, CoordinatorKind::Hybrid, Some(fa)) = (mamba, self.kind, full) {
@@ -118,6 +109,15 @@ impl Allocator {
             }
         }
         Ok(ConnectorHit { hit: self.find_hit(s, max_cache_hit_length), per_group: None })
+    }
+
+    /// The slot of `h` with its hashes brought up to `hashes` (if given).
+    fn synced_slot(&mut self, h: ReqHandle, hashes: Option<&dyn HashSource>) -> Result<Slot> {
+        let s = self.slot(h)?;
+        if let Some(src) = hashes {
+            self.sync_hashes(s, src)?;
+        }
+        Ok(s)
     }
 
     fn per_group_hit(&mut self, s: Slot, max_len: u32) -> Vec<u32> {

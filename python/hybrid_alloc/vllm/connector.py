@@ -60,13 +60,18 @@ def _offloads_every_cached_group(kvc: KVCacheConfig) -> bool:
     return all(g in offloaded for g, group in enumerate(kvc.kv_cache_groups) if group.kv_cache_spec.prefix_cacheable)
 
 
+def _children(extra: Any) -> list[dict[str, Any]]:
+    """A MultiConnector's child configurations (from its ``kv_connector_extra_config``)."""
+    return list((extra or {}).get("connectors") or [])
+
+
 def _unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> str | None:
     """The first connector in this (possibly nested) configuration the manager does not
     serve, or ``None``."""
     if module_path:
         return f"{name} (from {module_path})"
     if name == "MultiConnector":
-        children = (extra or {}).get("connectors") or []
+        children = _children(extra)
         if not children:
             return "MultiConnector (no child connectors)"
         for c in children:
@@ -115,10 +120,6 @@ def connector_reason(vllm_config: Any, kv_cache_config: KVCacheConfig) -> str | 
         if _offloading_in(name, extra) and any(s.mamba_cache_mode != "align" for s in mamba):
             return f"KV connector {name} with Mamba layers in cache mode {mamba[0].mamba_cache_mode!r} is configured"
     return None
-
-
-def _children(extra: Any) -> list[dict[str, Any]]:
-    return list((extra or {}).get("connectors") or [])
 
 
 def _offloading_in(name: Any, extra: Any) -> bool:
