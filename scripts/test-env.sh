@@ -23,7 +23,22 @@ PY=${PYTHON:-python3}
 pyver=$($PY -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
 VENV=$(readlink -m "${HYBRID_ALLOC_VENV_DIR:-$HOME/.cache/hybrid_alloc}/venv-vllm-$VLLM_VERSION-py$pyver")
 STAMP="$VENV/.hybrid_alloc-ready-v2"
+# The lmcache package, for LMCacheConnectorV1's scheduler side (tests/python/lmcache_worker.py),
+# added to a ready environment under its own stamp: pinned, --no-deps (its requirements pull CUDA
+# wheels: cupy-cuda13x, cuda-python, nvtx, cufile-python, ...; the scheduler side imports none);
+# aiofile and caio are the only modules its import needs that vLLM's environments lack.
+LMCACHE_PINS=(lmcache==0.5.6 aiofile==3.12.3 caio==0.12.10)
+add_lmcache() {
+  local stamp="$VENV/.hybrid_alloc-lmcache-0.5.6"
+  [ -f "$stamp" ] && return 0
+  echo "test-env: adding ${LMCACHE_PINS[*]} (--no-deps)" >&2
+  "$VENV/bin/python" -m pip install -q --no-deps "${LMCACHE_PINS[@]}" >&2
+  "$VENV/bin/python" -c "import lmcache.integration.vllm.vllm_v1_adapter" >/dev/null 2>&1 ||
+    { echo "test-env: lmcache does not import" >&2; exit 1; }
+  touch "$stamp"
+}
 if [ -f "$STAMP" ]; then
+  add_lmcache
   echo "$VENV"
   exit 0
 fi
@@ -53,4 +68,5 @@ case "$VLLM_VERSION" in
 esac
 "$VENV/bin/python" -c "import vllm, torch; print('test-env: vllm', vllm.__version__, 'torch', torch.__version__)" >&2
 touch "$STAMP"
+add_lmcache
 echo "$VENV"
