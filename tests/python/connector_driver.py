@@ -104,6 +104,9 @@ class PDWorkload:
     # earlier request's whole prompt (the connector hits whole prompts only).
     example_storage: str | None = None
     example_child: int | None = None  # its index under a MultiConnector
+    # LMCacheConnectorV1 (one unified group): the same save and sync-load work, done by
+    # :class:`lmcache_worker.LMCacheWorker` (a lookup server over the stored chunks).
+    lmcache: bool = False
     fail_sync_loads: int = 0
     repeat_share: float = 0.0
     # The range ``max_tokens`` is drawn from for a request that is not a producer's remote
@@ -199,6 +202,11 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         os.makedirs(w.example_storage)
     sched = setup.build()
     mgr = sched.kv_cache_manager
+    lmc = None
+    if w.lmcache:
+        from lmcache_worker import LMCacheWorker
+
+        lmc = LMCacheWorker(sched)
     events = capture_events(mgr)
     calls: dict[str, int] = {}
 
@@ -243,6 +251,9 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                 calls["alloc_local_and_external"] = calls.get("alloc_local_and_external", 0) + 1
             if k.get("delay_cache_blocks"):
                 calls["alloc_delay_cache"] = calls.get("alloc_delay_cache", 0) + 1
+            if k["num_external_computed_tokens"] % setup.block_size:
+                # Not whole blocks (LMCache's partial last chunk, its full hit less one token).
+                calls["alloc_unaligned_external"] = calls.get("alloc_unaligned_external", 0) + 1
         return orig_allocate(request, num_new_tokens, *a, **k)
 
     mgr.allocate_slots = allocate_slots  # type: ignore[method-assign]
@@ -350,6 +361,9 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                     counters["failed_running"] += 1
         stores, sync_loads = example_work.pop(id(so), ([], []))
         for m in stores:
+            if lmc is not None:
+                lmc.store(m)
+                continue
             example = sched.connector if w.example_child is None else sched.connector._connectors[w.example_child]
             example._generate_foldername_debug(m.token_ids, m.mm_hashes, create_folder=True)
         for block in sync_loads:
@@ -435,6 +449,11 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             counters["stores"] += len(stores)
             counters["sync_loads"] += len(loads)
             example_work[id(so)] = (stores, loads)
+        if lmc is not None:
+            stores, loads = lmc.work(meta, setup.block_size)
+            counters["stores"] += len(stores)
+            counters["sync_loads"] += len(loads)
+            example_work[id(so)] = (stores, loads)
         # The worker starts each remote (NIXL) load the scheduler parked a request for.
         for rid in waiting:
             if rid in remote and rid not in loaded:  # a finished load waits for the scheduler
@@ -466,6 +485,8 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         for g in sched.kv_cache_config.kv_cache_groups
     ]
     finished = step < max_steps
+    if lmc is not None:
+        lmc.close()
     sched.shutdown()
     return {
         "steps": steps,

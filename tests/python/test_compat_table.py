@@ -193,9 +193,9 @@ def test_kv_connector_rows() -> None:
     assert _decide(_kwargs(_specs("swa_retained")), vllm_config=off) == (True, "")
     assert _cell("the native `OffloadingConnector`").startswith("native")
     native, reason = _decide(
-        _kwargs(_specs("full")), vllm_config=vc(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+        _kwargs(_specs("full")), vllm_config=vc(kv_connector="LMCacheMPConnector", kv_role="kv_both")
     )
-    assert not native and reason == "KV connector LMCacheConnectorV1 is configured"
+    assert not native and reason == "KV connector LMCacheMPConnector is configured"
     assert '"KV connector <name> is configured"' in _cell("other KV connectors")
     # ExampleConnector: in the one unified group vLLM makes for it, when that is full attention.
     example = vc(kv_connector="ExampleConnector", kv_role="kv_both")
@@ -203,6 +203,15 @@ def test_kv_connector_rows() -> None:
     assert _cell("`ExampleConnector`").startswith("native")
     native, reason = _decide(_kwargs(_specs("swa")), vllm_config=example)
     assert not native and reason == "KV connector ExampleConnector (with a SlidingWindowSpec group) is configured"
+    # LMCacheConnectorV1 (the lmcache package's scheduler side) likewise; not vLLM's in-tree copy.
+    lmc = vc(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+    assert _decide(_kwargs(_specs("full")), vllm_config=lmc) == (True, "")
+    assert _cell("`LMCacheConnectorV1`").startswith("native")
+    native_lmc = vc(
+        kv_connector="LMCacheConnectorV1", kv_role="kv_both", kv_connector_extra_config={"use_native": True}
+    )
+    native, reason = _decide(_kwargs(_specs("full")), vllm_config=native_lmc)
+    assert not native and "LMCacheConnectorV1 (use_native" in reason
     # With Mamba layers: NixlConnector in every role (alone or beside the OffloadingConnector).
     mamba = _kwargs(_specs("mamba2_align"))
     for role in ("kv_consumer", "kv_producer", "kv_both"):

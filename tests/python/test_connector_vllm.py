@@ -18,13 +18,16 @@ KV consumer, where every connector lookup (``get_computed_blocks_for_connector``
 too and vLLM's per-group hits diverge both ways (full attention deeper, adopted with remote
 tokens; a Mamba group deeper, reconciled). Also a MultiConnector over NixlConnector and the
 OffloadingConnector, ExampleConnector (no hybrid manager support: vLLM's one unified group,
-sync loads from folders the fake worker writes), ``cache_blocks`` after an async load,
+sync loads from folders the fake worker writes), LMCacheConnectorV1 (the ``lmcache`` package's
+scheduler side, one unified group too: hits from a real lookup server over the chunks the fake
+worker stored, ``lmcache_worker``), ``cache_blocks`` after an async load,
 ``truncate_computed_blocks``, and the connectors that still fall back, with one line (with
 Mamba layers: NixlConnector as producer, the OffloadingConnector)."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 import shutil
@@ -117,6 +120,13 @@ CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
     "gemma_example_async": ("gemma", "kv_both", 80, True, "fail", "example"),
     # A MultiConnector over NixlConnector and ExampleConnector: one unified group too.
     "gemma_multi_example": ("gemma", "kv_both", 80, False, "recompute", "multi_example"),
+    # LMCacheConnectorV1 (the ``lmcache`` package's scheduler side), without hybrid manager
+    # support either: chunk-prefix hits from a lookup server over the stored chunks, sync
+    # loads; "lmcache_unfull" saves and hits partial last chunks too (external counts not
+    # block-aligned).
+    "llama_lmcache": ("llama", "kv_both", 80, False, "recompute", "lmcache"),
+    "gemma_lmcache_async": ("gemma", "kv_both", 80, True, "fail", "lmcache"),
+    "llama_lmcache_unfull": ("llama", "kv_both", 80, False, "fail", "lmcache_unfull"),
 }
 # The workload's seed and share of remote requests, where a case needs others than the
 # default to show what it claims (the Gemma-like consumers: local hits joined with remote ones).
@@ -230,6 +240,17 @@ def _setup(case: str) -> tuple[Any, Any, str]:
                 kv_load_failure_policy=policy,
                 kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": role}, example]},
             )
+    elif conn.startswith("lmcache"):
+        # Both keys every time: the package's configuration is one object per process.
+        lmc: dict[str, Any] = {"lmcache.chunk_size": 64, "lmcache.save_unfull_chunk": conn == "lmcache_unfull"}
+        # A lookup that timed out would count as a miss in one run only.
+        lmc["lmcache.lookup_timeout_ms"] = 120_000
+        ktc = KVTransferConfig(
+            kv_connector="LMCacheConnectorV1",
+            kv_role=role,
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config=lmc,
+        )
     elif conn == "push":
         ktc = KVTransferConfig(kv_connector="NixlPushConnector", kv_role=role, kv_load_failure_policy=policy)
     else:
@@ -255,13 +276,14 @@ def _setup(case: str) -> tuple[Any, Any, str]:
             batch_queue=2 if overlap else 1,
         )
         return setup, w, role
-    if conn in ("example", "multi_example"):
+    if conn in ("example", "multi_example") or conn.startswith("lmcache"):
         w = PDWorkload(
             num_requests=30,
-            remote_share=0.0 if conn == "example" else 0.3,
+            remote_share=0.0 if conn != "multi_example" else 0.3,
             repeat_share=0.5,
-            example_storage=storage,
-            example_child=None if conn == "example" else 1,
+            example_storage=storage if not conn.startswith("lmcache") else None,
+            example_child=None if conn != "multi_example" else 1,
+            lmcache=conn.startswith("lmcache"),
             fail_sync_loads=2,
             abort_running={"req2", "req13"},
             batch_queue=2 if overlap else 1,
@@ -313,6 +335,11 @@ def _pair(case: str) -> tuple[dict[str, Any], dict[str, Any]]:
 def test_connector_scheduler_identical(case: str) -> None:
     from connector_driver import assert_same_pd
 
+    if CASES[case][5].startswith("lmcache") and importlib.util.find_spec("lmcache") is None:
+        why = "the lmcache package is not installed (scripts/test-env.sh installs lmcache==0.5.6)"
+        if os.environ.get("HYBRID_ALLOC_REQUIRE_VLLM"):
+            pytest.fail(why)  # scripts/test.sh's run has it
+        pytest.skip(why)
     ref, ours = _pair(case)
     assert_same_pd(case, ref, ours)
     c, calls = ref["counters"], ref["calls"]
@@ -331,6 +358,16 @@ def test_connector_scheduler_identical(case: str) -> None:
         if policy == "fail":
             # And hits behind a longer local one (a negative external count).
             assert calls["evict_blocks"] > 0 and calls["alloc_negative_external"] > 0
+    elif conn.startswith("lmcache"):
+        # One unified group, chunk-prefix hits (mostly behind a local hit) loaded in the step,
+        # two loads failing; partial chunks give external counts that are not whole blocks.
+        assert ref["groups"] == [("FullAttentionSpec", 64 if case.startswith("gemma") else None)]
+        assert c["stores"] > 10 and c["sync_loads"] > 5 and c["failed_sync"] == 2
+        assert calls["alloc_local_and_external"] > 0 and c["preempted"] > 0
+        if conn == "lmcache_unfull":
+            assert calls["alloc_unaligned_external"] > 0
+        if policy == "fail":
+            assert calls["evict_blocks"] > 0
     elif conn == "multi_offload":
         # Both children load: NIXL for the remote prefills, offloading for local prefixes.
         assert c["jobs"] > 20 and c["load_jobs"] > 0 and c["recv"] > 10

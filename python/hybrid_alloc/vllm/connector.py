@@ -19,13 +19,25 @@ vLLM's semantics:
   makes one unified group, which the manager serves like any single-group model. Its
   scheduler side reads none of the manager's results (``update_state_after_alloc`` only
   counts external tokens; the hits are folders on disk, found by the prompt's hash);
+- ``LMCacheConnectorV1`` likewise (no hybrid manager support: one unified group). Its scheduler
+  side is the ``lmcache`` package's ``LMCacheConnectorV1Impl`` (tested with lmcache 0.5.6,
+  ``lmcache/integration/vllm/vllm_v1_adapter.py``): the hit is what the workers' lookup
+  servers answer over ZMQ (``lookup_client.lookup`` of the prompt's chunk hashes), vLLM's
+  wrapper passes ``update_state_after_alloc`` the request and the external count only (not the
+  blocks: ``lmcache_connector.py:291``), ``build_connector_meta`` reads the SchedulerOutput
+  (``new_block_ids[0]``, ``num_scheduled_tokens``, ``resumed_req_ids``), ``request_finished``
+  ignores its block ids and returns ``False``; none of it reads the manager. With ``use_native``
+  (vLLM's in-tree ``lmcache_integration`` copy) it falls back: that copy imports names no
+  lmcache release from 0.4.7 to 0.5.6 has together (``CudaIPCWrapper`` and
+  ``IPCCacheEngineKey`` from ``lmcache.v1.multiprocess.custom_types``, ``lmcache.config``), so
+  it is not tested;
 - ``MultiConnector`` whose children are all served.
 
 Anything else falls back to vLLM's own manager with one line naming the connector:
 connectors whose scheduler side reaches into vLLM's ``BlockPool`` / coordinator internals
-(SimpleCPUOffload, UMBP, MooncakeStore, HiSparse, ...), connectors whose scheduler side
-lives outside vLLM (LMCacheConnectorV1 and LMCacheMPConnector run the ``lmcache`` package's
-code), connectors loaded from a module path, and, with Mamba layers, any connector but
+(SimpleCPUOffload, UMBP, MooncakeStore, HiSparse, ...; LMCacheMPConnector, whose lazy offload
+reads the ``BlockPool``'s free queue and blocks: lmcache's ``lazy_offload_policy/eviction_aware.py``), connectors
+loaded from a module path, and, with Mamba layers, any connector but
 NixlConnector (its variants) and the OffloadingConnector, alone or under MultiConnectors over
 them only. With Mamba layers NixlConnector's local hit is vLLM's per-group one
 (:mod:`.connector_hits`) and it reads no boundary-state offloads; the OffloadingConnector reads
@@ -50,7 +62,7 @@ __all__ = [
 # Registered connector names whose scheduler side the native manager serves exactly.
 NATIVE_CONNECTORS: frozenset[str] = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
 # Those without hybrid manager support, served in the one unified group vLLM then makes.
-SINGLE_GROUP_CONNECTORS: frozenset[str] = frozenset({"ExampleConnector"})
+SINGLE_GROUP_CONNECTORS: frozenset[str] = frozenset({"ExampleConnector", "LMCacheConnectorV1"})
 
 
 def _offloads_every_cached_group(kvc: KVCacheConfig) -> bool:
@@ -83,6 +95,8 @@ def _unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> st
         return None
     if name == "OffloadingConnector":
         return None if _offloads_every_cached_group(kvc) else "OffloadingConnector (with groups it does not offload)"
+    if name == "LMCacheConnectorV1" and (extra or {}).get("use_native", False):
+        return "LMCacheConnectorV1 (use_native: vLLM's in-tree lmcache_integration copy)"
     if name in SINGLE_GROUP_CONNECTORS:
         groups = kvc.kv_cache_groups
         if len(groups) > 1:
