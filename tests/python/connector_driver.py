@@ -105,7 +105,8 @@ class PDWorkload:
     example_storage: str | None = None
     example_child: int | None = None  # its index under a MultiConnector
     # LMCacheConnectorV1 (one unified group): the same save and sync-load work, done by
-    # :class:`lmcache_worker.LMCacheWorker` (a lookup server over the stored chunks).
+    # :class:`lmcache_worker.LMCacheWorker` (a lookup server over the stored chunks; under a
+    # MultiConnector, the child ``example_child``).
     lmcache: bool = False
     fail_sync_loads: int = 0
     repeat_share: float = 0.0
@@ -206,7 +207,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     if w.lmcache:
         from lmcache_worker import LMCacheWorker
 
-        lmc = LMCacheWorker(sched)
+        lmc = LMCacheWorker(sched, w.example_child)
     events = capture_events(mgr)
     calls: dict[str, int] = {}
 

@@ -16,7 +16,9 @@ in ``invalid_block_ids``, as the connector's ``get_block_ids_with_load_errors`` 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 from typing import Any
 
 
@@ -44,12 +46,15 @@ class _StoredChunks:
 
 
 class LMCacheWorker:
-    """Worker 0 of a run whose scheduler has ``LMCacheConnectorV1`` configured."""
+    """Worker 0 of a run whose scheduler has ``LMCacheConnectorV1`` configured (alone, or as
+    the MultiConnector's child ``child``)."""
 
-    def __init__(self, sched: Any) -> None:
+    def __init__(self, sched: Any, child: int | None = None) -> None:
         from lmcache.v1.lookup_client.factory import LookupClientFactory
 
-        self.impl = sched.connector._lmcache_engine
+        conn = sched.connector if child is None else sched.connector._connectors[child]
+        self.child = child
+        self.impl = conn._lmcache_engine
         meta = copy.copy(self.impl._manager.lmcache_engine_metadata)
         meta.worker_id = 0
         self.engine = _StoredChunks(self.impl.config, meta)
@@ -60,6 +65,8 @@ class LMCacheWorker:
         """A step's stores (token ids) and sync loads (each load's first block)."""
         stores: list[list[int]] = []
         loads: list[int] = []
+        if self.child is not None:
+            meta = meta.metadata[self.child]  # under a MultiConnector
         for m in meta.requests:
             ls = m.load_spec
             if ls is not None and ls.can_load and len(m.slot_mapping) > ls.vllm_cached_tokens:
@@ -72,5 +79,10 @@ class LMCacheWorker:
         self.engine.store(token_ids)
 
     def close(self) -> None:
+        path = str(getattr(self.server.transport, "socket_path", "")).removeprefix("ipc://")
         self.server.close()
         self.impl.shutdown()
+        if path:
+            # ZMQ leaves an ipc socket's file behind.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

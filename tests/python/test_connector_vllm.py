@@ -127,6 +127,8 @@ CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
     "llama_lmcache": ("llama", "kv_both", 80, False, "recompute", "lmcache"),
     "gemma_lmcache_async": ("gemma", "kv_both", 80, True, "fail", "lmcache"),
     "llama_lmcache_unfull": ("llama", "kv_both", 80, False, "fail", "lmcache_unfull"),
+    # A MultiConnector over NixlConnector and LMCacheConnectorV1: one unified group too.
+    "gemma_multi_lmcache": ("gemma", "kv_both", 80, False, "recompute", "multi_lmcache"),
 }
 # The workload's seed and share of remote requests, where a case needs others than the
 # default to show what it claims (the Gemma-like consumers: local hits joined with remote ones).
@@ -240,17 +242,21 @@ def _setup(case: str) -> tuple[Any, Any, str]:
                 kv_load_failure_policy=policy,
                 kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": role}, example]},
             )
-    elif conn.startswith("lmcache"):
+    elif "lmcache" in conn:
         # Both keys every time: the package's configuration is one object per process.
         lmc: dict[str, Any] = {"lmcache.chunk_size": 64, "lmcache.save_unfull_chunk": conn == "lmcache_unfull"}
         # A lookup that timed out would count as a miss in one run only.
         lmc["lmcache.lookup_timeout_ms"] = 120_000
-        ktc = KVTransferConfig(
-            kv_connector="LMCacheConnectorV1",
-            kv_role=role,
-            kv_load_failure_policy=policy,
-            kv_connector_extra_config=lmc,
-        )
+        child = {"kv_connector": "LMCacheConnectorV1", "kv_role": role, "kv_connector_extra_config": lmc}
+        if conn == "multi_lmcache":
+            ktc = KVTransferConfig(
+                kv_connector="MultiConnector",
+                kv_role=role,
+                kv_load_failure_policy=policy,
+                kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": role}, child]},
+            )
+        else:
+            ktc = KVTransferConfig(**child, kv_load_failure_policy=policy)
     elif conn == "push":
         ktc = KVTransferConfig(kv_connector="NixlPushConnector", kv_role=role, kv_load_failure_policy=policy)
     else:
@@ -276,14 +282,15 @@ def _setup(case: str) -> tuple[Any, Any, str]:
             batch_queue=2 if overlap else 1,
         )
         return setup, w, role
-    if conn in ("example", "multi_example") or conn.startswith("lmcache"):
+    if conn in ("example", "multi_example") or "lmcache" in conn:
+        multi = conn.startswith("multi_")
         w = PDWorkload(
             num_requests=30,
-            remote_share=0.0 if conn != "multi_example" else 0.3,
+            remote_share=0.3 if multi else 0.0,
             repeat_share=0.5,
-            example_storage=storage if not conn.startswith("lmcache") else None,
-            example_child=None if conn != "multi_example" else 1,
-            lmcache=conn.startswith("lmcache"),
+            example_storage=None if "lmcache" in conn else storage,
+            example_child=1 if multi else None,
+            lmcache="lmcache" in conn,
             fail_sync_loads=2,
             abort_running={"req2", "req13"},
             batch_queue=2 if overlap else 1,
@@ -335,7 +342,7 @@ def _pair(case: str) -> tuple[dict[str, Any], dict[str, Any]]:
 def test_connector_scheduler_identical(case: str) -> None:
     from connector_driver import assert_same_pd
 
-    if CASES[case][5].startswith("lmcache") and importlib.util.find_spec("lmcache") is None:
+    if "lmcache" in CASES[case][5] and importlib.util.find_spec("lmcache") is None:
         why = "the lmcache package is not installed (scripts/test-env.sh installs lmcache==0.5.6)"
         if os.environ.get("HYBRID_ALLOC_REQUIRE_VLLM"):
             pytest.fail(why)  # scripts/test.sh's run has it
@@ -358,7 +365,7 @@ def test_connector_scheduler_identical(case: str) -> None:
         if policy == "fail":
             # And hits behind a longer local one (a negative external count).
             assert calls["evict_blocks"] > 0 and calls["alloc_negative_external"] > 0
-    elif conn.startswith("lmcache"):
+    elif "lmcache" in conn:
         # One unified group, chunk-prefix hits (mostly behind a local hit) loaded in the step,
         # two loads failing; partial chunks give external counts that are not whole blocks.
         assert ref["groups"] == [("FullAttentionSpec", 64 if case.startswith("gemma") else None)]
