@@ -103,6 +103,8 @@ def main() -> None:
     p.add_argument("--reply", type=int, default=40)
     p.add_argument("--system", type=int, default=150)
     p.add_argument("--dense", action="store_true")
+    # The SSM state's dtype (vLLM's ``mamba_ssm_cache_dtype``), default vLLM's "auto".
+    p.add_argument("--mamba-ssm-dtype", default=None)
     args = p.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -120,6 +122,7 @@ def main() -> None:
         disable_log_stats=False,
         dtype=args.dtype,
         **({"prefix_cache_retention_interval": None} if args.dense else {}),
+        **({"mamba_ssm_cache_dtype": args.mamba_ssm_dtype} if args.mamba_ssm_dtype else {}),
     )
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     chat_params = SamplingParams(temperature=0.0, max_tokens=args.reply, ignore_eos=True, detokenize=False)
