@@ -44,6 +44,7 @@
 use super::{cdiv, CacheArgs, CountArgs, HitQuery, KindState, SingleTypeManager};
 use crate::block_pool::{BlockPool, OneBlock};
 use crate::ids::{BlockId, Slot, NULL_BLOCK};
+use crate::policy::LEVEL_NEAR;
 use crate::prefix_index::HashKey;
 
 /// Marker for "no entry" in the per-request align state.
@@ -484,6 +485,11 @@ impl SingleTypeManager {
                         *last = (b, Some(*key), t);
                     }
                 }
+            }
+            // The new furthest state is where a re-sent sequence resumes: above the
+            // speculative level (vLLM's mask may skip it) while its request runs.
+            if last.2 > prev.2 && pool.level(last.0) < LEVEL_NEAR {
+                pool.set_level(last.0, LEVEL_NEAR);
             }
             // The previous furthest state is passed now (it was kept while it was the
             // furthest): demoted unless another request holds it.
