@@ -20,7 +20,7 @@
 use crate::error::{Error, Result};
 use crate::free_queue::{try_filled, FreeQueue};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, NULL_BLOCK};
-use crate::policy::{Level, LEVEL_NORMAL, LEVEL_PINNED, NUM_LEVELS};
+use crate::policy::{Level, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, NUM_LEVELS};
 use crate::prefix_index::{HashKey, PrefixIndex};
 use rustc_hash::FxHashSet;
 
@@ -409,8 +409,8 @@ impl BlockPool {
         self.queue.remove(b);
     }
 
-    /// Queues a free cached block at the back of its level (a pinned key raises it to
-    /// `LEVEL_PINNED`), keeping the count.
+    /// Queues a free cached block at the back of its level (at the front for
+    /// `LEVEL_PROBATION`; a pinned key raises it to `LEVEL_PINNED`), keeping the count.
     fn queue_cached(&mut self, b: BlockId) {
         if !self.pinned_keys.is_empty() {
             if let Some(k) = &self.hash[b as usize] {
@@ -422,7 +422,14 @@ impl BlockPool {
         if self.counts_pinned(b) {
             self.pinned_free += 1;
         }
-        self.queue.push_back_level(b, self.level[b as usize]);
+        let lvl = self.level[b as usize];
+        if lvl == LEVEL_PROBATION {
+            // Newest first: under a cyclic load larger than the cache (round-robin chat) the
+            // unproven sessions that waited longest, and come back next, keep their blocks.
+            self.queue.push_front_level(b, lvl);
+        } else {
+            self.queue.push_back_level(b, lvl);
+        }
     }
 
     /// Demotes the oldest free pinned blocks to `LEVEL_NORMAL` while more than

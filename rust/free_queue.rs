@@ -193,6 +193,16 @@ impl FreeQueue {
         self.link_after(last, b);
     }
 
+    /// Puts `b` at the front of retention level `level` (clamped): handed out before every
+    /// block queued at that level.
+    #[inline]
+    pub fn push_front_level(&mut self, b: BlockId, level: u8) {
+        debug_assert!(!self.contains(b));
+        let l = (level as usize).min(self.ends.len().saturating_sub(1));
+        let start = if l == 0 { self.head } else { self.ends[l - 1] };
+        self.link_after(start, b);
+    }
+
     /// The first block queued at retention level `level` (`None` when that level is empty
     /// or the queue has no such level).
     pub fn first_in_level(&self, level: u8) -> Option<BlockId> {
@@ -288,6 +298,25 @@ mod tests {
         q.push_back_n(&[2]);
         q.push_front_n(&[0, 1]);
         assert_eq!(q.iter().collect::<Vec<_>>(), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn push_front_level_goes_before_its_level_only() {
+        let mut q = FreeQueue::try_new_with_levels(6, 3).unwrap();
+        for _ in 0..6 {
+            q.pop_front();
+        }
+        q.push_back_level(1, 1);
+        q.push_back_level(2, 0);
+        q.push_front_level(3, 1);
+        q.push_front_level(4, 2);
+        q.push_front_level(5, 0);
+        q.push_front_level(0, 9); // clamped to the last level
+        assert_eq!(q.iter_levels(), vec![vec![5, 2], vec![3, 1], vec![0, 4]]);
+        let mut flat = FreeQueue::new(2);
+        flat.pop_front();
+        flat.push_front_level(0, 3);
+        assert_eq!(flat.iter().collect::<Vec<_>>(), vec![0, 1]);
     }
 
     #[test]

@@ -927,3 +927,47 @@ fn chat_turn_passing_its_hit_state_leaves_it_speculative_mamba_align() {
     assert_eq!(state_level(&a, 28), Some(LEVEL_NORMAL), "turn 2's furthest state");
     invariants::check(&a).unwrap();
 }
+
+#[test]
+fn running_request_keeps_its_furthest_state_until_it_keys_a_later_one_mamba_align() {
+    // Full attention + Mamba "align", one request: a 20-token prompt (a prefill chunk ends at
+    // its checkpoint, 16) decoded to 27 tokens. The state at the prompt's end (20) is its
+    // furthest: vLLM's mask skips it and vLLM frees it once the step after it is processed,
+    // while decode goes on to 24. Until then a re-sent sequence resumes there, so it is not
+    // speculative (it was, and was the first block evicted under pressure); once the state
+    // at 24 is keyed, the one at 20 is passed and goes speculative.
+    let kinds = [AttentionKind::Full, mamba_align()];
+    let contents: Vec<u64> = (0..8).map(|i| 7_000 + i).collect();
+    let hashes: Vec<BlockHash> = chain(&contents).into_iter().map(BlockHash::from_u64).collect();
+    let mut a = Allocator::new(config(&kinds, 64, Some(0)), Policy::HitAware).unwrap();
+    let state = |a: &Allocator, tokens: u32| {
+        let mut out = Vec::new();
+        a.pool().get_cached_block(&hashes[(tokens / BS - 1) as usize], &[1], &mut out);
+        out.first().map(|&b| (a.pool().ref_cnt(b), a.pool().level(b)))
+    };
+    let (prompt, end) = (20u32, 27u32);
+    let h = a.add_request();
+    a.append_hashes(h, &common::hash_bytes(&hashes[..(end / BS) as usize]), 8).unwrap();
+    let mut steps = vec![(0, 16, prompt), (16, prompt, prompt)];
+    steps.extend((prompt..end).map(|c| (c, c + 1, c + 1)));
+    for (start, stop, num_tokens) in steps {
+        a.new_step_starts();
+        let args = AllocateArgs {
+            num_new_tokens: stop - start,
+            num_computed_tokens: start,
+            num_prompt_tokens: prompt,
+            num_tokens,
+            ..Default::default()
+        };
+        assert!(a.allocate_slots(h, &args, NewComputed::Empty, None).unwrap().is_some());
+        if start == 21 {
+            let (refs, level) = state(&a, 20).expect("the state at 20 is cached");
+            assert_eq!(refs, 0, "the state at 20 is back in the pool while decode goes on");
+            assert_ne!(level, LEVEL_SPECULATIVE, "the furthest state, not passed yet, is speculative");
+        }
+    }
+    assert_eq!(state(&a, 20).map(|s| s.1), Some(LEVEL_SPECULATIVE), "the state at 20, passed by the one at 24");
+    assert_ne!(state(&a, 24).map(|s| s.1), Some(LEVEL_SPECULATIVE), "the furthest state");
+    a.free(h, LEVEL_NORMAL).unwrap();
+    invariants::check(&a).unwrap();
+}

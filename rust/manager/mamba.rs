@@ -44,6 +44,7 @@
 use super::{cdiv, CacheArgs, CountArgs, HitQuery, KindState, SingleTypeManager};
 use crate::block_pool::{BlockPool, OneBlock};
 use crate::ids::{BlockId, Slot, NULL_BLOCK};
+use crate::policy::LEVEL_NEAR;
 use crate::prefix_index::HashKey;
 
 /// Marker for "no entry" in the per-request align state.
@@ -476,12 +477,27 @@ impl SingleTypeManager {
             // The few real blocks at the table's end (running state, previous state,
             // checkpoint, speculative scratch): the furthest keyed one dominates.
             let last = &mut st.last_keyed[h as usize];
+            let prev = *last;
             for &b in req_blocks[h as usize].iter().rev().filter(|&&b| b != NULL_BLOCK).take(4) {
                 let t = pool.block_hash_num_tokens(b);
                 if t > last.2 {
                     if let Some(key) = pool.block_hash(b) {
                         *last = (b, Some(*key), t);
                     }
+                }
+            }
+            // The new furthest state is where a re-sent sequence resumes: above the
+            // speculative level (vLLM's mask may skip it) while its request runs.
+            if last.2 > prev.2 && pool.level(last.0) < LEVEL_NEAR {
+                pool.set_level(last.0, LEVEL_NEAR);
+            }
+            // The previous furthest state is passed now (it was kept while it was the
+            // furthest): demoted unless another request holds it.
+            let (b, key, t) = prev;
+            if last.2 > t && key.is_some() && pool.block_hash(b) == key.as_ref() {
+                let held = req_blocks[h as usize].contains(&b) as u32;
+                if pool.ref_cnt(b) <= held {
+                    self.demote_passed_state(pool, h, b);
                 }
             }
         }
@@ -492,6 +508,11 @@ impl SingleTypeManager {
     pub(super) fn align_dominant_state(&self, pool: &BlockPool, h: Slot) -> Option<BlockId> {
         let (b, key, _) = *self.align().last_keyed.get(h as usize)?;
         (key.is_some() && pool.block_hash(b) == key.as_ref()).then_some(b)
+    }
+
+    /// Hit-aware: the tokens the furthest state `h` keyed covers (0: none keyed yet).
+    pub(super) fn align_furthest_keyed(&self, h: Slot) -> u32 {
+        self.align().last_keyed.get(h as usize).map_or(0, |x| x.2)
     }
 
     /// Hit-aware: the junction `h`'s last lookup found shared (0: none).

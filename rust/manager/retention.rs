@@ -70,8 +70,8 @@ impl SingleTypeManager {
         }
     }
 
-    /// Hit-aware, Mamba "align": a state block `h` holds and has passed (it computes on
-    /// from a later state, or ends with a later one) goes to [`LEVEL_SPECULATIVE`]: a
+    /// Hit-aware, Mamba "align": a state block `h` has passed (it keyed a later state)
+    /// goes to [`LEVEL_SPECULATIVE`]: a
     /// request re-sending this sequence resumes from the later state (a chat's next turn
     /// does), so the earlier one only uses memory nothing else wants. A state at the
     /// shared-prefix boundary `h` reported is where other requests branch off: it is marked a
@@ -86,6 +86,12 @@ impl SingleTypeManager {
         }
         let lvl = pool.level(b);
         if lvl == LEVEL_SPECULATIVE || lvl >= LEVEL_PINNED || pool.ref_cnt(b) > 1 || pool.is_branch(b) {
+            return;
+        }
+        // Not passed yet: the furthest state `h` keyed (vLLM frees it once the step after it
+        // is processed, while a prompt or a decode without a later boundary goes on). It is
+        // demoted when `h` keys a later one (`align_cache_blocks`).
+        if pool.block_hash_num_tokens(b) >= self.align_furthest_keyed(h) {
             return;
         }
         pool.set_level(b, LEVEL_SPECULATIVE);
