@@ -12,6 +12,7 @@ __all__ = [
     "AllocatorBase",
     "BlockIds",
     "ConcurrentUseError",
+    "DecodeFloor",
     "EmptyBlockIds",
     "FastAllocate",
     "Hit",
@@ -310,3 +311,11 @@ class FastAllocate(Generic[_B]):
         num_lookahead_tokens: int = 0,
         **rest: object,
     ) -> _B | None: ...
+
+class DecodeFloor(Generic[_B]):
+    """The bench's probe of the decode call's least cost (``rust/py/floor.rs``; not a mode
+    of the plugin): ``empty`` for ``(request, 1)`` with at most one keyword, reading nothing
+    of the request; every other call goes to ``slow`` with the same arguments."""
+
+    def __new__(cls, empty: _B, slow: Callable[..., _B | None]) -> DecodeFloor[_B]: ...
+    def __call__(self, request: object, num_new_tokens: int, **rest: object) -> _B | None: ...
