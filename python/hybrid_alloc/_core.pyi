@@ -302,6 +302,11 @@ class FastAllocate(Generic[_B]):
         make_blocks: Callable[[tuple[list[int], ...]], _B],
         on_events: Callable[[_Request], object] | None,
     ) -> FastAllocate[_B]: ...
+    def track(self, request: object, handle: int) -> None:
+        """Records ``handle`` as ``request``'s, found by the object's address (no attribute
+        read; the table holds a reference to the request), or forgets it when ``handle`` is
+        negative. An untracked request's handle is read from ``_hybrid_alloc_handle``."""
+    def num_tracked(self) -> int: ...
     def __call__(
         self,
         request: _Request,
