@@ -19,7 +19,8 @@
 //!
 //! A property that raises propagates its exception; a wrong type raises `TypeError` (an int
 //! field) or `OutOfRangeError` (`block_hashes` not a list, an item not 1 to 32 bytes). Cost:
-//! a no-op step makes no Python object and reads the handle and one to four counts.
+//! a no-op step makes no Python object and reads one to four counts, and the handle's
+//! attribute only for an untracked request (one probe of a small Rust table otherwise).
 #![forbid(unsafe_code)]
 
 use pyo3::gc::PyVisit;
