@@ -116,6 +116,9 @@ fn decode_call<'py>(
     Ok(Some((args.get_item(0)?, num_new_tokens, look)))
 }
 
+/// `FastAllocate`'s request table: a request object's address -> (the request, its handle).
+type Tracked = FxHashMap<usize, (Py<PyAny>, u64)>;
+
 /// The callbacks of a `FastAllocate` (dropped by the garbage collector's `__clear__`).
 struct Callbacks {
     /// What a step with no new block returns (vLLM's empty `KVCacheBlocks`).
@@ -151,7 +154,7 @@ pub struct FastAllocate {
     /// entry lives. A stale handle (its request freed in the core but not untracked) is
     /// refused by the core's generation check, as a stale attribute is. Behind a lock, not
     /// `&mut self`: `track` runs inside `__call__` (its `slow` path admits requests).
-    tracked: Mutex<FxHashMap<usize, (Py<PyAny>, u64)>>,
+    tracked: Mutex<Tracked>,
 }
 
 impl FastAllocate {
@@ -159,7 +162,7 @@ impl FastAllocate {
         self.callbacks.as_ref().ok_or_else(|| InvariantError::new_err("FastAllocate used after it was cleared"))
     }
 
-    fn tracked(&self) -> PyResult<MutexGuard<'_, FxHashMap<usize, (Py<PyAny>, u64)>>> {
+    fn tracked(&self) -> PyResult<MutexGuard<'_, Tracked>> {
         self.tracked.lock().map_err(|_| InvariantError::new_err("FastAllocate's request table was poisoned"))
     }
 
