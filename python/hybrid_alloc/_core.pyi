@@ -317,6 +317,7 @@ class FastAllocate(Generic[_B]):
         **rest: object,
     ) -> _B | None: ...
 
+@final
 class DecodeFloor(Generic[_B]):
     """The bench's probe of the decode call's least cost (``rust/py/floor.rs``; not a mode
     of the plugin): ``empty`` for ``(request, 1)`` with at most one keyword, reading nothing
