@@ -17,7 +17,8 @@ repeated). Process CPU time, nanoseconds per call, best of ``--rounds``.
 ``--callgrind`` (under ``valgrind --tool=callgrind --instr-atstart=no``): instrumentation is
 on for one warm pass over the no-op requests only (``callgrind_control -i on``), so the
 profile's instruction count over the requests timed is what one decode call costs, with no
-machine load in it; ``--managers`` picks the managers.
+machine load in it; ``--managers`` picks the managers (``floor``: ours with the decode call
+answered by a C-level constant, ``bench_serve.install_floor``: the least any manager costs).
 
     PYTHONPATH=target/pysite valgrind --tool=callgrind --instr-atstart=no \
         python benches/cold_path.py --managers hybrid_alloc --callgrind
@@ -37,6 +38,8 @@ def _bring_to_decode(manager: str, n: int) -> tuple[Any, list[Any]]:
     from hybrid_alloc import bench
     from hybrid_alloc.vllm.offline import SHAPES, SchedulerSetup, fabricate_output, make_request
 
+    floor = manager == "floor"
+    manager = "hybrid_alloc" if floor else manager
     shape = SHAPES["gemma-2-27b"]
     setup = SchedulerSetup(
         shape,
@@ -53,6 +56,10 @@ def _bring_to_decode(manager: str, n: int) -> tuple[Any, list[Any]]:
         sched.update_from_output(so, fabricate_output(sched, so))
     mgr = sched.kv_cache_manager
     noop = [r for r in sched.running if mgr.allocate_slots(r, 1, num_lookahead_tokens=0) is mgr.empty_kv_cache_blocks]
+    if floor:  # ours, the decode call then answered by a C-level constant (bench_serve.install_floor)
+        from hybrid_alloc.bench_serve import install_floor
+
+        install_floor(mgr)
     return mgr, noop
 
 

@@ -12,6 +12,7 @@ __all__ = [
     "AllocatorBase",
     "BlockIds",
     "ConcurrentUseError",
+    "DecodeFloor",
     "EmptyBlockIds",
     "FastAllocate",
     "Hit",
@@ -301,6 +302,11 @@ class FastAllocate(Generic[_B]):
         make_blocks: Callable[[tuple[list[int], ...]], _B],
         on_events: Callable[[_Request], object] | None,
     ) -> FastAllocate[_B]: ...
+    def track(self, request: object, handle: int) -> None:
+        """Records ``handle`` as ``request``'s, found by the object's address (no attribute
+        read; the table holds a reference to the request), or forgets it when ``handle`` is
+        negative. An untracked request's handle is read from ``_hybrid_alloc_handle``."""
+    def num_tracked(self) -> int: ...
     def __call__(
         self,
         request: _Request,
@@ -310,3 +316,12 @@ class FastAllocate(Generic[_B]):
         num_lookahead_tokens: int = 0,
         **rest: object,
     ) -> _B | None: ...
+
+@final
+class DecodeFloor(Generic[_B]):
+    """The bench's probe of the decode call's least cost (``rust/py/floor.rs``; not a mode
+    of the plugin): ``empty`` for ``(request, 1)`` with at most one keyword, reading nothing
+    of the request; every other call goes to ``slow`` with the same arguments."""
+
+    def __new__(cls, empty: _B, slow: Callable[..., _B | None]) -> DecodeFloor[_B]: ...
+    def __call__(self, request: object, num_new_tokens: int, **rest: object) -> _B | None: ...

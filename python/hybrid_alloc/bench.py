@@ -384,7 +384,7 @@ def run_scenario(
 
     setup = SchedulerSetup(
         shape,
-        manager=manager,  # type: ignore[arg-type]
+        manager="hybrid_alloc" if manager == "floor" else manager,  # type: ignore[arg-type]
         num_blocks=num_blocks,
         kv_budget_bytes=kv_budget,
         max_num_seqs=max_num_seqs,
@@ -392,6 +392,10 @@ def run_scenario(
     )
     sched = setup.build()
     mgr = sched.kv_cache_manager
+    if manager == "floor":
+        from hybrid_alloc.bench_serve import install_floor
+
+        install_floor(mgr)
     kvc = mgr.kv_cache_config
     conc = _max_concurrency(sched.vllm_config, kvc)
     hits = {"hits": 0, "queries": 0}
@@ -651,7 +655,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--shared-prefixes", type=int, default=4)
     p.add_argument("--shared-requests", type=int, default=200)
-    p.add_argument("--managers", default="vllm,hybrid_alloc,no_hybrid")
+    p.add_argument(
+        "--managers",
+        default="vllm,hybrid_alloc,no_hybrid",
+        help="comma-separated; floor (serve only): ours with the decode call answered by a C-level constant, "
+        "the least any manager can cost under vLLM's calls (bench_serve.install_floor)",
+    )
     p.add_argument("--out-dir", default=from_env("HYBRID_ALLOC_BENCH_OUT", "bench-out"))
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
@@ -693,8 +702,9 @@ def main(argv: list[str] | None = None) -> int:
     if "serve" in workloads:
         for m in serve_models:
             for mg in managers:
-                if mg in ("vllm", "hybrid_alloc"):
+                if mg in ("vllm", "hybrid_alloc", "floor"):
                     plan.append((m, "serve", mg, args.serve_clients))
+    managers = [m for m in managers if m != "floor"]  # floor: the serve workload only
     for m in models:
         for w in workloads:
             if w in ("serve", "memory"):
@@ -904,7 +914,11 @@ def pyplot() -> Any | None:
     return plt
 
 
-MANAGER_STYLE = {"vllm": ("tab:blue", "vLLM's KVCacheManager"), "hybrid_alloc": ("tab:orange", "hybrid_alloc")}
+MANAGER_STYLE = {
+    "vllm": ("tab:blue", "vLLM's KVCacheManager"),
+    "hybrid_alloc": ("tab:orange", "hybrid_alloc"),
+    "floor": ("tab:gray", "floor probe (decode call a constant)"),
+}
 MARKERS = "osD^v<>Px*"
 
 

@@ -172,3 +172,17 @@ def print_serve_table(rows: list[dict[str, Any]], release: str | None) -> None:
             if key in pc
         ]
         print(f"  {r['model']} {r['manager']}: " + "; ".join(parts))
+
+
+def install_floor(mgr: Any) -> None:
+    """The ``floor`` probe (``--managers ...,floor``, serve only; not a mode of the plugin):
+    ``mgr`` (ours) with its ``allocate_slots`` replaced by a ``DecodeFloor``, which answers
+    the scheduler's decode call (``(request, 1, num_lookahead_tokens=n)``) with the shared
+    empty result and reads nothing of the request, and sends every other call (admissions,
+    prefill chunks) to ours. The empty result's ``get_block_ids`` is ours (a builtin
+    method). What the scheduler then pays per running request and step for the decode pair
+    is the least any manager can cost under vLLM's calls. The decode steps allocate nothing,
+    so the pool stays emptier than a real manager's: only the decode calls are comparable."""
+    from hybrid_alloc._core import DecodeFloor
+
+    mgr.allocate_slots = DecodeFloor(mgr.empty_kv_cache_blocks, mgr.allocate_slots)

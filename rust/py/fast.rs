@@ -6,8 +6,9 @@
 //! on a plain step as the scheduler makes it for a running request (`(request,
 //! num_new_tokens)` and at most the keyword `num_lookahead_tokens`, `num_new_tokens > 0`),
 //! each attribute only when the core asks for it ([`StepFields`]):
-//! - `_hybrid_alloc_handle: int`, optional: the request's handle in this allocator, set by
-//!   the adapter; absent, negative or stale sends the call to `slow`.
+//! - its handle in this allocator: from the table `track` fills (keyed by the request
+//!   object's address, no attribute read), else from `_hybrid_alloc_handle: int`, optional,
+//!   set by the adapter; absent, negative or stale sends the call to `slow`.
 //! - `num_computed_tokens: int`: always.
 //! - `num_in_flight_tokens: int`, `num_prompt_tokens: int`, `num_tokens: int`: when the
 //!   no-op limits need them to prove the step changes nothing (in-flight tokens only if
@@ -18,7 +19,8 @@
 //!
 //! A property that raises propagates its exception; a wrong type raises `TypeError` (an int
 //! field) or `OutOfRangeError` (`block_hashes` not a list, an item not 1 to 32 bytes). Cost:
-//! a no-op step makes no Python object and reads the handle and one to four counts.
+//! a no-op step makes no Python object and reads one to four counts, and the handle's
+//! attribute only for an untracked request (one probe of a small Rust table otherwise).
 #![forbid(unsafe_code)]
 
 use pyo3::gc::PyVisit;
@@ -26,6 +28,8 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use pyo3::PyTraverseError;
+use rustc_hash::FxHashMap;
+use std::sync::{Mutex, MutexGuard};
 
 use super::allocator::PyAllocator;
 use super::block_ids::tuple_of_groups;
@@ -112,6 +116,9 @@ fn decode_call<'py>(
     Ok(Some((args.get_item(0)?, num_new_tokens, look)))
 }
 
+/// `FastAllocate`'s request table: a request object's address -> (the request, its handle).
+type Tracked = FxHashMap<usize, (Py<PyAny>, u64)>;
+
 /// The callbacks of a `FastAllocate` (dropped by the garbage collector's `__clear__`).
 struct Callbacks {
     /// What a step with no new block returns (vLLM's empty `KVCacheBlocks`).
@@ -142,11 +149,31 @@ pub struct FastAllocate {
     alloc: Py<PyAllocator>,
     /// `None` once the garbage collector cleared it.
     callbacks: Option<Callbacks>,
+    /// The handles `track` recorded, keyed by the request object's address, each with a
+    /// reference to its request: the address cannot be reused by another object while the
+    /// entry lives. A stale handle (its request freed in the core but not untracked) is
+    /// refused by the core's generation check, as a stale attribute is. Behind a lock, not
+    /// `&mut self`: `track` runs inside `__call__` (its `slow` path admits requests).
+    tracked: Mutex<Tracked>,
 }
 
 impl FastAllocate {
     fn callbacks(&self) -> PyResult<&Callbacks> {
         self.callbacks.as_ref().ok_or_else(|| InvariantError::new_err("FastAllocate used after it was cleared"))
+    }
+
+    fn tracked(&self) -> PyResult<MutexGuard<'_, Tracked>> {
+        self.tracked.lock().map_err(|_| InvariantError::new_err("FastAllocate's request table was poisoned"))
+    }
+
+    /// The request's handle: the tracked one, else its `_hybrid_alloc_handle` (`None`:
+    /// absent or negative).
+    fn handle(&self, request: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+        if let Some((_, h)) = self.tracked()?.get(&(request.as_ptr() as usize)) {
+            return Ok(Some(*h));
+        }
+        let Some(tag) = request.getattr_opt(intern!(request.py(), "_hybrid_alloc_handle"))? else { return Ok(None) };
+        Ok(u64::try_from(tag.extract::<i64>()?).ok())
     }
 
     /// The step of a registered request, or `None` when the request is not ours.
@@ -196,7 +223,25 @@ impl FastAllocate {
         on_events: Py<PyAny>,
     ) -> Self {
         alloc.bind(py).as_super().get().set_serves_vllm();
-        Self { alloc, callbacks: Some(Callbacks { empty, slow, make_blocks, on_events }) }
+        Self { alloc, callbacks: Some(Callbacks { empty, slow, make_blocks, on_events }), tracked: Mutex::default() }
+    }
+
+    /// Records `handle` as `request`'s (found by the object's address, without reading an
+    /// attribute), or forgets the request when `handle` is negative. The adapter calls it
+    /// where it sets and resets `_hybrid_alloc_handle`. O(1).
+    fn track(&self, request: Bound<'_, PyAny>, handle: i64) -> PyResult<()> {
+        let key = request.as_ptr() as usize;
+        // The replaced entry (a reference to a request) is dropped after the lock is released.
+        let _old = match u64::try_from(handle) {
+            Ok(h) => self.tracked()?.insert(key, (request.unbind(), h)),
+            Err(_) => self.tracked()?.remove(&key),
+        };
+        Ok(())
+    }
+
+    /// How many requests are tracked.
+    fn num_tracked(&self) -> PyResult<usize> {
+        Ok(self.tracked()?.len())
     }
 
     /// `allocate_slots(request, num_new_tokens, num_new_computed_tokens=0,
@@ -210,12 +255,9 @@ impl FastAllocate {
         let py = args.py();
         let cb = self.callbacks()?;
         if let Some((request, num_new_tokens, num_lookahead_tokens)) = decode_call(args, kwargs)? {
-            if let Some(tag) = request.getattr_opt(intern!(py, "_hybrid_alloc_handle"))? {
-                let tag: i64 = tag.extract()?;
-                if let Ok(h) = u64::try_from(tag) {
-                    if let Some(out) = self.plain(py, cb, &request, h, num_new_tokens, num_lookahead_tokens)? {
-                        return Ok(out);
-                    }
+            if let Some(h) = self.handle(&request)? {
+                if let Some(out) = self.plain(py, cb, &request, h, num_new_tokens, num_lookahead_tokens)? {
+                    return Ok(out);
                 }
             }
         }
@@ -230,10 +272,17 @@ impl FastAllocate {
             visit.call(&cb.make_blocks)?;
             visit.call(&cb.on_events)?;
         }
+        if let Ok(t) = self.tracked.try_lock() {
+            for (request, _) in t.values() {
+                visit.call(request)?;
+            }
+        }
         Ok(())
     }
 
     fn __clear__(&mut self) {
         self.callbacks = None;
+        let old = self.tracked.get_mut().map(std::mem::take);
+        drop(old);
     }
 }

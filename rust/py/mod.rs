@@ -15,6 +15,7 @@
 //! | `pool.rs` | `AllocatorBase`: the core, and the calls that take no request handle |
 //! | `allocator.rs` | `Allocator(AllocatorBase)`: the calls that take a request handle |
 //! | `fast.rs` | `FastAllocate`, the vLLM fast path, and the `Request` protocol it reads |
+//! | `floor.rs` | `DecodeFloor`, the bench's probe of the decode call's least cost (not a plugin mode) |
 #![forbid(unsafe_code)]
 
 mod allocator;
@@ -23,6 +24,7 @@ mod convert;
 mod errors;
 mod events;
 mod fast;
+mod floor;
 mod groups;
 mod kwargs;
 mod pool;
@@ -35,6 +37,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyAllocatorBase>()?;
     m.add_class::<allocator::PyAllocator>()?;
     m.add_class::<fast::FastAllocate>()?;
+    m.add_class::<floor::DecodeFloor>()?;
     m.add_class::<results::PyHit>()?;
     m.add_class::<results::PyNoopLimits>()?;
     m.add_class::<block_ids::PyBlockIds>()?;

@@ -102,3 +102,41 @@ def test_kv_from_medians_sums_call_medians_and_the_rest() -> None:
         "kv_breakdown": {"allocate_slots": {"us_per_step": 99.0}, "free": {"us_per_step": 3.0}},
     }
     assert bench_serve.kv_from_medians(row) == 10.0 + 10.0 + 3.0
+
+
+def test_decode_floor_answers_only_the_decode_call() -> None:
+    """``DecodeFloor`` returns its constant for the scheduler's decode call and forwards
+    every other form, with its arguments as given, to the manager's ``allocate_slots``."""
+    from hybrid_alloc._core import DecodeFloor
+
+    empty, seen = object(), []
+
+    def slow(*a: object, **k: object) -> object:
+        seen.append((a, k))
+        return "slow"
+
+    floor = DecodeFloor(empty, slow)
+    req = object()
+    assert floor(req, 1) is empty and floor(req, 1, num_lookahead_tokens=3) is empty
+    assert seen == []
+    assert floor(req, 2) == "slow"  # a prefill chunk
+    assert floor(req, 1, 0) == "slow"  # a third positional
+    assert floor(req, 1, new_computed_blocks=None, num_lookahead_tokens=0) == "slow"  # an admission's form
+    assert seen == [
+        ((req, 2), {}),
+        ((req, 1, 0), {}),
+        ((req, 1), {"new_computed_blocks": None, "num_lookahead_tokens": 0}),
+    ]
+
+
+def test_serve_floor_probe_answers_decode_calls_with_the_constant() -> None:
+    """The ``floor`` probe in the closed loop: the same admissions as ours (the waiting
+    queue and the hits do not depend on decode blocks), every decode call a no-op (none
+    crosses), and those calls cheaper than ours by its median."""
+    runs = {m: bench_serve.run_serve(SHAPES["gpt-oss-120b"], m, ARGS) for m in ("hybrid_alloc", "floor")}
+    ours, floor = runs["hybrid_alloc"].extra["per_call"], runs["floor"].extra["per_call"]
+    assert runs["floor"].extra["native"] and runs["floor"].hit_rate == runs["hybrid_alloc"].hit_rate
+    assert "allocate_slots/crossing" not in floor and floor["allocate_slots/admission"]["calls_per_step"] > 0
+    decode = ours["allocate_slots/no-op"]["calls_per_step"] + ours["allocate_slots/crossing"]["calls_per_step"]
+    assert floor["allocate_slots/no-op"]["calls_per_step"] == pytest.approx(decode)
+    assert floor["allocate_slots/no-op"]["median_us"] < ours["allocate_slots/no-op"]["median_us"]

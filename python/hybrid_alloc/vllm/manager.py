@@ -223,13 +223,14 @@ class HybridKVCacheManager:
         alloc = self._alloc
         # After each call that may queue events or residency metrics; None when neither is on.
         self._after_call = after_call_hook(alloc, self._drain_events, a.enable_kv_cache_events, a.metrics_collector)
-        self.allocate_slots = FastAllocate(  # type: ignore[method-assign,assignment]
+        self._fast = FastAllocate(
             alloc,
             self.empty_kv_cache_blocks,
             HybridKVCacheManager.allocate_slots.__get__(self),
             functools.partial(NativeKVCacheBlocks, alloc),  # in C: no frame of its own
             self._after_call,
         )
+        self.allocate_slots = self._fast  # type: ignore[method-assign,assignment]
         logger.info(
             "hybrid_alloc: native KV cache manager serving %d group(s): %s; %d blocks, prefix caching %s%s, policy %s",
             self.num_kv_cache_groups,
@@ -252,6 +253,7 @@ class HybridKVCacheManager:
             if self._boundary is not None:
                 self._boundary.req_ids[st.handle] = request.request_id
             request._hybrid_alloc_handle = st.handle
+            self._fast.track(request, st.handle)  # found by address: no attribute read
         return st
 
     def _drain_events(self, request: Request | None) -> None:
@@ -409,6 +411,7 @@ class HybridKVCacheManager:
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             request._hybrid_alloc_handle = -1
+            self._fast.track(request, -1)
             if self._boundary is not None:
                 del self._boundary.req_ids[st.handle]
             rp = self._retain_priority
@@ -426,6 +429,7 @@ class HybridKVCacheManager:
         if st is None:
             return []
         request._hybrid_alloc_handle = -1
+        self._fast.track(request, -1)
         if self._boundary is not None:
             del self._boundary.req_ids[st.handle]
         groups = self._alloc.block_ids(st.handle) if compat.TRIM_NULL_HEAD else None
