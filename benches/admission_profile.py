@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextvars
-import logging
 import operator
 from typing import Any
 
@@ -88,43 +87,13 @@ def _result_classes() -> list[type]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--manager", default="hybrid_alloc", choices=["hybrid_alloc", "vllm"])
-    p.add_argument("--model", default="gemma-2-27b")
-    p.add_argument("--clients", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=8)
-    args = p.parse_args()
-    logging.getLogger("vllm").setLevel(logging.ERROR)
-    from hybrid_alloc.bench_serve import ServeRequests, serve_pool_blocks
-    from hybrid_alloc.vllm.offline import SHAPES, SchedulerSetup, fabricate_output, make_request
+    from serve_profile import add_loop_args, run_closed_loop
 
-    n = args.clients
-    stream = ServeRequests(2048, 256, 128, 0.25)
-    sched = SchedulerSetup(
-        SHAPES[args.model],
-        manager=args.manager,  # type: ignore[arg-type]
-        num_blocks=serve_pool_blocks(n, stream.max_tokens()),
-        max_num_seqs=n,
-        max_num_batched_tokens=8192,
-    ).build()
-    for k in range(n):
-        sched.add_request(make_request(sched, *stream(k)))
+    p = argparse.ArgumentParser()
+    add_loop_args(p, steps=8)
+    args = p.parse_args()
     counts = dict.fromkeys(("lookup", "admission", "get_blocks", "get_block_ids"), 0)
-    next_id, replaced, measured, routed = n, 0, -1, False
-    while measured < args.steps:
-        if measured == 0 and not routed:
-            _route(sched.kv_cache_manager, counts)
-            routed = True
-        so = sched.schedule()
-        sched.update_from_output(so, fabricate_output(sched, so))
-        if measured >= 0:
-            measured += 1
-        while sched.get_num_unfinished_requests() < n:
-            sched.add_request(make_request(sched, *stream(next_id)))
-            next_id += 1
-            replaced += 1
-        if measured < 0 and replaced >= n // 2:
-            measured = 0
+    run_closed_loop(args, lambda sched: _route(sched.kv_cache_manager, counts))
     print(f"{args.manager}: {args.steps} steps, calls routed: {counts}")
 
 

@@ -24,15 +24,22 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
+from typing import Any
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def add_loop_args(p: argparse.ArgumentParser, steps: int) -> None:
+    """The closed loop's options (``run_closed_loop``), ``--steps`` defaulting to ``steps``."""
     p.add_argument("--manager", default="hybrid_alloc", choices=["hybrid_alloc", "vllm"])
     p.add_argument("--model", default="gemma-2-27b")
     p.add_argument("--clients", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=4)
-    args = p.parse_args()
+    p.add_argument("--steps", type=int, default=steps)
+
+
+def run_closed_loop(args: argparse.Namespace, on_steady: Callable[[Any], None]) -> Any:
+    """Runs the serve workload's closed loop with ``args.manager`` to its steady state (half
+    the clients replaced), calls ``on_steady(scheduler)`` once, runs ``args.steps`` more steps
+    and returns the scheduler."""
     logging.getLogger("vllm").setLevel(logging.ERROR)
     from hybrid_alloc.bench_serve import ServeRequests, serve_pool_blocks
     from hybrid_alloc.vllm.offline import SHAPES, SchedulerSetup, fabricate_output, make_request
@@ -49,12 +56,9 @@ def main() -> None:
     for k in range(n):
         sched.add_request(make_request(sched, *stream(k)))
     next_id, replaced, measured = n, 0, -1
-    t0 = 0.0
     while measured < args.steps:
         if measured == 0:
-            if shutil.which("callgrind_control"):
-                subprocess.run(["callgrind_control", "-i", "on", str(os.getpid())], capture_output=True, check=False)
-            t0 = time.perf_counter()
+            on_steady(sched)
         so = sched.schedule()
         sched.update_from_output(so, fabricate_output(sched, so))
         if measured >= 0:
@@ -65,9 +69,28 @@ def main() -> None:
             replaced += 1
         if measured < 0 and replaced >= n // 2:
             measured = 0
-    dt = time.perf_counter() - t0
+    return sched
+
+
+def _callgrind(on: bool) -> None:
     if shutil.which("callgrind_control"):
-        subprocess.run(["callgrind_control", "-i", "off", str(os.getpid())], capture_output=True, check=False)
+        flag = "on" if on else "off"
+        subprocess.run(["callgrind_control", "-i", flag, str(os.getpid())], capture_output=True, check=False)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    add_loop_args(p, steps=4)
+    args = p.parse_args()
+    t0 = [0.0]
+
+    def start(_sched: Any) -> None:
+        _callgrind(True)
+        t0[0] = time.perf_counter()
+
+    sched = run_closed_loop(args, start)
+    dt = time.perf_counter() - t0[0]
+    _callgrind(False)
     print(
         f"{args.manager}: {args.steps} steps in {dt * 1e3:.1f} ms (includes request creation), {len(sched.running)} running"
     )
