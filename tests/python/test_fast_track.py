@@ -14,16 +14,12 @@ from hybrid_alloc._core import FastAllocate
 from test_api import EMPTY, FakeRequest, alloc, allocate, hashes
 
 
-class Bare:
+class Bare(FakeRequest):
     """A request with the counts FastAllocate reads and no ``_hybrid_alloc_handle``."""
 
     def __init__(self, num_computed_tokens: int, num_tokens: int, block_hashes: list[bytes]) -> None:
-        self.num_computed_tokens = num_computed_tokens
-        self.num_in_flight_tokens = 0
-        self.num_prompt_tokens = num_tokens
-        self.num_tokens = num_tokens
-        self.shared_prefix_boundary = 0
-        self.block_hashes = block_hashes
+        super().__init__(-1, num_computed_tokens, num_tokens, block_hashes)
+        del self._hybrid_alloc_handle
 
 
 def test_tracked_request_is_served_without_its_attribute_and_untracked_goes_slow() -> None:
