@@ -47,6 +47,12 @@ use crate::ids::{BlockId, Slot, NULL_BLOCK};
 use crate::policy::LEVEL_NEAR;
 use crate::prefix_index::HashKey;
 
+/// The block of a `last_keyed` entry while it still holds the key it was recorded with
+/// (`None` once the block was re-keyed or evicted, or when nothing was keyed).
+fn still_keyed(pool: &BlockPool, (b, key, _): (BlockId, Option<HashKey>, u32)) -> Option<BlockId> {
+    (key.is_some() && pool.block_hash(b) == key.as_ref()).then_some(b)
+}
+
 /// Marker for "no entry" in the per-request align state.
 pub const NONE: u32 = u32::MAX;
 
@@ -493,8 +499,8 @@ impl SingleTypeManager {
             }
             // The previous furthest state is passed now (it was kept while it was the
             // furthest): demoted unless another request holds it.
-            let (b, key, t) = prev;
-            if last.2 > t && key.is_some() && pool.block_hash(b) == key.as_ref() {
+            let passed = if last.2 > prev.2 { still_keyed(pool, prev) } else { None };
+            if let Some(b) = passed {
                 let held = req_blocks[h as usize].contains(&b) as u32;
                 if pool.ref_cnt(b) <= held {
                     self.demote_passed_state(pool, h, b);
@@ -506,8 +512,7 @@ impl SingleTypeManager {
     /// Hit-aware: the request's furthest keyed state, when its block still holds that key
     /// (it may be free already: the previous state goes back to the pool during decode).
     pub(super) fn align_dominant_state(&self, pool: &BlockPool, h: Slot) -> Option<BlockId> {
-        let (b, key, _) = *self.align().last_keyed.get(h as usize)?;
-        (key.is_some() && pool.block_hash(b) == key.as_ref()).then_some(b)
+        still_keyed(pool, *self.align().last_keyed.get(h as usize)?)
     }
 
     /// Hit-aware: the tokens the furthest state `h` keyed covers (0: none keyed yet).

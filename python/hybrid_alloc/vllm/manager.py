@@ -256,6 +256,17 @@ class HybridKVCacheManager:
             self._fast.track(request, st.handle)  # found by address: no attribute read
         return st
 
+    def _forget(self, request: Request) -> RequestState | None:
+        """Drops ``request``'s state (``None`` if it has none), undoing what ``_state`` set:
+        the handle tag, ``FastAllocate``'s table entry and the boundary offloads' name."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None:
+            request._hybrid_alloc_handle = -1
+            self._fast.track(request, -1)
+            if self._boundary is not None:
+                del self._boundary.req_ids[st.handle]
+        return st
+
     def _drain_events(self, request: Request | None) -> None:
         self._event_log.drain(self._alloc.take_events(), request)
 
@@ -408,12 +419,8 @@ class HybridKVCacheManager:
         return NativeKVCacheBlocks(self._alloc, res)
 
     def free(self, request: Request) -> None:
-        st = self._reqs.pop(request.request_id, None)
+        st = self._forget(request)
         if st is not None:
-            request._hybrid_alloc_handle = -1
-            self._fast.track(request, -1)
-            if self._boundary is not None:
-                del self._boundary.req_ids[st.handle]
             rp = self._retain_priority
             self._alloc.free(st.handle, retain=rp is not None and request.priority <= rp)
 
@@ -425,13 +432,9 @@ class HybridKVCacheManager:
             self._alloc.remove_skipped_blocks(st.handle, processed_computed_tokens, num_prompt_tokens)
 
     def pop_blocks_for_free(self, request: Request) -> list[Any]:
-        st = self._reqs.pop(request.request_id, None)
+        st = self._forget(request)
         if st is None:
             return []
-        request._hybrid_alloc_handle = -1
-        self._fast.track(request, -1)
-        if self._boundary is not None:
-            del self._boundary.req_ids[st.handle]
         groups = self._alloc.block_ids(st.handle) if compat.TRIM_NULL_HEAD else None
         ids = self._alloc.pop_blocks_for_free(st.handle)
         if groups is not None:
