@@ -875,6 +875,22 @@ fn unpinned_prefix_hits_on_second_sighting_mamba_align_hit_aware_only() {
     }
 }
 
+/// A hit-aware allocator over full attention + Mamba "align" (64 blocks) and the hashes of an
+/// 8-block chain whose contents start at `first`.
+fn full_and_mamba_align_chain(first: u64) -> (Allocator, Vec<BlockHash>) {
+    let kinds = [AttentionKind::Full, mamba_align()];
+    let contents: Vec<u64> = (0..8).map(|i| first + i).collect();
+    let hashes = chain(&contents).into_iter().map(BlockHash::from_u64).collect();
+    (Allocator::new(config(&kinds, 64, Some(0)), Policy::HitAware).unwrap(), hashes)
+}
+
+/// The Mamba group's (group 1) cached state block covering the first `tokens` tokens.
+fn mamba_state(a: &Allocator, hashes: &[BlockHash], tokens: u32) -> Option<BlockId> {
+    let mut out = Vec::new();
+    a.pool().get_cached_block(&hashes[(tokens / BS - 1) as usize], &[1], &mut out);
+    out.first().copied()
+}
+
 #[test]
 fn chat_turn_passing_its_hit_state_leaves_it_speculative_mamba_align() {
     // Full attention + Mamba "align", a 2-turn chat: turn 1 (a 10-token prompt decoded to 17
@@ -882,15 +898,8 @@ fn chat_turn_passing_its_hit_state_leaves_it_speculative_mamba_align() {
     // re-sends those 16 tokens and 6 more, hits that state and decodes past the next two
     // block boundaries: the state it passed goes speculative, and its own furthest state (at
     // 28) is kept at the normal level. Under exact nothing is leveled.
-    let kinds = [AttentionKind::Full, mamba_align()];
-    let contents: Vec<u64> = (0..8).map(|i| 5_000 + i).collect();
-    let hashes: Vec<BlockHash> = chain(&contents).into_iter().map(BlockHash::from_u64).collect();
-    let mut a = Allocator::new(config(&kinds, 64, Some(0)), Policy::HitAware).unwrap();
-    let state_level = |a: &Allocator, tokens: u32| {
-        let mut out = Vec::new();
-        a.pool().get_cached_block(&hashes[(tokens / BS - 1) as usize], &[1], &mut out);
-        out.first().map(|&b| a.pool().level(b))
-    };
+    let (mut a, hashes) = full_and_mamba_align_chain(5_000);
+    let state_level = |a: &Allocator, tokens: u32| mamba_state(a, &hashes, tokens).map(|b| a.pool().level(b));
     let turn = |a: &mut Allocator, prompt: u32, end: u32| -> u32 {
         let h = a.add_request();
         a.append_hashes(h, &common::hash_bytes(&hashes[..(end / BS) as usize]), 8).unwrap();
@@ -936,15 +945,9 @@ fn running_request_keeps_its_furthest_state_until_it_keys_a_later_one_mamba_alig
     // while decode goes on to 24. Until then a re-sent sequence resumes there, so it is not
     // speculative (it was, and was the first block evicted under pressure); once the state
     // at 24 is keyed, the one at 20 is passed and goes speculative.
-    let kinds = [AttentionKind::Full, mamba_align()];
-    let contents: Vec<u64> = (0..8).map(|i| 7_000 + i).collect();
-    let hashes: Vec<BlockHash> = chain(&contents).into_iter().map(BlockHash::from_u64).collect();
-    let mut a = Allocator::new(config(&kinds, 64, Some(0)), Policy::HitAware).unwrap();
-    let state = |a: &Allocator, tokens: u32| {
-        let mut out = Vec::new();
-        a.pool().get_cached_block(&hashes[(tokens / BS - 1) as usize], &[1], &mut out);
-        out.first().map(|&b| (a.pool().ref_cnt(b), a.pool().level(b)))
-    };
+    let (mut a, hashes) = full_and_mamba_align_chain(7_000);
+    let state =
+        |a: &Allocator, tokens: u32| mamba_state(a, &hashes, tokens).map(|b| (a.pool().ref_cnt(b), a.pool().level(b)));
     let (prompt, end) = (20u32, 27u32);
     let h = a.add_request();
     a.append_hashes(h, &common::hash_bytes(&hashes[..(end / BS) as usize]), 8).unwrap();
