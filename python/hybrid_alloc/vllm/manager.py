@@ -24,7 +24,6 @@ unchanged (:func:`raised_by_vllm` tells it apart).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -227,7 +226,7 @@ class HybridKVCacheManager:
             alloc,
             self.empty_kv_cache_blocks,
             HybridKVCacheManager.allocate_slots.__get__(self),
-            functools.partial(NativeKVCacheBlocks, alloc),  # in C: no frame of its own
+            NativeKVCacheBlocks,  # a class: built from Rust, no frame (see FastAllocate)
             self._after_call,
         )
         self.allocate_slots = self._fast  # type: ignore[method-assign,assignment]
