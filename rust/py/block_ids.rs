@@ -9,26 +9,29 @@
 use pyo3::exceptions::{PyIndexError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple, PyType};
+use pyo3::types::{PyInt, PyList, PyTuple, PyType};
 
 use super::convert::block_ids_arg;
 use crate::ids::BlockId;
 
 /// The groups `group_ids` selects of `num_groups` (all of them when `None`), in its order:
 /// indexed as vLLM's tuple of groups is (negative from the end; an `IndexError` past it, a
-/// `TypeError` for an item that is not an int).
+/// `TypeError` for an item that is not an int, as the tuple raises).
 fn selected_groups(num_groups: usize, group_ids: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<usize>>> {
     let Some(ids) = group_ids else { return Ok(None) };
     let groups = num_groups as i64;
     let mut out = Vec::new();
     for g in ids.try_iter()? {
         let g = g?;
-        let g: i64 = g.extract().map_err(|_| {
-            PyTypeError::new_err(format!(
-                "tuple indices must be integers or slices, not {}",
-                g.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-            ))
-        })?;
+        let g: i64 = match g.extract() {
+            Ok(g) => g,
+            // An int past i64 is past any tuple too.
+            Err(_) if g.is_instance_of::<PyInt>() => return Err(PyIndexError::new_err("tuple index out of range")),
+            Err(_) => {
+                let name = g.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+                return Err(PyTypeError::new_err(format!("tuple indices must be integers or slices, not {name}")));
+            }
+        };
         if g >= groups || g < -groups {
             return Err(PyIndexError::new_err("tuple index out of range"));
         }

@@ -66,7 +66,7 @@ def test_get_block_ids_makes_fresh_lists() -> None:
     assert o.get_block_ids()[0] is not o.get_block_ids()[0]
 
 
-@pytest.mark.parametrize("bad", [[2], [-3], ["a"], [0.5], [None], 5, "0"])
+@pytest.mark.parametrize("bad", [[2], [-3], [2**70], ["a"], [0.5], [None], 5, "0"])
 def test_bad_group_ids_raise_what_vllm_raises(bad: Any) -> None:
     groups = ([1, 2], [3])
     want = answer(lambda: theirs(groups).get_block_ids(group_ids=bad))
