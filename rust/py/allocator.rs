@@ -145,12 +145,14 @@ impl PyAllocator {
         num_tokens=None, shared_prefix_boundary=0, skip_zeroing_group_ids=[], as_buffer=False)")]
     fn allocate_slots<'py>(
         slf: &Bound<'_, Self>,
-        py: Python<'py>,
         args: &Bound<'py, PyTuple>,
         keywords: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         // Read here, not by pyo3's parser (see `kwargs`): `handle` and `num_new_tokens`
-        // positionally or by keyword, every other argument by keyword only.
+        // positionally or by keyword, every other argument by keyword only. No other Rust
+        // parameter (not even `py`): pyo3 hands over CPython's tuple and dict untouched only
+        // for a signature of exactly `*args, **kwargs`.
+        let py = args.py();
         if args.len() > 2 {
             return Err(PyTypeError::new_err(format!(
                 "allocate_slots() takes 2 positional arguments but {} were given",

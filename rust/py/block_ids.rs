@@ -119,7 +119,11 @@ impl PyBlockIds {
             None => false,
             Some(a) => a.is_truthy()?,
         };
-        let Some(sel) = selected_groups(self.counts.len(), group_ids)? else {
+        let sel = match group_ids {
+            None => None,
+            Some(_) => selected_groups(self.counts.len(), group_ids)?,
+        };
+        let Some(sel) = sel else {
             if allow_none && self.ids.is_empty() {
                 return Ok(py.None().into_bound(py));
             }
@@ -201,7 +205,10 @@ impl PyEmptyBlockIds {
         allow_none: Option<&Bound<'py, PyAny>>,
         group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let n = selected_groups(self.num_groups, group_ids)?.map_or(self.num_groups, |s| s.len());
+        let n = match group_ids {
+            None => self.num_groups, // the scheduler's call: no function call to get here
+            Some(_) => selected_groups(self.num_groups, group_ids)?.map_or(self.num_groups, |s| s.len()),
+        };
         if let Some(a) = allow_none {
             if a.is_truthy()? {
                 return Ok(py.None().into_bound(py));
