@@ -22,19 +22,36 @@ answered by a C-level constant, ``bench_serve.install_floor``: the least any man
 
     PYTHONPATH=target/pysite valgrind --tool=callgrind --instr-atstart=no \
         python benches/cold_path.py --managers hybrid_alloc --callgrind
+
+``--crossing`` (under callgrind, with ``--toggle-collect``): the block-crossing decode call
+instead, the one whose step needs a new block (``num_computed_tokens`` a multiple of the
+block size), and ``get_block_ids(allow_none=True)`` on its result. Such a call changes the
+request, so it runs once per request: the first half of those requests warm the code, the
+second half are measured, each call routed through a C function of CPython nothing else
+calls (``allocate_slots`` through ``operator.call``, ``get_block_ids`` through
+``operator.methodcaller``), so that each trampoline's inclusive count over the calls measured
+is one call's cost (the trampoline's own few tens of instructions included):
+
+    PYTHONPATH=target/pysite valgrind --tool=callgrind --toggle-collect=_operator_call \
+        --toggle-collect=methodcaller_call --callgrind-out-file=/tmp/cx.out \
+        python benches/cold_path.py --managers hybrid_alloc --crossing
+    callgrind_annotate --inclusive=yes /tmp/cx.out | grep -E '_operator_call|methodcaller_call'
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import operator
 import os
 import subprocess
 import time
 from typing import Any
 
 
-def _bring_to_decode(manager: str, n: int) -> tuple[Any, list[Any]]:
+def _bring_to_decode(manager: str, n: int, crossing: bool = False) -> tuple[Any, list[Any]]:
+    """The manager with ``n`` requests decoding, and the requests whose next decode call is
+    a no-op (``crossing``: those whose next one needs a new block, none of them called)."""
     from hybrid_alloc import bench
     from hybrid_alloc.vllm.offline import SHAPES, SchedulerSetup, fabricate_output, make_request
 
@@ -55,6 +72,8 @@ def _bring_to_decode(manager: str, n: int) -> tuple[Any, list[Any]]:
         so = sched.schedule()
         sched.update_from_output(so, fabricate_output(sched, so))
     mgr = sched.kv_cache_manager
+    if crossing:
+        return mgr, [r for r in sched.running if r.num_computed_tokens % sched.cache_config.block_size == 0]
     noop = [r for r in sched.running if mgr.allocate_slots(r, 1, num_lookahead_tokens=0) is mgr.empty_kv_cache_blocks]
     if floor:  # ours, the decode call then answered by a C-level constant (bench_serve.install_floor)
         from hybrid_alloc.bench_serve import install_floor
@@ -79,6 +98,24 @@ def _time(mgr: Any, reqs: list[Any], passes: int, flush: bytearray | None) -> fl
     return total / calls
 
 
+def _crossing(mgr: Any, reqs: list[Any]) -> int:
+    """The block-crossing decode calls, and ``get_block_ids(allow_none=True)`` on their
+    results: the first half direct (warming the code), the second half routed through the
+    C trampolines ``--toggle-collect`` counts. Returns how many calls got new blocks."""
+    alloc, empty = mgr.allocate_slots, mgr.empty_kv_cache_blocks
+    call, ids = operator.call, operator.methodcaller("get_block_ids", allow_none=True)
+    half, crossed = len(reqs) // 2, 0
+    for r in reqs[:half]:
+        out = alloc(r, 1, num_lookahead_tokens=0)
+        out.get_block_ids(allow_none=True)
+        crossed += out is not None and out is not empty
+    for r in reqs[half:]:
+        out = call(alloc, r, 1, num_lookahead_tokens=0)
+        ids(out)
+        crossed += out is not None and out is not empty
+    return crossed
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--running", type=int, default=1024)
@@ -86,11 +123,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--managers", default="vllm,hybrid_alloc")
     p.add_argument("--callgrind", action="store_true", help="instrument one warm pass (see the module's doc)")
+    p.add_argument("--crossing", action="store_true", help="the block-crossing call (see the module's doc)")
     args = p.parse_args()
     logging.getLogger("vllm").setLevel(logging.ERROR)
     flush = bytearray(64 << 20)
     for manager in args.managers.split(","):
-        mgr, reqs = _bring_to_decode(manager, args.running)
+        mgr, reqs = _bring_to_decode(manager, args.running, args.crossing)
+        if args.crossing:
+            crossed = _crossing(mgr, reqs)
+            half = len(reqs) - len(reqs) // 2
+            print(f"{manager}: {len(reqs)} block-crossing decode calls ({crossed} got blocks), {half} routed")
+            continue
         if args.callgrind:
             _time(mgr, reqs, 1, None)  # every request's objects warm once
             toggle = ["callgrind_control", "-i"]

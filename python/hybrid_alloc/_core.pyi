@@ -15,6 +15,7 @@ __all__ = [
     "DecodeFloor",
     "EmptyBlockIds",
     "FastAllocate",
+    "GetBlockIds",
     "Hit",
     "HybridAllocError",
     "InvalidBlockError",
@@ -101,16 +102,36 @@ class EmptyBlockIds:
     one empty list per group (per ``group_ids``)."""
 
     def __new__(cls, num_groups: int) -> EmptyBlockIds: ...
-    def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None) -> Any: ...
+    def get_block_ids(self, allow_none: object = False, *, group_ids: Sequence[int] | None = None) -> Any: ...
 
 @final
 class BlockIds:
-    """Block ids of several groups in one flat buffer (``as_buffer=True`` results)."""
+    """Block ids of several groups in one flat buffer (``as_buffer=True`` results), or made
+    from one sequence of ints per group."""
 
+    def __new__(cls, groups: Sequence[Sequence[int]]) -> BlockIds: ...
+    def get_block_ids(self, allow_none: object = False, *, group_ids: Sequence[int] | None = None) -> Any:
+        """vLLM's ``KVCacheBlocks.get_block_ids``: fresh lists, one per group (per
+        ``group_ids``), or ``None`` when ``allow_none`` and every selected group is empty."""
     def lists(self) -> tuple[list[int], ...]: ...
     def is_empty(self) -> bool: ...
     def counts(self) -> list[int]: ...
     def __len__(self) -> int: ...
+
+@final
+class GetBlockIds:
+    """``get_block_ids`` of a ``KVCacheBlocks`` class whose instances hold a ``BlockIds`` as
+    ``_src``: on an instance it is ``_src.get_block_ids``; on the class, called with the
+    instance first, it answers the same."""
+
+    def __new__(cls) -> GetBlockIds: ...
+    @overload
+    def __get__(self, instance: None, owner: type | None = None, /) -> GetBlockIds: ...
+    @overload
+    def __get__(self, instance: object, owner: type | None = None, /) -> Callable[..., Any]: ...
+    def __call__(
+        self, blocks: object, allow_none: object = False, *, group_ids: Sequence[int] | None = None
+    ) -> Any: ...
 
 @disjoint_base
 class AllocatorBase:
@@ -289,8 +310,10 @@ class Allocator(AllocatorBase):
 class FastAllocate(Generic[_B]):
     """The vLLM adapter's ``allocate_slots`` fast path; ``_B`` is the adapter's blocks type.
 
-    ``empty`` is returned for a step with no new block, ``make_blocks`` wraps new block ids
-    (one list per group), ``slow`` serves every other call (the adapter's Python
+    ``empty`` is returned for a step with no new block; ``make_blocks`` wraps new block ids:
+    a class (the adapter's ``NativeKVCacheBlocks``) is instantiated without ``__init__``
+    (``object.__new__``, then ``_alloc`` set to ``alloc`` and ``_src`` to a ``BlockIds``),
+    any other callable is called with one list per group; ``slow`` serves every other call (the adapter's Python
     ``allocate_slots``, called with the same arguments), and ``on_events(request)`` runs
     after a step that queued events."""
 
@@ -299,7 +322,7 @@ class FastAllocate(Generic[_B]):
         alloc: Allocator,
         empty: _B,
         slow: Callable[..., _B | None],
-        make_blocks: Callable[[tuple[list[int], ...]], _B],
+        make_blocks: type[_B] | Callable[[tuple[list[int], ...]], _B],
         on_events: Callable[[_Request], object] | None,
     ) -> FastAllocate[_B]: ...
     def track(self, request: object, handle: int) -> None:

@@ -8,6 +8,7 @@
 
 use std::sync::MutexGuard;
 
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
@@ -136,7 +137,7 @@ impl PyAllocator {
     /// request's fields default to a request whose tokens are exactly those computed and
     /// scheduled now. Returns `None` when the blocks do not fit, else the new block ids of
     /// each group.
-    #[pyo3(signature = (handle, num_new_tokens, **keywords))]
+    #[pyo3(signature = (*args, **keywords))]
     #[pyo3(text_signature = "(self, handle, num_new_tokens, *, block_hashes=None, hit=None, \
         num_new_computed_tokens=0, num_lookahead_tokens=0, num_external_computed_tokens=0, \
         delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0, \
@@ -144,13 +145,23 @@ impl PyAllocator {
         num_tokens=None, shared_prefix_boundary=0, skip_zeroing_group_ids=[], as_buffer=False)")]
     fn allocate_slots<'py>(
         slf: &Bound<'_, Self>,
-        py: Python<'py>,
-        handle: i64,
-        num_new_tokens: i64,
+        args: &Bound<'py, PyTuple>,
         keywords: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        // Read here, not by pyo3's parser (see `kwargs`): `handle` and `num_new_tokens`
+        // positionally or by keyword, every other argument by keyword only. No other Rust
+        // parameter (not even `py`): pyo3 hands over CPython's tuple and dict untouched only
+        // for a signature of exactly `*args, **kwargs`.
+        let py = args.py();
+        if args.len() > 2 {
+            return Err(PyTypeError::new_err(format!(
+                "allocate_slots() takes 2 positional arguments but {} were given",
+                args.len()
+            )));
+        }
+        let o = AllocateOptions::parse(Some(args), keywords)?;
+        let (handle, num_new_tokens): (i64, i64) = (o.handle.required()?, o.num_new_tokens.required()?);
         let h = handle_arg(handle)?;
-        let o = AllocateOptions::parse(None, keywords)?;
         let skip_zeroing_group_ids: Vec<i64> = o.skip_zeroing_group_ids.get(Vec::new())?;
         let args = AllocateRequest {
             num_new_tokens,

@@ -21,18 +21,21 @@
 //! field) or `OutOfRangeError` (`block_hashes` not a list, an item not 1 to 32 bytes). Cost:
 //! a no-op step makes no Python object and reads one to four counts, and the handle's
 //! attribute only for an untracked request (one probe of a small Rust table otherwise).
+//! A step that allocates returns its new ids as the adapter's `KVCacheBlocks` class built
+//! without a Python frame ([`MakeBlocks::Class`]: `object.__new__` and two attributes set,
+//! the ids in one `BlockIds`), or through any other callable given as `make_blocks`.
 #![forbid(unsafe_code)]
 
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::PyTraverseError;
 use rustc_hash::FxHashMap;
 use std::sync::{Mutex, MutexGuard};
 
 use super::allocator::PyAllocator;
-use super::block_ids::tuple_of_groups;
+use super::block_ids::{tuple_of_groups, PyBlockIds};
 use super::convert::PyHashes;
 use super::errors::{InvariantError, OutOfRangeError};
 use crate::coordinator::{HashSource, PlainStep, StepFields};
@@ -119,14 +122,37 @@ fn decode_call<'py>(
 /// `FastAllocate`'s request table: a request object's address -> (the request, its handle).
 type Tracked = FxHashMap<usize, (Py<PyAny>, u64)>;
 
+/// How a step's new block ids become its result.
+enum MakeBlocks {
+    /// A class (the adapter's `NativeKVCacheBlocks`): the result is `object.__new__(cls)`,
+    /// its `__init__` not run, with the attributes `_alloc` (the allocator) and `_src` (the
+    /// ids as a `BlockIds`) set: no Python frame and no Python int.
+    Class {
+        /// The class.
+        cls: Py<PyType>,
+        /// `object.__new__`.
+        new: Py<PyAny>,
+    },
+    /// Any other callable, called with a tuple of lists (one per group).
+    Call(Py<PyAny>),
+}
+
+/// A step's new block ids, taken out of the core before its lock is released.
+enum NewIds {
+    /// For [`MakeBlocks::Class`].
+    Buffer(PyBlockIds),
+    /// For [`MakeBlocks::Call`].
+    Lists(Py<PyTuple>),
+}
+
 /// The callbacks of a `FastAllocate` (dropped by the garbage collector's `__clear__`).
 struct Callbacks {
     /// What a step with no new block returns (vLLM's empty `KVCacheBlocks`).
     empty: Py<PyAny>,
     /// The Python `allocate_slots`, for every call the fast path does not serve.
     slow: Py<PyAny>,
-    /// Wraps new block ids (a tuple of lists, one per group) in the adapter's blocks class.
-    make_blocks: Py<PyAny>,
+    /// Wraps new block ids in the adapter's blocks class.
+    make_blocks: MakeBlocks,
     /// Called with the request when the step queued events or residency log entries, or
     /// `None`.
     on_events: Py<PyAny>,
@@ -195,8 +221,12 @@ impl FastAllocate {
                 PlainStep::Allocated(None) => (None, core.has_events() || core.has_residency_log()),
                 PlainStep::Allocated(Some(0)) => (Some(None), core.has_events() || core.has_residency_log()),
                 PlainStep::Allocated(Some(_)) => {
-                    let t = tuple_of_groups(py, core.new_block_ids(), core.new_block_counts())?;
-                    (Some(Some(t)), core.has_events() || core.has_residency_log())
+                    let (ids, counts) = (core.new_block_ids(), core.new_block_counts());
+                    let new = match &cb.make_blocks {
+                        MakeBlocks::Class { .. } => NewIds::Buffer(PyBlockIds::new(ids, counts)),
+                        MakeBlocks::Call(_) => NewIds::Lists(tuple_of_groups(py, ids, counts)?.unbind()),
+                    };
+                    (Some(Some(new)), core.has_events() || core.has_residency_log())
                 }
             }
         };
@@ -206,8 +236,22 @@ impl FastAllocate {
         Ok(Some(match blocks {
             None => py.None(),
             Some(None) => cb.empty.clone_ref(py),
-            Some(Some(t)) => cb.make_blocks.bind(py).call1((t,))?.unbind(),
+            Some(Some(new)) => self.make_blocks(py, &cb.make_blocks, new)?.unbind(),
         }))
+    }
+
+    /// The result holding a step's new block ids.
+    fn make_blocks<'py>(&self, py: Python<'py>, make: &MakeBlocks, new: NewIds) -> PyResult<Bound<'py, PyAny>> {
+        match (make, new) {
+            (MakeBlocks::Class { cls, new: object_new }, NewIds::Buffer(ids)) => {
+                let out = object_new.bind(py).call1((cls.bind(py),))?;
+                out.setattr(intern!(py, "_alloc"), self.alloc.bind(py))?;
+                out.setattr(intern!(py, "_src"), Bound::new(py, ids)?)?;
+                Ok(out)
+            }
+            (MakeBlocks::Call(f), NewIds::Lists(t)) => f.bind(py).call1((t,)),
+            _ => Err(InvariantError::new_err("FastAllocate's new ids do not match its make_blocks")),
+        }
     }
 }
 
@@ -221,9 +265,17 @@ impl FastAllocate {
         slow: Py<PyAny>,
         make_blocks: Py<PyAny>,
         on_events: Py<PyAny>,
-    ) -> Self {
+    ) -> PyResult<Self> {
         alloc.bind(py).as_super().get().set_serves_vllm();
-        Self { alloc, callbacks: Some(Callbacks { empty, slow, make_blocks, on_events }), tracked: Mutex::default() }
+        let make_blocks = match make_blocks.bind(py).cast::<PyType>() {
+            Ok(cls) => MakeBlocks::Class {
+                cls: cls.clone().unbind(),
+                new: py.get_type::<PyAny>().getattr(intern!(py, "__new__"))?.unbind(),
+            },
+            Err(_) => MakeBlocks::Call(make_blocks),
+        };
+        let callbacks = Some(Callbacks { empty, slow, make_blocks, on_events });
+        Ok(Self { alloc, callbacks, tracked: Mutex::default() })
     }
 
     /// Records `handle` as `request`'s (found by the object's address, without reading an
@@ -269,7 +321,13 @@ impl FastAllocate {
         if let Some(cb) = &self.callbacks {
             visit.call(&cb.empty)?;
             visit.call(&cb.slow)?;
-            visit.call(&cb.make_blocks)?;
+            match &cb.make_blocks {
+                MakeBlocks::Class { cls, new } => {
+                    visit.call(cls)?;
+                    visit.call(new)?;
+                }
+                MakeBlocks::Call(f) => visit.call(f)?,
+            }
             visit.call(&cb.on_events)?;
         }
         if let Ok(t) = self.tracked.try_lock() {

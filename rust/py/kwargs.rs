@@ -3,7 +3,12 @@
 //! configuration the first one builds from them: pyo3 maps each
 //! Python parameter to one Rust parameter, so these calls take their options as `*args` /
 //! `**kwargs` and read them here into a struct with one field per option, with Python's own
-//! rules (each at most once, no unknown name, positionals in the declared order). What each
+//! rules (each at most once, no unknown name, positionals in the declared order).
+//! `allocate_slots` takes all of its arguments that way (`*args, **kwargs` and no other
+//! parameter, its two required ones included): pyo3 then hands over CPython's own tuple and
+//! dict, where any other signature with `**kwargs` has pyo3 match every keyword against the
+//! named parameters and copy it into a new dict first (7.6 k instructions of an admission's
+//! call with 17 keywords, `benches/binding_calls.py --kind admission`). What each
 //! option means is the core's ([`crate::api`]); this only finds and converts it. O(options
 //! given): each name is matched once, by a `match` on its string.
 #![forbid(unsafe_code)]
@@ -35,6 +40,22 @@ impl<'py> Opt<'py> {
     /// As a `T`, or `default` when it was not given or given as `None`.
     pub(super) fn get<T: for<'a> FromPyObject<'a, 'py, Error: Into<PyErr>>>(&self, default: T) -> PyResult<T> {
         Ok(self.opt()?.unwrap_or(default))
+    }
+
+    /// As a `T`; a required argument left out raises `TypeError` as Python does, and a
+    /// value of the wrong type (`None` included) raises `TypeError` naming the argument.
+    pub(super) fn required<T: for<'a> FromPyObject<'a, 'py, Error: Into<PyErr>>>(&self) -> PyResult<T> {
+        match &self.value {
+            None => Err(PyTypeError::new_err(format!("{}() missing required argument '{}'", self.call, self.name))),
+            Some(v) => v.extract::<T>().map_err(|e| {
+                let (py, e): (_, PyErr) = (v.py(), e.into());
+                if e.is_instance_of::<PyTypeError>(py) {
+                    PyTypeError::new_err(format!("{}() argument '{}': {}", self.call, self.name, e.value(py)))
+                } else {
+                    e
+                }
+            }),
+        }
     }
 
     /// As a `T`, or `None` when it was not given or given as `None`; a value of the wrong
@@ -115,9 +136,10 @@ options! {
 }
 
 options! {
-    /// `allocate_slots`' keyword-only options.
+    /// `allocate_slots`' arguments: its two positional-or-keyword ones (`handle`,
+    /// `num_new_tokens`; the caller refuses a third positional) and its keyword-only options.
     AllocateOptions("allocate_slots") {
-        block_hashes, hit, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens,
+        handle, num_new_tokens, block_hashes, hit, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens,
         delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit, reserved_blocks, apply_watermark,
         num_computed_tokens, num_in_flight_tokens, num_prompt_tokens, num_tokens, shared_prefix_boundary,
         skip_zeroing_group_ids, as_buffer,

@@ -11,7 +11,7 @@
 //! | `groups.rs` | the constructor's `groups`: named group specs and legacy tuples |
 //! | `events.rs` | the core's events as the `NamedTuple`s of `hybrid_alloc.events` |
 //! | `results.rs` | small typed values (`Hit`, `NoopLimits`) |
-//! | `block_ids.rs` | `BlockIds`, the flat block-id buffer; `EmptyBlockIds`, the empty result's `get_block_ids` |
+//! | `block_ids.rs` | `BlockIds`, the flat block-id buffer and its `get_block_ids`; `GetBlockIds`, the adapter class's `get_block_ids`; `EmptyBlockIds`, the empty result's |
 //! | `pool.rs` | `AllocatorBase`: the core, and the calls that take no request handle |
 //! | `allocator.rs` | `Allocator(AllocatorBase)`: the calls that take a request handle |
 //! | `fast.rs` | `FastAllocate`, the vLLM fast path, and the `Request` protocol it reads |
@@ -42,6 +42,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<results::PyNoopLimits>()?;
     m.add_class::<block_ids::PyBlockIds>()?;
     m.add_class::<block_ids::PyEmptyBlockIds>()?;
+    m.add_class::<block_ids::PyGetBlockIds>()?;
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -529,6 +529,37 @@ def test_import_without_vllm() -> None:
     assert out.stdout.strip() == "ok"
 
 
+def test_allocate_slots_takes_its_arguments_as_its_signature_says() -> None:
+    """``Allocator.allocate_slots`` reads its arguments itself (``*args, **kwargs``, no
+    pyo3 parser): ``handle`` and ``num_new_tokens`` positionally or by keyword, the rest by
+    keyword only, with Python's errors for everything else, and nothing changed by a refused
+    call."""
+    a = alloc()
+    r1, r2, r3 = a.add_request(), a.add_request(), a.add_request()
+    assert a.allocate_slots(r1, 16, num_tokens=16) == ([1],)
+    assert a.allocate_slots(handle=r2, num_new_tokens=16, num_tokens=16) == ([2],)
+    buf = a.allocate_slots(r3, num_new_tokens=16, num_tokens=16, as_buffer=True)
+    assert buf is not None and buf.lists() == ([3],)
+    free = a.num_free_blocks
+    bad: list[tuple[tuple[Any, ...], dict[str, Any], str]] = [
+        ((r1, 16, None), {}, "takes 2 positional arguments but 3 were given"),
+        ((r1,), {}, "missing required argument 'num_new_tokens'"),
+        ((), {"num_new_tokens": 16}, "missing required argument 'handle'"),
+        ((r1, 16), {"handle": r1}, "multiple values for argument 'handle'"),
+        ((r1, 16), {"num_new_token": 1}, "unexpected keyword argument 'num_new_token'"),
+        ((None, 16), {}, "argument 'handle'"),
+        ((r1, "16"), {}, "argument 'num_new_tokens'"),
+        ((r1, 16), {"num_tokens": "x"}, "argument 'num_tokens'"),
+    ]
+    for args, kw, msg in bad:
+        with pytest.raises(TypeError, match=re.escape(msg)):
+            a.allocate_slots(*args, **kw)
+    with pytest.raises(ha.UnknownRequestError):
+        a.allocate_slots(-1, 16)
+    assert a.num_free_blocks == free and a.block_ids(r1) == ([1],)
+    a.check_invariants()
+
+
 # ---- FastAllocate: the scheduler's hot call ------------------------------------------------
 
 

@@ -3,13 +3,14 @@
 - :class:`NativeBlock`: one block as ``KVCacheBlocks.blocks`` shows it (``block_id``,
   ``is_null``, ``ref_cnt``, ``block_hash``), made on demand, never on the hot path;
 - :class:`EmptyKVCacheBlocks`: the manager's shared "no block" result;
-- :class:`NativeKVCacheBlocks`: block ids per group (lists, or the core's flat ``BlockIds``
-  buffer, turned into Python ints only when a caller reads them);
+- :class:`NativeKVCacheBlocks`: block ids per group in the core's flat ``BlockIds`` buffer,
+  turned into Python ints only when a caller reads them;
 - :class:`HitBlocks`: a ``get_computed_blocks`` result, which ``allocate_slots`` recognises
   to reuse the hit the core stored instead of sending its ids back.
 
-Cost: building any of these is O(1); ``get_block_ids`` is one crossing (a buffer) or one list
-copy per group; ``blocks`` makes one view per block, once.
+Cost: building any of these is O(1) (O(ids) from lists); ``get_block_ids`` is one crossing
+(a builtin method, no Python frame) making fresh lists; ``blocks`` makes one view per block,
+once.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from hybrid_alloc._core import Allocator, BlockIds, EmptyBlockIds
+from hybrid_alloc._core import Allocator, BlockIds, EmptyBlockIds, GetBlockIds
 
 __all__ = ["EmptyKVCacheBlocks", "HitBlocks", "NativeBlock", "NativeKVCacheBlocks"]
 
@@ -86,64 +87,57 @@ class EmptyKVCacheBlocks(KVCacheBlocks):
 
 
 class NativeKVCacheBlocks(KVCacheBlocks):
-    """``KVCacheBlocks`` whose content is block ids; ``blocks`` makes block views lazily.
-    Made from lists, or from the core's flat ``BlockIds`` buffer: then no Python int is made
-    for an id until a caller reads the ids (the scheduler does not read an admission's new
-    blocks, nor a hit's)."""
+    """``KVCacheBlocks`` whose content is block ids, held as the core's flat ``BlockIds``
+    buffer (``_src``): no Python int is made for an id until a caller reads the ids (the
+    scheduler does not read an admission's new blocks, nor a hit's); ``blocks`` makes block
+    views lazily.
 
-    __slots__ = ("_alloc", "_src", "_lists", "_blocks")
+    ``FastAllocate`` builds the instances of a decode step that crossed a block without
+    running ``__init__`` (``object.__new__`` and the attributes ``_alloc`` and ``_src`` set
+    from Rust), so an instance's state is exactly those two (``_blocks`` is set on first
+    read of ``blocks``). ``get_block_ids`` is the core's ``GetBlockIds``: read on an
+    instance, it is ``_src.get_block_ids``, a builtin method answering as vLLM's (fresh lists,
+    ``allow_none``, ``group_ids``), so the scheduler's ``get_block_ids(allow_none=True)``
+    runs no Python frame."""
+
+    __slots__ = ("_alloc", "_src", "_blocks")
+
+    get_block_ids = GetBlockIds()
 
     def __init__(self, alloc: Allocator, ids: tuple[list[int], ...] | BlockIds) -> None:
         # Deliberately not calling the dataclass __init__: ``blocks`` is lazy.
         self._alloc = alloc
-        self._src: BlockIds | None
-        self._lists: tuple[list[int], ...] | None
-        if type(ids) is BlockIds:
-            self._src, self._lists = ids, None
-        else:
-            self._src, self._lists = None, ids
-        self._blocks: tuple[list[NativeBlock], ...] | None = None
+        self._src: BlockIds = ids if type(ids) is BlockIds else BlockIds(ids)
 
     @property
     def _ids(self) -> tuple[list[int], ...]:
-        if self._lists is None:
-            assert self._src is not None
-            self._lists = self._src.lists()
-        return self._lists
+        return self._src.lists()
 
     @property
     def blocks(self) -> tuple[Sequence[Any], ...]:
-        if self._blocks is None:
+        try:
+            return self._blocks
+        except AttributeError:
             a = self._alloc
-            self._blocks = tuple([NativeBlock(a, b) for b in g] for g in self._ids)
-        return self._blocks
-
-    def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None) -> Any:
-        src = self._src
-        if src is not None and group_ids is None:
-            # Fresh lists straight from the buffer (one crossing), as vLLM's are fresh.
-            return None if allow_none and src.is_empty() else src.lists()
-        groups = self._ids if group_ids is None else tuple(self._ids[g] for g in group_ids)
-        if allow_none and not any(groups):
-            return None
-        # Fresh lists, as vLLM's; ``map`` builds them in C (half the cost of a generator).
-        return tuple(map(list, groups))
+            self._blocks: tuple[list[NativeBlock], ...] = tuple([NativeBlock(a, b) for b in g] for g in self._ids)
+            return self._blocks
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         other_ids = other.get_block_ids()
         return NativeKVCacheBlocks(self._alloc, tuple(a + b for a, b in zip(self._ids, other_ids)))
 
     def get_unhashed_block_ids(self) -> list[int]:
-        assert len(self._ids) == 1, "Only one group is supported"
+        ids = self._ids
+        assert len(ids) == 1, "Only one group is supported"
         a = self._alloc
-        return [b for b in self._ids[0] if a.block_hash(b) is None]
+        return [b for b in ids[0] if a.block_hash(b) is None]
 
     def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
         a = self._alloc
         return [[b for b in g if b != 0 and a.block_hash(b) is None] for g in self._ids]
 
     def new_empty(self) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple(() for _ in range(len(self._ids))))
+        return KVCacheBlocks(tuple(() for _ in range(len(self._src))))
 
     def __repr__(self) -> str:
         return f"NativeKVCacheBlocks({self._ids})"

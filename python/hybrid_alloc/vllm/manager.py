@@ -24,7 +24,6 @@ unchanged (:func:`raised_by_vllm` tells it apart).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -227,7 +226,7 @@ class HybridKVCacheManager:
             alloc,
             self.empty_kv_cache_blocks,
             HybridKVCacheManager.allocate_slots.__get__(self),
-            functools.partial(NativeKVCacheBlocks, alloc),  # in C: no frame of its own
+            NativeKVCacheBlocks,  # a class: built from Rust, no frame (see FastAllocate)
             self._after_call,
         )
         self.allocate_slots = self._fast  # type: ignore[method-assign,assignment]
@@ -378,7 +377,9 @@ class HybridKVCacheManager:
         ``__init__``: it serves, in Rust, a plain step of a running request as the scheduler
         calls it (``(request, num_new_tokens, num_lookahead_tokens=n)``) and calls this
         method, with the arguments as given, for everything else."""
-        st = self._state(request)
+        st = self._reqs.get(request.request_id)  # set by the lookup: no call to _state
+        if st is None:
+            st = self._state(request)
         hit: Hit | tuple[list[int], ...] = Hit.NONE
         if new_computed_blocks is not None and new_computed_blocks is not self.empty_kv_cache_blocks:
             if type(new_computed_blocks) is HitBlocks and new_computed_blocks._gen == st.hit_gen:
@@ -388,7 +389,9 @@ class HybridKVCacheManager:
                 if any(groups):
                     hit = groups
         watermark = self.watermark_blocks > 0 and has_scheduled_reqs and request.status in _WAITING_OR_PREEMPTED
-        n, ext, la = fold_negative_external(num_new_tokens, num_external_computed_tokens, num_lookahead_tokens)
+        n, ext, la = num_new_tokens, num_external_computed_tokens, num_lookahead_tokens
+        if ext < 0:
+            n, ext, la = fold_negative_external(n, ext, la)
         res = self._alloc.allocate_slots(
             st.handle,
             n,
