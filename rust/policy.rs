@@ -52,6 +52,9 @@
 #![forbid(unsafe_code)]
 
 use crate::error::{Error, Result};
+use crate::free_queue::try_filled;
+use crate::ids::BlockId;
+use crate::prefix_index::HashKey;
 
 /// Which blocks stay cached and in what order they are evicted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -105,6 +108,146 @@ pub const LEVEL_NORMAL: Level = 3;
 pub const LEVEL_PINNED: Level = 4;
 /// Levels of a hit-aware free queue.
 pub const NUM_LEVELS: u32 = 5;
+
+/// Hit-aware, state-space hybrids: the *hit units* of the free blocks. A unit is a cached
+/// state in every Mamba group at one position and the full-attention blocks before it: a
+/// hit needs all of them, and once one is gone the others serve no hit through it. Units
+/// are formed when a request is freed (its furthest state, and every branch-point state
+/// it holds); when any member loses its hash (evicted), the unit is dissolved and the
+/// members no other live unit needs are returned, to be evicted first.
+///
+/// `support[b]` counts the live units holding full-attention block `b` in their prefix (a
+/// shared prefix serves several); `unit_of[b]` is the latest live unit naming `b` (a state,
+/// or a prefix block), whose loss dissolves it. Each member is recorded with its key, so a
+/// block re-keyed since is skipped.
+///
+/// Cost: `form` O(members); `dissolve` O(members of the unit); memory O(members of the
+/// live units).
+#[derive(Clone, Debug, Default)]
+pub struct HitUnits {
+    /// Live units by id (`None`: a free id, listed in `free_ids`).
+    units: Vec<Option<HitUnit>>,
+    /// Ids of dissolved units, reused first.
+    free_ids: Vec<u32>,
+    /// `unit_of[b]`: the latest live unit naming block `b` (`NO_UNIT`: none).
+    unit_of: Vec<u32>,
+    /// `support[b]`: live units holding block `b` in their prefix.
+    support: Vec<u32>,
+}
+
+/// One hit unit: its states (one per Mamba group) and the full-attention prefix before them.
+#[derive(Clone, Debug)]
+struct HitUnit {
+    states: Vec<(BlockId, HashKey)>,
+    prefix: Vec<(BlockId, HashKey)>,
+}
+
+/// No unit.
+const NO_UNIT: u32 = u32::MAX;
+
+impl HitUnits {
+    /// Bookkeeping for `num_blocks` blocks.
+    ///
+    /// # Errors
+    /// The per-block arrays cannot be allocated.
+    pub fn try_new(num_blocks: usize) -> std::result::Result<Self, std::collections::TryReserveError> {
+        Ok(Self {
+            units: Vec::new(),
+            free_ids: Vec::new(),
+            unit_of: try_filled(num_blocks, NO_UNIT)?,
+            support: try_filled(num_blocks, 0)?,
+        })
+    }
+
+    /// Live units holding full-attention block `b` in their prefix.
+    pub fn support(&self, b: BlockId) -> u32 {
+        self.support.get(b as usize).copied().unwrap_or(0)
+    }
+
+    /// Whether `b` is in a live unit (a state or a prefix block).
+    pub fn in_unit(&self, b: BlockId) -> bool {
+        self.unit_of.get(b as usize).is_some_and(|&u| u != NO_UNIT) || self.support(b) > 0
+    }
+
+    /// Forms a unit of `states` and `prefix` (each block with its current key). A unit that
+    /// already names one of the states is dissolved first, its blocks left where they are
+    /// (the new unit takes them over). `holds(m)` says whether member `m` of a unit still
+    /// holds the key it was recorded with.
+    pub fn form(
+        &mut self,
+        states: Vec<(BlockId, HashKey)>,
+        prefix: Vec<(BlockId, HashKey)>,
+        holds: &mut dyn FnMut(&(BlockId, HashKey)) -> bool,
+    ) {
+        if self.unit_of.is_empty() {
+            return;
+        }
+        for &(b, _) in &states {
+            let u = self.unit_of[b as usize];
+            if u != NO_UNIT {
+                self.dissolve(u, holds, &mut Vec::new());
+            }
+        }
+        let id = self.free_ids.pop().unwrap_or_else(|| {
+            self.units.push(None);
+            self.units.len() as u32 - 1
+        });
+        for &(b, _) in &prefix {
+            self.support[b as usize] += 1;
+            self.unit_of[b as usize] = id;
+        }
+        for &(b, _) in &states {
+            self.unit_of[b as usize] = id;
+        }
+        self.units[id as usize] = Some(HitUnit { states, prefix });
+    }
+
+    /// Block `b` loses its hash: the unit naming it (if any) is dissolved, and every other
+    /// member no live unit still needs is appended to `orphans`. `holds(m)` says whether
+    /// member `m` still holds the key it was recorded with.
+    pub fn lose(&mut self, b: BlockId, holds: &mut dyn FnMut(&(BlockId, HashKey)) -> bool, orphans: &mut Vec<BlockId>) {
+        let Some(&u) = self.unit_of.get(b as usize) else { return };
+        if u != NO_UNIT {
+            self.dissolve(u, holds, orphans);
+        }
+        self.unit_of[b as usize] = NO_UNIT;
+        self.support[b as usize] = 0;
+        orphans.retain(|&m| m != b);
+    }
+
+    fn dissolve(&mut self, u: u32, holds: &mut dyn FnMut(&(BlockId, HashKey)) -> bool, orphans: &mut Vec<BlockId>) {
+        let Some(unit) = self.units[u as usize].take() else { return };
+        self.free_ids.push(u);
+        for m in &unit.states {
+            if holds(m) {
+                if self.unit_of[m.0 as usize] == u {
+                    self.unit_of[m.0 as usize] = NO_UNIT;
+                }
+                orphans.push(m.0);
+            }
+        }
+        for m in &unit.prefix {
+            if holds(m) {
+                let b = m.0 as usize;
+                if self.unit_of[b] == u {
+                    self.unit_of[b] = NO_UNIT;
+                }
+                self.support[b] = self.support[b].saturating_sub(1);
+                if self.support[b] == 0 {
+                    orphans.push(m.0);
+                }
+            }
+        }
+    }
+
+    /// Forgets every unit (a prefix-cache reset).
+    pub fn clear(&mut self) {
+        self.units.clear();
+        self.free_ids.clear();
+        self.unit_of.fill(NO_UNIT);
+        self.support.fill(0);
+    }
+}
 
 #[cfg(test)]
 mod tests {
