@@ -451,10 +451,10 @@ impl BlockPool {
     }
 
     /// Hit-aware: cached block `b` serves no hit (a member of a lost unit): it goes to
-    /// [`LEVEL_SPECULATIVE`], at the front of the queue when free. Pinned blocks keep their
-    /// level. O(1).
+    /// [`LEVEL_SPECULATIVE`], at the front of the queue when free. Pinned blocks and branch
+    /// points keep their level. O(1).
     pub(crate) fn evict_first(&mut self, b: BlockId) {
-        if self.level.is_empty() || b == NULL_BLOCK || self.level[b as usize] >= LEVEL_PINNED {
+        if self.level.is_empty() || b == NULL_BLOCK || self.level[b as usize] >= LEVEL_PINNED || self.is_branch(b) {
             return;
         }
         let queued = self.ref_cnt[b as usize] == 0 && self.hash[b as usize].is_some();
@@ -517,7 +517,7 @@ impl BlockPool {
             self.pinned_free += 1;
         }
         let lvl = self.level[b as usize];
-        if lvl == LEVEL_PROBATION {
+        if lvl == LEVEL_PROBATION || lvl == crate::policy::LEVEL_RESUMED {
             // Newest first: under a cyclic load larger than the cache (round-robin chat) the
             // unproven sessions that waited longest, and come back next, keep their blocks.
             self.queue.push_front_level(b, lvl);

@@ -101,13 +101,16 @@ pub const LEVEL_NEAR: Level = 1;
 /// Evicted before [`LEVEL_NORMAL`]: under a cyclic load larger than the cache (round-robin
 /// chat sessions) LRU evicts every session just before it returns; with this level the
 /// sessions that do hit keep their hit units and the others wait their turn (segmented LRU).
-pub const LEVEL_PROBATION: Level = 2;
+pub const LEVEL_PROBATION: Level = 3;
+/// State-space hybrids only: a state on probation that its own conversation's next turn
+/// resumed from, while that turn runs (see [`crate::manager::SingleTypeManager::promote_hit`]).
+pub const LEVEL_RESUMED: Level = 2;
 /// Every other cached block (vLLM's single LRU level).
-pub const LEVEL_NORMAL: Level = 3;
+pub const LEVEL_NORMAL: Level = 4;
 /// Blocks of a pinned prefix or of a request with a retention priority.
-pub const LEVEL_PINNED: Level = 4;
+pub const LEVEL_PINNED: Level = 5;
 /// Levels of a hit-aware free queue.
-pub const NUM_LEVELS: u32 = 5;
+pub const NUM_LEVELS: u32 = 6;
 
 /// Hit-aware, state-space hybrids: the *hit units* of the free blocks. A unit is a cached
 /// state in every Mamba group at one position and the full-attention blocks before it: a
