@@ -13,7 +13,8 @@
 //! call `maybe_evict_cached_block` only where vLLM calls `_maybe_evict_cached_block`
 //! (re-keying a block, vLLM's `cache_partial_block`, is `remove_cached_block_hashes`).
 //!
-//! Cost: `get_new_blocks` O(n) (each popped block's lazy eviction O(1)); `touch`,
+//! Cost: `get_new_blocks` O(n) (each popped block's lazy eviction O(1), plus, under
+//! hit-aware with Mamba groups, O(members) when it dissolves a hit unit); `touch`,
 //! `free_blocks` O(blocks given); `cache_full_blocks` O(blocks cached); `reset` O(`num_blocks`).
 #![forbid(unsafe_code)]
 

@@ -37,6 +37,21 @@
 //!      it) is freed speculative. So under pressure the pool holds whole hit units, not
 //!      dominated states and unreachable copies.
 //!
+//!   6. *Hit units (state-space hybrids).* A hit needs a state in every Mamba group and the
+//!      full-attention blocks before it: a *unit* ([`HitUnits`]). When a request is freed,
+//!      its furthest position where a state is cached in every Mamba group forms a unit with
+//!      the full-attention blocks before it; its full-attention blocks past that state serve
+//!      no hit and are evicted first. When any member of a unit is evicted, the members no
+//!      other live unit needs go to the front of the queue (a state set is useless without
+//!      its prefix, and a prefix without a state at or past it), so the pool loses one whole
+//!      unit at a time instead of damaging many. A full-attention block where another state
+//!      set is cached (a shared prefix's junction) and branch points keep their level.
+//!   7. *The running session's unit goes first (state-space hybrids).* A state a request
+//!      resumed from in its own conversation (no junction shared with another request, no
+//!      pin) waits below every finished unit while the request runs: at [`LEVEL_NEAR`], or at
+//!      [`LEVEL_RESUMED`] when it was on probation. Under round-robin chat the running
+//!      session comes back last. When the request is freed its furthest state is raised again.
+//!
 //!   User controls ride on the same levels: blocks of a request freed with a retention
 //!   priority and blocks of a pinned prefix go to [`LEVEL_PINNED`] (bounded share of the
 //!   pool; see [`crate::Allocator::pin_prefix`]).
@@ -48,7 +63,9 @@
 //! entering the index emits `BlockStored`, every hash leaving it `BlockRemoved`.
 //!
 //! Cost: the levels add nothing to a decode step; `free` sorts the request's blocks
-//! (O(table log table)); promotion is O(window blocks).
+//! (O(table log table)); promotion is O(window blocks). With Mamba groups, `free` forms a
+//! unit (O(table x Mamba groups) lookups) and evicting a block of a unit dissolves it
+//! (O(members)).
 #![forbid(unsafe_code)]
 
 use crate::error::{Error, Result};
@@ -103,7 +120,9 @@ pub const LEVEL_NEAR: Level = 1;
 /// sessions that do hit keep their hit units and the others wait their turn (segmented LRU).
 pub const LEVEL_PROBATION: Level = 3;
 /// State-space hybrids only: a state on probation that its own conversation's next turn
-/// resumed from, while that turn runs (see [`crate::manager::SingleTypeManager::promote_hit`]).
+/// resumed from, while that turn runs (rule 7 above): queued newest first, like probation,
+/// and evicted just before it. It served a hit, so it is not on probation; its session comes
+/// back last.
 pub const LEVEL_RESUMED: Level = 2;
 /// Every other cached block (vLLM's single LRU level).
 pub const LEVEL_NORMAL: Level = 4;

@@ -19,6 +19,10 @@
 //! and every hit the allocator serves is checked block by block, in every group, against
 //! the request's own content, with the blocks the attention type needs all present.
 //!
+//! The hit units (a Mamba state set and the full-attention blocks before it, dissolved when a
+//! member is evicted) and the level a resumed state waits at while its request runs are
+//! checked by deterministic chat scenarios at the end of the file.
+//!
 //! With a Mamba "align" group the requests run as vLLM's scheduler runs them in that mode
 //! (a new scheduler step before each operation; the prefill split at the prompt's checkpoint
 //! position), so a state block holds the state after exactly its position's tokens whenever
