@@ -241,19 +241,19 @@ impl HitUnits {
         let Some(unit) = self.units[u as usize].take() else { return };
         self.free_ids.push(u);
         for m in &unit.states {
+            if self.unit_of[m.0 as usize] == u {
+                self.unit_of[m.0 as usize] = NO_UNIT;
+            }
             if holds(m) {
-                if self.unit_of[m.0 as usize] == u {
-                    self.unit_of[m.0 as usize] = NO_UNIT;
-                }
                 orphans.push(m.0);
             }
         }
         for m in &unit.prefix {
+            let b = m.0 as usize;
+            if self.unit_of[b] == u {
+                self.unit_of[b] = NO_UNIT;
+            }
             if holds(m) {
-                let b = m.0 as usize;
-                if self.unit_of[b] == u {
-                    self.unit_of[b] = NO_UNIT;
-                }
                 self.support[b] = self.support[b].saturating_sub(1);
                 if self.support[b] == 0 {
                     orphans.push(m.0);
@@ -274,6 +274,32 @@ impl HitUnits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hit_units_lose_returns_members_no_live_unit_needs() {
+        let key = |h: u64, g: u32| (crate::ids::BlockHash::from_u64(h), g);
+        let mut u = HitUnits::try_new(16).unwrap();
+        // Two units share prefix block 1; unit A: state 5, prefix 1, 2; unit B: state 6, prefix 1, 3.
+        u.form(vec![(5, key(52, 1))], vec![(1, key(51, 0)), (2, key(52, 0))], &mut |_| true);
+        u.form(vec![(6, key(53, 1))], vec![(1, key(51, 0)), (3, key(53, 0))], &mut |_| true);
+        assert_eq!((u.support(1), u.support(2), u.support(3)), (2, 1, 1));
+        let mut orphans = Vec::new();
+        u.lose(5, &mut |_| true, &mut orphans);
+        assert_eq!(orphans, vec![2], "block 1 is still in unit B");
+        assert_eq!(u.support(1), 1);
+        assert!(!u.in_unit(5) && !u.in_unit(2) && u.in_unit(1));
+        // A member that no longer holds its key is skipped.
+        let mut orphans = Vec::new();
+        u.lose(3, &mut |m| m.0 != 6, &mut orphans);
+        assert_eq!(orphans, vec![1]);
+        assert!((0..16).all(|b| !u.in_unit(b)));
+        // Re-forming a unit on the same state dissolves the old one without orphans.
+        u.form(vec![(5, key(52, 1))], vec![(2, key(52, 0))], &mut |_| true);
+        u.form(vec![(5, key(52, 1))], vec![(2, key(52, 0))], &mut |_| true);
+        assert_eq!(u.support(2), 1);
+        u.clear();
+        assert!(!u.in_unit(5) && u.support(2) == 0);
+    }
 
     #[test]
     fn parse_known_names_round_trip() {
