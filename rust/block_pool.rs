@@ -13,14 +13,15 @@
 //! call `maybe_evict_cached_block` only where vLLM calls `_maybe_evict_cached_block`
 //! (re-keying a block, vLLM's `cache_partial_block`, is `remove_cached_block_hashes`).
 //!
-//! Cost: `get_new_blocks` O(n) (each popped block's lazy eviction O(1)); `touch`,
+//! Cost: `get_new_blocks` O(n) (each popped block's lazy eviction O(1), plus, under
+//! hit-aware with Mamba groups, O(members) when it dissolves a hit unit); `touch`,
 //! `free_blocks` O(blocks given); `cache_full_blocks` O(blocks cached); `reset` O(`num_blocks`).
 #![forbid(unsafe_code)]
 
 use crate::error::{Error, Result};
 use crate::free_queue::{try_filled, FreeQueue};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, NULL_BLOCK};
-use crate::policy::{Level, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, NUM_LEVELS};
+use crate::policy::{HitUnits, Level, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_SPECULATIVE, NUM_LEVELS};
 use crate::prefix_index::{HashKey, PrefixIndex};
 use rustc_hash::FxHashSet;
 
@@ -142,6 +143,11 @@ pub struct BlockPool {
     /// where requests branch off: kept when a request passes it). Cleared when the block
     /// loses its hash. Empty under `exact`.
     flags: Vec<u8>,
+    /// Hit-aware, state-space hybrids: the hit units of the cached blocks (see
+    /// [`HitUnits`]). Empty under `exact`.
+    units: HitUnits,
+    /// Hit-aware: the Mamba "align" groups that cached a state (a unit holds a state in each).
+    state_groups: Vec<GroupId>,
     /// Hash keys of pinned prefixes: a block cached under one is freed at `LEVEL_PINNED`.
     pinned_keys: FxHashSet<HashKey>,
     /// Free cached blocks at `LEVEL_PINNED` (invariant: equals the count in the queue).
@@ -205,6 +211,7 @@ impl BlockPool {
         .map_err(oom("the free queue"))?;
         let level = if leveled { try_filled(n, LEVEL_NORMAL).map_err(oom("block levels"))? } else { Vec::new() };
         let flags = if leveled { try_filled(n, 0u8).map_err(oom("block flags"))? } else { Vec::new() };
+        let units = if leveled { HitUnits::try_new(n).map_err(oom("hit units"))? } else { HitUnits::default() };
         let null = queue.pop_front();
         debug_assert_eq!(null, Some(NULL_BLOCK));
         Ok(Self {
@@ -216,6 +223,8 @@ impl BlockPool {
             queue,
             level,
             flags,
+            units,
+            state_groups: Vec::new(),
             pinned_keys: FxHashSet::default(),
             pinned_free: 0,
             pinned_cap: (num_blocks.saturating_sub(1)) / 4,
@@ -373,6 +382,92 @@ impl BlockPool {
         }
     }
 
+    /// Hit-aware: records that Mamba "align" group `g` caches states (the groups a hit unit
+    /// holds a state in). O(groups).
+    pub(crate) fn note_state_group(&mut self, g: GroupId) {
+        if !self.level.is_empty() && !self.state_groups.contains(&g) {
+            self.state_groups.push(g);
+        }
+    }
+
+    /// Hit-aware: the Mamba "align" groups that cached a state (empty under `exact` and
+    /// without Mamba groups).
+    pub fn state_groups(&self) -> &[GroupId] {
+        &self.state_groups
+    }
+
+    /// Hit-aware: whether a state is cached under `hash` in every group of
+    /// [`Self::state_groups`] (false when there are none). O(groups).
+    pub fn has_state_set(&self, hash: &BlockHash) -> bool {
+        !self.state_groups.is_empty() && self.state_groups.iter().all(|&g| self.index.get_one(&(*hash, g)).is_some())
+    }
+
+    /// Hit-aware: the state blocks cached under `hash` in every state group (empty when any
+    /// is missing).
+    pub(crate) fn state_set(&self, hash: &BlockHash) -> Vec<BlockId> {
+        let mut out = Vec::with_capacity(self.state_groups.len());
+        if !self.get_cached_block(hash, &self.state_groups, &mut out) {
+            out.clear();
+        }
+        out
+    }
+
+    /// Hit-aware: forms a hit unit of cached `states` and the cached full-attention `prefix`
+    /// before them (see [`HitUnits`]). No-op under `exact`.
+    pub(crate) fn form_unit(&mut self, states: &[BlockId], prefix: &[BlockId]) {
+        let keyed = |pool: &Self, bs: &[BlockId]| -> Option<Vec<(BlockId, HashKey)>> {
+            bs.iter().map(|&b| pool.hash[b as usize].map(|k| (b, k))).collect()
+        };
+        if let (Some(st), Some(pre)) = (keyed(self, states), keyed(self, prefix)) {
+            let hash = &self.hash;
+            self.units.form(st, pre, &mut |m| hash[m.0 as usize] == Some(m.1));
+        }
+    }
+
+    /// Hit-aware: live hit units holding full-attention block `b` in their prefix.
+    pub fn unit_support(&self, b: BlockId) -> u32 {
+        self.units.support(b)
+    }
+
+    /// `b` is about to lose its hash: the unit naming it is dissolved and its members that
+    /// no live unit needs any more are evicted first ([`Self::evict_first`]), except a
+    /// full-attention block at which another state set is cached.
+    fn orphan_unit_of(&mut self, b: BlockId) {
+        let mut orphans = Vec::new();
+        let hash = &self.hash;
+        self.units.lose(b, &mut |m| hash[m.0 as usize] == Some(m.1), &mut orphans);
+        for m in orphans {
+            // A full-attention block that ends where a state set other than `b`'s is cached
+            // (a shared prefix's junction) still serves hits there.
+            if let Some(key) = self.hash[m as usize] {
+                if !self.state_groups.contains(&key.1) {
+                    let st = self.state_set(&key.0);
+                    if !st.is_empty() && !st.contains(&b) {
+                        continue;
+                    }
+                }
+            }
+            self.evict_first(m);
+        }
+    }
+
+    /// Hit-aware: cached block `b` serves no hit (a member of a lost unit): it goes to
+    /// [`LEVEL_SPECULATIVE`], at the front of the queue when free. Pinned blocks and branch
+    /// points keep their level. O(1).
+    pub(crate) fn evict_first(&mut self, b: BlockId) {
+        if self.level.is_empty() || b == NULL_BLOCK || self.level[b as usize] >= LEVEL_PINNED || self.is_branch(b) {
+            return;
+        }
+        let queued = self.ref_cnt[b as usize] == 0 && self.hash[b as usize].is_some();
+        if queued {
+            self.unqueue_cached(b);
+        }
+        self.level[b as usize] = LEVEL_SPECULATIVE;
+        if queued {
+            self.queue.push_front_level(b, LEVEL_SPECULATIVE);
+        }
+    }
+
     /// Retention level of `b` (`LEVEL_NORMAL` without levels).
     pub fn level(&self, b: BlockId) -> Level {
         self.level.get(b as usize).copied().unwrap_or(LEVEL_NORMAL)
@@ -423,7 +518,7 @@ impl BlockPool {
             self.pinned_free += 1;
         }
         let lvl = self.level[b as usize];
-        if lvl == LEVEL_PROBATION {
+        if lvl == LEVEL_PROBATION || lvl == crate::policy::LEVEL_RESUMED {
             // Newest first: under a cyclic load larger than the cache (round-robin chat) the
             // unproven sessions that waited longest, and come back next, keep their blocks.
             self.queue.push_front_level(b, lvl);
@@ -567,6 +662,9 @@ impl BlockPool {
     pub fn remove_cached_block_hashes(&mut self, b: BlockId) -> bool {
         if self.ref_cnt[b as usize] == 0 && b != NULL_BLOCK && self.counts_pinned(b) && self.queue.contains(b) {
             self.pinned_free -= 1;
+        }
+        if self.units.in_unit(b) {
+            self.orphan_unit_of(b);
         }
         let Some(key) = self.hash[b as usize].take() else { return false };
         self.hash_tokens[b as usize] = 0;
@@ -747,6 +845,7 @@ impl BlockPool {
         for f in self.flags.iter_mut() {
             *f = 0;
         }
+        self.units.clear();
         self.pinned_free = 0;
         self.note(ResidencyOp::Reset, NULL_BLOCK);
         if self.enable_events {

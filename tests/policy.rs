@@ -19,6 +19,10 @@
 //! and every hit the allocator serves is checked block by block, in every group, against
 //! the request's own content, with the blocks the attention type needs all present.
 //!
+//! The hit units (a Mamba state set and the full-attention blocks before it, dissolved when a
+//! member is evicted) and the level a resumed state waits at while its request runs are
+//! checked by deterministic chat scenarios at the end of the file.
+//!
 //! With a Mamba "align" group the requests run as vLLM's scheduler runs them in that mode
 //! (a new scheduler step before each operation; the prefill split at the prompt's checkpoint
 //! position), so a state block holds the state after exactly its position's tokens whenever
@@ -30,7 +34,9 @@ mod common;
 
 use common::{chain, groups};
 use hybrid_alloc::invariants;
-use hybrid_alloc::policy::{Policy, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_SPECULATIVE};
+use hybrid_alloc::policy::{
+    Policy, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_RESUMED, LEVEL_SPECULATIVE,
+};
 use hybrid_alloc::{
     AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Event, NewComputed, ReqHandle, NULL_BLOCK,
 };
@@ -972,5 +978,141 @@ fn running_request_keeps_its_furthest_state_until_it_keys_a_later_one_mamba_alig
     assert_eq!(state(&a, 20).map(|s| s.1), Some(LEVEL_SPECULATIVE), "the state at 20, passed by the one at 24");
     assert_ne!(state(&a, 24).map(|s| s.1), Some(LEVEL_SPECULATIVE), "the furthest state");
     a.free(h, LEVEL_NORMAL).unwrap();
+    invariants::check(&a).unwrap();
+}
+
+/// One request of a chat over `hashes`: a `prompt`-token prompt (its hit adopted) decoded
+/// one token a step to `end` tokens. `before_free` runs after the last step, before the
+/// request is freed. Returns the hit.
+fn chat_turn(
+    a: &mut Allocator,
+    hashes: &[BlockHash],
+    prompt: u32,
+    end: u32,
+    mut during: impl FnMut(&mut Allocator, u32),
+    before_free: impl FnOnce(&mut Allocator),
+) -> u32 {
+    let h = a.add_request();
+    a.append_hashes(h, &common::hash_bytes(&hashes[..(end / BS) as usize]), 8).unwrap();
+    let hit = a.find_longest_cache_hit(h, prompt - 1).unwrap();
+    a.new_step_starts();
+    let args = AllocateArgs {
+        num_new_tokens: prompt - hit.num_tokens,
+        num_new_computed_tokens: hit.num_tokens,
+        num_prompt_tokens: prompt,
+        num_tokens: prompt,
+        ..Default::default()
+    };
+    let nc = if hit.num_tokens > 0 { NewComputed::Stored } else { NewComputed::Empty };
+    assert!(a.allocate_slots(h, &args, nc, None).unwrap().is_some());
+    for c in prompt..end {
+        during(a, c);
+        a.new_step_starts();
+        let args = AllocateArgs {
+            num_new_tokens: 1,
+            num_computed_tokens: c,
+            num_prompt_tokens: prompt,
+            num_tokens: c + 1,
+            ..Default::default()
+        };
+        assert!(a.allocate_slots(h, &args, NewComputed::Empty, None).unwrap().is_some());
+    }
+    before_free(a);
+    a.free(h, LEVEL_NORMAL).unwrap();
+    a.new_step_starts();
+    hit.num_tokens
+}
+
+/// The full-attention group's (group 0) cached block covering the first `tokens` tokens.
+fn full_block(a: &Allocator, hashes: &[BlockHash], tokens: u32) -> Option<BlockId> {
+    let mut out = Vec::new();
+    a.pool().get_cached_block(&hashes[(tokens / BS - 1) as usize], &[0], &mut out);
+    out.first().copied()
+}
+
+#[test]
+fn unit_losing_its_state_leaves_its_full_attention_blocks_evicted_first_mamba_align() {
+    // Full attention + Mamba "align": a finished request (a 10-token prompt decoded to 17,
+    // keying states at 12 and 16) leaves a hit unit, its state at 16 and the four
+    // full-attention blocks before it. When that state is evicted, the blocks at 4, 8 and 16
+    // serve no hit: they go to the front of the queue, speculative, instead of waiting at
+    // their level until LRU reaches them. The block at 12 ends where the passed state at 12
+    // is still cached (as a shared prefix's junction would be): it keeps its level.
+    let (mut a, hashes) = full_and_mamba_align_chain(9_000);
+    assert_eq!(chat_turn(&mut a, &hashes, 10, 17, |_, _| {}, |_| {}), 0);
+    let full: Vec<BlockId> = (1..=4).map(|i| full_block(&a, &hashes, i * BS).expect("cached")).collect();
+    for &b in &full {
+        assert_eq!(a.pool().unit_support(b), 1, "block {b} is in the unit of the state at 16");
+        assert_ne!(a.pool().level(b), LEVEL_SPECULATIVE);
+    }
+    assert!(mamba_state(&a, &hashes, 12).is_some(), "the passed state at 12 is cached");
+    let state = mamba_state(&a, &hashes, 16).expect("the state at 16 is cached");
+    a.evict_blocks(&[state]).unwrap();
+    let lost = [full[0], full[1], full[3]];
+    for &b in &lost {
+        assert_eq!(a.pool().level(b), LEVEL_SPECULATIVE, "block {b}, in the unit of an evicted state");
+    }
+    assert_ne!(a.pool().level(full[2]), LEVEL_SPECULATIVE, "the block where the state at 12 is cached");
+    for &b in &full {
+        assert_eq!(a.pool().unit_support(b), 0);
+    }
+    let mut front: Vec<BlockId> = a.pool().free_queue_order().into_iter().take(lost.len()).collect();
+    front.sort_unstable();
+    let mut want = lost.to_vec();
+    want.sort_unstable();
+    assert_eq!(front, want, "the lost unit's blocks are evicted first");
+    invariants::check(&a).unwrap();
+}
+
+#[test]
+fn full_attention_blocks_past_the_furthest_state_are_evicted_first_mamba_align() {
+    // Full attention + Mamba "align": a 10-token prompt decoded to 17 tokens keys states at
+    // 12 and 16. The state at 16 is evicted before the request is freed: its furthest state
+    // is then at 12, and the full-attention block past 12 serves no hit. It goes speculative;
+    // the three before 12 form the unit with the state at 12.
+    let (mut a, hashes) = full_and_mamba_align_chain(11_000);
+    let drop_state = |a: &mut Allocator| {
+        let s = mamba_state(a, &hashes, 16).expect("state cached");
+        a.evict_blocks(&[s]).unwrap();
+    };
+    assert_eq!(chat_turn(&mut a, &hashes, 10, 17, |_, _| {}, drop_state), 0);
+    assert!(mamba_state(&a, &hashes, 12).is_some(), "the state at 12 is cached");
+    for t in [4, 8, 12] {
+        let b = full_block(&a, &hashes, t).expect("cached");
+        assert_eq!(a.pool().unit_support(b), 1, "block {b} is in the unit of the state at 12");
+        assert_ne!(a.pool().level(b), LEVEL_SPECULATIVE, "block {b}, before the state at 12");
+    }
+    let past = full_block(&a, &hashes, 16).expect("cached");
+    assert_eq!(a.pool().level(past), LEVEL_SPECULATIVE, "block {past}, past the furthest state");
+    invariants::check(&a).unwrap();
+}
+
+#[test]
+fn resumed_own_state_waits_below_finished_units_while_its_request_runs_mamba_align() {
+    fn sample(at: u32, state: BlockId, seen: &mut Vec<(u32, u8)>) -> impl FnMut(&mut Allocator, u32) + '_ {
+        move |a: &mut Allocator, c: u32| {
+            if c == at {
+                seen.push((a.pool().ref_cnt(state), a.pool().level(state)));
+            }
+        }
+    }
+    // Full attention + Mamba "align", a 3-turn chat. Each turn resumes from the previous
+    // turn's furthest state (its own conversation: no junction). While the turn runs, that
+    // state (free once the step after it is processed) waits below every finished unit: at
+    // the resumed level when it was on probation (turn 1 hit nothing), at the near level when
+    // it was at the normal level (turn 2 hit more than half its prompt). Under round-robin
+    // chat the running session is the one that comes back last.
+    let (mut a, hashes) = full_and_mamba_align_chain(13_000);
+    assert_eq!(chat_turn(&mut a, &hashes, 10, 17, |_, _| {}, |_| {}), 0);
+    let s16 = mamba_state(&a, &hashes, 16).expect("the state at 16 is cached");
+    assert_eq!(a.pool().level(s16), LEVEL_PROBATION, "turn 1 hit nothing");
+    let mut seen = Vec::new();
+    assert_eq!(chat_turn(&mut a, &hashes, 18, 22, sample(19, s16, &mut seen), |_| {}), 16);
+    assert_eq!(seen, vec![(0, LEVEL_RESUMED)], "turn 1's state, free while turn 2 runs");
+    let s20 = mamba_state(&a, &hashes, 20).expect("the state at 20 is cached");
+    assert_eq!(a.pool().level(s20), LEVEL_NORMAL, "turn 2's furthest state");
+    let mut seen = Vec::new();
+    assert_eq!(chat_turn(&mut a, &hashes, 25, 27, sample(26, s20, &mut seen), |_| {}), 20);
+    assert_eq!(seen, vec![(0, LEVEL_NEAR)], "turn 2's state, free while turn 3 runs");
     invariants::check(&a).unwrap();
 }

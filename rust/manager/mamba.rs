@@ -480,6 +480,7 @@ impl SingleTypeManager {
             }
         }
         if pool.is_leveled() {
+            pool.note_state_group(self.group_id);
             // The few real blocks at the table's end (running state, previous state,
             // checkpoint, speculative scratch): the furthest keyed one dominates.
             let last = &mut st.last_keyed[h as usize];

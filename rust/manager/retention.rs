@@ -9,7 +9,7 @@ use super::{sliding_window, SingleTypeManager};
 use crate::block_pool::BlockPool;
 use crate::config::AttentionKind;
 use crate::ids::{BlockId, GroupId, Slot, NULL_BLOCK};
-use crate::policy::{Level, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_SPECULATIVE};
+use crate::policy::{Level, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_RESUMED, LEVEL_SPECULATIVE};
 
 impl SingleTypeManager {
     /// Contiguous cached blocks a hit in this group needs at its end (`None`: the group
@@ -53,6 +53,37 @@ impl SingleTypeManager {
             let want = if i + tail >= end { lvl } else { floor };
             if pool.level(b) < want {
                 pool.set_level(b, want);
+            }
+        }
+        if self.spec.kind.is_full() && !pool.state_groups().is_empty() {
+            self.form_hit_units(pool, h, end);
+        }
+    }
+
+    /// Hit-aware, state-space hybrids, full attention: forms the hit unit `h` leaves behind
+    /// ([`crate::policy::HitUnits`]): the furthest position of its cached blocks where a
+    /// state is cached in every Mamba group, with the blocks before it. The blocks past that
+    /// state that no live unit holds serve no hit (a hit needs a state at or past them): they
+    /// are evicted first. Called once the levels of the request's blocks are set, before they
+    /// are freed. O(`end` x state groups).
+    fn form_hit_units(&self, pool: &mut BlockPool, h: Slot, end: usize) {
+        let table = &self.req_blocks[h as usize];
+        let mut furthest = 0;
+        for i in (1..=end).rev() {
+            let Some(key) = (table[i - 1] != NULL_BLOCK).then(|| pool.block_hash(table[i - 1]).copied()).flatten()
+            else {
+                continue;
+            };
+            let states = pool.state_set(&key.0);
+            if !states.is_empty() {
+                furthest = i;
+                pool.form_unit(&states, &table[..i]);
+                break;
+            }
+        }
+        for &b in &table[furthest..end] {
+            if b != NULL_BLOCK && pool.block_hash(b).is_some() && pool.unit_support(b) == 0 && pool.ref_cnt(b) <= 1 {
+                pool.evict_first(b);
             }
         }
     }
@@ -126,11 +157,30 @@ impl SingleTypeManager {
         }
     }
 
-    /// Hit-aware: the blocks of a hit just adopted keep at least [`LEVEL_NORMAL`].
+    /// Hit-aware: the blocks of a hit just adopted keep at least [`LEVEL_NORMAL`]. In a Mamba
+    /// "align" group, a state resumed where the request's own sequence ended (no junction
+    /// shared with another request, no pin) is kept at [`LEVEL_NEAR`] instead while the
+    /// request runs (vLLM frees it after the first step): under a cyclic load larger than the
+    /// cache (round-robin chat) the running session comes back last, so its unit is the one
+    /// to lose first. When the request is freed its furthest state is raised again
+    /// ([`Self::promote_for_free`]). A branch point keeps its level; a state on probation
+    /// leaves it (it served a hit).
     pub fn promote_hit(&self, pool: &mut BlockPool, h: Slot) {
+        let own = self.is_mamba_align() && self.align_junction(h) == 0;
         for &b in &self.req_blocks[h as usize] {
-            if b != NULL_BLOCK && pool.level(b) < LEVEL_NORMAL {
-                pool.set_level(b, LEVEL_NORMAL);
+            if b == NULL_BLOCK {
+                continue;
+            }
+            let lvl = pool.level(b);
+            let want = if !own || (lvl == LEVEL_NORMAL && pool.is_branch(b)) {
+                LEVEL_NORMAL
+            } else if lvl == LEVEL_PROBATION || lvl == LEVEL_RESUMED {
+                LEVEL_RESUMED
+            } else {
+                LEVEL_NEAR
+            };
+            if lvl < want || (own && lvl != want && lvl <= LEVEL_NORMAL) {
+                pool.set_level(b, want);
             }
         }
     }
