@@ -1,5 +1,6 @@
 //! The block pool: an arena of `num_blocks` blocks (struct of arrays), the free queue,
-//! the prefix index, and the KV cache event queue. Mirrors vLLM's `BlockPool`.
+//! the prefix index (which also holds each block's hash key, in its per-block record), and
+//! the KV cache event queue. Mirrors vLLM's `BlockPool`.
 //!
 //! Invariants (checked by `invariants::check`):
 //! - block 0 is the null block: never queued, never hashed, its ref count unused;
@@ -562,13 +563,16 @@ impl BlockPool {
         if self.ref_cnt[b as usize] == 0 && b != NULL_BLOCK && self.counts_pinned(b) && self.queue.contains(b) {
             self.pinned_free -= 1;
         }
-        let Some(key) = self.index.remove_block(b) else { return false };
+        let key = if self.enable_events { self.index.key_of(b).copied() } else { None };
+        if !self.index.remove_block(b) {
+            return false;
+        }
         self.hash_tokens[b as usize] = 0;
         if let Some(f) = self.flags.get_mut(b as usize) {
             *f = 0;
         }
-        if self.enable_events {
-            self.events.push(Event::Removed { hash: key.0, group: key.1 });
+        if let Some((hash, group)) = key {
+            self.events.push(Event::Removed { hash, group });
         }
         true
     }
