@@ -563,16 +563,13 @@ impl BlockPool {
         if self.ref_cnt[b as usize] == 0 && b != NULL_BLOCK && self.counts_pinned(b) && self.queue.contains(b) {
             self.pinned_free -= 1;
         }
-        let key = if self.enable_events { self.index.key_of(b).copied() } else { None };
-        if !self.index.remove_block(b) {
-            return false;
+        let Some(&(hash, group)) = self.index.remove_block(b) else { return false };
+        if self.enable_events {
+            self.events.push(Event::Removed { hash, group });
         }
         self.hash_tokens[b as usize] = 0;
         if let Some(f) = self.flags.get_mut(b as usize) {
             *f = 0;
-        }
-        if let Some((hash, group)) = key {
-            self.events.push(Event::Removed { hash, group });
         }
         true
     }

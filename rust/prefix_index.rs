@@ -253,14 +253,22 @@ impl PrefixIndex {
         }
     }
 
-    /// Drops `b`'s key; returns whether it had one (`false`: nothing changed). The key
-    /// stays readable in the record only until `b` is keyed again, never through
-    /// [`Self::key_of`]: a caller that needs it reads it first.
-    pub fn remove_block(&mut self, b: BlockId) -> bool {
-        let Rec { ref key, next, prev } = self.recs[b as usize];
-        if prev == NULL_BLOCK {
-            return false;
+    /// Drops `b`'s key and returns it (`None`, changing nothing, when `b` has none), as a
+    /// reference into `b`'s record: nothing is copied unless the caller reads it.
+    #[inline]
+    pub fn remove_block(&mut self, b: BlockId) -> Option<&HashKey> {
+        // Inlined: an unkeyed block (most blocks a pool pops, outside a full cache) costs
+        // one load, not a call.
+        if !self.is_keyed(b) {
+            return None;
         }
+        self.remove_keyed(b);
+        Some(&self.recs[b as usize].key)
+    }
+
+    /// [`Self::remove_block`] of a keyed block.
+    fn remove_keyed(&mut self, b: BlockId) {
+        let Rec { ref key, next, prev } = self.recs[b as usize];
         let tag = self.tag_of(key);
         // The key's slot: found by block id when `b` heads the chain (no key compare).
         let mut i = self.home(tag);
@@ -288,7 +296,6 @@ impl PrefixIndex {
         let rec = &mut self.recs[b as usize];
         rec.prev = NULL_BLOCK;
         rec.next = NULL_BLOCK;
-        true
     }
 
     /// Empties slot `i` by backward-shift deletion: each later slot of the run whose home
@@ -315,7 +322,7 @@ impl PrefixIndex {
 
     /// Removes `block` from `key`; returns whether it was there.
     pub fn remove(&mut self, key: &HashKey, block: BlockId) -> bool {
-        self.key_of(block) == Some(key) && self.remove_block(block)
+        self.key_of(block) == Some(key) && self.remove_block(block).is_some()
     }
 
     /// Number of distinct keys.
@@ -477,7 +484,7 @@ mod tests {
         assert!(!ix.contains(&key(3), 3));
         assert_eq!(ix.key_of(3), Some(&key(2)));
         assert_eq!(ix.key_of(4), None);
-        assert!(!ix.remove_block(4));
+        assert_eq!(ix.remove_block(4), None);
         ix.check().unwrap();
     }
 
@@ -487,10 +494,10 @@ mod tests {
         for b in [2, 4, 6, 8] {
             ix.insert(key(1), b);
         }
-        assert!(ix.remove_block(6));
+        assert_eq!(ix.remove_block(6), Some(&key(1)));
         // The tail (8) is still the tail: a new duplicate goes after it.
         ix.insert(key(1), 10);
-        assert!(ix.remove_block(8));
+        assert_eq!(ix.remove_block(8), Some(&key(1)));
         ix.check().unwrap();
         let order: Vec<BlockId> = ix.iter().map(|(_, b)| b).collect();
         assert_eq!(order, vec![2, 4, 10]);
@@ -607,8 +614,7 @@ mod tests {
                 let k = key((x >> 8) % 12);
                 if let Some(pos) = model.iter().position(|&(_, mb)| mb == b) {
                     let (mk, _) = model.remove(pos);
-                    assert_eq!(ix.key_of(b), Some(&mk), "step {step}");
-                    assert!(ix.remove_block(b), "step {step}");
+                    assert_eq!(ix.remove_block(b), Some(&mk), "step {step}");
                     assert_eq!(ix.key_of(b), None);
                 } else {
                     ix.insert(k, b);
