@@ -55,11 +55,15 @@
 //!   reuses output buffers, so it allocates nothing.
 //! - Hashes are stored inline (`[u8; 32]`), once per block, in the prefix index's per-block
 //!   record; the index's table holds 8-byte slots (block id + a 32-bit tag of the key's hash),
-//!   so a 323k-block pool's table is 4 MiB where the `FxHashMap<HashKey, _>` it replaced
+//!   at least twice as many slots as blocks (at most half full: a 1.5x table, up to 2/3
+//!   full, probed about 4 slots an insert and cost more instructions than the map it
+//!   replaced), so a 323k-block pool's table is 8 MiB where the `FxHashMap<HashKey, _>`
 //!   reserved about 37 MB of buckets; a probe compares tags and reads the block's record for
 //!   the full key only on a tag match. An admission's per-block index work (evicting the old
-//!   key, inserting the new) fell from about 270 to about 120 instructions, with fewer cache
-//!   misses (`docs/benchmarks.md`, "The prefix-index round").
+//!   key, inserting the new) fell from about 267 to about 210 instructions, and in a bench
+//!   of a 323k-block pool alone its simulated last-level misses (32 MiB) from about 3 a
+//!   block to none: the index and the records now fit (`docs/benchmarks.md`, "The
+//!   prefix-index round").
 //! - The Python boundary is crossed at most once per vLLM call, with ints and flat lists;
 //!   the scheduler's per-request `allocate_slots` is answered by `Allocator::plain_step`
 //!   from the request's stored no-op limits, without running any allocation code, when they
