@@ -2,6 +2,11 @@
 //!
 //! - `pool/*`: one pool operation: `get_new_blocks` + `free_blocks` of 1 and 16 blocks, and
 //!   `touch` + `free_blocks` (a cache hit taken from the free queue and given back).
+//! - `pool/admission_323k/2x96`: an admission's pool work on the serve loop's pool size
+//!   (323,000 blocks, every free block cached, 32-byte random-looking hashes): 192 blocks
+//!   taken from the queue's front (each evicting its old prefix-index entry), cached in two
+//!   groups of 96 under fresh hashes, then freed to the back. The pool recycles in FIFO
+//!   order, so the blocks and index slots touched are cold as in a real serve loop.
 //! - `find_longest_cache_hit/*`: a 6144-token prompt whose 384 blocks are all cached, for
 //!   full attention alone and for the gemma-2 shape (full + sliding window 4096).
 //! - `decode/*`: `allocate_slots` for one decoding request on the gemma-2 shape, when the
@@ -24,7 +29,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use hybrid_alloc::block_pool::BlockPool;
+use hybrid_alloc::block_pool::{BlockPool, TableRef};
 use hybrid_alloc::policy::LEVEL_NORMAL;
 use hybrid_alloc::{
     AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, CacheBlocksArgs, Config, GroupSpec, NewComputed,
@@ -182,6 +187,53 @@ fn bench_pool(c: &mut Criterion) {
             })
         });
     }
+    g.finish();
+}
+
+/// A fresh 32-byte hash (sha256-like: every byte random-looking) from a counter.
+fn fresh_hash(ctr: &mut u64) -> BlockHash {
+    *ctr += 1;
+    let mut b = [0u8; 32];
+    for (k, w) in b.chunks_exact_mut(8).enumerate() {
+        w.copy_from_slice(&mix(*ctr, k as u64).to_le_bytes());
+    }
+    BlockHash::from_bytes(&b).expect("32 bytes")
+}
+
+/// One admission's pool work: 192 blocks recycled from the front of the queue and cached as
+/// two groups of 96 under fresh hashes, then freed (hashed: to the back).
+#[inline(always)]
+fn recycle_and_cache(pool: &mut BlockPool, ctr: &mut u64, out: &mut Vec<BlockId>, hashes: &mut Vec<BlockHash>) {
+    out.clear();
+    pool.get_new_blocks(192, out);
+    for (g, table) in out.chunks(96).enumerate() {
+        hashes.clear();
+        hashes.extend((0..96).map(|_| fresh_hash(ctr)));
+        let t = TableRef { req: 1, group: g as u32, block_size: BS, blocks: table };
+        pool.cache_full_blocks(&t, 0..96, None, |i| hashes[i as usize]);
+    }
+    pool.free_blocks(out.iter().rev().copied());
+}
+
+/// The measured call of `pool/admission_323k` (not inlined, so that callgrind can count it
+/// alone: `--toggle-collect='*admission_step*'`).
+#[inline(never)]
+fn admission_step(pool: &mut BlockPool, ctr: &mut u64, out: &mut Vec<BlockId>, hashes: &mut Vec<BlockHash>) {
+    recycle_and_cache(pool, ctr, out, hashes)
+}
+
+fn bench_admission_pool(c: &mut Criterion) {
+    let mut g = c.benchmark_group("pool");
+    let num_blocks = 323_000u32;
+    let mut pool = BlockPool::new(num_blocks, true, false);
+    let (mut ctr, mut out, mut hashes) = (0u64, Vec::with_capacity(192), Vec::with_capacity(96));
+    // Warm up until every block is cached once (and then some): the steady state.
+    for _ in 0..(num_blocks / 192 + 10) {
+        recycle_and_cache(&mut pool, &mut ctr, &mut out, &mut hashes);
+    }
+    assert_eq!(pool.num_free_blocks(), num_blocks - 1);
+    g.throughput(Throughput::Elements(192));
+    g.bench_function("admission_323k/2x96", |b| b.iter(|| admission_step(&mut pool, &mut ctr, &mut out, &mut hashes)));
     g.finish();
 }
 
@@ -416,6 +468,6 @@ criterion_group! {
         .sample_size(20)
         .measurement_time(Duration::from_secs(2))
         .warm_up_time(Duration::from_secs(1));
-    targets = bench_pool, bench_find, bench_decode, bench_scheduler_step, bench_free, bench_prefill_burst
+    targets = bench_pool, bench_admission_pool, bench_find, bench_decode, bench_scheduler_step, bench_free, bench_prefill_burst
 }
 criterion_main!(benches);

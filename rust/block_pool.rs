@@ -1,5 +1,6 @@
 //! The block pool: an arena of `num_blocks` blocks (struct of arrays), the free queue,
-//! the prefix index, and the KV cache event queue. Mirrors vLLM's `BlockPool`.
+//! the prefix index (which also holds each block's hash key, in its per-block record), and
+//! the KV cache event queue. Mirrors vLLM's `BlockPool`.
 //!
 //! Invariants (checked by `invariants::check`):
 //! - block 0 is the null block: never queued, never hashed, its ref count unused;
@@ -129,8 +130,6 @@ pub struct BlockPool {
     /// not yet given back to `free_block_ids`. Only these may be freed by id, so a block a
     /// live table holds can never get a second owner.
     loose: Vec<u32>,
-    /// The hash key a block is cached under, if any.
-    hash: Vec<Option<HashKey>>,
     /// Prefix tokens the block's hash covers (`block_hash_num_tokens`), 0 when unhashed.
     hash_tokens: Vec<u32>,
     /// Free blocks in eviction order.
@@ -155,7 +154,7 @@ pub struct BlockPool {
     /// The most free cached blocks kept at `LEVEL_PINNED`: past it, the oldest is demoted to
     /// `LEVEL_NORMAL` (the pinned share of the pool).
     pinned_cap: u32,
-    /// Cached blocks by hash key.
+    /// Cached blocks by hash key, and each block's hash key.
     index: PrefixIndex,
     /// Prefix caching on.
     enable_caching: bool,
@@ -196,12 +195,9 @@ impl BlockPool {
         };
         let n = num_blocks as usize;
         // The largest buffers first, so a pool that cannot fit fails before memory is written.
-        let index = if enable_caching {
-            PrefixIndex::try_with_capacity(n).map_err(oom("the prefix index"))?
-        } else {
-            PrefixIndex::new()
-        };
-        let hash = try_filled(n, None).map_err(oom("block hashes"))?;
+        // Always built: it holds each block's hash key (the table of a pool without
+        // caching stays empty).
+        let index = PrefixIndex::try_with_capacity(n).map_err(oom("the prefix index"))?;
         let hash_tokens = try_filled(n, 0).map_err(oom("block hashes"))?;
         let mut queue = if leveled {
             FreeQueue::try_new_with_levels(num_blocks, NUM_LEVELS)
@@ -218,7 +214,6 @@ impl BlockPool {
             num_blocks,
             ref_cnt: try_filled(n, 0).map_err(oom("reference counts"))?,
             loose: try_filled(n, 0).map_err(oom("reference counts"))?,
-            hash,
             hash_tokens,
             queue,
             level,
@@ -320,7 +315,7 @@ impl BlockPool {
 
     /// Hash key of `b`, if cached.
     pub fn block_hash(&self, b: BlockId) -> Option<&HashKey> {
-        self.hash[b as usize].as_ref()
+        self.index.key_of(b)
     }
 
     /// Prefix tokens covered by `b`'s hash (0 when unhashed).
@@ -375,7 +370,7 @@ impl BlockPool {
     }
 
     fn set_flag(&mut self, b: BlockId, flag: u8) {
-        if self.hash[b as usize].is_some() {
+        if self.index.is_keyed(b) {
             if let Some(f) = self.flags.get_mut(b as usize) {
                 *f |= flag;
             }
@@ -416,11 +411,11 @@ impl BlockPool {
     /// before them (see [`HitUnits`]). No-op under `exact`.
     pub(crate) fn form_unit(&mut self, states: &[BlockId], prefix: &[BlockId]) {
         let keyed = |pool: &Self, bs: &[BlockId]| -> Option<Vec<(BlockId, HashKey)>> {
-            bs.iter().map(|&b| pool.hash[b as usize].map(|k| (b, k))).collect()
+            bs.iter().map(|&b| pool.index.key_of(b).map(|&k| (b, k))).collect()
         };
         if let (Some(st), Some(pre)) = (keyed(self, states), keyed(self, prefix)) {
-            let hash = &self.hash;
-            self.units.form(st, pre, &mut |m| hash[m.0 as usize] == Some(m.1));
+            let index = &self.index;
+            self.units.form(st, pre, &mut |m| index.key_of(m.0) == Some(&m.1));
         }
     }
 
@@ -434,12 +429,12 @@ impl BlockPool {
     /// full-attention block at which another state set is cached.
     fn orphan_unit_of(&mut self, b: BlockId) {
         let mut orphans = Vec::new();
-        let hash = &self.hash;
-        self.units.lose(b, &mut |m| hash[m.0 as usize] == Some(m.1), &mut orphans);
+        let index = &self.index;
+        self.units.lose(b, &mut |m| index.key_of(m.0) == Some(&m.1), &mut orphans);
         for m in orphans {
             // A full-attention block that ends where a state set other than `b`'s is cached
             // (a shared prefix's junction) still serves hits there.
-            if let Some(key) = self.hash[m as usize] {
+            if let Some(&key) = self.index.key_of(m) {
                 if !self.state_groups.contains(&key.1) {
                     let st = self.state_set(&key.0);
                     if !st.is_empty() && !st.contains(&b) {
@@ -458,7 +453,7 @@ impl BlockPool {
         if self.level.is_empty() || b == NULL_BLOCK || self.level[b as usize] >= LEVEL_PINNED || self.is_branch(b) {
             return;
         }
-        let queued = self.ref_cnt[b as usize] == 0 && self.hash[b as usize].is_some();
+        let queued = self.ref_cnt[b as usize] == 0 && self.index.is_keyed(b);
         if queued {
             self.unqueue_cached(b);
         }
@@ -479,7 +474,7 @@ impl BlockPool {
         if self.level.is_empty() || b == NULL_BLOCK {
             return;
         }
-        let queued = self.ref_cnt[b as usize] == 0 && self.hash[b as usize].is_some();
+        let queued = self.ref_cnt[b as usize] == 0 && self.index.is_keyed(b);
         if queued {
             self.unqueue_cached(b);
         }
@@ -493,7 +488,7 @@ impl BlockPool {
     /// Whether `b` (free) counts in `pinned_free`.
     #[inline]
     fn counts_pinned(&self, b: BlockId) -> bool {
-        !self.level.is_empty() && self.level[b as usize] == LEVEL_PINNED && self.hash[b as usize].is_some()
+        !self.level.is_empty() && self.level[b as usize] == LEVEL_PINNED && self.index.is_keyed(b)
     }
 
     /// Takes a free cached block out of the queue (leveled pools), keeping the count.
@@ -508,7 +503,7 @@ impl BlockPool {
     /// `LEVEL_PROBATION`; a pinned key raises it to `LEVEL_PINNED`), keeping the count.
     fn queue_cached(&mut self, b: BlockId) {
         if !self.pinned_keys.is_empty() {
-            if let Some(k) = &self.hash[b as usize] {
+            if let Some(k) = self.index.key_of(b) {
                 if self.pinned_keys.contains(k) {
                     self.level[b as usize] = LEVEL_PINNED;
                 }
@@ -537,7 +532,7 @@ impl BlockPool {
             }
             self.queue.remove(b);
             self.level[b as usize] = LEVEL_NORMAL;
-            if self.hash[b as usize].is_some() {
+            if self.index.is_keyed(b) {
                 self.queue.push_back_level(b, LEVEL_NORMAL);
             } else {
                 self.queue.push_front_n(&[b]);
@@ -666,13 +661,13 @@ impl BlockPool {
         if self.units.in_unit(b) {
             self.orphan_unit_of(b);
         }
-        let Some(key) = self.hash[b as usize].take() else { return false };
+        let Some(&(hash, group)) = self.index.remove_block(b) else { return false };
+        if self.enable_events {
+            self.events.push(Event::Removed { hash, group });
+        }
         self.hash_tokens[b as usize] = 0;
         if let Some(f) = self.flags.get_mut(b as usize) {
             *f = 0;
-        }
-        if self.index.remove(&key, b) && self.enable_events {
-            self.events.push(Event::Removed { hash: key.0, group: key.1 });
         }
         true
     }
@@ -713,7 +708,7 @@ impl BlockPool {
             assert!(*rc > 0, "free of block {b} whose reference count is 0");
             *rc -= 1;
             if *rc == 0 {
-                if self.hash[b as usize].is_none() || !self.enable_caching {
+                if !self.index.is_keyed(b) || !self.enable_caching {
                     first.push(b);
                 } else if self.level.is_empty() {
                     last.push(b);
@@ -764,10 +759,9 @@ impl BlockPool {
             let h = hash_of(i);
             let key = (h, group);
             assert!(
-                self.hash[b as usize].is_none(),
+                !self.index.is_keyed(b),
                 "cache_full_blocks: block {b} already cached (partial promotion is not served)"
             );
-            self.hash[b as usize] = Some(key);
             self.hash_tokens[b as usize] = (i + 1) * block_size;
             if let Some(l) = self.level.get_mut(b as usize) {
                 *l = LEVEL_NORMAL;
@@ -799,10 +793,9 @@ impl BlockPool {
     /// when the block already holds a hash.
     pub fn cache_one_block(&mut self, o: &OneBlock) -> bool {
         let OneBlock { req, block: b, index: idx, key, num_tokens, block_size, parent } = *o;
-        if b == NULL_BLOCK || self.hash[b as usize].is_some() {
+        if b == NULL_BLOCK || self.index.is_keyed(b) {
             return false;
         }
-        self.hash[b as usize] = Some(key);
         self.hash_tokens[b as usize] = num_tokens;
         self.index.insert(key, b);
         if self.enable_events {
@@ -836,9 +829,6 @@ impl BlockPool {
             return false;
         }
         self.index.clear(); // keeps its capacity
-        for h in self.hash.iter_mut() {
-            *h = None;
-        }
         for t in self.hash_tokens.iter_mut() {
             *t = 0;
         }

@@ -58,6 +58,9 @@ pub fn check(a: &Allocator) -> Result<(), String> {
             return Err(format!("block {b} has hash tokens but no hash"));
         }
     }
+    // The index's own structure: each slot's tag is its key's, every probe run unbroken from
+    // the key's home, chains linked both ways under one key, every keyed block on one chain.
+    pool.index().check().map_err(|e| format!("prefix index: {e}"))?;
     for (key, b) in pool.index().iter() {
         if pool.block_hash(b) != Some(key) {
             return Err(format!("index maps a key to block {b}, whose hash differs"));

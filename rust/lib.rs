@@ -15,10 +15,11 @@
 //!   |                                  attention-type rules (full | R-SWA | SWA | chunked | cross |
 //!   |                                  Mamba none/align | circular buffer), zeroing records
 //!   '- BlockPool (block_pool.rs)     shared by all groups
-//!        |- ref_cnt / hash / hash_tokens  struct of arrays, indexed by block id
+//!        |- ref_cnt / hash_tokens / loose struct of arrays, indexed by block id
 //!        |- FreeQueue (free_queue.rs)     index-linked list = free list + LRU order
 //!        |                                  (retention levels under `hit-aware`: policy.rs)
-//!        |- PrefixIndex (prefix_index.rs) (hash, group) -> blocks, duplicates allowed
+//!        |- PrefixIndex (prefix_index.rs) (hash, group) -> blocks, duplicates allowed;
+//!        |                                  each block's hash key (one record a block)
 //!        '- events                         BlockStored / BlockRemoved / AllBlocksCleared
 //! ```
 //!
@@ -52,7 +53,17 @@
 //! ## Performance notes
 //! - Per-request state is dense (handles into a slab, `Vec` tables); the hot decode path
 //!   reuses output buffers, so it allocates nothing.
-//! - Hashes are stored inline (`[u8; 32]`), keyed with `FxHash`: a lookup hashes 36 bytes.
+//! - Hashes are stored inline (`[u8; 32]`), once per block, in the prefix index's per-block
+//!   record; the index's table holds 8-byte slots (block id + a 32-bit tag of the key's hash),
+//!   at least twice as many slots as blocks (at most half full: a 1.5x table, up to 2/3
+//!   full, probed about 4 slots an insert and cost more instructions than the map it
+//!   replaced), so a 323k-block pool's table is 8 MiB where the `FxHashMap<HashKey, _>`
+//!   reserved about 37 MB of buckets; a probe compares tags and reads the block's record for
+//!   the full key only on a tag match. An admission's per-block index work (evicting the old
+//!   key, inserting the new) fell from about 267 to about 210 instructions, and in a bench
+//!   of a 323k-block pool alone its simulated last-level misses (32 MiB) from about 3 a
+//!   block to none: the index and the records now fit (`docs/benchmarks.md`, "The
+//!   prefix-index round").
 //! - The Python boundary is crossed at most once per vLLM call, with ints and flat lists;
 //!   the scheduler's per-request `allocate_slots` is answered by `Allocator::plain_step`
 //!   from the request's stored no-op limits, without running any allocation code, when they
@@ -60,9 +71,10 @@
 //!   `docs/benchmarks.md`: 0.62 us per running request per step inside vLLM's scheduler
 //!   (gemma-2-27b decode at 1024 running, 2026-12-01, `bash scripts/bench.sh`), of which
 //!   `CPython`'s call and the `Request` attribute reads are most; the Rust work is a fraction.
-//! - The prefix index reserves one key per block at construction (a pool never holds more),
-//!   so inserts never rehash inside a scheduler step (a rehash of ~10^5 keys showed up as a
-//!   millisecond spike on the step where every request filled a block).
+//! - The prefix index is sized for one key per block at construction (a pool never holds
+//!   more; its table stays at most 2/3 full), so inserts never rehash inside a scheduler step
+//!   (a rehash of ~10^5 keys showed up as a millisecond spike on the step where every request
+//!   filled a block).
 //!
 //! ## The contract at the boundary
 //! Every public operation either succeeds or returns an [`Error`], after checking everything
