@@ -890,11 +890,16 @@ fn full_and_mamba_align_chain(first: u64) -> (Allocator, Vec<BlockHash>) {
     (Allocator::new(config(&kinds, 64, Some(0)), Policy::HitAware).unwrap(), hashes)
 }
 
+/// Group `group`'s cached block covering the first `tokens` tokens of `hashes`.
+fn cached_block(a: &Allocator, hashes: &[BlockHash], tokens: u32, group: u32) -> Option<BlockId> {
+    let mut out = Vec::new();
+    a.pool().get_cached_block(&hashes[(tokens / BS - 1) as usize], &[group], &mut out);
+    out.first().copied()
+}
+
 /// The Mamba group's (group 1) cached state block covering the first `tokens` tokens.
 fn mamba_state(a: &Allocator, hashes: &[BlockHash], tokens: u32) -> Option<BlockId> {
-    let mut out = Vec::new();
-    a.pool().get_cached_block(&hashes[(tokens / BS - 1) as usize], &[1], &mut out);
-    out.first().copied()
+    cached_block(a, hashes, tokens, 1)
 }
 
 #[test]
@@ -1025,9 +1030,7 @@ fn chat_turn(
 
 /// The full-attention group's (group 0) cached block covering the first `tokens` tokens.
 fn full_block(a: &Allocator, hashes: &[BlockHash], tokens: u32) -> Option<BlockId> {
-    let mut out = Vec::new();
-    a.pool().get_cached_block(&hashes[(tokens / BS - 1) as usize], &[0], &mut out);
-    out.first().copied()
+    cached_block(a, hashes, tokens, 0)
 }
 
 #[test]
