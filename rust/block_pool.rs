@@ -391,12 +391,6 @@ impl BlockPool {
         &self.state_groups
     }
 
-    /// Hit-aware: whether a state is cached under `hash` in every group of
-    /// [`Self::state_groups`] (false when there are none). O(groups).
-    pub fn has_state_set(&self, hash: &BlockHash) -> bool {
-        !self.state_groups.is_empty() && self.state_groups.iter().all(|&g| self.index.get_one(&(*hash, g)).is_some())
-    }
-
     /// Hit-aware: the state blocks cached under `hash` in every state group (empty when any
     /// is missing).
     pub(crate) fn state_set(&self, hash: &BlockHash) -> Vec<BlockId> {

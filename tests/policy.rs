@@ -911,38 +911,13 @@ fn chat_turn_passing_its_hit_state_leaves_it_speculative_mamba_align() {
     // 28) is kept at the normal level. Under exact nothing is leveled.
     let (mut a, hashes) = full_and_mamba_align_chain(5_000);
     let state_level = |a: &Allocator, tokens: u32| mamba_state(a, &hashes, tokens).map(|b| a.pool().level(b));
-    let turn = |a: &mut Allocator, prompt: u32, end: u32| -> u32 {
-        let h = a.add_request();
-        a.append_hashes(h, &common::hash_bytes(&hashes[..(end / BS) as usize]), 8).unwrap();
-        let hit = a.find_longest_cache_hit(h, prompt - 1).unwrap();
-        a.new_step_starts();
-        let args = AllocateArgs {
-            num_new_tokens: prompt - hit.num_tokens,
-            num_new_computed_tokens: hit.num_tokens,
-            num_prompt_tokens: prompt,
-            num_tokens: prompt,
-            ..Default::default()
-        };
-        let nc = if hit.num_tokens > 0 { NewComputed::Stored } else { NewComputed::Empty };
-        assert!(a.allocate_slots(h, &args, nc, None).unwrap().is_some());
-        for c in prompt..end {
-            a.new_step_starts();
-            let args = AllocateArgs {
-                num_new_tokens: 1,
-                num_computed_tokens: c,
-                num_prompt_tokens: prompt,
-                num_tokens: c + 1,
-                ..Default::default()
-            };
-            assert!(a.allocate_slots(h, &args, NewComputed::Empty, None).unwrap().is_some());
-        }
-        a.free(h, LEVEL_NORMAL).unwrap();
-        a.new_step_starts();
-        hit.num_tokens
-    };
-    assert_eq!(turn(&mut a, 10, 17), 0);
+    assert_eq!(chat_turn(&mut a, &hashes, 10, 17, |_, _| {}, |_| {}), 0);
     assert_eq!(state_level(&a, 16), Some(LEVEL_PROBATION), "turn 1 hit nothing: its state is on probation");
-    assert_eq!(turn(&mut a, 22, 29), 16, "turn 2 resumes from turn 1's furthest state");
+    assert_eq!(
+        chat_turn(&mut a, &hashes, 22, 29, |_, _| {}, |_| {}),
+        16,
+        "turn 2 resumes from turn 1's furthest state"
+    );
     assert_eq!(state_level(&a, 16), Some(LEVEL_SPECULATIVE), "the state turn 2 passed");
     assert_eq!(state_level(&a, 28), Some(LEVEL_NORMAL), "turn 2's furthest state");
     invariants::check(&a).unwrap();

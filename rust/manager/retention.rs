@@ -70,10 +70,8 @@ impl SingleTypeManager {
         let table = &self.req_blocks[h as usize];
         let mut furthest = 0;
         for i in (1..=end).rev() {
-            let Some(key) = (table[i - 1] != NULL_BLOCK).then(|| pool.block_hash(table[i - 1]).copied()).flatten()
-            else {
-                continue;
-            };
+            // The null block is never keyed.
+            let Some(&key) = pool.block_hash(table[i - 1]) else { continue };
             let states = pool.state_set(&key.0);
             if !states.is_empty() {
                 furthest = i;
