@@ -38,7 +38,7 @@ use hybrid_alloc::policy::{
     Policy, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_RESUMED, LEVEL_SPECULATIVE,
 };
 use hybrid_alloc::{
-    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Event, NewComputed, ReqHandle, NULL_BLOCK,
+    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Event, Hit, NewComputed, ReqHandle, NULL_BLOCK,
 };
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
@@ -207,8 +207,10 @@ impl Model {
         self.check_hit(i, hit.num_tokens);
         // Mamba "align": the scheduler ends a prefill chunk on the prompt's checkpoint
         // position, (prompt - 1) rounded down to a block, where that state is cached, and on
-        // the junction the lookup reports (the shared prefix's end), where its state is cached.
-        let junction = if hit.num_uncached_common_prefix_tokens > 0 {
+        // the junction the lookup reports (the shared prefix's end), where its state is cached;
+        // hit-aware moves a guessed junction to the next first-sighting stop each time a chunk
+        // reaches it.
+        let mut junction = if hit.num_uncached_common_prefix_tokens > 0 {
             hit.num_tokens + hit.num_uncached_common_prefix_tokens
         } else {
             0
@@ -222,38 +224,43 @@ impl Model {
             );
         }
         let checkpoint = (prompt - 1) / BS * BS;
-        let mut ends: Vec<u32> = Vec::new();
-        if self.has_mamba() {
-            ends.extend([junction, checkpoint].into_iter().filter(|&e| e > hit.num_tokens && e < prompt));
-            ends.sort_unstable();
-            ends.dedup();
-        }
-        ends.push(prompt);
-        let args = AllocateArgs {
-            num_new_tokens: ends[0] - hit.num_tokens,
-            num_new_computed_tokens: hit.num_tokens,
-            num_prompt_tokens: prompt,
-            num_tokens: prompt,
-            shared_prefix_boundary: junction,
-            ..Default::default()
-        };
-        let mut res = self.a.allocate_slots(h, &args, NewComputed::Stored, None).unwrap();
-        for w in ends.windows(2) {
-            if res.is_none() {
-                break;
+        let mut start = hit.num_tokens;
+        let mut res = None;
+        while start < prompt {
+            let end = if self.has_mamba() {
+                [junction, checkpoint].into_iter().filter(|&e| e > start && e < prompt).min().unwrap_or(prompt)
+            } else {
+                prompt
+            };
+            let first = start == hit.num_tokens;
+            if !first {
+                self.record_new_blocks(i);
+                // A new scheduler step for each chunk (a state is cached at a chunk's end).
+                self.a.new_step_starts();
             }
-            self.record_new_blocks(i);
-            // A new scheduler step for each chunk (a state is cached at a chunk's end).
-            self.a.new_step_starts();
-            let rest = AllocateArgs {
-                num_new_tokens: w[1] - w[0],
-                num_computed_tokens: w[0],
+            let args = AllocateArgs {
+                num_new_tokens: end - start,
+                num_new_computed_tokens: if first { hit.num_tokens } else { 0 },
+                num_computed_tokens: if first { 0 } else { start },
                 num_prompt_tokens: prompt,
                 num_tokens: prompt,
                 shared_prefix_boundary: junction,
                 ..Default::default()
             };
-            res = self.a.allocate_slots(h, &rest, NewComputed::Empty, None).unwrap();
+            let nc = if first { NewComputed::Stored } else { NewComputed::Empty };
+            res = self.a.allocate_slots(h, &args, nc, None).unwrap();
+            if res.is_none() {
+                break;
+            }
+            if let Some(j) = self.a.take_moved_junction(h).unwrap() {
+                assert!(
+                    j % BS == 0 && j > end && j < prompt && end == junction,
+                    "junction {junction} moved to {j} by a chunk ending at {end} in a prompt of {prompt}: not the \
+                     next block boundary stop inside the prompt after the junction reached"
+                );
+                junction = j;
+            }
+            start = end;
         }
         match res {
             Some(_) => {
@@ -817,67 +824,88 @@ fn pinned_prefix_junction_reported_on_first_sighting_and_hit_on_second_mamba_ali
     a.new_step_starts();
     let (_, hit) = sighting(&mut a, 200);
     assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (12, 0));
-    // Without the pin, the 1st sighting reports the first-sighting junction: the largest
-    // power-of-two number of blocks within the 19 tokens looked up (4 blocks).
+    // Without the pin, the 1st sighting reports the first first-sighting stop: 1 block.
     let mut b = Allocator::new(config(&kinds, 64, Some(0)), Policy::HitAware).unwrap();
     let (_, hit) = sighting(&mut b, 100);
-    assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (0, 16));
+    assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (0, 4));
     // Under exact, vLLM's rule: nothing is shared yet, so no junction.
     let mut e = Allocator::new(config(&kinds, 64, Some(0)), Policy::Exact).unwrap();
     let (_, hit) = sighting(&mut e, 100);
     assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (0, 0));
 }
 
+/// Allocates the prompt of `h`, looked up with `hit`, chunk by chunk, one scheduler step
+/// each, where vLLM's scheduler ends chunks under Mamba "align": the junction the lookup
+/// reported and each one an allocation moved it to (hit-aware's first-sighting stops), the
+/// prompt's checkpoint ((prompt - 1) rounded down to a block) and the prompt's end. Returns
+/// the chunk ends.
+fn prefill_in_chunks(a: &mut Allocator, h: ReqHandle, hit: Hit, prompt: u32) -> Vec<u32> {
+    let mut junction = if hit.num_uncached_common_prefix_tokens > 0 {
+        hit.num_tokens + hit.num_uncached_common_prefix_tokens
+    } else {
+        0
+    };
+    let checkpoint = (prompt - 1) / BS * BS;
+    let (mut start, mut ends) = (hit.num_tokens, Vec::new());
+    while start < prompt {
+        let end = [junction, checkpoint].into_iter().filter(|&e| e > start && e < prompt).min().unwrap_or(prompt);
+        let first = ends.is_empty();
+        a.new_step_starts();
+        let args = AllocateArgs {
+            num_new_tokens: end - start,
+            num_new_computed_tokens: if first { hit.num_tokens } else { 0 },
+            num_computed_tokens: if first { 0 } else { start },
+            num_prompt_tokens: prompt,
+            num_tokens: prompt,
+            shared_prefix_boundary: junction,
+            ..Default::default()
+        };
+        let nc = if first { NewComputed::Stored } else { NewComputed::Empty };
+        assert!(a.allocate_slots(h, &args, nc, None).unwrap().is_some());
+        if let Some(j) = a.take_moved_junction(h).unwrap() {
+            junction = j;
+        }
+        ends.push(end);
+        start = end;
+    }
+    ends
+}
+
 #[test]
 fn unpinned_prefix_hits_on_second_sighting_mamba_align_hit_aware_only() {
-    // Full attention + Mamba "align", a 4-block shared prefix and 2-3 unique blocks: with
-    // hit-aware the 1st sighting's lookup reports the first-sighting junction (4 blocks, the
-    // largest power of two within the prompt), the scheduler ends a chunk there, the state
-    // is cached, and the 2nd sighting hits the whole prefix. Under exact (vLLM's rule) the
-    // 2nd sighting hits nothing: only the 2nd sighting's own junction caches the state.
+    // Full attention + Mamba "align", a shared prefix of 4 or 3 blocks and 2-3 unique
+    // blocks. With hit-aware the 1st sighting's lookup reports the first first-sighting stop
+    // (1 block) and each chunk reaching a stop moves it to the next (2, then 4 blocks: the
+    // powers of two within the prompt); the scheduler ends a chunk at each and each state is
+    // cached, so the 2nd sighting hits the 4-block prefix whole, and 2 of the 3-block one
+    // (more than half; the largest stop alone, 4 blocks, lies past it). Under exact (vLLM's
+    // rule) the 2nd sighting hits nothing: only its own junction caches the state.
     let kinds = [AttentionKind::Full, mamba_align()];
-    let prefix: Vec<u64> = (0..4).map(|i| 9_000 + i).collect();
-    for (policy, second) in [(Policy::HitAware, 16), (Policy::Exact, 0)] {
+    for (shared, policy, first_ends, hits) in [
+        (4, Policy::HitAware, vec![4, 8, 16, 24, 26], vec![0, 16, 16]),
+        (3, Policy::HitAware, vec![4, 8, 16, 24, 26], vec![0, 8, 12]),
+        (4, Policy::Exact, vec![24, 26], vec![0, 0, 16]),
+        (3, Policy::Exact, vec![24, 26], vec![0, 0, 12]),
+    ] {
+        let prefix: Vec<u64> = (0..shared).map(|i| 9_000 + i).collect();
         let mut a = Allocator::new(config(&kinds, 64, Some(0)), policy).unwrap();
-        let mut hits = Vec::new();
-        for own in [100u64, 200, 300] {
-            let contents: Vec<u64> = prefix.iter().copied().chain(own..own + 3).collect();
+        let mut got = Vec::new();
+        for (k, own) in [100u64, 200, 300].into_iter().enumerate() {
+            let contents: Vec<u64> = prefix.iter().copied().chain(own..own + 7 - shared).collect();
             let hashes: Vec<BlockHash> = chain(&contents).into_iter().map(BlockHash::from_u64).collect();
-            let prompt = 4 * BS + 2 * BS + 2; // 26 tokens: 6 full blocks
+            let prompt = 6 * BS + 2; // 26 tokens: 6 full blocks
             let h = a.add_request();
             a.append_hashes(h, &common::hash_bytes(&hashes[..6]), 8).unwrap();
             let hit = a.find_longest_cache_hit(h, prompt - 1).unwrap();
-            hits.push(hit.num_tokens);
-            let junction = if hit.num_uncached_common_prefix_tokens > 0 {
-                hit.num_tokens + hit.num_uncached_common_prefix_tokens
-            } else {
-                0
-            };
-            // The scheduler's chunk ends: the junction, the checkpoint (24), the prompt's end.
-            let mut ends: Vec<u32> = [junction, 24].into_iter().filter(|&e| e > hit.num_tokens).collect();
-            ends.sort_unstable();
-            ends.dedup();
-            ends.push(prompt);
-            let mut start = hit.num_tokens;
-            for (k, &end) in ends.iter().enumerate() {
-                a.new_step_starts();
-                let args = AllocateArgs {
-                    num_new_tokens: end - start,
-                    num_new_computed_tokens: if k == 0 { hit.num_tokens } else { 0 },
-                    num_computed_tokens: if k == 0 { 0 } else { start },
-                    num_prompt_tokens: prompt,
-                    num_tokens: prompt,
-                    shared_prefix_boundary: junction,
-                    ..Default::default()
-                };
-                let nc = if k == 0 { NewComputed::Stored } else { NewComputed::Empty };
-                assert!(a.allocate_slots(h, &args, nc, None).unwrap().is_some());
-                start = end;
+            got.push(hit.num_tokens);
+            let ends = prefill_in_chunks(&mut a, h, hit, prompt);
+            if k == 0 {
+                assert_eq!(ends, first_ends, "{policy:?}, {shared}-block prefix: the 1st sighting's chunk ends");
             }
             a.free(h, LEVEL_NORMAL).unwrap();
             a.new_step_starts();
         }
-        assert_eq!(hits, vec![0, second, 16], "{policy:?}: hit tokens per sighting");
+        assert_eq!(got, hits, "{policy:?}, {shared}-block prefix: hit tokens per sighting");
     }
 }
 

@@ -248,6 +248,7 @@ class Allocator(AllocatorBase):
         shared_prefix_boundary: int = 0,
         skip_zeroing_group_ids: Sequence[int] = ...,
         as_buffer: Literal[True],
+        request: object | None = None,
     ) -> BlockIds | None: ...
     @overload
     def allocate_slots(
@@ -272,7 +273,9 @@ class Allocator(AllocatorBase):
         shared_prefix_boundary: int = 0,
         skip_zeroing_group_ids: Sequence[int] = ...,
         as_buffer: Literal[False] = False,
+        request: object | None = None,
     ) -> tuple[list[int], ...] | None: ...
+    def take_moved_junction(self, handle: int) -> int: ...
     def record_blocks_for_zeroing(self, handle: int, start_token: int) -> None: ...
     def noop_limits(self, handle: int) -> NoopLimits: ...
     def cache_blocks(

@@ -246,6 +246,9 @@ impl Allocator {
         match res {
             Ok(r) => {
                 self.refresh_noop(s);
+                if r.is_some() {
+                    self.advance_first_sighting(s, total + a.num_new_tokens as u64, a.shared_prefix_boundary);
+                }
                 Ok(r)
             }
             Err(e) => {

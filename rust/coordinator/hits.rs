@@ -156,6 +156,7 @@ impl Allocator {
         for v in hit.iter_mut() {
             v.clear();
         }
+        let mut guess_limit = 0;
         let res = match self.kind {
             CoordinatorKind::NoPrefixCache => Hit { num_tokens: 0, num_uncached_common_prefix_tokens: 0 },
             CoordinatorKind::Unitary => {
@@ -191,7 +192,10 @@ impl Allocator {
                     }
                 }
                 if junction == 0 && res.num_tokens == 0 && res.num_uncached_common_prefix_tokens == 0 {
-                    junction = self.first_sighting_junction(max_cache_hit_length);
+                    junction = self.first_sighting_stop(0, max_cache_hit_length);
+                    if junction > 0 {
+                        guess_limit = max_cache_hit_length;
+                    }
                 }
                 if junction > known {
                     res.num_uncached_common_prefix_tokens = junction - res.num_tokens;
@@ -199,7 +203,10 @@ impl Allocator {
                 res
             }
         };
-        self.reqs[s as usize].hit = hit;
+        let st = &mut self.reqs[s as usize];
+        st.hit = hit;
+        st.guess_limit = guess_limit;
+        st.moved_junction = 0;
         res
     }
 
@@ -239,31 +246,70 @@ impl Allocator {
         best
     }
 
-    /// Hit-aware, Mamba "align": the junction guessed for a request nothing is shared with
-    /// yet (no hit, no prefix the full-attention index shares, no pin): the largest
-    /// power-of-two number of blocks within `max_len` tokens (0 for none). Reported as the
-    /// shared prefix's end, so the scheduler ends one prefill chunk there and its state is
-    /// cached: a later request sharing at least that much of the prompt (a system prompt of
-    /// `L` tokens, `L` at least that point) hits on its 2nd sighting instead of its 3rd, and
-    /// a prompt of `n` blocks gets a state covering more than half of any shared prefix up
-    /// to `n` blocks long. The cost is one more chunk for such a request's prefill. O(groups).
-    fn first_sighting_junction(&self, max_len: u32) -> u32 {
+    /// Hit-aware, Mamba "align": the first-sighting stops of a request nothing is shared with
+    /// yet (no hit, no prefix the full-attention index shares, no pin). Its lookup reports
+    /// the first stop as the shared prefix's end (`shared_prefix_boundary`), and each
+    /// allocation that reaches the reported stop moves it to the next one
+    /// ([`Self::take_moved_junction`]): vLLM's scheduler ends a prefill chunk at each, and
+    /// each chunk end's state is cached. The stops are the power-of-two numbers of blocks (of
+    /// the largest Mamba block) within the lookup's `max_len` tokens, each a multiple of the
+    /// hit alignment: 1, 2, 4, 8, ... blocks. So a later request sharing `L` tokens of the
+    /// prompt (`L` at least one block) finds a state covering more than half of them on its
+    /// 2nd sighting, instead of nothing until its 3rd; a prompt of `n` blocks pays
+    /// `floor(log2(n)) + 1` more prefill chunks at most. Returns the first stop past `after`
+    /// tokens, 0 for none. O(log(max_len)).
+    fn first_sighting_stop(&self, after: u32, max_len: u32) -> u32 {
         if self.policy != Policy::HitAware {
             return 0;
         }
         let Some(bs) = self.managers.iter().filter(|m| m.is_mamba_align()).map(|m| m.block_size()).max() else {
             return 0;
         };
-        let n = max_len / bs;
-        if n == 0 {
-            return 0;
+        let align = self.cfg.cache_hit_alignment_tokens() as u64;
+        let mut stop = bs as u64;
+        while stop <= max_len as u64 {
+            if stop > after as u64 && stop % align == 0 {
+                return stop as u32;
+            }
+            stop *= 2;
         }
-        let j = (1u32 << (31 - n.leading_zeros())) * bs;
-        if j % self.cfg.cache_hit_alignment_tokens() == 0 {
-            j
-        } else {
-            0
+        0
+    }
+
+    /// Hit-aware: after an allocation of `s` that computes up to `end` tokens with
+    /// `boundary` as its `shared_prefix_boundary`, moves a guessed junction the allocation
+    /// reached to the next first-sighting stop ([`Self::first_sighting_stop`]), or ends the
+    /// guessing when there is none. O(log(prompt)).
+    pub(super) fn advance_first_sighting(&mut self, s: Slot, end: u64, boundary: u32) {
+        let st = &mut self.reqs[s as usize];
+        let limit = st.guess_limit;
+        if limit == 0 {
+            return;
         }
+        st.moved_junction = 0;
+        if boundary == 0 || end < boundary as u64 {
+            return;
+        }
+        let next = if end < limit as u64 { self.first_sighting_stop(end as u32, limit) } else { 0 };
+        let st = &mut self.reqs[s as usize];
+        st.moved_junction = next;
+        if next == 0 {
+            st.guess_limit = 0;
+        }
+    }
+
+    /// The junction the last allocation of `h` moved its `shared_prefix_boundary` to (the
+    /// next first-sighting stop: see [`Self::first_sighting_stop`]), taken: `None` when it
+    /// did not move it, or it was taken already. The vLLM adapter sets
+    /// `request.shared_prefix_boundary` to it, so the scheduler ends the next prefill chunk
+    /// there. O(1).
+    ///
+    /// # Errors
+    /// Unknown handle.
+    pub fn take_moved_junction(&mut self, h: ReqHandle) -> Result<Option<u32>> {
+        let s = self.slot(h)?;
+        let j = std::mem::take(&mut self.reqs[s as usize].moved_junction);
+        Ok((j > 0).then_some(j))
     }
 
     pub(super) fn hybrid_hit(&mut self, s: Slot, max_len: u32, out: &mut [Vec<BlockId>]) -> Hit {

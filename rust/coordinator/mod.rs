@@ -64,6 +64,14 @@ struct ReqState {
     /// Hit-aware: `(adopted hit tokens, prompt tokens)` as the last allocation saw them (the
     /// probation rule of [`crate::policy::LEVEL_PROBATION`]).
     hit_and_prompt: (u32, u32),
+    /// Hit-aware, Mamba "align": while the request's last lookup guessed its junctions
+    /// (nothing shared yet, see `first_sighting_stop`), the tokens that lookup covered (the
+    /// last stop's bound); 0 otherwise.
+    guess_limit: u32,
+    /// The junction the last allocation moved the request's `shared_prefix_boundary` to
+    /// (the next first-sighting stop), until taken ([`Allocator::take_moved_junction`]); 0:
+    /// not moved.
+    moved_junction: u32,
 }
 
 /// A caller-supplied token count as `u32`.

@@ -125,6 +125,8 @@ impl Allocator {
         }
         st.noop = NoopLimits::default();
         st.hit_and_prompt = (0, 0);
+        st.guess_limit = 0;
+        st.moved_junction = 0;
         self.free_slots.push(s);
     }
 

@@ -9,6 +9,7 @@
 use std::sync::MutexGuard;
 
 use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
@@ -136,13 +137,15 @@ impl PyAllocator {
     /// `get_computed_blocks` found) or explicit block ids, one sequence per group. The
     /// request's fields default to a request whose tokens are exactly those computed and
     /// scheduled now. Returns `None` when the blocks do not fit, else the new block ids of
-    /// each group.
+    /// each group. `request` (vLLM's `Request`, or any object): when the call moves the
+    /// request's junction (hit-aware's next first-sighting stop, see `take_moved_junction`),
+    /// its `shared_prefix_boundary` attribute is set to it, taking it.
     #[pyo3(signature = (*args, **keywords))]
     #[pyo3(text_signature = "(self, handle, num_new_tokens, *, block_hashes=None, hit=None, \
         num_new_computed_tokens=0, num_lookahead_tokens=0, num_external_computed_tokens=0, \
         delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0, \
         apply_watermark=False, num_computed_tokens=0, num_in_flight_tokens=0, num_prompt_tokens=None, \
-        num_tokens=None, shared_prefix_boundary=0, skip_zeroing_group_ids=[], as_buffer=False)")]
+        num_tokens=None, shared_prefix_boundary=0, skip_zeroing_group_ids=[], as_buffer=False, request=None)")]
     fn allocate_slots<'py>(
         slf: &Bound<'_, Self>,
         args: &Bound<'py, PyTuple>,
@@ -186,17 +189,38 @@ impl PyAllocator {
         let as_buffer = o.as_buffer.get(false)?;
         let mut explicit = Vec::new();
         let nc = hit_arg(hit.as_ref(), &mut explicit)?;
+        let request = o.request.opt::<Bound<'py, PyAny>>()?;
         let mut core = core(slf)?;
         let src = block_hashes.as_ref().map(PyHashes);
         if core.allocate_slots(h, &args, nc, src.as_ref().map(|s| s as &dyn HashSource))?.is_none() {
             return Ok(None);
         }
         let (ids, counts) = (core.new_block_ids(), core.new_block_counts());
-        Ok(Some(if as_buffer {
+        let out = if as_buffer {
             Bound::new(py, PyBlockIds::new(ids, counts))?.into_any()
         } else {
             tuple_of_groups(py, ids, counts)?.into_any()
-        }))
+        };
+        let moved = match &request {
+            Some(_) => core.take_moved_junction(h)?,
+            None => None,
+        };
+        drop(core);
+        if let (Some(r), Some(j)) = (request, moved) {
+            r.setattr(intern!(py, "shared_prefix_boundary"), j)?;
+        }
+        Ok(Some(out))
+    }
+
+    /// The junction the last `allocate_slots` of `handle` moved its `shared_prefix_boundary`
+    /// to, taken (0: not moved, or taken already). Hit-aware with Mamba "align" groups only:
+    /// a request nothing was shared with on its lookup ends prefill chunks at 1, 2, 4, 8, ...
+    /// blocks (each state is cached there); the lookup reports the first stop, and each
+    /// allocation reaching the reported stop moves it to the next. A caller that does not
+    /// pass `request=` to `allocate_slots` passes this as the next call's
+    /// `shared_prefix_boundary` and ends its next chunk there.
+    fn take_moved_junction(slf: &Bound<'_, Self>, handle: i64) -> PyResult<u32> {
+        Ok(core(slf)?.take_moved_junction(handle_arg(handle)?)?.unwrap_or(0))
     }
 
     /// Records the request's blocks from token `start_token` on for zeroing again (vLLM's

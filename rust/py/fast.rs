@@ -17,6 +17,10 @@
 //! - all of those and `shared_prefix_boundary: int` and `block_hashes: list[bytes]` when
 //!   the step allocates.
 //!
+//! It writes one attribute: `shared_prefix_boundary`, when the step reached a hit-aware
+//! first-sighting stop and the core moved the request's junction to the next one
+//! ([`crate::coordinator::Allocator::take_moved_junction`]).
+//!
 //! A property that raises propagates its exception; a wrong type raises `TypeError` (an int
 //! field) or `OutOfRangeError` (`block_hashes` not a list, an item not 1 to 32 bytes). Cost:
 //! a no-op step makes no Python object and reads one to four counts, and the handle's
@@ -213,23 +217,31 @@ impl FastAllocate {
         num_lookahead_tokens: i64,
     ) -> PyResult<Option<Py<PyAny>>> {
         let alloc = self.alloc.bind(py);
-        let (blocks, has_events) = {
+        let (blocks, has_events, moved) = {
             let mut core = super::allocator::core(alloc)?;
             match core.plain_step(handle, num_new_tokens, num_lookahead_tokens, &PyStep(request))? {
                 PlainStep::NotHere => return Ok(None),
                 PlainStep::NoOp => return Ok(Some(cb.empty.clone_ref(py))),
-                PlainStep::Allocated(None) => (None, core.has_events() || core.has_residency_log()),
-                PlainStep::Allocated(Some(0)) => (Some(None), core.has_events() || core.has_residency_log()),
+                PlainStep::Allocated(None) => (None, core.has_events() || core.has_residency_log(), None),
+                PlainStep::Allocated(Some(0)) => {
+                    let moved = core.take_moved_junction(handle)?;
+                    (Some(None), core.has_events() || core.has_residency_log(), moved)
+                }
                 PlainStep::Allocated(Some(_)) => {
                     let (ids, counts) = (core.new_block_ids(), core.new_block_counts());
                     let new = match &cb.make_blocks {
                         MakeBlocks::Class { .. } => NewIds::Buffer(PyBlockIds::new(ids, counts)),
                         MakeBlocks::Call(_) => NewIds::Lists(tuple_of_groups(py, ids, counts)?.unbind()),
                     };
-                    (Some(Some(new)), core.has_events() || core.has_residency_log())
+                    let moved = core.take_moved_junction(handle)?;
+                    (Some(Some(new)), core.has_events() || core.has_residency_log(), moved)
                 }
             }
         };
+        if let Some(j) = moved {
+            // Hit-aware's next first-sighting stop: the scheduler ends the next chunk there.
+            request.setattr(intern!(py, "shared_prefix_boundary"), j)?;
+        }
         if has_events && !cb.on_events.is_none(py) {
             cb.on_events.bind(py).call1((request,))?;
         }

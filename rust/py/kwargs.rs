@@ -142,7 +142,7 @@ options! {
         handle, num_new_tokens, block_hashes, hit, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens,
         delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit, reserved_blocks, apply_watermark,
         num_computed_tokens, num_in_flight_tokens, num_prompt_tokens, num_tokens, shared_prefix_boundary,
-        skip_zeroing_group_ids, as_buffer,
+        skip_zeroing_group_ids, as_buffer, request,
     }
 }
 

@@ -606,6 +606,48 @@ def test_fast_allocate_noop_crossing_and_fallback() -> None:
     a.check_invariants()
 
 
+def test_first_sighting_stops_move_the_junction_on_every_path() -> None:
+    """Hit-aware with a Mamba "align" group: the lookup of a request nothing is shared with
+    reports its first first-sighting stop (1 block) as the shared prefix's end, and each
+    allocation reaching the reported stop moves it to the next power-of-two number of blocks
+    within the lookup (2, 4, 8). ``allocate_slots(request=...)`` sets the moved junction on
+    the request; without it ``take_moved_junction`` gives it, once; ``FastAllocate`` sets it
+    on a plain step. Exact reports no junction and moves none."""
+    from hybrid_alloc.specs import FullAttention, MambaAlign
+
+    groups: list[FullAttention | MambaAlign] = [FullAttention(block_size=16), MambaAlign(block_size=16, spec_key=1)]
+    prompt, keys = 10 * 16 + 2, hashes(*range(1, 11))
+    m = Allocator(64, groups, 16, 16, 4096, policy="hit-aware")
+    r = m.add_request()
+    hit, uncached, _ = m.get_computed_blocks(r, prompt - 1, block_hashes=keys)
+    assert (hit, uncached) == (0, 16)
+    req = FakeRequest(r, 0, prompt, keys)
+    req.shared_prefix_boundary = 16
+    assert allocate(m, r, 16, prompt=prompt, tokens=prompt, shared_prefix_boundary=16, request=req) is not None
+    assert req.shared_prefix_boundary == 32 and m.take_moved_junction(r) == 0  # taken by the call
+    assert allocate(m, r, 16, computed=16, prompt=prompt, tokens=prompt, shared_prefix_boundary=32) is not None
+    assert m.take_moved_junction(r) == 64 and m.take_moved_junction(r) == 0
+    step = fast(m)
+    req.num_computed_tokens, req.shared_prefix_boundary = 32, 64
+    out = step(req, 32)  # served by the fast path: its result, not the slow path's
+    assert out is not None and out[0] == "blocks" and req.shared_prefix_boundary == 128
+    # A chunk short of the stop moves nothing; the last stop within the lookup ends it.
+    req.num_computed_tokens = 64
+    assert step(req, 16) is not None and req.shared_prefix_boundary == 128
+    req.num_computed_tokens = 80
+    assert step(req, 48) is not None and req.shared_prefix_boundary == 128
+    assert m.take_moved_junction(r) == 0
+    m.check_invariants()
+    e = Allocator(64, groups, 16, 16, 4096, policy="exact")
+    r = e.add_request()
+    assert e.get_computed_blocks(r, prompt - 1, block_hashes=keys)[:2] == (0, 0)
+    req = FakeRequest(r, 0, prompt, keys)
+    assert allocate(e, r, 16, prompt=prompt, tokens=prompt, request=req) is not None
+    assert req.shared_prefix_boundary == 0 and e.take_moved_junction(r) == 0
+    with pytest.raises(ha.UnknownRequestError):
+        e.take_moved_junction(12345)
+
+
 def test_fast_allocate_serves_only_the_decode_call_form_and_forwards_the_rest_as_given() -> None:
     """The fast path reads ``*args, **kwargs`` itself: it serves ``(request, n)`` and
     ``(request, n, num_lookahead_tokens=k)`` (the scheduler's decode call); any other form,

@@ -48,14 +48,17 @@ def test_sightings_hit_aware_pinned_prompt_hits_from_its_second_sighting() -> No
 
 
 def test_sightings_hit_aware_unpinned_prompt_hits_from_its_second_sighting() -> None:
-    """Hit-aware, nothing pinned: the 1st sighting's lookup reports the first-sighting
-    junction (the largest power-of-two number of blocks within the prompt: 4 blocks of 544,
-    inside the 2500-token system prompt), the scheduler ends a chunk there and the state is
-    cached, so the 2nd sighting hits the whole prefix, with no more scheduler steps than
-    exact on both state-space shapes."""
+    """Hit-aware, nothing pinned: the 1st sighting's lookup reports the first first-sighting
+    stop (1 block), and each chunk reaching a stop moves ``request.shared_prefix_boundary`` to
+    the next (1, 2, 4, ... blocks within the prompt); the scheduler ends a chunk at each and
+    each state is cached, so the 2nd sighting hits the largest stop inside the 2500-token
+    system prompt (4 blocks of 544, 2 of 1040: the whole block-aligned prompt), on both
+    state-space shapes. It costs one more scheduler step per stop at most (the full-size
+    cost is in docs/hit-aware.md)."""
     from hybrid_alloc.bench_hits import budget_blocks, run, shapes, workloads
 
     wl = next(w for w in workloads("small") if w.name == "sightings")
+    first_prompt = sum(len(p) for p in wl.jobs[0].parts)
     for name, bs in (("qwen35", 544), ("nemotronh", 1040)):
         shape = shapes()[name]
         nb = budget_blocks(shape, wl, "ample", 3.0)
@@ -63,7 +66,30 @@ def test_sightings_hit_aware_unpinned_prompt_hits_from_its_second_sighting() -> 
         aware = run(shape, wl, "hit-aware", nb)
         junction = len(wl.pins[0]) // bs * bs
         assert aware.finished and aware.extra["hits"] == [0] + [junction] * (len(wl.jobs) - 1), name
-        assert aware.steps <= exact.steps and aware.prefill_tokens < exact.prefill_tokens, name
+        stops = ((first_prompt - 1) // bs).bit_length()  # 1, 2, 4, ... blocks within the lookup
+        assert aware.steps <= exact.steps + stops and aware.prefill_tokens < exact.prefill_tokens, name
+
+
+def test_shared_prompts_with_spare_memory_hit_aware_within_a_point_of_the_ideal() -> None:
+    """Issue 18's "with spare memory, within 1 point of the ideal" on the shared-prompt rows
+    at the full size (8 prompts of 2048 tokens, 256 requests, 16 in flight): the 2nd sighting
+    of each prompt hits the state at the largest first-sighting stop inside it (2 of its 3
+    blocks of 544, its 1 block of 1040). Before the stops moved (one guessed junction, 4
+    blocks of 544 and 2 of 1040, both past the 2048-token prompts) it was 58.7% against an
+    ideal of 60.7% and 37.6% against 38.7% (2026-12-02). No more prefill than vLLM's manager,
+    in at most 2% more scheduler steps. Deterministic."""
+    from hybrid_alloc.bench_hits import budget_blocks, run, shapes, workloads
+
+    wl = next(w for w in workloads("full") if w.name == "shared")
+    for name in ("qwen35", "nemotronh"):
+        shape = shapes()[name]
+        nb = budget_blocks(shape, wl, "ample", 3.0)
+        exact = run(shape, wl, "exact", nb)
+        aware = run(shape, wl, "hit-aware", nb)
+        assert exact.finished and aware.finished, name
+        assert aware.hit_rate >= aware.ideal_hit_rate - 0.01, (name, aware.hit_rate, aware.ideal_hit_rate)
+        assert aware.hit_rate > exact.hit_rate and aware.prefill_tokens < exact.prefill_tokens, name
+        assert aware.steps <= exact.steps * 1.02, (name, aware.steps, exact.steps)
 
 
 def test_chat_under_pressure_hit_aware_at_least_the_better_of_exact_and_dense_on_both_mamba_shapes() -> None:

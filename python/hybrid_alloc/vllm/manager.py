@@ -412,6 +412,7 @@ class HybridKVCacheManager:
             shared_prefix_boundary=request.shared_prefix_boundary,
             skip_zeroing_group_ids=list(skip_zeroing_group_ids),
             as_buffer=True,
+            request=request,
         )
         if self._after_call is not None:
             self._after_call(request)
