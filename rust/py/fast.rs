@@ -123,6 +123,15 @@ fn decode_call<'py>(
     Ok(Some((args.get_item(0)?, num_new_tokens, look)))
 }
 
+/// The junction the step just moved the request's `shared_prefix_boundary` to, taken: only
+/// hit-aware moves one (its first-sighting stops), so under exact nothing is looked up.
+fn moved_junction(core: &mut crate::coordinator::Allocator, handle: u64) -> PyResult<Option<u32>> {
+    if core.policy() != crate::policy::Policy::HitAware {
+        return Ok(None);
+    }
+    Ok(core.take_moved_junction(handle)?)
+}
+
 /// `FastAllocate`'s request table: a request object's address -> (the request, its handle).
 type Tracked = FxHashMap<usize, (Py<PyAny>, u64)>;
 
@@ -224,7 +233,7 @@ impl FastAllocate {
                 PlainStep::NoOp => return Ok(Some(cb.empty.clone_ref(py))),
                 PlainStep::Allocated(None) => (None, core.has_events() || core.has_residency_log(), None),
                 PlainStep::Allocated(Some(0)) => {
-                    let moved = core.take_moved_junction(handle)?;
+                    let moved = moved_junction(&mut core, handle)?;
                     (Some(None), core.has_events() || core.has_residency_log(), moved)
                 }
                 PlainStep::Allocated(Some(_)) => {
@@ -233,7 +242,7 @@ impl FastAllocate {
                         MakeBlocks::Class { .. } => NewIds::Buffer(PyBlockIds::new(ids, counts)),
                         MakeBlocks::Call(_) => NewIds::Lists(tuple_of_groups(py, ids, counts)?.unbind()),
                     };
-                    let moved = core.take_moved_junction(handle)?;
+                    let moved = moved_junction(&mut core, handle)?;
                     (Some(Some(new)), core.has_events() || core.has_residency_log(), moved)
                 }
             }
