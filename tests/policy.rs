@@ -205,62 +205,19 @@ impl Model {
         self.send_hashes(i);
         let hit = self.a.find_longest_cache_hit(h, prompt - 1).unwrap();
         self.check_hit(i, hit.num_tokens);
-        // Mamba "align": the scheduler ends a prefill chunk on the prompt's checkpoint
-        // position, (prompt - 1) rounded down to a block, where that state is cached, and on
-        // the junction the lookup reports (the shared prefix's end), where its state is cached;
-        // hit-aware moves a guessed junction to the next first-sighting stop each time a chunk
-        // reaches it.
-        let mut junction = if hit.num_uncached_common_prefix_tokens > 0 {
-            hit.num_tokens + hit.num_uncached_common_prefix_tokens
-        } else {
-            0
-        };
-        if junction > 0 {
-            assert!(
-                junction % BS == 0 && junction > hit.num_tokens && junction < prompt,
-                "junction {junction} reported for a hit of {} in a prompt of {prompt}: not a block boundary \
-                 inside the prompt's uncached part",
-                hit.num_tokens
-            );
-        }
-        let checkpoint = (prompt - 1) / BS * BS;
-        let mut start = hit.num_tokens;
+        let mut chunks = PrefillChunks::new(hit, prompt, self.has_mamba());
         let mut res = None;
-        while start < prompt {
-            let end = if self.has_mamba() {
-                [junction, checkpoint].into_iter().filter(|&e| e > start && e < prompt).min().unwrap_or(prompt)
-            } else {
-                prompt
-            };
-            let first = start == hit.num_tokens;
-            if !first {
+        while let Some((args, nc)) = chunks.next() {
+            if !chunks.is_first() {
                 self.record_new_blocks(i);
                 // A new scheduler step for each chunk (a state is cached at a chunk's end).
                 self.a.new_step_starts();
             }
-            let args = AllocateArgs {
-                num_new_tokens: end - start,
-                num_new_computed_tokens: if first { hit.num_tokens } else { 0 },
-                num_computed_tokens: if first { 0 } else { start },
-                num_prompt_tokens: prompt,
-                num_tokens: prompt,
-                shared_prefix_boundary: junction,
-                ..Default::default()
-            };
-            let nc = if first { NewComputed::Stored } else { NewComputed::Empty };
             res = self.a.allocate_slots(h, &args, nc, None).unwrap();
             if res.is_none() {
                 break;
             }
-            if let Some(j) = self.a.take_moved_junction(h).unwrap() {
-                assert!(
-                    j % BS == 0 && j > end && j < prompt && end == junction,
-                    "junction {junction} moved to {j} by a chunk ending at {end} in a prompt of {prompt}: not the \
-                     next block boundary stop inside the prompt after the junction reached"
-                );
-                junction = j;
-            }
-            start = end;
+            chunks.advance(&mut self.a, h);
         }
         match res {
             Some(_) => {
@@ -834,39 +791,93 @@ fn pinned_prefix_junction_reported_on_first_sighting_and_hit_on_second_mamba_ali
     assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (0, 0));
 }
 
-/// Allocates the prompt of `h`, looked up with `hit`, chunk by chunk, one scheduler step
-/// each, where vLLM's scheduler ends chunks under Mamba "align": the junction the lookup
-/// reported and each one an allocation moved it to (hit-aware's first-sighting stops), the
-/// prompt's checkpoint ((prompt - 1) rounded down to a block) and the prompt's end. Returns
-/// the chunk ends.
-fn prefill_in_chunks(a: &mut Allocator, h: ReqHandle, hit: Hit, prompt: u32) -> Vec<u32> {
-    let mut junction = if hit.num_uncached_common_prefix_tokens > 0 {
-        hit.num_tokens + hit.num_uncached_common_prefix_tokens
-    } else {
-        0
-    };
-    let checkpoint = (prompt - 1) / BS * BS;
-    let (mut start, mut ends) = (hit.num_tokens, Vec::new());
-    while start < prompt {
-        let end = [junction, checkpoint].into_iter().filter(|&e| e > start && e < prompt).min().unwrap_or(prompt);
-        let first = ends.is_empty();
-        a.new_step_starts();
+/// Where vLLM's scheduler ends a request's prefill chunks, one scheduler step each: with a
+/// Mamba "align" group, at the junction the lookup reported (the shared prefix's end) and
+/// each one an allocation moved it to (hit-aware's first-sighting stops), and at the prompt's
+/// checkpoint ((prompt - 1) rounded down to a block), where each state is cached; always at
+/// the prompt's end. Checks every junction: a block boundary inside the prompt's uncached
+/// part, a moved one past the junction its chunk reached.
+struct PrefillChunks {
+    hit: u32,
+    prompt: u32,
+    /// With a Mamba "align" group: chunks end at the junction and the checkpoint.
+    mamba: bool,
+    junction: u32,
+    start: u32,
+    end: u32,
+}
+
+impl PrefillChunks {
+    fn new(hit: Hit, prompt: u32, mamba: bool) -> Self {
+        let junction = if hit.num_uncached_common_prefix_tokens > 0 {
+            hit.num_tokens + hit.num_uncached_common_prefix_tokens
+        } else {
+            0
+        };
+        if junction > 0 {
+            assert!(
+                junction % BS == 0 && junction > hit.num_tokens && junction < prompt,
+                "junction {junction} reported for a hit of {} in a prompt of {prompt}: not a block boundary \
+                 inside the prompt's uncached part",
+                hit.num_tokens
+            );
+        }
+        let start = hit.num_tokens;
+        Self { hit: start, prompt, mamba, junction, start, end: start }
+    }
+
+    /// Whether the next chunk is the first (the one adopting the hit).
+    fn is_first(&self) -> bool {
+        self.start == self.hit
+    }
+
+    /// The next chunk's arguments, `None` once the prompt is computed.
+    fn next(&mut self) -> Option<(AllocateArgs, NewComputed<'static>)> {
+        if self.start >= self.prompt {
+            return None;
+        }
+        let (start, prompt) = (self.start, self.prompt);
+        let stops = [self.junction, (prompt - 1) / BS * BS];
+        self.end = stops.into_iter().filter(|&e| self.mamba && e > start && e < prompt).min().unwrap_or(prompt);
+        let first = self.is_first();
         let args = AllocateArgs {
-            num_new_tokens: end - start,
-            num_new_computed_tokens: if first { hit.num_tokens } else { 0 },
+            num_new_tokens: self.end - start,
+            num_new_computed_tokens: if first { self.hit } else { 0 },
             num_computed_tokens: if first { 0 } else { start },
             num_prompt_tokens: prompt,
             num_tokens: prompt,
-            shared_prefix_boundary: junction,
+            shared_prefix_boundary: self.junction,
             ..Default::default()
         };
-        let nc = if first { NewComputed::Stored } else { NewComputed::Empty };
-        assert!(a.allocate_slots(h, &args, nc, None).unwrap().is_some());
+        Some((args, if first { NewComputed::Stored } else { NewComputed::Empty }))
+    }
+
+    /// After the chunk's allocation fit: takes the junction it moved, if any. Returns the
+    /// chunk's end.
+    fn advance(&mut self, a: &mut Allocator, h: ReqHandle) -> u32 {
+        let (end, prompt, junction) = (self.end, self.prompt, self.junction);
         if let Some(j) = a.take_moved_junction(h).unwrap() {
-            junction = j;
+            assert!(
+                j % BS == 0 && j > end && j < prompt && end == junction,
+                "junction {junction} moved to {j} by a chunk ending at {end} in a prompt of {prompt}: not the \
+                 next block boundary stop inside the prompt after the junction reached"
+            );
+            self.junction = j;
         }
-        ends.push(end);
-        start = end;
+        self.start = end;
+        end
+    }
+}
+
+/// Allocates the prompt of `h`, looked up with `hit`, chunk by chunk where vLLM's scheduler
+/// ends them under Mamba "align" ([`PrefillChunks`]). Returns the chunk ends.
+fn prefill_in_chunks(a: &mut Allocator, h: ReqHandle, hit: Hit, prompt: u32) -> Vec<u32> {
+    let mut chunks = PrefillChunks::new(hit, prompt, true);
+    let mut ends = Vec::new();
+    while let Some((args, nc)) = chunks.next() {
+        a.new_step_starts();
+        assert!(a.allocate_slots(h, &args, nc, None).unwrap().is_some());
+        ends.push(chunks.advance(a, h));
     }
     ends
 }
