@@ -298,6 +298,17 @@ impl Allocator {
         }
     }
 
+    /// Whether an allocation of `h` may move its junction: its last lookup guessed it (a
+    /// first-sighting stop, hit-aware) and a later stop remains. A caller that writes the
+    /// moved junction back into an object checks first that it can, so a call that raises
+    /// changes nothing. O(1).
+    ///
+    /// # Errors
+    /// Unknown handle.
+    pub fn may_move_junction(&self, h: ReqHandle) -> Result<bool> {
+        Ok(self.reqs[self.slot(h)? as usize].guess_limit > 0)
+    }
+
     /// The junction the last allocation of `h` moved its `shared_prefix_boundary` to (the
     /// next first-sighting stop: see [`Self::first_sighting_stop`]), taken: `None` when it
     /// did not move it, or it was taken already. The vLLM adapter sets

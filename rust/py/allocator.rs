@@ -191,6 +191,11 @@ impl PyAllocator {
         let nc = hit_arg(hit.as_ref(), &mut explicit)?;
         let request = o.request.opt::<Bound<'py, PyAny>>()?;
         let mut core = core(slf)?;
+        if let Some(r) = &request {
+            if core.may_move_junction(h)? {
+                junction_writable(r)?;
+            }
+        }
         let src = block_hashes.as_ref().map(PyHashes);
         if core.allocate_slots(h, &args, nc, src.as_ref().map(|s| s as &dyn HashSource))?.is_none() {
             return Ok(None);
@@ -210,6 +215,12 @@ impl PyAllocator {
             r.setattr(intern!(py, "shared_prefix_boundary"), j)?;
         }
         Ok(Some(out))
+    }
+
+    /// Whether the next `allocate_slots` of `handle` may move its junction (hit-aware's
+    /// first-sighting stops: see `take_moved_junction`).
+    fn may_move_junction(slf: &Bound<'_, Self>, handle: i64) -> PyResult<bool> {
+        Ok(core(slf)?.may_move_junction(handle_arg(handle)?)?)
     }
 
     /// The junction the last `allocate_slots` of `handle` moved its `shared_prefix_boundary`
@@ -331,4 +342,13 @@ impl PyAllocator {
     fn estimate_cached_tokens(slf: &Bound<'_, Self>, handle: i64) -> PyResult<u32> {
         Ok(core(slf)?.estimate_cached_tokens(handle_arg(handle)?)?)
     }
+}
+
+/// Checks, before a call that may move a request's junction changes anything, that the moved
+/// junction can be written back: `request.shared_prefix_boundary` is read and set to itself.
+/// An object without the attribute, or one that refuses the write, raises here, so the call
+/// changes nothing.
+pub(super) fn junction_writable(request: &Bound<'_, PyAny>) -> PyResult<()> {
+    let name = intern!(request.py(), "shared_prefix_boundary");
+    request.setattr(name, request.getattr(name)?)
 }

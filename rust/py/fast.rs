@@ -228,6 +228,9 @@ impl FastAllocate {
         let alloc = self.alloc.bind(py);
         let (blocks, has_events, moved) = {
             let mut core = super::allocator::core(alloc)?;
+            if core.policy() == crate::policy::Policy::HitAware && core.may_move_junction(handle).unwrap_or(false) {
+                super::allocator::junction_writable(request)?;
+            }
             match core.plain_step(handle, num_new_tokens, num_lookahead_tokens, &PyStep(request))? {
                 PlainStep::NotHere => return Ok(None),
                 PlainStep::NoOp => return Ok(Some(cb.empty.clone_ref(py))),

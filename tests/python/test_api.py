@@ -636,8 +636,41 @@ def test_first_sighting_stops_move_the_junction_on_every_path() -> None:
     assert step(req, 16) is not None and req.shared_prefix_boundary == 128
     req.num_computed_tokens = 80
     assert step(req, 48) is not None and req.shared_prefix_boundary == 128
-    assert m.take_moved_junction(r) == 0
+    assert m.take_moved_junction(r) == 0 and not m.may_move_junction(r)
     m.check_invariants()
+    # An object whose junction cannot be written raises before anything changes, on both
+    # paths, while a move is possible.
+    r2 = m.add_request()
+    m.get_computed_blocks(r2, prompt - 1, block_hashes=hashes(*range(20, 30)))
+    assert m.may_move_junction(r2)
+
+    class ReadOnly(FakeRequest):
+        locked = False
+
+        @property
+        def shared_prefix_boundary(self) -> int:
+            return 16
+
+        @shared_prefix_boundary.setter
+        def shared_prefix_boundary(self, v: int) -> None:
+            if self.locked:
+                raise AttributeError("read-only")
+
+    ro = ReadOnly(r2, 0, prompt, hashes(*range(20, 30)))
+    ro.locked = True
+    snap = snapshot(m, [r, r2])
+    with pytest.raises(AttributeError, match="read-only"):
+        allocate(m, r2, 16, prompt=prompt, tokens=prompt, shared_prefix_boundary=16, request=ro)
+    with pytest.raises(AttributeError):
+        allocate(m, r2, 16, prompt=prompt, tokens=prompt, shared_prefix_boundary=16, request=object())
+    unchanged(m, [r, r2], snap)
+    assert allocate(m, r2, 16, prompt=prompt, tokens=prompt, shared_prefix_boundary=16) is not None
+    assert m.take_moved_junction(r2) == 32
+    ro.num_computed_tokens = 16
+    snap = snapshot(m, [r, r2])
+    with pytest.raises(AttributeError, match="read-only"):
+        step(ro, 16)
+    unchanged(m, [r, r2], snap)
     e = Allocator(64, groups, 16, 16, 4096, policy="exact")
     r = e.add_request()
     assert e.get_computed_blocks(r, prompt - 1, block_hashes=keys)[:2] == (0, 0)
