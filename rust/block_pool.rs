@@ -313,6 +313,38 @@ impl BlockPool {
         self.free_blocks(ordered.iter().copied());
     }
 
+    /// [`Self::free_loose`] with vLLM 0.34's `free_blocks(..., evict_first=True)`: the blocks
+    /// that become free, cached or not, go to the front of the free queue in `ordered`'s order
+    /// (vLLM's `prepend_n`), so they are reused first. Under hit-aware a cached one goes to the
+    /// front of the speculative level instead (pinned blocks and branch points keep theirs).
+    /// O(blocks).
+    pub(crate) fn free_loose_evict_first(&mut self, ordered: &[BlockId]) {
+        let mut first = std::mem::take(&mut self.scratch_first);
+        for &b in ordered {
+            if b == NULL_BLOCK {
+                continue;
+            }
+            self.loose[b as usize] -= 1;
+            let rc = &mut self.ref_cnt[b as usize];
+            assert!(*rc > 0, "free of block {b} whose reference count is 0");
+            *rc -= 1;
+            if *rc == 0 {
+                if self.level.is_empty() || !self.index.is_keyed(b) || !self.enable_caching {
+                    first.push(b);
+                } else {
+                    self.queue_cached(b);
+                    self.evict_first(b);
+                }
+            }
+        }
+        self.queue.push_front_n(&first);
+        if self.pinned_free > self.pinned_cap {
+            self.enforce_pinned_cap();
+        }
+        first.clear();
+        self.scratch_first = first;
+    }
+
     /// Hash key of `b`, if cached.
     pub fn block_hash(&self, b: BlockId) -> Option<&HashKey> {
         self.index.key_of(b)

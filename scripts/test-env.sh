@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the virtual environment the tests run in for one supported vLLM release,
-# plus the test tools. Usage: scripts/test-env.sh [0.32.0|0.33.0] (default 0.32.0). Prints the
+# plus the test tools. Usage: scripts/test-env.sh [0.32.0|0.33.0|0.34.0] (default 0.32.0). Prints the
 # venv's path on its last line.
 #
 # 0.32.0: vLLM's CPU build, whose vllm/v1 is byte-identical to vllm==0.32.0 and which runs a real
@@ -12,6 +12,10 @@
 #   "requires torch==2.13.0+cpu", torchvision, ...): expected, vLLM runs on this torch.
 # 0.33.0: no CPU build exists; the CUDA wheel (`pip install torch==2.14.0 vllm==0.33.0`) runs the
 #   scheduler and the KV cache manager on a GPU-less machine (no engine).
+# 0.34.0: no CPU build either, and `pip install vllm==0.34.0` fails to resolve (it pins
+#   flashinfer-python==0.7.3, which PyPI lacks): torch==2.14.0, the wheel with --no-deps, then its
+#   other requirements less flashinfer-python (which the scheduler and manager never import), by
+#   scripts/vllm-cpu-requirements.py --skip flashinfer-python.
 #
 # The environment is cached under $HYBRID_ALLOC_VENV_DIR (default ~/.cache/hybrid_alloc) as
 # venv-vllm-<release>-pyXY and reused when its stamp file says it is complete. hybrid_alloc itself
@@ -61,8 +65,17 @@ case "$VLLM_VERSION" in
   0.33.0)
     $PIP install -q "torch==2.14.0" "vllm==$VLLM_VERSION" "${TOOLS[@]}" >&2
     ;;
+  0.34.0)
+    $PIP install -q "torch==2.14.0" >&2
+    tmp=$(mktemp -d)
+    $PIP download -q --no-deps "vllm==$VLLM_VERSION" -d "$tmp" >&2
+    $PIP install -q --no-deps "$tmp"/vllm-*.whl >&2
+    "$VENV/bin/python" "$HERE/vllm-cpu-requirements.py" "$tmp" --skip flashinfer-python >"$tmp/reqs.txt"
+    $PIP install -q -r "$tmp/reqs.txt" "${TOOLS[@]}" >&2
+    rm -rf "$tmp"
+    ;;
   *)
-    echo "test-env: unsupported vLLM release $VLLM_VERSION (supported: 0.32.0 0.33.0)" >&2
+    echo "test-env: unsupported vLLM release $VLLM_VERSION (supported: 0.32.0 0.33.0 0.34.0)" >&2
     exit 2
     ;;
 esac

@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 DEFAULT_MODELS = ("gemma-2-27b", "llama-3.1-8b")
-INSTALL_HINT = "vLLM is not installed: pip install 'vllm>=0.32,<0.34' (0.32.0 or 0.33.0), or run `bash scripts/bench.sh` (vLLM 0.32.0's CPU build)"
+INSTALL_HINT = "vLLM is not installed: pip install 'vllm>=0.32,<0.35' (0.32.0, 0.33.0 or 0.34.0), or run `bash scripts/bench.sh` (vLLM 0.32.0's CPU build)"
 # The bench's own dependencies (rich for the table, matplotlib for the plot) are the `bench` extra.
 # A C function that does nothing with any arguments (and, being a builtin, does not bind as a
 # method): the clock calibrates its timing wrappers on it, so what it subtracts is the timing.

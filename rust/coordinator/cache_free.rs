@@ -202,6 +202,15 @@ impl Allocator {
     /// A block id out of range, or more frees of a block than it has references outside
     /// the tables (a block a live request still holds is refused); checked before any change.
     pub fn free_block_ids(&mut self, ids: &[BlockId]) -> Result<()> {
+        self.free_block_ids_ordered(ids, false)
+    }
+
+    /// [`Self::free_block_ids`] with vLLM 0.34's `evict_first`: the blocks freed go to the front
+    /// of the free queue, cached ones too, so they are reused first.
+    ///
+    /// # Errors
+    /// As [`Self::free_block_ids`]; nothing changes.
+    pub fn free_block_ids_ordered(&mut self, ids: &[BlockId], evict_first: bool) -> Result<()> {
         let mut counts: rustc_hash::FxHashMap<BlockId, u32> = Default::default();
         for &b in ids {
             if b >= self.pool.num_blocks() {
@@ -218,7 +227,11 @@ impl Allocator {
                 )));
             }
         }
-        self.pool.free_loose(ids);
+        if evict_first {
+            self.pool.free_loose_evict_first(ids);
+        } else {
+            self.pool.free_loose(ids);
+        }
         Ok(())
     }
 

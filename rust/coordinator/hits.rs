@@ -12,7 +12,7 @@ use super::{Allocator, HashSource, Hit};
 
 use crate::config::CoordinatorKind;
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
+use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
 use crate::manager::{cdiv, find_longest_cache_hit, HashView, HitQuery};
 use crate::policy::Policy;
 
@@ -324,6 +324,22 @@ impl Allocator {
     }
 
     pub(super) fn hybrid_hit(&mut self, s: Slot, max_len: u32, out: &mut [Vec<BlockId>]) -> Hit {
+        let mut tmp = std::mem::take(&mut self.scratch_spec);
+        let res = self.hybrid_search(&self.reqs[s as usize].hashes, max_len, out, &mut tmp);
+        self.scratch_spec = tmp;
+        res
+    }
+
+    /// vLLM's `HybridKVCacheCoordinator.find_longest_cache_hit` over `hashes`: the fixed
+    /// point over the spec groups, full attention first, each group's hit left in `out`
+    /// (`tmp`: scratch, one list per group). Reads the pool only. O(blocks scanned).
+    fn hybrid_search(
+        &self,
+        hashes: &[BlockHash],
+        max_len: u32,
+        out: &mut [Vec<BlockId>],
+        tmp: &mut [Vec<BlockId>],
+    ) -> Hit {
         let ng = self.managers.len();
         let align = self.cfg.cache_hit_alignment_tokens();
         let mut hit_length = max_len;
@@ -331,8 +347,6 @@ impl Allocator {
         let mut computed = 0u64; // bitset of groups with a result
         let mut len_by_group = [0u32; 64];
         let simple = self.spec_groups.len() == 2 && self.spec_groups[0].kind.is_full();
-        let hashes = &self.reqs[s as usize].hashes;
-        let mut tmp = std::mem::take(&mut self.scratch_spec);
         loop {
             let mut curr = hit_length;
             for sg in &self.spec_groups {
@@ -368,7 +382,6 @@ impl Allocator {
                 break;
             }
         }
-        self.scratch_spec = tmp;
         for sg in &self.spec_groups {
             if !sg.kind.is_full() {
                 continue;
@@ -380,6 +393,59 @@ impl Allocator {
         }
         debug_assert!(ng <= 64);
         Hit { num_tokens: hit_length, num_uncached_common_prefix_tokens: longest - hit_length }
+    }
+
+    /// vLLM 0.34's `KVCacheManager.get_num_cached_tokens` (the probe cache-aware admission
+    /// asks of every waiting request it may reorder): the tokens of the longest cache hit of
+    /// `hashes` within `max_cache_hit_length`, as `get_computed_blocks` would find it, without
+    /// a request: nothing is stored, touched, queued or counted, under either policy (the
+    /// hit-aware junctions and first-sighting stops are `get_computed_blocks`' own, not the
+    /// hit's). Reads only the hashes a hit that long can use. O(blocks scanned).
+    ///
+    /// # Errors
+    /// An invalid hash (nothing changes).
+    pub fn num_cached_tokens(&mut self, hashes: &dyn HashSource, max_cache_hit_length: u32) -> Result<u32> {
+        if self.kind == CoordinatorKind::NoPrefixCache {
+            return Ok(0);
+        }
+        let usable = (max_cache_hit_length / self.cfg.hash_block_size) as usize;
+        let mut staged = std::mem::take(&mut self.scratch_hashes);
+        staged.clear();
+        for i in 0..usable.min(hashes.len()) {
+            match hashes.get(i) {
+                Ok(h) => staged.push(h),
+                Err(e) => {
+                    self.scratch_hashes = staged;
+                    return Err(e);
+                }
+            }
+        }
+        let mut out = std::mem::take(&mut self.scratch_probe);
+        let mut tmp = std::mem::take(&mut self.scratch_spec);
+        for v in out.iter_mut() {
+            v.clear();
+        }
+        let n = match self.kind {
+            CoordinatorKind::NoPrefixCache => 0,
+            CoordinatorKind::Unitary => {
+                let m = &self.managers[0];
+                let bs = m.block_size();
+                let q = HitQuery {
+                    pool: &self.pool,
+                    view: HashView { hashes: &staged, scale: bs / self.cfg.hash_block_size },
+                    max_length: max_cache_hit_length,
+                    group_ids: &[0],
+                    block_size: bs,
+                    alignment_tokens: bs,
+                };
+                find_longest_cache_hit(m.spec.kind, &q, &mut out[..1])
+            }
+            CoordinatorKind::Hybrid => self.hybrid_search(&staged, max_cache_hit_length, &mut out, &mut tmp).num_tokens,
+        };
+        self.scratch_spec = tmp;
+        self.scratch_probe = out;
+        self.scratch_hashes = staged;
+        Ok(n)
     }
 
     /// Checks a hit before it is adopted (see [`Self::allocate_slots`]).

@@ -124,8 +124,10 @@ pub struct Allocator {
     out_counts: Vec<u32>,
     /// Scratch for the hit search.
     scratch_spec: Vec<Vec<BlockId>>,
-    /// Scratch: hashes read from the caller before they are committed.
+    /// Scratch: hashes read from the caller before they are committed (or probed).
     scratch_hashes: Vec<BlockHash>,
+    /// Scratch: each group's blocks of a probed hit ([`Self::num_cached_tokens`]).
+    scratch_probe: Vec<Vec<BlockId>>,
     /// The hashes the last sync dropped (put back when the call fails).
     undo_tail: Vec<BlockHash>,
 }
@@ -195,6 +197,7 @@ impl Allocator {
             out_counts: vec![0; n],
             scratch_spec: vec![Vec::new(); n],
             scratch_hashes: Vec::new(),
+            scratch_probe: vec![Vec::new(); n],
             undo_tail: Vec::new(),
             cfg,
         })

@@ -77,6 +77,14 @@ impl PyAllocator {
         Ok(core(slf)?.num_hashes(handle_arg(handle)?)?)
     }
 
+    /// The tokens of the longest cache hit of `block_hashes` (a request's list of `bytes`)
+    /// not longer than `max_length` tokens, as `get_computed_blocks` would find it, with no
+    /// request and no side effect (vLLM 0.34's `KVCacheManager.get_num_cached_tokens`).
+    fn num_cached_tokens(slf: &Bound<'_, Self>, block_hashes: &Bound<'_, PyList>, max_length: i64) -> PyResult<u32> {
+        let max_length = u32_arg("max_length", max_length)?;
+        Ok(core(slf)?.num_cached_tokens(&PyHashes(block_hashes), max_length)?)
+    }
+
     /// Syncs the request's `block_hashes`, finds the longest cache hit not longer than
     /// `max_length` tokens and stores it as the request's pending hit. Returns `(hit_tokens,
     /// uncached_common_prefix_tokens, hit block ids per group)`.

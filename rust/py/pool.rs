@@ -107,10 +107,12 @@ impl PyAllocatorBase {
     }
 
     /// Drops one reference from each block that `pop_blocks_for_free` handed out, in
-    /// eviction order.
-    fn free_block_ids(&self, ids: Vec<i64>) -> PyResult<()> {
+    /// eviction order; with `evict_first` (vLLM 0.34's `free_blocks`) the blocks freed go to
+    /// the front of the free queue, cached ones too.
+    #[pyo3(signature = (ids, *, evict_first=false))]
+    fn free_block_ids(&self, ids: Vec<i64>, evict_first: bool) -> PyResult<()> {
         let ids = block_ids_arg(&ids)?;
-        Ok(self.core()?.free_block_ids(&ids)?)
+        Ok(self.core()?.free_block_ids_ordered(&ids, evict_first)?)
     }
 
     /// Drops the prefix-cache hashes of these blocks.

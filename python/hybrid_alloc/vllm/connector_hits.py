@@ -1,4 +1,4 @@
-"""The local hit a KV connector's scheduler takes (vLLM 0.32.0 and 0.33.0's
+"""The local hit a KV connector's scheduler takes (vLLM 0.32.0, 0.33.0 and 0.34.0's
 ``KVCacheManager.get_computed_blocks_for_connector``), served by the core in one crossing.
 
 vLLM's scheduler asks it instead of ``get_computed_blocks`` when the connector sets
@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.request import Request
 
+from hybrid_alloc.vllm import compat
+
 if TYPE_CHECKING:
     from hybrid_alloc.vllm.manager import HybridKVCacheManager
 
@@ -39,8 +41,7 @@ def local_hit_for_connector(
     local computed tokens, shared-prefix boundary, hit_diverged)`` (see the module)."""
     if not mgr.prefix_cache_lookup_enabled(request):
         return mgr.empty_kv_cache_blocks, 0, 0, False
-    if max_cache_hit_length is None:
-        max_cache_hit_length = request.num_tokens - 1
+    max_cache_hit_length = compat.max_cache_hit_length(request, max_cache_hit_length)
     st = mgr._state(request)
     if mgr._pending_pins:
         mgr._pin_from(request)

@@ -34,8 +34,15 @@ class NativeBlockPool:
         self.num_hash_lookahead_tokens = mgr.num_hash_lookahead_tokens
         self.null_block = NativeBlock(self._alloc, 0)
 
-    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
-        self._alloc.free_block_ids([b.block_id for b in ordered_blocks])
+    def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
+        """vLLM's ``BlockPool.free_blocks``. ``evict_first`` (0.34; its only caller is the
+        SimpleCPUOffload connector's manager, which falls back) queues the freed blocks at the
+        front of the free queue instead of the back, as vLLM's."""
+        ids = [b.block_id for b in ordered_blocks]
+        if evict_first:
+            self._alloc.free_block_ids(ids, evict_first=True)
+        else:
+            self._alloc.free_block_ids(ids)
 
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[NativeBlock] | None:
         """vLLM's ``BlockPool.get_cached_block`` (the routed-experts auxiliary-output

@@ -1,4 +1,4 @@
-"""A drop-in ``KVCacheManager`` for vLLM 0.32.0 and 0.33.0 backed by the native core.
+"""A drop-in ``KVCacheManager`` for vLLM 0.32.0, 0.33.0 and 0.34.0 backed by the native core.
 
 :class:`HybridKVCacheManager` takes the constructor arguments of vLLM's
 ``vllm.v1.core.kv_cache_manager.KVCacheManager`` and serves every method and attribute
@@ -154,8 +154,8 @@ def native_config_or_reason(*args: Any, vllm_config: Any = None, **kwargs: Any) 
 
 
 class HybridKVCacheManager:
-    """vLLM's ``KVCacheManager`` (0.32.0 or 0.33.0, whichever is installed), served by the
-    native core.
+    """vLLM's ``KVCacheManager`` (0.32.0, 0.33.0 or 0.34.0, whichever is installed), served by
+    the native core.
 
     Constructed with ``KVCacheManager``'s arguments, and optionally ``vllm_config`` (the
     ``VllmConfig`` being scheduled; default: the module's ``current_vllm_config``). When the
@@ -283,7 +283,17 @@ class HybridKVCacheManager:
         return stats
 
     def prefix_cache_lookup_enabled(self, request: Request) -> bool:
-        return self.enable_caching and not request.skip_reading_prefix_cache
+        # 0.34: ``request.prefix_cache_hit_limit != 0``; before: ``not skip_reading_prefix_cache``.
+        return self.enable_caching and compat.prefix_cache_lookup_enabled(request)
+
+    def get_num_cached_tokens(self, request: Request) -> int:
+        """vLLM 0.34's probe (cache-aware admission asks it of waiting requests): the tokens
+        of the request's longest cache hit within ``num_tokens - 1`` (not the request's hit
+        limit, as vLLM's), 0 when it may not read the prefix cache. Stores, touches, queues
+        and counts nothing, and registers no request: one crossing."""
+        if not self.enable_caching or not compat.prefix_cache_lookup_enabled(request):
+            return 0
+        return self._alloc.num_cached_tokens(request.block_hashes, request.num_tokens - 1)
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
@@ -297,11 +307,11 @@ class HybridKVCacheManager:
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int]:
         """vLLM's ``get_computed_blocks``; ``max_cache_hit_length`` (vLLM 0.33) bounds the
-        hit, ``None`` meaning ``request.num_tokens - 1`` (the only bound on 0.32)."""
-        if not self.enable_caching or request.skip_reading_prefix_cache:
+        hit, ``None`` meaning ``request.num_tokens - 1`` (the only bound on 0.32); on 0.34 the
+        request's own hit limit bounds it too (``request.get_max_cache_hit_length``)."""
+        if not self.enable_caching or not compat.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
-        if max_cache_hit_length is None:
-            max_cache_hit_length = request.num_tokens - 1
+        max_cache_hit_length = compat.max_cache_hit_length(request, max_cache_hit_length)
         st = self._state(request)
         if self._pending_pins:
             self._pin_from(request)
@@ -470,6 +480,7 @@ class HybridKVCacheManager:
         return True
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        # Called by 0.32 and 0.33's scheduler only (0.34 removed it from vLLM's manager).
         return [0] * self.num_kv_cache_groups
 
     def take_events(self) -> list[KVCacheEvent]:

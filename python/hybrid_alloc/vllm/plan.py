@@ -25,6 +25,9 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
     """The native allocator's arguments (``groups`` as named specs); raises ``Unsupported``
     naming what is not served exactly. Does not build the allocator (which may still refuse
     the configuration)."""
+    if missing := compat.missing_reads():
+        # A release without them would fail inside ``Scheduler.schedule()``, past construction.
+        raise Unsupported(f"the installed vLLM lacks {', '.join(missing)} (read by the adapter)")
     if (reason := connector_reason(vllm_config, a.kv_cache_config)) is not None:
         raise Unsupported(reason)
     if a.use_eagle:

@@ -44,8 +44,8 @@ from typing import Any
 ENV_FLAG = "HYBRID_ALLOC"
 # Set to 1 to apply the patch on a vLLM release outside TESTED_VLLM_RELEASES.
 ENV_UNTESTED = "HYBRID_ALLOC_UNTESTED_VLLM"
-# The vLLM releases the parity tests run against (the `vllm` extra allows >=0.32,<0.34).
-TESTED_VLLM_RELEASES: tuple[str, ...] = ("0.32.0", "0.33.0")
+# The vLLM releases the parity tests run against (the `vllm` extra allows >=0.32,<0.35).
+TESTED_VLLM_RELEASES: tuple[str, ...] = ("0.32.0", "0.33.0", "0.34.0")
 
 # A child of vLLM's "vllm" logger, so vLLM's own handler prints it (no vLLM import here).
 logger = logging.getLogger("vllm.hybrid_alloc")
