@@ -102,7 +102,8 @@ def digest(so: Any) -> dict[str, Any]:
     return {
         "new": [(r.req_id, r.block_ids, r.num_computed_tokens) for r in so.scheduled_new_reqs],
         "cached": list(zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.num_output_tokens)),
-        "resumed": sorted(cached.resumed_req_ids),
+        # vLLM 0.34 sends resumed requests as new ones and dropped ``resumed_req_ids``.
+        "resumed": sorted(getattr(cached, "resumed_req_ids", ())),
         "num_scheduled": dict(so.num_scheduled_tokens),
         "total": so.total_num_scheduled_tokens,
         "finished": sorted(so.finished_req_ids),
@@ -121,7 +122,7 @@ def fabricate_spec_output(sched: Any, so: Any) -> ModelRunnerOutput:
     done, one sampled token plus the accepted share of its scheduled drafts."""
     out = fabricate_output(sched, so)
     spec = so.scheduled_spec_decode_tokens
-    for rid, i in out.req_id_to_index.items():
+    for i, rid in enumerate(out.req_ids):
         sampled = out.sampled_token_ids[i]
         drafts = spec.get(rid)
         if sampled and drafts:
@@ -233,7 +234,7 @@ def run_workload(
         out = fabricate_spec_output(sched, so) if spec_k else fabricate_output(sched, so)
         for rid, t in so.scheduled_spec_decode_tokens.items():
             counters["drafts"] += len(t)
-            i = out.req_id_to_index[rid]
+            i = out.req_ids.index(rid)
             counters["accepted"] += max(len(out.sampled_token_ids[i]) - 1, 0)
         in_flight.appendleft((so, out))
         step += 1

@@ -19,11 +19,11 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.v1 import kv_cache_interface as _vllm_kvi
+from vllm.v1 import request as _vllm_request
+from vllm.v1.core import block_pool as _vllm_bp
 from vllm.v1.core import kv_cache_coordinator as _vllm_kvc
 from vllm.v1.core import kv_cache_manager as _vllm_kvm
 from vllm.v1.core import kv_cache_utils as _vllm_kvu
-from vllm.v1 import request as _vllm_request
-from vllm.v1.core import block_pool as _vllm_bp
 
 __all__ = [
     "EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE",
@@ -182,7 +182,9 @@ REQUEST_READS: tuple[str, ...] = (
     "all_token_ids",
     "lora_request",
     "session_id",
-) + (("prefix_cache_hit_limit", "get_max_cache_hit_length") if PREFIX_CACHE_HIT_LIMIT else ("skip_reading_prefix_cache",))
+) + (
+    ("prefix_cache_hit_limit", "get_max_cache_hit_length") if PREFIX_CACHE_HIT_LIMIT else ("skip_reading_prefix_cache",)
+)
 KV_CACHE_CONFIG_READS: tuple[str, ...] = (
     "num_blocks",
     "kv_cache_groups",

@@ -18,6 +18,7 @@ hub access happens, so nothing here sets ``HF_HUB_OFFLINE``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -491,6 +492,9 @@ def fake_token(req_id: str, position: int, vocab: int = 32000) -> int:
     return (hash((req_id, position)) & 0x7FFFFFFF) % (vocab - 1) + 1
 
 
+_OUTPUT_HAS_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+
+
 def fabricate_output(sched: Scheduler, so: Any) -> ModelRunnerOutput:
     """The model output of a step: one token for each request whose prompt is done."""
     ids = list(so.num_scheduled_tokens)
@@ -499,9 +503,11 @@ def fabricate_output(sched: Scheduler, so: Any) -> ModelRunnerOutput:
         req = sched.requests[rid]
         done = req.num_computed_tokens >= req.num_tokens
         sampled.append([fake_token(rid, req.num_tokens)] if done else [])
+    # vLLM 0.34 indexes the output by ``req_ids`` and dropped ``req_id_to_index``.
+    index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if _OUTPUT_HAS_INDEX else {}
     return ModelRunnerOutput(
         req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
+        **index,
         sampled_token_ids=sampled,
         logprobs=None,
         prompt_logprobs_dict={},
