@@ -7,7 +7,7 @@
 # pytest runs go concurrently, each into target/test-logs/pytest-RELEASE.log, printed whole when it
 # ends. The steps it shares with scripts/check.sh (its fast half) live in scripts/steps.sh.
 #
-# HYBRID_ALLOC_VLLM_RELEASES narrows the releases (default "0.32.0 0.33.0"); extra arguments go to
+# HYBRID_ALLOC_VLLM_RELEASES narrows the releases (default "0.32.0 0.33.0 0.34.0"); extra arguments go to
 # pytest. The property tests bound their own cases in debug builds (tests/model.rs, `cases()`);
 # HYBRID_ALLOC_DEBUG_PROPTEST_CASES, if set, overrides that count in the debug run only (it becomes
 # PROPTEST_CASES there; the release run keeps the tests' own default). Every step runs even if an earlier
@@ -21,7 +21,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
-RELEASES=${HYBRID_ALLOC_VLLM_RELEASES:-0.32.0 0.33.0}
+RELEASES=${HYBRID_ALLOC_VLLM_RELEASES:-0.32.0 0.33.0 0.34.0}
 DEBUG_CASES=${HYBRID_ALLOC_DEBUG_PROPTEST_CASES:-}
 LOGDIR=target/test-logs
 mkdir -p "$LOGDIR"

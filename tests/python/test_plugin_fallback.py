@@ -178,3 +178,68 @@ def test_no_controls_under_exact_say_nothing(plugin_lines: list[str], monkeypatc
     monkeypatch.setenv("HYBRID_ALLOC_PIN_SHARE", "  ")  # blank counts as unset
     assert type(HybridKVCacheManager(**_kwargs())) is HybridKVCacheManager
     assert not any("ignored" in ln for ln in plugin_lines)
+
+
+def _stand_in(name: str, reads: tuple[str, ...], without: str) -> type:
+    """A class named ``name`` with every attribute in ``reads`` but ``without``."""
+    return type(name, (), {n: None for n in reads if n != without})
+
+
+def test_installed_vllm_has_every_attribute_the_adapter_reads() -> None:
+    from hybrid_alloc.vllm import compat
+
+    assert compat.missing_reads() == []
+
+
+@pytest.mark.parametrize("which", ["Request", "KVCacheConfig", "VllmConfig"])
+def test_compat_probe_names_each_missing_attribute_in_turn(which: str) -> None:
+    """A stand-in lacking each attribute the adapter reads, one at a time: the probe names
+    exactly that one (and nothing when none is missing)."""
+    from hybrid_alloc.vllm import compat
+
+    reads = {
+        "Request": compat.REQUEST_READS,
+        "KVCacheConfig": compat.KV_CACHE_CONFIG_READS,
+        "VllmConfig": compat.VLLM_CONFIG_READS,
+    }[which]
+    arg = {"Request": "request_cls", "KVCacheConfig": "kv_cache_config_cls", "VllmConfig": "vllm_config_cls"}[which]
+    assert compat.missing_reads(**{arg: _stand_in(which, reads, "")}) == []
+    for name in reads:
+        assert compat.missing_reads(**{arg: _stand_in(which, reads, name)}) == [f"{which}.{name}"], name
+
+
+def test_compat_probe_reads_attributes_init_assigns() -> None:
+    """An attribute assigned in ``__init__`` (as vLLM's ``Request`` sets most of its own)
+    counts as present; one only read there does not."""
+    from hybrid_alloc.vllm import compat
+
+    class Assigns:
+        def __init__(self, other: Any) -> None:
+            self.block_hashes = other.priority
+
+    names = compat._names(Assigns)
+    assert "block_hashes" in names and "priority" not in names
+
+
+@pytest.mark.parametrize("missing", ["request", "kv_cache_config"])
+def test_missing_attribute_falls_back_at_construction_with_one_line(
+    missing: str, plugin_lines: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adapter built against a vLLM whose ``Request`` (or ``KVCacheConfig``) lacks an
+    attribute it reads returns vLLM's own manager, with one line naming the attribute, for
+    each attribute in turn."""
+    import types
+
+    from hybrid_alloc.vllm import compat, manager
+
+    if missing == "request":
+        reads, module, attr, cls = compat.REQUEST_READS, "_vllm_request", "Request", "Request"
+    else:
+        reads, module, attr, cls = compat.KV_CACHE_CONFIG_READS, "_vllm_kvi", "KVCacheConfig", "KVCacheConfig"
+    for name in reads:
+        plugin_lines.clear()
+        monkeypatch.setattr(compat, module, types.SimpleNamespace(**{attr: _stand_in(cls, reads, name)}))
+        built = manager.HybridKVCacheManager(**_kwargs())
+        assert type(built) is manager.VllmKVCacheManager, name
+        lines = _hybrid_alloc_lines(plugin_lines)
+        assert len(lines) == 1 and f"lacks {cls}.{name}" in lines[0], (name, lines)

@@ -113,7 +113,7 @@ def test_untested_release_leaves_vllm_running_with_one_line() -> None:
     assert result == "KVCacheManager False ['r0', 'r1']"
     lines = _plugin_lines(log)
     assert len(lines) == 1, lines
-    assert "vLLM 0.31.9 is not a tested release (tested: 0.32.0, 0.33.0)" in lines[0]
+    assert "vLLM 0.31.9 is not a tested release (tested: 0.32.0, 0.33.0, 0.34.0)" in lines[0]
     assert "HYBRID_ALLOC_UNTESTED_VLLM=1" in lines[0]
 
 
@@ -344,3 +344,30 @@ def test_too_long_prompt_through_real_scheduler_matches_vllm() -> None:
         steps.append(sched.reset_prefix_cache())
         runs.append(steps)
     assert runs[0] == runs[1]
+
+
+# A release whose ``Request`` lacks an attribute the adapter reads (as 0.34 dropped
+# ``skip_reading_prefix_cache``): the stand-in has every other name the adapter reads.
+_MISSING_REQUEST_ATTR = """
+import types
+import hybrid_alloc.vllm.plugin as p; p.vllm_release = lambda: '0.35.0'
+import hybrid_alloc.vllm.compat as c
+missing = c.REQUEST_READS[-1]
+c._vllm_request = types.SimpleNamespace(Request=type("Request", (), {{n: None for n in c.REQUEST_READS if n != missing}}))
+print("MISSING", missing)
+"""
+
+
+def test_untested_release_missing_a_request_attribute_falls_back_at_construction() -> None:
+    """Under ``HYBRID_ALLOC_UNTESTED_VLLM=1`` a ``Request`` without an attribute the adapter
+    reads ends in one fallback line naming it, at construction; vLLM's scheduler then runs
+    its requests to the end with its own manager (prefix caching on), with no exception in
+    ``schedule()``."""
+    result, log = _run(
+        _SCHEDULE.format(pre=_MISSING_REQUEST_ATTR), HYBRID_ALLOC="1", HYBRID_ALLOC_UNTESTED_VLLM="1"
+    )
+    assert result == "KVCacheManager True ['r0', 'r1']"
+    missing = next(ln.split()[1] for ln in log.splitlines() if ln.startswith("MISSING "))
+    fallback = [ln for ln in _plugin_lines(log) if "falling back" in ln]
+    assert len(fallback) == 1, _plugin_lines(log)
+    assert f"lacks Request.{missing}" in fallback[0]
