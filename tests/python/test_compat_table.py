@@ -52,8 +52,12 @@ def _cell(row_prefix: str) -> str:
     release = _release()
     assert release in rows[label], f"README compatibility table has no column for vLLM {release}"
     cell = rows[label][release]
-    if cell.startswith("same as "):
-        cell = rows[label][cell[len("same as ") :]]
+    seen = {release}
+    while cell.startswith("same as "):  # may chain: 0.34.0 -> 0.33.0 -> 0.32.0
+        other = cell[len("same as ") :]
+        assert other not in seen, f"{label}: 'same as' loops through {other}"
+        seen.add(other)
+        cell = rows[label][other]
     return cell
 
 
