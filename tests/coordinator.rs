@@ -9,8 +9,8 @@ use common::{chain_hashes, groups, hash_bytes};
 use hybrid_alloc::invariants;
 use hybrid_alloc::policy::LEVEL_NORMAL;
 use hybrid_alloc::{
-    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Error, Event, NewComputed, Policy, ReqHandle,
-    NULL_BLOCK,
+    AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Error, Event, GroupId, NewComputed, Policy,
+    ReqHandle, NULL_BLOCK,
 };
 
 const BS: u32 = 16;
@@ -500,19 +500,32 @@ fn events_evict_blocks_emits_removed_once() {
 struct State {
     queue: Vec<BlockId>,
     ref_cnt: Vec<u32>,
-    hashed: Vec<bool>,
+    /// Per block, the key it is cached under in the prefix index (`None`: not cached).
+    keys: Vec<Option<(BlockHash, GroupId)>>,
     /// Per live request, per group.
     tables: Vec<Vec<Vec<BlockId>>>,
+    /// Per live request, per group: the blocks counted as cached.
+    num_cached: Vec<Vec<u32>>,
+    /// Per live request: its block hashes and, per group, its stored hit.
+    hashes: Vec<Vec<BlockHash>>,
+    stored_hits: Vec<Vec<Vec<BlockId>>>,
 }
 
 fn state(a: &Allocator) -> State {
     let p = a.pool();
     let n = p.num_blocks();
+    let groups = 0..a.num_groups();
     State {
         queue: p.free_queue_order(),
         ref_cnt: (0..n).map(|b| p.ref_cnt(b)).collect(),
-        hashed: (0..n).map(|b| p.block_hash(b).is_some()).collect(),
-        tables: a.live_handles().map(|h| (0..a.num_groups()).map(|g| table(a, h, g)).collect()).collect(),
+        keys: (0..n).map(|b| p.block_hash(b).copied()).collect(),
+        tables: a.live_handles().map(|h| groups.clone().map(|g| table(a, h, g)).collect()).collect(),
+        num_cached: a.live_handles().map(|h| a.managers().iter().map(|m| m.num_cached(h as u32)).collect()).collect(),
+        hashes: a.live_handles().map(|h| a.hashes(h).unwrap().to_vec()).collect(),
+        stored_hits: a
+            .live_handles()
+            .map(|h| groups.clone().map(|g| a.stored_hit(h, g).unwrap().to_vec()).collect())
+            .collect(),
     }
 }
 
@@ -552,6 +565,50 @@ fn bad_inputs_return_errors_and_change_nothing() {
     assert_eq!(state(&a), s2);
     a.free(w, LEVEL_NORMAL).unwrap();
     assert_eq!(state(&a), s);
+    ok(&a);
+}
+
+/// Issue 28 item 7: a sliding-window hit one block shorter than `num_new_computed_tokens`
+/// (full + sliding window, no Mamba, no external tokens) was adopted: the fresh block after
+/// it was cached under the request's hash for a position it never wrote, to serve a wrong
+/// hit once the real block was evicted. Refused again, with nothing changed.
+#[test]
+fn allocate_slots_short_sliding_window_hit_errs_unchanged() {
+    let mut a = alloc(config(&[full(), swa(32)], 32));
+    let s1 = add(&mut a, &[1, 2, 3], 40);
+    assert_eq!(prefill(&mut a, s1, 40), Some(6));
+    assert_eq!((table(&a, s1, 0), table(&a, s1, 1)), (vec![1, 2, 3], vec![4, 5, 6]));
+    let s2 = add(&mut a, &[1, 2, 3], 40);
+    let hit = a.find_longest_cache_hit(s2, 39).unwrap();
+    assert_eq!((hit.num_tokens, hit.num_uncached_common_prefix_tokens), (32, 0));
+    assert_eq!((a.stored_hit(s2, 0).unwrap(), a.stored_hit(s2, 1).unwrap()), (&[1, 2][..], &[4, 5][..]));
+    let before = state(&a);
+    let free = a.num_free_blocks();
+    let short = vec![vec![1, 2], vec![4]];
+    let mut x = args(8, 0, 40, 40);
+    x.num_new_computed_tokens = 32;
+    let e = a.allocate_slots(s2, &x, NewComputed::Explicit(&short), None).unwrap_err();
+    assert!(matches!(e, Error::OutOfRange(_)), "{e:?}");
+    let msg = e.to_string();
+    assert!(msg.contains("group 1: a hit of 1 blocks of 16 tokens for num_new_computed_tokens=32"), "{msg}");
+    assert_eq!(state(&a), before);
+    assert_eq!(a.num_free_blocks(), free);
+    assert!(table(&a, s2, 0).is_empty() && table(&a, s2, 1).is_empty());
+    ok(&a);
+    // External tokens do not make it a connector's per-group hit: there is no Mamba group.
+    x.num_external_computed_tokens = 4;
+    x.num_new_tokens = 4;
+    assert!(matches!(a.allocate_slots(s2, &x, NewComputed::Explicit(&short), None), Err(Error::OutOfRange(_))));
+    assert_eq!(state(&a), before);
+    // One block too many is refused too; the right hit is adopted.
+    let long = vec![vec![1, 2], vec![4, 5, 6]];
+    x.num_external_computed_tokens = 0;
+    x.num_new_tokens = 8;
+    assert!(matches!(a.allocate_slots(s2, &x, NewComputed::Explicit(&long), None), Err(Error::OutOfRange(_))));
+    assert_eq!(state(&a), before);
+    assert_eq!(a.allocate_slots(s2, &x, NewComputed::Stored, None).unwrap(), Some(2));
+    assert_eq!(&table(&a, s2, 1)[..2], &[4, 5]);
+    assert_eq!((a.pool().ref_cnt(4), a.pool().ref_cnt(5)), (2, 2));
     ok(&a);
 }
 

@@ -200,6 +200,15 @@ fn connector_per_group_hit_lets_full_attention_run_deeper_and_allocate_slots_ado
     let e = a.allocate_slots(r2, &x, NewComputed::Explicit(&short), None).unwrap_err();
     assert!(matches!(e, Error::OutOfRange(_)), "{e}");
     assert_eq!(a.num_free_blocks(), free);
+    // Without external tokens nothing would write the lagging Mamba group's state at 48
+    // (vLLM's scheduler then takes the reconciled hit instead): refused, unchanged.
+    a.get_computed_blocks_for_connector(r2, None, 63).unwrap();
+    let mut no_ext = x;
+    (no_ext.num_external_computed_tokens, no_ext.num_new_tokens) = (0, 16);
+    let e = a.allocate_slots(r2, &no_ext, NewComputed::Stored, None).unwrap_err();
+    assert!(matches!(e, Error::OutOfRange(_)) && e.to_string().contains("group 1"), "{e}");
+    assert_eq!(a.num_free_blocks(), free);
+    assert!(table(&a, r2, 0).is_empty() && table(&a, r2, 1).is_empty());
     // Adopted as vLLM's manager adopts it with 15 external tokens: the lagging Mamba group's
     // (empty) hit is skipped, its table nulls up to the block the external state goes to (the
     // external tokens' blocks are the tables', not the call's new blocks).

@@ -35,6 +35,10 @@
 //! "no-op" without running the allocation, the model's prediction (made independently) must
 //! be that nothing changes. Block sizes 8, 16 and 32 are drawn per case.
 //!
+//! A second property ("hit-list shapes", at the end) covers every attention kind's hit list
+//! in `allocate_slots`: a list of the wrong length for its group is refused with the state
+//! unchanged, except a KV connector's lagging group, and the right list is adopted.
+//!
 //! `PROPTEST_CASES` overrides the number of cases of each test (default 256; 48 in debug builds).
 
 use std::collections::{HashMap, HashSet};
@@ -1451,5 +1455,287 @@ fn ops_generator_reaches_pressure_hits_and_recycling() {
         assert!(total.lazy_evictions > 0 && total.pops > 0 && total.bad > 0, "{shape:?}: {total:?}");
         assert!(total.recycled > 0 || !recycles, "{shape:?}: {total:?}");
         assert!(total.noops > 0, "{shape:?}: {total:?}");
+    }
+}
+
+// ---- hit-list shapes --------------------------------------------------------------------
+//
+// Issue 28 item 7: `allocate_slots` takes a hit list per group whose length must be
+// `num_new_computed_tokens / block_size` blocks (none for a group that takes no hits). The one
+// exception is vLLM's: a KV connector's per-group hit, where a group other than full
+// attention lags behind it, in a config with Mamba layers and full attention, adopted with
+// external tokens. Every other wrong length is refused with nothing changed.
+
+/// Tokens per block in the hit-shape cases (every group and the hash block).
+const HIT_BS: u32 = 16;
+
+/// Every kind a group with prefix caching on can have (cross attention and Mamba "none" are
+/// refused with caching on; see [`off_kind`]), each with its hit-list shape.
+const ON_KINDS: usize = 9;
+
+fn on_kind(i: usize) -> AttentionKind {
+    let mamba = |speculative_blocks, rekey_cached_tail, checkpoint_alignment| AttentionKind::Mamba {
+        speculative_blocks,
+        align: true,
+        rekey_cached_tail,
+        checkpoint_alignment,
+    };
+    match i % ON_KINDS {
+        0 => AttentionKind::Full,
+        1 => AttentionKind::Rswa { window: 32 },
+        2 => swa(32),
+        3 => AttentionKind::SlidingWindow { window: 33, extra_retained_tokens: 16 },
+        4 => AttentionKind::ChunkedLocal { chunk: 64 },
+        5 => mamba(0, true, 0),
+        6 => mamba(0, false, 1),
+        7 => mamba(1, true, 0),
+        _ => AttentionKind::CircularBuffer,
+    }
+}
+
+/// Every kind a group with prefix caching off can have.
+const OFF_KINDS: usize = 8;
+
+fn off_kind(i: usize) -> AttentionKind {
+    let none = |speculative_blocks| AttentionKind::Mamba {
+        speculative_blocks,
+        align: false,
+        rekey_cached_tail: false,
+        checkpoint_alignment: 0,
+    };
+    match i % OFF_KINDS {
+        0 => AttentionKind::Full,
+        1 => AttentionKind::Rswa { window: 32 },
+        2 => swa(32),
+        3 => AttentionKind::ChunkedLocal { chunk: 64 },
+        4 => AttentionKind::Cross,
+        5 => none(0),
+        6 => none(2),
+        _ => AttentionKind::CircularBuffer,
+    }
+}
+
+fn is_mamba(k: AttentionKind) -> bool {
+    matches!(k, AttentionKind::Mamba { .. })
+}
+
+fn hit_config(kinds: &[AttentionKind], caching: bool) -> Config {
+    let groups = kinds.iter().enumerate().map(|(i, &kind)| GroupSpec { kind, block_size: HIT_BS, spec_key: i as u32 });
+    Config { enable_caching: caching, ..common::config(256, groups.collect(), HIT_BS) }
+}
+
+/// The observable state a refused call must leave unchanged.
+#[derive(Debug, PartialEq)]
+struct HitState {
+    queue: Vec<BlockId>,
+    ref_cnt: Vec<u32>,
+    keys: Vec<Option<Key>>,
+    /// Per live request: per group its table, cached count and stored hit; its hashes.
+    tables: Vec<Vec<Vec<BlockId>>>,
+    num_cached: Vec<Vec<u32>>,
+    stored_hits: Vec<Vec<Vec<BlockId>>>,
+    hashes: Vec<Vec<BlockHash>>,
+    events: usize,
+}
+
+fn hit_state(a: &Allocator) -> HitState {
+    let p = a.pool();
+    let n = p.num_blocks();
+    let ng = a.num_groups();
+    let live: Vec<ReqHandle> = a.live_handles().collect();
+    HitState {
+        queue: p.free_queue_order(),
+        ref_cnt: (0..n).map(|b| p.ref_cnt(b)).collect(),
+        keys: (0..n).map(|b| p.block_hash(b).copied()).collect(),
+        tables: live.iter().map(|&h| (0..ng).map(|g| a.blocks(h, g).unwrap().to_vec()).collect()).collect(),
+        num_cached: live.iter().map(|&h| a.managers().iter().map(|m| m.num_cached(h as u32)).collect()).collect(),
+        stored_hits: live.iter().map(|&h| (0..ng).map(|g| a.stored_hit(h, g).unwrap().to_vec()).collect()).collect(),
+        hashes: live.iter().map(|&h| a.hashes(h).unwrap().to_vec()).collect(),
+        events: a.has_events() as usize,
+    }
+}
+
+/// How a case breaks the right hit list of one group.
+#[derive(Clone, Copy, Debug)]
+enum Wrong {
+    /// `n` blocks fewer (at least one, at most all).
+    Short(usize),
+    /// `n` more blocks (ids in range, so only the length is wrong), 1 or 2.
+    Long(usize, BlockId),
+}
+
+/// One hit-shape case with prefix caching on: `r1` computes `k` blocks of a prompt of `k + 2`
+/// blocks (one chunk, so every kind caches up to there, a Mamba group its state at the end);
+/// `r2`, the same prompt, finds the `k`-block hit in every group, and `allocate_slots` is
+/// given it with group `g`'s list made wrong, with `ext` external tokens. Refused with
+/// nothing changed, unless it is a connector's lagging group; the right list is adopted.
+/// Returns whether the wrong list was adopted (a lagging group).
+fn hit_shape_case(kinds: &[AttentionKind], k: u32, g: usize, wrong: Wrong, ext: u32) -> bool {
+    let mut a = Allocator::new(hit_config(kinds, true), Policy::Exact).expect("valid config");
+    let prompt = (k + 2) * HIT_BS;
+    let hashes: Vec<BlockHash> = (0..k + 2).map(|i| BlockHash::from_u64(mix(0x4817, i as u64))).collect();
+    let add = |a: &mut Allocator| {
+        let h = a.add_request();
+        a.set_hashes(h, &hashes).unwrap();
+        h
+    };
+    let args = |num_new_tokens, num_new_computed_tokens, ext| AllocateArgs {
+        num_new_tokens,
+        num_new_computed_tokens,
+        num_external_computed_tokens: ext,
+        num_prompt_tokens: prompt,
+        num_tokens: prompt,
+        ..Default::default()
+    };
+    let r1 = add(&mut a);
+    assert!(a.allocate_slots(r1, &args(k * HIT_BS, 0, 0), NewComputed::Empty, None).unwrap().is_some());
+    a.new_step_starts();
+    let r2 = add(&mut a);
+    // Every group hits the `k` blocks computed (chunked local attention alone may hit more:
+    // the blocks of chunks before the hit's are null, cached or not).
+    let hit = a.find_longest_cache_hit(r2, prompt - 1).unwrap().num_tokens;
+    assert!(hit == k * HIT_BS || kinds == [on_kind(4)], "{kinds:?}: a hit of {hit} tokens");
+    let right: Vec<Vec<BlockId>> = (0..kinds.len()).map(|i| a.stored_hit(r2, i).unwrap().to_vec()).collect();
+    for (i, v) in right.iter().enumerate() {
+        let want = if kinds[i].takes_hits() { hit / HIT_BS } else { 0 };
+        assert_eq!(v.len() as u32, want, "{kinds:?}: the right length of group {i}");
+    }
+    let mut bad = right.clone();
+    let lagging = match wrong {
+        Wrong::Short(n) => {
+            let len = bad[g].len();
+            bad[g].truncate(len - n.min(len));
+            bad[g].len() < len
+        }
+        Wrong::Long(n, id) => {
+            bad[g].extend(std::iter::repeat_n(id, n.clamp(1, 2)));
+            false
+        }
+    };
+    assert_ne!(bad, right, "{kinds:?} {wrong:?}: the list is wrong (a group with no hit cannot be shorter)");
+    // vLLM's exception: a connector's per-group hit (Mamba layers, full attention first,
+    // several groups), a group other than full attention shorter, external tokens loaded.
+    let per_group = kinds.len() > 1 && kinds.iter().any(|k| is_mamba(*k)) && kinds.iter().any(|k| k.is_full());
+    let may_lag = lagging && per_group && !kinds[g].is_full() && ext > 0;
+    let x = args(prompt - hit - ext, hit, ext);
+    let before = hit_state(&a);
+    let res = a.allocate_slots(r2, &x, NewComputed::Explicit(&bad), None);
+    invariants::check(&a).unwrap();
+    if may_lag {
+        assert!(matches!(res, Ok(Some(_))), "{kinds:?} {wrong:?} ext {ext}: a lagging group is adopted: {res:?}");
+        let fa = kinds.iter().position(|k| k.is_full()).unwrap();
+        assert_eq!(&a.blocks(r2, fa).unwrap()[..right[fa].len()], &right[fa][..], "{kinds:?}: full attention's hit");
+        return true;
+    }
+    match res {
+        Err(hybrid_alloc::Error::OutOfRange(m)) => {
+            assert!(m.contains(&format!("group {g}")), "{kinds:?} {wrong:?}: {m}")
+        }
+        other => panic!("{kinds:?} {wrong:?} ext {ext}: a wrong hit list must be refused, got {other:?}"),
+    }
+    assert_eq!(hit_state(&a), before, "{kinds:?} {wrong:?} ext {ext}: a refused call changes nothing");
+    let res = a.allocate_slots(r2, &x, NewComputed::Explicit(&right), None);
+    assert!(matches!(res, Ok(Some(_))), "{kinds:?} ext {ext}: the right hit is adopted: {res:?}");
+    for (i, v) in right.iter().enumerate() {
+        let t = a.blocks(r2, i).unwrap();
+        assert!(v.iter().zip(t).all(|(&h, &b)| h == b || h == NULL_BLOCK || b == NULL_BLOCK), "{kinds:?} group {i}");
+    }
+    invariants::check(&a).unwrap();
+    false
+}
+
+/// With prefix caching off no group takes hit blocks: an empty list in every group is
+/// adopted, a block in any group refused with nothing changed.
+fn hit_shape_case_caching_off(kinds: &[AttentionKind], g: usize, n: usize, id: BlockId) {
+    let mut a = Allocator::new(hit_config(kinds, false), Policy::Exact).expect("valid config");
+    let h = a.add_request();
+    let x = AllocateArgs {
+        num_new_tokens: 40,
+        num_prompt_tokens: 40,
+        num_tokens: 40,
+        num_encoder_tokens: 32,
+        ..Default::default()
+    };
+    let right = vec![Vec::new(); kinds.len()];
+    let mut bad = right.clone();
+    bad[g].extend(std::iter::repeat_n(id, n.clamp(1, 2)));
+    let before = hit_state(&a);
+    let res = a.allocate_slots(h, &x, NewComputed::Explicit(&bad), None);
+    assert!(matches!(res, Err(hybrid_alloc::Error::OutOfRange(_))), "{kinds:?} group {g}: {res:?}");
+    assert_eq!(hit_state(&a), before, "{kinds:?}: a refused call changes nothing");
+    invariants::check(&a).unwrap();
+    assert!(matches!(a.allocate_slots(h, &x, NewComputed::Explicit(&right), None), Ok(Some(_))), "{kinds:?}");
+    invariants::check(&a).unwrap();
+}
+
+/// The groups of a hit-shape case: full attention first or not, kinds drawn by index, a Mamba
+/// "align" group appended or not (so a connector's per-group hit is served or not).
+fn hit_kinds(lead_full: bool, picks: &[usize], with_mamba: bool) -> Vec<AttentionKind> {
+    let mut kinds: Vec<AttentionKind> = lead_full.then_some(AttentionKind::Full).into_iter().collect();
+    kinds.extend(picks.iter().map(|&i| on_kind(i)));
+    if with_mamba && !kinds.iter().any(|k| is_mamba(*k)) {
+        kinds.push(on_kind(5));
+    }
+    if !kinds.iter().any(|k| k.takes_hits()) {
+        kinds.insert(0, AttentionKind::Full);
+    }
+    kinds
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    #[test]
+    fn allocate_slots_wrong_hit_length_refused_unchanged_every_kind(
+        lead_full: bool, picks in prop::collection::vec(0..ON_KINDS, 1..4), with_mamba: bool,
+        k in 1u32..6, g: prop::sample::Index, short: bool, n in 1usize..6, id in 1u32..256, ext in 0u32..17,
+    ) {
+        let kinds = hit_kinds(lead_full, &picks, with_mamba);
+        let g = g.index(kinds.len());
+        let takes = kinds[g].takes_hits();
+        // A group with no hit cannot be shorter: it gets a block instead.
+        let wrong = if short && takes { Wrong::Short(n) } else { Wrong::Long(n, id) };
+        hit_shape_case(&kinds, k, g, wrong, ext);
+    }
+
+    #[test]
+    fn allocate_slots_hit_blocks_caching_off_refused_unchanged_every_kind(
+        picks in prop::collection::vec(0..OFF_KINDS, 1..4), g: prop::sample::Index, n in 1usize..3, id in 1u32..256,
+    ) {
+        let kinds: Vec<AttentionKind> = picks.iter().map(|&i| off_kind(i)).collect();
+        hit_shape_case_caching_off(&kinds, g.index(kinds.len()), n, id);
+    }
+}
+
+/// Every kind once per layout, short and long, with and without external tokens (runs even
+/// with `PROPTEST_CASES=0`): the lagging lists adopted are exactly vLLM's exception.
+#[test]
+fn allocate_slots_wrong_hit_length_every_kind_fixed() {
+    let mut lagged = Vec::new();
+    for i in 0..ON_KINDS {
+        for (lead_full, with_mamba) in [(true, true), (true, false), (false, true), (false, false)] {
+            let kinds = hit_kinds(lead_full, &[i], with_mamba);
+            for g in 0..kinds.len() {
+                for ext in [0, 5] {
+                    let wrong = [Wrong::Short(1), Wrong::Long(1, 1)];
+                    for w in wrong.into_iter().filter(|w| kinds[g].takes_hits() || matches!(w, Wrong::Long(..))) {
+                        if hit_shape_case(&kinds, 3, g, w, ext) {
+                            lagged.push((kinds[g], kinds.len(), ext));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Some lagging groups were adopted (a Mamba group, a sliding window beside Mamba), and
+    // each with external tokens, beside full attention and Mamba, in a group not full.
+    assert!(lagged.iter().any(|(k, ..)| is_mamba(*k)), "{lagged:?}");
+    assert!(lagged.iter().any(|(k, ..)| matches!(k, AttentionKind::SlidingWindow { .. })), "{lagged:?}");
+    assert!(lagged.iter().all(|&(k, n, ext)| !k.is_full() && n > 1 && ext > 0), "{lagged:?}");
+    for i in 0..OFF_KINDS {
+        let kinds = [AttentionKind::Full, off_kind(i)];
+        for g in 0..2 {
+            hit_shape_case_caching_off(&kinds, g, 1, 3);
+        }
     }
 }

@@ -181,9 +181,9 @@ impl Allocator {
     /// - token counts whose sum leaves `u32`, or external tokens reaching past
     ///   `max_model_len` (their blocks would not be counted by the capacity check);
     /// - a cache hit that is not one: see [`NewComputed`] (wrong number of groups, a length
-    ///   other than `num_new_computed_tokens / block_size` (shorter is a group lagging
-    ///   behind full attention, taken as vLLM's manager takes it, except in a full-attention
-    ///   group), a block out of range, null
+    ///   other than `num_new_computed_tokens / block_size` (shorter only in a group lagging
+    ///   behind full attention in a KV connector's per-group hit, adopted with external
+    ///   tokens, as vLLM's scheduler adopts it), a block out of range, null
     ///   where the group's layout has no null, used twice, or not cached with the hash this
     ///   request has at that position; a stored hit whose blocks were reused since the
     ///   search is refused the same way);
@@ -284,7 +284,7 @@ impl Allocator {
                 )));
             }
         } else {
-            self.validate_hit(s, hit_blocks, a.num_new_computed_tokens, explicit)?;
+            self.validate_hit(s, hit_blocks, a.num_new_computed_tokens, a.num_external_computed_tokens, explicit)?;
         }
         let num_local = a.num_computed_tokens as u64 + a.num_new_computed_tokens as u64;
         for (m, v) in self.managers.iter().zip(hit_blocks) {

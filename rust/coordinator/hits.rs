@@ -98,9 +98,7 @@ impl Allocator {
         max_cache_hit_length: u32,
     ) -> Result<ConnectorHit> {
         let s = self.synced_slot(h, hashes)?;
-        let mamba = self.managers.iter().any(|m| matches!(m.spec.kind, crate::config::AttentionKind::Mamba { .. }));
-        let full = self.spec_groups.first().filter(|sg| sg.kind.is_full()).map(|sg| sg.group_ids[0] as usize);
-        if let (true, CoordinatorKind::Hybrid, Some(fa)) = (mamba, self.kind, full) {
+        if let Some(fa) = self.per_group_hit_group() {
             let lens = self.per_group_hit(s, max_cache_hit_length);
             let num_tokens = lens[fa];
             if lens.iter().all(|&n| n <= num_tokens) {
@@ -109,6 +107,16 @@ impl Allocator {
             }
         }
         Ok(ConnectorHit { hit: self.find_hit(s, max_cache_hit_length), per_group: None })
+    }
+
+    /// The full-attention group whose hit a KV connector's per-group hit reports, when the
+    /// config is one vLLM's `get_computed_blocks_for_connector` takes the per-group hit for:
+    /// Mamba layers, several groups (the hybrid coordinator) and a full-attention group.
+    /// `None` for every other config, where no hit's groups can lag. O(groups).
+    fn per_group_hit_group(&self) -> Option<usize> {
+        let mamba = self.managers.iter().any(|m| matches!(m.spec.kind, crate::config::AttentionKind::Mamba { .. }));
+        let full = self.spec_groups.first().filter(|sg| sg.kind.is_full()).map(|sg| sg.group_ids[0] as usize);
+        full.filter(|_| mamba && self.kind == CoordinatorKind::Hybrid)
     }
 
     /// The slot of `h` with its hashes brought up to `hashes` (if given).
@@ -449,14 +457,28 @@ impl Allocator {
     }
 
     /// Checks a hit before it is adopted (see [`Self::allocate_slots`]).
+    ///
+    /// Every group that takes hits holds exactly `num_new_computed_tokens / block_size`
+    /// blocks, with one exception, vLLM's: a KV connector's per-group hit
+    /// ([`Self::get_computed_blocks_for_connector`]) reports full attention's tokens with each
+    /// group's own blocks, and vLLM's scheduler adopts one where a group lags behind full
+    /// attention (`hit_diverged`) only when the connector loads the rest
+    /// (`num_external_computed_tokens > 0`; else it takes `get_computed_blocks`' reconciled
+    /// hit). So a group holds fewer blocks only when the config takes per-group hits (see
+    /// [`Self::per_group_hit_group`]), the group is not full attention and external tokens
+    /// come with the hit: their blocks, allocated after the hit's, cover the lagging group's
+    /// gap and the connector writes them. Anywhere else the fresh blocks past a short hit
+    /// would never be written, yet be cached under the request's hashes for those positions.
     pub(super) fn validate_hit(
         &self,
         s: Slot,
         hit_blocks: &[Vec<BlockId>],
         num_new_computed_tokens: u32,
+        num_external_computed_tokens: u32,
         explicit: bool,
     ) -> Result<()> {
         let ng = self.managers.len();
+        let may_lag = num_external_computed_tokens > 0 && self.per_group_hit_group().is_some();
         if hit_blocks.len() != ng {
             return Err(Error::OutOfRange(format!("{} hit groups given, the config has {ng}", hit_blocks.len())));
         }
@@ -476,13 +498,14 @@ impl Allocator {
                 continue;
             }
             let bs = m.block_size();
-            // A group other than full attention may lag behind it: a connector's per-group
-            // hit (`get_computed_blocks_for_connector`) holds each group's own blocks.
+            // A group lagging behind full attention: see the doc comment.
             let len = v.len() as u64 * bs as u64;
-            if len != num_new_computed_tokens as u64 && (m.spec.kind.is_full() || len > num_new_computed_tokens as u64)
-            {
+            let lags = len < num_new_computed_tokens as u64 && may_lag && !m.spec.kind.is_full();
+            if len != num_new_computed_tokens as u64 && !lags {
                 return Err(Error::OutOfRange(format!(
-                    "group {g}: a hit of {} blocks of {bs} tokens for num_new_computed_tokens={num_new_computed_tokens}",
+                    "group {g}: a hit of {} blocks of {bs} tokens for num_new_computed_tokens={num_new_computed_tokens} \
+                     (only a group other than full attention of a KV connector's per-group hit, with Mamba \
+                     layers and full attention, adopted with external tokens, may hold fewer)",
                     v.len()
                 )));
             }

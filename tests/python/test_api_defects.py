@@ -8,7 +8,15 @@ request with the same prompt got a hit on them. The direct API now refuses it wi
 would not (their hashes are not known yet), it allocates as vLLM's does, and no later call
 ever caches the request's blocks from the first never-written token on. The vLLM adapter stays exact to vLLM's manager,
 which takes a ``Request``'s count as it comes: an allocator a ``FastAllocate`` serves
-trusts the count."""
+trusts the count.
+
+Issue 28 item 7 (a regression of 816af77): ``allocate_slots`` accepted a hit list shorter
+than ``num_new_computed_tokens`` in a sliding-window group (full attention + a sliding window,
+no Mamba, no external tokens), and cached the fresh block after it under the request's hash
+for a position it never wrote, so a later request would hit it once the real block was
+evicted. Refused again with ``OutOfRangeError``, nothing changed; a shorter group is only a
+KV connector's per-group hit (Mamba layers and full attention), adopted with external
+tokens."""
 
 from __future__ import annotations
 
@@ -109,4 +117,35 @@ def test_allocator_served_by_fast_allocate_stays_exact_to_vllm() -> None:
     second = a.add_request()
     hit_tokens, _, _ = a.get_computed_blocks(second, PROMPT - 1, block_hashes=hashes(PROMPT // 16))
     assert hit_tokens == 96
+    a.check_invariants()
+
+
+def test_hit_list_short_in_a_sliding_window_group_is_refused_and_changes_nothing() -> None:
+    a = Allocator(
+        32, [("full", 16, 0, 0, 0), ("sliding_window", 16, 1, 32, 0)], 16, 16, 4096, 4096, True, True, 0, None
+    )
+    s1 = a.add_request()
+    assert a.allocate_slots(s1, 40, block_hashes=hashes(2), num_tokens=40) == ([1, 2, 3], [4, 5, 6])
+    s2 = a.add_request()
+    hit_tokens, uncached, hit = a.get_computed_blocks(s2, 39, block_hashes=hashes(2))
+    assert (hit_tokens, uncached, hit) == (32, 0, ([1, 2], [4, 5]))
+    a.take_events()
+    before = [snapshot(a, h) for h in (s1, s2)]
+    with pytest.raises(ha.OutOfRangeError, match="group 1: a hit of 1 blocks of 16 tokens"):
+        a.allocate_slots(s2, 8, hit=[[1, 2], [4]], num_new_computed_tokens=32)
+    # A block too many, and the short list with external tokens (no Mamba group: no
+    # connector's per-group hit), are refused the same way.
+    with pytest.raises(ha.OutOfRangeError, match="group 1: a hit of 3 blocks"):
+        a.allocate_slots(s2, 8, hit=[[1, 2], [4, 5, 6]], num_new_computed_tokens=32)
+    with pytest.raises(ha.OutOfRangeError, match="group 1: a hit of 1 blocks"):
+        a.allocate_slots(s2, 4, hit=[[1, 2], [4]], num_new_computed_tokens=32, num_external_computed_tokens=4)
+    assert [snapshot(a, h) for h in (s1, s2)] == before
+    assert a.block_ids(s2) == ([], [])
+    assert not a.has_events
+    a.check_invariants()
+    # The stored hit is still there, and adopted: no block of the sliding window is cached
+    # under a hash its request did not write.
+    assert a.allocate_slots(s2, 8, hit=ha.Hit.STORED, num_new_computed_tokens=32, num_tokens=40) == ([7], [8])
+    assert a.block_ids(s2) == ([1, 2, 7], [4, 5, 8])
+    assert a.block_hash(8) is None
     a.check_invariants()

@@ -5,6 +5,7 @@ ours alike, with the timer's own cost calibrated; and its wrappers come off agai
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 
@@ -49,9 +50,12 @@ def test_decode_counts_allocate_and_get_block_ids_per_running_request(manager: s
     assert bd["blocks.get_block_ids"]["calls_per_step"] == N
     assert bd["new_step_starts"]["calls_per_step"] == 1
     assert len(r.kv_ns) == 16 and len(r.step_ns) == 16  # timed and bare steps alternate
-    assert all(ns > 0 for ns in r.kv_ns)
-    assert 0 < r.extra["timer_overhead_ns_per_call"] < 5000
-    assert 0 < r.extra["timer_overhead_ns_per_method_call"] < 5000
+    # The calibration ran (a finite cost per timed call in both wrapper forms), so every timed
+    # step has a figure. Their values are the clock's: test_clock_subtracts_its_calibrated_cost
+    # checks the arithmetic with a fake clock (a bound on a real one fails on a busy machine).
+    assert math.isfinite(r.extra["timer_overhead_ns_per_call"])
+    assert math.isfinite(r.extra["timer_overhead_ns_per_method_call"])
+    assert all(math.isfinite(ns) for ns in r.kv_ns)
 
 
 def test_wrappers_come_off() -> None:

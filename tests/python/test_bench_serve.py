@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+from typing import Any
 
 import pytest
 
@@ -89,7 +91,8 @@ def test_memory_counts_vllms_block_objects_and_none_of_ours() -> None:
     assert ours["native"] and not ref["native"]
     assert ours["num_blocks"] == ref["num_blocks"] == 8192
     assert ref["python_objects_per_block"] >= 1.0 and ours["python_objects_per_block"] < 0.01
-    assert ours["construction_s"] > 0 and ref["construction_s"] > 0
+    # Construction time is reported (a figure, not checked against the clock).
+    assert all(isinstance(r["construction_s"], float) and math.isfinite(r["construction_s"]) for r in (ours, ref))
     assert ours["malloc_bytes_per_block"] > 0
 
 
@@ -129,14 +132,51 @@ def test_decode_floor_answers_only_the_decode_call() -> None:
     ]
 
 
-def test_serve_floor_probe_answers_decode_calls_with_the_constant() -> None:
+def _is_decode_call(a: tuple[Any, ...], k: dict[str, Any]) -> bool:
+    """The scheduler's decode call, ``(request, 1, num_lookahead_tokens=n)``."""
+    return len(a) == 2 and a[1] == 1 and set(k) <= {"num_lookahead_tokens"}
+
+
+def test_serve_floor_probe_answers_decode_calls_with_the_constant(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ``floor`` probe in the closed loop: the same admissions as ours (the waiting
     queue and the hits do not depend on decode blocks), every decode call a no-op (none
-    crosses), and those calls cheaper than ours by its median."""
+    crosses), each answered by the probe's constant (the shared empty result) without
+    reaching our ``allocate_slots``, which gets the admissions and prefill chunks only. What
+    the probe saves is shown by which path answered, counted, not by a clock (a timed
+    comparison fails on a busy machine)."""
+    seen: dict[str, Any] = {"answered": 0, "not_empty": 0, "forwarded": []}
+    install_floor = bench_serve.install_floor
+
+    def counting_install(mgr: Any) -> None:
+        ours = mgr.allocate_slots
+
+        def forwarded(*a: Any, **k: Any) -> Any:
+            seen["forwarded"].append((a, k))
+            return ours(*a, **k)
+
+        mgr.allocate_slots = forwarded
+        install_floor(mgr)
+        floor = mgr.allocate_slots
+        assert type(floor).__name__ == "DecodeFloor"
+
+        def counted(*a: Any, **k: Any) -> Any:
+            n = len(seen["forwarded"])
+            r = floor(*a, **k)
+            if len(seen["forwarded"]) == n:
+                seen["answered"] += 1
+                seen["not_empty"] += r is not mgr.empty_kv_cache_blocks
+            return r
+
+        mgr.allocate_slots = counted
+
+    monkeypatch.setattr(bench_serve, "install_floor", counting_install)
     runs = {m: bench_serve.run_serve(SHAPES["gpt-oss-120b"], m, ARGS) for m in ("hybrid_alloc", "floor")}
     ours, floor = runs["hybrid_alloc"].extra["per_call"], runs["floor"].extra["per_call"]
     assert runs["floor"].extra["native"] and runs["floor"].hit_rate == runs["hybrid_alloc"].hit_rate
     assert "allocate_slots/crossing" not in floor and floor["allocate_slots/admission"]["calls_per_step"] > 0
     decode = ours["allocate_slots/no-op"]["calls_per_step"] + ours["allocate_slots/crossing"]["calls_per_step"]
     assert floor["allocate_slots/no-op"]["calls_per_step"] == pytest.approx(decode)
-    assert floor["allocate_slots/no-op"]["median_us"] < ours["allocate_slots/no-op"]["median_us"]
+    # Which path answered: the constant, every decode call; ours, every other call and no
+    # decode call.
+    assert seen["answered"] > 0 and seen["not_empty"] == 0
+    assert seen["forwarded"] and not any(_is_decode_call(a, k) for a, k in seen["forwarded"])
