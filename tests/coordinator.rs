@@ -926,3 +926,64 @@ fn allocate_slots_computed_ahead_trusted_is_vllm_exact() {
     assert_eq!(a.find_longest_cache_hit(second, 99).unwrap().num_tokens, 96);
     ok(&a);
 }
+
+/// vLLM 0.34's `get_num_cached_tokens`: the lookup's hit tokens, for a hybrid and a unitary
+/// coordinator, with no request and nothing changed (state, requests, events); 0 with
+/// prefix caching off.
+#[test]
+fn num_cached_tokens_is_the_lookups_hit_and_changes_nothing() {
+    for kinds in [&[full(), swa(32)][..], &[full()][..], &[full(), chunked(32)][..]] {
+        let mut cfg = config(kinds, 32);
+        cfg.enable_events = true;
+        let mut a = alloc(cfg);
+        let s1 = add(&mut a, &[1, 2, 3], 40);
+        prefill(&mut a, s1, 40);
+        a.take_events();
+        let probe = chain(&[1, 2, 3, 4], 64);
+        let before = state(&a);
+        let reqs = a.num_requests();
+        let n = a.num_cached_tokens(&probe, 63).unwrap();
+        assert_eq!(state(&a), before, "{kinds:?}");
+        assert_eq!(a.num_requests(), reqs);
+        assert!(!a.has_events());
+        let s2 = add(&mut a, &[1, 2, 3, 4], 64);
+        assert_eq!(n, a.find_longest_cache_hit(s2, 63).unwrap().num_tokens, "{kinds:?}");
+        assert!(n > 0, "{kinds:?}");
+        // A bound below the hit caps it, as the lookup's does.
+        assert_eq!(a.num_cached_tokens(&probe, 16).unwrap(), a.find_longest_cache_hit(s2, 16).unwrap().num_tokens);
+        assert_eq!(a.num_cached_tokens(&probe, 0).unwrap(), 0);
+        ok(&a);
+    }
+    let mut off = config(&[full(), swa(32)], 32);
+    off.enable_caching = false;
+    let mut a = alloc(off);
+    let s1 = add(&mut a, &[1, 2, 3], 40);
+    prefill(&mut a, s1, 40);
+    assert_eq!(a.num_cached_tokens(&chain(&[1, 2, 3], 40), 39).unwrap(), 0);
+}
+
+/// vLLM 0.34's `free_blocks(..., evict_first=True)`: the blocks freed go to the front of the
+/// free queue in the order given (`prepend_n`), cached ones too, and stay cached.
+#[test]
+fn free_block_ids_evict_first_queues_freed_blocks_at_the_front_in_order() {
+    let mut a = alloc(config(&[full()], 32));
+    let r = add(&mut a, &[1, 2, 3], 40);
+    prefill(&mut a, r, 40);
+    let mut out = Vec::new();
+    a.pop_blocks_for_free(r, &mut out).unwrap();
+    assert!(a.pool().block_hash(out[0]).is_some(), "the first block is cached");
+    a.free_block_ids_ordered(&out, true).unwrap();
+    assert_eq!(&a.pool().free_queue_order()[..out.len()], &out[..]);
+    assert!(a.pool().block_hash(out[0]).is_some(), "still cached");
+    ok(&a);
+    // Without evict_first the cached blocks go to the back (vLLM's LRU order).
+    let r = add(&mut a, &[1, 2, 3], 40);
+    prefill(&mut a, r, 40);
+    out.clear();
+    a.pop_blocks_for_free(r, &mut out).unwrap();
+    a.free_block_ids_ordered(&out, false).unwrap();
+    let q = a.pool().free_queue_order();
+    assert_ne!(&q[..out.len()], &out[..]);
+    assert_eq!(q.last(), Some(&out[1]), "the last cached block freed is last");
+    ok(&a);
+}
