@@ -32,6 +32,18 @@ metric), prefill tokens computed (every scheduled token that is not a decode tok
 recomputation after preemption counts), scheduler steps, and the ideal hit rate and prefill
 (every block-aligned prefix some earlier request computed, capped at ``num_tokens - 1`` as
 vLLM's lookup is). ``--size small`` is the CI size; ``--size full`` the issue's.
+
+Cache-aware admission (vLLM 0.34's ``--cache-aware-admission-window`` /
+``--cache-aware-admission-threshold``): ``--admission-window N`` (repeatable; 0 is off, the
+default) runs every cell once per window, each policy with the scheduler reordering the first
+N waiting requests by their cached prefix (``get_num_cached_tokens``) once usage reaches
+``--admission-threshold`` (vLLM's default 0.5 when not given). On a release without the
+option, asking for a window is an error. The table then gains a ``window`` column, and
+``extra["admission_probes"]`` counts the scheduler's probes. The window reorders only
+requests that wait: with the default ``max_num_seqs`` (each workload's in-flight count) a
+request waits only in the step it arrives; ``--max-num-seqs N`` (below the in-flight count)
+makes the rest of the in-flight requests queue for a batch slot, as clients beyond the batch
+size do in a server.
 """
 
 from __future__ import annotations
@@ -278,9 +290,26 @@ class Result:
     finished: bool
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The scheduler's cache-aware admission window (0: off) and threshold (None: vLLM's).
+    admission_window: int = 0
+    admission_threshold: float | None = None
 
 
-def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: int = 400000) -> Result:
+def run(
+    shape: Any,
+    wl: Workload,
+    policy: str,
+    num_blocks: int,
+    *,
+    max_steps: int = 400000,
+    admission_window: int = 0,
+    admission_threshold: float | None = None,
+    max_num_seqs: int | None = None,
+) -> Result:
+    """One cell: ``wl`` on ``shape`` under ``policy`` with a pool of ``num_blocks``;
+    ``admission_window`` / ``admission_threshold``: the scheduler's cache-aware admission
+    (vLLM 0.34; ``ValueError`` on a release without it); ``max_num_seqs``: the scheduler's
+    running batch (default and at most: the workload's in-flight count)."""
     from hybrid_alloc.vllm.offline import SchedulerSetup, fabricate_output, make_request
 
     class Setup(SchedulerSetup):
@@ -314,8 +343,10 @@ def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: in
             shape,
             manager=manager,  # type: ignore[arg-type]
             num_blocks=num_blocks,
-            max_num_seqs=max(wl.in_flight, 1),
+            max_num_seqs=max(min(wl.in_flight, max_num_seqs or wl.in_flight), 1),
             max_num_batched_tokens=8192,
+            admission_window=admission_window,
+            admission_threshold=admission_threshold,
         )
         sched = setup.build()
     finally:
@@ -331,6 +362,15 @@ def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: in
         if getattr(mgr, "_alloc", None) is None or mgr._alloc.policy != "hit-aware":
             raise RuntimeError("hit-aware is not active: the plugin fell back to vLLM's manager (see its log line)")
     bs = mgr.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    probes = [0]  # get_num_cached_tokens calls (cache-aware admission's probe)
+    if admission_window:
+        probe = mgr.get_num_cached_tokens
+
+        def get_num_cached_tokens(request: Any) -> int:
+            probes[0] += 1
+            return int(probe(request))
+
+        mgr.get_num_cached_tokens = get_num_cached_tokens
     hits = queries = 0
     known: set[int] = set()  # chained block-prefix keys some request computed
 
@@ -423,7 +463,15 @@ def run(shape: Any, wl: Workload, policy: str, num_blocks: int, *, max_steps: in
         preemptions=sum(getattr(r, "num_preemptions", 0) for r in reqs.values()),
         finished=not running and nxt == len(wl.jobs),
         seconds=time.perf_counter() - t0,
-        extra={"hits": job_hits, "block_size": bs, "peak_held_blocks": peak_held},
+        extra={
+            "hits": job_hits,
+            "block_size": bs,
+            "peak_held_blocks": peak_held,
+            "admission_probes": probes[0],
+            "max_num_seqs": sched.max_num_running_reqs,
+        },
+        admission_window=admission_window,
+        admission_threshold=admission_threshold,
     )
 
 
@@ -444,6 +492,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="repeatable; default exact, dense, hit-aware (and pinned on sightings)",
     )
     p.add_argument("--pressure", type=float, default=3.0, help="pressure pool = this times the live working set")
+    p.add_argument(
+        "--admission-window",
+        action="append",
+        type=int,
+        metavar="N",
+        help="repeatable: run each cell with vLLM's cache-aware admission window N (0: off; vLLM 0.34+); default 0",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        metavar="N",
+        help="the scheduler's running batch, below each workload's in-flight count so the rest queue "
+        "(default: the in-flight count)",
+    )
+    p.add_argument(
+        "--admission-threshold",
+        type=float,
+        metavar="T",
+        help="the usage from which the admission window applies (vLLM's cache_aware_admission_threshold; default 0.5)",
+    )
     p.add_argument("--out-dir", default=os.environ.get("HYBRID_ALLOC_BENCH_OUT", "bench-out"))
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
@@ -454,6 +522,22 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid_alloc.bench import vllm_ready
 
     if not vllm_ready():
+        return 2
+    windows = args.admission_window or [0]
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        print("hybrid-alloc hits: --max-num-seqs takes 1 or more", file=sys.stderr)
+        return 2
+    if any(w < 0 for w in windows):
+        print("hybrid-alloc hits: --admission-window takes a window of 0 or more requests", file=sys.stderr)
+        return 2
+    from hybrid_alloc.vllm.offline import CACHE_AWARE_ADMISSION
+
+    if (any(windows) or args.admission_threshold is not None) and not CACHE_AWARE_ADMISSION:
+        print(
+            "hybrid-alloc hits: this vLLM has no cache-aware admission "
+            "(SchedulerConfig.cache_aware_admission_window, vLLM 0.34); drop --admission-window/--admission-threshold",
+            file=sys.stderr,
+        )
         return 2
     all_shapes = shapes()
     wls = {w.name: w for w in workloads(args.size)}
@@ -468,15 +552,26 @@ def main(argv: list[str] | None = None) -> int:
                 for pol in args.policy or default:
                     if pol == "pinned" and not wls[wn].pins:
                         continue
-                    r = run(all_shapes[sn], wls[wn], pol, nb)
-                    r.budget = b
-                    results.append(r)
-                    print(
-                        f"{sn:7} {wn:7} {b:8} {pol:9} blocks={nb:6} hit={r.hit_rate:.3f} ideal={r.ideal_hit_rate:.3f} "
-                        f"prefill={r.prefill_tokens} steps={r.steps} preempt={r.preemptions} "
-                        f"peak_held={r.extra['peak_held_blocks']} ({r.seconds:.1f}s)",
-                        file=sys.stderr,
-                    )
+                    for w in windows:
+                        threshold = args.admission_threshold if w else None
+                        r = run(
+                            all_shapes[sn],
+                            wls[wn],
+                            pol,
+                            nb,
+                            admission_window=w,
+                            admission_threshold=threshold,
+                            max_num_seqs=args.max_num_seqs,
+                        )
+                        r.budget = b
+                        results.append(r)
+                        print(
+                            f"{sn:7} {wn:7} {b:8} {pol:9} {window_label(vars(r)):10} blocks={nb:6} "
+                            f"hit={r.hit_rate:.3f} ideal={r.ideal_hit_rate:.3f} prefill={r.prefill_tokens} "
+                            f"steps={r.steps} preempt={r.preemptions} peak_held={r.extra['peak_held_blocks']} "
+                            f"probes={r.extra['admission_probes']} ({r.seconds:.1f}s)",
+                            file=sys.stderr,
+                        )
     report(results, args)
     return 0
 
@@ -485,21 +580,36 @@ def rows_of(results: list[Result]) -> list[dict[str, Any]]:
     rows = [dict(vars(r)) for r in results]
     for r in rows:
         extra = r.pop("extra", None) or {}
-        if "block_size" in extra:  # every run's result has it (a row built by hand may not)
-            r["block_size"] = extra["block_size"]
+        for key in ("block_size", "admission_probes", "max_num_seqs"):
+            if key in extra:  # every run's result has them (a row built by hand may not)
+                r[key] = extra[key]
         if r["workload"] == "sightings":
             r["sighting_hits"] = extra.get("hits", [])
     return rows
 
 
+def window_label(row: dict[str, Any]) -> str:
+    """A row's cache-aware admission: "off", or "N" / "N@T" (window N from usage T)."""
+    w = row.get("admission_window") or 0
+    if not w:
+        return "off"
+    t = row.get("admission_threshold")
+    return str(w) if t is None else f"{w}@{t:g}"
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = "| shape | workload | budget | blocks | policy | hit rate | ideal | prefill tokens | vs ideal | steps |"
+    """The markdown table; a ``window`` column after ``policy`` when some row ran with a
+    cache-aware admission window."""
+    windows = any(r.get("admission_window") for r in rows)
+    head = "| shape | workload | budget | blocks | policy |" + (" window |" if windows else "")
+    head += " hit rate | ideal | prefill tokens | vs ideal | steps |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:
         ratio = r["prefill_tokens"] / r["ideal_prefill_tokens"] if r["ideal_prefill_tokens"] else float("nan")
+        window = f" {window_label(r)} |" if windows else ""
         print(
-            f"| {r['shape']} | {r['workload']} | {r['budget']} | {r['num_blocks']} | {r['policy']} | "
+            f"| {r['shape']} | {r['workload']} | {r['budget']} | {r['num_blocks']} | {r['policy']} |{window} "
             f"{100 * r['hit_rate']:.1f}% | {100 * r['ideal_hit_rate']:.1f}% | {r['prefill_tokens']} | {ratio:.2f}x | "
             f"{r['steps']} |"
         )
@@ -516,7 +626,10 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, "hits.json")
     with open(path, "w") as f:
-        json.dump({"size": args.size, "pressure": args.pressure, "results": rows}, f, indent=1)
+        head = {"size": args.size, "pressure": args.pressure}
+        if getattr(args, "max_num_seqs", None) is not None:
+            head["max_num_seqs"] = args.max_num_seqs
+        json.dump({**head, "results": rows}, f, indent=1)
     print_table(rows)
     print(f"\nJSON: {path}")
     if not args.no_plot:
@@ -534,13 +647,19 @@ def plot(rows: list[dict[str, Any]], path: str) -> bool:
     if plt is None:
         return False
     keys = sorted({(r["shape"], r["workload"], r["budget"]) for r in rows})
-    pols = [p for p in ALL_POLICIES if any(r["policy"] == p for r in rows)]
+    windows = any(r.get("admission_window") for r in rows)
+
+    def series(r: dict[str, Any]) -> str:
+        return f"{r['policy']} window {window_label(r)}" if windows else str(r["policy"])
+
+    order = {p: i for i, p in enumerate(ALL_POLICIES)}
+    pols = sorted({series(r) for r in rows}, key=lambda s: (order.get(s.split()[0], len(order)), s))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(keys)), 4))
     width = 0.8 / max(len(pols), 1)
     for k, pol in enumerate(pols):
         ys = []
         for key in keys:
-            r = next((r for r in rows if (r["shape"], r["workload"], r["budget"]) == key and r["policy"] == pol), None)
+            r = next((r for r in rows if (r["shape"], r["workload"], r["budget"]) == key and series(r) == pol), None)
             ys.append(100 * r["hit_rate"] if r else 0)
         ax.bar([i + k * width for i in range(len(keys))], ys, width, label=pol)
     ideal = []

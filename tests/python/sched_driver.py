@@ -1,4 +1,4 @@
-"""Drives the installed vLLM's (0.32.0 or 0.33.0) real Scheduler (sync or async) through a
+"""Drives the installed vLLM's (0.32.0, 0.33.0 or 0.34.0) real Scheduler (sync or async) through a
 seeded synthetic workload and records, per step, a digest of the SchedulerOutput and the KV
 cache events, so two runs (vLLM's manager and ours) can be compared step by step."""
 
@@ -296,3 +296,120 @@ def capture_events(mgr: Any) -> list[Any]:
 
     mgr.take_events = take_events
     return events
+
+
+def run_serving_workload(
+    setup: SchedulerSetup,
+    seed: int,
+    num_requests: int,
+    concurrency: int,
+    max_steps: int = 5000,
+    after_step: Any = None,
+) -> dict[str, Any]:
+    """A serving-shaped run: ``concurrency`` requests are in the system (waiting or running)
+    from the start, and each one that finishes or is aborted is replaced by the next arrival,
+    until ``num_requests`` have arrived. Most prompts start with one of a few shared prefixes
+    (so some waiting requests have a cached prefix and others do not), the rest are unique.
+    With more requests in the system than ``max_num_seqs`` (or than the pool holds), the
+    waiting queue stays deep, which is what cache-aware admission (vLLM 0.34) reorders.
+
+    Records per step, beside :func:`run_workload`'s digest: the waiting queue's order after
+    the step was scheduled, every ``get_num_cached_tokens`` answer the scheduler asked for
+    (request, tokens), the free block count, and whether the admission pass reordered the
+    queue. ``after_step(sched)`` runs after each step's output was processed."""
+    rng = random.Random(seed)
+    sched = setup.build()
+    mgr = sched.kv_cache_manager
+    events = capture_events(mgr)
+    lookups = {"hits": 0, "queries": 0}
+    orig_record = mgr.record_prefix_cache_stats
+
+    def record_prefix_cache_stats(request: Any, num_hits: int) -> None:
+        lookups["hits"] += num_hits
+        lookups["queries"] += request.num_tokens
+        orig_record(request, num_hits)
+
+    mgr.record_prefix_cache_stats = record_prefix_cache_stats  # type: ignore[method-assign]
+    probes: list[tuple[str, int]] = []
+    probe = getattr(mgr, "get_num_cached_tokens", None)
+    if probe is not None:
+
+        def get_num_cached_tokens(request: Any) -> int:
+            n = probe(request)
+            probes.append((request.request_id, n))
+            return int(n)
+
+        mgr.get_num_cached_tokens = get_num_cached_tokens  # type: ignore[method-assign]
+    reorders = [0]
+    reorder = getattr(sched, "_reorder_waiting_by_cached_prefix", None)
+    if reorder is not None:
+
+        def reorder_waiting() -> None:
+            before = [r.request_id for r in sched.waiting]
+            reorder()
+            reorders[0] += before != [r.request_id for r in sched.waiting]
+
+        sched._reorder_waiting_by_cached_prefix = reorder_waiting  # type: ignore[method-assign]
+    mml = setup.shape.max_model_len
+    prefixes = shared_prefixes(rng)
+    arrivals: deque[tuple[str, list[int], int]] = deque()
+    for i in range(num_requests):
+        if rng.random() < 0.65:
+            toks = list(prefixes[rng.randrange(4)]) + [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 300))]
+        else:
+            toks = [rng.randrange(1, 30000) for _ in range(rng.randrange(100, 800))]
+        arrivals.append((f"req{i}", toks[: mml - 400], rng.randrange(1, 300)))
+
+    def arrive(n: int) -> None:
+        for _ in range(min(n, len(arrivals))):
+            rid, toks, mt = arrivals.popleft()
+            sched.add_request(make_request(sched, rid, toks, mt))
+
+    arrive(concurrency)
+    steps: list[dict[str, Any]] = []
+    usage: list[float] = []
+    free: list[int] = []
+    waiting: list[list[str]] = []
+    probes_per_step: list[list[tuple[str, int]]] = []
+    reordered_steps: list[int] = []
+    preemptions = 0
+    aborted: list[str] = []
+    step = 0
+    while (arrivals or sched.get_num_unfinished_requests()) and step < max_steps:
+        if step % 13 == 7 and sched.requests and rng.random() < 0.5:
+            victim = rng.choice(sorted(sched.requests))
+            sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+            aborted.append(victim)
+        probes.clear()
+        before = reorders[0]
+        so = sched.schedule()
+        if reorders[0] != before:
+            reordered_steps.append(step)
+        probes_per_step.append(list(probes))
+        waiting.append([r.request_id for r in sched.waiting])
+        d = digest(so)
+        preemptions += len(d["preempted"])
+        steps.append(d)
+        sched.update_from_output(so, fabricate_output(sched, so))
+        usage.append(sched.kv_cache_manager.usage)
+        free.append(sched.kv_cache_manager.block_pool.get_num_free_blocks())
+        if after_step is not None:
+            after_step(sched)
+        arrive(concurrency - sched.get_num_unfinished_requests())
+        step += 1
+    return {
+        "steps": steps,
+        "events": events,
+        "usage": usage,
+        "free": free,
+        "waiting": waiting,
+        "probes": probes_per_step,
+        "reordered_steps": reordered_steps,
+        "hits": lookups["hits"],
+        "queries": lookups["queries"],
+        "preemptions": preemptions,
+        "aborted": aborted,
+        "native": type(sched.kv_cache_manager).__name__,
+        "finished": not arrivals and not sched.get_num_unfinished_requests(),
+        "num_steps": step,
+    }

@@ -1,4 +1,4 @@
-"""Builds the installed vLLM's (0.32.0 or 0.33.0) own KVCacheManager and ours from one
+"""Builds the installed vLLM's (0.32.0, 0.33.0 or 0.34.0) own KVCacheManager and ours from one
 KVCacheConfig, and real vLLM Requests (with vLLM's own block hasher) to drive them with. Used
 by the parity tests and the pytest-benchmark benches; never an imitation of vLLM: every
 object here is vLLM's.
@@ -134,16 +134,23 @@ class Setup:
         return ref, ours
 
     def make_request(
-        self, request_id: str, tokens: list[int], max_tokens: int = 64, report_full: bool = False
+        self,
+        request_id: str,
+        tokens: list[int],
+        max_tokens: int = 64,
+        report_full: bool = False,
+        **sampling: Any,
     ) -> Request:
         """A vLLM Request; ``report_full`` sets ``kv_cache_report_mode="full"`` (reused
-        prefix blocks are reported in BlockStored events too)."""
+        prefix blocks are reported in BlockStored events too); ``sampling``: more
+        ``SamplingParams`` arguments (e.g. 0.34's ``prompt_logprobs`` with
+        ``prompt_logprob_start``, which bound the request's prefix-cache hit)."""
         extra = {"kv_cache_report_mode": "full"} if report_full else None
         la = (self.lookahead,) if self.lookahead else ()
         return Request(
             request_id=request_id,
             prompt_token_ids=list(tokens),
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra),
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra, **sampling),
             pooling_params=None,
             block_hasher=get_request_block_hasher(self.hash_block_size, _HASH_FN, *la),
         )

@@ -62,6 +62,12 @@ from hybrid_alloc.vllm.compat import (
 
 ManagerName = Literal["vllm", "hybrid_alloc", "no_hybrid"]
 
+#: Whether the installed vLLM has cache-aware admission (0.34: ``SchedulerConfig``'s
+#: ``cache_aware_admission_window`` and ``cache_aware_admission_threshold``; the scheduler
+#: then reorders its waiting queue by ``KVCacheManager.get_num_cached_tokens``). Probe: the
+#: config's fields.
+CACHE_AWARE_ADMISSION: bool = "cache_aware_admission_window" in {f.name for f in dataclasses.fields(SchedulerConfig)}
+
 
 @dataclass(frozen=True)
 class LayerKind:
@@ -372,6 +378,23 @@ class SchedulerSetup:
     stub_kv_heads: int = 2
     # More ``VllmConfig`` arguments (e.g. ``speculative_config``).
     extra: dict[str, Any] = field(default_factory=dict)
+    # Cache-aware admission (vLLM 0.34, :data:`CACHE_AWARE_ADMISSION`): the scheduler's
+    # ``cache_aware_admission_window`` (0: off, vLLM's default) and
+    # ``cache_aware_admission_threshold`` (None: vLLM's default, 0.5). Asking for a window
+    # on a release without the option raises ``ValueError``.
+    admission_window: int = 0
+    admission_threshold: float | None = None
+
+    def admission_kwargs(self) -> dict[str, Any]:
+        """The ``SchedulerConfig`` arguments of the cache-aware admission asked for."""
+        if not self.admission_window and self.admission_threshold is None:
+            return {}
+        if not CACHE_AWARE_ADMISSION:
+            raise ValueError("this vLLM has no cache-aware admission (SchedulerConfig.cache_aware_admission_window)")
+        kw: dict[str, Any] = {"cache_aware_admission_window": self.admission_window}
+        if self.admission_threshold is not None:
+            kw["cache_aware_admission_threshold"] = self.admission_threshold
+        return kw
 
     def vllm_config(self) -> VllmConfig:
         mml = self.shape.max_model_len
@@ -390,6 +413,7 @@ class SchedulerSetup:
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
             async_scheduling=self.async_scheduling,
+            **self.admission_kwargs(),
         )
         kwargs: dict[str, Any] = dict(self.extra)
         if self.kv_events:
@@ -516,6 +540,7 @@ def fabricate_output(sched: Scheduler, so: Any) -> ModelRunnerOutput:
 
 
 __all__ = [
+    "CACHE_AWARE_ADMISSION",
     "SHAPES",
     "LayerKind",
     "MambaState",
