@@ -363,9 +363,7 @@ def test_untested_release_missing_a_request_attribute_falls_back_at_construction
     reads ends in one fallback line naming it, at construction; vLLM's scheduler then runs
     its requests to the end with its own manager (prefix caching on), with no exception in
     ``schedule()``."""
-    result, log = _run(
-        _SCHEDULE.format(pre=_MISSING_REQUEST_ATTR), HYBRID_ALLOC="1", HYBRID_ALLOC_UNTESTED_VLLM="1"
-    )
+    result, log = _run(_SCHEDULE.format(pre=_MISSING_REQUEST_ATTR), HYBRID_ALLOC="1", HYBRID_ALLOC_UNTESTED_VLLM="1")
     assert result == "KVCacheManager True ['r0', 'r1']"
     missing = next(ln.split()[1] for ln in log.splitlines() if ln.startswith("MISSING "))
     fallback = [ln for ln in _plugin_lines(log) if "falling back" in ln]
