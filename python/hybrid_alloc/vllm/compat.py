@@ -137,12 +137,12 @@ if PREFIX_CACHE_HIT_LIMIT:
 
     def prefix_cache_lookup_enabled(request: Any) -> bool:
         """Whether ``request`` may read the prefix cache (prefix caching itself aside)."""
-        return request.prefix_cache_hit_limit != 0  # type: ignore[no-any-return]
+        return request.prefix_cache_hit_limit != 0
 
     def max_cache_hit_length(request: Any, bound: int | None) -> int:
         """The longest hit ``request`` may take within ``bound`` (``None``: no bound but the
         request's own): 0.34's ``request.get_max_cache_hit_length(bound)``."""
-        return request.get_max_cache_hit_length(bound)  # type: ignore[no-any-return]
+        return request.get_max_cache_hit_length(bound)
 
 else:
 
@@ -205,7 +205,7 @@ def _names(cls: type) -> frozenset[str]:
         names.update(f.name for f in dataclasses.fields(cls))
     for init in ("__init__", "__post_init__"):
         fn = getattr(cls, init, None)
-        if getattr(fn, "__code__", None) is None:
+        if fn is None or getattr(fn, "__code__", None) is None:
             continue
         try:
             names.update(i.argval for i in dis.get_instructions(fn) if i.opname == "STORE_ATTR")
