@@ -4,8 +4,9 @@ alone, as its push variant and under a MultiConnector) and with the native Offlo
 once with vLLM's KVCacheManager and once with ours, the worker side faked with
 ``KVConnectorOutput`` (see ``connector_driver``). Every step's SchedulerOutput, the connector
 metadata the scheduler built, the free block count, the requests held for
-``finished_sending`` (delayed frees), the KV events and the manager calls must be identical.
-(LMCacheConnectorV1 cases skip on 0.34: lmcache 0.5.6 does not run with it.)
+``finished_sending`` (delayed frees), the manager's and the connector's KV events, the
+junctions the connector raised (vLLM 0.34's OffloadingConnector) and the manager calls must be
+identical. (LMCacheConnectorV1 cases skip on 0.34: lmcache 0.5.6 does not run with it.)
 
 Lifecycles: remote prefill (async loads), remote decode with the free delayed until
 ``finished_sending``, async load failure (``invalid_block_ids`` with one KV cache group,
