@@ -63,7 +63,7 @@ EAGLE_CASES: dict[str, tuple[str, int, bool]] = {
     "gemma_offload_eagle": ("gemma_offload", 2, True),
     "gemma_offload_eagle_async": ("gemma_offload_async", 3, True),
     "gemma_multi_offload_eagle": ("gemma_multi_offload", 2, True),
-    "llama_multi_offload_eagle_async": ("gemma_multi_offload_async", 3, True),
+    "gemma_multi_offload_eagle_async": ("gemma_multi_offload_async", 3, True),
     # GDN + full (Mamba "align"), an MTP-like drafter: NixlConnector's producer truncates the
     # request's hashes (``truncate_block_hashes``); the OffloadingConnector's boundary states.
     "qwen_consumer_eagle": ("qwen_consumer", 2, True),
