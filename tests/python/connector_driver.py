@@ -1,16 +1,19 @@
-"""Drives the installed vLLM's (0.32.0 or 0.33.0) real Scheduler (sync or async) with a KV
-connector configured (NixlConnector as KV consumer or producer) through a seeded workload of
-P/D lifecycles, faking the worker side as vLLM's own connector unit tests do: each step's
-``ModelRunnerOutput`` carries a ``KVConnectorOutput`` with ``finished_recving``,
-``finished_sending``, ``invalid_block_ids`` and ``failed_recving``.
+"""Drives the installed vLLM's (0.32.0, 0.33.0 or 0.34.0) real Scheduler (sync or async) with a
+KV connector configured (NixlConnector as KV consumer or producer, the OffloadingConnector,
+MultiConnectors over them, ...) through a seeded workload of P/D lifecycles, faking the worker
+side as vLLM's own connector unit tests do: each step's ``ModelRunnerOutput`` carries a
+``KVConnectorOutput`` with ``finished_recving``, ``finished_sending``, ``invalid_block_ids``
+and ``failed_recving``; optionally with speculative decoding (drafts, accepted in part).
 
 A run records, per step, the SchedulerOutput digest, the connector metadata the scheduler
 built (times dropped: they are wall-clock), the free block count, the requests whose blocks
-wait for ``finished_sending`` (delayed frees), and the KV cache events, and every local hit
-the scheduler took through ``get_computed_blocks_for_connector`` (block ids per group, tokens,
-boundary, ``hit_diverged``), so two runs (vLLM's manager and ours) can be compared step by
-step; with vLLM's manager, also how often its per-group lookup diverged each way. The NIXL scheduler side needs ``zmq`` and
-``msgspec`` only (both in the test environments), not the ``nixl`` package.
+wait for ``finished_sending`` (delayed frees), the manager's and the connector's KV cache
+events, every local hit the scheduler took through ``get_computed_blocks_for_connector``
+(block ids per group, tokens, boundary, ``hit_diverged``) and every shared-prefix junction the
+connector raised (``get_num_new_matched_tokens``), so two runs (vLLM's manager and ours) can
+be compared step by step; with vLLM's manager, also how often its per-group lookup diverged
+each way. The NIXL scheduler side needs ``zmq`` and ``msgspec`` only (both in the test
+environments), not the ``nixl`` package.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc.vllm.offline import SchedulerSetup, fabricate_output
-from sched_driver import capture_events, digest
+from sched_driver import capture_events, digest, fabricate_drafts, fabricate_spec_output
 
 
 def nixl_config(role: str, failure_policy: str = "recompute") -> KVTransferConfig:
@@ -117,6 +120,10 @@ class PDWorkload:
     # Requests aborted once their prefill has started and before it ends (with a step in
     # flight under async scheduling: their table is freed deferred, in reverse).
     abort_prefilling: set[str] = field(default_factory=set)
+    # Speculative decoding (a ``SpecSchedulerSetup``, ``num_spec_tokens`` drafts a step):
+    # outputs carry the accepted share of the scheduled drafts, and in sync scheduling the
+    # proposer's drafts are handed to the scheduler after each step, as ``sched_driver`` does.
+    spec_tokens: int = 0
 
 
 def _make_request(sched: Any, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
@@ -194,6 +201,37 @@ def _record_per_group(mgr: Any) -> dict[str, int]:
     return out
 
 
+def _record_connector(sched: Any, calls: dict[str, int]) -> tuple[list[Any], list[tuple[str, int, int]]]:
+    """Wraps the scheduler's connector: every KV event it hands the scheduler
+    (``take_events``: the OffloadingConnector's CPU-tier ``BlockStored`` / ``BlockRemoved``),
+    and each ``get_num_new_matched_tokens`` call that raised the request's
+    ``shared_prefix_boundary`` (vLLM 0.34's OffloadingConnector does where a sliding-window or
+    Mamba group cut the external hit below the full-attention boundary): (request, the
+    junction the local lookup set, the connector's)."""
+    conn = sched.connector
+    events: list[Any] = []
+    raised: list[tuple[str, int, int]] = []
+    orig_take = conn.take_events
+    orig_match = conn.get_num_new_matched_tokens
+
+    def take_events() -> list[Any]:
+        evs = list(orig_take() or ())
+        events.extend(evs)
+        return evs
+
+    def get_num_new_matched_tokens(request: Request, *a: Any, **k: Any) -> Any:
+        before = request.shared_prefix_boundary
+        res = orig_match(request, *a, **k)
+        if request.shared_prefix_boundary != before:
+            raised.append((request.request_id, before, request.shared_prefix_boundary))
+            calls["junction_raised"] = calls.get("junction_raised", 0) + 1
+        return res
+
+    conn.take_events = take_events
+    conn.get_num_new_matched_tokens = get_num_new_matched_tokens
+    return events, raised
+
+
 def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600) -> dict[str, Any]:
     """One run; returns per-step records and counters (see the module docstring)."""
     rng = random.Random(w.seed)
@@ -222,6 +260,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
 
     for name in ("evict_blocks", "pop_blocks_for_free", "free", "record_blocks_for_zeroing"):
         count(name)
+    connector_events, junctions = _record_connector(sched, calls)
     # What the cache holds right after the scheduler caches an async load (before the next
     # allocation would re-cache the same blocks): a probe with the same prompt looks it up.
     after_load: list[tuple[str, int, int]] = []
@@ -240,6 +279,10 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     orig_allocate = mgr.allocate_slots
 
     def allocate_slots(request: Request, num_new_tokens: int, *a: Any, **k: Any) -> Any:
+        raised_to = next((j for r, _, j in reversed(junctions) if r == request.request_id), 0)
+        if raised_to == request.shared_prefix_boundary > 0:
+            # The manager reads the junction the connector raised (the request's admission).
+            calls["alloc_connector_junction"] = calls.get("alloc_connector_junction", 0) + 1
         if k.get("num_external_computed_tokens", 0) < 0:
             # ExampleConnector's hit behind a longer local one.
             calls["alloc_negative_external"] = calls.get("alloc_negative_external", 0) + 1
@@ -255,7 +298,15 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             if k["num_external_computed_tokens"] % setup.block_size:
                 # Not whole blocks (LMCache's partial last chunk, its full hit less one token).
                 calls["alloc_unaligned_external"] = calls.get("alloc_unaligned_external", 0) + 1
-        return orig_allocate(request, num_new_tokens, *a, **k)
+        junction = request.shared_prefix_boundary
+        res = orig_allocate(request, num_new_tokens, *a, **k)
+        if request.shared_prefix_boundary != junction:
+            # The manager moved the junction (the hit-aware policy's first-sighting stops),
+            # which must never lower it (below one the connector raised, say).
+            calls["alloc_moved_junction"] = calls.get("alloc_moved_junction", 0) + 1
+            if request.shared_prefix_boundary < junction:
+                calls["alloc_lowered_junction"] = calls.get("alloc_lowered_junction", 0) + 1
+        return res
 
     mgr.allocate_slots = allocate_slots  # type: ignore[method-assign]
     local_hits = _record_local_hits(mgr, calls)
@@ -321,6 +372,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         "stores": 0,
         "failed_sync": 0,
         "boundary_states": 0,
+        "drafts": 0,
     }
     # ExampleConnector: the prompts to save (folders to create) and the first block of each
     # sync load, for the step whose output is next processed.
@@ -399,6 +451,8 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         )
         counters["jobs"] += len(completed)
         sched.update_from_output(so, out)
+        if w.spec_tokens and not setup.async_scheduling:
+            sched.update_draft_token_ids(fabricate_drafts(sched, so, w.spec_tokens))
         # Finished requests still held (their blocks wait for finished_sending).
         held = sorted(r for r, q in sched.requests.items() if q.is_finished())
         for r in held:
@@ -470,7 +524,11 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             counters["preempted_loading"] += len(d["preempted"])
         d["meta"] = _plain(meta)
         steps.append(d)
-        in_flight.appendleft((so, fabricate_output(sched, so), d))
+        if w.spec_tokens:
+            d["spec"] = {r: len(t) for r, t in so.scheduled_spec_decode_tokens.items()}
+            counters["drafts"] += sum(d["spec"].values())
+        out = fabricate_spec_output(sched, so) if w.spec_tokens else fabricate_output(sched, so)
+        in_flight.appendleft((so, out, d))
         if len(in_flight) < w.batch_queue and so.total_num_scheduled_tokens > 0:
             step += 1
             continue
@@ -494,6 +552,9 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         "local_hits": local_hits,
         "per_group": per_group,
         "events": events,
+        "connector_events": connector_events,
+        "junctions": junctions,
+        "lookahead": getattr(sched, "num_hash_lookahead_tokens", 0),
         "calls": calls,
         "after_load": after_load,
         "finals": finals,
@@ -517,6 +578,9 @@ def assert_same_pd(case: str, ref: dict[str, Any], ours: dict[str, Any]) -> None
         assert a == b, f"{case}: connector lookup {i} differs:\n vllm: {a}\n ours: {b}"
     assert len(ref["local_hits"]) == len(ours["local_hits"]), case
     assert ref["events"] == ours["events"], f"{case}: KV events differ"
+    assert ref["connector_events"] == ours["connector_events"], f"{case}: the connector's KV events differ"
+    assert ref["junctions"] == ours["junctions"], f"{case}: the junctions the connector raised differ"
+    assert ref["lookahead"] == ours["lookahead"]
     assert ref["calls"] == ours["calls"], (ref["calls"], ours["calls"])
     assert ref["after_load"] == ours["after_load"], f"{case}: the cache after an async load differs"
     assert ref["finals"] == ours["finals"], f"{case}: finalize_partial_tail_offloads differs"

@@ -193,12 +193,15 @@ def run_workload(
     mgr.record_prefix_cache_stats = record_prefix_cache_stats  # type: ignore[method-assign]
     # cache_blocks calls from the scheduler (update_from_output with speculative decoding or
     # async scheduling), and those made while a later step's tokens were still in flight.
+    # Each call as (request, tokens), in order.
     cache_calls = {"cache_blocks": 0, "cache_blocks_in_flight": 0}
+    cache_args: list[tuple[str, int]] = []
     orig_cache_blocks = mgr.cache_blocks
 
     def cache_blocks(request: Any, num_computed_tokens: int) -> None:
         cache_calls["cache_blocks"] += 1
         cache_calls["cache_blocks_in_flight"] += request.num_in_flight_tokens > 0
+        cache_args.append((request.request_id, num_computed_tokens))
         orig_cache_blocks(request, num_computed_tokens)
 
     mgr.cache_blocks = cache_blocks  # type: ignore[method-assign]
@@ -255,6 +258,7 @@ def run_workload(
     return {
         **counters,
         **cache_calls,
+        "cache_blocks_calls": cache_args,
         "lookahead": lookahead,
         "steps": steps,
         "events": events,
@@ -281,6 +285,7 @@ def assert_same_run(case: str, ref: dict[str, Any], ours: dict[str, Any]) -> Non
     assert ref["events"] == ours["events"], f"{case}: KV events differ"
     assert ref["usage"] == ours["usage"]
     assert (ref["hits"], ref["queries"]) == (ours["hits"], ours["queries"])
+    assert ref["cache_blocks_calls"] == ours["cache_blocks_calls"], f"{case}: the scheduler's cache_blocks calls differ"
 
 
 def capture_events(mgr: Any) -> list[Any]:

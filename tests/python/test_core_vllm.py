@@ -1,14 +1,16 @@
 """The core's boundary as vLLM reaches it through the adapter: managers built and dropped
-in a loop are freed (the FastAllocate cycle is collectable), and a request whose
+in a loop are freed (the FastAllocate cycle is collectable), a request whose
 ``block_hashes`` list is cleared and regrown (vLLM 0.33, resumable requests with
 lookahead) or truncated (streaming input) between two calls gets the same hits as from
-vLLM's own manager."""
+vLLM's own manager, and ``block_pool.free_blocks(..., evict_first=True)`` (vLLM 0.34) leaves
+the free queue in vLLM's order."""
 
 from __future__ import annotations
 
 import gc
 import os
 import weakref
+from typing import Any
 
 from hybrid_alloc.vllm.manager import HybridKVCacheManager
 from vllm_harness import SETUPS, Setup, full, swa
@@ -60,7 +62,9 @@ def test_block_hashes_cleared_regrown_and_truncated_match_vllm() -> None:
     assert lookup(ref, r_ref) == lookup(ours, r_ours)
     for r in (r_ref, r_ours):
         # Rewritten from the start: another prompt of the same length.
-        r._all_token_ids[:] = prompt[:200]
+        # (In place: a list before 0.34, a ``TokenBuffer``, an ``array('i')``, from 0.34.)
+        del r._all_token_ids[:]
+        r._all_token_ids.extend(prompt[:200])
         r.block_hashes.clear()
         r.update_block_hashes()
     hit_ref = lookup(ref, r_ref)
@@ -91,3 +95,69 @@ def test_cross_attention_with_prefix_caching_off_matches_vllm() -> None:
     assert [len(g) for g in ours.get_block_ids("enc")] == [3, 7]
     assert ref.block_pool.get_num_free_blocks() == ours.block_pool.get_num_free_blocks()
     ours.check_invariants()
+
+
+def test_free_blocks_evict_first_matches_vllm() -> None:
+    """``block_pool.free_blocks(blocks, evict_first=True)`` (vLLM 0.34; its caller is the
+    SimpleCPUOffload connector's manager) against vLLM's real ``BlockPool``: freed blocks,
+    cached ones too, go to the front of the free queue, a block another request still holds
+    stays out of it. A mix of cached, uncached and shared blocks in two groups (full
+    attention and a sliding window with dense retention, whose skipped blocks in a hit are
+    the null block), freed with and without ``evict_first``: the same free queue order after
+    every free, then the same hit, the same blocks for a new request and the same events."""
+    import inspect
+
+    import pytest
+    from vllm.v1.core.block_pool import BlockPool
+
+    if "evict_first" not in inspect.signature(BlockPool.free_blocks).parameters:
+        pytest.skip("this vLLM's BlockPool.free_blocks has no evict_first (0.34 has)")
+    setup = Setup("evict_first", [full(16), swa(32, 16)], num_blocks=48, retention_interval=None)
+    out = {}
+    for name, mgr in zip(("vllm", "ours"), setup.build(events=True)):
+        orders: list[Any] = []
+
+        def order(name: str = name, mgr: Any = mgr) -> list[int]:
+            if name == "vllm":
+                return [b.block_id for b in mgr.block_pool.free_block_queue.get_all_free_blocks()]
+            return list(mgr._alloc.free_queue_order())
+
+        shared = list(range(1, 65))
+        r1 = setup.make_request("r1", shared + list(range(500, 536)))  # 100 tokens: 6 full blocks cached
+        assert mgr.allocate_slots(r1, 100) is not None
+        r2 = setup.make_request("r2", shared + list(range(700, 740)))
+        blocks, hit, _ = mgr.get_computed_blocks(r2)
+        assert hit == 64
+        assert mgr.allocate_slots(r2, 40, hit, blocks) is not None
+        r3 = setup.make_request("r3", list(range(900, 950)))
+        assert mgr.allocate_slots(r3, 50, delay_cache_blocks=True) is not None  # nothing cached
+        orders.append(order())
+        # r1: its own cached and uncached blocks to the front; the 4 shared ones stay held.
+        mgr.block_pool.free_blocks(mgr.pop_blocks_for_free(r1), evict_first=True)
+        orders.append(order())
+        if name == "vllm":
+            # The cached blocks among those just freed (ahead of every block free before).
+            queue = mgr.block_pool.free_block_queue.get_all_free_blocks()
+            front = queue[: len(orders[1]) - len(orders[0])]
+            cached_in_front = [b.block_id for b in front if b.block_hash is not None]
+        # r3 (uncached) without evict_first: to the front as well, as vLLM's.
+        mgr.block_pool.free_blocks(mgr.pop_blocks_for_free(r3))
+        orders.append(order())
+        # r2 in reverse (the scheduler's deferred free): the shared blocks reach the queue.
+        mgr.block_pool.free_blocks(reversed(mgr.pop_blocks_for_free(r2)), evict_first=True)
+        orders.append(order())
+        again = setup.make_request("again", shared + list(range(500, 536)))
+        _, hit_again, _ = mgr.get_computed_blocks(again)
+        r4 = setup.make_request("r4", list(range(2000, 2300)))
+        new = mgr.allocate_slots(r4, 300)
+        assert new is not None
+        out[name] = (orders, hit_again, new.get_block_ids(), [repr(e) for e in mgr.take_events()])
+        if name == "ours":
+            mgr.check_invariants()
+    orders = out["vllm"][0]
+    # Not vacuous: evict_first put r1's cached blocks ahead of the blocks free before them
+    # (without it they would go behind), and they stayed cached: a later lookup hits them.
+    assert orders[1][-len(orders[0]) :] == orders[0]
+    assert len(cached_in_front) >= 2, cached_in_front
+    assert out["vllm"][1] > 64
+    assert out["ours"] == out["vllm"]

@@ -123,11 +123,22 @@ def _run(setup: Any) -> dict[str, Any]:
     return out
 
 
+def _sync_mamba_cache_blocks() -> bool:
+    """Whether this vLLM's ``update_from_output`` caches a Mamba hybrid's blocks after each
+    output in sync scheduling (0.34: ``self.has_mamba_layers and not ...async_scheduling``)."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return "self.has_mamba_layers" in inspect.getsource(Scheduler.update_from_output)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_real_scheduler_identical_with_mamba(case: str) -> None:
     from sched_driver import assert_same_run
 
     base = _setup(case)
+    spec = getattr(base, "num_spec_tokens", 0)
     ref = _run(dataclasses.replace(base, manager="vllm"))
     ours = _run(dataclasses.replace(base, manager="hybrid_alloc"))
     assert_same_run(case, ref, ours)
@@ -140,5 +151,14 @@ def test_real_scheduler_identical_with_mamba(case: str) -> None:
         assert ref["events"]
     mixer2 = case.startswith("nemotron_h")
     assert ref["split_free"] == ours["split_free"] == mixer2
+    # The scheduler's cache_blocks calls (compared call by call in ``assert_same_run``). vLLM
+    # 0.34 also publishes a Mamba hybrid's finalized states after each output under sync
+    # scheduling with prefix caching (``update_from_output``), where 0.32 and 0.33 call it only
+    # with output placeholders (async) or (0.33) drafts.
+    if base.enable_prefix_caching and (base.async_scheduling or _sync_mamba_cache_blocks()):
+        assert ref["cache_blocks"] > 0, f"{case}: the scheduler never called cache_blocks"
+    elif not spec:
+        assert ref["cache_blocks"] == 0, f"{case}: cache_blocks called by a release that should not"
+
     if mixer2 and base.enable_prefix_caching:
         assert ref["checkpoints"] > 0, f"{case}: no prefill checkpoint was reserved"

@@ -1,4 +1,4 @@
-"""Which KV connectors the native manager serves (vLLM 0.32.0 and 0.33.0).
+"""Which KV connectors the native manager serves (vLLM 0.32.0, 0.33.0 and 0.34.0).
 
 A connector is served natively when its scheduler side works through the manager's public
 API only (``KVCacheBlocks`` with ``block_id`` / ``block_hash`` / ``is_null``,
@@ -44,6 +44,24 @@ them only. With Mamba layers NixlConnector's local hit is vLLM's per-group one
 the boundary states the manager keys in Mamba "align" groups (``take_boundary_state_offloads``,
 see :mod:`.boundary`); a producer's ``finalize_partial_tail_offloads`` is ``[]`` in vLLM for
 every configuration served (a partial tail needs a Mamba block larger than the hash block).
+
+vLLM 0.34 changes what reaches the manager with a connector, all served with nothing more to
+check here (``tests/python/test_connector_lookahead.py`` compares each with vLLM's manager):
+
+- lookahead block hashes: with EAGLE/MTP, a connector whose class's
+  ``supports_lookahead_block_hashes`` is True (NixlConnector, the OffloadingConnector, a
+  MultiConnector over such only) makes the Scheduler pass ``use_eagle=False`` and
+  ``num_hash_lookahead_tokens`` > 0 (prefix caching on or off) where 0.32 and 0.33 pass
+  ``use_eagle=True``, which falls back (``plan``: the trailing-block drop); a producer over a
+  Mamba hybrid truncates the request's hashes (``truncate_block_hashes``) before the manager
+  first sees the request;
+- the OffloadingConnector raises ``request.shared_prefix_boundary`` in
+  ``get_num_new_matched_tokens`` (after the local lookup, before ``allocate_slots``), which the
+  manager reads from the request at ``allocate_slots``.
+
+LMCacheConnectorV1 with vLLM 0.34 and lmcache 0.5.6 (the release tested) fails inside lmcache's
+``build_connector_meta`` (it reads ``CachedRequestData.resumed_req_ids``, which 0.34 removed)
+with vLLM's own manager as with this one: the manager keeps serving it, the tests skip it there.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
+    resolve_cache_hit_alignment_tokens,
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -480,6 +481,11 @@ class SchedulerSetup:
         kvc = self.kv_cache_config(vc)
         vc.cache_config.num_gpu_blocks = kvc.num_blocks
         sbs, hbs = resolve_kv_cache_block_sizes(kvc, vc)
+        # What the engine core resolves into the scheduler's config (all three releases): a KV
+        # connector's scheduler side reads them (0.34's NixlConnector producer asserts the
+        # hash block size when it truncates a request's hashes).
+        kvc.hash_block_size = hbs
+        kvc.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(kvc, vc, sbs, hbs)
         cls = AsyncScheduler if self.async_scheduling else Scheduler
         sched = cls(
             vllm_config=vc,
