@@ -101,6 +101,7 @@ def _scheduler_manager_flags(method: str) -> dict[str, int | bool]:
         disable_lookahead_block_hashes=False,
         draft_model_config=None,
         num_speculative_tokens=3,
+        custom_method=None,
     )
     for name in (
         "use_eagle",
@@ -112,6 +113,9 @@ def _scheduler_manager_flags(method: str) -> dict[str, int | bool]:
     ):
         if hasattr(SpeculativeConfig, name):
             setattr(spec, name, types.MethodType(getattr(SpeculativeConfig, name), spec))
+    if isinstance(getattr(SpeculativeConfig, "speculator_config", None), property):
+        # 0.34: the lookahead counts come from the method's speculator config.
+        spec.speculator_config = SpeculativeConfig.speculator_config.fget(spec)
     vc = types.SimpleNamespace(
         speculative_config=spec,
         kv_transfer_config=None,
@@ -119,7 +123,12 @@ def _scheduler_manager_flags(method: str) -> dict[str, int | bool]:
         cache_config=types.SimpleNamespace(enable_prefix_caching=True),
     )
     vc.num_prefill_lookahead_tokens = VllmConfig.num_prefill_lookahead_tokens.fget(vc)
-    lookahead = VllmConfig.num_hash_lookahead_tokens.fget(vc) if hasattr(VllmConfig, "num_hash_lookahead_tokens") else 0
+    if hasattr(VllmConfig, "_resolve_num_hash_lookahead_tokens"):  # 0.34: a field resolved at build
+        lookahead = VllmConfig._resolve_num_hash_lookahead_tokens(vc)
+    elif hasattr(VllmConfig, "num_hash_lookahead_tokens"):  # 0.33: a property
+        lookahead = VllmConfig.num_hash_lookahead_tokens.fget(vc)
+    else:
+        lookahead = 0
     use_eagle = spec.use_eagle_block_drop() and not lookahead  # the Scheduler clears it with lookahead hashes
     return dict(use_eagle=use_eagle, lookahead=lookahead, prefill=vc.num_prefill_lookahead_tokens)
 
