@@ -353,7 +353,7 @@ import types
 import hybrid_alloc.vllm.plugin as p; p.vllm_release = lambda: '0.35.0'
 import hybrid_alloc.vllm.compat as c
 missing = c.REQUEST_READS[-1]
-c._vllm_request = types.SimpleNamespace(Request=type("Request", (), {{n: None for n in c.REQUEST_READS if n != missing}}))
+c._vllm_request = types.SimpleNamespace(Request=type("Request", (), {n: None for n in c.REQUEST_READS if n != missing}))
 print("MISSING", missing)
 """
 
