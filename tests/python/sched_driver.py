@@ -182,29 +182,8 @@ def run_workload(
         )
     mgr = sched.kv_cache_manager
     events = capture_events(mgr)
-    lookups = {"hits": 0, "queries": 0}
-    orig_record = mgr.record_prefix_cache_stats
-
-    def record_prefix_cache_stats(request: Any, num_hits: int) -> None:
-        lookups["hits"] += num_hits
-        lookups["queries"] += request.num_tokens
-        orig_record(request, num_hits)
-
-    mgr.record_prefix_cache_stats = record_prefix_cache_stats  # type: ignore[method-assign]
-    # cache_blocks calls from the scheduler (update_from_output with speculative decoding or
-    # async scheduling), and those made while a later step's tokens were still in flight.
-    # Each call as (request, tokens), in order.
-    cache_calls = {"cache_blocks": 0, "cache_blocks_in_flight": 0}
-    cache_args: list[tuple[str, int]] = []
-    orig_cache_blocks = mgr.cache_blocks
-
-    def cache_blocks(request: Any, num_computed_tokens: int) -> None:
-        cache_calls["cache_blocks"] += 1
-        cache_calls["cache_blocks_in_flight"] += request.num_in_flight_tokens > 0
-        cache_args.append((request.request_id, num_computed_tokens))
-        orig_cache_blocks(request, num_computed_tokens)
-
-    mgr.cache_blocks = cache_blocks  # type: ignore[method-assign]
+    lookups = count_lookups(mgr)
+    cache_calls, cache_args = record_cache_blocks(mgr)
     mml = setup.shape.max_model_len
     prefixes = shared_prefixes(rng)
     pending = []
@@ -303,6 +282,40 @@ def capture_events(mgr: Any) -> list[Any]:
     return events
 
 
+def record_cache_blocks(mgr: Any) -> tuple[dict[str, int], list[tuple[str, int]]]:
+    """Wraps ``mgr.cache_blocks`` to record the scheduler's calls (``update_from_output`` with
+    speculative decoding, async scheduling, or, on vLLM 0.34, Mamba hybrids in sync
+    scheduling): how many, how many while a later step's tokens were in flight, and each call
+    as (request, tokens), in order."""
+    cache_calls = {"cache_blocks": 0, "cache_blocks_in_flight": 0}
+    cache_args: list[tuple[str, int]] = []
+    orig_cache_blocks = mgr.cache_blocks
+
+    def cache_blocks(request: Any, num_computed_tokens: int) -> None:
+        cache_calls["cache_blocks"] += 1
+        cache_calls["cache_blocks_in_flight"] += request.num_in_flight_tokens > 0
+        cache_args.append((request.request_id, num_computed_tokens))
+        orig_cache_blocks(request, num_computed_tokens)
+
+    mgr.cache_blocks = cache_blocks
+    return cache_calls, cache_args
+
+
+def count_lookups(mgr: Any) -> dict[str, int]:
+    """Wraps ``mgr.record_prefix_cache_stats`` to add up the hits and the tokens looked up (the
+    scheduler records each lookup there); returns the counters it updates."""
+    lookups = {"hits": 0, "queries": 0}
+    orig_record = mgr.record_prefix_cache_stats
+
+    def record_prefix_cache_stats(request: Any, num_hits: int) -> None:
+        lookups["hits"] += num_hits
+        lookups["queries"] += request.num_tokens
+        orig_record(request, num_hits)
+
+    mgr.record_prefix_cache_stats = record_prefix_cache_stats
+    return lookups
+
+
 def run_serving_workload(
     setup: SchedulerSetup,
     seed: int,
@@ -326,15 +339,8 @@ def run_serving_workload(
     sched = setup.build()
     mgr = sched.kv_cache_manager
     events = capture_events(mgr)
-    lookups = {"hits": 0, "queries": 0}
-    orig_record = mgr.record_prefix_cache_stats
-
-    def record_prefix_cache_stats(request: Any, num_hits: int) -> None:
-        lookups["hits"] += num_hits
-        lookups["queries"] += request.num_tokens
-        orig_record(request, num_hits)
-
-    mgr.record_prefix_cache_stats = record_prefix_cache_stats  # type: ignore[method-assign]
+    lookups = count_lookups(mgr)
+    _, cache_args = record_cache_blocks(mgr)
     probes: list[tuple[str, int]] = []
     probe = getattr(mgr, "get_num_cached_tokens", None)
     if probe is not None:
@@ -410,6 +416,7 @@ def run_serving_workload(
         "waiting": waiting,
         "probes": probes_per_step,
         "reordered_steps": reordered_steps,
+        "cache_blocks_calls": cache_args,
         "hits": lookups["hits"],
         "queries": lookups["queries"],
         "preemptions": preemptions,
