@@ -167,21 +167,10 @@ impl Allocator {
         let mut guess_limit = 0;
         let res = match self.kind {
             CoordinatorKind::NoPrefixCache => Hit { num_tokens: 0, num_uncached_common_prefix_tokens: 0 },
-            CoordinatorKind::Unitary => {
-                let m = &self.managers[0];
-                let bs = m.block_size();
-                let view = HashView { hashes: &self.reqs[s as usize].hashes, scale: bs / self.cfg.hash_block_size };
-                let q = HitQuery {
-                    pool: &self.pool,
-                    view,
-                    max_length: max_cache_hit_length,
-                    group_ids: &[0],
-                    block_size: bs,
-                    alignment_tokens: bs,
-                };
-                let n = find_longest_cache_hit(m.spec.kind, &q, &mut hit[..1]);
-                Hit { num_tokens: n, num_uncached_common_prefix_tokens: 0 }
-            }
+            CoordinatorKind::Unitary => Hit {
+                num_tokens: self.unitary_search(&self.reqs[s as usize].hashes, max_cache_hit_length, &mut hit[..1]),
+                num_uncached_common_prefix_tokens: 0,
+            },
             CoordinatorKind::Hybrid => {
                 let mut res = self.hybrid_hit(s, max_cache_hit_length, &mut hit);
                 let mut junction = self.pinned_junction(s, max_cache_hit_length);
@@ -338,6 +327,22 @@ impl Allocator {
         res
     }
 
+    /// vLLM's `UnitaryKVCacheCoordinator.find_longest_cache_hit` over `hashes`: the one
+    /// group's hit left in `out[0]`, its tokens returned. Reads the pool only. O(blocks scanned).
+    fn unitary_search(&self, hashes: &[BlockHash], max_len: u32, out: &mut [Vec<BlockId>]) -> u32 {
+        let m = &self.managers[0];
+        let bs = m.block_size();
+        let q = HitQuery {
+            pool: &self.pool,
+            view: HashView { hashes, scale: bs / self.cfg.hash_block_size },
+            max_length: max_len,
+            group_ids: &[0],
+            block_size: bs,
+            alignment_tokens: bs,
+        };
+        find_longest_cache_hit(m.spec.kind, &q, out)
+    }
+
     /// vLLM's `HybridKVCacheCoordinator.find_longest_cache_hit` over `hashes`: the fixed
     /// point over the spec groups, full attention first, each group's hit left in `out`
     /// (`tmp`: scratch, one list per group). Reads the pool only. O(blocks scanned).
@@ -435,19 +440,7 @@ impl Allocator {
         }
         let n = match self.kind {
             CoordinatorKind::NoPrefixCache => 0,
-            CoordinatorKind::Unitary => {
-                let m = &self.managers[0];
-                let bs = m.block_size();
-                let q = HitQuery {
-                    pool: &self.pool,
-                    view: HashView { hashes: &staged, scale: bs / self.cfg.hash_block_size },
-                    max_length: max_cache_hit_length,
-                    group_ids: &[0],
-                    block_size: bs,
-                    alignment_tokens: bs,
-                };
-                find_longest_cache_hit(m.spec.kind, &q, &mut out[..1])
-            }
+            CoordinatorKind::Unitary => self.unitary_search(&staged, max_cache_hit_length, &mut out[..1]),
             CoordinatorKind::Hybrid => self.hybrid_search(&staged, max_cache_hit_length, &mut out, &mut tmp).num_tokens,
         };
         self.scratch_spec = tmp;
