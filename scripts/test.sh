@@ -23,6 +23,7 @@ cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
 RELEASES=${HYBRID_ALLOC_VLLM_RELEASES:-0.32.0 0.33.0 0.34.0}
 DEBUG_CASES=${HYBRID_ALLOC_DEBUG_PROPTEST_CASES:-}
+PROGRESS_EVERY=${HYBRID_ALLOC_PROGRESS_EVERY:-120}
 LOGDIR=target/test-logs
 mkdir -p "$LOGDIR"
 # shellcheck source=scripts/steps.sh
@@ -116,7 +117,8 @@ for release in $RELEASES; do
   fi
   # The releases' pytest runs go concurrently (each is mostly one busy process; two cores), each
   # into its own log, printed whole when it ends; each writes its own duration next to its log.
-  printf '\n== pytest (vLLM %s) started (%s); its output follows when it ends\n' "$release" "$(date +%T)"
+  printf '\n== pytest (vLLM %s) started (%s); log %s (progress below every %ss, the whole log when it ends)\n' \
+    "$release" "$(date +%T)" "$LOGDIR/pytest-$release.log" "$PROGRESS_EVERY"
   rm -f "$LOGDIR/pytest-$release.secs"
   (
     start=$SECONDS
@@ -126,6 +128,39 @@ for release in $RELEASES; do
     exit "$rc"
   ) &
   PYTEST_PID[$release]=$!
+done
+# While they run, one line every PROGRESS_EVERY seconds: each release's pytest percentage and the
+# file it is in (read from its log), so a run that takes most of an hour shows it is moving.
+progress() {
+  local release log line file pct
+  line="$(date +%T) pytest progress:"
+  for release in $RELEASES; do
+    log=$LOGDIR/pytest-$release.log
+    [ -n "${PYTEST_PID[$release]:-}" ] && [ -f "$log" ] || continue
+    if [ -f "$LOGDIR/pytest-$release.secs" ]; then
+      line+=" $release done;"
+      continue
+    fi
+    pct=$(grep -o '\[ *[0-9]*%\]' "$log" | tail -n 1 | tr -d '[] ')
+    file=$(grep -o '^tests/[^ ]*\.py' "$log" | tail -n 1)
+    line+=" $release ${pct:-0%} ${file:-(collecting)};"
+  done
+  echo "$line"
+}
+running() {
+  local release
+  for release in $RELEASES; do
+    [ -n "${PYTEST_PID[$release]:-}" ] || continue
+    [ -f "$LOGDIR/pytest-$release.secs" ] || return 0
+  done
+  return 1
+}
+while running; do
+  for ((i = 0; i < PROGRESS_EVERY && ${#PYTEST_PID[@]} > 0; i += 5)); do
+    running || break
+    sleep 5
+  done
+  running && progress
 done
 for release in $RELEASES; do
   [ -n "${PYTEST_PID[$release]:-}" ] || continue
