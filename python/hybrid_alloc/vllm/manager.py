@@ -267,7 +267,9 @@ class HybridKVCacheManager:
         return st
 
     def _drain_events(self, request: Request | None) -> None:
-        self._event_log.drain(self._alloc.take_events(), request)
+        events = self._alloc.take_events()
+        if events:
+            self._event_log.drain(events, request)
 
     # ---- KVCacheManager API -------------------------------------------------------------
 

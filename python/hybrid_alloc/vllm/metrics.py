@@ -72,25 +72,20 @@ def after_call_hook(
 ) -> Callable[[Any], None] | None:
     """What the manager calls (with the request, or ``None``) after each call that may have
     queued KV cache events or residency log entries: with ``enable_events``, drains the
-    events with ``drain_events`` when the core has some; with a ``collector`` (truthy, as
-    vLLM's pool tests ``if self.metrics_collector``), replays the residency log on it.
-    ``None`` when both are off, so the manager's check costs one attribute test."""
+    events with ``drain_events`` (one crossing: ``take_events``, an empty list when there are
+    none, so no ``has_events`` crossing before it); with a ``collector`` (truthy, as vLLM's
+    pool tests ``if self.metrics_collector``), replays the residency log on it. ``None`` when
+    both are off, so the manager's check costs one attribute test."""
     if not collector:
         if not enable_events:
             return None
-
-        def drain(request: Any) -> None:
-            if alloc.has_events:
-                drain_events(request)
-
-        return drain
+        return drain_events
     replay = ResidencyReplay(alloc, collector)
     if not enable_events:
         return lambda request: replay()
 
     def drain_and_replay(request: Any) -> None:
-        if alloc.has_events:
-            drain_events(request)
+        drain_events(request)
         replay()
 
     return drain_and_replay
