@@ -28,40 +28,39 @@ use crate::ids::{BlockId, Slot, NULL_BLOCK};
 macro_rules! with_rules {
     ($kind:expr, $r:ident => $body:expr) => {{
         use $crate::config::AttentionKind as K;
-        #[allow(unused_imports)]
         use $crate::manager::kind::KindRules as _;
-        use $crate::manager::{chunked_local, circular_buffer, cross, full, mamba, rswa, sliding_window};
         match $kind {
             K::Full => {
-                let $r = &full::Full;
+                let $r = &$crate::manager::full::Full;
                 $body
             }
             K::Rswa { window } => {
-                let $r = &rswa::Rswa { window };
+                let $r = &$crate::manager::rswa::Rswa { window };
                 $body
             }
             K::SlidingWindow { window, extra_retained_tokens } => {
-                let $r = &sliding_window::SlidingWindow { window, extra_retained_tokens };
+                let $r = &$crate::manager::sliding_window::SlidingWindow { window, extra_retained_tokens };
                 $body
             }
             K::ChunkedLocal { chunk } => {
-                let $r = &chunked_local::ChunkedLocal { chunk };
+                let $r = &$crate::manager::chunked_local::ChunkedLocal { chunk };
                 $body
             }
             K::Cross => {
-                let $r = &cross::Cross;
+                let $r = &$crate::manager::cross::Cross;
                 $body
             }
             K::Mamba { speculative_blocks, align: false, .. } => {
-                let $r = &mamba::MambaNone { speculative_blocks };
+                let $r = &$crate::manager::mamba::MambaNone { speculative_blocks };
                 $body
             }
             K::Mamba { speculative_blocks, align: true, rekey_cached_tail, checkpoint_alignment } => {
-                let $r = &mamba::MambaAlign { speculative_blocks, rekey_cached_tail, checkpoint_alignment };
+                let $r =
+                    &$crate::manager::mamba::MambaAlign { speculative_blocks, rekey_cached_tail, checkpoint_alignment };
                 $body
             }
             K::CircularBuffer => {
-                let $r = &circular_buffer::CircularBuffer;
+                let $r = &$crate::manager::circular_buffer::CircularBuffer;
                 $body
             }
         }

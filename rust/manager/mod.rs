@@ -34,25 +34,34 @@
 //! dispatch is one `match` per operation, as a hand-written one.
 //!
 //! # Adding a kind
-//! Eight sites in six files for a kind without per-request state (vLLM: its spec class,
-//! its manager subclass, its `spec_manager_map` entry), listed for chunked local attention:
-//! 1. `rust/config.rs`: the [`AttentionKind`](crate::AttentionKind) variant with its parameters (vLLM's spec class).
+//! Fifteen edits in eight files for a kind without per-request state, six of them in Rust
+//! (before the [`KindRules`] trait: thirteen in Rust, in six files). vLLM needs its spec
+//! class, its manager subclass and its `spec_manager_map` entry. Listed for chunked local
+//! attention (a kind with a parameter no other kind has also adds a
+//! [`crate::api::KindParam`] variant, with its name, vLLM name and default):
+//! 1. `rust/config.rs`: the [`AttentionKind`](crate::AttentionKind) variant with its
+//!    parameters (vLLM's spec class).
 //! 2. `rust/manager/<kind>.rs`: the rules struct and its `impl KindRules`, overriding what
-//!    differs from full attention (for chunked local: `num_skipped_tokens`,
+//!    differs from full attention (chunked local: `num_skipped_tokens`,
 //!    `find_longest_cache_hit`, `noop_processed`, `max_admission_blocks`, `check_params`,
 //!    `check_with_caching`) (vLLM's manager subclass).
-//! 3. `rust/manager/mod.rs`: its `pub mod` line and its row in the table above.
-//! 4. `rust/manager/kind.rs`: its arm in `with_rules!` (vLLM's `spec_manager_map` entry).
-//! 5. `rust/api.rs`: its `KINDS` entry (name, named parameters, how to build the variant),
-//!    and a [`crate::api::KindParam`] variant for a parameter no kind has yet.
-//! 6. `python/hybrid_alloc/specs.py`: its frozen dataclass (fields named as in the registry),
-//!    in `__all__` and in the `GroupSpec` union.
-//! 7. `python/hybrid_alloc/vllm/spec_table.py`: the vLLM spec class's translator and its
-//!    `SPEC_TABLE` entry (vLLM's `spec_manager_map` shape), with their imports.
-//! 8. `README.md`: its row in the spec table (with the test that proves it against vLLM).
+//! 3. `rust/manager/mod.rs`: its `pub mod` line;
+//! 4. and its row in the table above.
+//! 5. `rust/manager/kind.rs`: its arm in `with_rules!` (vLLM's `spec_manager_map` entry).
+//! 6. `rust/api.rs`: its `KINDS` entry (name, named parameters, how to build the variant).
+//! 7. `python/hybrid_alloc/specs.py`: its frozen dataclass (fields named as in the registry);
+//! 8. its name in `__all__`;
+//! 9. and in the `GroupSpec` union.
+//! 10. `python/hybrid_alloc/vllm/spec_table.py`: the import of vLLM's spec class;
+//! 11. the import of the named spec;
+//! 12. the translator from one to the other;
+//! 13. its `SPEC_TABLE` entry (vLLM's `spec_manager_map` shape).
+//! 14. `README.md`: its row in the compatibility matrix;
+//! 15. and its row in the spec table (with the test that proves it against vLLM).
 //!
+//! Optional: a `case` in `spec_table.describe` to show its parameters in the serving log.
 //! A kind that keeps per-request state also overrides `new_state` and adds its [`KindState`]
-//! arm here (with its arms in `KindState::ensure_slot` / `clear`).
+//! variant (with its arms in `KindState::ensure_slot` and `clear`).
 #![forbid(unsafe_code)]
 
 mod boundary;
