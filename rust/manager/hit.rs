@@ -1,7 +1,6 @@
 //! The hit search's inputs and its dispatch to the kinds' `find_longest_cache_hit`
-//! ([`super::KindRules::find_longest_cache_hit`]): a
-//! request's hashes viewed at a group's block size ([`HashView`]) and one search of a spec
-//! group ([`HitQuery`]).
+//! ([`super::KindRules::find_longest_cache_hit`]): a request's hashes viewed at a group's
+//! block size ([`HashView`]) and one search of a spec group ([`HitQuery`]).
 //!
 //! Cost: `HashView` is O(1) per lookup; the search is the kind's (see each kind's file).
 #![forbid(unsafe_code)]

@@ -1,6 +1,8 @@
 //! The no-op limits of a group: bounds under which a plain step of a request provably
 //! allocates, frees and caches nothing in the group (the coordinator's decode fast path
-//! takes their minimum over groups). Each kind's bound comes from its own file.
+//! takes their minimum over groups). Each kind's bound comes from its rules, in its own file
+//! ([`super::KindRules::noop_limits`], by default a positional table's limits here with the
+//! kind's [`super::KindRules::noop_processed`]).
 //!
 //! Cost: O(1) per request.
 #![forbid(unsafe_code)]
