@@ -19,8 +19,10 @@ use crate::policy::{Level, LEVEL_NORMAL, LEVEL_PINNED};
 /// spec classes of `hybrid_alloc.specs` use [`KindParam::name`] as the attribute name).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KindParam {
-    /// The window in tokens (sliding window, R-SWA).
+    /// The window in tokens (sliding window).
     Window,
+    /// R-SWA's window in tokens (field `window`, vLLM's `rswa_window`).
+    RswaWindow,
     /// Tokens a sliding window keeps beyond its window (vLLM 0.33's retention).
     ExtraRetainedTokens,
     /// The attention chunk in tokens (chunked local).
@@ -37,7 +39,7 @@ impl KindParam {
     /// The field name in a group spec.
     pub fn name(self) -> &'static str {
         match self {
-            KindParam::Window => "window",
+            KindParam::Window | KindParam::RswaWindow => "window",
             KindParam::ExtraRetainedTokens => "extra_retained_tokens",
             KindParam::Chunk => "chunk",
             KindParam::SpeculativeBlocks => "speculative_blocks",
@@ -50,6 +52,7 @@ impl KindParam {
     fn vllm_name(self) -> &'static str {
         match self {
             KindParam::Window => "sliding_window",
+            KindParam::RswaWindow => "rswa_window",
             KindParam::ExtraRetainedTokens => "extra_retained_tokens",
             KindParam::Chunk => "attention_chunk_size",
             KindParam::SpeculativeBlocks => "num_speculative_blocks",
@@ -61,7 +64,7 @@ impl KindParam {
     /// The value a spec that leaves the field out means, or `None` when it is required.
     pub fn default_value(self) -> Option<i64> {
         match self {
-            KindParam::Window | KindParam::Chunk => None,
+            KindParam::Window | KindParam::RswaWindow | KindParam::Chunk => None,
             _ => Some(0),
         }
     }
@@ -74,22 +77,49 @@ pub struct KindEntry {
     pub name: &'static str,
     /// Its parameters, in the order of the legacy positional tuple's `param1, param2, param3`.
     pub params: &'static [KindParam],
+    /// The kind from its parameters' checked values, in [`Self::params`] order (a flag is 0 or 1).
+    pub build: fn(&[u32]) -> AttentionKind,
 }
 
-/// The kind registry: every kind the core serves. "mla" allocates as "full".
+/// The kind registry: every kind the core serves, with how to build it from its named
+/// parameters (the manager that serves it is the kind's rules, `crate::manager::KindRules`).
+/// "mla" allocates as "full".
 pub const KINDS: &[KindEntry] = &[
-    KindEntry { name: "full", params: &[] },
-    KindEntry { name: "mla", params: &[] },
-    KindEntry { name: "rswa", params: &[KindParam::Window] },
-    KindEntry { name: "sliding_window", params: &[KindParam::Window, KindParam::ExtraRetainedTokens] },
-    KindEntry { name: "chunked_local", params: &[KindParam::Chunk] },
-    KindEntry { name: "cross", params: &[] },
-    KindEntry { name: "mamba", params: &[KindParam::SpeculativeBlocks] },
+    KindEntry { name: "full", params: &[], build: |_| AttentionKind::Full },
+    KindEntry { name: "mla", params: &[], build: |_| AttentionKind::Full },
+    KindEntry { name: "rswa", params: &[KindParam::RswaWindow], build: |p| AttentionKind::Rswa { window: p[0] } },
+    KindEntry {
+        name: "sliding_window",
+        params: &[KindParam::Window, KindParam::ExtraRetainedTokens],
+        build: |p| AttentionKind::SlidingWindow { window: p[0], extra_retained_tokens: p[1] },
+    },
+    KindEntry {
+        name: "chunked_local",
+        params: &[KindParam::Chunk],
+        build: |p| AttentionKind::ChunkedLocal { chunk: p[0] },
+    },
+    KindEntry { name: "cross", params: &[], build: |_| AttentionKind::Cross },
+    KindEntry {
+        name: "mamba",
+        params: &[KindParam::SpeculativeBlocks],
+        build: |p| AttentionKind::Mamba {
+            speculative_blocks: p[0],
+            align: false,
+            rekey_cached_tail: false,
+            checkpoint_alignment: 0,
+        },
+    },
     KindEntry {
         name: "mamba_align",
         params: &[KindParam::SpeculativeBlocks, KindParam::RekeyCachedTail, KindParam::CheckpointAlignment],
+        build: |p| AttentionKind::Mamba {
+            speculative_blocks: p[0],
+            align: true,
+            rekey_cached_tail: p[1] != 0,
+            checkpoint_alignment: p[2],
+        },
     },
-    KindEntry { name: "circular_buffer", params: &[] },
+    KindEntry { name: "circular_buffer", params: &[], build: |_| AttentionKind::CircularBuffer },
 ];
 
 /// The registry entry of `kind`.
@@ -116,33 +146,14 @@ pub fn attention_kind(kind: &str, mut param: impl FnMut(KindParam) -> Result<i64
         let v = param(p)?;
         match p {
             KindParam::RekeyCachedTail => Ok(u32::from(v != 0)),
-            _ if entry.name == "rswa" => token_count("rswa_window", v),
             _ => token_count(p.vllm_name(), v),
         }
     };
-    Ok(match entry.name {
-        "full" | "mla" => AttentionKind::Full,
-        "rswa" => AttentionKind::Rswa { window: n(KindParam::Window)? },
-        "sliding_window" => AttentionKind::SlidingWindow {
-            window: n(KindParam::Window)?,
-            extra_retained_tokens: n(KindParam::ExtraRetainedTokens)?,
-        },
-        "chunked_local" => AttentionKind::ChunkedLocal { chunk: n(KindParam::Chunk)? },
-        "cross" => AttentionKind::Cross,
-        "circular_buffer" => AttentionKind::CircularBuffer,
-        "mamba" => AttentionKind::Mamba {
-            speculative_blocks: n(KindParam::SpeculativeBlocks)?,
-            align: false,
-            rekey_cached_tail: false,
-            checkpoint_alignment: 0,
-        },
-        _ => AttentionKind::Mamba {
-            speculative_blocks: n(KindParam::SpeculativeBlocks)?,
-            align: true,
-            rekey_cached_tail: n(KindParam::RekeyCachedTail)? != 0,
-            checkpoint_alignment: n(KindParam::CheckpointAlignment)?,
-        },
-    })
+    let mut values = [0u32; 3];
+    for (v, &p) in values.iter_mut().zip(entry.params) {
+        *v = n(p)?;
+    }
+    Ok((entry.build)(&values[..entry.params.len()]))
 }
 
 /// A group from its named fields (see [`attention_kind`] for `param`).

@@ -1,6 +1,8 @@
 //! Configuration of an allocator: the pool size, the KV cache groups and their attention
 //! types, and the scheduler-level knobs vLLM's `KVCacheManager` is built with.
 //! Validation happens once, in [`Config::validate`]; everything after may rely on it.
+//! What varies by kind (its predicates, its checks, its admission cap) is the kind's rules,
+//! in its manager file ([`crate::manager::KindRules`]); this file holds only the data.
 #![forbid(unsafe_code)]
 
 use crate::error::{Error, Result};
@@ -59,49 +61,6 @@ pub enum AttentionKind {
     /// A circular buffer (vLLM's `CircularBufferSpec`, DeepSeek-V4's compressor ring): one
     /// block per request for its whole life, never prefix cached, never zeroed.
     CircularBuffer,
-}
-
-impl AttentionKind {
-    /// Whether vLLM treats this kind as a `FullAttentionSpec` in the hybrid hit search.
-    pub fn is_full(&self) -> bool {
-        matches!(self, AttentionKind::Full | AttentionKind::Rswa { .. })
-    }
-
-    /// Whether vLLM records this kind's new blocks for KV cache zeroing: attention specs
-    /// other than circular buffers (a Mamba state block is not an attention block).
-    pub fn is_attention(&self) -> bool {
-        !matches!(self, AttentionKind::Mamba { .. } | AttentionKind::CircularBuffer)
-    }
-
-    /// Whether the group takes part in prefix caching (vLLM's `prefix_cacheable`; cross
-    /// attention is refused with caching on, so it counts as cacheable here).
-    pub fn is_prefix_cacheable(&self) -> bool {
-        !matches!(self, AttentionKind::CircularBuffer)
-    }
-
-    /// Whether the group has a hit search and caches full blocks under the request's hashes
-    /// (every kind but cross attention and circular buffers).
-    pub fn takes_hits(&self) -> bool {
-        !matches!(self, AttentionKind::Cross | AttentionKind::CircularBuffer)
-    }
-
-    /// Whether the group's table is sized by the encoder tokens, not the sequence (cross
-    /// attention: one static allocation from the encoder length).
-    pub fn sized_by_encoder_tokens(&self) -> bool {
-        matches!(self, AttentionKind::Cross)
-    }
-
-    /// Whether the group's table is positional over the sequence (`len * block_size` covers
-    /// the tokens given): every kind but cross attention (sized by the encoder) and circular
-    /// buffers (one block for the whole sequence).
-    pub fn covers_sequence(&self) -> bool {
-        !matches!(self, AttentionKind::Cross | AttentionKind::CircularBuffer)
-    }
-
-    /// Whether this is a Mamba group in cache mode "align".
-    pub fn is_mamba_align(&self) -> bool {
-        matches!(self, AttentionKind::Mamba { align: true, .. })
-    }
 }
 
 /// One KV cache group.
@@ -176,10 +135,6 @@ pub enum CoordinatorKind {
     Hybrid,
 }
 
-fn cdiv(a: u64, b: u64) -> u64 {
-    a.div_ceil(b)
-}
-
 impl Config {
     /// The coordinator vLLM picks (`get_kv_cache_coordinator`).
     pub fn coordinator_kind(&self) -> CoordinatorKind {
@@ -201,20 +156,7 @@ impl Config {
     /// The recycling-aware per-request admission cap of a group, in blocks
     /// (`SlidingWindowSpec` / `ChunkedLocalAttentionSpec.max_admission_blocks_per_request`).
     pub fn max_admission_blocks(&self, g: &GroupSpec) -> Option<u32> {
-        let inflight = self.max_in_flight_tokens as u64;
-        let mml = self.max_model_len as u64;
-        let bs = g.block_size as u64;
-        match g.kind {
-            AttentionKind::SlidingWindow { window, extra_retained_tokens } => {
-                let n = (window as u64 - 1 + extra_retained_tokens as u64 + inflight).min(mml);
-                Some((cdiv(n, bs) + 1) as u32)
-            }
-            AttentionKind::ChunkedLocal { chunk } => {
-                let n = (chunk as u64 + inflight).min(mml);
-                Some(cdiv(n, bs) as u32)
-            }
-            _ => None,
-        }
+        g.kind.max_admission_blocks(g.block_size, self.max_in_flight_tokens, self.max_model_len)
     }
 
     /// Checks the config; the allocator relies on every rule here.
@@ -258,24 +200,7 @@ impl Config {
                     self.scheduler_block_size, g.block_size
                 ));
             }
-            match g.kind {
-                AttentionKind::SlidingWindow { window: 0, .. } => {
-                    return bad(format!("group {i}: sliding window must be positive"));
-                }
-                AttentionKind::ChunkedLocal { chunk: 0 } => {
-                    return bad(format!("group {i}: attention chunk size must be positive"));
-                }
-                AttentionKind::Mamba { speculative_blocks, .. } if speculative_blocks > 1 << 20 => {
-                    return bad(format!("group {i}: {speculative_blocks} speculative Mamba blocks"));
-                }
-                AttentionKind::Mamba { align: true, .. } if !self.enable_caching => {
-                    return Err(Error::Unsupported(format!(
-                        "group {i}: Mamba cache mode \"align\" with prefix caching off (vLLM's config \
-                         sets \"none\" then)"
-                    )));
-                }
-                _ => {}
-            }
+            g.kind.check_params(self, i)?;
             if self.enable_caching && g.kind.is_prefix_cacheable() {
                 if g.block_size % self.hash_block_size != 0 {
                     return bad(format!(
@@ -283,58 +208,7 @@ impl Config {
                         g.block_size, self.hash_block_size
                     ));
                 }
-                if matches!(g.kind, AttentionKind::Cross) {
-                    return Err(Error::Unsupported(format!(
-                        "group {i}: cross attention with prefix caching on (vLLM's own \
-                         CrossAttentionManager raises on cache_blocks and on the hit search then; \
-                         vLLM turns prefix caching off for encoder-decoder models)"
-                    )));
-                }
-                if matches!(g.kind, AttentionKind::Mamba { align: false, .. }) {
-                    return Err(Error::Unsupported(format!(
-                        "group {i}: Mamba cache mode \"none\" with prefix caching on (vLLM itself switches \
-                         to \"align\" when prefix caching is on)"
-                    )));
-                }
-                if let AttentionKind::Mamba { align: true, checkpoint_alignment, .. } = g.kind {
-                    if checkpoint_alignment > 0 && self.hash_lookahead_tokens > 1 {
-                        return Err(Error::Unsupported(format!(
-                            "group {i}: Mamba prefill checkpoint blocks with {} lookahead hash tokens (the \
-                             checkpoint would be keyed inside its block, then promoted)",
-                            self.hash_lookahead_tokens
-                        )));
-                    }
-                    if checkpoint_alignment > 0 && g.block_size != self.scheduler_block_size {
-                        return Err(Error::Unsupported(format!(
-                            "group {i}: Mamba prefill checkpoint blocks with a Mamba block size ({}) other than \
-                             the scheduler block size ({}) (the checkpoint would be keyed inside its block)",
-                            g.block_size, self.scheduler_block_size
-                        )));
-                    }
-                    if g.block_size != self.hash_block_size {
-                        return Err(Error::Unsupported(format!(
-                            "group {i}: Mamba block size {} over hash block size {} in cache mode \"align\" \
-                             (sub-block partial hits with copy-on-write)",
-                            g.block_size, self.hash_block_size
-                        )));
-                    }
-                }
-                if g.kind.is_full() && g.block_size != self.hash_block_size {
-                    return Err(Error::Unsupported(format!(
-                        "group {i}: full attention with block size {} over hash block size {} \
-                         (partial-block prefix entries)",
-                        g.block_size, self.hash_block_size
-                    )));
-                }
-                if matches!(g.kind, AttentionKind::ChunkedLocal { .. })
-                    && g.block_size != self.cache_hit_alignment_tokens()
-                {
-                    return Err(Error::Unsupported(format!(
-                        "group {i}: chunked local attention with a block size ({}) other than \
-                         the scheduler block size ({})",
-                        g.block_size, self.scheduler_block_size
-                    )));
-                }
+                g.kind.check_with_caching(self, i, g)?;
             }
         }
         if self.enable_caching && !self.groups.iter().any(|g| g.kind.is_prefix_cacheable()) {
@@ -344,10 +218,7 @@ impl Config {
             return bad("a single cached group needs hash_block_size == block_size".into());
         }
         if let Some(r) = self.retention_interval {
-            let has_sparse = self
-                .groups
-                .iter()
-                .any(|g| matches!(g.kind, AttentionKind::SlidingWindow { .. } | AttentionKind::Mamba { .. }));
+            let has_sparse = self.groups.iter().any(|g| g.kind.sparse_retention());
             if !has_sparse && r != 0 {
                 return bad("prefix_cache_retention_interval is set but no sliding-window group exists".into());
             }

@@ -3,14 +3,95 @@
 //! request needs it, never prefix cached (no hit search, nothing cached), never recorded for
 //! KV cache zeroing (not an attention block: [`crate::AttentionKind::is_attention`]).
 //!
+//! Its rules ([`CircularBuffer`]) override the allocation, the count and the no-op limits,
+//! and switch the hit search and caching off.
+//!
 //! Per-request state: none beyond the shared table (empty until the block is claimed).
 //!
 //! Cost: every function here is O(1).
 #![forbid(unsafe_code)]
 
-use super::SingleTypeManager;
+use super::cross::no_hits;
+use super::{CacheArgs, CountArgs, HitQuery, KindRules, SingleTypeManager};
 use crate::block_pool::BlockPool;
 use crate::ids::{BlockId, Slot};
+
+/// A circular buffer's rules (vLLM's `CircularBufferManager`).
+#[derive(Clone, Copy, Debug)]
+pub struct CircularBuffer;
+
+impl KindRules for CircularBuffer {
+    fn is_attention(&self) -> bool {
+        false
+    }
+
+    fn is_prefix_cacheable(&self) -> bool {
+        false
+    }
+
+    fn takes_hits(&self) -> bool {
+        false
+    }
+
+    fn covers_sequence(&self) -> bool {
+        false
+    }
+
+    fn find_longest_cache_hit(&self, _q: &HitQuery<'_>, _out: &mut [Vec<BlockId>]) -> u32 {
+        0
+    }
+
+    fn noop_limits(&self, m: &SingleTypeManager, h: Slot) -> (u32, u32, u32, u32) {
+        let (slots, processed, cached) = m.ring_noop_limits(h);
+        (slots, processed, cached, u32::MAX)
+    }
+
+    fn get_num_blocks_to_allocate(&self, m: &SingleTypeManager, _pool: &BlockPool, h: Slot, _c: &CountArgs<'_>) -> i64 {
+        m.ring_num_blocks_to_allocate(h)
+    }
+
+    fn add_local_computed_blocks(
+        &self,
+        _m: &mut SingleTypeManager,
+        _pool: &mut BlockPool,
+        _h: Slot,
+        new_computed: &[BlockId],
+        _num_local_computed_tokens: u32,
+        _num_external_computed_tokens: u32,
+    ) {
+        no_hits(new_computed);
+    }
+
+    fn allocate_external_computed_blocks(
+        &self,
+        m: &mut SingleTypeManager,
+        pool: &mut BlockPool,
+        h: Slot,
+        _num_local_computed_tokens: u32,
+        _num_external_computed_tokens: u32,
+        record_for_zeroing: bool,
+    ) {
+        m.claim_ring_block(pool, h, record_for_zeroing);
+    }
+
+    fn allocate_new_blocks(
+        &self,
+        m: &mut SingleTypeManager,
+        pool: &mut BlockPool,
+        h: Slot,
+        _num_tokens: u32,
+        _num_tokens_main_model: u32,
+        out: &mut Vec<BlockId>,
+    ) {
+        m.ring_allocate_new_blocks(pool, h, out);
+    }
+
+    fn blocks_to_cache(&self, _m: &SingleTypeManager, _h: Slot, _num_hashes: usize, _num_tokens: u32) -> (u32, u32) {
+        (0, 0)
+    }
+
+    fn cache_blocks(&self, _m: &mut SingleTypeManager, _pool: &mut BlockPool, _h: Slot, _c: &CacheArgs<'_>) {}
+}
 
 impl SingleTypeManager {
     /// The request's one block, taken the first time it needs it (vLLM's

@@ -1,11 +1,11 @@
-//! The hit search's inputs and its dispatch to the kinds' `find_longest_cache_hit`: a
-//! request's hashes viewed at a group's block size ([`HashView`]) and one search of a spec
-//! group ([`HitQuery`]).
+//! The hit search's inputs and its dispatch to the kinds' `find_longest_cache_hit`
+//! ([`super::KindRules::find_longest_cache_hit`]): a request's hashes viewed at a group's
+//! block size ([`HashView`]) and one search of a spec group ([`HitQuery`]).
 //!
 //! Cost: `HashView` is O(1) per lookup; the search is the kind's (see each kind's file).
 #![forbid(unsafe_code)]
 
-use super::{chunked_local, full, mamba, sliding_window};
+use super::with_rules;
 use crate::block_pool::BlockPool;
 use crate::config::AttentionKind;
 use crate::ids::{BlockHash, BlockId, GroupId};
@@ -64,11 +64,5 @@ pub fn find_longest_cache_hit(kind: AttentionKind, q: &HitQuery<'_>, out: &mut [
     for o in out.iter_mut() {
         o.clear();
     }
-    match kind {
-        AttentionKind::Full | AttentionKind::Rswa { .. } => full::find_longest_cache_hit(q, out),
-        AttentionKind::SlidingWindow { window, .. } => sliding_window::find_longest_cache_hit(q, window, out),
-        AttentionKind::ChunkedLocal { chunk } => chunked_local::find_longest_cache_hit(q, chunk, out),
-        AttentionKind::Cross | AttentionKind::CircularBuffer => 0,
-        AttentionKind::Mamba { .. } => mamba::find_longest_cache_hit(q, out),
-    }
+    with_rules!(kind, r => r.find_longest_cache_hit(q, out))
 }

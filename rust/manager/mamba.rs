@@ -37,13 +37,212 @@
 //! and per manager the keys cached during the current step
 //! (`cached_blocks_this_step`: a hit on such a state waits for the next step).
 //!
+//! Rules: [`MambaNone`] (skipped tokens, the hit search, the retention mask, the speculative
+//! blocks' slots and no-op limits, its checks) and [`MambaAlign`] (the same search and mask,
+//! with its own count, allocation, caching, freeing, no-op limits and per-request state).
+//!
 //! Cost: every function here is O(1), except [`find_longest_cache_hit`], O(blocks scanned
 //! from the right until a cached one).
 #![forbid(unsafe_code)]
 
-use super::{cdiv, CacheArgs, CountArgs, HitQuery, KindState, SingleTypeManager};
+use super::noop::clamp;
+use super::{cdiv, CacheArgs, CountArgs, HitQuery, KindRules, KindState, SingleTypeManager};
 use crate::block_pool::{BlockPool, OneBlock};
+use crate::config::{Config, GroupSpec};
+use crate::error::{Error, Result};
 use crate::ids::{BlockId, Slot, NULL_BLOCK};
+
+/// Mamba's rules in cache mode "none" (vLLM's `MambaManager` without prefix caching).
+#[derive(Clone, Copy, Debug)]
+pub struct MambaNone {
+    /// Extra state blocks kept for speculative decoding.
+    pub speculative_blocks: u32,
+}
+
+/// Mamba's rules in cache mode "align" (vLLM's `MambaManager` with prefix caching).
+#[derive(Clone, Copy, Debug)]
+pub struct MambaAlign {
+    /// Extra state blocks kept for speculative decoding.
+    pub speculative_blocks: u32,
+    /// vLLM 0.32's rule for the prompt's checkpoint state.
+    pub rekey_cached_tail: bool,
+    /// `prefill_checkpoint_alignment` with prefill checkpoint blocks; 0: none.
+    pub checkpoint_alignment: u32,
+}
+
+/// The checks both modes share: the speculative blocks are bounded.
+fn check_speculative_blocks(speculative_blocks: u32, i: usize) -> Result<()> {
+    if speculative_blocks > 1 << 20 {
+        return Err(Error::InvalidConfig(format!("group {i}: {speculative_blocks} speculative Mamba blocks")));
+    }
+    Ok(())
+}
+
+impl KindRules for MambaNone {
+    fn is_attention(&self) -> bool {
+        false
+    }
+
+    fn sparse_retention(&self) -> bool {
+        true
+    }
+
+    fn check_params(&self, _cfg: &Config, i: usize) -> Result<()> {
+        check_speculative_blocks(self.speculative_blocks, i)
+    }
+
+    fn check_with_caching(&self, _cfg: &Config, i: usize, _g: &GroupSpec) -> Result<()> {
+        Err(Error::Unsupported(format!(
+            "group {i}: Mamba cache mode \"none\" with prefix caching on (vLLM itself switches \
+             to \"align\" when prefix caching is on)"
+        )))
+    }
+
+    #[inline]
+    fn num_skipped_tokens(&self, num_computed_tokens: u32) -> u32 {
+        num_skipped_tokens(num_computed_tokens)
+    }
+
+    /// The speculative state blocks' slots come on top (see [`none_mode_tokens`]).
+    #[inline]
+    fn slot_tokens(&self, num_tokens: u32, block_size: u32) -> u64 {
+        none_mode_tokens(num_tokens, block_size, self.speculative_blocks)
+    }
+
+    fn find_longest_cache_hit(&self, q: &HitQuery<'_>, out: &mut [Vec<BlockId>]) -> u32 {
+        find_longest_cache_hit(q, out)
+    }
+
+    fn reachable_block_mask(
+        &self,
+        start: u32,
+        end: u32,
+        alignment_tokens: u32,
+        block_size: u32,
+        c: &CacheArgs<'_>,
+    ) -> Option<Vec<bool>> {
+        reachable_block_mask(start, end, alignment_tokens, block_size, c.retention_interval, c.reachable_boundaries)
+    }
+
+    fn noop_limits(&self, m: &SingleTypeManager, h: Slot) -> (u32, u32, u32, u32) {
+        let (slots, processed) =
+            none_mode_noop_limits(m.blocks(h).len() as u32, m.null_prefix(h), m.block_size(), self.speculative_blocks);
+        (clamp(slots), clamp(processed), m.noop_cached(h), u32::MAX)
+    }
+}
+
+impl KindRules for MambaAlign {
+    fn is_attention(&self) -> bool {
+        false
+    }
+
+    fn is_mamba_align(&self) -> bool {
+        true
+    }
+
+    fn sparse_retention(&self) -> bool {
+        true
+    }
+
+    fn check_params(&self, cfg: &Config, i: usize) -> Result<()> {
+        check_speculative_blocks(self.speculative_blocks, i)?;
+        if !cfg.enable_caching {
+            return Err(Error::Unsupported(format!(
+                "group {i}: Mamba cache mode \"align\" with prefix caching off (vLLM's config \
+                 sets \"none\" then)"
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_with_caching(&self, cfg: &Config, i: usize, g: &GroupSpec) -> Result<()> {
+        if self.checkpoint_alignment > 0 && cfg.hash_lookahead_tokens > 1 {
+            return Err(Error::Unsupported(format!(
+                "group {i}: Mamba prefill checkpoint blocks with {} lookahead hash tokens (the \
+                 checkpoint would be keyed inside its block, then promoted)",
+                cfg.hash_lookahead_tokens
+            )));
+        }
+        if self.checkpoint_alignment > 0 && g.block_size != cfg.scheduler_block_size {
+            return Err(Error::Unsupported(format!(
+                "group {i}: Mamba prefill checkpoint blocks with a Mamba block size ({}) other than \
+                 the scheduler block size ({}) (the checkpoint would be keyed inside its block)",
+                g.block_size, cfg.scheduler_block_size
+            )));
+        }
+        if g.block_size != cfg.hash_block_size {
+            return Err(Error::Unsupported(format!(
+                "group {i}: Mamba block size {} over hash block size {} in cache mode \"align\" \
+                 (sub-block partial hits with copy-on-write)",
+                g.block_size, cfg.hash_block_size
+            )));
+        }
+        Ok(())
+    }
+
+    fn new_state(&self) -> KindState {
+        KindState::MambaAlign(AlignState::default())
+    }
+
+    #[inline]
+    fn num_skipped_tokens(&self, num_computed_tokens: u32) -> u32 {
+        num_skipped_tokens(num_computed_tokens)
+    }
+
+    fn find_longest_cache_hit(&self, q: &HitQuery<'_>, out: &mut [Vec<BlockId>]) -> u32 {
+        find_longest_cache_hit(q, out)
+    }
+
+    fn reachable_block_mask(
+        &self,
+        start: u32,
+        end: u32,
+        alignment_tokens: u32,
+        block_size: u32,
+        c: &CacheArgs<'_>,
+    ) -> Option<Vec<bool>> {
+        reachable_block_mask(start, end, alignment_tokens, block_size, c.retention_interval, c.reachable_boundaries)
+    }
+
+    fn noop_limits(&self, m: &SingleTypeManager, h: Slot) -> (u32, u32, u32, u32) {
+        m.align_noop_limits(h)
+    }
+
+    fn get_num_blocks_to_allocate(&self, m: &SingleTypeManager, pool: &BlockPool, h: Slot, c: &CountArgs<'_>) -> i64 {
+        m.align_num_blocks_to_allocate(pool, h, c)
+    }
+
+    fn allocate_new_blocks(
+        &self,
+        m: &mut SingleTypeManager,
+        pool: &mut BlockPool,
+        h: Slot,
+        _num_tokens: u32,
+        num_tokens_main_model: u32,
+        out: &mut Vec<BlockId>,
+    ) {
+        m.align_allocate_new_blocks(pool, h, num_tokens_main_model, out);
+    }
+
+    /// The full blocks (the default's), then the align states (see
+    /// `SingleTypeManager::align_cache_blocks`).
+    fn cache_blocks(&self, m: &mut SingleTypeManager, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
+        let before = m.num_cached(h);
+        m.cache_full(self, pool, h, c);
+        m.align_cache_blocks(pool, h, c, before);
+    }
+
+    fn remove_skipped_blocks(
+        &self,
+        m: &mut SingleTypeManager,
+        pool: &mut BlockPool,
+        h: Slot,
+        processed_computed_tokens: u32,
+        _num_prompt_tokens: Option<u32>,
+    ) {
+        m.align_remove_skipped_blocks(pool, h, processed_computed_tokens);
+    }
+}
 use crate::policy::LEVEL_NEAR;
 use crate::prefix_index::HashKey;
 

@@ -1,24 +1,28 @@
 //! One manager per KV cache group, with the rules of its attention type (vLLM's
 //! `SingleTypeKVCacheManager` and subclasses). The shared bookkeeping (block tables,
-//! `num_cached_block`, the null prefix, zeroing records) lives in [`SingleTypeManager`];
-//! each attention kind's rules, and the per-request state only that kind keeps, live in the
-//! kind's own file, dispatched statically: on [`AttentionKind`] for the rules and on
-//! [`KindState`] (one arm per kind that keeps state of its own) for the state.
+//! `num_cached_block`, the null prefix, zeroing records) lives in [`SingleTypeManager`]
+//! (vLLM's base class); each attention kind's rules live in the kind's own file, as one
+//! struct implementing [`KindRules`] (vLLM's subclass: it overrides only what differs from
+//! the trait's defaults, which are full attention's). One dispatch, `kind::with_rules!`
+//! (vLLM's `spec_manager_map`), maps a group's [`AttentionKind`](crate::AttentionKind) to its rules: the
+//! manager's operations and the kind predicates the coordinator and the config read all go
+//! through it, statically (a `match`, inlined). The per-request state only some kinds keep
+//! lives in the manager's [`KindState`] (one arm per such kind, its struct in the kind's file).
 //!
-//! | file | kind | per-request state |
-//! |---|---|---|
-//! | [`full`] | full attention, MLA | none |
-//! | [`rswa`] | R-SWA (full attention plus a gap freed between prompt and window) | [`rswa::RswaState`] |
-//! | [`sliding_window`] | sliding window | none (the null prefix) |
-//! | [`chunked_local`] | chunked local attention | none (the null prefix) |
-//! | [`mamba`] | Mamba "none" and "align" | [`mamba::AlignState`] ("align") |
-//! | [`circular_buffer`] | circular buffer | none (one block) |
+//! | file | kind | rules | per-request state |
+//! |---|---|---|---|
+//! | [`full`] | full attention, MLA | [`full::Full`] (the defaults) | none |
+//! | [`rswa`] | R-SWA (full attention plus a gap freed between prompt and window) | [`rswa::Rswa`] | [`rswa::RswaState`] |
+//! | [`sliding_window`] | sliding window | [`sliding_window::SlidingWindow`] | none (the null prefix) |
+//! | [`chunked_local`] | chunked local attention | [`chunked_local::ChunkedLocal`] | none (the null prefix) |
+//! | [`cross`] | cross attention (static, from the encoder length; never cached) | [`cross::Cross`] | none |
+//! | [`mamba`] | Mamba "none" and "align" | [`mamba::MambaNone`], [`mamba::MambaAlign`] | [`mamba::AlignState`] ("align") |
+//! | [`circular_buffer`] | circular buffer | [`circular_buffer::CircularBuffer`] | none (one block) |
 //!
-//! Cross attention (one static allocation from the encoder length, never cached or recycled;
-//! refused with prefix caching on) needs only the shared bookkeeping, so it has no file.
-//! Beside the kinds: `boundary` (Mamba "align" boundary-state offloads for a KV connector),
-//! `hit` (the search's inputs), `noop` (the decode fast path's limits), `retention`
-//! (hit-aware levels), `zeroing` (KV cache zeroing records).
+//! Beside the kinds: [`kind`] (the [`KindRules`] trait, its defaults, and the dispatch),
+//! `boundary` (Mamba "align" boundary-state offloads for a KV connector), `hit` (the search's
+//! inputs), `noop` (the decode fast path's limits), `retention` (hit-aware levels),
+//! `zeroing` (KV cache zeroing records).
 //!
 //! Per request (by handle) a manager keeps its block table and `num_cached_block`.
 //! Invariants: every non-null block in a table holds one reference for that slot; a
@@ -26,28 +30,47 @@
 //! out-of-window blocks become the null block in place (tables stay positional).
 //!
 //! Cost: every method is O(blocks it touches); `remove_skipped_blocks` stops at the first
-//! null block it meets walking backwards, so a decode step costs O(1) amortised.
+//! null block it meets walking backwards, so a decode step costs O(1) amortised. The
+//! dispatch is one `match` per operation, as a hand-written one.
 //!
 //! # Adding a kind
-//! 1. One Rust file here (`rust/manager/<kind>.rs`): its `num_skipped_tokens`, its
-//!    `find_longest_cache_hit` over a [`HitQuery`], its retention mask if it has one, and,
-//!    if it keeps per-request state, a state struct with `ensure_slot` / `clear`.
-//! 2. One enum arm: the variant of [`AttentionKind`] (with its predicates in `config.rs`
-//!    and its checks in `Config::validate`), matched where this module dispatches (and a
-//!    [`KindState`] arm when it keeps state), and its entry in the kind registry
-//!    (`rust/api.rs`, `KINDS`: the kind's name and its named parameters).
-//! 3. One adapter table entry: the vLLM spec class in `SPEC_TABLE`
-//!    (`python/hybrid_alloc/vllm/spec_table.py`, vLLM's `spec_manager_map` shape), building
-//!    the kind's named spec (one frozen dataclass in `python/hybrid_alloc/specs.py`, fields
-//!    named as in the registry).
-//! 4. One README row in the spec table (with the test that proves it against vLLM).
+//! Fifteen edits in eight files for a kind without per-request state, six of them in Rust
+//! (before the [`KindRules`] trait: thirteen in Rust, in six files). vLLM needs its spec
+//! class, its manager subclass and its `spec_manager_map` entry. Listed for chunked local
+//! attention (a kind with a parameter no other kind has also adds a
+//! [`crate::api::KindParam`] variant, with its name, vLLM name and default):
+//! 1. `rust/config.rs`: the [`AttentionKind`](crate::AttentionKind) variant with its
+//!    parameters (vLLM's spec class).
+//! 2. `rust/manager/<kind>.rs`: the rules struct and its `impl KindRules`, overriding what
+//!    differs from full attention (chunked local: `num_skipped_tokens`,
+//!    `find_longest_cache_hit`, `noop_processed`, `max_admission_blocks`, `check_params`,
+//!    `check_with_caching`) (vLLM's manager subclass).
+//! 3. `rust/manager/mod.rs`: its `pub mod` line;
+//! 4. and its row in the table above.
+//! 5. `rust/manager/kind.rs`: its arm in `with_rules!` (vLLM's `spec_manager_map` entry).
+//! 6. `rust/api.rs`: its `KINDS` entry (name, named parameters, how to build the variant).
+//! 7. `python/hybrid_alloc/specs.py`: its frozen dataclass (fields named as in the registry);
+//! 8. its name in `__all__`;
+//! 9. and in the `GroupSpec` union.
+//! 10. `python/hybrid_alloc/vllm/spec_table.py`: the import of vLLM's spec class;
+//! 11. the import of the named spec;
+//! 12. the translator from one to the other;
+//! 13. its `SPEC_TABLE` entry (vLLM's `spec_manager_map` shape).
+//! 14. `README.md`: its row in the compatibility matrix;
+//! 15. and its row in the spec table (with the test that proves it against vLLM).
+//!
+//! Optional: a `case` in `spec_table.describe` to show its parameters in the serving log.
+//! A kind that keeps per-request state also overrides `new_state` and adds its [`KindState`]
+//! variant (with its arms in `KindState::ensure_slot` and `clear`).
 #![forbid(unsafe_code)]
 
 mod boundary;
 pub mod chunked_local;
 pub mod circular_buffer;
+pub mod cross;
 pub mod full;
 mod hit;
+pub mod kind;
 pub mod mamba;
 mod noop;
 mod retention;
@@ -56,10 +79,12 @@ pub mod sliding_window;
 mod zeroing;
 
 pub use hit::{find_longest_cache_hit, HashView, HitQuery};
+pub use kind::KindRules;
 
 use crate::block_pool::{BlockPool, TableRef};
-use crate::config::{AttentionKind, GroupSpec};
+use crate::config::GroupSpec;
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
+use kind::with_rules;
 
 /// Marker for "no `num_cached_block` entry" (vLLM: request id absent from the dict).
 const ABSENT: u32 = u32::MAX;
@@ -82,14 +107,6 @@ pub enum KindState {
 }
 
 impl KindState {
-    fn for_kind(kind: AttentionKind) -> Self {
-        match kind {
-            AttentionKind::Rswa { .. } => KindState::Rswa(rswa::RswaState::default()),
-            AttentionKind::Mamba { align: true, .. } => KindState::MambaAlign(mamba::AlignState::default()),
-            _ => KindState::Stateless,
-        }
-    }
-
     fn ensure_slot(&mut self, n: usize) {
         match self {
             KindState::Stateless => {}
@@ -205,7 +222,7 @@ impl SingleTypeManager {
             scratch: Vec::new(),
             records_new_block_ids: false,
             new_block_ids: Vec::new(),
-            kind_state: KindState::for_kind(spec.kind),
+            kind_state: with_rules!(spec.kind, r => r.new_state()),
         }
     }
 
@@ -258,18 +275,6 @@ impl SingleTypeManager {
         stop
     }
 
-    /// The token slots the table is sized for when `num_tokens` slots are asked for
-    /// (Mamba mode `"none"` adds its speculative state blocks).
-    #[inline]
-    fn slot_tokens(&self, num_tokens: u32) -> u64 {
-        match self.spec.kind {
-            AttentionKind::Mamba { speculative_blocks, align: false, .. } => {
-                mamba::none_mode_tokens(num_tokens, self.spec.block_size, speculative_blocks)
-            }
-            _ => num_tokens as u64,
-        }
-    }
-
     /// Tokens per block.
     #[inline]
     pub fn block_size(&self) -> u32 {
@@ -319,16 +324,7 @@ impl SingleTypeManager {
     /// Tokens before the attention window of the next token (`get_num_skipped_tokens`).
     #[inline]
     pub fn num_skipped_tokens(&self, num_computed_tokens: u32) -> u32 {
-        match self.spec.kind {
-            AttentionKind::Full | AttentionKind::Rswa { .. } | AttentionKind::Cross | AttentionKind::CircularBuffer => {
-                0
-            }
-            AttentionKind::SlidingWindow { window, extra_retained_tokens } => {
-                sliding_window::num_skipped_tokens(num_computed_tokens, window, extra_retained_tokens)
-            }
-            AttentionKind::ChunkedLocal { chunk } => chunked_local::num_skipped_tokens(num_computed_tokens, chunk),
-            AttentionKind::Mamba { .. } => mamba::num_skipped_tokens(num_computed_tokens),
-        }
+        with_rules!(self.spec.kind, r => r.num_skipped_tokens(num_computed_tokens))
     }
 
     fn count_evictable(pool: &BlockPool, blocks: &[BlockId]) -> u32 {
@@ -345,29 +341,7 @@ impl SingleTypeManager {
     /// and the allocation always agree (a request whose computed tokens run ahead of its
     /// table is not under-counted).
     pub fn get_num_blocks_to_allocate(&self, pool: &BlockPool, h: Slot, c: &CountArgs<'_>) -> i64 {
-        if self.is_mamba_align() {
-            return self.align_num_blocks_to_allocate(pool, h, c);
-        }
-        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
-            return self.ring_num_blocks_to_allocate(h);
-        }
-        let bs = self.block_size() as u64;
-        let mut required = cdiv(self.slot_tokens(c.num_tokens), bs) as i64;
-        if c.apply_admission_cap {
-            if let Some(cap) = self.max_admission_blocks {
-                required = required.min(cap as i64);
-            }
-        }
-        let num_req_blocks = self.req_blocks[h as usize].len() as i64;
-        if self.is_tracked(h) || !c.adopting {
-            return (required - num_req_blocks).max(0);
-        }
-        let skipped_blocks = (self.num_skipped_tokens(c.total_computed_tokens) as u64 / bs) as i64;
-        let local_blocks = c.new_computed.len() as i64 + num_req_blocks;
-        let num_new = (required - skipped_blocks.max(local_blocks)).max(0);
-        let skip_new = (skipped_blocks - num_req_blocks).max(0) as usize;
-        let evictable = Self::count_evictable(pool, c.new_computed.get(skip_new..).unwrap_or(&[]));
-        num_new + evictable as i64
+        with_rules!(self.spec.kind, r => r.get_num_blocks_to_allocate(self, pool, h, c))
     }
 
     /// Adds a request's cache-hit blocks to its (empty) table, touching them; blocks that
@@ -380,24 +354,14 @@ impl SingleTypeManager {
         num_local_computed_tokens: u32,
         num_external_computed_tokens: u32,
     ) {
-        if !self.spec.kind.takes_hits() {
-            assert!(new_computed.is_empty(), "cross attention and circular buffers never have cache hits");
-            return;
-        }
-        let total = num_local_computed_tokens + num_external_computed_tokens;
-        let skipped_blocks = self.num_skipped_tokens(total) / self.spec.block_size;
-        let table = &mut self.req_blocks[h as usize];
-        assert!(table.is_empty(), "add_local_computed_blocks on a request that has blocks");
-        let kept = new_computed.get(skipped_blocks as usize..).unwrap_or(&[]);
-        if self.enable_caching {
-            pool.touch(kept);
-        } else {
-            assert!(kept.is_empty(), "computed blocks with prefix caching off");
-        }
-        table.extend(std::iter::repeat_n(NULL_BLOCK, skipped_blocks as usize));
-        table.extend_from_slice(kept);
-        self.null_prefix[h as usize] = table.iter().take_while(|&&b| b == NULL_BLOCK).count() as u32;
-        self.num_cached[h as usize] = table.len() as u32;
+        with_rules!(self.spec.kind, r => r.add_local_computed_blocks(
+            self,
+            pool,
+            h,
+            new_computed,
+            num_local_computed_tokens,
+            num_external_computed_tokens
+        ))
     }
 
     /// Allocates blocks for tokens a KV connector computed (vLLM's
@@ -410,30 +374,14 @@ impl SingleTypeManager {
         num_external_computed_tokens: u32,
         record_for_zeroing: bool,
     ) {
-        if self.spec.kind.sized_by_encoder_tokens() {
-            return;
-        }
-        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
-            return self.claim_ring_block(pool, h, record_for_zeroing);
-        }
-        let total = num_local_computed_tokens + num_external_computed_tokens;
-        let skipped = self.num_skipped_tokens(total);
-        let mut ext = num_external_computed_tokens as i64;
-        if skipped > 0 {
-            ext = ext.min(total as i64 - skipped as i64);
-        }
-        if ext <= 0 {
-            return;
-        }
-        let table = &mut self.req_blocks[h as usize];
-        let need = cdiv(total as u64, self.spec.block_size as u64) as i64 - table.len() as i64;
-        if need > 0 {
-            let start = table.len();
-            pool.get_new_blocks(need as u32, table);
-            if record_for_zeroing {
-                self.record_new(start, h);
-            }
-        }
+        with_rules!(self.spec.kind, r => r.allocate_external_computed_blocks(
+            self,
+            pool,
+            h,
+            num_local_computed_tokens,
+            num_external_computed_tokens,
+            record_for_zeroing
+        ))
     }
 
     /// Grows `h`'s table to `num_tokens` slots; appends the new block ids to `out`
@@ -446,49 +394,26 @@ impl SingleTypeManager {
         num_tokens_main_model: u32,
         out: &mut Vec<BlockId>,
     ) {
-        if self.is_mamba_align() {
-            return self.align_allocate_new_blocks(pool, h, num_tokens_main_model, out);
-        }
-        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
-            return self.ring_allocate_new_blocks(pool, h, out);
-        }
-        let required = cdiv(self.slot_tokens(num_tokens), self.spec.block_size as u64) as usize;
-        let table = &mut self.req_blocks[h as usize];
-        if required > table.len() {
-            let start = table.len();
-            pool.get_new_blocks((required - start) as u32, table);
-            out.extend_from_slice(&table[start..]);
-            self.record_new(start, h);
-        }
+        with_rules!(self.spec.kind, r => r.allocate_new_blocks(self, pool, h, num_tokens, num_tokens_main_model, out))
     }
 
     /// Blocks of `h`'s table that [`Self::cache_blocks`] would treat as full for
     /// `num_tokens` tokens and `num_hashes` hashes (0 for cross attention), and the table's
     /// length: the coordinator refuses a caching call whose full blocks the table lacks.
     pub fn blocks_to_cache(&self, h: Slot, num_hashes: usize, num_tokens: u32) -> (u32, u32) {
-        if !self.spec.kind.takes_hits() {
-            return (0, 0);
-        }
-        let bs = self.spec.block_size;
-        let view_len = (num_hashes as u64 / (bs / self.hash_block_size) as u64).min(u32::MAX as u64) as u32;
-        ((num_tokens / bs).min(view_len), self.req_blocks[h as usize].len() as u32)
+        with_rules!(self.spec.kind, r => r.blocks_to_cache(self, h, num_hashes, num_tokens))
     }
 
     /// Caches the full blocks of `h` up to `c.num_tokens` (vLLM's `cache_blocks`), with the
     /// retention mask. The caller checked with [`Self::blocks_to_cache`] that the table
     /// holds every full block.
     pub fn cache_blocks(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
-        if !self.spec.kind.takes_hits() {
-            return;
-        }
-        let before = self.num_cached(h);
-        self.cache_full(pool, h, c);
-        if self.is_mamba_align() {
-            self.align_cache_blocks(pool, h, c, before);
-        }
+        with_rules!(self.spec.kind, r => r.cache_blocks(self, pool, h, c))
     }
 
-    fn cache_full(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
+    /// Caches the full blocks of `h` up to `c.num_tokens` with `r`'s retention mask (the
+    /// default `cache_blocks`).
+    fn cache_full<R: KindRules + ?Sized>(&mut self, r: &R, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
         let bs = self.spec.block_size;
         let num_cached = self.num_cached(h);
         let view = HashView { hashes: c.hashes, scale: bs / self.hash_block_size };
@@ -498,26 +423,7 @@ impl SingleTypeManager {
         if num_cached >= num_full {
             return;
         }
-        let mask = match self.spec.kind {
-            AttentionKind::SlidingWindow { window, .. } => sliding_window::reachable_block_mask(
-                num_cached,
-                num_full,
-                self.cache_hit_alignment_tokens,
-                bs,
-                window,
-                c.retention_interval,
-                c.reachable_boundaries,
-            ),
-            AttentionKind::Mamba { .. } => mamba::reachable_block_mask(
-                num_cached,
-                num_full,
-                self.cache_hit_alignment_tokens,
-                bs,
-                c.retention_interval,
-                c.reachable_boundaries,
-            ),
-            _ => None,
-        };
+        let mask = r.reachable_block_mask(num_cached, num_full, self.cache_hit_alignment_tokens, bs, c);
         // Hit-aware (a leveled pool): cache every block; those the mask skips go to the
         // speculative level (see `crate::policy`).
         let dense = pool.is_leveled() && mask.is_some();
@@ -541,23 +447,13 @@ impl SingleTypeManager {
         processed_computed_tokens: u32,
         num_prompt_tokens: Option<u32>,
     ) {
-        if let AttentionKind::Rswa { window } = self.spec.kind {
-            if let Some(p) = num_prompt_tokens {
-                self.rswa_remove_gap(pool, h, processed_computed_tokens, p, window);
-            }
-            return;
-        }
-        if self.is_mamba_align() {
-            return self.align_remove_skipped_blocks(pool, h, processed_computed_tokens);
-        }
-        let skipped = self.num_skipped_tokens(processed_computed_tokens);
-        if skipped == 0 {
-            return;
-        }
-        let n = ((skipped / self.spec.block_size) as usize).min(self.req_blocks[h as usize].len());
-        self.null_out_backwards(pool, h, 0, n, true);
-        let np = &mut self.null_prefix[h as usize];
-        *np = (*np).max(n as u32);
+        with_rules!(self.spec.kind, r => r.remove_skipped_blocks(
+            self,
+            pool,
+            h,
+            processed_computed_tokens,
+            num_prompt_tokens
+        ))
     }
 
     /// Forgets `h`'s table without freeing its blocks (the caller frees them).

@@ -5,9 +5,8 @@
 //! Cost: O(blocks of the request's table) per call; nothing here runs under `exact`.
 #![forbid(unsafe_code)]
 
-use super::{sliding_window, SingleTypeManager};
+use super::SingleTypeManager;
 use crate::block_pool::BlockPool;
-use crate::config::AttentionKind;
 use crate::ids::{BlockId, GroupId, Slot, NULL_BLOCK};
 use crate::policy::{Level, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_RESUMED, LEVEL_SPECULATIVE};
 
@@ -15,12 +14,7 @@ impl SingleTypeManager {
     /// Contiguous cached blocks a hit in this group needs at its end (`None`: the group
     /// needs the whole prefix, or never hits).
     pub fn hit_tail_blocks(&self) -> Option<u32> {
-        match self.spec.kind {
-            AttentionKind::SlidingWindow { window, .. } => {
-                Some(sliding_window::contiguous_blocks_for_hit(window, self.spec.block_size))
-            }
-            _ => None,
-        }
+        super::with_rules!(self.spec.kind, r => r.hit_tail_blocks(self.spec.block_size))
     }
 
     /// Hit-aware: raises the retention level of the window tail ending at `h`'s last cached

@@ -11,12 +11,58 @@
 //! as last seen, every slot in `cdiv(p, bs)..gap_end` holds the null block; it is what the
 //! no-op limit of a decode step is computed from in O(1).
 //!
+//! Rules ([`Rswa`]): full attention's, but for `remove_skipped_blocks`, its no-op limit of
+//! freeing, and its per-request state.
+//!
 //! Cost: O(blocks freed + 1) per call.
 #![forbid(unsafe_code)]
 
-use super::{cdiv, KindState, SingleTypeManager, ABSENT};
+use super::{cdiv, full, KindRules, KindState, SingleTypeManager, ABSENT};
 use crate::block_pool::BlockPool;
+use crate::config::{Config, GroupSpec};
+use crate::error::Result;
 use crate::ids::Slot;
+
+/// R-SWA's rules (vLLM's `RSWAManager(FullAttentionManager)`).
+#[derive(Clone, Copy, Debug)]
+pub struct Rswa {
+    /// Generated tokens see this many newest tokens (the prompt stays visible).
+    pub window: u32,
+}
+
+impl KindRules for Rswa {
+    fn is_full(&self) -> bool {
+        true
+    }
+
+    fn check_with_caching(&self, cfg: &Config, i: usize, g: &GroupSpec) -> Result<()> {
+        full::check_block_size(cfg, i, g)
+    }
+
+    fn new_state(&self) -> KindState {
+        KindState::Rswa(RswaState::default())
+    }
+
+    #[inline]
+    fn noop_processed(&self, m: &SingleTypeManager, h: Slot) -> u32 {
+        m.rswa_noop_processed(h, self.window)
+    }
+
+    /// Frees the gap given the prompt length; nothing without it (full attention's rule).
+    #[inline]
+    fn remove_skipped_blocks(
+        &self,
+        m: &mut SingleTypeManager,
+        pool: &mut BlockPool,
+        h: Slot,
+        processed_computed_tokens: u32,
+        num_prompt_tokens: Option<u32>,
+    ) {
+        if let Some(p) = num_prompt_tokens {
+            m.rswa_remove_gap(pool, h, processed_computed_tokens, p, self.window);
+        }
+    }
+}
 
 /// R-SWA's per-request state, by slot.
 #[derive(Clone, Debug, Default)]

@@ -4,12 +4,89 @@
 //! ending at the hit point, searched right to left; cached blocks before a hit are not
 //! needed and come back as null blocks.
 //!
+//! Rules ([`SlidingWindow`], vLLM's `SlidingWindowManager`): skipped tokens, the hit
+//! search, the retention mask and hit tail, the no-op limit of freeing, the admission cap,
+//! and its checks.
+//!
+//! Per-request state: none beyond the shared table (the null prefix).
+//!
 //! Cost: the hit search is O(blocks scanned) (vLLM's too); `num_skipped_tokens` O(1);
 //! the retention mask O(blocks cached).
 #![forbid(unsafe_code)]
 
-use super::{cdiv, HitQuery};
-use crate::ids::{BlockId, NULL_BLOCK};
+use super::noop::clamp;
+use super::{cdiv, CacheArgs, HitQuery, KindRules, SingleTypeManager};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, Slot, NULL_BLOCK};
+
+/// Sliding-window attention's rules (vLLM's `SlidingWindowManager`).
+#[derive(Clone, Copy, Debug)]
+pub struct SlidingWindow {
+    /// Tokens a token attends to (itself included).
+    pub window: u32,
+    /// Tokens kept past the window (vLLM's `extra_retained_tokens`).
+    pub extra_retained_tokens: u32,
+}
+
+impl KindRules for SlidingWindow {
+    fn sparse_retention(&self) -> bool {
+        true
+    }
+
+    #[inline]
+    fn num_skipped_tokens(&self, num_computed_tokens: u32) -> u32 {
+        num_skipped_tokens(num_computed_tokens, self.window, self.extra_retained_tokens)
+    }
+
+    fn find_longest_cache_hit(&self, q: &HitQuery<'_>, out: &mut [Vec<BlockId>]) -> u32 {
+        find_longest_cache_hit(q, self.window, out)
+    }
+
+    fn reachable_block_mask(
+        &self,
+        start: u32,
+        end: u32,
+        alignment_tokens: u32,
+        block_size: u32,
+        c: &CacheArgs<'_>,
+    ) -> Option<Vec<bool>> {
+        reachable_block_mask(
+            start,
+            end,
+            alignment_tokens,
+            block_size,
+            self.window,
+            c.retention_interval,
+            c.reachable_boundaries,
+        )
+    }
+
+    fn hit_tail_blocks(&self, block_size: u32) -> Option<u32> {
+        Some(contiguous_blocks_for_hit(self.window, block_size))
+    }
+
+    /// Nothing frees while the window still reaches the first non-null block.
+    #[inline]
+    fn noop_processed(&self, m: &SingleTypeManager, h: Slot) -> u32 {
+        let k1 = m.null_prefix(h) as u64 + 1;
+        clamp(k1 * m.block_size() as u64 + self.window as u64 - 1 + self.extra_retained_tokens as u64)
+    }
+
+    /// `SlidingWindowSpec.max_admission_blocks_per_request`.
+    fn max_admission_blocks(&self, block_size: u32, max_in_flight_tokens: u32, max_model_len: u32) -> Option<u32> {
+        let n = (self.window as u64 - 1 + self.extra_retained_tokens as u64 + max_in_flight_tokens as u64)
+            .min(max_model_len as u64);
+        Some((cdiv(n, block_size as u64) + 1) as u32)
+    }
+
+    fn check_params(&self, _cfg: &Config, i: usize) -> Result<()> {
+        if self.window == 0 {
+            return Err(Error::InvalidConfig(format!("group {i}: sliding window must be positive")));
+        }
+        Ok(())
+    }
+}
 
 /// Tokens before the window of the next token: `max(0, n - window + 1 - extra)`.
 #[inline]
