@@ -15,7 +15,8 @@ nothing; every module imports vLLM only inside the functions that run it.
 | ``main.py`` | ``hybrid-alloc bench``: the scenarios, the options, the tables, the JSON and the plot |
 | ``hits.py`` | ``hybrid-alloc hits``: prefix-cache hits by retention policy |
 
-Imports go down the table: ``main`` imports ``serve``, ``memory``, ``runner`` and ``common``;
-``serve`` imports ``runner``; ``runner`` imports ``clock`` and ``floor``; ``hits`` imports
-``common``; ``offline`` is imported by the functions that build a scheduler.
+Imports go down the table: ``main`` imports ``serve``, ``memory``, ``runner``, ``floor`` and
+``common``; ``serve`` imports ``runner`` and ``common``; ``runner`` imports ``clock`` and
+``floor``; ``memory`` and ``hits`` import ``common``; ``offline`` is imported inside the
+functions that build a scheduler. ``tests/python/test_imports.py`` checks there is no circle.
 """
