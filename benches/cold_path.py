@@ -18,7 +18,8 @@ repeated). Process CPU time, nanoseconds per call, best of ``--rounds``.
 on for one warm pass over the no-op requests only (``callgrind_control -i on``), so the
 profile's instruction count over the requests timed is what one decode call costs, with no
 machine load in it; ``--managers`` picks the managers (``floor``: ours with the decode call
-answered by a C-level constant, ``bench_serve.install_floor``: the least any manager costs).
+answered by a C-level constant, ``hybrid_alloc.bench.floor.install_floor``, in the probe build of
+``scripts/install-local.sh``: the least any manager costs).
 
     PYTHONPATH=target/pysite valgrind --tool=callgrind --instr-atstart=no \
         python benches/cold_path.py --managers hybrid_alloc --callgrind
@@ -52,8 +53,8 @@ from typing import Any
 def _bring_to_decode(manager: str, n: int, crossing: bool = False) -> tuple[Any, list[Any]]:
     """The manager with ``n`` requests decoding, and the requests whose next decode call is
     a no-op (``crossing``: those whose next one needs a new block, none of them called)."""
-    from hybrid_alloc import bench
-    from hybrid_alloc.vllm.offline import SHAPES, SchedulerSetup, fabricate_output, make_request
+    from hybrid_alloc.bench import main as bench
+    from hybrid_alloc.bench.offline import SHAPES, SchedulerSetup, fabricate_output, make_request
 
     floor = manager == "floor"
     manager = "hybrid_alloc" if floor else manager
@@ -75,8 +76,8 @@ def _bring_to_decode(manager: str, n: int, crossing: bool = False) -> tuple[Any,
     if crossing:
         return mgr, [r for r in sched.running if r.num_computed_tokens % sched.cache_config.block_size == 0]
     noop = [r for r in sched.running if mgr.allocate_slots(r, 1, num_lookahead_tokens=0) is mgr.empty_kv_cache_blocks]
-    if floor:  # ours, the decode call then answered by a C-level constant (bench_serve.install_floor)
-        from hybrid_alloc.bench_serve import install_floor
+    if floor:  # ours, the decode call then answered by a C-level constant (hybrid_alloc.bench.floor)
+        from hybrid_alloc.bench.floor import install_floor
 
         install_floor(mgr)
     return mgr, noop

@@ -41,8 +41,8 @@ def run_closed_loop(args: argparse.Namespace, on_steady: Callable[[Any], None]) 
     the clients replaced), calls ``on_steady(scheduler)`` once, runs ``args.steps`` more steps
     and returns the scheduler."""
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    from hybrid_alloc.bench_serve import ServeRequests, serve_pool_blocks
-    from hybrid_alloc.vllm.offline import SHAPES, SchedulerSetup, fabricate_output, make_request
+    from hybrid_alloc.bench.offline import SHAPES, SchedulerSetup, fabricate_output, make_request
+    from hybrid_alloc.bench.serve import ServeRequests, serve_pool_blocks
 
     n = args.clients
     stream = ServeRequests(2048, 256, 128, 0.25)

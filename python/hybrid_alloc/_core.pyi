@@ -349,7 +349,9 @@ class FastAllocate(Generic[_B]):
 class DecodeFloor(Generic[_B]):
     """The bench's probe of the decode call's least cost (``rust/py/floor.rs``; not a mode
     of the plugin): ``empty`` for ``(request, 1)`` with at most one keyword, reading nothing
-    of the request; every other call goes to ``slow`` with the same arguments."""
+    of the request; every other call goes to ``slow`` with the same arguments. Present only
+    in the probe build (the cargo feature ``bench-probe``: ``scripts/install-local.sh``); the
+    release wheel has no ``DecodeFloor`` (``hybrid_alloc.bench.floor.available()``)."""
 
     def __new__(cls, empty: _B, slow: Callable[..., _B | None]) -> DecodeFloor[_B]: ...
     def __call__(self, request: object, num_new_tokens: int, **rest: object) -> _B | None: ...

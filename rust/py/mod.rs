@@ -15,7 +15,7 @@
 //! | `pool.rs` | `AllocatorBase`: the core, and the calls that take no request handle |
 //! | `allocator.rs` | `Allocator(AllocatorBase)`: the calls that take a request handle |
 //! | `fast.rs` | `FastAllocate`, the vLLM fast path, and the `Request` protocol it reads |
-//! | `floor.rs` | `DecodeFloor`, the bench's probe of the decode call's least cost (not a plugin mode) |
+//! | `floor.rs` | `DecodeFloor`, the bench's probe of the decode call's least cost (not a plugin mode); only with the cargo feature `bench-probe`, which the release wheel leaves out |
 #![forbid(unsafe_code)]
 
 mod allocator;
@@ -24,6 +24,7 @@ mod convert;
 mod errors;
 mod events;
 mod fast;
+#[cfg(feature = "bench-probe")]
 mod floor;
 mod groups;
 mod kwargs;
@@ -37,6 +38,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyAllocatorBase>()?;
     m.add_class::<allocator::PyAllocator>()?;
     m.add_class::<fast::FastAllocate>()?;
+    #[cfg(feature = "bench-probe")]
     m.add_class::<floor::DecodeFloor>()?;
     m.add_class::<results::PyHit>()?;
     m.add_class::<results::PyNoopLimits>()?;

@@ -34,7 +34,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
-from hybrid_alloc.vllm.offline import SchedulerSetup, fabricate_output
+from hybrid_alloc.bench.offline import SchedulerSetup, fabricate_output
 from sched_driver import capture_events, digest, fabricate_drafts, fabricate_spec_output
 
 

@@ -19,7 +19,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
-from hybrid_alloc.vllm.offline import (
+from hybrid_alloc.bench.offline import (
     SchedulerSetup,
     fabricate_output,
     fake_token,

@@ -44,7 +44,7 @@ def _require_probe() -> None:
 
 
 def _require_admission() -> None:
-    from hybrid_alloc.vllm.offline import CACHE_AWARE_ADMISSION
+    from hybrid_alloc.bench.offline import CACHE_AWARE_ADMISSION
 
     if not CACHE_AWARE_ADMISSION:
         pytest.skip("this vLLM's SchedulerConfig has no cache_aware_admission_window (vLLM 0.34 added it)")
@@ -259,7 +259,7 @@ def test_get_num_cached_tokens_pure_under_hit_aware(name: str, monkeypatch: pyte
 def _shapes() -> dict[str, Any]:
     import torch
 
-    from hybrid_alloc.vllm.offline import LayerKind, MambaState, ModelShape
+    from hybrid_alloc.bench.offline import LayerKind, MambaState, ModelShape
 
     def tiny(name: str, layers: tuple[Any, ...], state: Any = None) -> Any:
         return ModelShape(
@@ -293,7 +293,7 @@ ADMISSION_CASES: dict[str, tuple[str, int, float | None, bool]] = {
 
 
 def _admission_setup(case: str, window: int = 8) -> Any:
-    from hybrid_alloc.vllm.offline import SchedulerSetup
+    from hybrid_alloc.bench.offline import SchedulerSetup
 
     shape, blocks, threshold, async_scheduling = ADMISSION_CASES[case]
     return SchedulerSetup(
@@ -375,7 +375,7 @@ def test_admission_under_hit_aware(case: str, monkeypatch: pytest.MonkeyPatch) -
 
 
 def _dense_cls() -> type[Any]:
-    from hybrid_alloc.vllm.offline import SchedulerSetup
+    from hybrid_alloc.bench.offline import SchedulerSetup
 
     class Dense(SchedulerSetup):
         """Dense retention (``prefix_cache_retention_interval=None``): sliding-window and
@@ -452,7 +452,7 @@ def test_prompt_logprob_start_through_the_scheduler(shape: str, dense: bool) -> 
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    from hybrid_alloc.vllm.offline import SchedulerSetup, fabricate_output, make_request
+    from hybrid_alloc.bench.offline import SchedulerSetup, fabricate_output, make_request
     from sched_driver import capture_events, digest
 
     _require_hit_limit()

@@ -48,8 +48,8 @@ def _admission_order(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_admission_window_reaches_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hybrid_alloc.bench_hits import budget_blocks, run, shapes, workloads
-    from hybrid_alloc.vllm.offline import CACHE_AWARE_ADMISSION
+    from hybrid_alloc.bench.hits import budget_blocks, run, shapes, workloads
+    from hybrid_alloc.bench.offline import CACHE_AWARE_ADMISSION
 
     if not CACHE_AWARE_ADMISSION:
         pytest.skip("this vLLM's SchedulerConfig has no cache_aware_admission_window (vLLM 0.34 added it)")
@@ -79,12 +79,13 @@ def test_admission_window_reaches_the_scheduler(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_hits_cli_window_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hybrid_alloc.bench.offline import CACHE_AWARE_ADMISSION
     from hybrid_alloc.cli import main
-    from hybrid_alloc.vllm.offline import CACHE_AWARE_ADMISSION
 
     argv = ["hits", "--shape", "gptoss", "--workload", "shared", "--budget", "ample", "--policy", "exact"]
     argv += ["--admission-window", "0", "--admission-window", "8", "--admission-threshold", "0"]
-    argv += ["--max-num-seqs", "2", "--no-plot", "--out-dir", str(tmp_path)]
+    # --wide: the full table, as markdown (the default is the main columns, fitted to the terminal).
+    argv += ["--max-num-seqs", "2", "--no-plot", "--wide", "--out-dir", str(tmp_path)]
     code = main(argv)
     out = capsys.readouterr()
     if not CACHE_AWARE_ADMISSION:

@@ -72,3 +72,18 @@ def test_small_bench_run_writes_outputs(tmp_path: Path) -> None:
         assert a["finished"] and b["finished"]
     # gpt-oss's 128-token windows: hybrid allocation fits more than all-full-attention.
     assert rows[("throughput", "vllm")]["num_blocks"] > rows[("throughput", "no_hybrid")]["num_blocks"]
+
+
+def test_floor_needs_the_probe_build(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """On a build without the probe (the release wheel: no cargo feature bench-probe), asking
+    for the ``floor`` manager stops the bench with one line saying what it needs, before it
+    imports vLLM."""
+    from hybrid_alloc import _core
+    from hybrid_alloc.bench import floor
+    from hybrid_alloc.bench.main import main
+
+    monkeypatch.delattr(_core, "DecodeFloor", raising=False)
+    assert not floor.available()
+    assert main(["--workload", "serve", "--managers", "vllm,hybrid_alloc,floor", "--no-plot"]) == 2
+    assert capsys.readouterr().err.strip() == floor.MISSING
+    assert "probe build" in floor.MISSING and "bench-probe" in floor.MISSING

@@ -14,23 +14,24 @@ pytestmark = pytest.mark.vllm
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 
-from hybrid_alloc import bench  # noqa: E402
+from hybrid_alloc.bench import clock as timing  # noqa: E402
+from hybrid_alloc.bench import main, runner  # noqa: E402
+from hybrid_alloc.bench.offline import SHAPES  # noqa: E402
 from hybrid_alloc.vllm import manager as native  # noqa: E402
-from hybrid_alloc.vllm.offline import SHAPES  # noqa: E402
 
 logging.getLogger("vllm").setLevel(logging.ERROR)
 
 N = 24
 
 
-def _decode(manager: str) -> bench.RunResult:
-    reqs = bench.decode_requests(N, 80, seed=1)
-    return bench.run_scenario(
+def _decode(manager: str) -> runner.RunResult:
+    reqs = main.decode_requests(N, 80, seed=1)
+    return runner.run_scenario(
         SHAPES["gpt-oss-120b"],
         manager,
         "decode",
         reqs,
-        num_blocks=bench.decode_pool_blocks(N, 96, 64, 16),
+        num_blocks=main.decode_pool_blocks(N, 96, 64, 16),
         kv_budget=None,
         max_num_seqs=N,
         max_num_batched_tokens=4096,
@@ -60,13 +61,13 @@ def test_decode_counts_allocate_and_get_block_ids_per_running_request(manager: s
 
 def test_wrappers_come_off() -> None:
     before = {
-        cls: {k: v for k, v in vars(cls).items() if k in bench._RESULT_METHODS}
+        cls: {k: v for k, v in vars(cls).items() if k in timing._RESULT_METHODS}
         for cls in (KVCacheBlocks, native.NativeKVCacheBlocks, native.EmptyKVCacheBlocks)
     }
     usage = native.HybridKVCacheManager.__dict__["usage"]
     _decode("hybrid_alloc")
     for cls, attrs in before.items():
-        assert {k: v for k, v in vars(cls).items() if k in bench._RESULT_METHODS} == attrs
+        assert {k: v for k, v in vars(cls).items() if k in timing._RESULT_METHODS} == attrs
     assert native.HybridKVCacheManager.__dict__["usage"] is usage
 
 
@@ -77,14 +78,14 @@ def test_clock_subtracts_its_calibrated_cost(monkeypatch: pytest.MonkeyPatch) ->
     from types import SimpleNamespace
 
     ticks = iter(range(0, 10**12, 100))
-    monkeypatch.setattr(bench.time, "perf_counter_ns", lambda: next(ticks))
-    clock = bench.ManagerClock()
+    monkeypatch.setattr(timing.time, "perf_counter_ns", lambda: next(ticks))
+    clock = timing.ManagerClock()
     clock.calibrate()
     assert clock.overhead_ns == clock.overhead_method_ns == 100
-    o = SimpleNamespace(f=bench.NOOP, g=lambda: bench.time.perf_counter_ns())
+    o = SimpleNamespace(f=timing.NOOP, g=lambda: timing.time.perf_counter_ns())
 
     class P:
-        h = bench.NOOP
+        h = timing.NOOP
 
     clock._patch(o, "f", "f", False)
     clock._patch(o, "g", "g", False)
@@ -100,7 +101,7 @@ def test_clock_subtracts_its_calibrated_cost(monkeypatch: pytest.MonkeyPatch) ->
         assert clock.take() == 10 * 100
     finally:
         clock.off()
-    assert P.__dict__["h"] is bench.NOOP and vars(o)["f"] is bench.NOOP
+    assert P.__dict__["h"] is timing.NOOP and vars(o)["f"] is timing.NOOP
 
 
 def test_empty_result_is_vllms_empty_blocks_with_a_cheap_get_block_ids() -> None:

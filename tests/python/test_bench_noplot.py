@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_alloc import bench, bench_hits
+from hybrid_alloc.bench import common, hits, main
 
-HINT = "pip install 'hybrid-alloc[bench]'"
+HINT = "pip install '.[bench]'"  # from the checkout: the package is not on PyPI
 
 
 @pytest.fixture
@@ -42,15 +42,15 @@ def _one_hit_row() -> dict[str, object]:
 
 @pytest.mark.usefixtures("no_matplotlib")
 def test_pyplot_is_none_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.pyplot() is None
+    assert common.pyplot() is None
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert err == [bench.PLOT_SKIPPED] and HINT in err[0]
+    assert err == [common.PLOT_SKIPPED] and HINT in err[0]
 
 
 @pytest.mark.usefixtures("no_matplotlib")
 def test_bench_plot_skips_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bench.png"
-    assert bench.plot([], [], str(path)) is False
+    assert main.plot([], [], str(path)) is False
     assert not path.exists()
     assert capsys.readouterr().err.count("plot skipped") == 1
 
@@ -58,15 +58,16 @@ def test_bench_plot_skips_and_writes_nothing(tmp_path: Path, capsys: pytest.Capt
 @pytest.mark.usefixtures("no_matplotlib")
 def test_hits_report_prints_table_and_json_then_skips_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """What ``hybrid-alloc hits`` does after its runs: the table, the JSON, then one line for the plot."""
-    args = argparse.Namespace(out_dir=str(tmp_path), size="small", pressure=3.0, no_plot=False)
+    # --wide: the full table, as markdown (the default is the main columns, fitted to the terminal).
+    args = argparse.Namespace(out_dir=str(tmp_path), size="small", pressure=3.0, no_plot=False, wide=True)
     monkey_rows = [_one_hit_row()]
     # report() takes Result objects; rows_of() turns them into these dicts with vars().
     results = [argparse.Namespace(**r) for r in monkey_rows]
-    bench_hits.report(results, args)  # type: ignore[arg-type]
+    hits.report(results, args)  # type: ignore[arg-type]
     out = capsys.readouterr()
     assert "| gemma3 | chat | ample | 100 | exact | 50.0% | 75.0% | 300 | 1.50x | 7 |" in out.out
     assert "plot:" not in out.out
-    assert [ln for ln in out.err.splitlines() if ln.strip()] == [bench.PLOT_SKIPPED]
+    assert [ln for ln in out.err.splitlines() if ln.strip()] == [common.PLOT_SKIPPED]
     assert json.loads((tmp_path / "hits.json").read_text())["results"] == monkey_rows
     assert not (tmp_path / "hits.png").exists()
 

@@ -14,8 +14,9 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from hybrid_alloc import bench, bench_serve  # noqa: E402
-from hybrid_alloc.vllm.offline import SHAPES  # noqa: E402
+from hybrid_alloc.bench import floor as floor_probe  # noqa: E402
+from hybrid_alloc.bench import main, serve  # noqa: E402
+from hybrid_alloc.bench.offline import SHAPES  # noqa: E402
 
 logging.getLogger("vllm").setLevel(logging.ERROR)
 
@@ -31,17 +32,17 @@ ARGS = argparse.Namespace(
 
 
 def test_request_stream_is_deterministic_and_shares_its_prefix() -> None:
-    s = bench_serve.ServeRequests(2048, 256, 128, 0.25)
-    a, b = s(5), bench_serve.ServeRequests(2048, 256, 128, 0.25)(5)
+    s = serve.ServeRequests(2048, 256, 128, 0.25)
+    a, b = s(5), serve.ServeRequests(2048, 256, 128, 0.25)(5)
     assert a == b and a[0] == "sv5" and len(a[1]) == 2048
     assert a[1][:512] == s(6)[1][:512] and a[1][512:] != s(6)[1][512:]
     assert {s(k)[2] for k in range(200)} <= set(range(128, 385)) and len({s(k)[2] for k in range(200)}) > 50
     with pytest.raises(SystemExit):
-        bench_serve.ServeRequests(100, 10, 10, 0.5)
+        serve.ServeRequests(100, 10, 10, 0.5)
 
 
 def test_serve_closed_loop_schedules_like_vllm_and_classifies_calls() -> None:
-    runs = {m: bench_serve.run_serve(SHAPES["gpt-oss-120b"], m, ARGS) for m in ("vllm", "hybrid_alloc")}
+    runs = {m: serve.run_serve(SHAPES["gpt-oss-120b"], m, ARGS) for m in ("vllm", "hybrid_alloc")}
     ours, ref = runs["hybrid_alloc"], runs["vllm"]
     assert ours.extra["native"] and not ref.extra["native"]
     assert ours.running == ref.running and ours.usage == ref.usage and ours.hit_rate == ref.hit_rate
@@ -60,7 +61,7 @@ def test_serve_closed_loop_schedules_like_vllm_and_classifies_calls() -> None:
         total = sum(v["us_per_step"] for v in r.extra["kv_breakdown"].values())
         assert total == pytest.approx(r.extra["kv_us_mean"], rel=1e-9)
     rows = [r.summary() for r in (ref, ours)]
-    bench_serve.serve_ratios(rows)
+    serve.serve_ratios(rows)
     assert rows[1]["serve_kv_x"] == pytest.approx(rows[0]["kv_us_mean"] / rows[1]["kv_us_mean"])
     assert rows[1]["zero_kv_bound_us"] == pytest.approx(rows[0]["step_us_mean"] - rows[0]["kv_us_mean"])
 
@@ -74,7 +75,7 @@ def test_breakdown_line_is_means_that_add_up(capsys: pytest.CaptureFixture[str])
         "kv_us_mean": 10.0,
         "kv_breakdown": {f"c{i}": {"us_per_step": 10.0 / 8, "calls_per_step": 1.0} for i in range(8)},
     }
-    bench.print_breakdown([row])
+    main.print_breakdown([row])
     out = capsys.readouterr().out
     assert "means per timed step" in out
     assert "KV 10.0 us/step = c0 1.2 us (1.0 calls)" in out and "2 other calls 2.5 us" in out
@@ -84,9 +85,9 @@ def test_memory_counts_vllms_block_objects_and_none_of_ours() -> None:
     """vLLM's manager makes at least one Python object per block (its ``KVCacheBlock``), ours
     none; both report a construction time and bytes. (In this process: the bench measures
     each in a fresh interpreter, ``run_memory``, which costs a vLLM import each.)"""
-    from hybrid_alloc import bench_memory
+    from hybrid_alloc.bench import memory
 
-    rows = {m: bench_memory.measure("gpt-oss-120b", m, 8192) for m in ("vllm", "hybrid_alloc")}
+    rows = {m: memory.measure("gpt-oss-120b", m, 8192) for m in ("vllm", "hybrid_alloc")}
     ours, ref = rows["hybrid_alloc"], rows["vllm"]
     assert ours["native"] and not ref["native"]
     assert ours["num_blocks"] == ref["num_blocks"] == 8192
@@ -104,7 +105,7 @@ def test_kv_from_medians_sums_call_medians_and_the_rest() -> None:
         },
         "kv_breakdown": {"allocate_slots": {"us_per_step": 99.0}, "free": {"us_per_step": 3.0}},
     }
-    assert bench_serve.kv_from_medians(row) == 10.0 + 10.0 + 3.0
+    assert serve.kv_from_medians(row) == 10.0 + 10.0 + 3.0
 
 
 def test_decode_floor_answers_only_the_decode_call() -> None:
@@ -145,7 +146,7 @@ def test_serve_floor_probe_answers_decode_calls_with_the_constant(monkeypatch: p
     the probe saves is shown by which path answered, counted, not by a clock (a timed
     comparison fails on a busy machine)."""
     seen: dict[str, Any] = {"answered": 0, "not_empty": 0, "forwarded": []}
-    install_floor = bench_serve.install_floor
+    install_floor = floor_probe.install_floor
 
     def counting_install(mgr: Any) -> None:
         ours = mgr.allocate_slots
@@ -169,8 +170,8 @@ def test_serve_floor_probe_answers_decode_calls_with_the_constant(monkeypatch: p
 
         mgr.allocate_slots = counted
 
-    monkeypatch.setattr(bench_serve, "install_floor", counting_install)
-    runs = {m: bench_serve.run_serve(SHAPES["gpt-oss-120b"], m, ARGS) for m in ("hybrid_alloc", "floor")}
+    monkeypatch.setattr(floor_probe, "install_floor", counting_install)
+    runs = {m: serve.run_serve(SHAPES["gpt-oss-120b"], m, ARGS) for m in ("hybrid_alloc", "floor")}
     ours, floor = runs["hybrid_alloc"].extra["per_call"], runs["floor"].extra["per_call"]
     assert runs["floor"].extra["native"] and runs["floor"].hit_rate == runs["hybrid_alloc"].hit_rate
     assert "allocate_slots/crossing" not in floor and floor["allocate_slots/admission"]["calls_per_step"] > 0

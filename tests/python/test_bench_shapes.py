@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from hybrid_alloc import bench  # noqa: E402
-from hybrid_alloc.vllm.offline import SHAPES, SchedulerSetup  # noqa: E402
+from hybrid_alloc.bench import main, runner  # noqa: E402
+from hybrid_alloc.bench.offline import SHAPES, SchedulerSetup  # noqa: E402
 
 logging.getLogger("vllm").setLevel(logging.ERROR)
 
@@ -25,10 +25,10 @@ def test_bench_shape_is_native_and_schedules_like_vllm(name: str) -> None:
     kvc = SchedulerSetup(shape, num_blocks=64).build().kv_cache_manager.kv_cache_config
     bs = max(g.kv_cache_spec.block_size for g in kvc.kv_cache_groups)
     prefix_len = 3 * bs + bs // 2
-    reqs = bench.shared_prefix_requests(16, num_prefixes=2, prefix_len=prefix_len, suffix_len=bs, output_len=8, seed=3)
+    reqs = main.shared_prefix_requests(16, num_prefixes=2, prefix_len=prefix_len, suffix_len=bs, output_len=8, seed=3)
     blocks_per_request = -(-(prefix_len + bs + 8) // bs) * len(kvc.kv_cache_groups)
     runs = {
-        m: bench.run_scenario(
+        m: runner.run_scenario(
             shape,
             m,
             "shared-prefix",

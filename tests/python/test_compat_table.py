@@ -1,8 +1,8 @@
-"""The README's compatibility table is true for the installed vLLM release: for each row that
-a ``KVCacheManager`` construction expresses, the adapter's decision
-(``native_config_or_reason``, what ``HybridKVCacheManager(...)`` acts on) is "native" where
-the table says native, and where it says "falls back" the reason it gives is the one quoted
-in that row's cell for this release."""
+"""The compatibility table (docs/compatibility.md; the README summarises it) is true for the
+installed vLLM release: for each row that a ``KVCacheManager`` construction expresses, the
+adapter's decision (``native_config_or_reason``, what ``HybridKVCacheManager(...)`` acts on)
+is "native" where the table says native, and where it says "falls back" the reason it gives
+is the one quoted in that row's cell for this release."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+COMPAT = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
 
 
 def _table() -> dict[str, dict[str, str]]:
-    """Row label -> {release: cell} of the README's compatibility table."""
-    text = README.read_text()
-    section = text[text.index("### Compatibility") :]
+    """Row label -> {release: cell} of docs/compatibility.md's compatibility table."""
+    text = COMPAT.read_text()
+    section = text[text.index("## Compatibility: what runs natively") :]
     all_lines = section.splitlines()
     first = next(i for i, ln in enumerate(all_lines) if ln.startswith("|"))
     lines: list[str] = []
@@ -48,9 +48,9 @@ def _release() -> str:
 def _cell(row_prefix: str) -> str:
     rows = _table()
     label = next((k for k in rows if k.startswith(row_prefix)), None)
-    assert label is not None, f"README compatibility table has no row {row_prefix!r}"
+    assert label is not None, f"docs/compatibility.md's table has no row {row_prefix!r}"
     release = _release()
-    assert release in rows[label], f"README compatibility table has no column for vLLM {release}"
+    assert release in rows[label], f"docs/compatibility.md's table has no column for vLLM {release}"
     cell = rows[label][release]
     seen = {release}
     while cell.startswith("same as "):  # may chain: 0.34.0 -> 0.33.0 -> 0.32.0
@@ -156,12 +156,12 @@ def test_row_matches_the_adapter(row: str, specs: str, over: dict[str, Any], fra
     cell = _cell(row)
     native, reason = _decide(_kwargs(_specs(specs), **over))
     if fragment is None:
-        assert native, f"{row}: falls back ({reason}), the README says {cell!r}"
+        assert native, f"{row}: falls back ({reason}), the table says {cell!r}"
         assert cell.startswith("native"), cell
     else:
         assert not native and fragment in reason, (row, reason)
         assert f'"{fragment}' in cell or fragment in cell, (
-            f"{row}: the README cell {cell!r} does not quote {fragment!r}"
+            f"{row}: the table's cell {cell!r} does not quote {fragment!r}"
         )
 
 
@@ -247,9 +247,9 @@ def test_lookahead_hashes_row_on_033() -> None:
 
 
 def _spec_table() -> dict[str, str]:
-    """Spec cell (first column) -> "served by" cell of the README's spec table."""
-    text = README.read_text()
-    section = text[text.index("### KV cache specs vLLM ships") :]
+    """Spec cell (first column) -> "served by" cell of docs/compatibility.md's spec table."""
+    text = COMPAT.read_text()
+    section = text[text.index("## KV cache specs vLLM ships: who serves each") :]
     rows: dict[str, str] = {}
     for ln in section.splitlines():
         if ln.startswith("| `"):

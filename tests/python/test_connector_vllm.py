@@ -44,7 +44,7 @@ pytestmark = pytest.mark.vllm
 def _shapes() -> dict[str, Any]:
     import torch
 
-    from hybrid_alloc.vllm.offline import LayerKind, MambaState, ModelShape
+    from hybrid_alloc.bench.offline import LayerKind, MambaState, ModelShape
 
     gdn = MambaState(shapes=((3, 256), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32), mamba_type="GDN_ATTN")
     return {
@@ -185,7 +185,7 @@ def _setup(case: str) -> tuple[Any, Any, str]:
     from vllm.config import KVTransferConfig
 
     from connector_driver import PDWorkload, nixl_config
-    from hybrid_alloc.vllm.offline import SchedulerSetup
+    from hybrid_alloc.bench.offline import SchedulerSetup
 
     shape, role, blocks, overlap, policy, conn = CASES[case]
     if conn == "multi":
@@ -514,7 +514,7 @@ def test_truncate_computed_blocks_matches_vllm(case: str) -> None:
     """``truncate_computed_blocks`` on a real hit (as the scheduler calls it when a remote
     hit beats a local sub-block tail): the same block ids per group as vLLM's, for every
     block-aligned endpoint, and the hit's own blocks untouched."""
-    from hybrid_alloc.vllm.offline import fabricate_output, make_request
+    from hybrid_alloc.bench.offline import fabricate_output, make_request
 
     out = {}
     for mgr_name in ("vllm", "hybrid_alloc"):
@@ -544,7 +544,7 @@ def test_truncate_computed_blocks_matches_vllm(case: str) -> None:
 def _fallback_line(
     caplog: pytest.LogCaptureFixture, ktc: Any, shape: str = "gemma", caching: bool = True, **cache: Any
 ) -> tuple[str, list[str]]:
-    from hybrid_alloc.vllm.offline import SchedulerSetup
+    from hybrid_alloc.bench.offline import SchedulerSetup
 
     caplog.set_level(logging.INFO, logger="vllm.hybrid_alloc")
     setup = SchedulerSetup(
@@ -639,7 +639,7 @@ def test_mamba_divergent_hit_planted_bug_is_caught(monkeypatch: pytest.MonkeyPat
 
 def _qwen_manager(mgr_name: str) -> tuple[Any, Any]:
     from connector_driver import nixl_config
-    from hybrid_alloc.vllm.offline import SchedulerSetup
+    from hybrid_alloc.bench.offline import SchedulerSetup
 
     setup = SchedulerSetup(
         shape=_shapes()["qwen"],
@@ -680,7 +680,7 @@ def test_mamba_connector_hit_both_ways_matches_vllm() -> None:
     tables, free counts and events after the adoption are the same."""
     import random
 
-    from hybrid_alloc.vllm.offline import make_request
+    from hybrid_alloc.bench.offline import make_request
 
     out: dict[str, list[Any]] = {}
     for mgr_name in ("vllm", "hybrid_alloc"):
@@ -770,7 +770,7 @@ def test_boundary_state_offloads_dropped_with_freed_blocks() -> None:
     before the offloads are taken take their entries with them (vLLM's
     ``pop_blocks_for_free`` drops them: the blocks may already be another request's). Same
     dicts, step by step."""
-    from hybrid_alloc.vllm.offline import make_request
+    from hybrid_alloc.bench.offline import make_request
 
     out = {}
     for mgr_name in ("vllm", "hybrid_alloc"):

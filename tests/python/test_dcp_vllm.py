@@ -189,7 +189,7 @@ def test_dcp_fallback_names_why(case: str, plugin_lines: list[str]) -> None:
 def _dcp_scheduler_setup(shape: Any, dcp: int, num_blocks: int) -> Any:
     from vllm.config import ParallelConfig
 
-    from hybrid_alloc.vllm import offline
+    from hybrid_alloc.bench import offline
 
     pc = ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=dcp)
     # One KV head: 0.32 wants TP above the KV heads, 0.33 DCP at most TP / KV heads.
@@ -205,7 +205,7 @@ def _dcp_scheduler_setup(shape: Any, dcp: int, num_blocks: int) -> Any:
 
 
 def _shape(name: str) -> Any:
-    from hybrid_alloc.vllm.offline import SHAPES, LayerKind, ModelShape
+    from hybrid_alloc.bench.offline import SHAPES, LayerKind, ModelShape
 
     if name == "llama":
         return SHAPES["llama-3.1-8b"]

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.vllm
 
 
 def _shape(name: str) -> Any:
-    from hybrid_alloc.vllm.offline import LayerKind, MambaState, ModelShape
+    from hybrid_alloc.bench.offline import LayerKind, MambaState, ModelShape
 
     if name == "gemma":
         layers = tuple(LayerKind("sliding_window", 64) if i % 2 == 0 else LayerKind("full") for i in range(4))
@@ -84,7 +84,7 @@ def _run(case: str, manager: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, 
     import vllm.v1.core.kv_cache_metrics as km
     from vllm.config import ObservabilityConfig
 
-    from hybrid_alloc.vllm.offline import SchedulerSetup, fabricate_output, make_request
+    from hybrid_alloc.bench.offline import SchedulerSetup, fabricate_output, make_request
     from sched_driver import digest
 
     # The collector's only clock: 1 us per reading, the same readings in both runs.

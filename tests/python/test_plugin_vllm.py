@@ -89,7 +89,7 @@ import sys
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 from hybrid_alloc.vllm import plugin
-from hybrid_alloc.vllm.offline import LayerKind, ModelShape, SchedulerSetup, fabricate_output, make_request
+from hybrid_alloc.bench.offline import LayerKind, ModelShape, SchedulerSetup, fabricate_output, make_request
 shape = ModelShape("tiny", (LayerKind("sliding_window", 64), LayerKind("full")), num_kv_heads=2, head_size=64,
                    weight_bytes=0, max_model_len=512)
 sched = SchedulerSetup(shape, num_blocks=100, max_num_seqs=4, max_num_batched_tokens=256).build_with_installed_manager()
@@ -162,8 +162,8 @@ def test_missing_vllm_attribute_leaves_vllm_untouched_with_one_line() -> None:
 def test_adapter_raising_in_scheduler_falls_back_with_one_line(plugin_lines, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
+    from hybrid_alloc.bench.offline import LayerKind, ModelShape, SchedulerSetup
     from hybrid_alloc.vllm import manager, plugin
-    from hybrid_alloc.vllm.offline import LayerKind, ModelShape, SchedulerSetup
 
     def boom(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("an adapter bug")
@@ -319,7 +319,7 @@ def test_bad_input_through_vllm_api_matches_vllm() -> None:
 
 
 def test_too_long_prompt_through_real_scheduler_matches_vllm() -> None:
-    from hybrid_alloc.vllm.offline import LayerKind, ModelShape, SchedulerSetup, fabricate_output, make_request
+    from hybrid_alloc.bench.offline import LayerKind, ModelShape, SchedulerSetup, fabricate_output, make_request
     from sched_driver import digest
 
     shape = ModelShape(

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.vllm
 
 
 def _build(monkeypatch: pytest.MonkeyPatch, policy: str | None, **env: str) -> Any:
-    from hybrid_alloc.bench_hits import shapes
-    from hybrid_alloc.vllm.offline import SchedulerSetup
+    from hybrid_alloc.bench.hits import shapes
+    from hybrid_alloc.bench.offline import SchedulerSetup
 
     if policy is None:
         monkeypatch.delenv("HYBRID_ALLOC_POLICY", raising=False)
@@ -86,7 +86,7 @@ def test_bad_pin_file_keeps_hit_aware_and_drops_only_the_pins(
 
 
 def test_hits_bench_small_chat_hit_aware_at_least_exact(tmp_path: Path) -> None:
-    from hybrid_alloc.bench_hits import budget_blocks, run, shapes, workloads
+    from hybrid_alloc.bench.hits import budget_blocks, run, shapes, workloads
 
     shape = shapes()["gptoss"]
     chat = next(w for w in workloads("small") if w.name == "chat")
@@ -129,7 +129,7 @@ def test_hits_cli_writes_table_json_and_plot(tmp_path: Path) -> None:
 
 
 def _drive(sched: Any, reqs: list[Any]) -> None:
-    from hybrid_alloc.vllm.offline import fabricate_output
+    from hybrid_alloc.bench.offline import fabricate_output
 
     for r in reqs:
         sched.add_request(r)
@@ -142,7 +142,7 @@ def _drive(sched: Any, reqs: list[Any]) -> None:
 
 
 def test_pin_prefixes_env_pins_on_first_lookup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from hybrid_alloc.vllm.offline import make_request
+    from hybrid_alloc.bench.offline import make_request
 
     system = list(range(1000, 1000 + 320))  # 20 blocks of 16
     pins = tmp_path / "pins.json"
@@ -198,7 +198,7 @@ def _tiny_qwen35(max_model_len: int) -> Any:
     full attention, 3:1 (the shape of ``test_scheduler_mamba.py``)."""
     import torch
 
-    from hybrid_alloc.vllm.offline import LayerKind, MambaState, ModelShape
+    from hybrid_alloc.bench.offline import LayerKind, MambaState, ModelShape
 
     layers = tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(8))
     state = MambaState(shapes=((3, 256), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32), mamba_type="GDN_ATTN")
@@ -218,7 +218,7 @@ def test_hit_aware_with_mamba_align_real_scheduler_hits_at_least_exact() -> None
     the hits bench's chat, shared-prefix and re-send workloads: every request finishes, no
     error, and hit-aware serves at least vLLM's own hits, with memory to spare and under
     pressure (the served states are checked block by block in ``tests/policy.rs``)."""
-    from hybrid_alloc.bench_hits import budget_blocks, run, workloads
+    from hybrid_alloc.bench.hits import budget_blocks, run, workloads
 
     shape = _tiny_qwen35(8192)
     gained = False
@@ -237,7 +237,7 @@ def test_hit_aware_with_mamba_align_real_scheduler_hits_at_least_exact() -> None
 def test_hit_aware_with_mamba_none_mode_is_vllm_step_by_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mamba cache mode "none" runs with prefix caching off, where hit-aware keeps nothing
     more: vLLM's real Scheduler makes the same steps with it as with vLLM's own manager."""
-    from hybrid_alloc.vllm.offline import SchedulerSetup
+    from hybrid_alloc.bench.offline import SchedulerSetup
     from sched_driver import run_workload
 
     base = dict(

@@ -33,7 +33,7 @@ BLOCK = 16
 
 
 def _shapes() -> dict[str, tuple[Any, list[str], dict[str, Any]]]:
-    from hybrid_alloc.vllm.offline import LayerKind, ModelShape
+    from hybrid_alloc.bench.offline import LayerKind, ModelShape
 
     llama = ModelShape("tiny-llama", tuple(LayerKind("full") for _ in range(4)), 2, 64, 0, max_model_len=2048)
     gemma = ModelShape(
@@ -102,7 +102,7 @@ def _observe(sched: Any, kinds: list[str], log: list[dict[str, Any]]) -> None:
 
 
 def _run(shape_name: str, manager: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    from hybrid_alloc.vllm.offline import SchedulerSetup
+    from hybrid_alloc.bench.offline import SchedulerSetup
     from sched_driver import run_workload
 
     shape, kinds, kw = _shapes()[shape_name]

@@ -9,7 +9,7 @@ boundaries, and the manager reserves a block for the state at the chunk's last b
 handed to the model runner for zeroing must be identical at every step.
 
 The model folders are config-only (vLLM's planner groups and sizes the specs that
-``hybrid_alloc.vllm.offline`` builds; the Mamba state page is padded to the attention page
+``hybrid_alloc.bench.offline`` builds; the Mamba state page is padded to the attention page
 as vLLM's hybrid config does)."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ CASES = [
 def _setup(case: str) -> Any:
     import torch
 
-    from hybrid_alloc.vllm.offline import LayerKind, MambaState, ModelShape, SchedulerSetup
+    from hybrid_alloc.bench.offline import LayerKind, MambaState, ModelShape, SchedulerSetup
 
     def shape(name: str, every: int, n: int, mamba_type: str) -> ModelShape:
         # A state small enough for a 16-token attention page (vLLM pads it to that page).

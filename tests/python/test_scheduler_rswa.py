@@ -24,7 +24,7 @@ CASES = [
 
 
 def _setup(case: str) -> Any:
-    from hybrid_alloc.vllm.offline import LayerKind, ModelShape, SchedulerSetup
+    from hybrid_alloc.bench.offline import LayerKind, ModelShape, SchedulerSetup
 
     def shape(name: str, layers: tuple[LayerKind, ...]) -> ModelShape:
         return ModelShape(name, layers, num_kv_heads=2, head_size=64, weight_bytes=0, max_model_len=2048)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.vllm
 
 
 def _cases():
-    from hybrid_alloc.vllm.offline import LayerKind, ModelShape
+    from hybrid_alloc.bench.offline import LayerKind, ModelShape
 
     gemma = ModelShape(
         "tiny-gemma2",
@@ -131,7 +131,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES)
 def test_real_scheduler_identical(case: str) -> None:
-    from hybrid_alloc.vllm.offline import SchedulerSetup
+    from hybrid_alloc.bench.offline import SchedulerSetup
     from sched_driver import SpecSchedulerSetup, assert_same_run, run_workload
     from vllm_harness import HAVE_LOOKAHEAD_HASHES
 
@@ -175,7 +175,7 @@ def test_real_scheduler_identical(case: str) -> None:
 
 
 def _llama_setup() -> Any:
-    from hybrid_alloc.vllm.offline import SchedulerSetup
+    from hybrid_alloc.bench.offline import SchedulerSetup
 
     return SchedulerSetup(
         shape=_cases()["llama_sync"]["shape"],
@@ -192,7 +192,7 @@ def _fallback_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def _runs(sched: Any) -> None:
     """The scheduler serves a request to its end."""
-    from hybrid_alloc.vllm.offline import fabricate_output, make_request
+    from hybrid_alloc.bench.offline import fabricate_output, make_request
 
     sched.add_request(make_request(sched, "r0", list(range(1, 60)), 4))
     for _ in range(20):

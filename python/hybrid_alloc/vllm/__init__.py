@@ -1,12 +1,13 @@
-"""The vLLM V1 integration (vLLM 0.32.0 and 0.33.0).
+"""The vLLM V1 integration (vLLM 0.32.0, 0.33.0 and 0.34.0).
 
 - :mod:`hybrid_alloc.vllm.plugin`: the ``vllm.general_plugins`` entry point; with
   ``HYBRID_ALLOC=1`` it makes vLLM's scheduler build :class:`HybridKVCacheManager`.
 - :mod:`hybrid_alloc.vllm.manager`: the ``KVCacheManager``-compatible adapter over the
   native core, and the fallback to vLLM's own manager for configurations the core does
   not serve.
-- :mod:`hybrid_alloc.vllm.offline`: vLLM's real ``Scheduler`` built without a GPU (the
-  bench, the tests).
+
+vLLM's real ``Scheduler`` built without a GPU, for the bench and the tests, is
+:mod:`hybrid_alloc.bench.offline`.
 
 Importing this package imports nothing else: vLLM's entry point loads
 ``hybrid_alloc.vllm.plugin`` in every process, also with the plugin off. The names below

@@ -29,13 +29,13 @@ from vllm.v1.request import Request
 from hybrid_alloc.vllm import compat
 
 if TYPE_CHECKING:
-    from hybrid_alloc.vllm.manager import HybridKVCacheManager
+    from hybrid_alloc.vllm.state import ManagerView
 
 __all__ = ["local_hit_for_connector"]
 
 
 def local_hit_for_connector(
-    mgr: HybridKVCacheManager, request: Request, max_cache_hit_length: int | None
+    mgr: ManagerView, request: Request, max_cache_hit_length: int | None
 ) -> tuple[KVCacheBlocks, int, int, bool]:
     """``mgr.get_computed_blocks_for_connector(request, max_cache_hit_length)``: ``(blocks,
     local computed tokens, shared-prefix boundary, hit_diverged)`` (see the module)."""

@@ -17,7 +17,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from hybrid_alloc.vllm.blocks import NativeBlock
 
 if TYPE_CHECKING:
-    from hybrid_alloc.vllm.manager import HybridKVCacheManager
+    from hybrid_alloc.vllm.state import ManagerView
 
 __all__ = ["NativeBlockPool", "NativeCoordinator", "NativeSingleTypeManager"]
 
@@ -25,7 +25,7 @@ __all__ = ["NativeBlockPool", "NativeCoordinator", "NativeSingleTypeManager"]
 class NativeBlockPool:
     """The ``block_pool`` attributes and methods the scheduler reaches through."""
 
-    def __init__(self, mgr: HybridKVCacheManager, hash_block_size: int, num_blocks: int) -> None:
+    def __init__(self, mgr: ManagerView, hash_block_size: int, num_blocks: int) -> None:
         self._mgr = mgr
         self._alloc = mgr._alloc
         self.hash_block_size = hash_block_size
@@ -89,15 +89,20 @@ class NativeCoordinator:
     num_reprefillable_tokens = 0
 
     def __init__(
-        self, mgr: HybridKVCacheManager, kv_cache_config: KVCacheConfig, block_sizes: list[int], dcp_world_size: int
+        self,
+        mgr: ManagerView,
+        block_pool: NativeBlockPool,
+        kv_cache_config: KVCacheConfig,
+        block_sizes: list[int],
+        dcp_world_size: int,
     ) -> None:
         self._mgr = mgr
         self.kv_cache_config = kv_cache_config
-        self.block_pool = mgr.block_pool
+        self.block_pool = block_pool
         self.dcp_world_size = dcp_world_size
         self.pcp_world_size = 1
         self.single_type_managers = tuple(
-            NativeSingleTypeManager(i, g.kv_cache_spec, mgr.block_pool, bs, dcp_world_size)
+            NativeSingleTypeManager(i, g.kv_cache_spec, block_pool, bs, dcp_world_size)
             for i, (g, bs) in enumerate(zip(kv_cache_config.kv_cache_groups, block_sizes, strict=True))
         )
         # Groups holding EAGLE/MTP draft layers; none drops its last block (a drop falls

@@ -10,8 +10,10 @@ The rooms around it: :mod:`.compat` (what the installed vLLM offers, probed once
 what it does not serve), :mod:`.spec_table` (vLLM specs to named group
 specs), :mod:`.policy_env` (the retention policy's environment controls), :mod:`.blocks`
 (the ``KVCacheBlocks`` handed out), :mod:`.facades` (``block_pool``, ``coordinator``),
-:mod:`.kv_events` (vLLM's KV cache events), :mod:`.metrics` (residency metrics) and
-:mod:`.boundary` (Mamba boundary-state offloads for a KV connector).
+:mod:`.kv_events` (vLLM's KV cache events), :mod:`.metrics` (residency metrics),
+:mod:`.boundary` (Mamba boundary-state offloads for a KV connector) and :mod:`.state` (the
+per-request state, and the view of the adapter that :mod:`.facades` and
+:mod:`.connector_hits` work through, so that they need not import this module).
 
 For a configuration the core does not serve exactly, and for anything the adapter does not
 know at construction (an argument it has never seen, a missing attribute, an exception while
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent
@@ -59,6 +60,7 @@ from hybrid_alloc.vllm.metrics import after_call_hook
 from hybrid_alloc.vllm.plan import native_plan
 from hybrid_alloc.vllm.policy_env import PIN_PREFIXES_ENV, PIN_SHARE_ENV, POLICY_ENV, RETAIN_PRIORITY_ENV
 from hybrid_alloc.vllm.spec_table import describe
+from hybrid_alloc.vllm.state import RequestState
 from hybrid_alloc.vllm.unsupported import Unsupported
 
 __all__ = [
@@ -112,20 +114,6 @@ def _build_vllm_manager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with contextlib.suppress(AttributeError, TypeError):
             setattr(e, _RAISED_BY_VLLM, True)
         raise
-
-
-@dataclass(slots=True)
-class RequestState:
-    """What the manager keeps per request: the core's ``handle`` (the request also carries it
-    as ``_hybrid_alloc_handle`` for ``FastAllocate``, -1 once freed) and the generation of the
-    cache hit stored in Rust for it (``hit_gen``; -1: none). ``st[0]`` / ``st[1]`` read the
-    two, as the list entries this replaced did."""
-
-    handle: int
-    hit_gen: int = -1
-
-    def __getitem__(self, index: int) -> int:
-        return (self.handle, self.hit_gen)[index]
 
 
 def _config(vllm_config: Any) -> Any:
@@ -216,7 +204,9 @@ class HybridKVCacheManager:
         # With a KV connector and Mamba "align" groups: the boundary states to hand off.
         self._boundary = BoundaryOffloads(self._alloc) if native.get("boundary_offloads") else None
         self.block_pool = NativeBlockPool(self, a.hash_block_size, kvc.num_blocks)
-        self.coordinator = NativeCoordinator(self, kvc, [g.block_size for g in native["groups"]], a.dcp_world_size)
+        self.coordinator = NativeCoordinator(
+            self, self.block_pool, kvc, [g.block_size for g in native["groups"]], a.dcp_world_size
+        )
         # The scheduler's hot call goes straight to Rust (see ``allocate_slots``): an instance
         # attribute over the method on purpose, and the stub types the Rust callable loosely.
         alloc = self._alloc

@@ -7,7 +7,9 @@ retention policies:
 - ``hit-aware``: hybrid_alloc with ``HYBRID_ALLOC_POLICY=hit-aware``.
 
 Workloads (each at ``ample`` memory, where nothing is ever evicted, and under ``pressure``,
-a pool of ``--pressure`` times the live working set of the requests in flight):
+a pool of ``--pressure`` times the live working set of the requests in flight; by default 3
+at ``--size full`` and, at ``--size small``, each shape's multiple in :data:`DEFAULT_PRESSURE`,
+where the pool evicts):
 
 - ``chat``: sessions share a system prompt and take turns; every turn re-sends the whole
   conversation (the earlier replies included) plus a new message; a fixed number of turns
@@ -58,12 +60,25 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybrid_alloc.bench.common import pyplot, render_table, vllm_ready
+
 POLICIES = ("exact", "dense", "hit-aware")
 #: ``pinned``: hit-aware with the workload's ``pins`` (the sightings workload's system prompt).
 ALL_POLICIES = (*POLICIES, "pinned")
 WORKLOADS = ("chat", "shared", "resend", "sightings")
 BUDGETS = ("ample", "pressure")
 SHAPE_NAMES = ("gemma3", "gptoss", "qwen35", "nemotronh")
+#: ``--pressure`` when not given: the pressure pool is this times the live working set. The
+#: full workloads evict at 3x. The small ones (CI size: 8 chat sessions of 3 turns, 4 in
+#: flight) fit whole in a pool of 3x, where every pressure row equalled its ample row
+#: (vLLM 0.34.0, 2026-12-03); the first multiple at which each shape's small rows differ from
+#: the ample ones, with hit-aware ahead of vLLM's exact retention on chat as at the full size:
+#: 0.85 for the window shapes (below the mean-length estimate: a chat's later turns are longer)
+#: and 2 for the Mamba shapes (whose pool counts one state per group and request).
+DEFAULT_PRESSURE: dict[str, dict[str, float]] = {
+    "small": {"gemma3": 0.85, "gptoss": 0.85, "qwen35": 2.0, "nemotronh": 2.0},
+    "full": dict.fromkeys(SHAPE_NAMES, 3.0),
+}
 #: The kernel block alignment of vLLM's FlashAttention backend on a Hopper GPU
 #: (``FlashAttentionBackend.get_supported_kernel_block_sizes``: ``[MultipleOf(16)]`` for
 #: FA3, which Hopper runs for these head sizes).
@@ -206,7 +221,7 @@ def hopper_block_size(shape: Any) -> int:
 def shapes() -> dict[str, Any]:
     import torch
 
-    from hybrid_alloc.vllm.offline import SHAPES, LayerKind, MambaState, ModelShape, alternating
+    from hybrid_alloc.bench.offline import SHAPES, LayerKind, MambaState, ModelShape, alternating
 
     gemma3 = ModelShape(
         "gemma3",
@@ -310,7 +325,7 @@ def run(
     ``admission_window`` / ``admission_threshold``: the scheduler's cache-aware admission
     (vLLM 0.34; ``ValueError`` on a release without it); ``max_num_seqs``: the scheduler's
     running batch (default and at most: the workload's in-flight count)."""
-    from hybrid_alloc.vllm.offline import SchedulerSetup, fabricate_output, make_request
+    from hybrid_alloc.bench.offline import SchedulerSetup, fabricate_output, make_request
 
     class Setup(SchedulerSetup):
         def vllm_config(self) -> Any:
@@ -477,21 +492,32 @@ def run(
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="hybrid-alloc bench --suite hits",
+        prog="hybrid-alloc hits",
         description="Prefix-cache hits on hybrid models under vLLM's retention (exact, dense) and hybrid_alloc's "
         "hit-aware policy, on vLLM's real scheduler; prints a table, writes JSON and a PNG plot.",
     )
     p.add_argument("--size", choices=["small", "full"], default="small", help="small (CI) or full (the issue's sizes)")
-    p.add_argument("--shape", action="append", choices=SHAPE_NAMES, help="repeatable; default both")
-    p.add_argument("--workload", action="append", choices=WORKLOADS, help="repeatable; default all")
-    p.add_argument("--budget", action="append", choices=BUDGETS, help="repeatable; default both")
+    p.add_argument(
+        "--shape", action="append", choices=SHAPE_NAMES, help=f"repeatable; default all four ({', '.join(SHAPE_NAMES)})"
+    )
+    p.add_argument(
+        "--workload", action="append", choices=WORKLOADS, help=f"repeatable; default all four ({', '.join(WORKLOADS)})"
+    )
+    p.add_argument("--budget", action="append", choices=BUDGETS, help="repeatable; default both (ample, pressure)")
     p.add_argument(
         "--policy",
         action="append",
         choices=ALL_POLICIES,
         help="repeatable; default exact, dense, hit-aware (and pinned on sightings)",
     )
-    p.add_argument("--pressure", type=float, default=3.0, help="pressure pool = this times the live working set")
+    p.add_argument(
+        "--pressure",
+        type=float,
+        help="pressure pool = this times the live working set, every shape (default: 3 at --size full; at --size "
+        "small, where a pool of 3x holds everything, "
+        + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_PRESSURE["small"].items())
+        + ", so that the pool evicts)",
+    )
     p.add_argument(
         "--admission-window",
         action="append",
@@ -514,13 +540,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out-dir", default=os.environ.get("HYBRID_ALLOC_BENCH_OUT", "bench-out"))
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="print the full table (blocks, prefill tokens) as markdown, and every figure of each run as it ends "
+        "(default: the main columns, fitted to the terminal, COLUMNS or 80; hits.json holds every figure either way)",
+    )
     return p.parse_args(argv)
+
+
+def pressure_of(args: argparse.Namespace, shape: str) -> float:
+    """The pressure multiple for ``shape``: ``--pressure`` if given, else :data:`DEFAULT_PRESSURE`."""
+    given = getattr(args, "pressure", None)
+    return float(given) if given is not None else DEFAULT_PRESSURE[args.size][shape]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from hybrid_alloc.bench import vllm_ready
-
     if not vllm_ready():
         return 2
     windows = args.admission_window or [0]
@@ -530,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(w < 0 for w in windows):
         print("hybrid-alloc hits: --admission-window takes a window of 0 or more requests", file=sys.stderr)
         return 2
-    from hybrid_alloc.vllm.offline import CACHE_AWARE_ADMISSION
+    from hybrid_alloc.bench.offline import CACHE_AWARE_ADMISSION
 
     if (any(windows) or args.admission_threshold is not None) and not CACHE_AWARE_ADMISSION:
         print(
@@ -547,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
             for b in args.budget or BUDGETS:
                 if wn == "sightings" and b != "ample":
                     continue  # one request at a time: nothing to pressure
-                nb = budget_blocks(all_shapes[sn], wls[wn], b, args.pressure)
+                pressure = pressure_of(args, sn)
+                nb = budget_blocks(all_shapes[sn], wls[wn], b, pressure)
                 default = (*POLICIES, "pinned") if wls[wn].pins else POLICIES
                 for pol in args.policy or default:
                     if pol == "pinned" and not wls[wn].pins:
@@ -564,23 +601,39 @@ def main(argv: list[str] | None = None) -> int:
                             max_num_seqs=args.max_num_seqs,
                         )
                         r.budget = b
+                        if b == "pressure":
+                            r.extra["pressure"] = pressure
                         results.append(r)
-                        print(
-                            f"{sn:7} {wn:7} {b:8} {pol:9} {window_label(vars(r)):10} blocks={nb:6} "
-                            f"hit={r.hit_rate:.3f} ideal={r.ideal_hit_rate:.3f} prefill={r.prefill_tokens} "
-                            f"steps={r.steps} preempt={r.preemptions} peak_held={r.extra['peak_held_blocks']} "
-                            f"probes={r.extra['admission_probes']} ({r.seconds:.1f}s)",
-                            file=sys.stderr,
-                        )
+                        progress(sn, wn, b, pol, nb, r, getattr(args, "wide", False))
     report(results, args)
     return 0
+
+
+def progress(shape: str, workload: str, budget: str, policy: str, blocks: int, r: Result, wide: bool) -> None:
+    """One line on stderr as each run ends: its cell and main figures, within 80 columns; with
+    ``wide`` every figure (all of them are in hits.json either way)."""
+    if wide:
+        print(
+            f"{shape:7} {workload:7} {budget:8} {policy:9} {window_label(vars(r)):10} blocks={blocks:6} "
+            f"hit={r.hit_rate:.3f} ideal={r.ideal_hit_rate:.3f} prefill={r.prefill_tokens} "
+            f"steps={r.steps} preempt={r.preemptions} peak_held={r.extra['peak_held_blocks']} "
+            f"probes={r.extra['admission_probes']} ({r.seconds:.1f}s)",
+            file=sys.stderr,
+        )
+        return
+    window = f" w={window_label(vars(r))}" if r.admission_window else ""
+    print(
+        f"{shape:9} {workload:9} {budget:8} {policy:9}{window} hit={r.hit_rate:.3f} ideal={r.ideal_hit_rate:.3f} "
+        f"({r.seconds:.1f}s)",
+        file=sys.stderr,
+    )
 
 
 def rows_of(results: list[Result]) -> list[dict[str, Any]]:
     rows = [dict(vars(r)) for r in results]
     for r in rows:
         extra = r.pop("extra", None) or {}
-        for key in ("block_size", "admission_probes", "max_num_seqs"):
+        for key in ("block_size", "admission_probes", "max_num_seqs", "peak_held_blocks", "pressure"):
             if key in extra:  # every run's result has them (a row built by hand may not)
                 r[key] = extra[key]
         if r["workload"] == "sightings":
@@ -597,22 +650,52 @@ def window_label(row: dict[str, Any]) -> str:
     return str(w) if t is None else f"{w}@{t:g}"
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    """The markdown table; a ``window`` column after ``policy`` when some row ran with a
-    cache-aware admission window."""
+def print_table(rows: list[dict[str, Any]], wide: bool = False) -> None:
+    """The table. By default the main columns, fitted to the terminal (80 columns): the cell,
+    the policy, a ``window`` column when some row ran with a cache-aware admission window, the
+    hit rate, the ideal one, prefill against the ideal and the steps. With ``wide``
+    (``--wide``) the full table as markdown, the pool's blocks and the prefill tokens too."""
     windows = any(r.get("admission_window") for r in rows)
-    head = "| shape | workload | budget | blocks | policy |" + (" window |" if windows else "")
-    head += " hit rate | ideal | prefill tokens | vs ideal | steps |"
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
-    for r in rows:
-        ratio = r["prefill_tokens"] / r["ideal_prefill_tokens"] if r["ideal_prefill_tokens"] else float("nan")
-        window = f" {window_label(r)} |" if windows else ""
-        print(
-            f"| {r['shape']} | {r['workload']} | {r['budget']} | {r['num_blocks']} | {r['policy']} |{window} "
-            f"{100 * r['hit_rate']:.1f}% | {100 * r['ideal_hit_rate']:.1f}% | {r['prefill_tokens']} | {ratio:.2f}x | "
-            f"{r['steps']} |"
+    if not wide:
+        shown = [
+            {
+                **r,
+                "window": window_label(r),
+                "hit": f"{100 * r['hit_rate']:.1f}%",
+                "ideal": f"{100 * r['ideal_hit_rate']:.1f}%",
+                "vs_ideal": f"{r['prefill_tokens'] / r['ideal_prefill_tokens']:.2f}x"
+                if r["ideal_prefill_tokens"]
+                else "nan",
+            }
+            for r in rows
+        ]
+        cols = [("shape", "shape", "{}"), ("workload", "workload", "{}"), ("budget", "budget", "{}")]
+        cols += [("policy", "policy", "{}")] + ([("window", "window", "{}")] if windows else [])
+        cols += [
+            ("hit", "hit rate", "{}"),
+            ("ideal", "ideal", "{}"),
+            ("vs_ideal", "prefill", "{}"),
+            ("steps", "steps", "{}"),
+        ]
+        render_table(
+            "prefix-cache hits (prefill: tokens computed over the ideal's)",
+            cols,
+            shown,
+            "pool blocks and prefill tokens: --wide, or hits.json",
         )
+    else:
+        head = "| shape | workload | budget | blocks | policy |" + (" window |" if windows else "")
+        head += " hit rate | ideal | prefill tokens | vs ideal | steps |"
+        print(head)
+        print("|" + "---|" * (head.count("|") - 1))
+        for r in rows:
+            ratio = r["prefill_tokens"] / r["ideal_prefill_tokens"] if r["ideal_prefill_tokens"] else float("nan")
+            window = f" {window_label(r)} |" if windows else ""
+            print(
+                f"| {r['shape']} | {r['workload']} | {r['budget']} | {r['num_blocks']} | {r['policy']} |{window} "
+                f"{100 * r['hit_rate']:.1f}% | {100 * r['ideal_hit_rate']:.1f}% | {r['prefill_tokens']} | {ratio:.2f}x | "
+                f"{r['steps']} |"
+            )
     sight = [r for r in rows if r.get("sighting_hits")]
     if sight:
         print("\n| shape | block | policy | hit tokens per sighting (1st, 2nd, ...) |")
@@ -626,11 +709,12 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, "hits.json")
     with open(path, "w") as f:
-        head = {"size": args.size, "pressure": args.pressure}
+        given = getattr(args, "pressure", None)
+        head = {"size": args.size, "pressure": given if given is not None else DEFAULT_PRESSURE[args.size]}
         if getattr(args, "max_num_seqs", None) is not None:
             head["max_num_seqs"] = args.max_num_seqs
         json.dump({**head, "results": rows}, f, indent=1)
-    print_table(rows)
+    print_table(rows, getattr(args, "wide", False))
     print(f"\nJSON: {path}")
     if not args.no_plot:
         ppath = os.path.join(args.out_dir, "hits.png")
@@ -640,13 +724,12 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
 
 def plot(rows: list[dict[str, Any]], path: str) -> bool:
     """Writes the PNG to ``path``; False (nothing written, one line on stderr) when matplotlib
-    is not installed."""
-    from hybrid_alloc.bench import pyplot
-
+    is not installed. A grid of small panels, one per shape (rows) and workload (columns): in
+    each, the budgets side by side, a bar per policy (and admission window) and a black tick
+    at the ideal hit rate; one legend for the whole figure."""
     plt = pyplot()
     if plt is None:
         return False
-    keys = sorted({(r["shape"], r["workload"], r["budget"]) for r in rows})
     windows = any(r.get("admission_window") for r in rows)
 
     def series(r: dict[str, Any]) -> str:
@@ -654,25 +737,58 @@ def plot(rows: list[dict[str, Any]], path: str) -> bool:
 
     order = {p: i for i, p in enumerate(ALL_POLICIES)}
     pols = sorted({series(r) for r in rows}, key=lambda s: (order.get(s.split()[0], len(order)), s))
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(keys)), 4))
-    width = 0.8 / max(len(pols), 1)
-    for k, pol in enumerate(pols):
-        ys = []
-        for key in keys:
-            r = next((r for r in rows if (r["shape"], r["workload"], r["budget"]) == key and series(r) == pol), None)
-            ys.append(100 * r["hit_rate"] if r else 0)
-        ax.bar([i + k * width for i in range(len(keys))], ys, width, label=pol)
-    ideal = []
-    for key in keys:
-        r = next(r for r in rows if (r["shape"], r["workload"], r["budget"]) == key)
-        ideal.append(100 * r["ideal_hit_rate"])
-    ax.scatter([i + 0.4 - width / 2 for i in range(len(keys))], ideal, marker="_", s=400, color="black", label="ideal")
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
-    ax.set_xticklabels(["\n".join(k) for k in keys], fontsize=7)
-    ax.set_ylabel("prefix-cache hit rate (%)")
-    ax.set_title("hits on hybrid models: vLLM exact / dense retention vs hybrid_alloc hit-aware")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    shape_order = {n: i for i, n in enumerate(SHAPE_NAMES)}
+    workload_order = {n: i for i, n in enumerate(WORKLOADS)}
+    shapes_ = sorted({r["shape"] for r in rows}, key=lambda n: (shape_order.get(n, len(shape_order)), n))
+    workloads_ = sorted({r["workload"] for r in rows}, key=lambda n: (workload_order.get(n, len(workload_order)), n))
+    nrows, ncols = max(len(shapes_), 1), max(len(workloads_), 1)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols + 0.6, 2.8 * nrows + 1.0), squeeze=False, sharey=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    handles: dict[str, Any] = {}
+    for a, shape in enumerate(shapes_):
+        for b, workload in enumerate(workloads_):
+            ax = axes[a][b]
+            cell = [r for r in rows if r["shape"] == shape and r["workload"] == workload]
+            budgets = [x for x in BUDGETS if any(r["budget"] == x for r in cell)]
+            if not cell:
+                ax.set_axis_off()
+                continue
+            width = 0.8 / max(len(pols), 1)
+            for k, pol in enumerate(pols):
+                ys = []
+                for budget in budgets:
+                    r = next((r for r in cell if r["budget"] == budget and series(r) == pol), None)
+                    ys.append(100 * r["hit_rate"] if r else 0)
+                bars = ax.bar(
+                    [i - 0.4 + (k + 0.5) * width for i in range(len(budgets))],
+                    ys,
+                    width,
+                    color=colors[k % len(colors)],
+                    label=pol,
+                )
+                handles.setdefault(pol, bars)
+            for i, budget in enumerate(budgets):
+                r = next(r for r in cell if r["budget"] == budget)
+                tick = ax.hlines(100 * r["ideal_hit_rate"], i - 0.45, i + 0.45, color="black", linewidth=2)
+                handles.setdefault("ideal", tick)
+            ax.set_xticks(range(len(budgets)))
+            ax.set_xticklabels(budgets, fontsize=9)
+            ax.set_ylim(0, 100)
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.set_title(f"{shape} / {workload}", fontsize=10)
+            if b == 0:
+                ax.set_ylabel("hit rate (%)", fontsize=9)
+    fig.suptitle("Prefix-cache hits on hybrid models: vLLM exact / dense retention vs hybrid_alloc hit-aware")
+    fig.legend(
+        list(handles.values()),
+        list(handles),
+        loc="upper center",
+        ncol=len(handles),
+        fontsize=9,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.965),
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
     fig.savefig(path, dpi=90)
     return True
 

@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Any
 
+from hybrid_alloc.bench.common import render_table
+
 MEMORY_BLOCKS = (344_064, 4_194_304)
 
 
@@ -68,7 +70,7 @@ def measure(model: str, manager: str, num_blocks: int) -> dict[str, Any]:
     logging.getLogger("vllm").setLevel(logging.ERROR)
     from vllm.v1.core.sched import scheduler as sched_mod
 
-    from hybrid_alloc.vllm.offline import SHAPES, SchedulerSetup, scheduler_manager
+    from hybrid_alloc.bench.offline import SHAPES, SchedulerSetup, scheduler_manager
 
     setup = SchedulerSetup(SHAPES[model], manager=manager, num_blocks=num_blocks, max_num_seqs=1024)  # type: ignore[arg-type]
     out: dict[str, Any] = {}
@@ -114,7 +116,7 @@ def run_memory(model: str, managers: list[str], sizes: tuple[int, ...] = MEMORY_
     for n in sizes:
         for mg in managers:
             code = (
-                "import json, sys; from hybrid_alloc.bench_memory import measure; "
+                "import json, sys; from hybrid_alloc.bench.memory import measure; "
                 f"print('MEASURED ' + json.dumps(measure({model!r}, {mg!r}, {n})))"
             )
             p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -125,18 +127,34 @@ def run_memory(model: str, managers: list[str], sizes: tuple[int, ...] = MEMORY_
     return rows
 
 
-def print_memory(rows: list[dict[str, Any]]) -> None:
+def print_memory(rows: list[dict[str, Any]], wide: bool = False) -> None:
+    """The memory table: by default its main columns, which fit 80 columns; ``wide``
+    (``--wide``) the C-heap bytes per block too."""
     if not rows:
         return
-    print(
-        "memory and start-up: the KVCacheManager(...) call in the scheduler's constructor, "
-        "one fresh interpreter each (RSS delta and C-heap bytes per block; Python objects per block)"
+    shown = [
+        {
+            **r,
+            "construction_ms": r["construction_s"] * 1e3,
+        }
+        for r in rows
+    ]
+    cols = [
+        ("model", "model", "{}"),
+        ("manager", "manager", "{}"),
+        ("num_blocks", "blocks", "{}"),
+        ("construction_ms", "build ms", "{:.1f}"),
+        ("rss_bytes_per_block", "RSS B/block", "{:.1f}"),
+        ("malloc_bytes_per_block", "malloc B/block", "{:.1f}"),
+        ("python_objects_per_block", "Py objs/block", "{:.3f}"),
+    ]
+    if not wide:
+        cols = [c for c in cols if c[0] != "malloc_bytes_per_block"]
+    render_table(
+        "memory and start-up: the KVCacheManager(...) call in the scheduler's constructor, one fresh interpreter "
+        "each (RSS delta and C-heap bytes per block; Python objects per block)",
+        cols,
+        shown,
+        None if wide else "C-heap (malloc) bytes per block: --wide, or bench.json",
+        wide,
     )
-    print("| model | manager | blocks | construction | RSS / block | malloc / block | Python objects / block |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['model']} | {r['manager']} | {r['num_blocks']} | {r['construction_s'] * 1e3:.1f} ms | "
-            f"{r['rss_bytes_per_block']:.1f} B | {r['malloc_bytes_per_block']:.1f} B | "
-            f"{r['python_objects_per_block']:.3f} |"
-        )

@@ -20,8 +20,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from hybrid_alloc.bench.common import render_table, say, say_parts
+from hybrid_alloc.bench.runner import RunResult, run_scenario
+
 SERVE_MODELS = ("gemma-2-27b", "qwen3.5-style", "deepseek-v4-style")
-# The calls told apart per call (``bench._classifiers``), in the order printed.
+# The calls told apart per call (``clock._classifiers``), in the order printed.
 PER_CALL = (
     ("allocate_slots/no-op", "decode allocate_slots, no new block"),
     ("allocate_slots/crossing", "decode allocate_slots, a new block"),
@@ -68,9 +71,7 @@ def serve_pool_blocks(clients: int, max_tokens: int, block_size: int = 16) -> in
     return clients * per_req * 2 + 64
 
 
-def run_serve(shape: Any, manager: str, args: Any) -> Any:
-    from hybrid_alloc.bench import run_scenario
-
+def run_serve(shape: Any, manager: str, args: Any) -> RunResult:
     n = args.serve_clients
     stream = ServeRequests(
         args.serve_prompt_len, args.serve_output_len, args.serve_output_spread, args.serve_prefix_share
@@ -128,8 +129,9 @@ def serve_ratios(rows: list[dict[str, Any]]) -> None:
         r["step_over_bound"] = r["step_us_mean"] / bound if bound > 0 else float("inf")
 
 
-def print_serve_table(rows: list[dict[str, Any]], release: str | None) -> None:
-    """The headline table: one line per model and manager of the ``serve`` workload."""
+def print_serve_table(rows: list[dict[str, Any]], release: str | None, wide: bool = False) -> None:
+    """The headline table: one line per model and manager of the ``serve`` workload. By
+    default its main columns, which fit 80 columns; ``wide`` (``--wide``) every column."""
     serve = [r for r in rows if r["scenario"].startswith("serve") and r["manager"] != "no_hybrid"]
     if not serve:
         return
@@ -152,18 +154,32 @@ def print_serve_table(rows: list[dict[str, Any]], release: str | None) -> None:
         ("zero_kv_bound_us", "vLLM step - vLLM KV", "{:.0f}"),
         ("step_over_bound", "step / that bound", "{:.3f}"),
     ]
+    caption = None
+    if not wide:
+        cols = [
+            ("model", "model", "{}"),
+            ("manager", "manager", "{}"),
+            ("kv_us_per_running_request_mean", "KV us/req", "{:.3f}"),
+            ("serve_kv_x", "KV x", "{:.1f}"),
+            ("serve_kv_x_from_medians", "KV x p50s", "{:.1f}"),
+            ("step_us_mean", "step us", "{:.0f}"),
+            ("serve_step_x", "step x", "{:.2f}"),
+        ]
+        caption = (
+            "KV us/req: KV time per running request per step; x: vLLM's / ours; step: schedule() + "
+            "update_from_output(), wall; every column (hit rate, CPU time, the zero-KV bound): --wide, or bench.json"
+        )
     title = (
         f"serve: closed loop, vLLM {release} scheduler, prefix caching on; "
         "means per step over the measured steps (KV on timed steps, step on bare ones)"
     )
-    from hybrid_alloc.bench import render_table
-
-    render_table(title, cols, serve)
-    print(
+    render_table(title, cols, serve, caption, wide)
+    say(
         "call p50s: each kind of call's median times its calls per step, plus the mean of the calls not told "
-        "apart (robust to a busy machine, which stretches the means)"
+        "apart (robust to a busy machine, which stretches the means)",
+        wide,
     )
-    print("per call, us (median / mean; calls per step):")
+    say("per call, us (median / mean; calls per step):", wide)
     for r in serve:
         pc = r.get("per_call", {})
         parts = [
@@ -171,18 +187,4 @@ def print_serve_table(rows: list[dict[str, Any]], release: str | None) -> None:
             for key, label in PER_CALL
             if key in pc
         ]
-        print(f"  {r['model']} {r['manager']}: " + "; ".join(parts))
-
-
-def install_floor(mgr: Any) -> None:
-    """The ``floor`` probe (``--managers ...,floor``, serve only; not a mode of the plugin):
-    ``mgr`` (ours) with its ``allocate_slots`` replaced by a ``DecodeFloor``, which answers
-    the scheduler's decode call (``(request, 1, num_lookahead_tokens=n)``) with the shared
-    empty result and reads nothing of the request, and sends every other call (admissions,
-    prefill chunks) to ours. The empty result's ``get_block_ids`` is ours (a builtin
-    method). What the scheduler then pays per running request and step for the decode pair
-    is the least any manager can cost under vLLM's calls. The decode steps allocate nothing,
-    so the pool stays emptier than a real manager's: only the decode calls are comparable."""
-    from hybrid_alloc._core import DecodeFloor
-
-    mgr.allocate_slots = DecodeFloor(mgr.empty_kv_cache_blocks, mgr.allocate_slots)
+        say_parts(f"{r['model']} {r['manager']}: ", parts, "; ", wide, indent="  ")

@@ -1,0 +1,22 @@
+"""The bench: ``hybrid-alloc bench`` and ``hybrid-alloc hits`` (``hybrid_alloc.cli``), and the
+offline scheduler the tests build too. Nothing outside this folder imports it: ``import
+hybrid_alloc`` and ``import hybrid_alloc.vllm`` load none of it. Importing this package imports
+nothing; every module imports vLLM only inside the functions that run it.
+
+| module | holds |
+|---|---|
+| ``offline.py`` | vLLM's real ``Scheduler`` built without a GPU for a model shape (``SHAPES``), fabricated model outputs |
+| ``common.py`` | the vLLM check and its install hint, the table renderer (80 columns or the terminal's), the plot backend |
+| ``clock.py`` | ``ManagerClock``: what the scheduler pays for a manager, call by call, its own cost subtracted |
+| ``floor.py`` | the ``floor`` probe (``--managers ...,floor``), present only in the probe build |
+| ``runner.py`` | ``run_scenario``: one scenario under one manager, timed and bare steps alternating |
+| ``serve.py`` | the ``serve`` workload (the closed loop) and its table |
+| ``memory.py`` | the ``memory`` workload: construction time and bytes per block, one interpreter each |
+| ``main.py`` | ``hybrid-alloc bench``: the scenarios, the options, the tables, the JSON and the plot |
+| ``hits.py`` | ``hybrid-alloc hits``: prefix-cache hits by retention policy |
+
+Imports go down the table: ``main`` imports ``serve``, ``memory``, ``runner``, ``floor`` and
+``common``; ``serve`` imports ``runner`` and ``common``; ``runner`` imports ``clock`` and
+``floor``; ``memory`` and ``hits`` import ``common``; ``offline`` is imported inside the
+functions that build a scheduler. ``tests/python/test_imports.py`` checks there is no circle.
+"""

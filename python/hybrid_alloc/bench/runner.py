@@ -1,0 +1,266 @@
+"""One bench scenario on vLLM's real scheduler: :func:`run_scenario` builds the scheduler with
+the named manager (``vllm``, ``hybrid_alloc``, ``no_hybrid``, or ``floor``: ours with the
+decode call answered by the probe, :mod:`hybrid_alloc.bench.floor`), feeds it requests
+(optionally as a closed loop), alternates timed and bare steps, and returns a
+:class:`RunResult`. Shared by ``hybrid-alloc bench``'s scenarios (:mod:`.main`) and its
+``serve`` workload (:mod:`.serve`).
+
+Cost: the scheduler's own, plus the clock's wrappers on every other step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+from hybrid_alloc.bench import floor
+from hybrid_alloc.bench.clock import ManagerClock
+
+
+@dataclasses.dataclass
+class RunResult:
+    model: str
+    scenario: str
+    manager: str
+    num_blocks: int
+    block_size: int
+    num_groups: int
+    max_concurrency: float
+    steps: int
+    peak_running: int
+    hit_rate: float
+    kv_ns: list[float]
+    step_ns: list[float]
+    running: list[int]
+    usage: list[float]
+    finished: bool
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Requests scheduled on each measured timed step (beside ``kv_ns``) and bare step (beside
+    # ``step_ns``): the plot's x axis.
+    kv_running: list[int] = dataclasses.field(default_factory=list)
+    step_running: list[int] = dataclasses.field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        def pct(xs: list[float], q: float) -> float:
+            if not xs:
+                return 0.0
+            s = sorted(xs)
+            return s[min(len(s) - 1, int(q * len(s)))]
+
+        return {
+            "model": self.model,
+            "scenario": self.scenario,
+            "manager": self.manager,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "num_groups": self.num_groups,
+            "max_concurrency": self.max_concurrency,
+            "steps": self.steps,
+            "peak_running": self.peak_running,
+            "hit_rate": self.hit_rate,
+            "mean_usage": statistics.fmean(self.usage) if self.usage else 0.0,
+            "kv_us_median": pct(self.kv_ns, 0.5) / 1e3,
+            "kv_us_p99": pct(self.kv_ns, 0.99) / 1e3,
+            "step_us_median": pct(self.step_ns, 0.5) / 1e3,
+            "step_us_p99": pct(self.step_ns, 0.99) / 1e3,
+            "finished": self.finished,
+            **self.extra,
+        }
+
+
+def run_scenario(
+    shape: Any,
+    manager: str,
+    scenario: str,
+    requests: list[tuple[str, list[int], int]],
+    *,
+    num_blocks: int | None,
+    kv_budget: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    measure_from_running: int = 0,
+    max_steps: int = 200000,
+    decode_steps: int | None = None,
+    refill: Any = None,
+    warmup_finished: int = 0,
+) -> RunResult:
+    """Runs the scheduler to the end (or for ``decode_steps`` measured steps once
+    ``measure_from_running`` requests run with their prompts done). Steps alternate: on even
+    steps the manager's calls and the methods called on its results are timed (KV time); odd
+    steps run with no wrapper installed and give the whole step's time.
+
+    A closed loop (``refill``, a function of the request's index returning ``(id, prompt,
+    output length)``): after each step, every finished request is replaced at once by the next
+    one, so that ``len(requests)`` clients are always in the scheduler; measuring starts once
+    ``warmup_finished`` requests have been replaced."""
+    from hybrid_alloc.bench.offline import SchedulerSetup, fabricate_output, make_request
+
+    setup = SchedulerSetup(
+        shape,
+        manager="hybrid_alloc" if manager == "floor" else manager,  # type: ignore[arg-type]
+        num_blocks=num_blocks,
+        kv_budget_bytes=kv_budget,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    sched = setup.build()
+    mgr = sched.kv_cache_manager
+    if manager == "floor":
+        floor.install_floor(mgr)
+    kvc = mgr.kv_cache_config
+    conc = _max_concurrency(sched.vllm_config, kvc)
+    hits = {"hits": 0, "queries": 0}
+    orig_record = mgr.record_prefix_cache_stats
+
+    def record(request: Any, num_hits: int) -> None:
+        hits["hits"] += num_hits
+        hits["queries"] += request.num_tokens
+        orig_record(request, num_hits)
+
+    mgr.record_prefix_cache_stats = record
+    clock = ManagerClock()
+    clock.install(mgr)
+    for rid, toks, out_len in requests:
+        sched.add_request(make_request(sched, rid, toks, out_len))
+    kv_ns: list[float] = []
+    kv_per_req_ns: list[float] = []
+    raw_calls: list[int] = []
+    step_ns: list[float] = []
+    step_cpu_ns: list[float] = []  # the same steps in this thread's CPU time (robust to a busy machine)
+    running: list[int] = []
+    usage: list[float] = []
+    running_timed: list[int] = []  # requests scheduled on each timed step
+    step_running: list[int] = []  # and on each bare step
+    step = 0
+    measuring = measure_from_running == 0 and warmup_finished == 0
+    measured = 0
+    clients = len(requests)
+    next_id = clients
+    replaced = 0
+    pc = time.perf_counter_ns
+    tt = time.thread_time_ns
+    try:
+        while sched.get_num_unfinished_requests() and step < max_steps:
+            timed = step % 2 == 0
+            if timed:
+                clock.on()
+            else:
+                clock.off()
+            clock.take()
+            c0 = tt()
+            t0 = pc()
+            so = sched.schedule()
+            t1 = pc()
+            c1 = tt()
+            out = fabricate_output(sched, so)
+            c2 = tt()
+            t2 = pc()
+            sched.update_from_output(so, out)
+            t3 = pc()
+            c3 = tt()
+            kv = clock.take()
+            n_run = len(sched.running)
+            if measuring:
+                if timed:
+                    kv_ns.append(kv)
+                    kv_per_req_ns.append(kv / max(1, len(so.num_scheduled_tokens)))
+                    raw_calls.append(clock.last_calls)
+                    running_timed.append(len(so.num_scheduled_tokens))
+                else:
+                    step_ns.append((t1 - t0) + (t3 - t2))
+                    step_cpu_ns.append((c1 - c0) + (c3 - c2))
+                    step_running.append(len(so.num_scheduled_tokens))
+                measured += 1
+            elif refill is not None:
+                if replaced >= warmup_finished:  # measured from the next step on
+                    measuring = True
+                    clock.reset_breakdown()
+            elif n_run >= measure_from_running and all(
+                r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running
+            ):  # measured from the next step on
+                measuring = True
+                clock.reset_breakdown()
+            if refill is not None:  # the closed loop: finished requests replaced at once
+                clock.off()
+                while sched.get_num_unfinished_requests() < clients:
+                    rid, toks, out_len = refill(next_id)
+                    sched.add_request(make_request(sched, rid, toks, out_len))
+                    next_id += 1
+                    replaced += 1
+            running.append(n_run)
+            clock.depth = 1  # the bench's own read: not timed, not the scheduler's
+            usage.append(mgr.usage)
+            clock.depth = 0
+            step += 1
+            if decode_steps is not None and measured >= decode_steps:
+                break
+    finally:
+        clock.off()
+    n_timed = max(1, len(kv_ns))
+    breakdown = {
+        name: {"us_per_step": ns / n_timed / 1e3, "calls_per_step": calls / n_timed}
+        for name, (ns, calls) in sorted(clock.by_name.items(), key=lambda kv: -kv[1][0])
+        if calls
+    }
+    per_call = {
+        key: {
+            "calls_per_step": len(xs) / n_timed,
+            "median_us": statistics.median(xs) / 1e3,
+            "mean_us": statistics.fmean(xs) / 1e3,
+            "us_per_step": sum(xs) / n_timed / 1e3,
+        }
+        for key, xs in sorted(clock.samples.items())
+        if xs
+    }
+    finished = not sched.get_num_unfinished_requests() or decode_steps is not None
+    return RunResult(
+        model=shape.name,
+        scenario=scenario,
+        manager=manager,
+        num_blocks=kvc.num_blocks,
+        block_size=kvc.kv_cache_groups[0].kv_cache_spec.block_size,
+        num_groups=len(kvc.kv_cache_groups),
+        max_concurrency=conc,
+        steps=step,
+        peak_running=max(running) if running else 0,
+        hit_rate=hits["hits"] / hits["queries"] if hits["queries"] else 0.0,
+        kv_ns=kv_ns,
+        step_ns=step_ns,
+        running=running,
+        usage=usage,
+        finished=finished,
+        kv_running=running_timed,
+        step_running=step_running,
+        extra={
+            "native": type(mgr).__name__ == "HybridKVCacheManager",
+            "timer_overhead_ns_per_call": clock.overhead_ns,
+            "timer_overhead_ns_per_method_call": clock.overhead_method_ns,
+            "manager_calls_per_step_median": sorted(raw_calls)[len(raw_calls) // 2] if raw_calls else 0,
+            "kv_us_mean": statistics.fmean(kv_ns) / 1e3 if kv_ns else 0.0,
+            "kv_us_per_scheduled_request_median": _median(kv_per_req_ns) / 1e3,
+            "step_cpu_us_median": _median(step_cpu_ns) / 1e3,
+            "kv_breakdown": breakdown,
+            "per_call": per_call,
+            "step_us_mean": statistics.fmean(step_ns) / 1e3 if step_ns else 0.0,
+            "step_cpu_us_mean": statistics.fmean(step_cpu_ns) / 1e3 if step_cpu_ns else 0.0,
+            "running_mean": statistics.fmean(running_timed) if running_timed else 0.0,
+            # All timed steps' KV time over all the requests they scheduled.
+            "kv_us_per_running_request_mean": sum(kv_ns) / max(1, sum(running_timed)) / 1e3,
+            "replaced": replaced,
+        },
+    )
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def _max_concurrency(vllm_config: Any, kvc: Any) -> float:
+    try:
+        from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+        return float(get_max_concurrency_for_kv_cache_config(vllm_config, kvc))
+    except Exception:  # noqa: BLE001 - informational only (moved or changed between releases)
+        return float("nan")
