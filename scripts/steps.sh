@@ -48,7 +48,7 @@ summary() {
 rust_fast_steps() {
   run "cargo fmt --check" cargo fmt --all -- --check
   run "cargo clippy (core, tests, benches)" cargo clippy --all-targets -- -D warnings
-  run "cargo clippy (python binding)" cargo clippy --features python --lib -- -D warnings
+  run "cargo clippy (python binding, bench probe)" cargo clippy --features python,bench-probe --lib -- -D warnings
   run "cargo test --release" cargo test --release
 }
 

@@ -56,7 +56,7 @@
 //! 11. the import of the named spec;
 //! 12. the translator from one to the other;
 //! 13. its `SPEC_TABLE` entry (vLLM's `spec_manager_map` shape).
-//! 14. `README.md`: its row in the compatibility matrix;
+//! 14. `docs/compatibility.md`: its row in the compatibility matrix;
 //! 15. and its row in the spec table (with the test that proves it against vLLM).
 //!
 //! Optional: a `case` in `spec_table.describe` to show its parameters in the serving log.
