@@ -18,8 +18,8 @@ FAILED=0
 PY_LINT_PATHS=(python/hybrid_alloc tests/python benches examples)
 # The test files that call the compiled module directly, type-checked against python/hybrid_alloc's
 # stub (_core.pyi), as a user's code would be: a stub that types a parameter too narrowly fails here.
-MYPY_TEST_FILES=(tests/python/test_api.py tests/python/test_stateful.py tests/python/test_bench_noplot.py
-  tests/python/test_typed_boundary.py tests/python/test_api_defects.py)
+MYPY_TEST_FILES=(tests/python/core/test_api.py tests/python/core/test_stateful.py tests/python/bench/test_bench_noplot.py
+  tests/python/core/test_typed_boundary.py tests/python/core/test_api_defects.py)
 
 run() {
   local name=$1 rc start
@@ -59,6 +59,6 @@ python_lint_steps() {
   run "mypy (python/hybrid_alloc)" "$venv/bin/mypy"
   # --no-warn-unused-ignores: the tests' own ignores (type-arg, override) may go unused as the
   # stub changes, and the tests stay as they are; the package itself keeps pyproject's setting.
-  run "mypy (tests that use the stub)" env MYPYPATH=python:tests/python \
+  run "mypy (tests that use the stub)" env MYPYPATH=python:tests/python/support \
     "$venv/bin/mypy" --no-warn-unused-ignores "${MYPY_TEST_FILES[@]}"
 }

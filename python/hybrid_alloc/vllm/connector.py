@@ -46,7 +46,7 @@ see :mod:`.boundary`); a producer's ``finalize_partial_tail_offloads`` is ``[]``
 every configuration served (a partial tail needs a Mamba block larger than the hash block).
 
 vLLM 0.34 changes what reaches the manager with a connector, all served with nothing more to
-check here (``tests/python/test_connector_lookahead.py`` compares each with vLLM's manager):
+check here (``tests/python/parity/test_connector_lookahead.py`` compares each with vLLM's manager):
 
 - lookahead block hashes: with EAGLE/MTP, a connector whose class's
   ``supports_lookahead_block_hashes`` is True (NixlConnector, the OffloadingConnector, a

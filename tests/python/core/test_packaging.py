@@ -10,7 +10,7 @@ from pathlib import Path
 
 import hybrid_alloc
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _meta() -> importlib.metadata.PackageMetadata:

@@ -22,12 +22,32 @@ import argparse
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+
 # The tiny random models' shape (the engine tests' Gemma-2 and Llama): 4 layers of width 64.
+def free_base_port() -> int:
+    """A port P with P, P+1 (publishers) and P+100, P+101 (replay) free on this machine."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            base = s.getsockname()[1]
+        if base + 101 > 65535:
+            continue
+        try:
+            for p in (base, base + 1, base + 100, base + 101):
+                with socket.socket() as s:
+                    s.bind(("", p))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free ports")
+
+
 TINY_MODEL = dict(
     vocab_size=512,
     hidden_size=64,

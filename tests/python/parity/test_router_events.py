@@ -26,7 +26,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 
 SEED = 11
 BLOCK = 16
@@ -187,7 +187,7 @@ def test_example_router_over_vllms_zmq_publishers() -> None:
         ZmqEventPublisher,
     )
 
-    from test_engine_dp import _free_base_port
+    from engine_run import free_base_port
 
     def stored(hashes: list[int], tokens: list[int]) -> BlockStored:
         return BlockStored(
@@ -205,7 +205,7 @@ def test_example_router_over_vllms_zmq_publishers() -> None:
     def publish(pub: ZmqEventPublisher, *events: Any) -> None:
         pub.publish(KVEventBatch(ts=time.time(), events=list(events)))
 
-    base = _free_base_port()
+    base = free_base_port()
     pubs = [
         ZmqEventPublisher(r, endpoint=f"tcp://*:{base}", replay_endpoint=f"tcp://*:{base + 100}", topic="kv")
         for r in range(2)

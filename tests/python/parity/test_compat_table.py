@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-COMPAT = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
+COMPAT = Path(__file__).resolve().parents[3] / "docs" / "compatibility.md"
 
 
 def _table() -> dict[str, dict[str, str]]:

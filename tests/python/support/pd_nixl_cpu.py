@@ -9,7 +9,7 @@ pulled). Without a model directory it saves the engine tests' tiny Gemma-2 (slid
 full attention: two KV cache groups, so the hybrid manager's NIXL path).
 
     pip install --no-deps --target /tmp/nixl nixl nixl-cu13   # torch here is a CUDA 13 build
-    PYTHONPATH=$SITE:/tmp/nixl HF_HUB_OFFLINE=1 $PY tests/python/pd_nixl_cpu.py [MODEL_DIR] [--perturb]
+    PYTHONPATH=$SITE:/tmp/nixl HF_HUB_OFFLINE=1 $PY tests/python/support/pd_nixl_cpu.py [MODEL_DIR] [--perturb]
 
 (``nixl``, the meta package, picks ``nixl_cu13`` from torch's CUDA version even on a CPU-only
 machine; ``nixl-cu12`` alone fails with "detected CUDA 13 but nixl-cu13 is not installed".)

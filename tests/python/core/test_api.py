@@ -17,52 +17,9 @@ from typing import Any
 import pytest
 
 import hybrid_alloc as ha
+from api_helpers import EMPTY, FakeRequest, H, alloc, allocate, hashes
 from hybrid_alloc import Allocator, Hit
 from hybrid_alloc._core import FastAllocate
-
-H = 32  # hash length (sha256)
-
-
-def hashes(*xs: int) -> list[bytes]:
-    return [x.to_bytes(H, "big") for x in xs]
-
-
-def alloc(
-    kind: str = "full", window: int = 0, num_blocks: int = 16, caching: bool = True, mml: int = 4096
-) -> Allocator:
-    groups = [("full", 16, 0, 0, 0)]
-    if kind == "swa":
-        groups.append(("sliding_window", 16, 1, window, 0))
-    if kind == "swa_only":
-        groups = [("sliding_window", 16, 0, window, 0)]
-    return Allocator(num_blocks, groups, 16, 16, mml, mml, caching, True, 0, 0)
-
-
-def allocate(
-    a: Allocator,
-    h: int,
-    n: int,
-    *,
-    computed: int = 0,
-    hit: Any = None,
-    hit_tokens: int = 0,
-    new: list[bytes] | None = None,
-    prompt: int | None = None,
-    tokens: int | None = None,
-    **kw: Any,
-) -> Any:
-    tokens = tokens if tokens is not None else computed + hit_tokens + n
-    return a.allocate_slots(
-        h,
-        n,
-        block_hashes=new,
-        hit=hit,
-        num_new_computed_tokens=hit_tokens,
-        num_computed_tokens=computed,
-        num_prompt_tokens=prompt if prompt is not None else tokens,
-        num_tokens=tokens,
-        **kw,
-    )
 
 
 def snapshot(a: Allocator, handles: list[int]) -> tuple:  # type: ignore[type-arg]
@@ -563,22 +520,6 @@ def test_allocate_slots_takes_its_arguments_as_its_signature_says() -> None:
 # ---- FastAllocate: the scheduler's hot call ------------------------------------------------
 
 
-class FakeRequest:
-    """The attributes of vLLM's Request that FastAllocate reads."""
-
-    def __init__(self, handle: int, num_computed_tokens: int, num_tokens: int, block_hashes: list[bytes]) -> None:
-        self._hybrid_alloc_handle = handle
-        self.num_computed_tokens = num_computed_tokens
-        self.num_in_flight_tokens = 0
-        self.num_prompt_tokens = num_tokens
-        self.num_tokens = num_tokens
-        self.shared_prefix_boundary = 0
-        self.block_hashes = block_hashes
-
-
-EMPTY = ("empty",)
-
-
 def fast(a: Allocator, slow_calls: list[Any] | None = None) -> FastAllocate:
     def slow(*args: Any, **kw: Any) -> str:
         if slow_calls is not None:
@@ -836,7 +777,7 @@ def test_fast_allocate_cycle_is_collected_and_rss_stays_flat() -> None:
 
 
 def test_direct_api_example_runs() -> None:
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "direct-api.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "direct-api.md").read_text()
     section = doc.split("## A whole round", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     assert code is not None

@@ -74,17 +74,17 @@ EAGLE_CASES: dict[str, tuple[str, int, bool]] = {
 }
 
 
-def _spec_setup(case: str) -> tuple[Any, Any, str]:
+def _specsetup_case(case: str) -> tuple[Any, Any, str]:
     """The base case's setup with an EAGLE drafter of ``k`` tokens (the full-attention group
     flagged as the draft layers' group, as vLLM's planner flags the group holding them), the
     OffloadingConnector's events self-describing (``self_describing_kv_events``)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
+    from connector_cases import setup_case
     from sched_driver import SpecSchedulerSetup
-    from test_connector_vllm import _setup
 
     base, k, caching = EAGLE_CASES[case]
-    setup, w, role = _setup(base)
+    setup, w, role = setup_case(base)
     # The OffloadingConnector's CPU-tier events with their payload (tokens, lookahead tokens).
     ktc = setup.extra["kv_transfer_config"]
     for c in [{"kv_connector": ktc.kv_connector, "kv_connector_extra_config": ktc.kv_connector_extra_config}] + list(
@@ -113,7 +113,7 @@ def test_connector_with_lookahead_hashes_identical(
 ) -> None:
     from connector_driver import assert_same_pd, run_pd
 
-    setup, w, role = _spec_setup(case)
+    setup, w, role = _specsetup_case(case)
     if not _lookahead_with_connectors():
         # 0.32 / 0.33: the connector keeps legacy hashes, EAGLE drops the trailing block
         # (``use_eagle=True``), which falls back to vLLM's manager with one line.
@@ -174,10 +174,10 @@ JUNCTION_CASES = ["gemma_offload", "gemma_offload_async", "gemma_multi_offload",
 
 
 def _junction_pair(case: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    from connector_cases import setup_case
     from connector_driver import run_pd
-    from test_connector_vllm import _setup
 
-    setup, w, role = _setup(case)
+    setup, w, role = setup_case(case)
     ref = run_pd(dataclasses.replace(setup, manager="vllm"), role, w)
     ours = run_pd(dataclasses.replace(setup, manager="hybrid_alloc"), role, w)
     return ref, ours
@@ -202,14 +202,14 @@ def test_connector_raised_junction_identical(case: str) -> None:
 def test_connector_raised_junction_planted_bug_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The proof can fail: a manager that took the junction from its own lookup (ignoring the
     one the connector wrote after it) breaks the comparison."""
+    from connector_cases import setup_case
     from connector_driver import assert_same_pd, run_pd
     from hybrid_alloc.vllm.manager import HybridKVCacheManager
-    from test_connector_vllm import _setup
 
     if not _connector_raises_junction():
         pytest.skip("this vLLM's OffloadingConnector writes no junction (0.34 does)")
     case = "gemma_offload"
-    setup, w, role = _setup(case)
+    setup, w, role = setup_case(case)
     ref = run_pd(dataclasses.replace(setup, manager="vllm"), role, w)
     local: dict[str, int] = {}  # request -> the junction its last local lookup reported
     orig_lookup = HybridKVCacheManager.get_computed_blocks
@@ -250,13 +250,13 @@ def test_connector_junction_with_hit_aware_stops(case: str, monkeypatch: pytest.
     connector raising a junction over a guessed stop: the core's invariants hold after every
     step (``check_invariants``, in ``run_pd``), every request finishes, and the manager never
     lowers a junction."""
+    from connector_cases import setup_case
     from connector_driver import run_pd
-    from test_connector_vllm import _setup
 
     if not _connector_raises_junction():
         pytest.skip("this vLLM's OffloadingConnector writes no junction (0.34 does)")
     monkeypatch.setenv("HYBRID_ALLOC_POLICY", "hit-aware")
-    setup, w, role = _setup(case)
+    setup, w, role = setup_case(case)
     checks = [0]
     from hybrid_alloc.vllm.manager import HybridKVCacheManager
 

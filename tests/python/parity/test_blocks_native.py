@@ -18,9 +18,9 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 
 import hybrid_alloc as ha  # noqa: E402
+from api_helpers import EMPTY, FakeRequest, alloc, allocate, hashes  # noqa: E402
 from hybrid_alloc._core import BlockIds, FastAllocate, GetBlockIds  # noqa: E402
 from hybrid_alloc.vllm.blocks import NativeKVCacheBlocks  # noqa: E402
-from test_api import EMPTY, FakeRequest, alloc, allocate, hashes  # noqa: E402
 
 GROUPS = [([1, 2], [3]), ([], []), ([5], []), ([], [7, 8]), ([4, 9, 11],)]
 SELECTIONS: list[Any] = [None, [0], [1], [-1], [1, 0], [0, 0], [], (0,), [True]]

@@ -33,304 +33,19 @@ import importlib.util
 import logging
 import os
 import shutil
-import tempfile
 from typing import Any
 
 import pytest
 
+from connector_cases import CASES, QWEN_CASES, WORKLOAD_SEED, setup_case, tiny_shapes
+
 pytestmark = pytest.mark.vllm
-
-
-def _shapes() -> dict[str, Any]:
-    import torch
-
-    from hybrid_alloc.bench.offline import LayerKind, MambaState, ModelShape
-
-    gdn = MambaState(shapes=((3, 256), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32), mamba_type="GDN_ATTN")
-    return {
-        # Qwen3.5-like: GDN layers with one full attention layer in four (three Mamba "align"
-        # groups and one full attention group).
-        "qwen": ModelShape(
-            "tiny-qwen3.5",
-            tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(8)),
-            num_kv_heads=2,
-            head_size=64,
-            weight_bytes=0,
-            max_model_len=2048,
-            mamba_state=gdn,
-        ),
-        "llama": ModelShape(
-            "tiny-llama",
-            tuple(LayerKind("full") for _ in range(4)),
-            num_kv_heads=2,
-            head_size=64,
-            weight_bytes=0,
-            max_model_len=2048,
-        ),
-        "gemma": ModelShape(
-            "tiny-gemma",
-            tuple(LayerKind("sliding_window", 64) if i % 2 == 0 else LayerKind("full") for i in range(4)),
-            num_kv_heads=2,
-            head_size=64,
-            weight_bytes=0,
-            max_model_len=2048,
-        ),
-    }
-
-
-# case: (shape, role, num_blocks, async with 2 steps in flight, load failure policy, connector)
-CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
-    "llama_consumer": ("llama", "kv_consumer", 120, False, "recompute", "nixl"),
-    "llama_consumer_fail": ("llama", "kv_consumer", 120, False, "fail", "nixl"),
-    "gemma_consumer": ("gemma", "kv_consumer", 80, False, "recompute", "nixl"),
-    "gemma_consumer_fail": ("gemma", "kv_consumer", 80, False, "fail", "nixl"),
-    "llama_producer": ("llama", "kv_producer", 50, False, "recompute", "nixl"),
-    "gemma_producer": ("gemma", "kv_producer", 80, False, "recompute", "nixl"),
-    # vLLM's AsyncScheduler (async scheduling, two steps in flight).
-    "llama_consumer_async": ("llama", "kv_consumer", 60, True, "recompute", "nixl"),
-    "llama_consumer_async_fail": ("llama", "kv_consumer", 60, True, "fail", "nixl"),
-    "gemma_consumer_async": ("gemma", "kv_consumer", 100, True, "recompute", "nixl"),
-    "gemma_consumer_async_fail": ("gemma", "kv_consumer", 100, True, "fail", "nixl"),
-    "llama_producer_async": ("llama", "kv_producer", 50, True, "recompute", "nixl"),
-    "gemma_producer_async": ("gemma", "kv_producer", 80, True, "recompute", "nixl"),
-    "gemma_consumer_multi": ("gemma", "kv_consumer", 80, False, "recompute", "multi"),
-    "llama_consumer_push": ("llama", "kv_consumer", 120, False, "recompute", "push"),
-    "gemma_producer_push": ("gemma", "kv_producer", 80, False, "recompute", "push"),
-    # The native OffloadingConnector (CPU offloading): stores and loads as transfer jobs.
-    "llama_offload": ("llama", "kv_both", 60, False, "recompute", "offload"),
-    "gemma_offload": ("gemma", "kv_both", 60, False, "recompute", "offload"),
-    "llama_offload_async": ("llama", "kv_both", 60, True, "recompute", "offload"),
-    "gemma_offload_async": ("gemma", "kv_both", 100, True, "recompute", "offload"),
-    # A MultiConnector over NixlConnector and the OffloadingConnector (kv_both): remote
-    # prefills load through NIXL, local requests' offloaded prefixes through transfer jobs.
-    "llama_multi_offload": ("llama", "kv_both", 80, False, "recompute", "multi_offload"),
-    "gemma_multi_offload": ("gemma", "kv_both", 80, False, "fail", "multi_offload"),
-    "gemma_multi_offload_async": ("gemma", "kv_both", 100, True, "recompute", "multi_offload"),
-    # GDN + full (Mamba "align"): the OffloadingConnector stores the boundary states the
-    # manager hands it (``take_boundary_state_offloads``) and loads them back.
-    "qwen_offload": ("qwen", "kv_both", 120, False, "recompute", "offload"),
-    "qwen_offload_async": ("qwen", "kv_both", 140, True, "recompute", "offload"),
-    "qwen_multi_offload": ("qwen", "kv_both", 120, False, "recompute", "multi_offload_only"),
-    # A MultiConnector over NixlConnector and the OffloadingConnector: Nixl's remote loads and
-    # the boundary-state stores in one run (the MultiConnector asks for no divergent hit).
-    "qwen_multi_nixl_offload": ("qwen", "kv_both", 200, False, "recompute", "multi_offload"),
-    # ExampleConnector, without hybrid manager support: vLLM runs one unified group (the
-    # Gemma-like shape's sliding window layers promoted to full attention); sync loads.
-    "llama_example": ("llama", "kv_both", 80, False, "recompute", "example"),
-    "llama_example_fail": ("llama", "kv_both", 80, False, "fail", "example"),
-    "gemma_example": ("gemma", "kv_both", 80, False, "recompute", "example"),
-    "gemma_example_async": ("gemma", "kv_both", 80, True, "fail", "example"),
-    # A MultiConnector over NixlConnector and ExampleConnector: one unified group too.
-    "gemma_multi_example": ("gemma", "kv_both", 80, False, "recompute", "multi_example"),
-    # LMCacheConnectorV1 (the ``lmcache`` package's scheduler side), without hybrid manager
-    # support either: chunk-prefix hits from a lookup server over the stored chunks, sync
-    # loads; "lmcache_unfull" saves and hits partial last chunks too (external counts not
-    # block-aligned).
-    "llama_lmcache": ("llama", "kv_both", 80, False, "recompute", "lmcache"),
-    "gemma_lmcache_async": ("gemma", "kv_both", 80, True, "fail", "lmcache"),
-    "llama_lmcache_unfull": ("llama", "kv_both", 80, False, "fail", "lmcache_unfull"),
-    # A MultiConnector over NixlConnector and LMCacheConnectorV1: one unified group too.
-    "gemma_multi_lmcache": ("gemma", "kv_both", 80, False, "recompute", "multi_lmcache"),
-}
-# The workload's seed and share of remote requests, where a case needs others than the
-# default to show what it claims (the Gemma-like consumers: local hits joined with remote ones).
-WORKLOAD_SEED: dict[str, tuple[int, float]] = {
-    "gemma_consumer": (7, 0.5),
-    "gemma_consumer_fail": (7, 0.5),
-    "gemma_consumer_multi": (7, 0.5),
-}
-
-# GDN + full attention (Qwen3.5-like, Mamba "align") with NixlConnector, in both roles (a
-# producer's ``finalize_partial_tail_offloads`` is ``[]`` in vLLM for every configuration
-# served), each with vLLM's Scheduler and AsyncScheduler, both failure policies, NixlConnector
-# alone, its push variant and under a MultiConnector. The local hit is vLLM's per-group one
-# (``get_computed_blocks_for_connector``): shared prefixes whose Mamba state is not cached make
-# full attention hit deeper than the Mamba groups (``hit_diverged``), adopted as is when the
-# connector loads the rest (a producer reconciles every diverged hit).
-# (``kv_both`` is served too, as it is without Mamba layers; the driver's workload, like the
-# cases above, runs NixlConnector as consumer or producer.)
-MAMBA_ROLES: tuple[str, ...] = ("kv_consumer", "kv_producer")
-# (suffix, num_blocks, async, load failure policy, connector, workload seed)
-_QWEN: tuple[tuple[str, int, bool, str, str, int], ...] = (
-    ("", 120, False, "recompute", "nixl", 3),
-    ("_fail", 80, False, "fail", "nixl", 7),
-    ("_async", 70, True, "recompute", "nixl", 7),
-    ("_async_fail", 70, True, "fail", "nixl", 11),
-    ("_multi", 80, False, "recompute", "multi", 7),
-    ("_push", 80, False, "recompute", "push", 7),
-    # The reverse: a Mamba group deeper than full attention (vLLM reconciles). Requests
-    # aborted mid-prefill with a step in flight are freed deferred, in reverse (full
-    # attention's blocks first), so pressure evicts full attention's tail while the Mamba
-    # state survives, and repeated prompts look it up.
-    ("_async_reverse", 50, True, "recompute", "nixl", 11),
-)
-# Workload changes per case suffix (``PDWorkload`` fields).
-QWEN_WORKLOAD: dict[str, dict[str, Any]] = {
-    "_async_reverse": dict(repeat_share=0.5, abort_prefilling={f"req{i}" for i in range(0, 24, 2)} - {"req2"}),
-}
-# The remote share of the workload, where a case needs another than 0.7.
-QWEN_REMOTE_SHARE: dict[str, float] = {"_async_reverse": 0.3}
-QWEN_CASES: list[str] = []
-for _role in MAMBA_ROLES:
-    for _sfx, _blocks, _overlap, _policy, _conn, _seed in _QWEN:
-        if _sfx == "_async_reverse" and _role != "kv_consumer":
-            continue  # its aborts mid-prefill make sense for remote prefills only
-        _case = f"qwen_{_role.removeprefix('kv_')}{_sfx}"
-        CASES[_case] = ("qwen", _role, _blocks, _overlap, _policy, _conn)
-        WORKLOAD_SEED[_case] = (_seed, QWEN_REMOTE_SHARE.get(_sfx, 0.7))
-        QWEN_CASES.append(_case)
-
-
-def _setup(case: str) -> tuple[Any, Any, str]:
-    from vllm.config import KVTransferConfig
-
-    from connector_driver import PDWorkload, nixl_config
-    from hybrid_alloc.bench.offline import SchedulerSetup
-
-    shape, role, blocks, overlap, policy, conn = CASES[case]
-    if conn == "multi":
-        ktc = KVTransferConfig(
-            kv_connector="MultiConnector",
-            kv_role=role,
-            kv_load_failure_policy=policy,
-            kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": role}]},
-        )
-    elif conn == "offload":
-        ktc = KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role=role,
-            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 22},
-        )
-    elif conn == "multi_offload_only":
-        ktc = KVTransferConfig(
-            kv_connector="MultiConnector",
-            kv_role=role,
-            kv_connector_extra_config={
-                "connectors": [
-                    {
-                        "kv_connector": "OffloadingConnector",
-                        "kv_role": role,
-                        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 22},
-                    },
-                ]
-            },
-        )
-    elif conn == "multi_offload":
-        ktc = KVTransferConfig(
-            kv_connector="MultiConnector",
-            kv_role=role,
-            kv_load_failure_policy=policy,
-            kv_connector_extra_config={
-                "connectors": [
-                    {"kv_connector": "NixlConnector", "kv_role": role},
-                    {
-                        "kv_connector": "OffloadingConnector",
-                        "kv_role": role,
-                        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 22},
-                    },
-                ]
-            },
-        )
-    elif conn in ("example", "multi_example"):
-        storage = os.path.join(tempfile.gettempdir(), f"hybrid_alloc-example-{os.getpid()}-{case}")
-        example = {"kv_connector": "ExampleConnector", "kv_role": role}
-        example["kv_connector_extra_config"] = {"shared_storage_path": storage}
-        if conn == "example":
-            ktc = KVTransferConfig(**example, kv_load_failure_policy=policy)
-        else:
-            ktc = KVTransferConfig(
-                kv_connector="MultiConnector",
-                kv_role=role,
-                kv_load_failure_policy=policy,
-                kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": role}, example]},
-            )
-    elif "lmcache" in conn:
-        # Both keys every time: the package's configuration is one object per process.
-        lmc: dict[str, Any] = {"lmcache.chunk_size": 64, "lmcache.save_unfull_chunk": conn == "lmcache_unfull"}
-        # A lookup that timed out would count as a miss in one run only.
-        lmc["lmcache.lookup_timeout_ms"] = 120_000
-        child = {"kv_connector": "LMCacheConnectorV1", "kv_role": role, "kv_connector_extra_config": lmc}
-        if conn == "multi_lmcache":
-            ktc = KVTransferConfig(
-                kv_connector="MultiConnector",
-                kv_role=role,
-                kv_load_failure_policy=policy,
-                kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": role}, child]},
-            )
-        else:
-            ktc = KVTransferConfig(**child, kv_load_failure_policy=policy)
-    elif conn == "push":
-        ktc = KVTransferConfig(kv_connector="NixlPushConnector", kv_role=role, kv_load_failure_policy=policy)
-    else:
-        ktc = nixl_config(role, policy)
-    setup = SchedulerSetup(
-        shape=_shapes()[shape],
-        num_blocks=blocks,
-        max_num_seqs=8,
-        max_num_batched_tokens=256,
-        kv_events=True,
-        async_scheduling=overlap,
-        extra={"kv_transfer_config": ktc},
-    )
-    if conn in ("offload", "multi_offload_only"):
-        # Local requests only: the offloaded prefixes come back as loads.
-        w = PDWorkload(
-            num_requests=30,
-            remote_share=0.0,
-            offload=True,
-            offload_child=0 if conn == "multi_offload_only" else None,
-            num_children=1,
-            abort_running={"req2", "req13"},
-            batch_queue=2 if overlap else 1,
-        )
-        return setup, w, role
-    if conn in ("example", "multi_example") or "lmcache" in conn:
-        multi = conn.startswith("multi_")
-        w = PDWorkload(
-            num_requests=30,
-            remote_share=0.3 if multi else 0.0,
-            repeat_share=0.5,
-            example_storage=None if "lmcache" in conn else storage,
-            example_child=1 if multi else None,
-            lmcache="lmcache" in conn,
-            fail_sync_loads=2,
-            abort_running={"req2", "req13"},
-            batch_queue=2 if overlap else 1,
-        )
-        return setup, w, "kv_consumer"
-    if conn == "multi_offload":
-        w = PDWorkload(
-            num_requests=30,
-            remote_share=0.4,
-            offload=True,
-            offload_child=1,
-            fail={"req3", "req7"},
-            abort_waiting={"req5"},
-            abort_running={"req2", "req13"},
-            batch_queue=2 if overlap else 1,
-        )
-        return setup, w, "kv_consumer"
-    seed, share = WORKLOAD_SEED.get(case, (3, 0.7))
-    over = next((v for k, v in QWEN_WORKLOAD.items() if case in QWEN_CASES and case.endswith(k)), {})
-    w = PDWorkload(
-        seed=seed,
-        remote_share=share,
-        fail={"req3", "req7"},
-        abort_waiting={"req5"},
-        # A sync failure maps invalid block ids to requests: one KV cache group only.
-        fail_running={"req9", "req11"} if shape == "llama" else set(),
-        abort_running={"req2", "req13", "req17"},
-        batch_queue=2 if overlap else 1,
-    )
-    w = dataclasses.replace(w, **over)
-    w.abort_prefilling -= w.fail | w.abort_waiting | w.abort_running
-    return setup, w, role
 
 
 def _pair(case: str) -> tuple[dict[str, Any], dict[str, Any]]:
     from connector_driver import run_pd
 
-    setup, w, role = _setup(case)
+    setup, w, role = setup_case(case)
     try:
         ref = run_pd(dataclasses.replace(setup, manager="vllm"), role, w)
         ours = run_pd(dataclasses.replace(setup, manager="hybrid_alloc"), role, w)
@@ -518,7 +233,7 @@ def test_truncate_computed_blocks_matches_vllm(case: str) -> None:
 
     out = {}
     for mgr_name in ("vllm", "hybrid_alloc"):
-        setup, _, _ = _setup(case)
+        setup, _, _ = setup_case(case)
         sched = dataclasses.replace(setup, manager=mgr_name).build()
         prompt = list(range(1, 200))
         sched.add_request(make_request(sched, "a", prompt, 2))
@@ -548,7 +263,7 @@ def _fallback_line(
 
     caplog.set_level(logging.INFO, logger="vllm.hybrid_alloc")
     setup = SchedulerSetup(
-        shape=_shapes()[shape],
+        shape=tiny_shapes()[shape],
         manager="hybrid_alloc",
         num_blocks=60,
         enable_prefix_caching=caching,
@@ -625,7 +340,7 @@ def test_mamba_divergent_hit_planted_bug_is_caught(monkeypatch: pytest.MonkeyPat
     from connector_driver import assert_same_pd, run_pd
 
     case = QWEN_CASES[0]
-    setup, w, role = _setup(case)
+    setup, w, role = setup_case(case)
     ref = run_pd(dataclasses.replace(setup, manager="vllm"), role, w)
 
     def reconciled(mgr: Any, request: Any, max_cache_hit_length: Any) -> Any:
@@ -642,7 +357,7 @@ def _qwen_manager(mgr_name: str) -> tuple[Any, Any]:
     from hybrid_alloc.bench.offline import SchedulerSetup
 
     setup = SchedulerSetup(
-        shape=_shapes()["qwen"],
+        shape=tiny_shapes()["qwen"],
         manager=mgr_name,
         num_blocks=60,
         max_num_seqs=8,
@@ -746,7 +461,7 @@ def test_mamba_with_connector_falls_back_or_not(conn: str, caplog: pytest.LogCap
     case = {"multi_offload": "qwen_multi_offload", "multi_nixl_offload": "gemma_multi_offload"}.get(
         conn, "qwen_offload"
     )
-    ktc = nixl_config("kv_both") if conn == "nixl" else _setup(case)[0].extra["kv_transfer_config"]
+    ktc = nixl_config("kv_both") if conn == "nixl" else setup_case(case)[0].extra["kv_transfer_config"]
     cache = {"prefix_match_unit": 8} if conn == "sub_block" else {}
     if conn == "mode_none":
         # Prefix caching off (Mamba cache mode "none"): vLLM's OffloadingConnector refuses
@@ -774,7 +489,7 @@ def test_boundary_state_offloads_dropped_with_freed_blocks() -> None:
 
     out = {}
     for mgr_name in ("vllm", "hybrid_alloc"):
-        setup, _, _ = _setup("qwen_offload")
+        setup, _, _ = setup_case("qwen_offload")
         sched = dataclasses.replace(setup, manager=mgr_name).build()
         mgr = sched.kv_cache_manager
         reqs = [make_request(sched, f"r{i}", [i * 1000 + t for t in range(1, 200)], 1) for i in range(4)]

@@ -10,7 +10,6 @@ holds a re-sent prompt."""
 from __future__ import annotations
 
 import collections
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,24 +17,6 @@ from typing import Any
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
-
-
-def _free_base_port() -> int:
-    """A port P with P, P+1 (publishers) and P+100, P+101 (replay) free on this machine."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("", 0))
-            base = s.getsockname()[1]
-        if base + 101 > 65535:
-            continue
-        try:
-            for p in (base, base + 1, base + 100, base + 101):
-                with socket.socket() as s:
-                    s.bind(("", p))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free ports")
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +27,10 @@ def tiny_gemma2(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _run(model: str, flag: bool) -> tuple[dict[str, Any], str]:
-    from engine_run import engine_env, run_script
+    from engine_run import engine_env, free_base_port, run_script
 
-    script = Path(__file__).with_name("dp_run.py")
-    port = str(_free_base_port())
+    script = Path(__file__).parents[1] / "support" / "dp_run.py"
+    port = str(free_base_port())
     return run_script([sys.executable, str(script), model, "--port", port], engine_env(flag))
 
 

@@ -5,7 +5,7 @@ manager method the scheduler calls (and ``block_pool.free_blocks``,
 ``coordinator.get_num_blocks_to_allocate``); they include the driver's own few calls (a probe
 lookup after each async load, the block ids of a failed load). Usage, from the repository root:
 
-    PYTHONPATH=$SITE:tests/python HF_HUB_OFFLINE=1 $PY tests/python/connector_cpu.py llama_consumer gemma_producer
+    PYTHONPATH=$SITE:tests/python/support HF_HUB_OFFLINE=1 $PY tests/python/support/connector_cpu.py llama_consumer gemma_producer
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 import connector_driver as cd
-from test_connector_vllm import _setup
+from connector_cases import setup_case
 
 NAMES = (
     "get_computed_blocks",
@@ -72,7 +72,7 @@ def main(cases: list[str]) -> None:
 
     cd.SchedulerSetup.build = build  # type: ignore[method-assign]
     for case in cases:
-        setup, w, role = _setup(case)
+        setup, w, role = setup_case(case)
         w = dataclasses.replace(w, num_requests=150)
         setup = dataclasses.replace(setup, num_blocks=setup.num_blocks * 3)
         res = {}

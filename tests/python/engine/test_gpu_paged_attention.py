@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benches" / "gpu" / "paged_attention.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "benches" / "gpu" / "paged_attention.py"
 
 RUN = """
 import runpy, sys

@@ -9,9 +9,9 @@ import gc
 import weakref
 from typing import Any
 
+from api_helpers import EMPTY, FakeRequest, alloc, allocate, hashes
 from hybrid_alloc import Allocator
 from hybrid_alloc._core import FastAllocate
-from test_api import EMPTY, FakeRequest, alloc, allocate, hashes
 
 
 class Bare(FakeRequest):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "python" / "hybrid_alloc"
+PACKAGE = Path(__file__).resolve().parents[3] / "python" / "hybrid_alloc"
 
 
 def _modules() -> dict[str, Path]:
