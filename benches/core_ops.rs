@@ -42,20 +42,9 @@ const MAX_MODEL_LEN: u32 = 8192;
 
 fn full_only(num_blocks: u32) -> Config {
     Config {
-        num_blocks,
-        groups: vec![GroupSpec { kind: AttentionKind::Full, block_size: BS, spec_key: 0 }],
-        hash_block_size: BS,
-        scheduler_block_size: BS,
         max_model_len: MAX_MODEL_LEN,
         max_in_flight_tokens: 8192,
-        enable_caching: true,
-        enable_events: false,
-        watermark_blocks: 0,
-        retention_interval: None,
-        zero_new_blocks: false,
-        hash_lookahead_tokens: 0,
-        residency_log: false,
-        boundary_offloads: false,
+        ..Config::new(num_blocks, vec![GroupSpec { kind: AttentionKind::Full, block_size: BS, spec_key: 0 }], BS)
     }
 }
 

@@ -14,6 +14,14 @@
 //! call `maybe_evict_cached_block` only where vLLM calls `_maybe_evict_cached_block`
 //! (re-keying a block, vLLM's `cache_partial_block`, is `remove_cached_block_hashes`).
 //!
+//! The pool holds no policy. Under `hit-aware` it holds the policy's state
+//! ([`crate::policy::Retention`], `None` under `exact`) and calls it at one named hook in
+//! each pool operation whose exact path it changes: `get_new_blocks` (`popped`), `touch`
+//! (`touched`), `free_blocks` (`freed`), `remove_cached_block_hashes` (`unkeying`),
+//! `cache_full_blocks` (`keyed`) and `reset_prefix_cache` (`reset`). The policy's
+//! decisions the managers and the coordinator take (levels, flags, units, pins) go through
+//! the forwards at the end of this file, each a no-op or a neutral answer under `exact`.
+//!
 //! Cost: `get_new_blocks` O(n) (each popped block's lazy eviction O(1), plus, under
 //! hit-aware with Mamba groups, O(members) when it dissolves a hit unit); `touch`,
 //! `free_blocks` O(blocks given); `cache_full_blocks` O(blocks cached); `reset` O(`num_blocks`).
@@ -22,18 +30,17 @@
 use crate::error::{Error, Result};
 use crate::free_queue::{try_filled, FreeQueue};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, NULL_BLOCK};
-use crate::policy::{HitUnits, Level, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_SPECULATIVE, NUM_LEVELS};
+use crate::policy::retention::PoolParts;
+use crate::policy::{Level, Retention, LEVEL_NORMAL, NUM_LEVELS};
 use crate::prefix_index::{HashKey, PrefixIndex};
-use rustc_hash::FxHashSet;
 
-/// Hit-aware block flag: served in a cache hit since it was cached.
-const FLAG_REUSED: u8 = 1;
-/// Hit-aware block flag: a Mamba state at a shared-prefix junction (see
-/// `SingleTypeManager::demote_passed_state`).
-const FLAG_BRANCH: u8 = 2;
-/// Hit-aware block flag: a full-attention block that ended a finished request's cached
-/// sequence (a chat's next turn continues there; see `Allocator::free`).
-const FLAG_TAIL: u8 = 4;
+/// The pool's parts the policy works on ([`PoolParts`]), lent for one hook call; borrows
+/// the fields apart from `retention`.
+macro_rules! parts {
+    ($pool:ident) => {
+        PoolParts { queue: &mut $pool.queue, index: &$pool.index, ref_cnt: &$pool.ref_cnt }
+    };
+}
 
 /// A KV cache event, in the order vLLM emits them. `Stored` carries what the vLLM adapter
 /// needs to build `BlockStored` (token ids and extra keys come from the request there).
@@ -132,28 +139,11 @@ pub struct BlockPool {
     loose: Vec<u32>,
     /// Prefix tokens the block's hash covers (`block_hash_num_tokens`), 0 when unhashed.
     hash_tokens: Vec<u32>,
-    /// Free blocks in eviction order.
+    /// Free blocks in eviction order (split into retention levels under `hit-aware`).
     queue: FreeQueue,
-    /// Retention level of each block (the `hit-aware` policy): where a cached block goes
-    /// when freed. Empty under `exact`, whose queue has a single LRU level.
-    level: Vec<Level>,
-    /// Hit-aware: what a block proved since it was cached, as bits: [`FLAG_REUSED`] (served
-    /// in a cache hit: never put on `LEVEL_PROBATION`) and [`FLAG_BRANCH`] (a Mamba state
-    /// where requests branch off: kept when a request passes it). Cleared when the block
-    /// loses its hash. Empty under `exact`.
-    flags: Vec<u8>,
-    /// Hit-aware, state-space hybrids: the hit units of the cached blocks (see
-    /// [`HitUnits`]). Empty under `exact`.
-    units: HitUnits,
-    /// Hit-aware: the Mamba "align" groups that cached a state (a unit holds a state in each).
-    state_groups: Vec<GroupId>,
-    /// Hash keys of pinned prefixes: a block cached under one is freed at `LEVEL_PINNED`.
-    pinned_keys: FxHashSet<HashKey>,
-    /// Free cached blocks at `LEVEL_PINNED` (invariant: equals the count in the queue).
-    pinned_free: u32,
-    /// The most free cached blocks kept at `LEVEL_PINNED`: past it, the oldest is demoted to
-    /// `LEVEL_NORMAL` (the pinned share of the pool).
-    pinned_cap: u32,
+    /// The hit-aware policy's per-block state, called at the hooks (see the module docs);
+    /// `None` under `exact`, whose queue has a single LRU level.
+    retention: Option<Retention>,
     /// Cached blocks by hash key, and each block's hash key.
     index: PrefixIndex,
     /// Prefix caching on.
@@ -205,9 +195,7 @@ impl BlockPool {
             FreeQueue::try_new(num_blocks)
         }
         .map_err(oom("the free queue"))?;
-        let level = if leveled { try_filled(n, LEVEL_NORMAL).map_err(oom("block levels"))? } else { Vec::new() };
-        let flags = if leveled { try_filled(n, 0u8).map_err(oom("block flags"))? } else { Vec::new() };
-        let units = if leveled { HitUnits::try_new(n).map_err(oom("hit units"))? } else { HitUnits::default() };
+        let retention = if leveled { Some(Retention::try_new(num_blocks)?) } else { None };
         let null = queue.pop_front();
         debug_assert_eq!(null, Some(NULL_BLOCK));
         Ok(Self {
@@ -216,13 +204,7 @@ impl BlockPool {
             loose: try_filled(n, 0).map_err(oom("reference counts"))?,
             hash_tokens,
             queue,
-            level,
-            flags,
-            units,
-            state_groups: Vec::new(),
-            pinned_keys: FxHashSet::default(),
-            pinned_free: 0,
-            pinned_cap: (num_blocks.saturating_sub(1)) / 4,
+            retention,
             index,
             enable_caching,
             enable_events,
@@ -320,6 +302,8 @@ impl BlockPool {
     /// O(blocks).
     pub(crate) fn free_loose_evict_first(&mut self, ordered: &[BlockId]) {
         let mut first = std::mem::take(&mut self.scratch_first);
+        let mut cached = std::mem::take(&mut self.scratch_last);
+        let leveled = self.retention.is_some() && self.enable_caching;
         for &b in ordered {
             if b == NULL_BLOCK {
                 continue;
@@ -329,20 +313,21 @@ impl BlockPool {
             assert!(*rc > 0, "free of block {b} whose reference count is 0");
             *rc -= 1;
             if *rc == 0 {
-                if self.level.is_empty() || !self.index.is_keyed(b) || !self.enable_caching {
-                    first.push(b);
+                if leveled && self.index.is_keyed(b) {
+                    cached.push(b);
                 } else {
-                    self.queue_cached(b);
-                    self.evict_first(b);
+                    first.push(b);
                 }
             }
         }
-        self.queue.push_front_n(&first);
-        if self.pinned_free > self.pinned_cap {
-            self.enforce_pinned_cap();
+        match &mut self.retention {
+            Some(r) => r.freed(&first, &cached, true, parts!(self)),
+            None => self.queue.push_front_n(&first),
         }
         first.clear();
+        cached.clear();
         self.scratch_first = first;
+        self.scratch_last = cached;
     }
 
     /// Hash key of `b`, if cached.
@@ -360,262 +345,6 @@ impl BlockPool {
         self.queue.iter().collect()
     }
 
-    /// Whether the free queue has retention levels (the `hit-aware` policy).
-    #[inline]
-    pub fn is_leveled(&self) -> bool {
-        !self.level.is_empty()
-    }
-
-    /// Whether `key` is a pinned prefix's (hit-aware; always false under `exact`).
-    pub fn is_pinned_key(&self, key: &HashKey) -> bool {
-        !self.pinned_keys.is_empty() && self.pinned_keys.contains(key)
-    }
-
-    /// Hit-aware: whether `b` was served in a cache hit since it was cached (false under
-    /// `exact`).
-    pub fn reused(&self, b: BlockId) -> bool {
-        self.flags.get(b as usize).is_some_and(|f| f & FLAG_REUSED != 0)
-    }
-
-    /// Hit-aware: whether `b` (a Mamba state) was marked a branch point since it was cached
-    /// ([`Self::mark_branch`]; false under `exact`).
-    pub fn is_branch(&self, b: BlockId) -> bool {
-        self.flags.get(b as usize).is_some_and(|f| f & FLAG_BRANCH != 0)
-    }
-
-    /// Hit-aware: marks cached block `b` a branch point until it loses its hash (no-op under
-    /// `exact` or for an unhashed block).
-    pub(crate) fn mark_branch(&mut self, b: BlockId) {
-        self.set_flag(b, FLAG_BRANCH);
-    }
-
-    /// Hit-aware: whether `b` ended a finished request's cached sequence since it was cached
-    /// ([`Self::mark_tail`]; false under `exact`).
-    pub fn is_tail(&self, b: BlockId) -> bool {
-        self.flags.get(b as usize).is_some_and(|f| f & FLAG_TAIL != 0)
-    }
-
-    /// Hit-aware: marks cached block `b` as the end of a finished request's cached sequence
-    /// until it loses its hash (no-op under `exact` or for an unhashed block).
-    pub(crate) fn mark_tail(&mut self, b: BlockId) {
-        self.set_flag(b, FLAG_TAIL);
-    }
-
-    fn set_flag(&mut self, b: BlockId, flag: u8) {
-        if self.index.is_keyed(b) {
-            if let Some(f) = self.flags.get_mut(b as usize) {
-                *f |= flag;
-            }
-        }
-    }
-
-    /// Hit-aware: records that Mamba "align" group `g` caches states (the groups a hit unit
-    /// holds a state in). O(groups).
-    pub(crate) fn note_state_group(&mut self, g: GroupId) {
-        if !self.level.is_empty() && !self.state_groups.contains(&g) {
-            self.state_groups.push(g);
-        }
-    }
-
-    /// Hit-aware: the Mamba "align" groups that cached a state (empty under `exact` and
-    /// without Mamba groups).
-    pub fn state_groups(&self) -> &[GroupId] {
-        &self.state_groups
-    }
-
-    /// Hit-aware: the state blocks cached under `hash` in every state group (empty when any
-    /// is missing).
-    pub(crate) fn state_set(&self, hash: &BlockHash) -> Vec<BlockId> {
-        let mut out = Vec::with_capacity(self.state_groups.len());
-        if !self.get_cached_block(hash, &self.state_groups, &mut out) {
-            out.clear();
-        }
-        out
-    }
-
-    /// Hit-aware: forms a hit unit of cached `states` and the cached full-attention `prefix`
-    /// before them (see [`HitUnits`]). No-op under `exact`.
-    pub(crate) fn form_unit(&mut self, states: &[BlockId], prefix: &[BlockId]) {
-        let keyed = |pool: &Self, bs: &[BlockId]| -> Option<Vec<(BlockId, HashKey)>> {
-            bs.iter().map(|&b| pool.index.key_of(b).map(|&k| (b, k))).collect()
-        };
-        if let (Some(st), Some(pre)) = (keyed(self, states), keyed(self, prefix)) {
-            let index = &self.index;
-            self.units.form(st, pre, &mut |m| index.key_of(m.0) == Some(&m.1));
-        }
-    }
-
-    /// Hit-aware: live hit units holding full-attention block `b` in their prefix.
-    pub fn unit_support(&self, b: BlockId) -> u32 {
-        self.units.support(b)
-    }
-
-    /// `b` is about to lose its hash: the unit naming it is dissolved and its members that
-    /// no live unit needs any more are evicted first ([`Self::evict_first`]), except a
-    /// full-attention block at which another state set is cached.
-    fn orphan_unit_of(&mut self, b: BlockId) {
-        let mut orphans = Vec::new();
-        let index = &self.index;
-        self.units.lose(b, &mut |m| index.key_of(m.0) == Some(&m.1), &mut orphans);
-        for m in orphans {
-            // A full-attention block that ends where a state set other than `b`'s is cached
-            // (a shared prefix's junction) still serves hits there.
-            if let Some(&key) = self.index.key_of(m) {
-                if !self.state_groups.contains(&key.1) {
-                    let st = self.state_set(&key.0);
-                    if !st.is_empty() && !st.contains(&b) {
-                        continue;
-                    }
-                }
-            }
-            self.evict_first(m);
-        }
-    }
-
-    /// Hit-aware: cached block `b` serves no hit (a member of a lost unit): it goes to
-    /// [`LEVEL_SPECULATIVE`], at the front of the queue when free. Pinned blocks and branch
-    /// points keep their level. O(1).
-    pub(crate) fn evict_first(&mut self, b: BlockId) {
-        if self.level.is_empty() || b == NULL_BLOCK || self.level[b as usize] >= LEVEL_PINNED || self.is_branch(b) {
-            return;
-        }
-        let queued = self.ref_cnt[b as usize] == 0 && self.index.is_keyed(b);
-        if queued {
-            self.unqueue_cached(b);
-        }
-        self.level[b as usize] = LEVEL_SPECULATIVE;
-        if queued {
-            self.queue.push_front_level(b, LEVEL_SPECULATIVE);
-        }
-    }
-
-    /// Retention level of `b` (`LEVEL_NORMAL` without levels).
-    pub fn level(&self, b: BlockId) -> Level {
-        self.level.get(b as usize).copied().unwrap_or(LEVEL_NORMAL)
-    }
-
-    /// Sets the retention level `b` gets when freed; a free block moves to the back of its
-    /// new level now. No-op without levels or for the null block.
-    pub(crate) fn set_level(&mut self, b: BlockId, lvl: Level) {
-        if self.level.is_empty() || b == NULL_BLOCK {
-            return;
-        }
-        let queued = self.ref_cnt[b as usize] == 0 && self.index.is_keyed(b);
-        if queued {
-            self.unqueue_cached(b);
-        }
-        self.level[b as usize] = lvl;
-        if queued {
-            self.queue_cached(b);
-            self.enforce_pinned_cap();
-        }
-    }
-
-    /// Whether `b` (free) counts in `pinned_free`.
-    #[inline]
-    fn counts_pinned(&self, b: BlockId) -> bool {
-        !self.level.is_empty() && self.level[b as usize] == LEVEL_PINNED && self.index.is_keyed(b)
-    }
-
-    /// Takes a free cached block out of the queue (leveled pools), keeping the count.
-    fn unqueue_cached(&mut self, b: BlockId) {
-        if self.counts_pinned(b) {
-            self.pinned_free -= 1;
-        }
-        self.queue.remove(b);
-    }
-
-    /// Queues a free cached block at the back of its level (at the front for
-    /// `LEVEL_PROBATION`; a pinned key raises it to `LEVEL_PINNED`), keeping the count.
-    fn queue_cached(&mut self, b: BlockId) {
-        if !self.pinned_keys.is_empty() {
-            if let Some(k) = self.index.key_of(b) {
-                if self.pinned_keys.contains(k) {
-                    self.level[b as usize] = LEVEL_PINNED;
-                }
-            }
-        }
-        if self.counts_pinned(b) {
-            self.pinned_free += 1;
-        }
-        let lvl = self.level[b as usize];
-        if lvl == LEVEL_PROBATION || lvl == crate::policy::LEVEL_RESUMED {
-            // Newest first: under a cyclic load larger than the cache (round-robin chat) the
-            // unproven sessions that waited longest, and come back next, keep their blocks.
-            self.queue.push_front_level(b, lvl);
-        } else {
-            self.queue.push_back_level(b, lvl);
-        }
-    }
-
-    /// Demotes the oldest free pinned blocks to `LEVEL_NORMAL` while more than
-    /// `pinned_cap` are free (a pinned key's block too: the share is a bound).
-    fn enforce_pinned_cap(&mut self) {
-        while self.pinned_free > self.pinned_cap {
-            let b = self.queue.first_in_level(LEVEL_PINNED).expect("pinned count above the pinned level's length");
-            if self.counts_pinned(b) {
-                self.pinned_free -= 1;
-            }
-            self.queue.remove(b);
-            self.level[b as usize] = LEVEL_NORMAL;
-            if self.index.is_keyed(b) {
-                self.queue.push_back_level(b, LEVEL_NORMAL);
-            } else {
-                self.queue.push_front_n(&[b]);
-            }
-        }
-    }
-
-    /// Pins hash keys (a prefix's, see [`crate::Allocator::pin_prefix`]): a block cached
-    /// under one is freed at `LEVEL_PINNED`; one cached now moves there now. Returns the
-    /// keys pinned in all.
-    ///
-    /// # Errors
-    /// [`Error::OutOfRange`] when the pinned keys would exceed the pinned share (nothing
-    /// changes).
-    pub(crate) fn pin_keys(&mut self, mut keys: Vec<HashKey>) -> Result<u32> {
-        keys.retain(|k| !self.pinned_keys.contains(k));
-        keys.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()).then(a.1.cmp(&b.1)));
-        keys.dedup();
-        let total = self.pinned_keys.len() as u64 + keys.len() as u64;
-        if total > self.pinned_cap as u64 {
-            return Err(Error::OutOfRange(format!(
-                "pinning {} more blocks would pin {total}, above the pinned share of {} blocks",
-                keys.len(),
-                self.pinned_cap
-            )));
-        }
-        for k in &keys {
-            self.pinned_keys.insert(*k);
-            if let Some(b) = self.index.get_one(k) {
-                self.set_level(b, LEVEL_PINNED);
-            }
-        }
-        Ok(total as u32)
-    }
-
-    /// Sets the pinned share of the pool (`0.0..=1.0`): at most that fraction of the blocks
-    /// may be pinned keys, or free at `LEVEL_PINNED` (past it the oldest free pinned block
-    /// is demoted to `LEVEL_NORMAL`).
-    ///
-    /// # Errors
-    /// [`Error::OutOfRange`] for a share outside `0.0..=1.0` or below the keys pinned.
-    pub(crate) fn set_pinned_share(&mut self, share: f64) -> Result<()> {
-        if !(0.0..=1.0).contains(&share) {
-            return Err(Error::OutOfRange(format!("pinned share {share} is outside 0.0..=1.0")));
-        }
-        let cap = ((self.num_blocks - 1) as f64 * share).floor() as u32;
-        if (self.pinned_keys.len() as u64) > cap as u64 {
-            return Err(Error::OutOfRange(format!(
-                "a pinned share of {cap} blocks is below the {} blocks already pinned",
-                self.pinned_keys.len()
-            )));
-        }
-        self.pinned_cap = cap;
-        self.enforce_pinned_cap();
-        Ok(())
-    }
-
     /// The free queue (invariant checks).
     pub(crate) fn queue(&self) -> &FreeQueue {
         &self.queue
@@ -624,16 +353,6 @@ impl BlockPool {
     /// The prefix index (invariant checks).
     pub(crate) fn index(&self) -> &PrefixIndex {
         &self.index
-    }
-
-    /// The pinned share in blocks.
-    pub fn pinned_cap(&self) -> u32 {
-        self.pinned_cap
-    }
-
-    /// Free cached blocks at `LEVEL_PINNED`.
-    pub fn pinned_free(&self) -> u32 {
-        self.pinned_free
     }
 
     /// The first cached block for `hash` in every group of `groups`, or `None` on any miss
@@ -657,8 +376,8 @@ impl BlockPool {
         assert!(n <= self.num_free_blocks(), "get_new_blocks: {n} blocks asked, fewer free");
         for _ in 0..n {
             let b = self.queue.pop_front().expect("free queue shorter than its count");
-            if self.counts_pinned(b) {
-                self.pinned_free -= 1;
+            if let Some(r) = &mut self.retention {
+                r.popped(b, &self.index);
             }
             if self.enable_caching {
                 self.maybe_evict_cached_block(b);
@@ -681,20 +400,14 @@ impl BlockPool {
     /// (vLLM's `_remove_cached_block_hashes` with its events, which reports nothing to the
     /// metrics collector: re-keying a block in `cache_partial_block` uses this).
     pub fn remove_cached_block_hashes(&mut self, b: BlockId) -> bool {
-        if self.ref_cnt[b as usize] == 0 && b != NULL_BLOCK && self.counts_pinned(b) && self.queue.contains(b) {
-            self.pinned_free -= 1;
-        }
-        if self.units.in_unit(b) {
-            self.orphan_unit_of(b);
+        if let Some(r) = &mut self.retention {
+            r.unkeying(b, parts!(self));
         }
         let Some(&(hash, group)) = self.index.remove_block(b) else { return false };
         if self.enable_events {
             self.events.push(Event::Removed { hash, group });
         }
         self.hash_tokens[b as usize] = 0;
-        if let Some(f) = self.flags.get_mut(b as usize) {
-            *f = 0;
-        }
         true
     }
 
@@ -706,15 +419,13 @@ impl BlockPool {
             if b == NULL_BLOCK {
                 continue;
             }
-            if self.ref_cnt[b as usize] == 0 {
-                if self.counts_pinned(b) {
-                    self.pinned_free -= 1;
-                }
+            let was_free = self.ref_cnt[b as usize] == 0;
+            if was_free {
                 self.queue.remove(b);
             }
             self.ref_cnt[b as usize] += 1;
-            if let Some(f) = self.flags.get_mut(b as usize) {
-                *f |= FLAG_REUSED;
+            if let Some(r) = &mut self.retention {
+                r.touched(b, was_free, &self.index);
             }
         }
     }
@@ -736,17 +447,17 @@ impl BlockPool {
             if *rc == 0 {
                 if !self.index.is_keyed(b) || !self.enable_caching {
                     first.push(b);
-                } else if self.level.is_empty() {
-                    last.push(b);
                 } else {
-                    self.queue_cached(b);
+                    last.push(b);
                 }
             }
         }
-        self.queue.push_front_n(&first);
-        self.queue.push_back_n(&last);
-        if self.pinned_free > self.pinned_cap {
-            self.enforce_pinned_cap();
+        match &mut self.retention {
+            Some(r) => r.freed(&first, &last, false, parts!(self)),
+            None => {
+                self.queue.push_front_n(&first);
+                self.queue.push_back_n(&last);
+            }
         }
         first.clear();
         last.clear();
@@ -789,8 +500,8 @@ impl BlockPool {
                 "cache_full_blocks: block {b} already cached (partial promotion is not served)"
             );
             self.hash_tokens[b as usize] = (i + 1) * block_size;
-            if let Some(l) = self.level.get_mut(b as usize) {
-                *l = LEVEL_NORMAL;
+            if let Some(r) = &mut self.retention {
+                r.keyed(b);
             }
             self.index.insert(key, b);
             if self.enable_events {
@@ -858,11 +569,9 @@ impl BlockPool {
         for t in self.hash_tokens.iter_mut() {
             *t = 0;
         }
-        for f in self.flags.iter_mut() {
-            *f = 0;
+        if let Some(r) = &mut self.retention {
+            r.reset();
         }
-        self.units.clear();
-        self.pinned_free = 0;
         self.note(ResidencyOp::Reset, NULL_BLOCK);
         if self.enable_events {
             self.events.push(Event::AllCleared);
@@ -878,6 +587,151 @@ impl BlockPool {
     /// Takes every queued event.
     pub fn take_events(&mut self) -> Vec<Event> {
         std::mem::take(&mut self.events)
+    }
+}
+
+/// The hit-aware policy's decisions, forwarded to [`Retention`] with the pool's parts it
+/// works on; under `exact` (no retention) each is a no-op or returns what an exact pool
+/// would (`LEVEL_NORMAL`, no flags, no units, no pins).
+impl BlockPool {
+    /// Whether the free queue has retention levels (the `hit-aware` policy).
+    #[inline]
+    pub fn is_leveled(&self) -> bool {
+        self.retention.is_some()
+    }
+
+    /// The hit-aware policy's state (`None` under `exact`).
+    pub fn retention(&self) -> Option<&Retention> {
+        self.retention.as_ref()
+    }
+
+    /// Whether `key` is a pinned prefix's (hit-aware; always false under `exact`).
+    pub fn is_pinned_key(&self, key: &HashKey) -> bool {
+        self.retention.as_ref().is_some_and(|r| r.is_pinned_key(key))
+    }
+
+    /// Hit-aware: whether `b` was served in a cache hit since it was cached (false under
+    /// `exact`).
+    pub fn reused(&self, b: BlockId) -> bool {
+        self.retention.as_ref().is_some_and(|r| r.reused(b))
+    }
+
+    /// Hit-aware: whether `b` (a Mamba state) was marked a branch point since it was cached
+    /// ([`Self::mark_branch`]; false under `exact`).
+    pub fn is_branch(&self, b: BlockId) -> bool {
+        self.retention.as_ref().is_some_and(|r| r.is_branch(b))
+    }
+
+    /// Hit-aware: marks cached block `b` a branch point until it loses its hash (no-op under
+    /// `exact` or for an unhashed block).
+    pub(crate) fn mark_branch(&mut self, b: BlockId) {
+        if let Some(r) = &mut self.retention {
+            r.mark_branch(b, &self.index);
+        }
+    }
+
+    /// Hit-aware: whether `b` ended a finished request's cached sequence since it was cached
+    /// ([`Self::mark_tail`]; false under `exact`).
+    pub fn is_tail(&self, b: BlockId) -> bool {
+        self.retention.as_ref().is_some_and(|r| r.is_tail(b))
+    }
+
+    /// Hit-aware: marks cached block `b` as the end of a finished request's cached sequence
+    /// until it loses its hash (no-op under `exact` or for an unhashed block).
+    pub(crate) fn mark_tail(&mut self, b: BlockId) {
+        if let Some(r) = &mut self.retention {
+            r.mark_tail(b, &self.index);
+        }
+    }
+
+    /// Hit-aware: records that Mamba "align" group `g` caches states (the groups a hit unit
+    /// holds a state in). O(groups).
+    pub(crate) fn note_state_group(&mut self, g: GroupId) {
+        if let Some(r) = &mut self.retention {
+            r.note_state_group(g);
+        }
+    }
+
+    /// Hit-aware: the Mamba "align" groups that cached a state (empty under `exact` and
+    /// without Mamba groups).
+    pub fn state_groups(&self) -> &[GroupId] {
+        self.retention.as_ref().map_or(&[], |r| r.state_groups())
+    }
+
+    /// Hit-aware: the state blocks cached under `hash` in every state group (empty when any
+    /// is missing).
+    pub(crate) fn state_set(&self, hash: &BlockHash) -> Vec<BlockId> {
+        self.retention.as_ref().map_or_else(Vec::new, |r| r.state_set(hash, &self.index))
+    }
+
+    /// Hit-aware: forms a hit unit of cached `states` and the cached full-attention `prefix`
+    /// before them (see [`crate::policy::HitUnits`]). No-op under `exact`.
+    pub(crate) fn form_unit(&mut self, states: &[BlockId], prefix: &[BlockId]) {
+        if let Some(r) = &mut self.retention {
+            r.form_unit(states, prefix, &self.index);
+        }
+    }
+
+    /// Hit-aware: live hit units holding full-attention block `b` in their prefix.
+    pub fn unit_support(&self, b: BlockId) -> u32 {
+        self.retention.as_ref().map_or(0, |r| r.unit_support(b))
+    }
+
+    /// Hit-aware: cached block `b` serves no hit: it goes to the speculative level, at the
+    /// front of the queue when free ([`Retention::evict_first`]). No-op under `exact`.
+    pub(crate) fn evict_first(&mut self, b: BlockId) {
+        if let Some(r) = &mut self.retention {
+            r.evict_first(b, &mut parts!(self));
+        }
+    }
+
+    /// Retention level of `b` (`LEVEL_NORMAL` without levels).
+    pub fn level(&self, b: BlockId) -> Level {
+        self.retention.as_ref().map_or(LEVEL_NORMAL, |r| r.level(b))
+    }
+
+    /// Sets the retention level `b` gets when freed; a free block moves to the back of its
+    /// new level now. No-op without levels or for the null block.
+    pub(crate) fn set_level(&mut self, b: BlockId, lvl: Level) {
+        if let Some(r) = &mut self.retention {
+            r.set_level(b, lvl, parts!(self));
+        }
+    }
+
+    /// Pins hash keys ([`Retention::pin_keys`]); under `exact` (which the coordinator
+    /// refuses first) pins nothing.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] when the pinned keys would exceed the pinned share (nothing
+    /// changes).
+    pub(crate) fn pin_keys(&mut self, keys: Vec<HashKey>) -> Result<u32> {
+        match &mut self.retention {
+            Some(r) => r.pin_keys(keys, parts!(self)),
+            None => Ok(0),
+        }
+    }
+
+    /// Sets the pinned share of the pool ([`Retention::set_pinned_share`]); under `exact`
+    /// only the share's range is checked.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] for a share outside `0.0..=1.0` or below the keys pinned.
+    pub(crate) fn set_pinned_share(&mut self, share: f64) -> Result<()> {
+        let n = self.num_blocks;
+        match &mut self.retention {
+            Some(r) => r.set_pinned_share(share, n, parts!(self)),
+            None => Retention::pinned_cap_for(share, n).map(|_| ()),
+        }
+    }
+
+    /// The pinned share in blocks (under `exact`, the share a hit-aware pool starts with).
+    pub fn pinned_cap(&self) -> u32 {
+        self.retention.as_ref().map_or(Retention::default_pinned_cap(self.num_blocks), |r| r.pinned_cap())
+    }
+
+    /// Free cached blocks at `LEVEL_PINNED` (0 under `exact`).
+    pub fn pinned_free(&self) -> u32 {
+        self.retention.as_ref().map_or(0, |r| r.pinned_free())
     }
 }
 

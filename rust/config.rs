@@ -136,6 +136,35 @@ pub enum CoordinatorKind {
 }
 
 impl Config {
+    /// A config of `num_blocks` blocks (the null block included) over `groups`, hashed and
+    /// scheduled at `block_size` tokens, with the defaults: prefix caching on, events off,
+    /// no watermark, dense retention (`retention_interval: None`), no zeroing, no lookahead
+    /// hashes, no residency log, no boundary offloads, and `max_model_len` and
+    /// `max_in_flight_tokens` of [`Self::DEFAULT_MAX_MODEL_LEN`] tokens. Override a field
+    /// with struct update syntax: `Config { enable_events: true, ..Config::new(..) }`.
+    /// Nothing is checked here ([`Self::validate`] is, by `Allocator::new`).
+    pub fn new(num_blocks: u32, groups: Vec<GroupSpec>, block_size: u32) -> Self {
+        Self {
+            num_blocks,
+            groups,
+            hash_block_size: block_size,
+            scheduler_block_size: block_size,
+            max_model_len: Self::DEFAULT_MAX_MODEL_LEN,
+            max_in_flight_tokens: Self::DEFAULT_MAX_MODEL_LEN,
+            enable_caching: true,
+            enable_events: false,
+            watermark_blocks: 0,
+            retention_interval: None,
+            zero_new_blocks: false,
+            hash_lookahead_tokens: 0,
+            residency_log: false,
+            boundary_offloads: false,
+        }
+    }
+
+    /// `max_model_len` (and `max_in_flight_tokens`) of [`Self::new`].
+    pub const DEFAULT_MAX_MODEL_LEN: u32 = 4096;
+
     /// The coordinator vLLM picks (`get_kv_cache_coordinator`).
     pub fn coordinator_kind(&self) -> CoordinatorKind {
         if !self.enable_caching {

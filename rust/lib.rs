@@ -10,18 +10,27 @@
 //! ## Architecture
 //! ```text
 //!  Allocator (coordinator/)          one per vLLM KVCacheManager
-//!   |- requests: slab of handles     generation, block hashes, pending cache hit, no-op limits
+//!   |- requests: slab of handles     generation, block hashes, pending cache hit, no-op limits,
+//!   |                                  hit-aware's junctions (coordinator/junctions.rs)
 //!   |- managers[g] (manager/)        one per KV cache group: block tables, num_cached,
 //!   |                                  attention-type rules (full | R-SWA | SWA | chunked | cross |
-//!   |                                  Mamba none/align | circular buffer), zeroing records
-//!   '- BlockPool (block_pool.rs)     shared by all groups
+//!   |                                  Mamba none/align | circular buffer), zeroing records,
+//!   |                                  hit-aware's per-group rules (manager/retention.rs)
+//!   '- BlockPool (block_pool.rs)     shared by all groups; vLLM's BlockPool, no policy
 //!        |- ref_cnt / hash_tokens / loose struct of arrays, indexed by block id
 //!        |- FreeQueue (free_queue.rs)     index-linked list = free list + LRU order
-//!        |                                  (retention levels under `hit-aware`: policy.rs)
+//!        |                                  (split into retention levels under `hit-aware`)
 //!        |- PrefixIndex (prefix_index.rs) (hash, group) -> blocks, duplicates allowed;
 //!        |                                  each block's hash key (one record a block)
-//!        '- events                         BlockStored / BlockRemoved / AllBlocksCleared
+//!        |- events                         BlockStored / BlockRemoved / AllBlocksCleared
+//!        '- retention: Option<Retention>  `hit-aware` only (policy/): levels, flags, hit
+//!                                           units, pins; called at the pool's hooks
+//!                                           (popped, touched, freed, unkeying, keyed, reset)
 //! ```
+//!
+//! The policy's room, `policy/`: `mod.rs` (the rules, [`Policy`], the levels),
+//! `retention.rs` (the per-block state and its decisions on the free queue and prefix index
+//! lent by the pool), `units.rs` (the hit units). It never names the pool: the pool calls it.
 //!
 //! ## Invariants (checked by `invariants::check`)
 //! - Block 0 is the null block: never free-queued, hashed or ref-counted.
@@ -36,7 +45,7 @@
 //!   "align" table is null except for its last state blocks, with null gaps between them; an
 //!   R-SWA table has one null gap between its prompt and its window, all null as far as the
 //!   manager records it).
-//! - Under the `hit-aware` policy (`policy.rs`): a free cached block sits in the free-queue
+//! - Under the `hit-aware` policy (`policy/`): a free cached block sits in the free-queue
 //!   segment of its retention level; the free blocks at the pinned level are counted and
 //!   stay within the pinned share.
 //!

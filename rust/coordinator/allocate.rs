@@ -434,11 +434,11 @@ impl Allocator {
                 for m in &self.managers {
                     m.promote_hit(&mut self.pool, s);
                 }
-                self.reqs[s as usize].hit_and_prompt.0 = num_local;
+                self.reqs[s as usize].hit_aware.hit_and_prompt.0 = num_local;
             }
         }
         if self.pool.is_leveled() {
-            self.reqs[s as usize].hit_and_prompt.1 = a.num_prompt_tokens;
+            self.reqs[s as usize].hit_aware.hit_and_prompt.1 = a.num_prompt_tokens;
         }
         self.out_ids.clear();
         for (g, m) in self.managers.iter_mut().enumerate() {

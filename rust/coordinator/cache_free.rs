@@ -1,6 +1,7 @@
-//! Caching, freeing and pinning: `cache_blocks`, `remove_skipped_blocks`, `free` (with a
-//! retention level under hit-aware), `pop_blocks_for_free` / `free_block_ids`,
-//! `evict_blocks`, `reset_prefix_cache`, and prefix pinning (the pool owns the pinned keys).
+//! Caching, freeing and pinning: `cache_blocks`, `remove_skipped_blocks`, `free` (one body;
+//! under hit-aware its hook, `retain_for_free`, sets the levels and one freeing order across
+//! groups), `pop_blocks_for_free` / `free_block_ids`, `evict_blocks`, `reset_prefix_cache`,
+//! and prefix pinning (the pool's retention state owns the pinned keys).
 //!
 //! Cost: caching O(blocks cached); `free` O(table) (O(table log table) under hit-aware);
 //! pinning O(prefix blocks).
@@ -10,7 +11,7 @@ use super::{Allocator, HashSource};
 
 use crate::config::CoordinatorKind;
 use crate::error::{Error, Result};
-use crate::ids::{BlockHash, BlockId, ReqHandle, Slot, NULL_BLOCK};
+use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
 use crate::manager::{CacheArgs, HashView};
 use crate::policy::{Level, LEVEL_NORMAL, LEVEL_SPECULATIVE};
 
@@ -138,44 +139,55 @@ impl Allocator {
     /// Unknown handle (a double free is one).
     pub fn free(&mut self, h: ReqHandle, level: Level) -> Result<()> {
         let s = self.slot(h)?;
-        if self.pool.is_leveled() {
-            let mut blocks = Vec::new();
-            // State-space hybrids: a request whose hit saved under half its prompt leaves
-            // the blocks it computed on probation (see `LEVEL_PROBATION`).
-            let (hit, prompt) = self.reqs[s as usize].hit_and_prompt;
-            let mamba = self.managers.iter().any(|m| m.is_mamba_align());
-            let probation = level <= LEVEL_NORMAL && (hit as u64) * 2 < prompt as u64 && mamba;
-            for m in self.managers.iter() {
-                if mamba && m.spec.kind.is_full() {
-                    // Where a chat's next turn continues: a junction found there later is
-                    // no branch point (see `Allocator::find_hit`).
-                    let n = m.num_cached(s) as usize;
-                    if let Some(&b) = n.checked_sub(1).and_then(|i| m.blocks(s).get(i)) {
-                        self.pool.mark_tail(b);
-                    }
-                }
-                m.promote_for_free(&mut self.pool, s, level.max(LEVEL_NORMAL), LEVEL_SPECULATIVE);
-                if mamba {
-                    m.demote_duplicates(&mut self.pool, s);
-                }
-                if probation {
-                    m.demote_unproven(&mut self.pool, s, hit);
-                }
-                m.positioned_blocks(s, &mut blocks);
+        // The policy's hook (hit-aware only): the levels the blocks are freed at, and one
+        // freeing order across groups. Under exact each group frees its own table.
+        let ordered = self.pool.is_leveled().then(|| self.retain_for_free(s, level));
+        for m in self.managers.iter_mut() {
+            match ordered {
+                None => m.free(&mut self.pool, s),
+                Some(_) => m.forget(s),
             }
-            // Tail first; at equal positions, group order (vLLM frees group after group).
-            blocks.sort_unstable_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
-            for m in self.managers.iter_mut() {
-                m.forget(s);
-            }
+        }
+        if let Some(blocks) = ordered {
             self.pool.free_blocks(blocks.iter().map(|x| x.2));
-        } else {
-            for m in self.managers.iter_mut() {
-                m.free(&mut self.pool, s);
-            }
         }
         self.release(s);
         Ok(())
+    }
+
+    /// Hit-aware, [`Self::free`]'s hook: sets the retention levels `s`'s blocks are freed at
+    /// (see [`crate::policy`], rules 2, 5 and 6, and `level`) and returns every non-null
+    /// block of its tables as `(token position, group, block)`, tail first; at equal
+    /// positions in group order (vLLM frees group after group), so a hit unit is freed
+    /// together. The tables are left as they are. O(table log table).
+    fn retain_for_free(&mut self, s: Slot, level: Level) -> Vec<(u64, GroupId, BlockId)> {
+        let mut blocks = Vec::new();
+        // State-space hybrids: a request whose hit saved under half its prompt leaves
+        // the blocks it computed on probation (see `LEVEL_PROBATION`).
+        let (hit, prompt) = self.reqs[s as usize].hit_aware.hit_and_prompt;
+        let mamba = self.managers.iter().any(|m| m.is_mamba_align());
+        let probation = level <= LEVEL_NORMAL && (hit as u64) * 2 < prompt as u64 && mamba;
+        for m in self.managers.iter() {
+            if mamba && m.spec.kind.is_full() {
+                // Where a chat's next turn continues: a junction found there later is
+                // no branch point (see `Allocator::place_junction`).
+                let n = m.num_cached(s) as usize;
+                if let Some(&b) = n.checked_sub(1).and_then(|i| m.blocks(s).get(i)) {
+                    self.pool.mark_tail(b);
+                }
+            }
+            m.promote_for_free(&mut self.pool, s, level.max(LEVEL_NORMAL), LEVEL_SPECULATIVE);
+            if mamba {
+                m.demote_duplicates(&mut self.pool, s);
+            }
+            if probation {
+                m.demote_unproven(&mut self.pool, s, hit);
+            }
+            m.positioned_blocks(s, &mut blocks);
+        }
+        // Tail first; at equal positions, group order (vLLM frees group after group).
+        blocks.sort_unstable_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
+        blocks
     }
 
     /// Releases the handle and returns its blocks without freeing them (vLLM's

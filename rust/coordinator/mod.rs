@@ -8,10 +8,12 @@
 //! found for it, and each group's manager keeps its block table.
 //!
 //! The rooms: [`requests`] (the slab of handles and the request's block hashes), [`hits`]
-//! (the hit search and the validation of a hit before it is adopted), [`noop`] (the no-op
-//! limits and the scheduler's plain step), [`allocate`] (counting and allocation),
-//! [`cache_free`] (caching, freeing, eviction and pinning). This file holds the types and
-//! the allocator's construction and accessors.
+//! (the hit search and the validation of a hit before it is adopted), [`junctions`] (the
+//! hit-aware policy's junctions around the hit search, and its per-request state), [`noop`]
+//! (the no-op limits and the scheduler's plain step), [`allocate`] (counting and
+//! allocation), [`cache_free`] (caching, freeing, with the hit-aware policy's one hook,
+//! eviction and pinning). This file holds the types and the allocator's construction and
+//! accessors.
 //!
 //! Cost: `allocate_slots` for a decoding request is O(groups) with no allocation (new
 //! block ids go to reused buffers); a hit search is O(blocks scanned); `free` O(table).
@@ -20,6 +22,7 @@
 mod allocate;
 mod cache_free;
 mod hits;
+mod junctions;
 mod noop;
 mod requests;
 
@@ -61,17 +64,9 @@ struct ReqState {
     /// no block from there on is ever cached for it; `None` for every request the vLLM
     /// adapter drives ([`AllocateArgs::trust_computed_tokens`]).
     unwritten_from: Option<u32>,
-    /// Hit-aware: `(adopted hit tokens, prompt tokens)` as the last allocation saw them (the
-    /// probation rule of [`crate::policy::LEVEL_PROBATION`]).
-    hit_and_prompt: (u32, u32),
-    /// Hit-aware, Mamba "align": while the request's last lookup guessed its junctions
-    /// (nothing shared yet, see `first_sighting_stop`), the tokens that lookup covered (the
-    /// last stop's bound); 0 otherwise.
-    guess_limit: u32,
-    /// The junction the last allocation moved the request's `shared_prefix_boundary` to
-    /// (the next first-sighting stop), until taken ([`Allocator::take_moved_junction`]); 0:
-    /// not moved.
-    moved_junction: u32,
+    /// Hit-aware: the junctions and the probation input ([`junctions::HitAwareReq`]; all
+    /// zero under `exact`).
+    hit_aware: junctions::HitAwareReq,
 }
 
 /// A caller-supplied token count as `u32`.

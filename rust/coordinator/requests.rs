@@ -124,9 +124,7 @@ impl Allocator {
             v.clear();
         }
         st.noop = NoopLimits::default();
-        st.hit_and_prompt = (0, 0);
-        st.guess_limit = 0;
-        st.moved_junction = 0;
+        st.hit_aware = Default::default();
         self.free_slots.push(s);
     }
 

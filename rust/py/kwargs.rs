@@ -170,10 +170,12 @@ impl NewOptions<'_> {
             true => self.retention_interval.opt::<i64>()?,
             false => Some(0),
         };
+        let base = Config::new(
+            u32_arg("num_blocks", num_blocks)?,
+            groups.iter().enumerate().map(|(i, g)| group_spec(i, g)).collect::<PyResult<_>>()?,
+            u32_arg("hash_block_size", hash_block_size)?,
+        );
         let cfg = Config {
-            num_blocks: u32_arg("num_blocks", num_blocks)?,
-            groups: groups.iter().enumerate().map(|(i, g)| group_spec(i, g)).collect::<PyResult<_>>()?,
-            hash_block_size: u32_arg("hash_block_size", hash_block_size)?,
             scheduler_block_size: u32_arg("scheduler_block_size", scheduler_block_size)?,
             max_model_len: u32_arg("max_model_len", max_model_len)?,
             max_in_flight_tokens: u32_arg(
@@ -188,6 +190,7 @@ impl NewOptions<'_> {
             hash_lookahead_tokens: u32_arg("hash_lookahead_tokens", self.hash_lookahead_tokens.get(0)?)?,
             residency_log: self.residency_log.get(false)?,
             boundary_offloads: self.boundary_offloads.get(false)?,
+            ..base
         };
         Ok((cfg, policy))
     }

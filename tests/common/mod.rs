@@ -15,22 +15,7 @@ pub fn groups(kinds: &[AttentionKind], block_size: u32) -> Vec<GroupSpec> {
 /// caching on, events off, no watermark, dense retention, no zeroing, no lookahead hashes,
 /// `max_model_len` and `max_in_flight_tokens` 4096.
 pub fn config(num_blocks: u32, groups: Vec<GroupSpec>, block_size: u32) -> Config {
-    Config {
-        num_blocks,
-        groups,
-        hash_block_size: block_size,
-        scheduler_block_size: block_size,
-        max_model_len: 4096,
-        max_in_flight_tokens: 4096,
-        enable_caching: true,
-        enable_events: false,
-        watermark_blocks: 0,
-        retention_interval: None,
-        zero_new_blocks: false,
-        hash_lookahead_tokens: 0,
-        residency_log: false,
-        boundary_offloads: false,
-    }
+    Config::new(num_blocks, groups, block_size)
 }
 
 /// Chained hashes of blocks with these contents, from `seed`: hash `i` mixes hash `i - 1`

@@ -1,0 +1,189 @@
+//! The hit-aware policy's junctions, around vLLM's `find_longest_cache_hit`: where a
+//! request's shared prefix is reported to end (`num_uncached_common_prefix_tokens`, which
+//! vLLM's scheduler turns into `shared_prefix_boundary` and ends a prefill chunk at, so a
+//! Mamba "align" state is cached there). Under `exact` a junction is vLLM's (the shared
+//! prefix the hybrid search found); under `hit-aware` a pinned prefix's end is one too, a
+//! request nothing is shared with yet gets first-sighting stops, and the Mamba groups learn
+//! the junction that makes a state a branch point. The per-request state lives in
+//! [`HitAwareReq`] (one field of the coordinator's `ReqState`).
+//!
+//! Invariants: `guess_limit` is 0 unless the request's last lookup guessed a first-sighting
+//! stop; `moved_junction` is 0 unless the last allocation moved it and it was not taken.
+//!
+//! Cost: [`Allocator::place_junction`] O(groups) plus O(pinned blocks) with pins and
+//! O(log(max length)) for a first-sighting stop; the rest O(1) or O(log(prompt)).
+#![forbid(unsafe_code)]
+
+use super::{Allocator, Hit};
+
+use crate::error::Result;
+use crate::ids::{ReqHandle, Slot};
+use crate::manager::HashView;
+use crate::policy::Policy;
+
+/// The hit-aware policy's per-request state (all zero under `exact`, and for a new request).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct HitAwareReq {
+    /// `(adopted hit tokens, prompt tokens)` as the last allocation saw them (the probation
+    /// rule of [`crate::policy::LEVEL_PROBATION`], read by `free`).
+    pub(super) hit_and_prompt: (u32, u32),
+    /// Mamba "align": while the request's last lookup guessed its junctions (nothing shared
+    /// yet, see `first_sighting_stop`), the tokens that lookup covered (the last stop's
+    /// bound); 0 otherwise.
+    pub(super) guess_limit: u32,
+    /// The junction the last allocation moved the request's `shared_prefix_boundary` to
+    /// (the next first-sighting stop), until taken ([`Allocator::take_moved_junction`]); 0:
+    /// not moved.
+    pub(super) moved_junction: u32,
+}
+
+impl Allocator {
+    /// The hybrid search's hit `res` for `s` (looked up within `max_cache_hit_length`
+    /// tokens) with its junction placed: a pinned prefix's end, or (nothing shared, no hit)
+    /// the first first-sighting stop, reported as the shared prefix's end when it lies past
+    /// what the search found; under hit-aware the Mamba "align" groups learn the junction.
+    /// Sets `guess_limit` when the junction is a guess.
+    pub(super) fn place_junction(
+        &mut self,
+        s: Slot,
+        max_cache_hit_length: u32,
+        mut res: Hit,
+        guess_limit: &mut u32,
+    ) -> Hit {
+        let mut junction = self.pinned_junction(s, max_cache_hit_length);
+        let known = res.num_tokens + res.num_uncached_common_prefix_tokens;
+        if self.pool.is_leveled() {
+            // A junction another request shares (or a pin) is a branch point, unless
+            // the shared prefix is where a finished request's sequence ended (a
+            // chat's earlier turn, which this request continues).
+            let shared =
+                if res.num_uncached_common_prefix_tokens > 0 && !self.ends_a_sequence(s, known) { known } else { 0 };
+            for m in self.managers.iter_mut().filter(|m| m.is_mamba_align()) {
+                m.set_align_junction(s, junction.max(shared));
+            }
+        }
+        if junction == 0 && res.num_tokens == 0 && res.num_uncached_common_prefix_tokens == 0 {
+            junction = self.first_sighting_stop(0, max_cache_hit_length);
+            if junction > 0 {
+                *guess_limit = max_cache_hit_length;
+            }
+        }
+        if junction > known {
+            res.num_uncached_common_prefix_tokens = junction - res.num_tokens;
+        }
+        res
+    }
+
+    /// Hit-aware: whether the full-attention block of `s` ending at `tokens` ended a
+    /// finished request's cached sequence ([`crate::policy::Retention::is_tail`]). O(groups).
+    fn ends_a_sequence(&self, s: Slot, tokens: u32) -> bool {
+        let hashes = &self.reqs[s as usize].hashes;
+        self.managers.iter().filter(|m| m.spec.kind.is_full()).any(|m| {
+            let bs = m.block_size();
+            let view = HashView { hashes, scale: bs / self.cfg.hash_block_size };
+            let n = tokens / bs;
+            n > 0
+                && n <= view.len()
+                && self.pool.index().get_one(&(view.get(n - 1), m.group_id)).is_some_and(|b| self.pool.is_tail(b))
+        })
+    }
+
+    /// Hit-aware, Mamba "align": where a pinned prefix the request starts with ends, at a
+    /// state position (0 for none). Reported as the shared prefix's end, so the scheduler
+    /// ends a prefill chunk there and its state is cached the first time the prefix is
+    /// seen (vLLM finds the junction only when the full-attention index already shares it,
+    /// and a pinned prompt would hit only from its 3rd sighting). O(pinned blocks) per
+    /// lookup, nothing without pins.
+    fn pinned_junction(&self, s: Slot, max_len: u32) -> u32 {
+        let mut best = 0;
+        let hashes = &self.reqs[s as usize].hashes;
+        for m in self.managers.iter().filter(|m| m.is_mamba_align()) {
+            let bs = m.block_size();
+            let view = HashView { hashes, scale: bs / self.cfg.hash_block_size };
+            let n = (max_len / bs).min(view.len());
+            let mut i = 0;
+            while i < n && self.pool.is_pinned_key(&(view.get(i), m.group_id)) {
+                i += 1;
+            }
+            best = best.max(i * bs);
+        }
+        best
+    }
+
+    /// Hit-aware, Mamba "align": the first-sighting stops of a request nothing is shared with
+    /// yet (no hit, no prefix the full-attention index shares, no pin). Its lookup reports
+    /// the first stop as the shared prefix's end (`shared_prefix_boundary`), and each
+    /// allocation that reaches the reported stop moves it to the next one
+    /// ([`Self::take_moved_junction`]): vLLM's scheduler ends a prefill chunk at each, and
+    /// each chunk end's state is cached. The stops are the power-of-two numbers of blocks (of
+    /// the largest Mamba block) within the lookup's `max_len` tokens, each a multiple of the
+    /// hit alignment: 1, 2, 4, 8, ... blocks. So a later request sharing `L` tokens of the
+    /// prompt (`L` at least one block) finds a state covering more than half of them on its
+    /// 2nd sighting, instead of nothing until its 3rd; a prompt of `n` blocks pays
+    /// `floor(log2(n)) + 1` more prefill chunks at most. Returns the first stop past `after`
+    /// tokens, 0 for none. O(log(max_len)).
+    fn first_sighting_stop(&self, after: u32, max_len: u32) -> u32 {
+        if self.policy != Policy::HitAware {
+            return 0;
+        }
+        let Some(bs) = self.managers.iter().filter(|m| m.is_mamba_align()).map(|m| m.block_size()).max() else {
+            return 0;
+        };
+        let align = self.cfg.cache_hit_alignment_tokens() as u64;
+        let mut stop = bs as u64;
+        while stop <= max_len as u64 {
+            if stop > after as u64 && stop % align == 0 {
+                return stop as u32;
+            }
+            stop *= 2;
+        }
+        0
+    }
+
+    /// Hit-aware: after an allocation of `s` that computes up to `end` tokens with
+    /// `boundary` as its `shared_prefix_boundary`, moves a guessed junction the allocation
+    /// reached to the next first-sighting stop ([`Self::first_sighting_stop`]), or ends the
+    /// guessing when there is none. O(log(prompt)).
+    pub(super) fn advance_first_sighting(&mut self, s: Slot, end: u64, boundary: u32) {
+        let st = &mut self.reqs[s as usize];
+        let limit = st.hit_aware.guess_limit;
+        if limit == 0 {
+            return;
+        }
+        st.hit_aware.moved_junction = 0;
+        if boundary == 0 || end < boundary as u64 {
+            return;
+        }
+        let next = if end < limit as u64 { self.first_sighting_stop(end as u32, limit) } else { 0 };
+        let st = &mut self.reqs[s as usize];
+        st.hit_aware.moved_junction = next;
+        if next == 0 {
+            st.hit_aware.guess_limit = 0;
+        }
+    }
+
+    /// Whether an allocation of `h` may move its junction: its last lookup guessed it (a
+    /// first-sighting stop, hit-aware) and a later stop remains. A caller that writes the
+    /// moved junction back into an object checks first that it can, so a call that raises
+    /// changes nothing. O(1).
+    ///
+    /// # Errors
+    /// Unknown handle.
+    pub fn may_move_junction(&self, h: ReqHandle) -> Result<bool> {
+        Ok(self.reqs[self.slot(h)? as usize].hit_aware.guess_limit > 0)
+    }
+
+    /// The junction the last allocation of `h` moved its `shared_prefix_boundary` to (the
+    /// next first-sighting stop: see [`Self::first_sighting_stop`]), taken: `None` when it
+    /// did not move it, or it was taken already. The vLLM adapter sets
+    /// `request.shared_prefix_boundary` to it, so the scheduler ends the next prefill chunk
+    /// there. O(1).
+    ///
+    /// # Errors
+    /// Unknown handle.
+    pub fn take_moved_junction(&mut self, h: ReqHandle) -> Result<Option<u32>> {
+        let s = self.slot(h)?;
+        let j = std::mem::take(&mut self.reqs[s as usize].hit_aware.moved_junction);
+        Ok((j > 0).then_some(j))
+    }
+}

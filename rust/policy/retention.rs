@@ -1,0 +1,448 @@
+//! The hit-aware policy's per-block state and its decisions on the free queue ([`Retention`]):
+//! each block's retention level and flags, the hit units, the pinned keys and the pinned
+//! share. A hit-aware [`crate::block_pool::BlockPool`] holds one (`None` under `exact`) and
+//! calls it at five named hooks, one per pool operation whose exact path it changes:
+//!
+//! | hook | pool operation (vLLM's `BlockPool`) | what the policy does |
+//! |---|---|---|
+//! | [`Retention::popped`] | `get_new_blocks` | counts a pinned block out |
+//! | [`Retention::touched`] | `touch` | counts a pinned block out, marks the block reused |
+//! | [`Retention::freed`] | `free_blocks` | queues cached blocks at their levels, keeps the pinned share |
+//! | [`Retention::unkeying`] | `remove_cached_block_hashes` | dissolves the block's hit unit, clears its flags |
+//! | [`Retention::keyed`] | `cache_full_blocks` | a newly cached block is freed at [`LEVEL_NORMAL`] |
+//! | [`Retention::reset`] | `reset_prefix_cache` | forgets flags, units and the pinned count |
+//!
+//! The rest ([`Retention::set_level`], [`Retention::evict_first`], pinning, the flags) are
+//! the decisions the managers' retention rules (`manager/retention.rs`) and the coordinator
+//! take through the pool's forwards. The policy works on the pool's free queue, prefix index
+//! and reference counts lent for one call ([`PoolParts`]), never on the pool itself, so it
+//! does not name `BlockPool`.
+//!
+//! Invariants (checked by `invariants::check`): a free cached block sits in the free-queue
+//! segment of its level; `pinned_free` equals the free keyed blocks at [`LEVEL_PINNED`],
+//! and stays within `pinned_cap` after every pool operation.
+//!
+//! Cost: every hook O(1) a block (`freed` O(blocks freed), plus O(demoted) when the pinned
+//! share overflows); `unkeying` O(members) when it dissolves a hit unit; `reset`
+//! O(`num_blocks`); memory 2 bytes a block plus the hit units' two words a block.
+#![forbid(unsafe_code)]
+
+use super::{HitUnits, Level, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_RESUMED, LEVEL_SPECULATIVE};
+use crate::error::{Error, Result};
+use crate::free_queue::{try_filled, FreeQueue};
+use crate::ids::{BlockHash, BlockId, GroupId, NULL_BLOCK};
+use crate::prefix_index::{HashKey, PrefixIndex};
+use rustc_hash::FxHashSet;
+
+/// Block flag: served in a cache hit since it was cached.
+const FLAG_REUSED: u8 = 1;
+/// Block flag: a Mamba state at a shared-prefix junction (see
+/// `SingleTypeManager::demote_passed_state`).
+const FLAG_BRANCH: u8 = 2;
+/// Block flag: a full-attention block that ended a finished request's cached sequence (a
+/// chat's next turn continues there; see `Allocator::free`).
+const FLAG_TAIL: u8 = 4;
+
+/// The parts of the pool the policy works on, lent for one call.
+pub struct PoolParts<'a> {
+    /// The free queue (split into the retention levels).
+    pub queue: &'a mut FreeQueue,
+    /// The prefix index (each block's hash key).
+    pub index: &'a PrefixIndex,
+    /// Each block's reference count (0: free).
+    pub ref_cnt: &'a [u32],
+}
+
+/// The hit-aware policy's state: see the module docs.
+#[derive(Clone, Debug)]
+pub struct Retention {
+    /// Retention level of each block: where a cached block goes when freed.
+    level: Vec<Level>,
+    /// What a block proved since it was cached, as bits: [`FLAG_REUSED`] (served in a cache
+    /// hit: never put on `LEVEL_PROBATION`), [`FLAG_BRANCH`] (a Mamba state where requests
+    /// branch off: kept when a request passes it) and [`FLAG_TAIL`]. Cleared when the block
+    /// loses its hash.
+    flags: Vec<u8>,
+    /// State-space hybrids: the hit units of the cached blocks (see [`HitUnits`]).
+    units: HitUnits,
+    /// The Mamba "align" groups that cached a state (a unit holds a state in each).
+    state_groups: Vec<GroupId>,
+    /// Hash keys of pinned prefixes: a block cached under one is freed at `LEVEL_PINNED`.
+    pinned_keys: FxHashSet<HashKey>,
+    /// Free cached blocks at `LEVEL_PINNED` (invariant: equals the count in the queue).
+    pinned_free: u32,
+    /// The most free cached blocks kept at `LEVEL_PINNED`: past it, the oldest is demoted to
+    /// `LEVEL_NORMAL` (the pinned share of the pool).
+    pinned_cap: u32,
+}
+
+impl Retention {
+    /// The state of a pool of `num_blocks` blocks: every block at [`LEVEL_NORMAL`], no
+    /// flags, no units, no pins, the default pinned share ([`Self::default_pinned_cap`]).
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] when the per-block arrays cannot be allocated.
+    pub fn try_new(num_blocks: u32) -> Result<Self> {
+        let oom = |what: &str| {
+            let what = what.to_string();
+            move |e: std::collections::TryReserveError| {
+                Error::OutOfMemory(format!("{what} of a pool of {num_blocks} blocks: {e}"))
+            }
+        };
+        let n = num_blocks as usize;
+        Ok(Self {
+            level: try_filled(n, LEVEL_NORMAL).map_err(oom("block levels"))?,
+            flags: try_filled(n, 0u8).map_err(oom("block flags"))?,
+            units: HitUnits::try_new(n).map_err(oom("hit units"))?,
+            state_groups: Vec::new(),
+            pinned_keys: FxHashSet::default(),
+            pinned_free: 0,
+            pinned_cap: Self::default_pinned_cap(num_blocks),
+        })
+    }
+
+    /// The pinned share a pool of `num_blocks` blocks starts with: a quarter of its blocks.
+    pub fn default_pinned_cap(num_blocks: u32) -> u32 {
+        num_blocks.saturating_sub(1) / 4
+    }
+
+    /// The pinned share of a pool of `num_blocks` blocks, in blocks, for a `share` of it.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] for a share outside `0.0..=1.0`.
+    pub fn pinned_cap_for(share: f64, num_blocks: u32) -> Result<u32> {
+        if !(0.0..=1.0).contains(&share) {
+            return Err(Error::OutOfRange(format!("pinned share {share} is outside 0.0..=1.0")));
+        }
+        Ok((num_blocks.saturating_sub(1) as f64 * share).floor() as u32)
+    }
+
+    // --- The hooks (one per pool operation whose exact path the policy changes) ---
+
+    /// Hook of `get_new_blocks`: free block `b`, still keyed, left the front of the queue.
+    #[inline]
+    pub fn popped(&mut self, b: BlockId, index: &PrefixIndex) {
+        if self.counts_pinned(b, index) {
+            self.pinned_free -= 1;
+        }
+    }
+
+    /// Hook of `touch`: a hit took a reference on `b` (`was_free`: it left the queue).
+    #[inline]
+    pub fn touched(&mut self, b: BlockId, was_free: bool, index: &PrefixIndex) {
+        if was_free && self.counts_pinned(b, index) {
+            self.pinned_free -= 1;
+        }
+        self.flags[b as usize] |= FLAG_REUSED;
+    }
+
+    /// Hook of `free_blocks`: `uncached` (in order) and `cached` (in order) lost their last
+    /// reference. The uncached ones go to the front of the queue as under `exact` (vLLM's
+    /// `prepend_n`), each cached one to the back of its level (the front for
+    /// [`LEVEL_PROBATION`] and [`LEVEL_RESUMED`]), or, with `evict_first` (vLLM 0.34's
+    /// `free_blocks(..., evict_first=True)`), to the front of [`LEVEL_SPECULATIVE`] unless
+    /// pinned or a branch point. Then the pinned share is enforced. O(blocks).
+    pub fn freed(&mut self, uncached: &[BlockId], cached: &[BlockId], evict_first: bool, mut p: PoolParts<'_>) {
+        for &b in cached {
+            self.queue_cached(b, p.queue, p.index);
+            if evict_first {
+                self.evict_first(b, &mut p);
+            }
+        }
+        p.queue.push_front_n(uncached);
+        if self.pinned_free > self.pinned_cap {
+            self.enforce_pinned_cap(p.queue, p.index);
+        }
+    }
+
+    /// Hook of `remove_cached_block_hashes`, called before the index drops `b`'s key: a free
+    /// pinned block is counted out, the hit unit naming `b` is dissolved (its members no
+    /// live unit needs are evicted first, see [`Self::evict_first`]) and `b`'s flags are
+    /// cleared.
+    pub fn unkeying(&mut self, b: BlockId, mut p: PoolParts<'_>) {
+        if p.ref_cnt[b as usize] == 0 && b != NULL_BLOCK && self.counts_pinned(b, p.index) && p.queue.contains(b) {
+            self.pinned_free -= 1;
+        }
+        if self.units.in_unit(b) {
+            self.orphan_unit_of(b, &mut p);
+        }
+        if p.index.is_keyed(b) {
+            self.flags[b as usize] = 0;
+        }
+    }
+
+    /// Hook of `cache_full_blocks`: `b` was just cached; it is freed at [`LEVEL_NORMAL`].
+    #[inline]
+    pub fn keyed(&mut self, b: BlockId) {
+        self.level[b as usize] = LEVEL_NORMAL;
+    }
+
+    /// Hook of `reset_prefix_cache`: forgets every flag, unit and free pinned block (the
+    /// levels and pinned keys stay).
+    pub fn reset(&mut self) {
+        self.flags.fill(0);
+        self.units.clear();
+        self.pinned_free = 0;
+    }
+
+    // --- The decisions ---
+
+    /// Whether `key` is a pinned prefix's.
+    pub fn is_pinned_key(&self, key: &HashKey) -> bool {
+        !self.pinned_keys.is_empty() && self.pinned_keys.contains(key)
+    }
+
+    /// Whether `b` was served in a cache hit since it was cached.
+    pub fn reused(&self, b: BlockId) -> bool {
+        self.flags.get(b as usize).is_some_and(|f| f & FLAG_REUSED != 0)
+    }
+
+    /// Whether `b` (a Mamba state) was marked a branch point since it was cached.
+    pub fn is_branch(&self, b: BlockId) -> bool {
+        self.flags.get(b as usize).is_some_and(|f| f & FLAG_BRANCH != 0)
+    }
+
+    /// Whether `b` ended a finished request's cached sequence since it was cached.
+    pub fn is_tail(&self, b: BlockId) -> bool {
+        self.flags.get(b as usize).is_some_and(|f| f & FLAG_TAIL != 0)
+    }
+
+    /// Marks cached block `b` a branch point until it loses its hash (no-op for an
+    /// unhashed block).
+    pub fn mark_branch(&mut self, b: BlockId, index: &PrefixIndex) {
+        self.set_flag(b, FLAG_BRANCH, index);
+    }
+
+    /// Marks cached block `b` as the end of a finished request's cached sequence until it
+    /// loses its hash (no-op for an unhashed block).
+    pub fn mark_tail(&mut self, b: BlockId, index: &PrefixIndex) {
+        self.set_flag(b, FLAG_TAIL, index);
+    }
+
+    fn set_flag(&mut self, b: BlockId, flag: u8, index: &PrefixIndex) {
+        if index.is_keyed(b) {
+            if let Some(f) = self.flags.get_mut(b as usize) {
+                *f |= flag;
+            }
+        }
+    }
+
+    /// Records that Mamba "align" group `g` caches states. O(groups).
+    pub fn note_state_group(&mut self, g: GroupId) {
+        if !self.state_groups.contains(&g) {
+            self.state_groups.push(g);
+        }
+    }
+
+    /// The Mamba "align" groups that cached a state.
+    pub fn state_groups(&self) -> &[GroupId] {
+        &self.state_groups
+    }
+
+    /// The state blocks cached under `hash` in every state group (empty when any is missing).
+    pub fn state_set(&self, hash: &BlockHash, index: &PrefixIndex) -> Vec<BlockId> {
+        let mut out = Vec::with_capacity(self.state_groups.len());
+        for &g in &self.state_groups {
+            match index.get_one(&(*hash, g)) {
+                Some(b) => out.push(b),
+                None => {
+                    out.clear();
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    /// Forms a hit unit of cached `states` and the cached full-attention `prefix` before
+    /// them (see [`HitUnits`]); nothing when one of them is not cached.
+    pub fn form_unit(&mut self, states: &[BlockId], prefix: &[BlockId], index: &PrefixIndex) {
+        let keyed = |bs: &[BlockId]| -> Option<Vec<(BlockId, HashKey)>> {
+            bs.iter().map(|&b| index.key_of(b).map(|&k| (b, k))).collect()
+        };
+        if let (Some(st), Some(pre)) = (keyed(states), keyed(prefix)) {
+            self.units.form(st, pre, &mut |m| index.key_of(m.0) == Some(&m.1));
+        }
+    }
+
+    /// Live hit units holding full-attention block `b` in their prefix.
+    pub fn unit_support(&self, b: BlockId) -> u32 {
+        self.units.support(b)
+    }
+
+    /// `b` is about to lose its hash: the unit naming it is dissolved and its members that
+    /// no live unit needs any more are evicted first ([`Self::evict_first`]), except a
+    /// full-attention block at which another state set is cached.
+    fn orphan_unit_of(&mut self, b: BlockId, p: &mut PoolParts<'_>) {
+        let mut orphans = Vec::new();
+        let index = p.index;
+        self.units.lose(b, &mut |m| index.key_of(m.0) == Some(&m.1), &mut orphans);
+        for m in orphans {
+            // A full-attention block that ends where a state set other than `b`'s is cached
+            // (a shared prefix's junction) still serves hits there.
+            if let Some(&key) = p.index.key_of(m) {
+                if !self.state_groups.contains(&key.1) {
+                    let st = self.state_set(&key.0, p.index);
+                    if !st.is_empty() && !st.contains(&b) {
+                        continue;
+                    }
+                }
+            }
+            self.evict_first(m, p);
+        }
+    }
+
+    /// Cached block `b` serves no hit (a member of a lost unit): it goes to
+    /// [`LEVEL_SPECULATIVE`], at the front of the queue when free. Pinned blocks and branch
+    /// points keep their level. O(1).
+    pub fn evict_first(&mut self, b: BlockId, p: &mut PoolParts<'_>) {
+        if b == NULL_BLOCK || self.level[b as usize] >= LEVEL_PINNED || self.is_branch(b) {
+            return;
+        }
+        let queued = p.ref_cnt[b as usize] == 0 && p.index.is_keyed(b);
+        if queued {
+            self.unqueue_cached(b, p.queue, p.index);
+        }
+        self.level[b as usize] = LEVEL_SPECULATIVE;
+        if queued {
+            p.queue.push_front_level(b, LEVEL_SPECULATIVE);
+        }
+    }
+
+    /// Retention level of `b`.
+    #[inline]
+    pub fn level(&self, b: BlockId) -> Level {
+        self.level.get(b as usize).copied().unwrap_or(LEVEL_NORMAL)
+    }
+
+    /// Sets the retention level `b` gets when freed; a free block moves to the back of its
+    /// new level now. No-op for the null block.
+    pub fn set_level(&mut self, b: BlockId, lvl: Level, p: PoolParts<'_>) {
+        if b == NULL_BLOCK {
+            return;
+        }
+        let queued = p.ref_cnt[b as usize] == 0 && p.index.is_keyed(b);
+        if queued {
+            self.unqueue_cached(b, p.queue, p.index);
+        }
+        self.level[b as usize] = lvl;
+        if queued {
+            self.queue_cached(b, p.queue, p.index);
+            self.enforce_pinned_cap(p.queue, p.index);
+        }
+    }
+
+    /// Whether `b` (free) counts in `pinned_free`.
+    #[inline]
+    fn counts_pinned(&self, b: BlockId, index: &PrefixIndex) -> bool {
+        self.level[b as usize] == LEVEL_PINNED && index.is_keyed(b)
+    }
+
+    /// Takes a free cached block out of the queue, keeping the count.
+    fn unqueue_cached(&mut self, b: BlockId, queue: &mut FreeQueue, index: &PrefixIndex) {
+        if self.counts_pinned(b, index) {
+            self.pinned_free -= 1;
+        }
+        queue.remove(b);
+    }
+
+    /// Queues a free cached block at the back of its level (at the front for
+    /// `LEVEL_PROBATION` and `LEVEL_RESUMED`; a pinned key raises it to `LEVEL_PINNED`),
+    /// keeping the count.
+    fn queue_cached(&mut self, b: BlockId, queue: &mut FreeQueue, index: &PrefixIndex) {
+        if !self.pinned_keys.is_empty() {
+            if let Some(k) = index.key_of(b) {
+                if self.pinned_keys.contains(k) {
+                    self.level[b as usize] = LEVEL_PINNED;
+                }
+            }
+        }
+        if self.counts_pinned(b, index) {
+            self.pinned_free += 1;
+        }
+        let lvl = self.level[b as usize];
+        if lvl == LEVEL_PROBATION || lvl == LEVEL_RESUMED {
+            // Newest first: under a cyclic load larger than the cache (round-robin chat) the
+            // unproven sessions that waited longest, and come back next, keep their blocks.
+            queue.push_front_level(b, lvl);
+        } else {
+            queue.push_back_level(b, lvl);
+        }
+    }
+
+    /// Demotes the oldest free pinned blocks to `LEVEL_NORMAL` while more than
+    /// `pinned_cap` are free (a pinned key's block too: the share is a bound).
+    fn enforce_pinned_cap(&mut self, queue: &mut FreeQueue, index: &PrefixIndex) {
+        while self.pinned_free > self.pinned_cap {
+            let b = queue.first_in_level(LEVEL_PINNED).expect("pinned count above the pinned level's length");
+            if self.counts_pinned(b, index) {
+                self.pinned_free -= 1;
+            }
+            queue.remove(b);
+            self.level[b as usize] = LEVEL_NORMAL;
+            if index.is_keyed(b) {
+                queue.push_back_level(b, LEVEL_NORMAL);
+            } else {
+                queue.push_front_n(&[b]);
+            }
+        }
+    }
+
+    /// Pins hash keys (a prefix's, see [`crate::Allocator::pin_prefix`]): a block cached
+    /// under one is freed at `LEVEL_PINNED`; one cached now moves there now. Returns the
+    /// keys pinned in all.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] when the pinned keys would exceed the pinned share (nothing
+    /// changes).
+    pub fn pin_keys(&mut self, mut keys: Vec<HashKey>, p: PoolParts<'_>) -> Result<u32> {
+        keys.retain(|k| !self.pinned_keys.contains(k));
+        keys.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()).then(a.1.cmp(&b.1)));
+        keys.dedup();
+        let total = self.pinned_keys.len() as u64 + keys.len() as u64;
+        if total > self.pinned_cap as u64 {
+            return Err(Error::OutOfRange(format!(
+                "pinning {} more blocks would pin {total}, above the pinned share of {} blocks",
+                keys.len(),
+                self.pinned_cap
+            )));
+        }
+        let PoolParts { queue, index, ref_cnt } = p;
+        for k in &keys {
+            self.pinned_keys.insert(*k);
+            if let Some(b) = index.get_one(k) {
+                self.set_level(b, LEVEL_PINNED, PoolParts { queue, index, ref_cnt });
+            }
+        }
+        Ok(total as u32)
+    }
+
+    /// Sets the pinned share of a pool of `num_blocks` blocks (`0.0..=1.0`): at most that
+    /// fraction of the blocks may be pinned keys, or free at `LEVEL_PINNED` (past it the
+    /// oldest free pinned block is demoted to `LEVEL_NORMAL`).
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] for a share outside `0.0..=1.0` or below the keys pinned.
+    pub fn set_pinned_share(&mut self, share: f64, num_blocks: u32, p: PoolParts<'_>) -> Result<()> {
+        let cap = Self::pinned_cap_for(share, num_blocks)?;
+        if (self.pinned_keys.len() as u64) > cap as u64 {
+            return Err(Error::OutOfRange(format!(
+                "a pinned share of {cap} blocks is below the {} blocks already pinned",
+                self.pinned_keys.len()
+            )));
+        }
+        self.pinned_cap = cap;
+        self.enforce_pinned_cap(p.queue, p.index);
+        Ok(())
+    }
+
+    /// The pinned share in blocks.
+    pub fn pinned_cap(&self) -> u32 {
+        self.pinned_cap
+    }
+
+    /// Free cached blocks at `LEVEL_PINNED`.
+    pub fn pinned_free(&self) -> u32 {
+        self.pinned_free
+    }
+}
