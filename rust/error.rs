@@ -16,6 +16,11 @@ pub enum Error {
     UnknownRequest(u64),
     /// A count or index outside its allowed range.
     OutOfRange(String),
+    /// A call the request's state does not allow (a running request adopting a cache hit,
+    /// cache-hit blocks with prefix caching off, computed tokens past the slots the tables
+    /// were given). Python raises `InvalidStateError`, a subclass of `OutOfRangeError`
+    /// (which these calls raised before the kind was split off).
+    InvalidState(String),
     /// A block id that is not in the pool, or a block in the wrong state (e.g. freeing
     /// a block whose reference count is already 0).
     InvalidBlock(String),
@@ -30,6 +35,7 @@ impl fmt::Display for Error {
             Error::Unsupported(m) => write!(f, "unsupported configuration: {m}"),
             Error::UnknownRequest(h) => write!(f, "unknown request handle {h}"),
             Error::OutOfRange(m) => write!(f, "value out of range: {m}"),
+            Error::InvalidState(m) => write!(f, "invalid state: {m}"),
             Error::InvalidBlock(m) => write!(f, "invalid block: {m}"),
             Error::OutOfMemory(m) => write!(f, "out of memory: {m}"),
         }

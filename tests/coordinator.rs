@@ -625,7 +625,7 @@ fn allocate_slots_running_request_adopting_hit_errs_unchanged() {
     let s = state(&a);
     let mut x = args(1, 48, 48, 49);
     x.num_new_computed_tokens = 32;
-    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Stored, None), Err(Error::OutOfRange(_))));
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Stored, None), Err(Error::InvalidState(_))));
     assert_eq!(state(&a), s);
     assert_eq!(a.stored_hit(r2, 0).unwrap().len(), 2, "a refused hit stays stored");
     ok(&a);
@@ -646,14 +646,14 @@ fn allocate_slots_hit_for_request_holding_uncached_blocks_errs_unchanged() {
     let s = state(&a);
     let mut x = args(16, 0, 48, 48);
     x.num_new_computed_tokens = 32;
-    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Stored, None), Err(Error::OutOfRange(_))));
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Stored, None), Err(Error::InvalidState(_))));
     assert_eq!(state(&a), s);
     assert_eq!(a.stored_hit(r2, 0).unwrap().len(), 2, "a refused hit stays stored");
     let explicit = vec![table(&a, r1, 0)[..2].to_vec(), vec![]];
     assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Explicit(&explicit), None), Err(Error::OutOfRange(_))));
     x.num_new_computed_tokens = 0;
     x.num_external_computed_tokens = 32;
-    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Empty, None), Err(Error::OutOfRange(_))));
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Empty, None), Err(Error::InvalidState(_))));
     assert_eq!(state(&a), s);
     ok(&a);
 }
@@ -670,7 +670,7 @@ fn allocate_slots_explicit_hit_with_caching_off_errs_unchanged() {
     let explicit = vec![table(&a, r1, 0)];
     let mut x = args(16, 0, 48, 48);
     x.num_new_computed_tokens = 32;
-    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Explicit(&explicit), None), Err(Error::OutOfRange(_))));
+    assert!(matches!(a.allocate_slots(r2, &x, NewComputed::Explicit(&explicit), None), Err(Error::InvalidState(_))));
     assert_eq!(state(&a), s);
     ok(&a);
 }
@@ -899,7 +899,7 @@ fn allocate_slots_computed_ahead_of_table_is_refused_and_changes_nothing() {
     let tables = table(&a, r, 0);
     let limits = a.noop_limits(r).unwrap();
     let res = a.allocate_slots(r, &args(1, 96, 100, 100), NewComputed::Empty, None);
-    assert!(matches!(&res, Err(Error::OutOfRange(m)) if m.contains("num_computed_tokens=96")), "{res:?}");
+    assert!(matches!(&res, Err(Error::InvalidState(m)) if m.contains("num_computed_tokens=96")), "{res:?}");
     assert_eq!(a.num_free_blocks(), free);
     assert_eq!(a.pool().free_queue_order(), order);
     assert_eq!(table(&a, r, 0), tables);

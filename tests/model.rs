@@ -1663,7 +1663,7 @@ fn hit_shape_case_caching_off(kinds: &[AttentionKind], g: usize, n: usize, id: B
     bad[g].extend(std::iter::repeat_n(id, n.clamp(1, 2)));
     let before = hit_state(&a);
     let res = a.allocate_slots(h, &x, NewComputed::Explicit(&bad), None);
-    assert!(matches!(res, Err(hybrid_alloc::Error::OutOfRange(_))), "{kinds:?} group {g}: {res:?}");
+    assert!(matches!(res, Err(hybrid_alloc::Error::InvalidState(_))), "{kinds:?} group {g}: {res:?}");
     assert_eq!(hit_state(&a), before, "{kinds:?}: a refused call changes nothing");
     invariants::check(&a).unwrap();
     assert!(matches!(a.allocate_slots(h, &x, NewComputed::Explicit(&right), None), Ok(Some(_))), "{kinds:?}");

@@ -5,6 +5,9 @@
   falls back to vLLM's own manager on it).
 - :class:`UnknownRequestError`: a request handle that is not live (a double free is one).
 - :class:`OutOfRangeError`: a count or index outside its range.
+- :class:`InvalidStateError` (a subclass of :class:`OutOfRangeError`, which these calls raised
+  before): a call the request's state does not allow (a running request adopting a cache hit,
+  cache-hit blocks with prefix caching off, computed tokens past the slots the tables were given).
 - :class:`InvalidBlockError`: a block id outside the pool, or freed more often than held.
 - :class:`InvariantError`: an internal invariant is broken (a bug; please report it).
 - :class:`ConcurrentUseError`: a call reached an allocator while another call on it was in
@@ -18,6 +21,7 @@ from hybrid_alloc._core import (
     HybridAllocError,
     InvalidBlockError,
     InvalidConfigError,
+    InvalidStateError,
     InvariantError,
     OutOfRangeError,
     UnknownRequestError,
@@ -29,6 +33,7 @@ __all__ = [
     "HybridAllocError",
     "InvalidBlockError",
     "InvalidConfigError",
+    "InvalidStateError",
     "InvariantError",
     "OutOfRangeError",
     "UnknownRequestError",

@@ -187,10 +187,11 @@ impl Allocator {
     ///   where the group's layout has no null, used twice, or not cached with the hash this
     ///   request has at that position; a stored hit whose blocks were reused since the
     ///   search is refused the same way);
-    /// - cache-hit blocks with prefix caching off, for a running request, or for a request
-    ///   that already holds blocks (computed tokens are adopted only into an empty table);
-    /// - unless [`AllocateArgs::trust_computed_tokens`], `num_computed_tokens` ahead of the
-    ///   token slots a table was given, when the call would cache blocks past them;
+    /// - [`Error::InvalidState`]: cache-hit blocks with prefix caching off, for a running
+    ///   request, or for a request that already holds blocks (computed tokens are adopted
+    ///   only into an empty table); unless [`AllocateArgs::trust_computed_tokens`],
+    ///   `num_computed_tokens` ahead of the token slots a table was given, when the call
+    ///   would cache blocks past them;
     /// - an invalid hash in `hashes`.
     pub fn allocate_slots(
         &mut self,
@@ -274,7 +275,7 @@ impl Allocator {
         };
         let has_new_computed = hit_blocks.iter().any(|v| !v.is_empty());
         if has_new_computed && !self.cfg.enable_caching {
-            return Err(Error::OutOfRange("cache-hit blocks given with prefix caching off".into()));
+            return Err(Error::InvalidState("cache-hit blocks given with prefix caching off".into()));
         }
         if hit_blocks.is_empty() {
             if a.num_new_computed_tokens != 0 {
@@ -299,13 +300,13 @@ impl Allocator {
         let unwritten_from = if a.trust_computed_tokens { None } else { self.check_computed_within_tables(s, a)? };
         let tracked = self.managers.iter().any(|m| m.is_tracked(s));
         if has_new_computed && tracked {
-            return Err(Error::OutOfRange("a running request cannot adopt new cache-hit blocks".into()));
+            return Err(Error::InvalidState("a running request cannot adopt new cache-hit blocks".into()));
         }
         // Not tracked yet (nothing cached) but holding blocks: adoption would need an empty
         // table (`add_local_computed_blocks`; vLLM asserts it), so refuse before any change.
         let adopts = has_new_computed || a.num_external_computed_tokens > 0;
         if adopts && !tracked && self.managers.iter().any(|m| !m.blocks(s).is_empty()) {
-            return Err(Error::OutOfRange("a request that already holds blocks cannot adopt computed tokens".into()));
+            return Err(Error::InvalidState("a request that already holds blocks cannot adopt computed tokens".into()));
         }
         let unwritten_before = self.reqs[s as usize].unwritten_from;
         if let Some(from) = unwritten_from {
@@ -356,7 +357,7 @@ impl Allocator {
             }
             let (full, held) = m.blocks_to_cache(s, num_hashes, to_cache);
             if full > held {
-                return Err(Error::OutOfRange(format!(
+                return Err(Error::InvalidState(format!(
                     "num_computed_tokens={} is ahead of the {slots} token slots group {g}'s table was given: \
                      caching {to_cache} tokens would cache {} blocks never written under this request's hashes \
                      (allocate the computed tokens first, or adopt them as a cache hit or external tokens)",

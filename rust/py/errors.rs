@@ -18,6 +18,12 @@ create_exception!(
 );
 create_exception!(_core, UnknownRequestError, HybridAllocError, "The request handle is not live.");
 create_exception!(_core, OutOfRangeError, HybridAllocError, "A count or index is out of range.");
+create_exception!(
+    _core,
+    InvalidStateError,
+    OutOfRangeError,
+    "The call is not allowed in the request's state (a subclass of OutOfRangeError, which it was before)."
+);
 create_exception!(_core, InvalidBlockError, HybridAllocError, "A block id is invalid or in the wrong state.");
 create_exception!(_core, InvariantError, HybridAllocError, "An internal invariant is violated (a bug).");
 create_exception!(
@@ -35,6 +41,7 @@ impl From<Error> for PyErr {
             Error::Unsupported(_) => UnsupportedConfigError::new_err(msg),
             Error::UnknownRequest(_) => UnknownRequestError::new_err(msg),
             Error::OutOfRange(_) => OutOfRangeError::new_err(msg),
+            Error::InvalidState(_) => InvalidStateError::new_err(msg),
             Error::InvalidBlock(_) => InvalidBlockError::new_err(msg),
             Error::OutOfMemory(_) => PyMemoryError::new_err(msg),
         }
@@ -49,6 +56,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("UnsupportedConfigError", py.get_type::<UnsupportedConfigError>())?;
     m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;
     m.add("OutOfRangeError", py.get_type::<OutOfRangeError>())?;
+    m.add("InvalidStateError", py.get_type::<InvalidStateError>())?;
     m.add("InvalidBlockError", py.get_type::<InvalidBlockError>())?;
     m.add("InvariantError", py.get_type::<InvariantError>())?;
     m.add("ConcurrentUseError", py.get_type::<ConcurrentUseError>())?;
