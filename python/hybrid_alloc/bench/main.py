@@ -220,21 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_postfix_str(f"{model} {scen} {mg}")
         if scen == "serve":
             r = run_serve(shape, mg, args)
-        elif scen == "throughput":
-            reqs = throughput_requests(args.num_prompts, args.input_len, args.output_len)
-            budget = kv_budget_bytes(shape, args.gpu_memory_gib, args.gpu_memory_utilization, args.reserve_gib)
-            r = run_scenario(
-                shape,
-                mg,
-                scen,
-                reqs,
-                num_blocks=None,
-                kv_budget=budget,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-            )
-        elif scen == "shared-prefix":
-            reqs = shared_prefix_requests(args.shared_requests, args.shared_prefixes, 2048, 512, 256)
+        elif scen in ("throughput", "shared-prefix"):
+            if scen == "throughput":
+                reqs = throughput_requests(args.num_prompts, args.input_len, args.output_len)
+            else:
+                reqs = shared_prefix_requests(args.shared_requests, args.shared_prefixes, 2048, 512, 256)
             budget = kv_budget_bytes(shape, args.gpu_memory_gib, args.gpu_memory_utilization, args.reserve_gib)
             r = run_scenario(
                 shape,
