@@ -126,6 +126,57 @@ pub struct OneBlock {
     pub parent: Option<BlockHash>,
 }
 
+/// Second keys of blocks (vLLM's `cached_block_hashes_by_block`, and their entries in its
+/// `cached_block_hash_to_block`): by key, the blocks holding it as a second key with their
+/// insertion stamps, in insertion order; by block, its second keys in insertion order.
+/// Only partial hash hits make any (a handful: one per promoted prompt-tail block).
+#[derive(Clone, Debug, Default)]
+struct SecondKeys {
+    by_key: rustc_hash::FxHashMap<HashKey, Vec<(u64, BlockId)>>,
+    by_block: rustc_hash::FxHashMap<BlockId, Vec<HashKey>>,
+}
+
+impl SecondKeys {
+    #[inline]
+    fn is_empty(&self) -> bool {
+        self.by_block.is_empty()
+    }
+
+    fn contains(&self, key: &HashKey, b: BlockId) -> bool {
+        !self.is_empty() && self.by_block.get(&b).is_some_and(|ks| ks.contains(key))
+    }
+
+    fn insert(&mut self, key: HashKey, b: BlockId, seq: u64) {
+        self.by_key.entry(key).or_default().push((seq, b));
+        self.by_block.entry(b).or_default().push(key);
+    }
+
+    /// Drops `b`'s second keys, returning them in insertion order.
+    fn remove_block(&mut self, b: BlockId) -> Vec<HashKey> {
+        let keys = self.by_block.remove(&b).unwrap_or_default();
+        for k in &keys {
+            if let Some(v) = self.by_key.get_mut(k) {
+                v.retain(|&(_, x)| x != b);
+                if v.is_empty() {
+                    self.by_key.remove(k);
+                }
+            }
+        }
+        keys
+    }
+
+    /// The earliest-keyed block under `key`: `primary` (the index's, stamped in `seq`) or
+    /// the first block holding it as a second key.
+    #[inline]
+    fn earliest(&self, key: &HashKey, primary: Option<BlockId>, seq: &[u64]) -> Option<BlockId> {
+        match (primary, self.by_key.get(key).and_then(|v| v.first())) {
+            (Some(p), Some(&(s, b))) => Some(if s < seq[p as usize] { b } else { p }),
+            (p, None) => p,
+            (None, Some(&(_, b))) => Some(b),
+        }
+    }
+}
+
 /// The arena of blocks with their free queue and prefix index.
 #[derive(Clone, Debug)]
 pub struct BlockPool {
@@ -146,6 +197,16 @@ pub struct BlockPool {
     retention: Option<Retention>,
     /// Cached blocks by hash key, and each block's hash key.
     index: PrefixIndex,
+    /// `seq[b]`: when `b` got its key (an insertion counter), to order it against the
+    /// second keys below (vLLM's one dict keeps insertion order across both).
+    seq: Vec<u64>,
+    /// The next insertion's `seq`.
+    next_seq: u64,
+    /// Second keys (vLLM's `cached_block_hashes_by_block`): a block keyed for a longer
+    /// prefix that is also keyed at a partial boundary inside it (with partial hash hits:
+    /// a prompt's tail block, promoted to its full key, keeps its partial key). Empty
+    /// otherwise, so lookups and evictions skip it with one branch.
+    second: SecondKeys,
     /// Prefix caching on.
     enable_caching: bool,
     /// Record events.
@@ -206,6 +267,9 @@ impl BlockPool {
             queue,
             retention,
             index,
+            seq: try_filled(n, 0).map_err(oom("block hashes"))?,
+            next_seq: 0,
+            second: SecondKeys::default(),
             enable_caching,
             enable_events,
             events: Vec::new(),
@@ -361,12 +425,23 @@ impl BlockPool {
     pub fn get_cached_block(&self, hash: &BlockHash, groups: &[GroupId], out: &mut Vec<BlockId>) -> bool {
         out.clear();
         for &g in groups {
-            match self.index.get_one(&(*hash, g)) {
+            let key = (*hash, g);
+            let first = self.index.get_one(&key);
+            let first = if self.second.is_empty() { first } else { self.second.earliest(&key, first, &self.seq) };
+            match first {
                 Some(b) => out.push(b),
                 None => return false,
             }
         }
         true
+    }
+
+    /// Keys `b` (which holds no key) under `key` in the index, stamping its insertion order.
+    #[inline]
+    fn insert_key(&mut self, key: HashKey, b: BlockId) {
+        self.seq[b as usize] = self.next_seq;
+        self.next_seq += 1;
+        self.index.insert(key, b);
     }
 
     /// Pops `n` blocks from the front of the free queue, evicting their cached hashes,
@@ -408,6 +483,13 @@ impl BlockPool {
             self.events.push(Event::Removed { hash, group });
         }
         self.hash_tokens[b as usize] = 0;
+        if !self.second.is_empty() {
+            for (hash, group) in self.second.remove_block(b) {
+                if self.enable_events {
+                    self.events.push(Event::Removed { hash, group });
+                }
+            }
+        }
         true
     }
 
@@ -495,15 +577,16 @@ impl BlockPool {
             }
             let h = hash_of(i);
             let key = (h, group);
-            assert!(
-                !self.index.is_keyed(b),
-                "cache_full_blocks: block {b} already cached (partial promotion is not served)"
-            );
+            if self.index.is_keyed(b) {
+                // Partial -> full promotion of the same block (its key ended inside it).
+                debug_assert!(self.hash_tokens[b as usize] < (i + 1) * block_size);
+                self.remove_cached_block_hashes(b);
+            }
             self.hash_tokens[b as usize] = (i + 1) * block_size;
             if let Some(r) = &mut self.retention {
                 r.keyed(b);
             }
-            self.index.insert(key, b);
+            self.insert_key(key, b);
             if self.enable_events {
                 ev_hashes.push(h);
                 ev_idx.push(i);
@@ -529,12 +612,19 @@ impl BlockPool {
     /// hash yet), emitting `Stored` with `o.parent`. Returns `false`, changing nothing,
     /// when the block already holds a hash.
     pub fn cache_one_block(&mut self, o: &OneBlock) -> bool {
-        let OneBlock { req, block: b, index: idx, key, num_tokens, block_size, parent } = *o;
+        let OneBlock { block: b, key, num_tokens, .. } = *o;
         if b == NULL_BLOCK || self.index.is_keyed(b) {
             return false;
         }
         self.hash_tokens[b as usize] = num_tokens;
-        self.index.insert(key, b);
+        self.insert_key(key, b);
+        self.push_stored(o);
+        true
+    }
+
+    /// The `Stored` event of one keyed block (see [`Self::cache_one_block`]).
+    fn push_stored(&mut self, o: &OneBlock) {
+        let OneBlock { req, index: idx, key, num_tokens, block_size, parent, .. } = *o;
         if self.enable_events {
             self.events.push(Event::Stored {
                 req,
@@ -547,7 +637,72 @@ impl BlockPool {
                 block_indices: vec![idx],
             });
         }
-        true
+    }
+
+    /// vLLM's `cache_partial_block`: keys block `o.block` under `o.key`, the request's hash at
+    /// the prefix of `o.num_tokens` tokens (a multiple of the hash block `o.block_size`, which
+    /// may end inside the block), emitting `Stored` for that hash block (`o.index` is its
+    /// index) unless the block already holds the key. `replace` drops the block's keys first
+    /// (its contents were replaced); otherwise a key covering fewer tokens is dropped (a
+    /// promotion). Returns the key, or `None` for the null block. A block keyed for more
+    /// tokens takes it as a second key (vLLM's `cached_block_hashes_by_block`).
+    pub fn cache_partial_block(&mut self, o: &OneBlock, replace: bool) -> Option<HashKey> {
+        let b = o.block;
+        if b == NULL_BLOCK {
+            return None;
+        }
+        let already = self.index.key_of(b) == Some(&o.key) || self.second.contains(&o.key, b);
+        if replace {
+            self.remove_cached_block_hashes(b);
+        } else if !already && self.index.is_keyed(b) && self.hash_tokens[b as usize] < o.num_tokens {
+            self.remove_cached_block_hashes(b);
+        }
+        if already && !replace {
+            return Some(o.key);
+        }
+        if self.index.is_keyed(b) {
+            // Keyed for a longer prefix: a second key (vLLM's `cached_block_hashes_by_block`).
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            self.second.insert(o.key, b, seq);
+            self.push_stored(o);
+        } else {
+            self.cache_one_block(o);
+        }
+        Some(o.key)
+    }
+
+    /// vLLM's `move_block_hashes`: `src`'s key moves to `dst` (which holds none), keeping its
+    /// token count; no events (the entry stays live, on the private copy).
+    pub fn move_block_hashes(&mut self, src: BlockId, dst: BlockId) {
+        debug_assert!(!self.index.is_keyed(dst));
+        let tokens = self.hash_tokens[src as usize];
+        if let Some(r) = &mut self.retention {
+            r.unkeying(src, parts!(self));
+        }
+        let Some(&key) = self.index.remove_block(src) else { return };
+        let seconds = if self.second.is_empty() { Vec::new() } else { self.second.remove_block(src) };
+        self.hash_tokens[src as usize] = 0;
+        self.hash_tokens[dst as usize] = tokens;
+        if let Some(r) = &mut self.retention {
+            r.keyed(dst);
+        }
+        self.insert_key(key, dst);
+        for k in seconds {
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            self.second.insert(k, dst, seq);
+        }
+    }
+
+    /// Takes one more reference on `b`, a block in use, that no table holds (the endpoints of
+    /// a copy-on-write copy stay held until the copy has run: vLLM's `ref_cnt += 1`), given
+    /// back by id (`free_block_ids`).
+    pub(crate) fn incref(&mut self, b: BlockId) {
+        debug_assert!(b != NULL_BLOCK && self.ref_cnt[b as usize] > 0);
+        self.ref_cnt[b as usize] += 1;
+        // No table holds this reference: the scheduler gives it back by id.
+        self.loose[b as usize] += 1;
     }
 
     /// Drops the hashes of the given blocks from the prefix cache; blocks in use stay
@@ -566,6 +721,7 @@ impl BlockPool {
             return false;
         }
         self.index.clear(); // keeps its capacity
+        self.second = SecondKeys::default();
         for t in self.hash_tokens.iter_mut() {
             *t = 0;
         }

@@ -176,10 +176,31 @@ impl Config {
         }
     }
 
-    /// The alignment (in tokens) of cache-hit lengths. Without Mamba "align" groups
-    /// vLLM never enables partial hash hits, so this is the scheduler block size.
+    /// Whether vLLM's coordinator enables fine-grained ("partial") hash hits
+    /// (`partial_hash_hits_enabled`, the `--prefix-match-unit` machinery): caching on, several
+    /// groups, a Mamba "align" group whose block is larger than the hash block, and every
+    /// other prefix-cacheable group either looked up at hash granularity (full attention,
+    /// Mamba) or one hash block large. Hits may then end inside a block (the hash block
+    /// is the hit alignment), and the prompt's last hash boundary is cached inside its block.
+    pub fn partial_hash_hits(&self) -> bool {
+        let hbs = self.hash_block_size;
+        self.coordinator_kind() == CoordinatorKind::Hybrid
+            && self.groups.iter().any(|g| g.kind.is_mamba_align() && g.block_size > hbs)
+            && self
+                .groups
+                .iter()
+                .all(|g| !g.kind.is_prefix_cacheable() || g.kind.fine_grained_lookup() || g.block_size == hbs)
+    }
+
+    /// The alignment (in tokens) of cache-hit lengths (the coordinator's
+    /// `_cache_hit_alignment_tokens`): the hash block size with partial hash hits, else the
+    /// scheduler block size.
     pub fn cache_hit_alignment_tokens(&self) -> u32 {
-        self.scheduler_block_size
+        if self.partial_hash_hits() {
+            self.hash_block_size
+        } else {
+            self.scheduler_block_size
+        }
     }
 
     /// The recycling-aware per-request admission cap of a group, in blocks

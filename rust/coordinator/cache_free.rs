@@ -32,6 +32,9 @@ impl Allocator {
     /// whole scheduler blocks).
     pub(super) fn cache_target(&self, num_tokens: u32) -> u32 {
         match self.kind {
+            // vLLM's `_align_cacheable`: no rounding with partial hash hits (rounding even to
+            // the hash block would re-key a privatized Mamba tail).
+            CoordinatorKind::Hybrid if self.cfg.partial_hash_hits() => num_tokens,
             CoordinatorKind::Hybrid => num_tokens / self.cfg.scheduler_block_size * self.cfg.scheduler_block_size,
             _ => num_tokens,
         }
@@ -256,6 +259,18 @@ impl Allocator {
             return Err(Error::InvalidBlock(format!("block id {b} >= num_blocks {}", self.pool.num_blocks())));
         }
         self.pool.evict_blocks(ids);
+        if self.cfg.partial_hash_hits() {
+            // A prompt's partial tail key may have gone with its block's: vLLM keys it again
+            // on the request's next caching call, which the no-op limits must not skip.
+            for m in self.managers.iter_mut() {
+                m.rearm_partial_tails();
+            }
+            for s in 0..self.reqs.len() as Slot {
+                if self.slot_is_live(s) {
+                    self.refresh_noop(s);
+                }
+            }
+        }
         Ok(())
     }
 

@@ -334,6 +334,7 @@ impl Allocator {
     ) -> Result<()> {
         let ng = self.managers.len();
         let may_lag = num_external_computed_tokens > 0 && self.per_group_hit_group().is_some();
+        let partial_hits = self.cfg.partial_hash_hits();
         if hit_blocks.len() != ng {
             return Err(Error::OutOfRange(format!("{} hit groups given, the config has {ng}", hit_blocks.len())));
         }
@@ -353,10 +354,17 @@ impl Allocator {
                 continue;
             }
             let bs = m.block_size();
-            // A group lagging behind full attention: see the doc comment.
+            // A group lagging behind full attention: see the doc comment. With partial hash
+            // hits a hit may end inside its last block.
             let len = v.len() as u64 * bs as u64;
             let lags = len < num_new_computed_tokens as u64 && may_lag && !m.spec.kind.is_full();
-            if len != num_new_computed_tokens as u64 && !lags {
+            let partial = partial_hits && num_new_computed_tokens % bs != 0;
+            let fits = if partial {
+                v.len() as u64 == cdiv(num_new_computed_tokens as u64, bs as u64)
+            } else {
+                len == num_new_computed_tokens as u64
+            };
+            if !fits && !lags {
                 return Err(Error::OutOfRange(format!(
                     "group {g}: a hit of {} blocks of {bs} tokens for num_new_computed_tokens={num_new_computed_tokens} \
                      (only a group other than full attention of a KV connector's per-group hit, with Mamba \
@@ -368,7 +376,15 @@ impl Allocator {
                 continue;
             }
             let view = HashView { hashes, scale: bs / self.cfg.hash_block_size };
-            if v.len() as u64 > view.len() as u64 {
+            let partial_tail = (partial && !lags).then(|| num_new_computed_tokens / self.cfg.hash_block_size);
+            if let Some(nh) = partial_tail {
+                if nh as usize > hashes.len() {
+                    return Err(Error::OutOfRange(format!(
+                        "group {g}: a hit of {num_new_computed_tokens} tokens, but the request has hashes for {}",
+                        hashes.len() as u64 * self.cfg.hash_block_size as u64
+                    )));
+                }
+            } else if v.len() as u64 > view.len() as u64 {
                 return Err(Error::OutOfRange(format!(
                     "group {g}: a hit of {} blocks, but the request has hashes for {}",
                     v.len(),
@@ -391,7 +407,11 @@ impl Allocator {
                 if explicit && !seen.insert(b) {
                     return Err(Error::InvalidBlock(format!("block {b} appears twice in the hit")));
                 }
-                let want = (view.get(i as u32), g as GroupId);
+                let want = match partial_tail {
+                    // The last block of a hit ending inside it is keyed at the hit's end.
+                    Some(nh) if i + 1 == v.len() => (hashes[nh as usize - 1], g as GroupId),
+                    _ => (view.get(i as u32), g as GroupId),
+                };
                 if self.pool.block_hash(b) != Some(&want) {
                     return Err(Error::InvalidBlock(format!(
                         "block {b} at hit position {i} of group {g} is not cached with this request's \

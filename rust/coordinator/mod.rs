@@ -254,6 +254,19 @@ impl Allocator {
         out
     }
 
+    /// Drains the copy-on-write copies queued since the last call (vLLM's
+    /// `KVCacheManager.take_kv_cache_block_copies`), as flat `[source, copy, ...]` pairs,
+    /// group by group. Both blocks of each pair hold one extra reference, which the caller
+    /// gives back (`free_block_ids`, source then copy, pair by pair: vLLM's retained
+    /// blocks) once the copy has run. Empty unless [`Config::partial_hash_hits`].
+    pub fn take_kv_cache_block_copies(&mut self) -> Vec<BlockId> {
+        let mut pairs = Vec::new();
+        for m in self.managers.iter_mut() {
+            m.take_pending_cow_copies(&mut pairs);
+        }
+        pairs.into_iter().flat_map(|(s, d)| [s, d]).collect()
+    }
+
     /// Whether block ids wait in [`Self::take_new_block_ids`].
     pub fn has_new_block_ids(&self) -> bool {
         self.managers.iter().any(|m| !m.pending_new_block_ids().is_empty())

@@ -3,15 +3,22 @@
 //! blocks from the start. Its rules ([`Full`]) are [`KindRules`]' defaults, but for being
 //! full attention in the hybrid hit search and its block size check.
 //!
+//! With partial hash hits (vLLM's `--prefix-match-unit` on a Mamba hybrid, see
+//! [`crate::Config::partial_hash_hits`]) the block may be larger than the hash block: a hit
+//! may end inside a block (the block is then copied on write, see
+//! [`SingleTypeManager::take_partial_hit`]) and the prompt's last hash boundary is cached
+//! inside its block (`_cache_partial_tail_block`).
+//!
 //! Per-request state: none beyond the shared table.
 //!
 //! Cost: the hit search is O(hit blocks + 1) (chained hashes: the first miss ends it).
 #![forbid(unsafe_code)]
 
-use super::{cdiv, HitQuery, KindRules};
+use super::{cdiv, CacheArgs, HitQuery, KindRules, SingleTypeManager};
+use crate::block_pool::BlockPool;
 use crate::config::{Config, GroupSpec};
 use crate::error::{Error, Result};
-use crate::ids::BlockId;
+use crate::ids::{BlockId, Slot};
 
 /// Full attention's rules (vLLM's `FullAttentionManager`).
 #[derive(Clone, Copy, Debug)]
@@ -22,8 +29,24 @@ impl KindRules for Full {
         true
     }
 
+    fn fine_grained_lookup(&self) -> bool {
+        true
+    }
+
     fn check_with_caching(&self, cfg: &Config, i: usize, g: &GroupSpec) -> Result<()> {
+        if cfg.partial_hash_hits() {
+            // Partial hash hits: a block larger than the hash block is looked up at hash
+            // granularity, and the prompt's last hash boundary is cached inside its block.
+            return Ok(());
+        }
         check_block_size(cfg, i, g)
+    }
+
+    fn cache_blocks(&self, m: &mut SingleTypeManager, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
+        m.cache_full(self, pool, h, c);
+        if m.block_size() != m.hash_block_size {
+            m.cache_partial_tail(pool, h, c);
+        }
     }
 }
 
@@ -43,7 +66,10 @@ pub fn check_block_size(cfg: &Config, i: usize, g: &GroupSpec) -> Result<()> {
     Ok(())
 }
 
-/// vLLM's `FullAttentionManager.find_longest_cache_hit` (block-aligned, no EAGLE drop).
+/// vLLM's `FullAttentionManager.find_longest_cache_hit` (no EAGLE drop): the longest run
+/// of cached blocks from the start; with partial hash hits (`alignment_tokens` a proper
+/// divisor of the block size), then the longest cached hash boundary inside the next block
+/// (probed high to low), whose block ends the hit.
 pub fn find_longest_cache_hit(q: &HitQuery<'_>, out: &mut [Vec<BlockId>]) -> u32 {
     let HitQuery { pool, view, max_length, group_ids, block_size, alignment_tokens } = *q;
     let n = (max_length / block_size).min(view.len());
@@ -57,6 +83,22 @@ pub fn find_longest_cache_hit(q: &HitQuery<'_>, out: &mut [Vec<BlockId>]) -> u32
         }
     }
     let mut hit_length = out[0].len() as u32 * block_size;
+    if alignment_tokens < block_size && block_size % alignment_tokens == 0 {
+        let scale = block_size / alignment_tokens;
+        let hashes = view.hashes;
+        let first = out[0].len() as u32 * scale;
+        let max_idx = (first + scale - 1).min(max_length / alignment_tokens).min(hashes.len() as u32);
+        for fine in (first..max_idx).rev() {
+            if !pool.get_cached_block(&hashes[fine as usize], group_ids, &mut hit) {
+                continue;
+            }
+            for (o, &b) in out.iter_mut().zip(hit.iter()) {
+                o.push(b);
+            }
+            hit_length = (fine + 1) * alignment_tokens;
+            break;
+        }
+    }
     hit_length -= hit_length % alignment_tokens;
     let keep = cdiv(hit_length as u64, block_size as u64) as usize;
     for o in out.iter_mut() {

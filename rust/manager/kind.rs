@@ -111,6 +111,12 @@ pub trait KindRules {
         false
     }
 
+    /// Whether vLLM's manager looks hits up at hash granularity when partial hash hits are
+    /// on (`supports_fine_grained_hash_lookup`: full attention and Mamba).
+    fn fine_grained_lookup(&self) -> bool {
+        false
+    }
+
     /// Whether the kind has a retention mask (`reachable_block_mask`), so that
     /// `prefix_cache_retention_interval` applies to it.
     fn sparse_retention(&self) -> bool {
@@ -212,7 +218,9 @@ pub trait KindRules {
         let num_new = (required - skipped_blocks.max(local_blocks)).max(0);
         let skip_new = (skipped_blocks - num_req_blocks).max(0) as usize;
         let evictable = SingleTypeManager::count_evictable(pool, c.new_computed.get(skip_new..).unwrap_or(&[]));
-        num_new + evictable as i64
+        // A hit ending inside a block reserves its copy-on-write copy.
+        let cow = m.has_partial_local_hit(c.new_computed, c.num_local_computed_tokens) as i64;
+        num_new + cow + evictable as i64
     }
 
     /// vLLM's `add_local_computed_blocks`: the hit's blocks, touched; those already out of
@@ -240,6 +248,13 @@ pub trait KindRules {
         table.extend_from_slice(kept);
         m.null_prefix[h as usize] = table.iter().take_while(|&&b| b == NULL_BLOCK).count() as u32;
         m.num_cached[h as usize] = table.len() as u32;
+        if let (true, Some(&last)) = (m.has_partial_local_hit(new_computed, num_local_computed_tokens), kept.last()) {
+            // The hit ends inside its last block: the next allocation copies it on write;
+            // `num_cached` stops before it, so the copy is cached once full.
+            let idx = num_local_computed_tokens / m.spec.block_size;
+            m.set_partial_hit(h, idx, last);
+            m.num_cached[h as usize] = idx;
+        }
     }
 
     /// vLLM's `allocate_external_computed_blocks`.
@@ -282,6 +297,15 @@ pub trait KindRules {
         _num_tokens_main_model: u32,
         out: &mut Vec<BlockId>,
     ) {
+        if let Some((idx, source)) = m.take_partial_hit(h) {
+            // vLLM's partial-hit redirect: the shared tail block is replaced by a private
+            // copy (reserved by the count), reported first and recorded for zeroing.
+            let mut cow = Vec::with_capacity(1);
+            pool.get_new_blocks(1, &mut cow);
+            m.apply_cow(pool, h, idx, source, cow[0]);
+            m.new_block_ids.push(cow[0]);
+            out.push(cow[0]);
+        }
         let required = cdiv(self.slot_tokens(num_tokens, m.spec.block_size), m.spec.block_size as u64) as usize;
         let table = &mut m.req_blocks[h as usize];
         if required > table.len() {
@@ -369,6 +393,12 @@ impl AttentionKind {
     #[inline]
     pub fn is_mamba_align(&self) -> bool {
         with_rules!(*self, r => r.is_mamba_align())
+    }
+
+    /// See [`KindRules::fine_grained_lookup`].
+    #[inline]
+    pub fn fine_grained_lookup(&self) -> bool {
+        with_rules!(*self, r => r.fine_grained_lookup())
     }
 
     /// See [`KindRules::sparse_retention`].

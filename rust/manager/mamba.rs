@@ -140,6 +140,10 @@ impl KindRules for MambaAlign {
         true
     }
 
+    fn fine_grained_lookup(&self) -> bool {
+        true
+    }
+
     fn sparse_retention(&self) -> bool {
         true
     }
@@ -170,7 +174,7 @@ impl KindRules for MambaAlign {
                 g.block_size, cfg.scheduler_block_size
             )));
         }
-        if g.block_size != cfg.hash_block_size {
+        if g.block_size != cfg.hash_block_size && !cfg.partial_hash_hits() {
             return Err(Error::Unsupported(format!(
                 "group {i}: Mamba block size {} over hash block size {} in cache mode \"align\" \
                  (sub-block partial hits with copy-on-write)",
@@ -260,6 +264,24 @@ pub const NONE: u32 = u32::MAX;
 /// `alignment_tokens`; `out[k] = [null] * i + [block]`.
 pub fn find_longest_cache_hit(q: &HitQuery<'_>, out: &mut [Vec<BlockId>]) -> u32 {
     let HitQuery { pool, view, max_length, group_ids, block_size, alignment_tokens } = *q;
+    if alignment_tokens < block_size && block_size % alignment_tokens == 0 {
+        // Partial hash hits: the rightmost cached hash boundary, inside its block or not.
+        let scale = block_size / alignment_tokens;
+        let max_units = (max_length / alignment_tokens).min(view.hashes.len() as u32);
+        let mut hit = Vec::with_capacity(group_ids.len());
+        for fine in (0..max_units).rev() {
+            if !pool.get_cached_block(&view.hashes[fine as usize], group_ids, &mut hit) {
+                continue;
+            }
+            let i = (fine / scale) as usize;
+            for (o, &b) in out.iter_mut().zip(hit.iter()) {
+                o.extend(std::iter::repeat_n(NULL_BLOCK, i));
+                o.push(b);
+            }
+            return (fine + 1) * alignment_tokens;
+        }
+        return 0;
+    }
     let max_num_blocks = (max_length / block_size).min(view.len());
     let mut hit = Vec::with_capacity(group_ids.len());
     for i in (0..max_num_blocks).rev() {
@@ -404,6 +426,11 @@ pub struct AlignState {
     last_keyed: Vec<(BlockId, Option<HashKey>, u32)>,
     /// The boundary states keyed for a KV connector, not yet taken (see [`super::boundary`]).
     pub(super) offloads: super::boundary::BoundaryOffloads,
+    /// `producer[h] = (block, tokens, request)`: the partial tail (a key ending inside its
+    /// block) the request keyed on its own running state block, which the next step's forward
+    /// overwrites (vLLM's `_producer_partial_tail_reqs`); `tokens` 0: none. The copy-on-write
+    /// that preserves it hands the copy to a KV connector.
+    producer: Vec<(BlockId, u32, crate::ids::ReqHandle)>,
     /// Hit-aware only: `junction[h]`, the junction the request's last lookup found shared
     /// with another request or pinned (0: none). The state there is where other requests
     /// branch off: it is not demoted when the request passes it (see
@@ -421,6 +448,7 @@ impl AlignState {
         self.checkpoint.resize(n, (0, 0));
         self.last_keyed.resize(n, (NULL_BLOCK, None, 0));
         self.junction.resize(n, 0);
+        self.producer.resize(n, (NULL_BLOCK, 0, 0));
     }
 
     /// Forgets slot `h`.
@@ -434,6 +462,7 @@ impl AlignState {
         self.last_keyed[hs] = (NULL_BLOCK, None, 0);
         self.offloads.drop_slot(h);
         self.junction[hs] = 0;
+        self.producer[hs] = (NULL_BLOCK, 0, 0);
     }
 
     /// A new scheduler step: hits on states cached in the previous step are served.
@@ -545,10 +574,15 @@ impl SingleTypeManager {
         let spec = self.mamba_params().0 as i64;
         let required = cdiv(c.num_tokens_main_model as u64, self.spec.block_size as u64) as i64 + spec;
         let mut num_new = required - c.new_computed.len() as i64 - self.req_blocks[h as usize].len() as i64;
+        let partial = (self.has_partial_local_hit(c.new_computed, c.num_local_computed_tokens)
+            || self.partial_hit(h).is_some()) as i64;
+        if partial == 1 {
+            num_new = num_new.max(0) + 1;
+        }
         if num_new > 0 {
             let checkpoint =
                 (self.align_checkpoint(h, c.total_computed_tokens, c.num_tokens_main_model, c.prefill_end) > 0) as i64;
-            let cap = 1 + checkpoint + if self.align().allocated[h as usize] { 0 } else { spec };
+            let cap = 1 + partial + checkpoint + if self.align().allocated[h as usize] { 0 } else { spec };
             num_new = num_new.min(cap);
         }
         num_new + Self::count_evictable(pool, c.new_computed) as i64
@@ -569,11 +603,12 @@ impl SingleTypeManager {
         let hs = h as usize;
         let spec = self.mamba_params().0 as usize;
         let required = cdiv(num_tokens_main_model as u64, self.spec.block_size as u64) as usize + spec;
-        let Self { req_blocks, kind_state, .. } = self;
+        let partial = self.partial_hit(h);
+        let Self { req_blocks, kind_state, pending_cow, .. } = self;
         let KindState::MambaAlign(st) = kind_state else { unreachable!("a Mamba align group keeps align state") };
         let checkpoint = (st.checkpoint[hs].0 > 0) as usize;
         let table = &mut req_blocks[hs];
-        if required <= table.len() && checkpoint == 0 {
+        if required <= table.len() && checkpoint == 0 && partial.is_none() {
             st.allocated[hs] = true;
             return;
         }
@@ -604,10 +639,47 @@ impl SingleTypeManager {
                 table[i] = NULL_BLOCK;
             }
         }
-        let n = required.saturating_sub(table.len());
-        pool.get_new_blocks(n as u32, table);
-        out.extend_from_slice(&table[prev..]);
+        let n = required.saturating_sub(table.len()) + partial.is_some() as usize;
+        let mut new_blocks = Vec::with_capacity(n);
+        pool.get_new_blocks(n as u32, &mut new_blocks);
+        let mut fresh = &new_blocks[..];
+        if let Some((idx, source)) = partial {
+            let cow = fresh[0];
+            fresh = &fresh[1..];
+            if was_allocated {
+                // A running request's table is append-only for the worker: it stays on
+                // `source` (its state moves on there) and the cache entry moves to the copy,
+                // which this step's copy fills before the forward overwrites `source`.
+                debug_assert_eq!(table[idx as usize], source);
+                pool.move_block_hashes(source, cow);
+                pending_cow.push((source, cow));
+                pool.incref(source);
+                // The copy's one reference is held by no table: the scheduler gives it back.
+                pool.loosen(&[cow]);
+                let (pb, tokens, req) = std::mem::replace(&mut st.producer[hs], (NULL_BLOCK, 0, 0));
+                if tokens > 0 {
+                    debug_assert_eq!(pb, source);
+                    st.offloads.record(req, cow, tokens);
+                }
+                if let Some(key) = pool.block_hash(cow) {
+                    st.cached_this_step.insert(*key);
+                }
+                out.extend_from_slice(&table[prev..]);
+            } else {
+                table[idx as usize] = cow;
+                pending_cow.push((source, cow));
+                pool.loosen(&[source]);
+                pool.incref(cow);
+                out.push(cow);
+                out.extend_from_slice(&table[prev..]);
+            }
+        } else {
+            out.extend_from_slice(&table[prev..]);
+        }
+        table.extend_from_slice(fresh);
+        out.extend_from_slice(fresh);
         st.allocated[hs] = true;
+        self.partial_hit[hs] = (super::NO_PARTIAL, NULL_BLOCK);
     }
 
     /// vLLM's `MambaManager.remove_skipped_blocks` in mode "align" (the retired range, null
@@ -652,6 +724,8 @@ impl SingleTypeManager {
         };
         let hash_block_size = self.hash_block_size;
         let lookahead = self.hash_lookahead_tokens;
+        // Read before the prompt tail: a partial tail moves `num_cached` back to its block.
+        let after = self.num_cached(h);
         let st = self.align_mut();
         // Once the prompt is computed, the tokens to cache never come back down to its
         // checkpoint position (below the prompt's end), so the no-op limits stop watching it
@@ -666,7 +740,6 @@ impl SingleTypeManager {
         } else {
             self.align_cache_prompt_tail(pool, h, c, rekey_cached_tail);
         }
-        let after = self.num_cached(h);
         let Self { req_blocks, kind_state, .. } = self;
         let KindState::MambaAlign(st) = kind_state else { unreachable!("a Mamba align group keeps align state") };
         for i in before..after {
@@ -766,24 +839,21 @@ impl SingleTypeManager {
         let one = OneBlock {
             req,
             block: b,
-            index: idx as u32,
+            index: nh as u32 - 1,
             key,
             num_tokens,
-            block_size: bs,
+            block_size: hash_block_size,
             parent: if nh > 1 { Some(hashes[nh - 2]) } else { None },
         };
-        match pool.block_hash(b) {
-            Some(k) if *k == key => {}
-            Some(_) if tokens < num_tokens => {
-                pool.remove_cached_block_hashes(b);
-                pool.cache_one_block(&one);
-            }
-            // Another key at this position (a rewritten hash list): vLLM would add a second
-            // key to the block; not served, and never reached through the scheduler.
-            Some(_) => return,
-            None => {
-                pool.cache_one_block(&one);
-            }
+        // Another key at or past this position (a rewritten hash list) would be a second
+        // key in vLLM: not served, and never reached through the scheduler.
+        let Some(key) = pool.cache_partial_block(&one, false) else { return };
+        if num_tokens % bs != 0 {
+            // A partial tail on the running state block, which the next forward overwrites:
+            // the next allocation copies it on write and moves the key to the copy.
+            self.set_partial_hit(h, idx as u32, b);
+            self.num_cached[h as usize] = idx as u32;
+            self.align_mut().producer[h as usize] = (b, num_tokens, req);
         }
         self.align_mut().cached_this_step.insert(key);
     }
@@ -827,7 +897,8 @@ impl SingleTypeManager {
         // `cache_partial_block(replace_existing_hashes=True)`: the metrics collector hears nothing.
         pool.remove_cached_block_hashes(b);
         let parent = if nh > 1 { Some(hashes[nh - 2]) } else { None };
-        let o = OneBlock { req: c.req, block: b, index: pos / bs - 1, key, num_tokens: pos, block_size: bs, parent };
+        let hbs = self.hash_block_size;
+        let o = OneBlock { req: c.req, block: b, index: nh as u32 - 1, key, num_tokens: pos, block_size: hbs, parent };
         pool.cache_one_block(&o);
         self.align_mut().cached_this_step.insert(key);
     }
@@ -867,7 +938,7 @@ impl SingleTypeManager {
         // past the block its first token's state comes from (`prefill_checkpoint_valid`), so
         // a step of at most one block never does; and a stored checkpoint is dropped (or
         // renewed) by the next allocation's count, which the no-op answer would skip.
-        let slots = if st.checkpoint[hs].0 > 0 { 0 } else { slots };
+        let slots = if st.checkpoint[hs].0 > 0 || self.partial_hit(h).is_some() { 0 } else { slots };
         (slots, processed, cached, self.spec.block_size)
     }
 }

@@ -133,6 +133,9 @@ pub struct CountArgs<'a> {
     pub num_tokens_main_model: u32,
     /// Cache-hit blocks being adopted (this group's).
     pub new_computed: &'a [BlockId],
+    /// Tokens of the local cache hit (`num_local_computed_tokens`): with partial hash hits a
+    /// hit ending inside a block reserves one more block, its copy-on-write copy.
+    pub num_local_computed_tokens: u32,
     /// Tokens computed once the hit and the external tokens are adopted.
     pub total_computed_tokens: u32,
     /// Cap the count at the group's admission cap (the admission gate).
@@ -195,7 +198,24 @@ pub struct SingleTypeManager {
     new_block_ids: Vec<BlockId>,
     /// The kind's own per-request state (its arm matches `spec.kind`).
     kind_state: KindState,
+    /// `partial_hit[h] = (table index, source block)` of a hit (or a partial tail the
+    /// request keyed itself, Mamba) ending inside that block, whose copy-on-write the next
+    /// allocation makes (vLLM's `_partial_hit_reqs`); `(NONE, _)`: none.
+    partial_hit: Vec<(u32, BlockId)>,
+    /// Copy-on-write copies `(source, copy)` made since the last
+    /// [`Self::take_pending_cow_copies`] (vLLM's `_pending_cow_copies`); both blocks hold
+    /// one extra reference until the scheduler frees them after the copy has run.
+    pending_cow: Vec<(BlockId, BlockId)>,
+    /// `tail_pending[h]`: the prompt's partial-tail boundary (full attention with partial
+    /// hash hits) that a later caching call will key, once the tokens cached reach it (0:
+    /// none); the no-op limits stop there.
+    tail_pending: Vec<u32>,
+    /// `tail_boundary[h]`: that boundary, kept once keyed (see [`Self::rearm_partial_tails`]).
+    tail_boundary: Vec<u32>,
 }
+
+/// Marker for "no partial hit" in [`SingleTypeManager`]'s `partial_hit`.
+pub(crate) const NO_PARTIAL: u32 = u32::MAX;
 
 impl SingleTypeManager {
     /// A manager for group `group_id`.
@@ -223,7 +243,99 @@ impl SingleTypeManager {
             records_new_block_ids: false,
             new_block_ids: Vec::new(),
             kind_state: with_rules!(spec.kind, r => r.new_state()),
+            partial_hit: Vec::new(),
+            pending_cow: Vec::new(),
+            tail_pending: Vec::new(),
+            tail_boundary: Vec::new(),
         }
+    }
+
+    /// vLLM's `_has_partial_local_hit`: the local hit ends inside one of this group's blocks.
+    #[inline]
+    pub(crate) fn has_partial_local_hit(&self, new_computed: &[BlockId], num_local_computed_tokens: u32) -> bool {
+        !new_computed.is_empty() && num_local_computed_tokens % self.spec.block_size != 0
+    }
+
+    /// The pending partial hit of `h` (`(table index, source block)`), if any.
+    #[inline]
+    pub(crate) fn partial_hit(&self, h: Slot) -> Option<(u32, BlockId)> {
+        let p = self.partial_hit[h as usize];
+        (p.0 != NO_PARTIAL).then_some(p)
+    }
+
+    /// Records the pending partial hit of `h`.
+    #[inline]
+    pub(crate) fn set_partial_hit(&mut self, h: Slot, idx: u32, source: BlockId) {
+        self.partial_hit[h as usize] = (idx, source);
+    }
+
+    /// Takes the pending partial hit of `h`.
+    #[inline]
+    pub(crate) fn take_partial_hit(&mut self, h: Slot) -> Option<(u32, BlockId)> {
+        let p = self.partial_hit(h);
+        self.partial_hit[h as usize] = (NO_PARTIAL, NULL_BLOCK);
+        p
+    }
+
+    /// vLLM's `_apply_cow`: `h`'s table slot `idx` (holding `source`) now holds `cow`; the
+    /// copy is queued, and `cow` takes one more reference (held until the copy has run).
+    pub(crate) fn apply_cow(&mut self, pool: &mut BlockPool, h: Slot, idx: u32, source: BlockId, cow: BlockId) {
+        let slot = &mut self.req_blocks[h as usize][idx as usize];
+        debug_assert_eq!(*slot, source);
+        *slot = cow;
+        self.pending_cow.push((source, cow));
+        // `source` keeps the hit's reference, which no table holds now.
+        pool.loosen(&[source]);
+        pool.incref(cow);
+    }
+
+    /// After an eviction by id: every request's partial-tail boundary is watched again by the
+    /// no-op limits (its key may be gone; the next caching call re-keys it, as vLLM's).
+    pub(crate) fn rearm_partial_tails(&mut self) {
+        for (p, &b) in self.tail_pending.iter_mut().zip(&self.tail_boundary) {
+            if b > 0 {
+                *p = b;
+            }
+        }
+    }
+
+    /// Drains the copy-on-write copies queued since the last call into `out` (vLLM's
+    /// `take_pending_cow_copies`).
+    pub fn take_pending_cow_copies(&mut self, out: &mut Vec<(BlockId, BlockId)>) {
+        out.append(&mut self.pending_cow);
+    }
+
+    /// vLLM's `FullAttentionManager._cache_partial_tail_block`: when the prompt's last hash
+    /// boundary a resend could hit (`num_prompt_tokens - 1`, floored to the hash block, at
+    /// most the hashes) lies inside a block and within the tokens cached, that block is
+    /// keyed there too.
+    pub(crate) fn cache_partial_tail(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
+        let hbs = self.hash_block_size;
+        let bs = self.spec.block_size;
+        let limit = c.num_prompt_tokens.saturating_sub(1);
+        let boundary = (limit / hbs).min(c.hashes.len() as u32) * hbs;
+        self.tail_pending[h as usize] = 0;
+        if boundary == 0 || boundary % bs == 0 {
+            return;
+        }
+        self.tail_boundary[h as usize] = boundary;
+        if boundary > c.num_tokens {
+            self.tail_pending[h as usize] = boundary;
+            return;
+        }
+        let idx = boundary / bs;
+        let Some(&b) = self.req_blocks[h as usize].get(idx as usize) else { return };
+        let nh = (boundary / hbs) as usize;
+        let o = crate::block_pool::OneBlock {
+            req: c.req,
+            block: b,
+            index: nh as u32 - 1,
+            key: (c.hashes[nh - 1], self.group_id),
+            num_tokens: boundary,
+            block_size: hbs,
+            parent: if nh > 1 { Some(c.hashes[nh - 2]) } else { None },
+        };
+        pool.cache_partial_block(&o, false);
     }
 
     /// Whether this is a Mamba group in cache mode "align".
@@ -288,6 +400,9 @@ impl SingleTypeManager {
             self.req_blocks.resize_with(n, Vec::new);
             self.num_cached.resize(n, ABSENT);
             self.null_prefix.resize(n, 0);
+            self.partial_hit.resize(n, (NO_PARTIAL, NULL_BLOCK));
+            self.tail_pending.resize(n, 0);
+            self.tail_boundary.resize(n, 0);
             self.kind_state.ensure_slot(n);
         }
     }
@@ -461,6 +576,9 @@ impl SingleTypeManager {
         self.req_blocks[h as usize].clear();
         self.num_cached[h as usize] = ABSENT;
         self.null_prefix[h as usize] = 0;
+        self.partial_hit[h as usize] = (NO_PARTIAL, NULL_BLOCK);
+        self.tail_pending[h as usize] = 0;
+        self.tail_boundary[h as usize] = 0;
         self.kind_state.clear(h);
     }
 

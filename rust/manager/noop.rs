@@ -40,7 +40,11 @@ impl SingleTypeManager {
     #[inline]
     pub(super) fn noop_cached(&self, h: Slot) -> u32 {
         if self.enable_caching {
-            clamp((self.num_cached(h) as u64 + 1) * self.spec.block_size as u64)
+            let next_block = clamp((self.num_cached(h) as u64 + 1) * self.spec.block_size as u64);
+            match self.tail_pending.get(h as usize) {
+                Some(&t) if t > 0 => next_block.min(t),
+                _ => next_block,
+            }
         } else {
             u32::MAX
         }

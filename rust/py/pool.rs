@@ -100,6 +100,13 @@ impl PyAllocatorBase {
         Ok(self.core()?.set_pinned_share(share)?)
     }
 
+    /// Whether vLLM's coordinator would enable partial hash hits for this config
+    /// (``enable_partial_hash_hits``: ``--prefix-match-unit`` on a Mamba hybrid).
+    #[getter]
+    fn partial_hash_hits(&self) -> PyResult<bool> {
+        Ok(self.core()?.config().partial_hash_hits())
+    }
+
     /// The retention policy: "exact" or "hit-aware".
     #[getter]
     fn policy(&self) -> PyResult<&'static str> {
@@ -169,6 +176,14 @@ impl PyAllocatorBase {
     fn take_residency_log<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let log = self.core()?.take_residency_log();
         PyList::new(py, log.into_iter().flat_map(|(op, b)| [op as u32, b]))
+    }
+
+    /// Drains the copy-on-write copies queued since the last take (vLLM's
+    /// ``take_kv_cache_block_copies``; partial hash hits only), as flat
+    /// ``[source, copy, source, copy, ...]``. Both blocks of a pair hold one extra reference
+    /// until given back with ``free_block_ids`` (vLLM's retained blocks).
+    fn take_kv_cache_block_copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.core()?.take_kv_cache_block_copies())
     }
 
     /// Takes the boundary states Mamba "align" groups keyed since the last take

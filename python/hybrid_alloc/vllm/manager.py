@@ -32,6 +32,7 @@ from typing import Any
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     CrossAttentionSpec,
@@ -207,6 +208,10 @@ class HybridKVCacheManager:
         self.coordinator = NativeCoordinator(
             self, self.block_pool, kvc, [g.block_size for g in native["groups"]], a.dcp_world_size
         )
+        # ``--prefix-match-unit`` on a Mamba hybrid: hits may end inside a block, which is
+        # then copied on write (``take_kv_cache_block_copies``).
+        self._partial_hash_hits = bool(self._alloc.partial_hash_hits)
+        self.coordinator.enable_partial_hash_hits = self._partial_hash_hits
         # The scheduler's hot call goes straight to Rust (see ``allocate_slots``): an instance
         # attribute over the method on purpose, and the stub types the Rust callable loosely.
         alloc = self._alloc
@@ -559,7 +564,16 @@ class HybridKVCacheManager:
             self._alloc.record_blocks_for_zeroing(st.handle, start_token)
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        return [], []
+        """vLLM's ``take_kv_cache_block_copies``: the copy-on-write copies of partial hits
+        queued since the last call, and their endpoints (source, copy per pair), each holding
+        one extra reference the scheduler gives back through ``block_pool.free_blocks``."""
+        if not self._partial_hash_hits:
+            return [], []
+        flat = self._alloc.take_kv_cache_block_copies()
+        if not flat:
+            return [], []
+        copies = [KVCacheBlockCopy(src_block_id=flat[i], dst_block_id=flat[i + 1]) for i in range(0, len(flat), 2)]
+        return copies, [NativeBlock(self._alloc, b) for b in flat]
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         return {} if self._boundary is None else self._boundary.take()
