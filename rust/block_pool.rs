@@ -652,9 +652,8 @@ impl BlockPool {
             return None;
         }
         let already = self.index.key_of(b) == Some(&o.key) || self.second.contains(&o.key, b);
-        if replace {
-            self.remove_cached_block_hashes(b);
-        } else if !already && self.index.is_keyed(b) && self.hash_tokens[b as usize] < o.num_tokens {
+        let shorter = !already && self.index.is_keyed(b) && self.hash_tokens[b as usize] < o.num_tokens;
+        if replace || shorter {
             self.remove_cached_block_hashes(b);
         }
         if already && !replace {

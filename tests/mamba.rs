@@ -283,7 +283,17 @@ fn allocate_slots_circular_buffer_claims_one_block_for_life() {
 
 #[test]
 fn config_mamba_align_with_partial_hits_or_checkpoints_inside_a_block_is_unsupported() {
+    // A Mamba block over the hash block turns on vLLM's partial hash hits: served.
     let c = config(&[(AttentionKind::Full, BS), (mamba(true, 0), 2 * BS)], 64, true, false);
+    assert!(c.partial_hash_hits());
+    assert_eq!(c.cache_hit_alignment_tokens(), BS);
+    assert!(Allocator::new(c, Policy::Exact).is_ok());
+    // ... but not beside a group vLLM cannot look up at hash granularity (a sliding window
+    // larger than the hash block): vLLM turns partial hits off, and the Mamba block over the
+    // hash block is refused.
+    let sw = AttentionKind::SlidingWindow { window: 4 * BS, extra_retained_tokens: 0 };
+    let c = config(&[(sw, 2 * BS), (mamba(true, 0), 2 * BS)], 64, true, false);
+    assert!(!c.partial_hash_hits());
     assert!(matches!(Allocator::new(c, Policy::Exact), Err(Error::Unsupported(_))));
     // Speculative state blocks are served.
     let c = config(&[(AttentionKind::Full, BS), (mamba(true, 1), BS)], 64, true, false);

@@ -290,10 +290,12 @@ impl Allocator {
         }
         let num_local = a.num_computed_tokens as u64 + a.num_new_computed_tokens as u64;
         for (m, v) in self.managers.iter().zip(hit_blocks) {
-            if m.is_mamba_align() && !v.is_empty() && num_local % m.block_size() as u64 != 0 {
+            // With partial hash hits the next allocation copies such a block on write.
+            let partial = self.cfg.partial_hash_hits() && a.num_new_computed_tokens > 0;
+            if m.is_mamba_align() && !v.is_empty() && num_local % m.block_size() as u64 != 0 && !partial {
                 return Err(Error::OutOfRange(format!(
                     "a Mamba hit ending inside a block ({num_local} computed tokens, block size {}): \
-                     a partial hit needs copy-on-write, which is not served",
+                     a partial hit needs copy-on-write, served only with partial hash hits",
                     m.block_size()
                 )));
             }

@@ -96,6 +96,8 @@ pub(crate) fn cdiv(a: u64, b: u64) -> u64 {
 
 /// The per-request state of the kinds that keep one beyond the shared bookkeeping (static
 /// dispatch: one arm per such kind, its struct in the kind's file).
+// One per manager (not per request): the align arm's size costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum KindState {
     /// The kind needs nothing beyond the shared bookkeeping.

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled
 from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheGroupRole, KVCacheSpec, MambaSpec
 
 from hybrid_alloc.specs import GroupSpec
@@ -57,6 +58,12 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         groups.append(gs if gs.block_size == sizes[i] else replace(gs, block_size=sizes[i]))
     if not groups:
         raise Unsupported("no KV cache groups (attention-free model)")
+    partial = a.enable_caching and partial_hash_hits_enabled(kvc.kv_cache_groups, a.hash_block_size, a.dcp_world_size)
+    if partial and getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise Unsupported(
+            "a KV connector with partial hash hits (--prefix-match-unit below the Mamba block size: "
+            "the connector's partial tails and copy-on-write offloads are not served yet)"
+        )
     native: dict[str, Any] = dict(
         num_blocks=kvc.num_blocks,
         groups=groups,
@@ -83,6 +90,11 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         # 0.33 moves the Mamba "align" prefill checkpoint positions by the lookahead tokens.
         native["hash_lookahead_tokens"] = a.num_hash_lookahead_tokens
     policy = policy_env.policy_from_env()  # raises Unsupported on a bad value
+    if policy != "exact" and partial:
+        raise Unsupported(
+            f"policy {policy} with partial hash hits (--prefix-match-unit below the Mamba block size); "
+            "served under the default policy, exact"
+        )
     if policy != "exact":
         native["policy"] = policy
         policy_env.policy_controls()  # validated here, so a bad control falls back at construction

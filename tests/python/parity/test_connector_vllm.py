@@ -453,8 +453,8 @@ def test_mamba_with_connector_falls_back_or_not(conn: str, caplog: pytest.LogCap
     """GDN + full: the OffloadingConnector (alone or under a MultiConnector over it only),
     NixlConnector (whose scheduler asks for vLLM's per-group divergent hit) and a
     MultiConnector over both are served natively; a prefix match unit below the Mamba block
-    (sub-block partial hits with copy-on-write: the only case where vLLM's
-    ``finalize_partial_tail_offloads`` returns a tail) falls back with one line. With prefix
+    (partial hash hits, served without a connector; with one, vLLM's
+    ``finalize_partial_tail_offloads`` may return a tail) falls back with one line. With prefix
     caching off (Mamba cache mode "none") vLLM's OffloadingConnector refuses the hybrid."""
     from connector_driver import nixl_config
 
@@ -475,7 +475,7 @@ def test_mamba_with_connector_falls_back_or_not(conn: str, caplog: pytest.LogCap
         assert name == "HybridKVCacheManager" and not lines, lines
         return
     assert name == "KVCacheManager" and len(lines) == 1, lines
-    assert "Mamba block size 16 over hash block size 8" in lines[0], lines
+    assert "a KV connector with partial hash hits" in lines[0], lines
 
 
 def test_boundary_state_offloads_dropped_with_freed_blocks() -> None:

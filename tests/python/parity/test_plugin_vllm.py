@@ -232,7 +232,7 @@ def test_fallback_returns_vllm_manager_with_one_line(over, reason, plugin_lines)
     assert len(fallback) == 1 and reason in fallback[0]
 
 
-def test_fallback_for_mamba_groups(plugin_lines) -> None:  # type: ignore[no-untyped-def]
+def test_partial_hash_hits_served_and_hit_aware_falls_back(plugin_lines, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import torch
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
@@ -240,8 +240,9 @@ def test_fallback_for_mamba_groups(plugin_lines) -> None:  # type: ignore[no-unt
     from hybrid_alloc.vllm.manager import HybridKVCacheManager
     from vllm_harness import full
 
-    # Mamba groups are served natively (issue 10), except what cannot be exact: here a
-    # Mamba block of two hash blocks in cache mode "align" (sub-block partial hits).
+    # A Mamba block of two hash blocks in cache mode "align" (vLLM's partial hash hits,
+    # ``--prefix-match-unit``) is served natively (issue 30), under the default policy; a
+    # hit-aware policy falls back for it with one line.
     mamba = MambaSpec(
         block_size=32, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align", num_speculative_blocks=1
     )
@@ -252,8 +253,14 @@ def test_fallback_for_mamba_groups(plugin_lines) -> None:  # type: ignore[no-unt
     )
     kw = _kwargs(kv_cache_config=cfg, enable_caching=True, scheduler_block_size=32)
     m = HybridKVCacheManager(**kw)
+    assert type(m) is HybridKVCacheManager
+    assert m.coordinator.enable_partial_hash_hits
+    ref = KVCacheManager(**kw)
+    assert ref.coordinator.enable_partial_hash_hits
+    monkeypatch.setenv("HYBRID_ALLOC_POLICY", "hit-aware")
+    m = HybridKVCacheManager(**kw)
     assert type(m) is KVCacheManager
-    assert any("falling back" in ln and "sub-block partial hits with copy-on-write" in ln for ln in plugin_lines)
+    assert any("falling back" in ln and "with partial hash hits" in ln for ln in plugin_lines)
 
 
 def test_fallback_for_kv_connector(plugin_lines) -> None:  # type: ignore[no-untyped-def]
