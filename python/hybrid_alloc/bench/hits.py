@@ -28,6 +28,20 @@ DeltaNet layers per full-attention one) and ``nemotronh`` (Nemotron-H 8B: Mamba2
 prefill checkpoint block), both Mamba "align" at the attention block size vLLM picks for them
 on a Hopper GPU (544 and 1040 tokens: :func:`hopper_block_size`).
 
+Issue 30 (asked for by name; not in the default run): shapes ``qwen3next`` (576-token
+blocks), ``qwen36`` (1088) and ``nemotron3nano`` (2096), vLLM 0.34's Hopper block sizes for
+Qwen3-Next-80B-A3B, Qwen3.6-35B-A3B and Nemotron-3-Nano-30B-A3B; workload ``sysprompt`` (a few
+shared system prompts of 300-2000 tokens, many requests each with a unique suffix, arrivals
+replacing finished requests); ``--prefix-match-unit N`` (repeatable, 0: unset) sets vLLM's
+``CacheConfig.prefix_match_unit`` before the scheduler is built (checked: the scheduler's
+``hash_block_size`` and ``coordinator.enable_partial_hash_hits``). With a unit, vLLM's exact
+retention runs beside every policy, a hit-aware row whose manager fell back to vLLM's is
+marked "(fallback)", and a unit the shape's block is not a multiple of runs at their GCD
+(:func:`cell_unit`). Each row also reports the share of shared-prompt tokens hit from each
+prompt's 2nd sighting on, and the blocks of vLLM's pool holding a partial-tail key at the end
+and at the peak (:class:`PartialTails`); a second table holds them, with each row's prefill
+over vLLM's with the unit. The ideal is taken at the hash block (the unit when one is set).
+
 Measured per run: the hit rate vLLM's own ``PrefixCacheStats`` reports (hits / queried
 tokens of requests scheduled from the waiting queue, preempted ones excluded, as vLLM's
 metric), prefill tokens computed (every scheduled token that is not a decode token, so
