@@ -28,6 +28,20 @@ DeltaNet layers per full-attention one) and ``nemotronh`` (Nemotron-H 8B: Mamba2
 prefill checkpoint block), both Mamba "align" at the attention block size vLLM picks for them
 on a Hopper GPU (544 and 1040 tokens: :func:`hopper_block_size`).
 
+Issue 30 (asked for by name; not in the default run): shapes ``qwen3next`` (576-token
+blocks), ``qwen36`` (1088) and ``nemotron3nano`` (2096), vLLM 0.34's Hopper block sizes for
+Qwen3-Next-80B-A3B, Qwen3.6-35B-A3B and Nemotron-3-Nano-30B-A3B; workload ``sysprompt`` (a few
+shared system prompts of 300-2000 tokens, many requests each with a unique suffix, arrivals
+replacing finished requests); ``--prefix-match-unit N`` (repeatable, 0: unset) sets vLLM's
+``CacheConfig.prefix_match_unit`` before the scheduler is built (checked: the scheduler's
+``hash_block_size`` and ``coordinator.enable_partial_hash_hits``). With a unit, vLLM's exact
+retention runs beside every policy, a hit-aware row whose manager fell back to vLLM's is
+marked "(fallback)", and a unit the shape's block is not a multiple of runs at their GCD
+(:func:`cell_unit`). Each row also reports the share of shared-prompt tokens hit from each
+prompt's 2nd sighting on, and the blocks of vLLM's pool holding a partial-tail key at the end
+and at the peak (:class:`PartialTails`); a second table holds them, with each row's prefill
+over vLLM's with the unit. The ideal is taken at the hash block (the unit when one is set).
+
 Measured per run: the hit rate vLLM's own ``PrefixCacheStats`` reports (hits / queried
 tokens of requests scheduled from the waiting queue, preempted ones excluded, as vLLM's
 metric), prefill tokens computed (every scheduled token that is not a decode token, so
@@ -53,6 +67,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import sys
@@ -65,9 +80,13 @@ from hybrid_alloc.bench.common import pyplot, render_table, vllm_ready
 POLICIES = ("exact", "dense", "hit-aware")
 #: ``pinned``: hit-aware with the workload's ``pins`` (the sightings workload's system prompt).
 ALL_POLICIES = (*POLICIES, "pinned")
-WORKLOADS = ("chat", "shared", "resend", "sightings")
+WORKLOADS = ("chat", "shared", "resend", "sightings", "sysprompt")
+#: The workloads and shapes a run without ``--workload`` / ``--shape`` takes (issue 30's
+#: ``sysprompt`` workload and Hopper shapes are asked for by name).
+DEFAULT_WORKLOADS = ("chat", "shared", "resend", "sightings")
 BUDGETS = ("ample", "pressure")
-SHAPE_NAMES = ("gemma3", "gptoss", "qwen35", "nemotronh")
+SHAPE_NAMES = ("gemma3", "gptoss", "qwen35", "nemotronh", "qwen3next", "qwen36", "nemotron3nano")
+DEFAULT_SHAPES = ("gemma3", "gptoss", "qwen35", "nemotronh")
 #: ``--pressure`` when not given: the pressure pool is this times the live working set. The
 #: full workloads evict at 3x. The small ones (CI size: 8 chat sessions of 3 turns, 4 in
 #: flight) fit whole in a pool of 3x, where every pressure row equalled its ample row
@@ -76,7 +95,15 @@ SHAPE_NAMES = ("gemma3", "gptoss", "qwen35", "nemotronh")
 #: 0.85 for the window shapes (below the mean-length estimate: a chat's later turns are longer)
 #: and 2 for the Mamba shapes (whose pool counts one state per group and request).
 DEFAULT_PRESSURE: dict[str, dict[str, float]] = {
-    "small": {"gemma3": 0.85, "gptoss": 0.85, "qwen35": 2.0, "nemotronh": 2.0},
+    "small": {
+        "gemma3": 0.85,
+        "gptoss": 0.85,
+        "qwen35": 2.0,
+        "nemotronh": 2.0,
+        "qwen3next": 2.0,
+        "qwen36": 2.0,
+        "nemotron3nano": 2.0,
+    },
     "full": dict.fromkeys(SHAPE_NAMES, 3.0),
 }
 #: The kernel block alignment of vLLM's FlashAttention backend on a Hopper GPU
@@ -94,6 +121,10 @@ class Job:
     parts: list[Any]
     max_tokens: int
     after: int = -1  # index of a job that must have finished first (-1: none)
+    #: Which shared prompt the job's prompt opens with (-1: none) and its length in tokens:
+    #: the "2nd sighting" share counts the hits on them from each prompt's 2nd job on.
+    shared_key: int = -1
+    shared_len: int = 0
 
 
 @dataclass
@@ -183,6 +214,41 @@ def sightings_workload(
     return Workload("sightings", jobs, 1, pins=[system])
 
 
+def sysprompt_workload(
+    num_prompts: int,
+    prompt_len: tuple[int, int],
+    requests: int,
+    suffix: tuple[int, int],
+    in_flight: int,
+    out_len: int = 64,
+    seed: int = 19,
+) -> Workload:
+    """A few shared system prompts of lengths drawn in ``prompt_len`` (none a multiple of 16,
+    so none a multiple of a block or of a 64-token prefix match unit), ``requests`` requests
+    each opening with one of them (drawn at random) and a unique suffix; ``in_flight`` at a
+    time, each arrival replacing a finished request. The shape of issue 30: on vLLM's Hopper
+    blocks of 528-2096 tokens, a system prompt shorter than a block never hits."""
+    rng = random.Random(seed)
+    lens = []
+    for _ in range(num_prompts):
+        n = rng.randint(*prompt_len)
+        lens.append(n + 1 if n % 16 == 0 else n)
+    prompts = [_toks(rng, n) for n in lens]
+    jobs = []
+    for i in range(requests):
+        k = rng.randrange(num_prompts)
+        jobs.append(
+            Job(
+                f"sysprompt-{i}",
+                [prompts[k], _toks(rng, rng.randint(*suffix))],
+                out_len,
+                shared_key=k,
+                shared_len=lens[k],
+            )
+        )
+    return Workload("sysprompt", jobs, in_flight)
+
+
 def workloads(size: str) -> list[Workload]:
     if size == "full":
         return [
@@ -190,12 +256,14 @@ def workloads(size: str) -> list[Workload]:
             shared_workload(8, 2048, 256, (300, 800), 16),
             resend_workload(16, (5000, 6000), 4, (16, 64), 16),
             sightings_workload(6, 2500, (300, 800), out_len=64),
+            sysprompt_workload(6, (300, 2000), 256, (50, 400), 16),
         ]
     return [
         chat_workload(8, 3, 1024, 4, user=(32, 96), reply=(48, 96)),
         shared_workload(2, 1024, 12, (100, 300), 4, out_len=32),
         resend_workload(4, (1500, 2000), 3, (16, 48), 4, out_len=16),
         sightings_workload(4, 2500, (300, 800), out_len=8),
+        sysprompt_workload(3, (300, 2000), 16, (50, 200), 4, out_len=16),
     ]
 
 
@@ -206,12 +274,16 @@ def hopper_block_size(shape: Any) -> int:
     FlashAttention backend's kernel block alignment (:data:`HOPPER_KERNEL_BLOCK`):
     ``attn_block_size = align * cdiv(mamba_page_size, align * attn_page_size_1_token)``,
     then rounded up to every backend's alignment (the same 16 here), so one attention page
-    holds one Mamba state. The default block size (16) for a shape without Mamba layers."""
+    holds one Mamba state; in cache mode "align" the alignment is also a multiple of the Mamba
+    layers' prefill checkpoint alignment (``ModelShape.block_alignment``: 64 for Gated DeltaNet
+    on FlashInfer, vLLM 0.34). The default block size (16) for a shape without Mamba layers."""
     if shape.mamba_state is None:
         return 16
     import torch
 
-    align = max(HOPPER_KERNEL_BLOCK, 16)  # max(kernel alignment, cache_config.block_size)
+    # max(kernel alignment, cache_config.block_size), then (cache mode "align") a multiple of
+    # the Mamba layers' prefill checkpoint alignment.
+    align = math.lcm(max(HOPPER_KERNEL_BLOCK, 16), shape.block_alignment)
     attn_page_1_token = 2 * shape.num_kv_heads * shape.head_size * torch.finfo(shape.dtype).bits // 8
     mamba_page = shape.mamba_state_bytes()
     bs = align * -(-mamba_page // (align * attn_page_1_token))
@@ -252,7 +324,56 @@ def shapes() -> dict[str, Any]:
     # 3 x 10240), 4 attention layers of 8 KV heads of 128; vLLM sets its SSM cache dtype to
     # float32 (``NemotronHForCausalLMConfig``): 4,255,744 bytes a state, 4,096 a token -> 1040.
     nemotronh = dataclasses.replace(SHAPES["nemotron-h-style"], name="nemotronh")
-    out = {"gemma3": gemma3, "gptoss": SHAPES["gpt-oss-120b"], "qwen35": qwen35, "nemotronh": nemotronh}
+    # Issue 30's Hopper block sizes, derived as above with vLLM 0.34's checkpoint alignment
+    # (``ModelShape.block_alignment``; each matches the size the issue measured). Qwen3-Next-80B-A3B:
+    # qwen35's layout and state (SSM state in bfloat16), FlashInfer's GDN prefill checkpoints
+    # align to 64: 1,097,728 / 2,048 = 536 -> 576.
+    qwen3next = dataclasses.replace(
+        qwen35,
+        name="qwen3next",
+        block_alignment=64,
+        description=(
+            "48 layers, 3 Gated DeltaNet : 1 full attention (Qwen3-Next-80B-A3B), 2 KV heads of 256, 576-token blocks"
+        ),
+    )
+    # Qwen3.6-35B-A3B (Qwen3.5 layout): 40 layers, every 4th full attention (2 KV heads of
+    # 256), the same GDN heads; its config's ``mamba_ssm_dtype`` float32 (vLLM's
+    # ``Qwen3_5ForConditionalGenerationConfig``): 2,146,304 bytes a state -> 1048 -> 1088.
+    qwen36 = ModelShape(
+        "qwen36",
+        tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(40)),
+        num_kv_heads=2,
+        head_size=256,
+        weight_bytes=0,
+        max_model_len=32768,
+        mamba_state=MambaState(
+            shapes=((3, 8192), (32, 128, 128)), dtypes=(torch.bfloat16, torch.float32), mamba_type="GDN_ATTN"
+        ),
+        block_alignment=64,
+        description="40 layers, 3 Gated DeltaNet : 1 full attention (Qwen3.6-35B-A3B), float32 SSM state, 1088-token blocks",
+    )
+    # Nemotron-3-Nano-30B-A3B: 23 Mamba2 layers (64 heads of 64, state 128, 8 groups: conv
+    # state 3 x 6144), 6 attention layers of 2 KV heads of 128 (the other 23 layers are MoE,
+    # no cache); SSM state in float32: 2,134,016 bytes a state, 1,024 a token -> 2084 -> 2096.
+    nemotron3nano = ModelShape(
+        "nemotron3nano",
+        tuple(LayerKind("full") if i in (4, 9, 14, 19, 24, 28) else LayerKind("mamba") for i in range(29)),
+        num_kv_heads=2,
+        head_size=128,
+        weight_bytes=0,
+        max_model_len=32768,
+        mamba_state=MambaState(shapes=((3, 6144), (64, 64, 128)), dtypes=(torch.bfloat16, torch.float32)),
+        description="23 Mamba2 + 6 attention layers (Nemotron-3-Nano-30B-A3B), 2 KV heads of 128, 2096-token blocks",
+    )
+    out = {
+        "gemma3": gemma3,
+        "gptoss": SHAPES["gpt-oss-120b"],
+        "qwen35": qwen35,
+        "nemotronh": nemotronh,
+        "qwen3next": qwen3next,
+        "qwen36": qwen36,
+        "nemotron3nano": nemotron3nano,
+    }
     for sh in out.values():
         # The offline scheduler sizes blocks with ModelShape.attention_block_size: the same rule.
         assert sh.attention_block_size(16) == hopper_block_size(sh), sh.name
@@ -262,12 +383,17 @@ def shapes() -> dict[str, Any]:
 def _window_blocks(shape: Any, bs: int) -> tuple[int, int, int]:
     """(full-attention groups, window groups, blocks a window group holds per request; one
     state for a Mamba group: the budget then comes within 4-12% of vLLM's own peak of blocks
-    held by running requests, ``extra["peak_held_blocks"]``, on the Mamba shapes' chat)."""
+    held by running requests, ``extra["peak_held_blocks"]``, on the Mamba shapes' chat). The
+    groups as vLLM's planner makes them (``_get_kv_cache_groups_uniform_page_size``): groups
+    of the smaller layer count, or of the larger one when it is under 1.5 times the smaller
+    (23 Mamba2 and 6 attention layers: groups of 6, 4 Mamba groups and 1 attention group)."""
     full = sum(1 for x in shape.layers if x.kind == "full")
     local = len(shape.layers) - full
-    per_group = full if full and local % full == 0 else 1
     window = max((x.window for x in shape.layers if x.kind != "full"), default=0)
-    return full // per_group if full else 0, local // per_group, -(-window // bs) + 1
+    if not full or not local:
+        return (1 if full else 0), (1 if local else 0), -(-window // bs) + 1
+    size = max(full, local) if max(full, local) < 1.5 * min(full, local) else min(full, local)
+    return -(-full // size), -(-local // size), -(-window // bs) + 1
 
 
 def budget_blocks(shape: Any, wl: Workload, budget: str, pressure: float, bs: int | None = None) -> int:
@@ -308,6 +434,10 @@ class Result:
     #: The scheduler's cache-aware admission window (0: off) and threshold (None: vLLM's).
     admission_window: int = 0
     admission_threshold: float | None = None
+    #: vLLM's ``prefix_match_unit`` the run set (None: unset), and whether our plugin fell
+    #: back to vLLM's manager (then the row's figures are vLLM's, not ours).
+    prefix_match_unit: int | None = None
+    fallback: bool = False
 
 
 def run(
@@ -320,11 +450,19 @@ def run(
     admission_window: int = 0,
     admission_threshold: float | None = None,
     max_num_seqs: int | None = None,
+    prefix_match_unit: int | None = None,
 ) -> Result:
     """One cell: ``wl`` on ``shape`` under ``policy`` with a pool of ``num_blocks``;
     ``admission_window`` / ``admission_threshold``: the scheduler's cache-aware admission
     (vLLM 0.34; ``ValueError`` on a release without it); ``max_num_seqs``: the scheduler's
-    running batch (default and at most: the workload's in-flight count)."""
+    running batch (default and at most: the workload's in-flight count).
+
+    ``prefix_match_unit``: vLLM's ``CacheConfig.prefix_match_unit``, set before the scheduler
+    is built; ``RuntimeError`` unless the scheduler's ``hash_block_size`` is the unit and its
+    manager's coordinator has ``enable_partial_hash_hits``. A hit-aware policy whose manager
+    fell back to vLLM's (our core refuses a unit it does not serve) raises ``RuntimeError``
+    without a unit and, with one, runs on and is marked ``fallback``: its figures are then
+    vLLM's exact retention, not ours."""
     from hybrid_alloc.bench.offline import SchedulerSetup, fabricate_output, make_request
 
     class Setup(SchedulerSetup):
@@ -362,6 +500,7 @@ def run(
             max_num_batched_tokens=8192,
             admission_window=admission_window,
             admission_threshold=admission_threshold,
+            prefix_match_unit=prefix_match_unit,
         )
         sched = setup.build()
     finally:
@@ -373,10 +512,23 @@ def run(
         if tmp is not None:
             os.unlink(tmp.name)
     mgr = sched.kv_cache_manager
-    if aware:
-        if getattr(mgr, "_alloc", None) is None or mgr._alloc.policy != "hit-aware":
+    native = getattr(mgr, "_alloc", None) is not None
+    fallback = False
+    if aware and (not native or mgr._alloc.policy != "hit-aware"):
+        if prefix_match_unit is None:
             raise RuntimeError("hit-aware is not active: the plugin fell back to vLLM's manager (see its log line)")
+        fallback = True
+    if prefix_match_unit is not None:
+        partial = getattr(getattr(mgr, "coordinator", None), "enable_partial_hash_hits", False)
+        if sched.hash_block_size != prefix_match_unit or not partial:
+            raise RuntimeError(
+                f"prefix_match_unit={prefix_match_unit} did not take effect: the scheduler hashes every "
+                f"{sched.hash_block_size} tokens, enable_partial_hash_hits={partial}"
+            )
     bs = mgr.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    # The granularity of hits (and of the ideal): the hash block, the unit when one is set.
+    hbs = sched.hash_block_size
+    tails = PartialTails(mgr)
     probes = [0]  # get_num_cached_tokens calls (cache-aware admission's probe)
     if admission_window:
         probe = mgr.get_num_cached_tokens
@@ -391,18 +543,18 @@ def run(
 
     def add_known(tokens: list[int], n: int) -> None:
         h = 0
-        for i in range(n // bs):
-            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
+        for i in range(n // hbs):
+            h = hash((h, tuple(tokens[i * hbs : (i + 1) * hbs])))
             known.add(h)
 
     def ideal_hit(tokens: list[int]) -> int:
         h = 0
         best = 0
-        for i in range((len(tokens) - 1) // bs):
-            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
+        for i in range((len(tokens) - 1) // hbs):
+            h = hash((h, tuple(tokens[i * hbs : (i + 1) * hbs])))
             if h not in known:
                 break
-            best = (i + 1) * bs
+            best = (i + 1) * hbs
         return best
 
     reqs: dict[int, Any] = {}
@@ -454,6 +606,7 @@ def run(
                 queries += pcs.queries
         steps += 1
         peak_held = max(peak_held, round(mgr.usage * (num_blocks - 1)))
+        tails.count()
         for i in list(running):
             r = reqs[i]
             if r.is_finished():
@@ -484,10 +637,75 @@ def run(
             "peak_held_blocks": peak_held,
             "admission_probes": probes[0],
             "max_num_seqs": sched.max_num_running_reqs,
+            "hash_block_size": hbs,
+            "second_sighting_share": second_sighting_share(wl, job_hits),
+            "partial_tail_blocks": tails.last,
+            "partial_tail_blocks_peak": tails.peak,
         },
         admission_window=admission_window,
         admission_threshold=admission_threshold,
+        prefix_match_unit=prefix_match_unit,
+        fallback=fallback,
     )
+
+
+def second_sighting_share(wl: Workload, job_hits: list[int]) -> float | None:
+    """Of the shared-prompt tokens of every job that is not its prompt's first (in arrival
+    order), the share served from the cache (each job's hit capped at its shared prompt);
+    None for a workload without shared prompts (``Job.shared_key``)."""
+    seen: set[int] = set()
+    shared = hit = 0
+    for job, h in zip(wl.jobs, job_hits):
+        if job.shared_key < 0:
+            continue
+        if job.shared_key in seen:
+            shared += job.shared_len
+            hit += min(h, job.shared_len)
+        seen.add(job.shared_key)
+    return hit / shared if shared else None
+
+
+class PartialTails:
+    """Blocks of vLLM's block pool that hold a partial-tail prefix-cache key (a block whose
+    ``block_hash_num_tokens`` is not a multiple of its group's block size: vLLM's sub-block
+    entries with ``prefix_match_unit`` set), counted after each step (:meth:`count`): the
+    last count and the peak. Watches the pool's ``_insert_block_hash`` (every key passes
+    through it, all three releases) for candidates, so a count costs O(candidates), not
+    O(pool). A native manager's pool (no ``KVCacheBlock`` objects) holds none: both stay
+    None."""
+
+    def __init__(self, mgr: Any) -> None:
+        self.last: int | None = None
+        self.peak: int | None = None
+        pool: Any = getattr(mgr, "block_pool", None)
+        insert = getattr(pool, "_insert_block_hash", None)
+        if getattr(mgr, "_alloc", None) is not None or insert is None:
+            return
+        from vllm.v1.core.kv_cache_utils import get_group_id
+
+        self._group_id = get_group_id
+        self._sizes = [g.kv_cache_spec.block_size for g in mgr.kv_cache_config.kv_cache_groups]
+        self._candidates: dict[int, Any] = {}
+        self.last = self.peak = 0
+
+        def watched(key: Any, block: Any, num_tokens: int | None) -> None:
+            insert(key, block, num_tokens)
+            if num_tokens is not None and num_tokens % self._sizes[get_group_id(key)]:
+                self._candidates[block.block_id] = block
+
+        pool._insert_block_hash = watched
+
+    def _partial(self, block: Any) -> bool:
+        n = block.block_hash_num_tokens
+        return block.block_hash is not None and n is not None and n % self._sizes[self._group_id(block.block_hash)] != 0
+
+    def count(self) -> None:
+        if self.last is None or self.peak is None:
+            return
+        for bid in [b for b, blk in self._candidates.items() if not self._partial(blk)]:
+            del self._candidates[bid]
+        self.last = len(self._candidates)
+        self.peak = max(self.peak, self.last)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -498,10 +716,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--size", choices=["small", "full"], default="small", help="small (CI) or full (the issue's sizes)")
     p.add_argument(
-        "--shape", action="append", choices=SHAPE_NAMES, help=f"repeatable; default all four ({', '.join(SHAPE_NAMES)})"
+        "--shape",
+        action="append",
+        choices=SHAPE_NAMES,
+        help=f"repeatable; default {', '.join(DEFAULT_SHAPES)} (qwen3next, qwen36, nemotron3nano: issue 30's "
+        "Hopper blocks of 576, 1088 and 2096 tokens)",
     )
     p.add_argument(
-        "--workload", action="append", choices=WORKLOADS, help=f"repeatable; default all four ({', '.join(WORKLOADS)})"
+        "--workload",
+        action="append",
+        choices=WORKLOADS,
+        help=f"repeatable; default {', '.join(DEFAULT_WORKLOADS)} (sysprompt: a few shared system prompts of "
+        "300-2000 tokens)",
+    )
+    p.add_argument(
+        "--prefix-match-unit",
+        action="append",
+        type=int,
+        metavar="N",
+        help="repeatable: run each cell with vLLM's prefix_match_unit N (0: unset, the default); with a unit, "
+        "exact (vLLM's manager) runs too, and a hit-aware row our plugin serves with vLLM's manager is marked "
+        "(fallback)",
     )
     p.add_argument("--budget", action="append", choices=BUDGETS, help="repeatable; default both (ample, pressure)")
     p.add_argument(
@@ -549,6 +784,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def cell_unit(shape: Any, unit: int) -> int:
+    """The prefix match unit a shape's rows run with when ``unit`` is asked for (0: unset): the
+    unit, or, where the shape's block is not a multiple of it (vLLM's
+    ``resolve_kv_cache_block_sizes`` refuses that, and does not grow the block to fit: 2096 =
+    16 x 131 takes no unit of 32 or 64), the largest unit that divides both."""
+    return math.gcd(unit, hopper_block_size(shape)) if unit else 0
+
+
 def pressure_of(args: argparse.Namespace, shape: str) -> float:
     """The pressure multiple for ``shape``: ``--pressure`` if given, else :data:`DEFAULT_PRESSURE`."""
     given = getattr(args, "pressure", None)
@@ -575,36 +818,52 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    units = args.prefix_match_unit or [0]
+    if any(u < 0 for u in units):
+        print("hybrid-alloc hits: --prefix-match-unit takes 0 (unset) or a unit of tokens", file=sys.stderr)
+        return 2
     all_shapes = shapes()
     wls = {w.name: w for w in workloads(args.size)}
     results: list[Result] = []
-    for sn in args.shape or SHAPE_NAMES:
-        for wn in args.workload or WORKLOADS:
+    for sn in args.shape or DEFAULT_SHAPES:
+        for wn in args.workload or DEFAULT_WORKLOADS:
             for b in args.budget or BUDGETS:
                 if wn == "sightings" and b != "ample":
                     continue  # one request at a time: nothing to pressure
                 pressure = pressure_of(args, sn)
                 nb = budget_blocks(all_shapes[sn], wls[wn], b, pressure)
                 default = (*POLICIES, "pinned") if wls[wn].pins else POLICIES
-                for pol in args.policy or default:
-                    if pol == "pinned" and not wls[wn].pins:
-                        continue
-                    for w in windows:
-                        threshold = args.admission_threshold if w else None
-                        r = run(
-                            all_shapes[sn],
-                            wls[wn],
-                            pol,
-                            nb,
-                            admission_window=w,
-                            admission_threshold=threshold,
-                            max_num_seqs=args.max_num_seqs,
+                for asked in units:
+                    unit = cell_unit(all_shapes[sn], asked)
+                    if unit != asked:
+                        print(
+                            f"hybrid-alloc hits: {sn}'s {hopper_block_size(all_shapes[sn])}-token block is not a "
+                            f"multiple of prefix_match_unit {asked} (vLLM refuses it); its rows take {unit}",
+                            file=sys.stderr,
                         )
-                        r.budget = b
-                        if b == "pressure":
-                            r.extra["pressure"] = pressure
-                        results.append(r)
-                        progress(sn, wn, b, pol, nb, r, getattr(args, "wide", False))
+                    pols = list(args.policy or default)
+                    if unit and "exact" not in pols:
+                        pols.insert(0, "exact")  # every row with a unit is held against vLLM's with it
+                    for pol in pols:
+                        if pol == "pinned" and not wls[wn].pins:
+                            continue
+                        for w in windows:
+                            threshold = args.admission_threshold if w else None
+                            r = run(
+                                all_shapes[sn],
+                                wls[wn],
+                                pol,
+                                nb,
+                                admission_window=w,
+                                admission_threshold=threshold,
+                                max_num_seqs=args.max_num_seqs,
+                                prefix_match_unit=unit or None,
+                            )
+                            r.budget = b
+                            if b == "pressure":
+                                r.extra["pressure"] = pressure
+                            results.append(r)
+                            progress(sn, wn, b, pol, nb, r, getattr(args, "wide", False))
     report(results, args)
     return 0
 
@@ -617,14 +876,17 @@ def progress(shape: str, workload: str, budget: str, policy: str, blocks: int, r
             f"{shape:7} {workload:7} {budget:8} {policy:9} {window_label(vars(r)):10} blocks={blocks:6} "
             f"hit={r.hit_rate:.3f} ideal={r.ideal_hit_rate:.3f} prefill={r.prefill_tokens} "
             f"steps={r.steps} preempt={r.preemptions} peak_held={r.extra['peak_held_blocks']} "
-            f"probes={r.extra['admission_probes']} ({r.seconds:.1f}s)",
+            f"probes={r.extra['admission_probes']} unit={r.prefix_match_unit or '-'} fallback={r.fallback} "
+            f"second={r.extra['second_sighting_share']} tails={r.extra['partial_tail_blocks']}/"
+            f"{r.extra['partial_tail_blocks_peak']} ({r.seconds:.1f}s)",
             file=sys.stderr,
         )
         return
     window = f" w={window_label(vars(r))}" if r.admission_window else ""
+    unit = f" unit={r.prefix_match_unit}" if r.prefix_match_unit else ""
     print(
-        f"{shape:9} {workload:9} {budget:8} {policy:9}{window} hit={r.hit_rate:.3f} ideal={r.ideal_hit_rate:.3f} "
-        f"({r.seconds:.1f}s)",
+        f"{shape:9} {workload:9} {budget:8} {policy_label(vars(r), False)}{window}{unit} hit={r.hit_rate:.3f} "
+        f"ideal={r.ideal_hit_rate:.3f} ({r.seconds:.1f}s)",
         file=sys.stderr,
     )
 
@@ -633,12 +895,64 @@ def rows_of(results: list[Result]) -> list[dict[str, Any]]:
     rows = [dict(vars(r)) for r in results]
     for r in rows:
         extra = r.pop("extra", None) or {}
-        for key in ("block_size", "admission_probes", "max_num_seqs", "peak_held_blocks", "pressure"):
+        for key in (
+            "block_size",
+            "admission_probes",
+            "max_num_seqs",
+            "peak_held_blocks",
+            "pressure",
+            "hash_block_size",
+            "second_sighting_share",
+            "partial_tail_blocks",
+            "partial_tail_blocks_peak",
+        ):
             if key in extra:  # every run's result has them (a row built by hand may not)
                 r[key] = extra[key]
         if r["workload"] == "sightings":
             r["sighting_hits"] = extra.get("hits", [])
     return rows
+
+
+def policy_label(row: dict[str, Any], units: bool) -> str:
+    """A row's policy as the table shows it: "(fallback)" after a policy our plugin served with
+    vLLM's manager; with ``units`` (some row set a prefix match unit) vLLM's own retentions
+    named "vLLM exact" / "vLLM dense"."""
+    pol = str(row["policy"])
+    if row.get("fallback"):
+        return f"{pol} (fallback)"
+    return f"vLLM {pol}" if units and pol in ("exact", "dense") else pol
+
+
+def unit_label(row: dict[str, Any]) -> str:
+    return str(row.get("prefix_match_unit") or "-")
+
+
+def versus_vllm_unit(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """Each row's prefill over that of vLLM's exact retention with the largest prefix match
+    unit of the row's cell (shape, workload, budget, window), by row index; rows of a cell
+    without such a run are left out."""
+    ref: dict[tuple[Any, ...], tuple[int, int]] = {}
+    for r in rows:
+        if r["policy"] == "exact" and r.get("prefix_match_unit") and not r.get("fallback"):
+            key = (r["shape"], r["workload"], r["budget"], r.get("admission_window") or 0)
+            if key not in ref or r["prefix_match_unit"] > ref[key][0]:
+                ref[key] = (r["prefix_match_unit"], r["prefill_tokens"])
+    out: dict[int, float] = {}
+    for i, r in enumerate(rows):
+        got = ref.get((r["shape"], r["workload"], r["budget"], r.get("admission_window") or 0))
+        if got is not None and got[1]:
+            out[i] = r["prefill_tokens"] / got[1]
+    return out
+
+
+def share_label(row: dict[str, Any]) -> str:
+    v = row.get("second_sighting_share")
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def tails_label(row: dict[str, Any]) -> str:
+    last, peak = row.get("partial_tail_blocks"), row.get("partial_tail_blocks_peak")
+    return "-" if last is None else f"{last}/{peak}"
 
 
 def window_label(row: dict[str, Any]) -> str:
@@ -656,10 +970,12 @@ def print_table(rows: list[dict[str, Any]], wide: bool = False) -> None:
     hit rate, the ideal one, prefill against the ideal and the steps. With ``wide``
     (``--wide``) the full table as markdown, the pool's blocks and the prefill tokens too."""
     windows = any(r.get("admission_window") for r in rows)
+    units = any(r.get("prefix_match_unit") for r in rows)
     if not wide:
         shown = [
             {
                 **r,
+                "policy": policy_label(r, units),
                 "window": window_label(r),
                 "hit": f"{100 * r['hit_rate']:.1f}%",
                 "ideal": f"{100 * r['ideal_hit_rate']:.1f}%",
@@ -692,7 +1008,7 @@ def print_table(rows: list[dict[str, Any]], wide: bool = False) -> None:
             ratio = r["prefill_tokens"] / r["ideal_prefill_tokens"] if r["ideal_prefill_tokens"] else float("nan")
             window = f" {window_label(r)} |" if windows else ""
             print(
-                f"| {r['shape']} | {r['workload']} | {r['budget']} | {r['num_blocks']} | {r['policy']} |{window} "
+                f"| {r['shape']} | {r['workload']} | {r['budget']} | {r['num_blocks']} | {policy_label(r, units)} |{window} "
                 f"{100 * r['hit_rate']:.1f}% | {100 * r['ideal_hit_rate']:.1f}% | {r['prefill_tokens']} | {ratio:.2f}x | "
                 f"{r['steps']} |"
             )
@@ -702,6 +1018,30 @@ def print_table(rows: list[dict[str, Any]], wide: bool = False) -> None:
         print("|---|---|---|---|")
         for r in sight:
             print(f"| {r['shape']} | {r['block_size']} | {r['policy']} | {' / '.join(map(str, r['sighting_hits']))} |")
+    if units or any(r.get("second_sighting_share") is not None for r in rows):
+        print_unit_table(rows)
+
+
+def print_unit_table(rows: list[dict[str, Any]]) -> None:
+    """Issue 30's table (markdown): each row with its prefix match unit ("-": unset), hit rate
+    and prefill tokens, its prefill over vLLM's exact retention with the unit set in the same
+    cell ("vs vLLM+unit"), the share of shared-prompt tokens hit from each prompt's 2nd
+    sighting on, and the blocks holding a partial-tail key at the end / at the peak ("-" for
+    our native pool, which holds none)."""
+    units = any(r.get("prefix_match_unit") for r in rows)
+    versus = versus_vllm_unit(rows)
+    windows = any(r.get("admission_window") for r in rows)
+    print("\n| shape | block | workload | budget | policy |" + (" window |" if windows else ""), end="")
+    print(" unit | hit rate | prefill tokens | vs vLLM+unit | 2nd-sighting share | partial tails end/peak |")
+    print("|---|---|---|---|---|" + ("---|" if windows else "") + "---|---|---|---|---|---|")
+    for i, r in enumerate(rows):
+        window = f" {window_label(r)} |" if windows else ""
+        vs = f"{versus[i]:.3f}x" if i in versus else "-"
+        print(
+            f"| {r['shape']} | {r.get('block_size', '')} | {r['workload']} | {r['budget']} | "
+            f"{policy_label(r, units)} |{window} {unit_label(r)} | {100 * r['hit_rate']:.1f}% | "
+            f"{r['prefill_tokens']} | {vs} | {share_label(r)} | {tails_label(r)} |"
+        )
 
 
 def report(results: list[Result], args: argparse.Namespace) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -104,16 +105,24 @@ class ModelShape:
     dtype: torch.dtype = torch.bfloat16
     description: str = ""
     mamba_state: MambaState | None = None
+    #: The Mamba layers' prefill checkpoint alignment, which vLLM's
+    #: ``Platform._align_hybrid_block_size`` folds into the attention block's alignment in
+    #: cache mode "align" (``get_mamba_prefill_checkpoint_alignment``): 64 for Gated
+    #: DeltaNet on FlashInfer's prefill (``FLASHINFER_GDN_CHECKPOINT_ALIGNMENT``, vLLM 0.34,
+    #: Hopper), 1 for none (Mamba2's checkpoints align to 1 token).
+    block_alignment: int = 1
 
     def attention_block_size(self, block_size: int) -> int:
         """The attention block size vLLM's hybrid config picks: with Mamba layers, the
-        smallest multiple of ``block_size`` whose attention page holds a Mamba state (the
-        state page is then padded to it)."""
+        smallest multiple of ``lcm(block_size, block_alignment)`` whose attention page holds
+        a Mamba state (the state page is then padded to it). The alignment is applied in
+        every cache mode (vLLM applies it in "align" only, the mode of prefix caching)."""
         if self.mamba_state is None:
             return block_size
         per_token = 2 * self.num_kv_heads * self.head_size * torch.finfo(self.dtype).bits // 8
         state = self.mamba_state_bytes()
-        return -(-state // (per_token * block_size)) * block_size
+        align = math.lcm(block_size, self.block_alignment)
+        return -(-state // (per_token * align)) * align
 
     def mamba_state_bytes(self) -> int:
         assert self.mamba_state is not None
@@ -385,6 +394,10 @@ class SchedulerSetup:
     # on a release without the option raises ``ValueError``.
     admission_window: int = 0
     admission_threshold: float | None = None
+    # vLLM's ``CacheConfig.prefix_match_unit`` (``--prefix-match-unit``, 0.32+): block hashes
+    # every this many tokens, and sub-block hits for Mamba "align" groups; None: unset (the
+    # hash block is then the GCD of the groups' block sizes).
+    prefix_match_unit: int | None = None
 
     def admission_kwargs(self) -> dict[str, Any]:
         """The ``SchedulerConfig`` arguments of the cache-aware admission asked for."""
@@ -428,6 +441,9 @@ class SchedulerSetup:
         )
         # EngineCore resolves the layout before planning; the planner needs it set.
         vc.cache_config.kv_cache_layout = "LBHNC"
+        # Set before the scheduler is built: ``resolve_kv_cache_block_sizes`` turns it into
+        # the hash block size the scheduler and its manager are built with.
+        vc.cache_config.prefix_match_unit = self.prefix_match_unit
         # A platform without hybrid KV cache support (0.33's CUDA wheel on a GPU-less
         # machine) turned the hybrid manager off; say again what this run asks for. A KV
         # connector that does not support the hybrid manager (ExampleConnector) turns it off
