@@ -52,7 +52,22 @@ class ParityRun:
             "removed_events": 0,
         }
 
+    # Chunk sizes drawn for an admission's first chunk and for a running request's step.
+    admit_chunks: tuple[int, ...] = (16, 48, 64, 128, 256, 512)
+    run_chunks: tuple[int, ...] = (1, 16, 64, 200)
+
     # ---- helpers -----------------------------------------------------------------------
+
+    def clip_chunk(self, req: Request, num_new: int, num_new_computed: int) -> int:
+        """The chunk the scheduler would schedule of ``num_new`` tokens (a subclass applies
+        vLLM's Mamba split); 0 stops the operation."""
+        return num_new
+
+    def after_allocate(self) -> None:
+        """Runs after every ``allocate_slots`` pair (compared), before ``after_op``."""
+
+    def on_events(self, events: list[Any]) -> None:
+        """Sees the (compared) KV cache events of every operation."""
 
     def fail(self, what: str, a: Any, b: Any) -> None:
         raise Mismatch(
@@ -73,6 +88,7 @@ class ParityRun:
         self.eq("usage", self.ref.usage, self.ours.usage)
         events = self.ref.take_events()
         self.eq("events", events, self.ours.take_events())
+        self.on_events(events)
         self.stats["lookahead_events"] += sum(1 for e in events if getattr(e, "lookahead_token_ids", None))
         self.stats["removed_events"] += sum(1 for e in events if type(e).__name__ == "BlockRemoved")
         if self.ops % self.full_check_every == 0:
@@ -84,10 +100,16 @@ class ParityRun:
             self.eq(f"blocks of {rid}", self.ref.get_block_ids(rid), self.ours.get_block_ids(rid))
         self.check_cached_block_lookups()
         ref_q = [b.block_id for b in self.ref.block_pool.free_block_queue.get_all_free_blocks()]
-        self.eq("free queue order", ref_q, self.ours._alloc.free_queue_order())
-        self.ours._alloc.check_invariants()
+        self.eq("free queue order", ref_q, self.ours_free_queue_order())
+        self.check_ours_invariants()
         a, b = self.ref.make_prefix_cache_stats(), self.ours.make_prefix_cache_stats()
         self.eq("prefix cache stats", vars(a), vars(b))
+
+    def ours_free_queue_order(self) -> list[int]:
+        return list(self.ours._alloc.free_queue_order())
+
+    def check_ours_invariants(self) -> None:
+        self.ours._alloc.check_invariants()
 
     def check_cached_block_lookups(self) -> None:
         """``block_pool.get_cached_block(hash, group_ids)`` (the routed-experts connector's
@@ -148,7 +170,11 @@ class ParityRun:
                 self.stats["hits"] += 1
                 self.stats["hit_tokens"] += n_ref
         remaining = req.num_tokens - req.num_computed_tokens - n_ref
-        num_new = min(remaining, r.choice([16, 48, 64, 128, 256, 512]))
+        num_new = self.clip_chunk(req, min(remaining, r.choice(self.admit_chunks)), n_ref)
+        if num_new == 0:
+            # vLLM's scheduler stops admitting when the Mamba split leaves nothing.
+            self.stats["clipped_to_zero"] = self.stats.get("clipped_to_zero", 0) + 1
+            return
         kw = dict(
             num_new_computed_tokens=n_ref,
             num_lookahead_tokens=r.choice([0, 0, 0, 2]),
@@ -158,6 +184,7 @@ class ParityRun:
         a = self.ref.allocate_slots(req, num_new, new_computed_blocks=hit_ref, **kw)
         b = self.ours.allocate_slots(req, num_new, new_computed_blocks=hit_ours, **kw)
         self.eq("admit allocate_slots", self.ids(a), self.ids(b))
+        self.after_allocate()
         self.after_op()
         if a is None:
             self.stats["none"] += 1
@@ -202,11 +229,16 @@ class ParityRun:
             return self.admit()
         req = r.choice(self.running)
         remaining = req.num_tokens - req.num_computed_tokens
-        num_new = min(remaining, r.choice([1, 16, 64, 200])) if remaining > 1 else 1
+        num_new = min(remaining, r.choice(self.run_chunks)) if remaining > 1 else 1
+        num_new = self.clip_chunk(req, num_new, 0)
+        if num_new == 0:
+            self.stats["clipped_to_zero"] = self.stats.get("clipped_to_zero", 0) + 1
+            return
         la = r.choice([0, 0, 0, 1, 3])
         a = self.ref.allocate_slots(req, num_new, num_lookahead_tokens=la)
         b = self.ours.allocate_slots(req, num_new, num_lookahead_tokens=la)
         self.eq("allocate_slots", self.ids(a), self.ids(b))
+        self.after_allocate()
         self.after_op()
         if a is None:
             self.stats["none"] += 1

@@ -11,6 +11,7 @@ import random
 import tempfile
 from collections import deque
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
@@ -108,6 +109,8 @@ def digest(so: Any) -> dict[str, Any]:
         "total": so.total_num_scheduled_tokens,
         "finished": sorted(so.finished_req_ids),
         "preempted": sorted(so.preempted_req_ids or ()),
+        # Copy-on-write copies of sub-block partial hits (src, dst), in the manager's order.
+        "copies": [(c.src_block_id, c.dst_block_id) for c in getattr(so, "kv_cache_block_copies", None) or ()],
     }
 
 
@@ -160,6 +163,7 @@ def run_workload(
     max_steps: int = 5000,
     max_tokens_hi: int = 400,
     batch_queue: int = 1,
+    prompt_fn: Callable[[random.Random, list[list[int]], list[list[int]]], list[int]] | None = None,
 ) -> dict[str, Any]:
     """Returns the per-step digests, events and counters of one run.
 
@@ -168,7 +172,10 @@ def run_workload(
     output is processed, so outputs arrive with tokens still in flight. Each step's model
     output is made when it is scheduled. With speculative decoding (``SpecSchedulerSetup``)
     outputs carry accepted drafts, and in sync scheduling the proposer's drafts are handed
-    to the scheduler after each step (``update_draft_token_ids``), as the engine core does."""
+    to the scheduler after each step (``update_draft_token_ids``), as the engine core does.
+
+    ``prompt_fn(rng, prefixes, earlier_prompts)`` draws each prompt instead of the default
+    (a shared prefix plus unique tokens, or unique tokens)."""
     spec_k = getattr(setup, "num_spec_tokens", 0)
     assert batch_queue == 1 or setup.async_scheduling
     rng = random.Random(seed)
@@ -187,10 +194,15 @@ def run_workload(
     mml = setup.shape.max_model_len
     prefixes = shared_prefixes(rng)
     pending = []
+    prompts: list[list[int]] = []
     for i in range(num_requests):
-        toks = list(prefixes[rng.randrange(4)]) if rng.random() < 0.7 else []
-        toks += [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 900))]
+        if prompt_fn is not None:
+            toks = prompt_fn(rng, prefixes, prompts)
+        else:
+            toks = list(prefixes[rng.randrange(4)]) if rng.random() < 0.7 else []
+            toks += [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 900))]
         toks = toks[: mml - 200]
+        prompts.append(toks)
         pending.append((rng.randrange(0, 40), f"req{i}", toks, rng.randrange(1, max_tokens_hi)))
     pending.sort(key=lambda p: p[0])
     steps: list[dict[str, Any]] = []

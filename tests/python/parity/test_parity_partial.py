@@ -1,0 +1,79 @@
+"""Differential tests for vLLM's sub-block "partial hash hits" (``cache_config.prefix_match_unit``
+below the Mamba block size, cache mode "align"): Qwen3.5-style GDN, Nemotron-H-style Mamba2
+(with MambaMixer2's prefill checkpoint block) and LFM2-style short-convolution hybrids, every
+group's block 64 or 128 tokens, requests hashed every 16, 32 or 64 tokens, pools small enough
+that allocations fail and requests are preempted. vLLM's own KVCacheManager against ours on
+seeded random traces (``partial_harness.PartialParityRun``): beside everything
+``test_parity_mamba`` compares, the copy-on-write copies and retained blocks
+``take_kv_cache_block_copies`` hands out after every allocation (the retained blocks then
+freed, as vLLM's scheduler frees them once the copy ran), the partial-tail offloads of a
+finishing request, and ``coordinator.enable_partial_hash_hits``. Each trace must reach hits
+that end inside a block, copies, and partial-block prefix entries.
+
+``HYBRID_ALLOC_PARITY_OPS`` sets the operations per configuration (default 100000);
+``HYBRID_ALLOC_PARTIAL_VLLM_TWICE=1`` runs vLLM's manager on both sides (a check of the traces
+themselves)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+NUM_OPS = int(os.environ.get("HYBRID_ALLOC_PARITY_OPS", "100000"))
+
+
+def _names() -> list[str]:
+    try:
+        from partial_harness import PARTIAL_SETUPS
+    except ImportError:
+        return ["(vllm missing)"]
+    return [s.name for s in PARTIAL_SETUPS]
+
+
+@pytest.mark.parametrize("name", _names())
+def test_partial_hit_parity_random_trace(name: str) -> None:
+    from partial_harness import PARTIAL_SETUPS, PartialParityRun
+    from parity_driver import run_seeds
+
+    setup = next(s for s in PARTIAL_SETUPS if s.name == name)
+    total = run_seeds(PartialParityRun, setup, 3000, NUM_OPS)
+    print(f"{name}: {total}")
+    assert total["finish"] > 0
+    assert total["reset_ok"] > 0
+    assert total["preempt"] > 0, f"{name}: no preemption happened; the pool is too large"
+    assert total["none"] > 0
+    assert total["hits"] > 0
+    # Hits whose length is not a multiple of the Mamba block (a sub-block partial hit).
+    assert total["partial_hits"] > 0, f"{name}: no hit ended inside a block"
+    # Copy-on-write: the shared state block of a partial hit (or of a producer's own partial
+    # tail) redirected to a private block, the copy handed out with both ends retained.
+    assert total["cow_copies"] > 0, f"{name}: no copy-on-write copy"
+    assert total["cow_retained"] == 2 * total["cow_copies"]
+    # Partial-block prefix entries: BlockStored events shorter than their group's block.
+    assert total["partial_tails"] > 0, f"{name}: no partial tail was cached"
+    assert total["partial_tails_mamba"] > 0, f"{name}: no Mamba partial tail was cached"
+    assert total.get("boundary_states", 0) > 0
+    assert total.get("zeroed", 0) > 0
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    checkpoints = any(isinstance(s, MambaSpec) and s.num_prefill_checkpoint_blocks > 0 for s in setup.specs)
+    assert (total.get("checkpoints", 0) > 0) == checkpoints, f"{name}: checkpoints {total.get('checkpoints', 0)}"
+
+
+def test_partial_hit_setups_are_served_natively() -> None:
+    """Ours serves every partial-hit configuration (no fallback to vLLM's manager) and turns
+    partial hits on exactly where vLLM's coordinator does."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from hybrid_alloc.vllm.manager import HybridKVCacheManager
+    from partial_harness import PARTIAL_SETUPS
+
+    for s in PARTIAL_SETUPS:
+        ours = HybridKVCacheManager(**s.manager_kwargs(events=False))
+        assert type(ours) is HybridKVCacheManager, s.name
+        ref = KVCacheManager(**s.manager_kwargs(events=False))
+        assert ref.coordinator.enable_partial_hash_hits, s.name
+        assert ours.coordinator.enable_partial_hash_hits, s.name
