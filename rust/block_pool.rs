@@ -436,6 +436,12 @@ impl BlockPool {
         true
     }
 
+    /// Whether `b` is cached under `key`, as its key or a second key (vLLM's
+    /// `cached_block_hash_to_block.contain`).
+    pub fn holds_key(&self, b: BlockId, key: &HashKey) -> bool {
+        self.index.key_of(b) == Some(key) || self.second.contains(key, b)
+    }
+
     /// Keys `b` (which holds no key) under `key` in the index, stamping its insertion order.
     #[inline]
     fn insert_key(&mut self, key: HashKey, b: BlockId) {

@@ -407,12 +407,17 @@ impl Allocator {
                 if explicit && !seen.insert(b) {
                     return Err(Error::InvalidBlock(format!("block {b} appears twice in the hit")));
                 }
-                let want = match partial_tail {
-                    // The last block of a hit ending inside it is keyed at the hit's end.
-                    Some(nh) if i + 1 == v.len() => (hashes[nh as usize - 1], g as GroupId),
-                    _ => (view.get(i as u32), g as GroupId),
+                let held = match partial_tail {
+                    // The last block of a hit ending inside it is keyed at a boundary of this
+                    // request's at or past the hit's end within the block (a full-attention
+                    // block found further on, its hit then cut back by another group).
+                    Some(nh) if i + 1 == v.len() => {
+                        let end = ((i as u64 + 1) * view.scale as u64).min(hashes.len() as u64) as usize;
+                        (nh as usize..=end).any(|k| k > 0 && self.pool.holds_key(b, &(hashes[k - 1], g as GroupId)))
+                    }
+                    _ => self.pool.holds_key(b, &(view.get(i as u32), g as GroupId)),
                 };
-                if self.pool.block_hash(b) != Some(&want) {
+                if !held {
                     return Err(Error::InvalidBlock(format!(
                         "block {b} at hit position {i} of group {g} is not cached with this request's \
                          hash for that position{}",

@@ -6,9 +6,11 @@ that allocations fail and requests are preempted. vLLM's own KVCacheManager agai
 seeded random traces (``partial_harness.PartialParityRun``): beside everything
 ``test_parity_mamba`` compares, the copy-on-write copies and retained blocks
 ``take_kv_cache_block_copies`` hands out after every allocation (the retained blocks then
-freed, as vLLM's scheduler frees them once the copy ran), the partial-tail offloads of a
-finishing request, and ``coordinator.enable_partial_hash_hits``. Each trace must reach hits
-that end inside a block, copies, and partial-block prefix entries.
+freed, as vLLM's scheduler frees them once the copy ran), and
+``coordinator.enable_partial_hash_hits``. Each trace must reach hits that end inside a block,
+copies, and partial-block prefix entries. Ours is built without a KV connector (the plugin
+falls back for a connector with partial hits), so the boundary states and finalized partial
+tails a connector is handed are compared only with ``HYBRID_ALLOC_PARTIAL_VLLM_TWICE=1``.
 
 ``HYBRID_ALLOC_PARITY_OPS`` sets the operations per configuration (default 100000);
 ``HYBRID_ALLOC_PARTIAL_VLLM_TWICE=1`` runs vLLM's manager on both sides (a check of the traces
@@ -55,7 +57,6 @@ def test_partial_hit_parity_random_trace(name: str) -> None:
     # Partial-block prefix entries: BlockStored events shorter than their group's block.
     assert total["partial_tails"] > 0, f"{name}: no partial tail was cached"
     assert total["partial_tails_mamba"] > 0, f"{name}: no Mamba partial tail was cached"
-    assert total.get("boundary_states", 0) > 0
     assert total.get("zeroed", 0) > 0
     from vllm.v1.kv_cache_interface import MambaSpec
 

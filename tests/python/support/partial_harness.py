@@ -94,14 +94,13 @@ class PartialParityRun(ZeroingParityRun):
     """``ZeroingParityRun`` over a partial-hit setup; see the module docstring."""
 
     def __init__(self, setup: Setup, seed: int, full_check_every: int = 64) -> None:
-        if VLLM_TWICE:
-            # Both sides vLLM's (``PartialSetup.build``); no connector needed: vLLM's manager
-            # records boundary states always.
-            ParityRun.__init__(self, setup, seed, full_check_every)
-            self.boundary_ops = 0
-            self.boundary = True
-        else:
-            super().__init__(setup, seed, full_check_every)
+        # No KV connector: with partial hash hits the plugin falls back for one (the
+        # connector's partial tails and copy-on-write offloads are not served yet), so the
+        # boundary states and finalized partial tails a connector is handed are compared
+        # only vLLM against vLLM (``HYBRID_ALLOC_PARTIAL_VLLM_TWICE``).
+        ParityRun.__init__(self, setup, seed, full_check_every)
+        self.boundary_ops = 0
+        self.boundary = VLLM_TWICE
         self.block = setup.extra["block"]
         self.unit = setup.extra["unit"]
         self.admit_chunks = (self.block // 2, self.block, 2 * self.block, 300, 512, 1024)
@@ -212,8 +211,8 @@ class PartialParityRun(ZeroingParityRun):
 
     def _finalize(self, req: Request) -> None:
         a = self.ref.finalize_partial_tail_offloads(req)
-        b = self.ours.finalize_partial_tail_offloads(req)
-        self.eq("finalize_partial_tail_offloads", a, b)
+        if VLLM_TWICE:
+            self.eq("finalize_partial_tail_offloads", a, self.ours.finalize_partial_tail_offloads(req))
         self.stats["partial_tail_offloads"] += len(a)
 
     def finish(self, req: Request) -> None:
