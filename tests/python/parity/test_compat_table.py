@@ -110,6 +110,10 @@ def _specs(name: str) -> list[Any]:
                 prefill_checkpoint_alignment=1,
             ),
         ],
+        "gdn_partial": [
+            full(64),
+            MambaSpec(block_size=64, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align"),
+        ],
     }[name]
 
 
@@ -135,6 +139,8 @@ CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("cross attention", "cross", {}, "cross attention with prefix caching on"),
     ("Mamba / linear attention", "mamba", {"enable_caching": False}, None),
     ("Mamba / linear attention", "mamba2_align", {}, None),
+    # Partial hash hits: a Mamba block of 64 over a unit of 16 (full attention aligned).
+    ("`--prefix-match-unit` below", "gdn_partial", {"hash_block_size": 16, "scheduler_block_size": 64}, None),
     ("decode context parallelism (DCP > 1) on full", "full", {"dcp_world_size": 2, **_DCP2}, None),
     ("decode context parallelism (DCP > 1) on full", "mla", {"dcp_world_size": 4, **_DCP4}, None),
     (
