@@ -37,8 +37,8 @@ def _names() -> list[str]:
 
 @pytest.mark.parametrize("name", _names())
 def test_partial_hit_parity_random_trace(name: str) -> None:
-    from partial_harness import PARTIAL_SETUPS, PartialParityRun
     from parity_driver import run_seeds
+    from partial_harness import PARTIAL_SETUPS, PartialParityRun
 
     setup = next(s for s in PARTIAL_SETUPS if s.name == name)
     total = run_seeds(PartialParityRun, setup, 3000, NUM_OPS)

@@ -128,7 +128,14 @@ class PartialParityRun(ZeroingParityRun):
             scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
             use_eagle_block_drop=False,
         )
-        for k in ("partial_hits", "cow_copies", "cow_retained", "partial_tails", "partial_tails_mamba", "partial_tail_offloads"):
+        for k in (
+            "partial_hits",
+            "cow_copies",
+            "cow_retained",
+            "partial_tails",
+            "partial_tails_mamba",
+            "partial_tail_offloads",
+        ):
             self.stats[k] = 0
 
     # ---- the side that is not vLLM's when VLLM_TWICE ----------------------------------

@@ -10,8 +10,8 @@ import os
 import random
 import tempfile
 from collections import deque
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
