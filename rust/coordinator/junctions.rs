@@ -21,6 +21,10 @@ use crate::ids::{ReqHandle, Slot};
 use crate::manager::HashView;
 use crate::policy::Policy;
 
+/// The most hash-block prefixes [`Allocator::record_sighting`] keeps (32 bytes each, about
+/// 32 MiB with the set's overhead); past it the sightings start over.
+pub(super) const MAX_SIGHTINGS: usize = 1 << 20;
+
 /// The hit-aware policy's per-request state (all zero under `exact`, and for a new request).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(super) struct HitAwareReq {
@@ -51,7 +55,19 @@ impl Allocator {
         guess_limit: &mut u32,
     ) -> Hit {
         let mut junction = self.pinned_junction(s, max_cache_hit_length);
-        let known = res.num_tokens + res.num_uncached_common_prefix_tokens;
+        let mut known = res.num_tokens + res.num_uncached_common_prefix_tokens;
+        if self.pool.is_leveled() && self.cfg.partial_hash_hits() {
+            // Where another prompt looked up before branched off this one, to the hash block:
+            // a junction inside a block, which the scheduler stops at (our manager sets
+            // `mamba_shared_prefix_checkpoint`), so its state and the full-attention blocks
+            // up to it are keyed there, and the next sibling hits the whole shared prefix.
+            let seen = self.sighted_prefix(s, max_cache_hit_length);
+            self.record_sighting(s);
+            if seen > known {
+                res.num_uncached_common_prefix_tokens = seen - res.num_tokens;
+                known = seen;
+            }
+        }
         if self.pool.is_leveled() {
             // A junction another request shares (or a pin) is a branch point, unless
             // the shared prefix is where a finished request's sequence ended (a
@@ -72,6 +88,36 @@ impl Allocator {
             res.num_uncached_common_prefix_tokens = junction - res.num_tokens;
         }
         res
+    }
+
+    /// Hit-aware with partial hash hits: the longest prefix of `s`'s hashes (within
+    /// `max_len` tokens) some earlier lookup's prompt had, in tokens (a multiple of the hash
+    /// block). The hashes chain, so a seen prefix's every shorter prefix was seen too: a
+    /// binary search. O(log(prompt)).
+    fn sighted_prefix(&self, s: Slot, max_len: u32) -> u32 {
+        let hbs = self.cfg.hash_block_size;
+        let hashes = &self.reqs[s as usize].hashes;
+        let n = ((max_len / hbs) as usize).min(hashes.len());
+        let (mut lo, mut hi) = (0usize, n);
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if self.sightings.contains(&hashes[mid - 1]) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo as u32 * hbs
+    }
+
+    /// Hit-aware with partial hash hits: records `s`'s hashes as seen (forgetting every
+    /// sighting once [`MAX_SIGHTINGS`] are held). O(hashes).
+    fn record_sighting(&mut self, s: Slot) {
+        let hashes = &self.reqs[s as usize].hashes;
+        if self.sightings.len() + hashes.len() > MAX_SIGHTINGS {
+            self.sightings.clear();
+        }
+        self.sightings.extend(hashes.iter().copied());
     }
 
     /// Hit-aware: whether the full-attention block of `s` ending at `tokens` ended a

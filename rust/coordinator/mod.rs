@@ -125,6 +125,9 @@ pub struct Allocator {
     scratch_probe: Vec<Vec<BlockId>>,
     /// The hashes the last sync dropped (put back when the call fails).
     undo_tail: Vec<BlockHash>,
+    /// Hit-aware with partial hash hits: the hash-block prefixes of the prompts looked up so
+    /// far (see [`junctions`]), bounded by [`junctions::MAX_SIGHTINGS`].
+    sightings: rustc_hash::FxHashSet<BlockHash>,
 }
 
 impl Allocator {
@@ -194,6 +197,7 @@ impl Allocator {
             scratch_hashes: Vec::new(),
             scratch_probe: vec![Vec::new(); n],
             undo_tail: Vec::new(),
+            sightings: Default::default(),
             cfg,
         })
     }

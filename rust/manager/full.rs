@@ -46,6 +46,9 @@ impl KindRules for Full {
         m.cache_full(self, pool, h, c);
         if m.block_size() != m.hash_block_size {
             m.cache_partial_tail(pool, h, c);
+            if pool.is_leveled() {
+                m.cache_junction(pool, h, c);
+            }
         }
     }
 }

@@ -652,6 +652,10 @@ impl SingleTypeManager {
                 // which this step's copy fills before the forward overwrites `source`.
                 debug_assert_eq!(table[idx as usize], source);
                 pool.move_block_hashes(source, cow);
+                // Hit-aware: the furthest state the request keyed moved with its key.
+                if st.last_keyed[hs].0 == source {
+                    st.last_keyed[hs].0 = cow;
+                }
                 pending_cow.push((source, cow));
                 pool.incref(source);
                 // The copy's one reference is held by no table: the scheduler gives it back.
@@ -817,7 +821,15 @@ impl SingleTypeManager {
         if num_tokens == 0 || num_tokens % hash_block_size != 0 {
             return;
         }
-        if num_tokens != prefill_checkpoint_position(c.num_prompt_tokens, hash_block_size, self.hash_lookahead_tokens) {
+        // vLLM's shared-prefix checkpoint (`shared_prefix_checkpoint`, which our hit-aware
+        // policy turns on with partial hash hits): also the junction the scheduler stopped at.
+        let junction = pool.is_leveled()
+            && self.hash_block_size < self.spec.block_size
+            && num_tokens == c.shared_prefix_boundary
+            && num_tokens <= c.num_prompt_tokens;
+        if num_tokens != prefill_checkpoint_position(c.num_prompt_tokens, hash_block_size, self.hash_lookahead_tokens)
+            && !junction
+        {
             return;
         }
         let bs = self.spec.block_size;

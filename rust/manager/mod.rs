@@ -291,6 +291,39 @@ impl SingleTypeManager {
         pool.incref(cow);
     }
 
+    /// Hit-aware with partial hash hits: the block holding the request's junction
+    /// (`shared_prefix_boundary`, inside a block, within the prompt and the tokens cached) is
+    /// keyed there too, as a second key once it holds a longer one (a full-attention block is
+    /// a valid prefix at every position it holds), so a sibling sharing the prefix up to the
+    /// junction hits it; the Mamba groups key their state there.
+    pub(crate) fn cache_junction(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
+        let (hbs, bs, j) = (self.hash_block_size, self.spec.block_size, c.shared_prefix_boundary);
+        if j == 0 || j % bs == 0 || j % hbs != 0 || j > c.num_prompt_tokens {
+            return;
+        }
+        if j > c.num_tokens {
+            // Not reached yet: the no-op limits stop there (the scheduler ends a chunk there).
+            let p = &mut self.tail_pending[h as usize];
+            *p = if *p == 0 { j } else { (*p).min(j) };
+            return;
+        }
+        let nh = (j / hbs) as usize;
+        if nh > c.hashes.len() {
+            return;
+        }
+        let Some(&b) = self.req_blocks[h as usize].get((j / bs) as usize) else { return };
+        let o = crate::block_pool::OneBlock {
+            req: c.req,
+            block: b,
+            index: nh as u32 - 1,
+            key: (c.hashes[nh - 1], self.group_id),
+            num_tokens: j,
+            block_size: hbs,
+            parent: if nh > 1 { Some(c.hashes[nh - 2]) } else { None },
+        };
+        pool.cache_partial_block(&o, false);
+    }
+
     /// After an eviction by id: every request's partial-tail boundary is watched again by the
     /// no-op limits (its key may be gone; the next caching call re-keys it, as vLLM's).
     pub(crate) fn rearm_partial_tails(&mut self) {

@@ -212,6 +212,11 @@ class HybridKVCacheManager:
         # then copied on write (``take_kv_cache_block_copies``).
         self._partial_hash_hits = bool(self._alloc.partial_hash_hits)
         self.coordinator.enable_partial_hash_hits = self._partial_hash_hits
+        # Hit-aware with partial hash hits: the scheduler ends a prefill chunk at a junction
+        # inside a block (vLLM's shared-prefix checkpoint, which vLLM itself turns on only
+        # for EAGLE), where the core keys the state and the full-attention block, so the next
+        # request sharing the prefix hits all of it (see the README's state-space hits).
+        self.mamba_shared_prefix_checkpoint = self._partial_hash_hits and self._alloc.policy == "hit-aware"
         # The scheduler's hot call goes straight to Rust (see ``allocate_slots``): an instance
         # attribute over the method on purpose, and the stub types the Rust callable loosely.
         alloc = self._alloc

@@ -90,11 +90,6 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         # 0.33 moves the Mamba "align" prefill checkpoint positions by the lookahead tokens.
         native["hash_lookahead_tokens"] = a.num_hash_lookahead_tokens
     policy = policy_env.policy_from_env()  # raises Unsupported on a bad value
-    if policy != "exact" and partial:
-        raise Unsupported(
-            f"policy {policy} with partial hash hits (--prefix-match-unit below the Mamba block size); "
-            "served under the default policy, exact"
-        )
     if policy != "exact":
         native["policy"] = policy
         policy_env.policy_controls()  # validated here, so a bad control falls back at construction
