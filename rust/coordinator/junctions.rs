@@ -63,7 +63,7 @@ impl Allocator {
             // up to it are keyed there, and the next sibling hits the whole shared prefix.
             let seen = self.sighted_prefix(s, max_cache_hit_length);
             self.record_sighting(s);
-            if seen > known {
+            if seen > known && !self.sighted_end(s, seen) {
                 res.num_uncached_common_prefix_tokens = seen - res.num_tokens;
                 known = seen;
             }
@@ -101,7 +101,7 @@ impl Allocator {
         let (mut lo, mut hi) = (0usize, n);
         while lo < hi {
             let mid = (lo + hi).div_ceil(2);
-            if self.sightings.contains(&hashes[mid - 1]) {
+            if self.sightings.contains_key(&hashes[mid - 1]) {
                 lo = mid;
             } else {
                 hi = mid - 1;
@@ -117,7 +117,20 @@ impl Allocator {
         if self.sightings.len() + hashes.len() > MAX_SIGHTINGS {
             self.sightings.clear();
         }
-        self.sightings.extend(hashes.iter().copied());
+        let Some((last, rest)) = hashes.split_last() else { return };
+        for h in rest {
+            // Passed through: a prompt continued past it.
+            self.sightings.insert(*h, false);
+        }
+        self.sightings.entry(*last).or_insert(true);
+    }
+
+    /// Hit-aware with partial hash hits: whether the sighted prefix of `seen` tokens is only
+    /// where earlier prompts ended (no prompt went on past it): a chat's next turn continuing
+    /// the previous one, not a branch point. O(1).
+    fn sighted_end(&self, s: Slot, seen: u32) -> bool {
+        let n = (seen / self.cfg.hash_block_size) as usize;
+        n > 0 && self.sightings.get(&self.reqs[s as usize].hashes[n - 1]) == Some(&true)
     }
 
     /// Hit-aware: whether the full-attention block of `s` ending at `tokens` ended a

@@ -127,7 +127,7 @@ pub struct Allocator {
     undo_tail: Vec<BlockHash>,
     /// Hit-aware with partial hash hits: the hash-block prefixes of the prompts looked up so
     /// far (see [`junctions`]), bounded by [`junctions::MAX_SIGHTINGS`].
-    sightings: rustc_hash::FxHashSet<BlockHash>,
+    sightings: rustc_hash::FxHashMap<BlockHash, bool>,
 }
 
 impl Allocator {

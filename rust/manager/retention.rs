@@ -22,7 +22,16 @@ impl SingleTypeManager {
     /// every other cached block of the table to at least `floor`.
     pub fn promote_for_free(&self, pool: &mut BlockPool, h: Slot, lvl: Level, floor: Level) {
         let table = &self.req_blocks[h as usize];
-        let end = (self.num_cached(h) as usize).min(table.len());
+        let mut end = (self.num_cached(h) as usize).min(table.len());
+        // Partial hash hits: the block past the cached ones may hold the prompt's partial
+        // tail (a key inside the block), where the next request re-sending the prompt hits.
+        if self.hash_block_size < self.spec.block_size
+            && end < table.len()
+            && table[end] != NULL_BLOCK
+            && pool.block_hash(table[end]).is_some()
+        {
+            end += 1;
+        }
         if self.is_mamba_align() {
             // The furthest state the request keyed is where the next turn resumes; the
             // earlier states it holds are passed (see `demote_passed_state`).
