@@ -444,3 +444,59 @@ fn take_boundary_state_offloads_hands_each_keyed_state_once_and_drops_a_freed_re
     assert!(a.take_boundary_state_offloads().is_empty());
     ok(&a);
 }
+
+#[test]
+fn partial_hash_hits_copy_the_shared_tail_blocks_on_write_and_move_a_running_tail_key() {
+    // Full attention and Mamba "align" at two hash blocks each: vLLM's partial hash hits.
+    let mut a = Allocator::new(
+        config(&[(AttentionKind::Full, 2 * BS), (mamba(true, 0), 2 * BS)], 64, true, false),
+        Policy::Exact,
+    )
+    .unwrap();
+    assert!(a.config().partial_hash_hits());
+    // r1: a prompt of 3 hash blocks and a token; its first chunk ends at the prompt's last
+    // hash boundary (48 tokens, inside block 1): both groups key block 1 there.
+    let r1 = add(&mut a, 3 * BS + 1, 11);
+    a.allocate_slots(r1, &args(3 * BS, 0, 3 * BS + 1, 3 * BS + 1), NewComputed::Empty, None).unwrap().unwrap();
+    let (fa1, st1) = (table(&a, r1, 0), table(&a, r1, 1));
+    assert_eq!(a.pool().block_hash_num_tokens(fa1[1]), 3 * BS);
+    assert_eq!(a.pool().block_hash_num_tokens(st1[1]), 3 * BS);
+    assert!(a.take_kv_cache_block_copies().is_empty());
+    a.new_step_starts();
+    // r2 shares those 48 tokens: a hit ending inside block 1 in both groups.
+    let r2 = add(&mut a, 4 * BS + 1, 11);
+    let hit = a.find_longest_cache_hit(r2, 4 * BS).unwrap();
+    assert_eq!(hit.num_tokens, 3 * BS);
+    assert_eq!(a.stored_hit(r2, 0).unwrap(), &fa1[..2]);
+    assert_eq!(a.stored_hit(r2, 1).unwrap(), &[NULL_BLOCK, st1[1]]);
+    let free = a.num_free_blocks();
+    let mut x = args(BS + 1, 0, 4 * BS + 1, 4 * BS + 1);
+    x.num_new_computed_tokens = 3 * BS;
+    a.allocate_slots(r2, &x, NewComputed::Stored, None).unwrap().unwrap();
+    // Each group's shared tail block is replaced by a private copy; both ends of each copy
+    // hold one more reference until given back.
+    let (fa2, st2) = (table(&a, r2, 0), table(&a, r2, 1));
+    assert_eq!(fa2[0], fa1[0]);
+    assert!(fa2[1] != fa1[1] && st2[1] != st1[1]);
+    let copies = a.take_kv_cache_block_copies();
+    assert_eq!(copies, vec![fa1[1], fa2[1], st1[1], st2[1]]);
+    assert_eq!(a.pool().ref_cnt(fa1[1]), 2, "r1's table and the copy's source");
+    assert_eq!(a.pool().ref_cnt(fa2[1]), 2, "r2's table and the copy's destination");
+    assert_eq!(free - a.num_free_blocks(), 4, "two copies and each group's next block");
+    a.free_block_ids(&copies).unwrap();
+    assert_eq!(a.pool().ref_cnt(fa1[1]), 1);
+    assert!(a.free_block_ids(&copies).is_err(), "a retained reference is given back once");
+    ok(&a);
+    // r1 runs on: its own partial tail (a state it overwrites next) is copied and the key
+    // moves to the copy, r1 staying on its block.
+    a.new_step_starts();
+    a.allocate_slots(r1, &args(1, 3 * BS, 3 * BS + 1, 3 * BS + 1), NewComputed::Empty, None).unwrap().unwrap();
+    let copies = a.take_kv_cache_block_copies();
+    assert_eq!(copies.len(), 2);
+    assert_eq!(copies[0], st1[1]);
+    assert_eq!(table(&a, r1, 1)[1], st1[1]);
+    assert_eq!(a.pool().block_hash_num_tokens(copies[1]), 3 * BS);
+    assert!(a.pool().block_hash(st1[1]).is_none());
+    a.free_block_ids(&copies).unwrap();
+    ok(&a);
+}
