@@ -16,8 +16,11 @@
 //! real; every block before them is null. At each block boundary the running state block
 //! is cached under the prefix hash of that boundary, so a later request can resume from
 //! it. A hit is the *last* cached boundary state (`[null] * i + [block]`). Served here: a
-//! Mamba block size equal to the hash block size (no sub-block "partial" hits, no
-//! copy-on-write; the adapter falls back for those with the reason), with or without prefill
+//! Mamba block size equal to the hash block size, or larger with vLLM's partial hash hits
+//! (`--prefix-match-unit`, [`crate::Config::partial_hash_hits`]: the hit is the last cached
+//! hash-block boundary, inside a block or not; a hit inside a block is copied on write by the
+//! next allocation, and the prompt's last hash boundary is keyed inside its block, its key
+//! moving to a copy before the request's next forward overwrites it), with or without prefill
 //! checkpoint blocks (vLLM's `MambaMixer2` always has them): a prefill chunk spanning more than
 //! one block past its initial state reserves one more block, just before the running state
 //! block, where the worker exports the state at the chunk's last cacheable boundary;
@@ -177,7 +180,8 @@ impl KindRules for MambaAlign {
         if g.block_size != cfg.hash_block_size && !cfg.partial_hash_hits() {
             return Err(Error::Unsupported(format!(
                 "group {i}: Mamba block size {} over hash block size {} in cache mode \"align\" \
-                 (sub-block partial hits with copy-on-write)",
+                 with partial hash hits off (another group's block is over the hash block and is \
+                 not looked up at hash granularity)",
                 g.block_size, cfg.hash_block_size
             )));
         }
