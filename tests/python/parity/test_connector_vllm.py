@@ -173,7 +173,12 @@ def _assert_boundary_lifecycles(ref: dict[str, Any], partial: bool = False) -> N
     each) and were aborted while running. ``partial``: sub-block partial hash hits
     (``prefix_match_unit``), whose workload is smaller; see ``_assert_partial_hit_lifecycles``."""
     c = ref["counters"]
-    assert c["boundary_states"] > (20 if partial else 50) and c["load_jobs"] > 0 and c["recv"] > 0 and c["aborted_running"] > 0
+    assert (
+        c["boundary_states"] > (20 if partial else 50)
+        and c["load_jobs"] > 0
+        and c["recv"] > 0
+        and c["aborted_running"] > 0
+    )
     chunks: dict[str, set[int]] = {}  # request -> steps that handed over its states
     for i, step in enumerate(ref["steps"]):
         for taken in step["boundary"]:

@@ -262,7 +262,13 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
 
         setattr(mgr, name, wrapped)
 
-    for name in ("evict_blocks", "pop_blocks_for_free", "free", "record_blocks_for_zeroing", "truncate_computed_blocks"):
+    for name in (
+        "evict_blocks",
+        "pop_blocks_for_free",
+        "free",
+        "record_blocks_for_zeroing",
+        "truncate_computed_blocks",
+    ):
         count(name)
     connector_events, junctions = _record_connector(sched, calls)
     # What the cache holds right after the scheduler caches an async load (before the next
