@@ -263,7 +263,12 @@ impl Allocator {
     ///
     /// # Errors
     /// Unknown handle (checked before any change).
-    pub fn finalize_partial_tail_offloads(&mut self, h: ReqHandle, num_computed: i64, num_in_flight: i64) -> Result<Vec<u64>> {
+    pub fn finalize_partial_tail_offloads(
+        &mut self,
+        h: ReqHandle,
+        num_computed: i64,
+        num_in_flight: i64,
+    ) -> Result<Vec<u64>> {
         let s = self.slot(h)?;
         let mut out = Vec::new();
         for m in self.managers.iter_mut() {

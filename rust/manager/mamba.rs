@@ -806,7 +806,12 @@ impl SingleTypeManager {
     ///
     /// # Complexity
     /// O(1).
-    pub fn finalize_partial_tail_offload(&mut self, h: Slot, num_computed: i64, num_in_flight: i64) -> Option<(BlockId, u32)> {
+    pub fn finalize_partial_tail_offload(
+        &mut self,
+        h: Slot,
+        num_computed: i64,
+        num_in_flight: i64,
+    ) -> Option<(BlockId, u32)> {
         let KindState::MambaAlign(st) = &mut self.kind_state else { return None };
         let slot = st.producer.get_mut(h as usize)?;
         let (block, tokens, _) = std::mem::replace(slot, (NULL_BLOCK, 0, 0));

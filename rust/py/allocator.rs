@@ -251,7 +251,11 @@ impl PyAllocator {
         num_computed_tokens: i64,
         num_in_flight_tokens: i64,
     ) -> PyResult<Bound<'py, PyList>> {
-        let flat = core(slf)?.finalize_partial_tail_offloads(handle_arg(handle)?, num_computed_tokens, num_in_flight_tokens)?;
+        let flat = core(slf)?.finalize_partial_tail_offloads(
+            handle_arg(handle)?,
+            num_computed_tokens,
+            num_in_flight_tokens,
+        )?;
         PyList::new(slf.py(), flat)
     }
 
