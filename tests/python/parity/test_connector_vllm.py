@@ -23,8 +23,12 @@ OffloadingConnector, ExampleConnector (no hybrid manager support: vLLM's one uni
 sync loads from folders the fake worker writes), LMCacheConnectorV1 (the ``lmcache`` package's
 scheduler side, one unified group too: hits from a real lookup server over the chunks the fake
 worker stored, ``lmcache_worker``), ``cache_blocks`` after an async load,
-``truncate_computed_blocks``, and the connectors that still fall back, with one line (with
-Mamba layers: NixlConnector as producer, the OffloadingConnector)."""
+``truncate_computed_blocks``, and the connectors that still fall back, with one line. With
+sub-block partial hash hits (``prefix_match_unit`` 8 under blocks of 16, the ``qwen_*_pmu``
+cases): the OffloadingConnector and NixlConnector as producer and as consumer, sync and async,
+with hits ending inside a block (copy-on-write copies in the SchedulerOutputs), producer partial
+tails handed over by the copy-on-write and by ``finalize_partial_tail_offloads``, and local
+sub-block tails trimmed behind a longer remote hit (``truncate_computed_blocks``)."""
 
 from __future__ import annotations
 
