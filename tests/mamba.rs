@@ -500,3 +500,50 @@ fn partial_hash_hits_copy_the_shared_tail_blocks_on_write_and_move_a_running_tai
     a.free_block_ids(&copies).unwrap();
     ok(&a);
 }
+
+#[test]
+fn finalize_partial_tail_offloads_returns_a_producer_tail_once_and_the_copy_on_write_hands_it_over() {
+    // Mamba blocks of 32 over a hash block of 16: partial hash hits. A 90-token prompt's last
+    // hash boundary is 80, inside its third Mamba block: the request's own running state
+    // block is keyed there (a producer's partial tail).
+    let kinds = [(AttentionKind::Full, BS), (mamba(true, 0), 2 * BS)];
+    let mut cfg = config(&kinds, 64, true, false);
+    cfg.boundary_offloads = true;
+    assert!(cfg.partial_hash_hits());
+    let mut a = Allocator::new(cfg, Policy::Exact).unwrap();
+    let r1 = add(&mut a, 90, 1);
+    a.allocate_slots(r1, &args(80, 0, 90, 90), NewComputed::Empty, None).unwrap().unwrap();
+    let tail = table(&a, r1, 1)[2];
+    assert_ne!(tail, NULL_BLOCK);
+    // Tokens in flight, or computed past or short of the tail: nothing, and the tail is
+    // popped all the same (vLLM's rule).
+    assert!(a.finalize_partial_tail_offloads(r1, 80, 1).unwrap().is_empty());
+    assert!(a.finalize_partial_tail_offloads(r1, 80, 0).unwrap().is_empty(), "popped");
+    let r2 = add(&mut a, 90, 2);
+    a.allocate_slots(r2, &args(80, 0, 90, 90), NewComputed::Empty, None).unwrap().unwrap();
+    let tail2 = table(&a, r2, 1)[2];
+    assert!(a.finalize_partial_tail_offloads(r2, 79, 0).unwrap().is_empty());
+    let r3 = add(&mut a, 90, 3);
+    a.allocate_slots(r3, &args(80, 0, 90, 90), NewComputed::Empty, None).unwrap().unwrap();
+    let tail3 = table(&a, r3, 1)[2];
+    assert_eq!(a.finalize_partial_tail_offloads(r3, 80, 0).unwrap(), vec![1, tail3 as u64, 80]);
+    assert!(a.finalize_partial_tail_offloads(r3, 80, 0).unwrap().is_empty(), "once");
+    a.take_boundary_state_offloads();
+    // A fourth producer runs on: its next allocation copies the tail on write and hands the
+    // copy over as a boundary state at 80; the finish then finds nothing.
+    let r4 = add(&mut a, 90, 4);
+    a.allocate_slots(r4, &args(80, 0, 90, 90), NewComputed::Empty, None).unwrap().unwrap();
+    a.take_boundary_state_offloads();
+    a.new_step_starts();
+    a.allocate_slots(r4, &args(10, 80, 90, 90), NewComputed::Empty, None).unwrap().unwrap();
+    let copies = a.take_kv_cache_block_copies();
+    assert_eq!(copies.len(), 2);
+    assert_eq!(copies[0], table(&a, r4, 1)[2]);
+    assert_eq!(a.take_boundary_state_offloads(), vec![r4, 1, copies[1] as u64, 80]);
+    assert!(a.finalize_partial_tail_offloads(r4, 90, 0).unwrap().is_empty());
+    // An unknown handle is refused; freeing drops a tail not yet taken.
+    a.free(r2, LEVEL_NORMAL).unwrap();
+    assert!(matches!(a.finalize_partial_tail_offloads(r2, 80, 0), Err(Error::UnknownRequest(_))));
+    assert_ne!(tail, tail2);
+    ok(&a);
+}

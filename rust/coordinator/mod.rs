@@ -254,6 +254,31 @@ impl Allocator {
         out
     }
 
+    /// vLLM's `KVCacheManager.finalize_partial_tail_offloads` when `h` finishes (a KV
+    /// producer's connector, before the free): each group's producer partial tail (see
+    /// [`SingleTypeManager::finalize_partial_tail_offload`]) is popped, and those still
+    /// holding the request's last state (`num_computed` equal to the tail's tokens and
+    /// `num_in_flight` 0, compared as vLLM compares them) come back as flat
+    /// `[group, block, boundary tokens]` triples, group by group.
+    ///
+    /// # Errors
+    /// Unknown handle (checked before any change).
+    pub fn finalize_partial_tail_offloads(
+        &mut self,
+        h: ReqHandle,
+        num_computed: i64,
+        num_in_flight: i64,
+    ) -> Result<Vec<u64>> {
+        let s = self.slot(h)?;
+        let mut out = Vec::new();
+        for m in self.managers.iter_mut() {
+            if let Some((block, tokens)) = m.finalize_partial_tail_offload(s, num_computed, num_in_flight) {
+                out.extend([m.group_id as u64, block as u64, tokens as u64]);
+            }
+        }
+        Ok(out)
+    }
+
     /// Drains the copy-on-write copies queued since the last call (vLLM's
     /// `KVCacheManager.take_kv_cache_block_copies`), as flat `[source, copy, ...]` pairs,
     /// group by group. Both blocks of each pair hold one extra reference, which the caller

@@ -802,6 +802,26 @@ impl SingleTypeManager {
         self.align().junction.get(h as usize).copied().unwrap_or(0)
     }
 
+    /// vLLM's `MambaManager.finalize_partial_tail_offload` when `h` finishes: pops the
+    /// producer tail `h` keyed on its running state block (none once a copy-on-write took it
+    /// over), and returns `(block, tokens)` only when no token past it was forwarded
+    /// (`num_in_flight` 0 and `num_computed` equal to the tail's tokens). A no-op (`None`)
+    /// for other groups, as vLLM's base method.
+    ///
+    /// # Complexity
+    /// O(1).
+    pub fn finalize_partial_tail_offload(
+        &mut self,
+        h: Slot,
+        num_computed: i64,
+        num_in_flight: i64,
+    ) -> Option<(BlockId, u32)> {
+        let KindState::MambaAlign(st) = &mut self.kind_state else { return None };
+        let slot = st.producer.get_mut(h as usize)?;
+        let (block, tokens, _) = std::mem::replace(slot, (NULL_BLOCK, 0, 0));
+        (tokens > 0 && num_in_flight == 0 && num_computed == tokens as i64).then_some((block, tokens))
+    }
+
     /// Hit-aware: records the junction `h`'s lookup found shared with another request or
     /// pinned (0: none; not a first-sighting guess), where other requests branch off.
     pub fn set_align_junction(&mut self, h: Slot, pos: u32) {
