@@ -869,8 +869,8 @@ impl SingleTypeManager {
             block_size: hash_block_size,
             parent: if nh > 1 { Some(hashes[nh - 2]) } else { None },
         };
-        // Another key at or past this position (a rewritten hash list) would be a second
-        // key in vLLM: not served, and never reached through the scheduler.
+        // vLLM's `cache_partial_block`: a key for fewer tokens is replaced, one for more
+        // (a rewritten hash list) keeps this one as a second key; `None` for the null block.
         let Some(key) = pool.cache_partial_block(&one, false) else { return };
         if num_tokens % bs != 0 {
             // A partial tail on the running state block, which the next forward overwrites:
