@@ -167,7 +167,6 @@ impl SecondKeys {
 
     /// The earliest-keyed block under `key`: `primary` (the index's, stamped in `seq`) or
     /// the first block holding it as a second key.
-    #[inline]
     fn earliest(&self, key: &HashKey, primary: Option<BlockId>, seq: &[u64]) -> Option<BlockId> {
         match (primary, self.by_key.get(key).and_then(|v| v.first())) {
             (Some(p), Some(&(s, b))) => Some(if s < seq[p as usize] { b } else { p }),
@@ -202,6 +201,10 @@ pub struct BlockPool {
     seq: Vec<u64>,
     /// The next insertion's `seq`.
     next_seq: u64,
+    /// Stamp every key's insertion in `seq` (partial hash hits, where second keys are common;
+    /// see [`Self::set_stamp_keys`]). Off, only second keys are stamped and a block's own key
+    /// counts as older than any second key (one random write less per cached block).
+    stamp_keys: bool,
     /// Second keys (vLLM's `cached_block_hashes_by_block`): a block keyed for a longer
     /// prefix that is also keyed at a partial boundary inside it (with partial hash hits:
     /// a prompt's tail block, promoted to its full key, keeps its partial key). Empty
@@ -269,6 +272,7 @@ impl BlockPool {
             index,
             seq: try_filled(n, 0).map_err(oom("block hashes"))?,
             next_seq: 0,
+            stamp_keys: false,
             second: SecondKeys::default(),
             enable_caching,
             enable_events,
@@ -427,13 +431,20 @@ impl BlockPool {
         for &g in groups {
             let key = (*hash, g);
             let first = self.index.get_one(&key);
-            let first = if self.second.is_empty() { first } else { self.second.earliest(&key, first, &self.seq) };
+            let first = if self.second.is_empty() { first } else { self.earliest_with_second(&key, first) };
             match first {
                 Some(b) => out.push(b),
                 None => return false,
             }
         }
         true
+    }
+
+    /// [`SecondKeys::earliest`], out of the lookup's line (only partial hash hits reach it).
+    #[cold]
+    #[inline(never)]
+    fn earliest_with_second(&self, key: &HashKey, primary: Option<BlockId>) -> Option<BlockId> {
+        self.second.earliest(key, primary, &self.seq)
     }
 
     /// Whether `b` is cached under `key`, as its key or a second key (vLLM's
@@ -452,7 +463,7 @@ impl BlockPool {
                 let Some(own) = self.index.key_of(b) else {
                     return Err(format!("block {b} holds a second key but no key"));
                 };
-                if own == key || seq <= self.seq[b as usize] {
+                if own == key || (self.stamp_keys && seq <= self.seq[b as usize]) {
                     return Err(format!("block {b}: second key {key:?} is its key or older than it"));
                 }
                 if !self.second.by_block.get(&b).is_some_and(|ks| ks.contains(key)) {
@@ -469,9 +480,17 @@ impl BlockPool {
     /// Keys `b` (which holds no key) under `key` in the index, stamping its insertion order.
     #[inline]
     fn insert_key(&mut self, key: HashKey, b: BlockId) {
-        self.seq[b as usize] = self.next_seq;
-        self.next_seq += 1;
+        if self.stamp_keys {
+            self.seq[b as usize] = self.next_seq;
+            self.next_seq += 1;
+        }
         self.index.insert(key, b);
+    }
+
+    /// Stamps every key's insertion order (the allocator turns it on with partial hash hits,
+    /// where a block's own key and other blocks' second keys share keys).
+    pub(crate) fn set_stamp_keys(&mut self, on: bool) {
+        self.stamp_keys = on;
     }
 
     /// Pops `n` blocks from the front of the free queue, evicting their cached hashes,
@@ -1083,6 +1102,7 @@ mod tests {
             parent: None,
         };
         let mut p = BlockPool::new(4, true, false);
+        p.set_stamp_keys(true);
         let mut got = Vec::new();
         p.get_new_blocks(2, &mut got);
         let (a, b) = (got[0], got[1]);

@@ -129,7 +129,7 @@ impl Allocator {
         let Some(bs) = self.managers.iter().filter(|m| m.is_mamba_align()).map(|m| m.block_size()).max() else {
             return 0;
         };
-        let align = self.cfg.cache_hit_alignment_tokens() as u64;
+        let align = self.hit_alignment as u64;
         let mut stop = bs as u64;
         while stop <= max_len as u64 {
             if stop > after as u64 && stop % align == 0 {

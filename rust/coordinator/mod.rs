@@ -125,6 +125,10 @@ pub struct Allocator {
     scratch_probe: Vec<Vec<BlockId>>,
     /// The hashes the last sync dropped (put back when the call fails).
     undo_tail: Vec<BlockHash>,
+    /// [`Config::partial_hash_hits`], computed once (it walks the groups).
+    partial_hash_hits: bool,
+    /// [`Config::cache_hit_alignment_tokens`], computed once.
+    hit_alignment: u32,
 }
 
 impl Allocator {
@@ -140,6 +144,7 @@ impl Allocator {
         let leveled = policy == Policy::HitAware && caching;
         let mut pool = BlockPool::try_new_leveled(cfg.num_blocks, caching, cfg.enable_events, leveled)?;
         pool.set_residency_log(cfg.residency_log);
+        pool.set_stamp_keys(cfg.partial_hash_hits());
         let align = cfg.cache_hit_alignment_tokens();
         let managers = cfg
             .groups
@@ -194,6 +199,8 @@ impl Allocator {
             scratch_hashes: Vec::new(),
             scratch_probe: vec![Vec::new(); n],
             undo_tail: Vec::new(),
+            partial_hash_hits: cfg.partial_hash_hits(),
+            hit_alignment: align,
             cfg,
         })
     }
