@@ -167,7 +167,6 @@ impl SecondKeys {
 
     /// The earliest-keyed block under `key`: `primary` (the index's, stamped in `seq`) or
     /// the first block holding it as a second key.
-    #[inline]
     fn earliest(&self, key: &HashKey, primary: Option<BlockId>, seq: &[u64]) -> Option<BlockId> {
         match (primary, self.by_key.get(key).and_then(|v| v.first())) {
             (Some(p), Some(&(s, b))) => Some(if s < seq[p as usize] { b } else { p }),
@@ -202,6 +201,10 @@ pub struct BlockPool {
     seq: Vec<u64>,
     /// The next insertion's `seq`.
     next_seq: u64,
+    /// Stamp every key's insertion in `seq` (partial hash hits, where second keys are common;
+    /// see [`Self::set_stamp_keys`]). Off, only second keys are stamped and a block's own key
+    /// counts as older than any second key (one random write less per cached block).
+    stamp_keys: bool,
     /// Second keys (vLLM's `cached_block_hashes_by_block`): a block keyed for a longer
     /// prefix that is also keyed at a partial boundary inside it (with partial hash hits:
     /// a prompt's tail block, promoted to its full key, keeps its partial key). Empty
@@ -269,6 +272,7 @@ impl BlockPool {
             index,
             seq: try_filled(n, 0).map_err(oom("block hashes"))?,
             next_seq: 0,
+            stamp_keys: false,
             second: SecondKeys::default(),
             enable_caching,
             enable_events,
@@ -427,7 +431,7 @@ impl BlockPool {
         for &g in groups {
             let key = (*hash, g);
             let first = self.index.get_one(&key);
-            let first = if self.second.is_empty() { first } else { self.second.earliest(&key, first, &self.seq) };
+            let first = if self.second.is_empty() { first } else { self.earliest_with_second(&key, first) };
             match first {
                 Some(b) => out.push(b),
                 None => return false,
@@ -436,18 +440,57 @@ impl BlockPool {
         true
     }
 
+    /// [`SecondKeys::earliest`], out of the lookup's line (only partial hash hits reach it).
+    #[cold]
+    #[inline(never)]
+    fn earliest_with_second(&self, key: &HashKey, primary: Option<BlockId>) -> Option<BlockId> {
+        self.second.earliest(key, primary, &self.seq)
+    }
+
     /// Whether `b` is cached under `key`, as its key or a second key (vLLM's
     /// `cached_block_hash_to_block.contain`).
     pub fn holds_key(&self, b: BlockId, key: &HashKey) -> bool {
         self.index.key_of(b) == Some(key) || self.second.contains(key, b)
     }
 
+    /// Invariant checks of the second keys: each held by a keyed block under a key other than
+    /// its own, listed the same way by key and by block, and stamped after the block's key.
+    pub(crate) fn check_second_keys(&self) -> std::result::Result<(), String> {
+        let mut n = 0;
+        for (key, v) in &self.second.by_key {
+            for &(seq, b) in v {
+                n += 1;
+                let Some(own) = self.index.key_of(b) else {
+                    return Err(format!("block {b} holds a second key but no key"));
+                };
+                if own == key || (self.stamp_keys && seq <= self.seq[b as usize]) {
+                    return Err(format!("block {b}: second key {key:?} is its key or older than it"));
+                }
+                if !self.second.by_block.get(&b).is_some_and(|ks| ks.contains(key)) {
+                    return Err(format!("block {b}: second key {key:?} missing from its block's list"));
+                }
+            }
+        }
+        if n != self.second.by_block.values().map(Vec::len).sum::<usize>() {
+            return Err("second keys listed by key and by block differ".into());
+        }
+        Ok(())
+    }
+
     /// Keys `b` (which holds no key) under `key` in the index, stamping its insertion order.
     #[inline]
     fn insert_key(&mut self, key: HashKey, b: BlockId) {
-        self.seq[b as usize] = self.next_seq;
-        self.next_seq += 1;
+        if self.stamp_keys {
+            self.seq[b as usize] = self.next_seq;
+            self.next_seq += 1;
+        }
         self.index.insert(key, b);
+    }
+
+    /// Stamps every key's insertion order (the allocator turns it on with partial hash hits,
+    /// where a block's own key and other blocks' second keys share keys).
+    pub(crate) fn set_stamp_keys(&mut self, on: bool) {
+        self.stamp_keys = on;
     }
 
     /// Pops `n` blocks from the front of the free queue, evicting their cached hashes,
@@ -1000,6 +1043,79 @@ mod tests {
             ]
         );
         assert!(!p.has_residency_log());
+    }
+
+    #[test]
+    fn partial_key_promoted_then_kept_as_a_second_key_until_eviction() {
+        // One block of 64 tokens, hashed every 16 (hash i covers (i + 1) * 16 tokens).
+        let h = |i: u64| BlockHash::from_u64(i);
+        let one = |b: BlockId, i: u32| OneBlock {
+            req: 0,
+            block: b,
+            index: i,
+            key: (h(i as u64), 0),
+            num_tokens: (i + 1) * 16,
+            block_size: 16,
+            parent: (i > 0).then(|| h(i as u64 - 1)),
+        };
+        let mut p = BlockPool::new(3, true, true);
+        let mut got = Vec::new();
+        p.get_new_blocks(1, &mut got);
+        let b = got[0];
+        // A partial key at 48 tokens, then the block fills: promoted (the partial key leaves).
+        assert_eq!(p.cache_partial_block(&one(b, 2), false), Some((h(2), 0)));
+        assert_eq!(p.block_hash_num_tokens(b), 48);
+        p.cache_full_blocks(&TableRef { req: 0, group: 0, block_size: 64, blocks: &got }, 0..1, None, |_| h(3));
+        assert_eq!(p.block_hash_num_tokens(b), 64);
+        let ev = p.take_events();
+        assert!(matches!(ev[..], [Event::Stored { .. }, Event::Removed { .. }, Event::Stored { .. }]), "{ev:?}");
+        // Keyed again at 48: a second key beside the full one; both find the block.
+        assert_eq!(p.cache_partial_block(&one(b, 2), false), Some((h(2), 0)));
+        assert_eq!(p.block_hash(b), Some(&(h(3), 0)));
+        assert!(p.holds_key(b, &(h(2), 0)) && p.holds_key(b, &(h(3), 0)));
+        let mut hit = Vec::new();
+        assert!(p.get_cached_block(&h(2), &[0], &mut hit) && hit == vec![b]);
+        assert_eq!(p.take_events().len(), 1);
+        // Again: already held, no event.
+        p.cache_partial_block(&one(b, 2), false);
+        assert!(p.take_events().is_empty());
+        // Evicting the block drops both keys, each with its event.
+        p.free_blocks([b]);
+        p.evict_blocks(&[b]);
+        assert_eq!(
+            p.take_events(),
+            vec![Event::Removed { hash: h(3), group: 0 }, Event::Removed { hash: h(2), group: 0 }]
+        );
+        assert!(!p.get_cached_block(&h(2), &[0], &mut hit));
+    }
+
+    #[test]
+    fn second_key_lookup_returns_the_earliest_keyed_block() {
+        let h = |i: u64| BlockHash::from_u64(i);
+        let one = |b: BlockId| OneBlock {
+            req: 0,
+            block: b,
+            index: 0,
+            key: (h(7), 0),
+            num_tokens: 16,
+            block_size: 16,
+            parent: None,
+        };
+        let mut p = BlockPool::new(4, true, false);
+        p.set_stamp_keys(true);
+        let mut got = Vec::new();
+        p.get_new_blocks(2, &mut got);
+        let (a, b) = (got[0], got[1]);
+        // `a` holds key 7 as a second key (keyed for 64 tokens first), then `b` as its key.
+        p.cache_full_blocks(&TableRef { req: 0, group: 0, block_size: 64, blocks: &[a] }, 0..1, None, |_| h(1));
+        p.cache_partial_block(&one(a), false);
+        p.cache_partial_block(&one(b), false);
+        let mut hit = Vec::new();
+        assert!(p.get_cached_block(&h(7), &[0], &mut hit));
+        assert_eq!(hit, vec![a], "vLLM's dict order: the earliest entry");
+        p.evict_blocks(&[a]);
+        assert!(p.get_cached_block(&h(7), &[0], &mut hit));
+        assert_eq!(hit, vec![b]);
     }
 
     #[test]

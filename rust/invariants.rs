@@ -66,6 +66,7 @@ pub fn check(a: &Allocator) -> Result<(), String> {
             return Err(format!("index maps a key to block {b}, whose hash differs"));
         }
     }
+    pool.check_second_keys()?;
     for h in a.live_handles() {
         let s = (h & 0xFFFF_FFFF) as crate::ids::Slot;
         let slots = a.noop_limits(h).map_err(|e| e.to_string())?.slots;

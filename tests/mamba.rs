@@ -444,3 +444,106 @@ fn take_boundary_state_offloads_hands_each_keyed_state_once_and_drops_a_freed_re
     assert!(a.take_boundary_state_offloads().is_empty());
     ok(&a);
 }
+
+#[test]
+fn partial_hash_hits_copy_the_shared_tail_blocks_on_write_and_move_a_running_tail_key() {
+    // Full attention and Mamba "align" at two hash blocks each: vLLM's partial hash hits.
+    let mut a = Allocator::new(
+        config(&[(AttentionKind::Full, 2 * BS), (mamba(true, 0), 2 * BS)], 64, true, false),
+        Policy::Exact,
+    )
+    .unwrap();
+    assert!(a.config().partial_hash_hits());
+    // r1: a prompt of 3 hash blocks and a token; its first chunk ends at the prompt's last
+    // hash boundary (48 tokens, inside block 1): both groups key block 1 there.
+    let r1 = add(&mut a, 3 * BS + 1, 11);
+    a.allocate_slots(r1, &args(3 * BS, 0, 3 * BS + 1, 3 * BS + 1), NewComputed::Empty, None).unwrap().unwrap();
+    let (fa1, st1) = (table(&a, r1, 0), table(&a, r1, 1));
+    assert_eq!(a.pool().block_hash_num_tokens(fa1[1]), 3 * BS);
+    assert_eq!(a.pool().block_hash_num_tokens(st1[1]), 3 * BS);
+    assert!(a.take_kv_cache_block_copies().is_empty());
+    a.new_step_starts();
+    // r2 shares those 48 tokens: a hit ending inside block 1 in both groups.
+    let r2 = add(&mut a, 4 * BS + 1, 11);
+    let hit = a.find_longest_cache_hit(r2, 4 * BS).unwrap();
+    assert_eq!(hit.num_tokens, 3 * BS);
+    assert_eq!(a.stored_hit(r2, 0).unwrap(), &fa1[..2]);
+    assert_eq!(a.stored_hit(r2, 1).unwrap(), &[NULL_BLOCK, st1[1]]);
+    let free = a.num_free_blocks();
+    let mut x = args(BS + 1, 0, 4 * BS + 1, 4 * BS + 1);
+    x.num_new_computed_tokens = 3 * BS;
+    a.allocate_slots(r2, &x, NewComputed::Stored, None).unwrap().unwrap();
+    // Each group's shared tail block is replaced by a private copy; both ends of each copy
+    // hold one more reference until given back.
+    let (fa2, st2) = (table(&a, r2, 0), table(&a, r2, 1));
+    assert_eq!(fa2[0], fa1[0]);
+    assert!(fa2[1] != fa1[1] && st2[1] != st1[1]);
+    let copies = a.take_kv_cache_block_copies();
+    assert_eq!(copies, vec![fa1[1], fa2[1], st1[1], st2[1]]);
+    assert_eq!(a.pool().ref_cnt(fa1[1]), 2, "r1's table and the copy's source");
+    assert_eq!(a.pool().ref_cnt(fa2[1]), 2, "r2's table and the copy's destination");
+    assert_eq!(free - a.num_free_blocks(), 4, "two copies and each group's next block");
+    a.free_block_ids(&copies).unwrap();
+    assert_eq!(a.pool().ref_cnt(fa1[1]), 1);
+    assert!(a.free_block_ids(&copies).is_err(), "a retained reference is given back once");
+    ok(&a);
+    // r1 runs on: its own partial tail (a state it overwrites next) is copied and the key
+    // moves to the copy, r1 staying on its block.
+    a.new_step_starts();
+    a.allocate_slots(r1, &args(1, 3 * BS, 3 * BS + 1, 3 * BS + 1), NewComputed::Empty, None).unwrap().unwrap();
+    let copies = a.take_kv_cache_block_copies();
+    assert_eq!(copies.len(), 2);
+    assert_eq!(copies[0], st1[1]);
+    assert_eq!(table(&a, r1, 1)[1], st1[1]);
+    assert_eq!(a.pool().block_hash_num_tokens(copies[1]), 3 * BS);
+    assert!(a.pool().block_hash(st1[1]).is_none());
+    a.free_block_ids(&copies).unwrap();
+    ok(&a);
+}
+
+#[test]
+fn finalize_partial_tail_offloads_returns_a_producer_tail_once_and_the_copy_on_write_hands_it_over() {
+    // Mamba blocks of 32 over a hash block of 16: partial hash hits. A 90-token prompt's last
+    // hash boundary is 80, inside its third Mamba block: the request's own running state
+    // block is keyed there (a producer's partial tail).
+    let kinds = [(AttentionKind::Full, BS), (mamba(true, 0), 2 * BS)];
+    let mut cfg = config(&kinds, 64, true, false);
+    cfg.boundary_offloads = true;
+    assert!(cfg.partial_hash_hits());
+    let mut a = Allocator::new(cfg, Policy::Exact).unwrap();
+    let r1 = add(&mut a, 90, 1);
+    a.allocate_slots(r1, &args(80, 0, 90, 90), NewComputed::Empty, None).unwrap().unwrap();
+    let tail = table(&a, r1, 1)[2];
+    assert_ne!(tail, NULL_BLOCK);
+    // Tokens in flight, or computed past or short of the tail: nothing, and the tail is
+    // popped all the same (vLLM's rule).
+    assert!(a.finalize_partial_tail_offloads(r1, 80, 1).unwrap().is_empty());
+    assert!(a.finalize_partial_tail_offloads(r1, 80, 0).unwrap().is_empty(), "popped");
+    let r2 = add(&mut a, 90, 2);
+    a.allocate_slots(r2, &args(80, 0, 90, 90), NewComputed::Empty, None).unwrap().unwrap();
+    let tail2 = table(&a, r2, 1)[2];
+    assert!(a.finalize_partial_tail_offloads(r2, 79, 0).unwrap().is_empty());
+    let r3 = add(&mut a, 90, 3);
+    a.allocate_slots(r3, &args(80, 0, 90, 90), NewComputed::Empty, None).unwrap().unwrap();
+    let tail3 = table(&a, r3, 1)[2];
+    assert_eq!(a.finalize_partial_tail_offloads(r3, 80, 0).unwrap(), vec![1, tail3 as u64, 80]);
+    assert!(a.finalize_partial_tail_offloads(r3, 80, 0).unwrap().is_empty(), "once");
+    a.take_boundary_state_offloads();
+    // A fourth producer runs on: its next allocation copies the tail on write and hands the
+    // copy over as a boundary state at 80; the finish then finds nothing.
+    let r4 = add(&mut a, 90, 4);
+    a.allocate_slots(r4, &args(80, 0, 90, 90), NewComputed::Empty, None).unwrap().unwrap();
+    a.take_boundary_state_offloads();
+    a.new_step_starts();
+    a.allocate_slots(r4, &args(10, 80, 90, 90), NewComputed::Empty, None).unwrap().unwrap();
+    let copies = a.take_kv_cache_block_copies();
+    assert_eq!(copies.len(), 2);
+    assert_eq!(copies[0], table(&a, r4, 1)[2]);
+    assert_eq!(a.take_boundary_state_offloads(), vec![r4, 1, copies[1] as u64, 80]);
+    assert!(a.finalize_partial_tail_offloads(r4, 90, 0).unwrap().is_empty());
+    // An unknown handle is refused; freeing drops a tail not yet taken.
+    a.free(r2, LEVEL_NORMAL).unwrap();
+    assert!(matches!(a.finalize_partial_tail_offloads(r2, 80, 0), Err(Error::UnknownRequest(_))));
+    assert_ne!(tail, tail2);
+    ok(&a);
+}

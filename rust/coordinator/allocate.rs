@@ -289,9 +289,9 @@ impl Allocator {
             self.validate_hit(s, hit_blocks, a.num_new_computed_tokens, a.num_external_computed_tokens, explicit)?;
         }
         let num_local = a.num_computed_tokens as u64 + a.num_new_computed_tokens as u64;
+        // With partial hash hits the next allocation copies such a block on write.
+        let partial = self.partial_hash_hits && a.num_new_computed_tokens > 0;
         for (m, v) in self.managers.iter().zip(hit_blocks) {
-            // With partial hash hits the next allocation copies such a block on write.
-            let partial = self.cfg.partial_hash_hits() && a.num_new_computed_tokens > 0;
             if m.is_mamba_align() && !v.is_empty() && num_local % m.block_size() as u64 != 0 && !partial {
                 return Err(Error::OutOfRange(format!(
                     "a Mamba hit ending inside a block ({num_local} computed tokens, block size {}): \

@@ -34,7 +34,7 @@ impl Allocator {
         match self.kind {
             // vLLM's `_align_cacheable`: no rounding with partial hash hits (rounding even to
             // the hash block would re-key a privatized Mamba tail).
-            CoordinatorKind::Hybrid if self.cfg.partial_hash_hits() => num_tokens,
+            CoordinatorKind::Hybrid if self.partial_hash_hits => num_tokens,
             CoordinatorKind::Hybrid => num_tokens / self.cfg.scheduler_block_size * self.cfg.scheduler_block_size,
             _ => num_tokens,
         }
@@ -259,7 +259,7 @@ impl Allocator {
             return Err(Error::InvalidBlock(format!("block id {b} >= num_blocks {}", self.pool.num_blocks())));
         }
         self.pool.evict_blocks(ids);
-        if self.cfg.partial_hash_hits() {
+        if self.partial_hash_hits {
             // A prompt's partial tail key may have gone with its block's: vLLM keys it again
             // on the request's next caching call, which the no-op limits must not skip.
             for m in self.managers.iter_mut() {

@@ -134,7 +134,7 @@ impl Allocator {
         }
         let mut lens = vec![0u32; self.managers.len()];
         if self.kind != CoordinatorKind::NoPrefixCache {
-            let align = self.cfg.cache_hit_alignment_tokens();
+            let align = self.hit_alignment;
             let hashes = &self.reqs[s as usize].hashes;
             let mut tmp = std::mem::take(&mut self.scratch_spec);
             for sg in &self.spec_groups {
@@ -216,7 +216,7 @@ impl Allocator {
         tmp: &mut [Vec<BlockId>],
     ) -> Hit {
         let ng = self.managers.len();
-        let align = self.cfg.cache_hit_alignment_tokens();
+        let align = self.hit_alignment;
         let mut hit_length = max_len;
         let mut longest = 0u32;
         let mut computed = 0u64; // bitset of groups with a result
@@ -334,7 +334,7 @@ impl Allocator {
     ) -> Result<()> {
         let ng = self.managers.len();
         let may_lag = num_external_computed_tokens > 0 && self.per_group_hit_group().is_some();
-        let partial_hits = self.cfg.partial_hash_hits();
+        let partial_hits = self.partial_hash_hits;
         if hit_blocks.len() != ng {
             return Err(Error::OutOfRange(format!("{} hit groups given, the config has {ng}", hit_blocks.len())));
         }

@@ -56,7 +56,7 @@ impl Allocator {
     ) -> Hit {
         let mut junction = self.pinned_junction(s, max_cache_hit_length);
         let mut known = res.num_tokens + res.num_uncached_common_prefix_tokens;
-        if self.pool.is_leveled() && self.cfg.partial_hash_hits() {
+        if self.pool.is_leveled() && self.partial_hash_hits {
             // Where another prompt looked up before branched off this one, to the hash block:
             // a junction inside a block, which the scheduler stops at (our manager sets
             // `mamba_shared_prefix_checkpoint`), so its state and the full-attention blocks
@@ -188,7 +188,7 @@ impl Allocator {
         let Some(bs) = self.managers.iter().filter(|m| m.is_mamba_align()).map(|m| m.block_size()).max() else {
             return 0;
         };
-        let align = self.cfg.cache_hit_alignment_tokens() as u64;
+        let align = self.hit_alignment as u64;
         let mut stop = bs as u64;
         while stop <= max_len as u64 {
             if stop > after as u64 && stop % align == 0 {

@@ -128,6 +128,10 @@ pub struct Allocator {
     /// Hit-aware with partial hash hits: the hash-block prefixes of the prompts looked up so
     /// far (see [`junctions`]), bounded by [`junctions::MAX_SIGHTINGS`].
     sightings: rustc_hash::FxHashMap<BlockHash, bool>,
+    /// [`Config::partial_hash_hits`], computed once (it walks the groups).
+    partial_hash_hits: bool,
+    /// [`Config::cache_hit_alignment_tokens`], computed once.
+    hit_alignment: u32,
 }
 
 impl Allocator {
@@ -143,6 +147,7 @@ impl Allocator {
         let leveled = policy == Policy::HitAware && caching;
         let mut pool = BlockPool::try_new_leveled(cfg.num_blocks, caching, cfg.enable_events, leveled)?;
         pool.set_residency_log(cfg.residency_log);
+        pool.set_stamp_keys(cfg.partial_hash_hits());
         let align = cfg.cache_hit_alignment_tokens();
         let managers = cfg
             .groups
@@ -198,6 +203,8 @@ impl Allocator {
             scratch_probe: vec![Vec::new(); n],
             undo_tail: Vec::new(),
             sightings: Default::default(),
+            partial_hash_hits: cfg.partial_hash_hits(),
+            hit_alignment: align,
             cfg,
         })
     }
@@ -256,6 +263,31 @@ impl Allocator {
             m.take_boundary_offloads(&mut out);
         }
         out
+    }
+
+    /// vLLM's `KVCacheManager.finalize_partial_tail_offloads` when `h` finishes (a KV
+    /// producer's connector, before the free): each group's producer partial tail (see
+    /// [`SingleTypeManager::finalize_partial_tail_offload`]) is popped, and those still
+    /// holding the request's last state (`num_computed` equal to the tail's tokens and
+    /// `num_in_flight` 0, compared as vLLM compares them) come back as flat
+    /// `[group, block, boundary tokens]` triples, group by group.
+    ///
+    /// # Errors
+    /// Unknown handle (checked before any change).
+    pub fn finalize_partial_tail_offloads(
+        &mut self,
+        h: ReqHandle,
+        num_computed: i64,
+        num_in_flight: i64,
+    ) -> Result<Vec<u64>> {
+        let s = self.slot(h)?;
+        let mut out = Vec::new();
+        for m in self.managers.iter_mut() {
+            if let Some((block, tokens)) = m.finalize_partial_tail_offload(s, num_computed, num_in_flight) {
+                out.extend([m.group_id as u64, block as u64, tokens as u64]);
+            }
+        }
+        Ok(out)
     }
 
     /// Drains the copy-on-write copies queued since the last call (vLLM's

@@ -12,11 +12,13 @@
 //! the request's blocks go back to the pool (`pop_blocks_for_free`, so also `free` and a
 //! preemption), and the scheduler drains them once per step.
 //!
-//! Served configurations never reach vLLM's other two sources, both of sub-block partial
-//! keys (a Mamba block larger than the hash block, which `Config::validate` refuses): the
-//! copy-on-write copy of a producer's partial tail, and `finalize_partial_tail_offload`'s
-//! producer tail (`_producer_partial_tail_reqs` is only set for a key ending inside its
-//! block), so vLLM's `finalize_partial_tail_offloads` returns nothing for them either.
+//! vLLM's two other sources come from sub-block partial keys (partial hash hits: a Mamba
+//! block larger than the hash block): a producer's partial tail (the prompt's last hash
+//! boundary keyed inside its own running state block, `AlignState::producer`) is recorded
+//! here by the copy-on-write that preserves it (the copy, with the tail's tokens: see
+//! `align_allocate_new_blocks`), or, when the request finishes before its next allocation,
+//! returned by `finalize_partial_tail_offload` (`rust/manager/mamba.rs`). Without sub-block
+//! keys neither source has anything.
 //!
 //! Recorded only when [`crate::Config::boundary_offloads`] is on (the adapter turns it on
 //! with a KV connector: without one the scheduler drains vLLM's list and reads nothing).

@@ -16,8 +16,11 @@
 //! real; every block before them is null. At each block boundary the running state block
 //! is cached under the prefix hash of that boundary, so a later request can resume from
 //! it. A hit is the *last* cached boundary state (`[null] * i + [block]`). Served here: a
-//! Mamba block size equal to the hash block size (no sub-block "partial" hits, no
-//! copy-on-write; the adapter falls back for those with the reason), with or without prefill
+//! Mamba block size equal to the hash block size, or larger with vLLM's partial hash hits
+//! (`--prefix-match-unit`, [`crate::Config::partial_hash_hits`]: the hit is the last cached
+//! hash-block boundary, inside a block or not; a hit inside a block is copied on write by the
+//! next allocation, and the prompt's last hash boundary is keyed inside its block, its key
+//! moving to a copy before the request's next forward overwrites it), with or without prefill
 //! checkpoint blocks (vLLM's `MambaMixer2` always has them): a prefill chunk spanning more than
 //! one block past its initial state reserves one more block, just before the running state
 //! block, where the worker exports the state at the chunk's last cacheable boundary;
@@ -177,7 +180,8 @@ impl KindRules for MambaAlign {
         if g.block_size != cfg.hash_block_size && !cfg.partial_hash_hits() {
             return Err(Error::Unsupported(format!(
                 "group {i}: Mamba block size {} over hash block size {} in cache mode \"align\" \
-                 (sub-block partial hits with copy-on-write)",
+                 with partial hash hits off (another group's block is over the hash block and is \
+                 not looked up at hash granularity)",
                 g.block_size, cfg.hash_block_size
             )));
         }
@@ -802,6 +806,26 @@ impl SingleTypeManager {
         self.align().junction.get(h as usize).copied().unwrap_or(0)
     }
 
+    /// vLLM's `MambaManager.finalize_partial_tail_offload` when `h` finishes: pops the
+    /// producer tail `h` keyed on its running state block (none once a copy-on-write took it
+    /// over), and returns `(block, tokens)` only when no token past it was forwarded
+    /// (`num_in_flight` 0 and `num_computed` equal to the tail's tokens). A no-op (`None`)
+    /// for other groups, as vLLM's base method.
+    ///
+    /// # Complexity
+    /// O(1).
+    pub fn finalize_partial_tail_offload(
+        &mut self,
+        h: Slot,
+        num_computed: i64,
+        num_in_flight: i64,
+    ) -> Option<(BlockId, u32)> {
+        let KindState::MambaAlign(st) = &mut self.kind_state else { return None };
+        let slot = st.producer.get_mut(h as usize)?;
+        let (block, tokens, _) = std::mem::replace(slot, (NULL_BLOCK, 0, 0));
+        (tokens > 0 && num_in_flight == 0 && num_computed == tokens as i64).then_some((block, tokens))
+    }
+
     /// Hit-aware: records the junction `h`'s lookup found shared with another request or
     /// pinned (0: none; not a first-sighting guess), where other requests branch off.
     pub fn set_align_junction(&mut self, h: Slot, pos: u32) {
@@ -857,8 +881,8 @@ impl SingleTypeManager {
             block_size: hash_block_size,
             parent: if nh > 1 { Some(hashes[nh - 2]) } else { None },
         };
-        // Another key at or past this position (a rewritten hash list) would be a second
-        // key in vLLM: not served, and never reached through the scheduler.
+        // vLLM's `cache_partial_block`: a key for fewer tokens is replaced, one for more
+        // (a rewritten hash list) keeps this one as a second key; `None` for the null block.
         let Some(key) = pool.cache_partial_block(&one, false) else { return };
         if num_tokens % bs != 0 {
             // A partial tail on the running state block, which the next forward overwrites:

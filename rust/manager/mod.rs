@@ -274,9 +274,9 @@ impl SingleTypeManager {
     /// Takes the pending partial hit of `h`.
     #[inline]
     pub(crate) fn take_partial_hit(&mut self, h: Slot) -> Option<(u32, BlockId)> {
-        let p = self.partial_hit(h);
+        let p = self.partial_hit(h)?;
         self.partial_hit[h as usize] = (NO_PARTIAL, NULL_BLOCK);
-        p
+        Some(p)
     }
 
     /// vLLM's `_apply_cow`: `h`'s table slot `idx` (holding `source`) now holds `cow`; the

@@ -242,6 +242,23 @@ impl PyAllocator {
         Ok(core(slf)?.take_moved_junction(handle_arg(handle)?)?.unwrap_or(0))
     }
 
+    /// vLLM's `finalize_partial_tail_offloads` for a finishing request: pops each Mamba
+    /// "align" group's producer partial tail and returns those still holding the request's
+    /// last state, as flat `[group, block_id, boundary_tokens, ...]`.
+    fn finalize_partial_tail_offloads<'py>(
+        slf: &Bound<'py, Self>,
+        handle: i64,
+        num_computed_tokens: i64,
+        num_in_flight_tokens: i64,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let flat = core(slf)?.finalize_partial_tail_offloads(
+            handle_arg(handle)?,
+            num_computed_tokens,
+            num_in_flight_tokens,
+        )?;
+        PyList::new(slf.py(), flat)
+    }
+
     /// Records the request's blocks from token `start_token` on for zeroing again (vLLM's
     /// `record_blocks_for_zeroing`).
     fn record_blocks_for_zeroing(slf: &Bound<'_, Self>, handle: i64, start_token: i64) -> PyResult<()> {

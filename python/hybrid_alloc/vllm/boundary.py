@@ -1,4 +1,4 @@
-"""Mamba "align" boundary-state offloads for a KV connector (vLLM 0.32.0 and 0.33.0).
+"""Mamba "align" boundary-state offloads for a KV connector (vLLM 0.32.0, 0.33.0 and 0.34.0).
 
 Every step the scheduler drains ``KVCacheManager.take_boundary_state_offloads()`` into
 ``KVConnectorBlockState.boundary_state_offloads``: ``{request_id: [(group_id, block_id,
@@ -11,11 +11,13 @@ its blocks go back to the pool, as vLLM's ``MambaManager.pop_blocks_for_free`` d
 ``rust/manager/boundary.rs``. :class:`BoundaryOffloads` takes them (one crossing: flat
 ``[handle, group, block, tokens, ...]``) and names each request by its id.
 
-``finalize_partial_tail_offloads`` has nothing to return: vLLM's returns a producer's partial
-tail only for a boundary key ending inside its Mamba block (a Mamba block larger than the hash
-block, with sub-block partial hits), a configuration the core refuses (it falls back), and
-the copy-on-write entries of ``take_boundary_state_offloads`` come from the same sub-block
-hits.
+With sub-block partial hash hits (``--prefix-match-unit`` below the Mamba block size) the
+prompt's last hash boundary may be keyed inside the request's own running state block (a
+producer's partial tail): the copy-on-write that preserves it at the request's next allocation
+appends the copy to the same entries (with the tail's tokens), and when the request finishes
+first, ``HybridKVCacheManager.finalize_partial_tail_offloads`` returns the block itself (the
+core's ``finalize_partial_tail_offloads``, one crossing; vLLM's rule: nothing forwarded past
+the tail). Without sub-block keys it returns ``[]``, as vLLM's.
 """
 
 from __future__ import annotations

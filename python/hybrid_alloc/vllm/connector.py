@@ -42,8 +42,11 @@ NixlConnector (its variants) and the OffloadingConnector, alone or under MultiCo
 them only. With Mamba layers NixlConnector's local hit is vLLM's per-group one
 (:mod:`.connector_hits`) and it reads no boundary-state offloads; the OffloadingConnector reads
 the boundary states the manager keys in Mamba "align" groups (``take_boundary_state_offloads``,
-see :mod:`.boundary`); a producer's ``finalize_partial_tail_offloads`` is ``[]`` in vLLM for
-every configuration served (a partial tail needs a Mamba block larger than the hash block).
+see :mod:`.boundary`). With sub-block partial hash hits (``--prefix-match-unit`` below the
+Mamba block size) both are served too: a local hit ending inside a block (which the scheduler
+may trim with ``truncate_computed_blocks`` when the connector's hit is longer), the copy-on-write
+hand-off of a producer's partial tail among the boundary states, and a finishing producer's
+``finalize_partial_tail_offloads`` (:mod:`.boundary`).
 
 vLLM 0.34 changes what reaches the manager with a connector, all served with nothing more to
 check here (``tests/python/parity/test_connector_lookahead.py`` compares each with vLLM's manager):

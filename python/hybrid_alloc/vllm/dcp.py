@@ -18,8 +18,9 @@ Served: sharded ``FullAttentionSpec`` / ``MLAAttentionSpec`` groups, and replica
 - a sharded group of any other kind: vLLM's hybrid coordinator asserts ("DCP with hybrid KV
   cache layouts only supports full-attention, Mamba, and replicated draft groups"), and with
   one group its sliding-window / chunked-local lookups assert on the scaled hash size;
-- a Mamba group: vLLM turns on sub-block partial hash hits under DCP once the Mamba block is
-  no larger than the hash block (``partial_hash_hits_enabled``), which the core does not serve;
+- a Mamba group: vLLM's own ``MambaManager.find_longest_cache_hit`` asserts
+  ``dcp_world_size == 1`` (0.32-0.34: "DCP not support mamba now."), so its first prefix-cache
+  lookup would fail; vLLM's manager keeps that behaviour;
 - ``pcp_world_size > 1``: the scheduler of these releases passes 1 (prefill context
   parallelism never reaches the manager); the guard names it rather than guess.
 
@@ -56,8 +57,8 @@ def group_block_sizes(kv_cache_config: Any, dcp_world_size: Any, pcp_world_size:
             sizes.append(spec.block_size)
         elif isinstance(spec, MambaSpec):
             raise Unsupported(
-                f"decode context parallelism {dcp_world_size} with a Mamba group (group {i}: vLLM turns on "
-                "sub-block partial hash hits under DCP)"
+                f"decode context parallelism {dcp_world_size} with a Mamba group (group {i}: vLLM's Mamba "
+                "manager asserts DCP 1 on a prefix-cache lookup)"
             )
         elif not spec.dcp_sharded:
             sizes.append(spec.block_size)  # replicated: vLLM's manager keeps the spec's size

@@ -584,8 +584,17 @@ class HybridKVCacheManager:
         return {} if self._boundary is None else self._boundary.take()
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        # Only for sub-block partial keys, which fall back (see ``.boundary``).
-        return []
+        """vLLM's ``finalize_partial_tail_offloads`` (a KV producer's connector, before the
+        request's free): the producer partial tails (a sub-block key on the request's own
+        running state block) still holding its last state, ``(group_id, block_id,
+        boundary_tokens)``; each group's tail is popped either way. One crossing."""
+        st = self._reqs.get(request.request_id)
+        if st is None or not self._partial_hash_hits:
+            return []
+        flat = self._alloc.finalize_partial_tail_offloads(
+            st.handle, request.num_computed_tokens, request.num_in_flight_tokens
+        )
+        return [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
 
     def new_step_starts(self) -> None:
         self._alloc.new_step_starts()

@@ -59,11 +59,6 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
     if not groups:
         raise Unsupported("no KV cache groups (attention-free model)")
     partial = a.enable_caching and partial_hash_hits_enabled(kvc.kv_cache_groups, a.hash_block_size, a.dcp_world_size)
-    if partial and getattr(vllm_config, "kv_transfer_config", None) is not None:
-        raise Unsupported(
-            "a KV connector with partial hash hits (--prefix-match-unit below the Mamba block size: "
-            "the connector's partial tails and copy-on-write offloads are not served yet)"
-        )
     native: dict[str, Any] = dict(
         num_blocks=kvc.num_blocks,
         groups=groups,

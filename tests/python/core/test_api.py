@@ -118,7 +118,21 @@ def test_unknown_request_and_double_free_raise() -> None:
         a.block_ids(12345)
     with pytest.raises(ha.UnknownRequestError):
         a.free(-1)
+    with pytest.raises(ha.UnknownRequestError):
+        a.finalize_partial_tail_offloads(r, 16, 0)
     unchanged(a, [], snap)
+
+
+def test_finalize_partial_tail_offloads_without_a_tail_is_empty() -> None:
+    """No Mamba "align" group keyed a partial tail: nothing, whatever the counts (vLLM compares
+    them, it does not check them), and nothing changes."""
+    a = alloc()
+    r = a.add_request()
+    allocate(a, r, 20)
+    snap = snapshot(a, [r])
+    for computed, in_flight in ((20, 0), (0, 0), (-1, -1), (2**62, 3)):
+        assert a.finalize_partial_tail_offloads(r, computed, in_flight) == []
+    unchanged(a, [r], snap)
 
 
 def test_c7_stale_handle_is_refused_not_aliased() -> None:

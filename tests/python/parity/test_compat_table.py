@@ -231,6 +231,14 @@ def test_kv_connector_rows() -> None:
     # The OffloadingConnector with Mamba "align" groups: the boundary-state offloads.
     assert _decide(_kwargs(_specs("mamba2_align")), vllm_config=off) == (True, "")
     assert "take_boundary_state_offloads" in _cell("the native `OffloadingConnector`")
+    # Sub-block partial hash hits (``--prefix-match-unit`` below the Mamba block) with either
+    # connector, and under a hit-aware policy (falls back).
+    partial = _kwargs(_specs("gdn_partial"), hash_block_size=16, scheduler_block_size=64)
+    for conn in (off, vc(kv_connector="NixlConnector", kv_role="kv_producer")):
+        assert _decide(partial, vllm_config=conn) == (True, ""), conn
+    cell = _cell("`--prefix-match-unit` below")
+    assert cell.startswith("native") and "with or without a KV connector" in cell, cell
+    assert "finalize_partial_tail_offloads" in cell and '"with partial hash hits"' in cell, cell
 
 
 def test_routed_experts_row() -> None:

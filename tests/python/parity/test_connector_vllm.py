@@ -23,8 +23,12 @@ OffloadingConnector, ExampleConnector (no hybrid manager support: vLLM's one uni
 sync loads from folders the fake worker writes), LMCacheConnectorV1 (the ``lmcache`` package's
 scheduler side, one unified group too: hits from a real lookup server over the chunks the fake
 worker stored, ``lmcache_worker``), ``cache_blocks`` after an async load,
-``truncate_computed_blocks``, and the connectors that still fall back, with one line (with
-Mamba layers: NixlConnector as producer, the OffloadingConnector)."""
+``truncate_computed_blocks``, and the connectors that still fall back, with one line. With
+sub-block partial hash hits (``prefix_match_unit`` 8 under blocks of 16, the ``qwen_*_pmu``
+cases): the OffloadingConnector and NixlConnector as producer and as consumer, sync and async,
+with hits ending inside a block (copy-on-write copies in the SchedulerOutputs), producer partial
+tails handed over by the copy-on-write and by ``finalize_partial_tail_offloads``, and local
+sub-block tails trimmed behind a longer remote hit (``truncate_computed_blocks``)."""
 
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from typing import Any
 
 import pytest
 
-from connector_cases import CASES, QWEN_CASES, WORKLOAD_SEED, setup_case, tiny_shapes
+from connector_cases import CASES, PREFIX_MATCH_UNIT, QWEN_CASES, WORKLOAD_SEED, setup_case, tiny_shapes
 
 pytestmark = pytest.mark.vllm
 
@@ -132,7 +136,9 @@ def test_connector_scheduler_identical(case: str) -> None:
         assert ref["defer_block_free"]
         assert calls["pop_blocks_for_free"] > 0
     if CASES[case][0] == "qwen" and "offload" in CASES[case][5]:
-        _assert_boundary_lifecycles(ref)
+        _assert_boundary_lifecycles(ref, partial=case in PREFIX_MATCH_UNIT)
+    if case in PREFIX_MATCH_UNIT:
+        _assert_partial_hit_lifecycles(case, ref)
     if case in PREEMPTS:
         assert c["preempted"] > 0
     if case in PREEMPTS_WHILE_LOADING:
@@ -162,15 +168,21 @@ PREEMPTS |= {"qwen_offload", "qwen_offload_async", "qwen_multi_offload"}
 PREEMPTS_WHILE_LOADING = {"llama_consumer", "gemma_consumer_async"}
 
 
-def _assert_boundary_lifecycles(ref: dict[str, Any]) -> None:
+def _assert_boundary_lifecycles(ref: dict[str, Any], partial: bool = False) -> None:
     """What a GDN + full case claims, in vLLM's own run (ours is compared to it): vLLM's
     manager handed the OffloadingConnector boundary states (the same ones, step by step, as
     ours: ``steps[i]["boundary"]``), over several chunks of one prefill, and later requests
     loaded offloaded prefixes back (a Mamba state only reaches the CPU tier as a boundary
     state); requests finished (producer role: ``finalize_partial_tail_offloads`` called for
-    each) and were aborted while running."""
+    each) and were aborted while running. ``partial``: sub-block partial hash hits
+    (``prefix_match_unit``), whose workload is smaller; see ``_assert_partial_hit_lifecycles``."""
     c = ref["counters"]
-    assert c["boundary_states"] > 50 and c["load_jobs"] > 0 and c["recv"] > 0 and c["aborted_running"] > 0
+    assert (
+        c["boundary_states"] > (20 if partial else 50)
+        and c["load_jobs"] > 0
+        and c["recv"] > 0
+        and c["aborted_running"] > 0
+    )
     chunks: dict[str, set[int]] = {}  # request -> steps that handed over its states
     for i, step in enumerate(ref["steps"]):
         for taken in step["boundary"]:
@@ -181,10 +193,38 @@ def _assert_boundary_lifecycles(ref: dict[str, Any]) -> None:
                 assert all(sorted(g for g, _, m in entries if m == n) == [0, 1, 2] for n in bounds), entries
                 chunks.setdefault(rid, set()).add(i)
     assert max(len(s) for s in chunks.values()) >= 2, chunks
-    # vLLM hands a finishing producer's partial tail over only for a boundary key ending
-    # inside its Mamba block (sub-block partial hits, which fall back: see
-    # ``test_mamba_with_connector_falls_back_or_not``); here it returns nothing, as ours.
-    assert len(ref["finals"]) >= 20 and not any(res for _, res in ref["finals"])
+    assert len(ref["finals"]) >= 20
+    if not partial:
+        # vLLM hands a finishing producer's partial tail over only for a boundary key ending
+        # inside its Mamba block (sub-block partial hits); here it returns nothing, as ours.
+        assert not any(res for _, res in ref["finals"])
+
+
+def _assert_partial_hit_lifecycles(case: str, ref: dict[str, Any]) -> None:
+    """What a ``*_pmu`` case (GDN + full, blocks of 16, ``prefix_match_unit`` 8) claims, in
+    vLLM's run (ours is compared to it step by step): hits ending inside a block redirected by
+    copy-on-write (``kv_cache_block_copies``), producer partial tails handed to the connector by
+    the copy-on-write that preserved them (a boundary state inside its block), and requests
+    aborted right after the chunk that ends at the prompt's last hash boundary. A producer's
+    finish there returns the tail (``finalize_partial_tail_offloads``, every Mamba group) when
+    nothing is in flight (sync scheduling); a consumer trims a sub-block local tail behind a
+    longer remote hit (``truncate_computed_blocks``)."""
+    c, calls = ref["counters"], ref["calls"]
+    _, role, _, overlap, _, _ = CASES[case]
+    assert c["cow_copies"] > 10 and c["boundary_partial"] > 10, c
+    assert c["aborted_partial_tail"] > 0, c
+    finals = [res for _, res in ref["finals"]]
+    if role in ("kv_producer", "kv_both"):
+        assert finals, "a producer's finish asks for its partial tails"
+        if not overlap:
+            tails = [res for res in finals if res]
+            assert tails, "no finish found its partial tail"
+            assert all(sorted(g for g, _, _ in res) == [0, 1, 2] and len({n for _, _, n in res}) == 1 for res in tails)
+            assert all(n % 16 for res in tails for _, _, n in res)
+    else:
+        assert not finals
+    if role == "kv_consumer":
+        assert calls.get("truncate_computed_blocks", 0) > 0, calls
 
 
 def test_boundary_state_offloads_planted_bug_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -448,21 +488,23 @@ def test_mamba_connector_hit_both_ways_matches_vllm() -> None:
     assert [repr(e) for e in out["hybrid_alloc"][4]] == [repr(e) for e in ref[4]]
 
 
-@pytest.mark.parametrize("conn", ["offload", "multi_offload", "nixl", "multi_nixl_offload", "sub_block", "mode_none"])
+@pytest.mark.parametrize(
+    "conn", ["offload", "multi_offload", "nixl", "multi_nixl_offload", "sub_block", "sub_block_nixl", "mode_none"]
+)
 def test_mamba_with_connector_falls_back_or_not(conn: str, caplog: pytest.LogCaptureFixture) -> None:
     """GDN + full: the OffloadingConnector (alone or under a MultiConnector over it only),
     NixlConnector (whose scheduler asks for vLLM's per-group divergent hit) and a
-    MultiConnector over both are served natively; a prefix match unit below the Mamba block
-    (partial hash hits, served without a connector; with one, vLLM's
-    ``finalize_partial_tail_offloads`` may return a tail) falls back with one line. With prefix
+    MultiConnector over both are served natively, also with a prefix match unit below the
+    Mamba block (sub-block partial hash hits: the ``*_pmu`` cases prove them). With prefix
     caching off (Mamba cache mode "none") vLLM's OffloadingConnector refuses the hybrid."""
     from connector_driver import nixl_config
 
     case = {"multi_offload": "qwen_multi_offload", "multi_nixl_offload": "gemma_multi_offload"}.get(
         conn, "qwen_offload"
     )
-    ktc = nixl_config("kv_both") if conn == "nixl" else setup_case(case)[0].extra["kv_transfer_config"]
-    cache = {"prefix_match_unit": 8} if conn == "sub_block" else {}
+    nixl = conn in ("nixl", "sub_block_nixl")
+    ktc = nixl_config("kv_both") if nixl else setup_case(case)[0].extra["kv_transfer_config"]
+    cache = {"prefix_match_unit": 8} if conn.startswith("sub_block") else {}
     if conn == "mode_none":
         # Prefix caching off (Mamba cache mode "none"): vLLM's OffloadingConnector refuses
         # the hybrid itself; the manager's guard for that mode ("... in cache mode 'none'")
@@ -471,11 +513,7 @@ def test_mamba_with_connector_falls_back_or_not(conn: str, caplog: pytest.LogCap
             _fallback_line(caplog, ktc, "qwen", caching=False)
         return
     name, lines = _fallback_line(caplog, ktc, "qwen", **cache)
-    if conn != "sub_block":
-        assert name == "HybridKVCacheManager" and not lines, lines
-        return
-    assert name == "KVCacheManager" and len(lines) == 1, lines
-    assert "a KV connector with partial hash hits" in lines[0], lines
+    assert name == "HybridKVCacheManager" and not lines, lines
 
 
 def test_boundary_state_offloads_dropped_with_freed_blocks() -> None:

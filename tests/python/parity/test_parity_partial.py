@@ -7,10 +7,13 @@ seeded random traces (``partial_harness.PartialParityRun``): beside everything
 ``test_parity_mamba`` compares, the copy-on-write copies and retained blocks
 ``take_kv_cache_block_copies`` hands out after every allocation (the retained blocks then
 freed, as vLLM's scheduler frees them once the copy ran), and
-``coordinator.enable_partial_hash_hits``. Each trace must reach hits that end inside a block,
-copies, and partial-block prefix entries. Ours is built without a KV connector (the plugin
-falls back for a connector with partial hits), so the boundary states and finalized partial
-tails a connector is handed are compared only with ``HYBRID_ALLOC_PARTIAL_VLLM_TWICE=1``.
+``coordinator.enable_partial_hash_hits``. Ours is built with a KV connector (an
+OffloadingConnector ``kv_transfer_config``), so the boundary states a connector is handed
+(``take_boundary_state_offloads``, after every operation: the copy-on-write copies of producer
+partial tails among them) and the producer partial tails ``finalize_partial_tail_offloads``
+hands it at every finish and abort are compared too. Each trace must reach hits that end inside
+a block, copies, partial-block prefix entries, copy-on-write boundary offloads and finalized
+partial tails.
 
 ``HYBRID_ALLOC_PARITY_OPS`` sets the operations per configuration (default 100000);
 ``HYBRID_ALLOC_PARTIAL_VLLM_TWICE=1`` runs vLLM's manager on both sides (a check of the traces
@@ -58,6 +61,13 @@ def test_partial_hit_parity_random_trace(name: str) -> None:
     assert total["partial_tails"] > 0, f"{name}: no partial tail was cached"
     assert total["partial_tails_mamba"] > 0, f"{name}: no Mamba partial tail was cached"
     assert total.get("zeroed", 0) > 0
+    # A KV connector's hand-offs: boundary states (some of them producer partial tails a
+    # copy-on-write preserved, at a boundary inside the block) and, at a finish, the partial
+    # tails still holding the request's last state.
+    assert total["boundary_states"] > 0, f"{name}: no boundary-state offload"
+    assert total["boundary_partial"] > 0, f"{name}: no copy-on-write partial-tail offload"
+    assert total["finalize_calls"] > 0
+    assert total["partial_tail_offloads"] > 0, f"{name}: no finalized partial tail"
     from vllm.v1.kv_cache_interface import MambaSpec
 
     checkpoints = any(isinstance(s, MambaSpec) and s.num_prefill_checkpoint_blocks > 0 for s in setup.specs)
@@ -65,8 +75,11 @@ def test_partial_hit_parity_random_trace(name: str) -> None:
 
 
 def test_partial_hit_setups_are_served_natively() -> None:
-    """Ours serves every partial-hit configuration (no fallback to vLLM's manager) and turns
-    partial hits on exactly where vLLM's coordinator does."""
+    """Ours serves every partial-hit configuration (no fallback to vLLM's manager), with and
+    without a KV connector, and turns partial hits on exactly where vLLM's coordinator does."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     from hybrid_alloc.vllm.manager import HybridKVCacheManager
@@ -78,3 +91,8 @@ def test_partial_hit_setups_are_served_natively() -> None:
         ref = KVCacheManager(**s.manager_kwargs(events=False))
         assert ref.coordinator.enable_partial_hash_hits, s.name
         assert ours.coordinator.enable_partial_hash_hits, s.name
+        ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
+        ours = HybridKVCacheManager(
+            **s.manager_kwargs(events=False), vllm_config=SimpleNamespace(kv_transfer_config=ktc)
+        )
+        assert type(ours) is HybridKVCacheManager, f"{s.name} with a connector"

@@ -111,8 +111,8 @@ WORKLOAD_SEED: dict[str, tuple[int, float]] = {
 }
 
 # GDN + full attention (Qwen3.5-like, Mamba "align") with NixlConnector, in both roles (a
-# producer's ``finalize_partial_tail_offloads`` is ``[]`` in vLLM for every configuration
-# served), each with vLLM's Scheduler and AsyncScheduler, both failure policies, NixlConnector
+# producer's ``finalize_partial_tail_offloads`` is ``[]`` without sub-block partial hits: see
+# the ``*_pmu`` cases below for them), each with vLLM's Scheduler and AsyncScheduler, both failure policies, NixlConnector
 # alone, its push variant and under a MultiConnector. The local hit is vLLM's per-group one
 # (``get_computed_blocks_for_connector``): shared prefixes whose Mamba state is not cached make
 # full attention hit deeper than the Mamba groups (``hit_diverged``), adopted as is when the
@@ -150,8 +150,41 @@ for _role in MAMBA_ROLES:
         WORKLOAD_SEED[_case] = (_seed, QWEN_REMOTE_SHARE.get(_sfx, 0.7))
         QWEN_CASES.append(_case)
 
+# Sub-block partial hash hits with a connector: the Qwen3.5-like shape (blocks of 16 tokens)
+# with ``cache_config.prefix_match_unit`` 8, so hits may end inside a block (copy-on-write),
+# the prompt's last hash boundary is keyed inside its block (a producer's partial tail, handed
+# to the connector by the copy-on-write that preserves it, or at the finish) and the scheduler
+# trims a sub-block local tail when the connector's hit exceeds it
+# (``truncate_computed_blocks``). The OffloadingConnector (kv_both: it stores and loads) and
+# NixlConnector as producer and as consumer, with the Scheduler and the AsyncScheduler;
+# prompts repeat earlier ones, so local hits end on the partial tails.
+PREFIX_MATCH_UNIT: dict[str, int] = {}
+for _case, _spec in {
+    "qwen_offload_pmu": ("qwen", "kv_both", 120, False, "recompute", "offload"),
+    "qwen_offload_pmu_async": ("qwen", "kv_both", 140, True, "recompute", "offload"),
+    "qwen_producer_pmu": ("qwen", "kv_producer", 120, False, "recompute", "nixl"),
+    "qwen_producer_pmu_async": ("qwen", "kv_producer", 120, True, "recompute", "nixl"),
+    "qwen_consumer_pmu": ("qwen", "kv_consumer", 120, False, "recompute", "nixl"),
+    "qwen_consumer_pmu_async": ("qwen", "kv_consumer", 120, True, "fail", "nixl"),
+}.items():
+    CASES[_case] = _spec
+    PREFIX_MATCH_UNIT[_case] = 8
+    WORKLOAD_SEED[_case] = (7, 0.5)
+
 
 def setup_case(case: str) -> tuple[Any, Any, str]:
+    setup, w, role = _setup_case(case)
+    unit = PREFIX_MATCH_UNIT.get(case)
+    if unit is not None:
+        setup = dataclasses.replace(setup, prefix_match_unit=unit)
+        # Some requests aborted right after the chunk that ends at the prompt's last hash
+        # boundary inside a block: a producer's finish then finds its partial tail.
+        aborts = {f"req{i}" for i in range(4, 30, 3)} - w.fail - w.abort_waiting - w.abort_running
+        w = dataclasses.replace(w, repeat_share=max(w.repeat_share, 0.5), abort_partial_tail=aborts)
+    return setup, w, role
+
+
+def _setup_case(case: str) -> tuple[Any, Any, str]:
     from vllm.config import KVTransferConfig
 
     from connector_driver import PDWorkload, nixl_config

@@ -120,6 +120,10 @@ class PDWorkload:
     # Requests aborted once their prefill has started and before it ends (with a step in
     # flight under async scheduling: their table is freed deferred, in reverse).
     abort_prefilling: set[str] = field(default_factory=set)
+    # Requests aborted once their prefill stops inside a block before the prompt's end
+    # (sub-block partial hash hits: the chunk that ends at the prompt's last hash boundary,
+    # where a producer's partial tail is keyed; the finish hands it to the connector).
+    abort_partial_tail: set[str] = field(default_factory=set)
     # Speculative decoding (a ``SpecSchedulerSetup``, ``num_spec_tokens`` drafts a step):
     # outputs carry the accepted share of the scheduled drafts, and in sync scheduling the
     # proposer's drafts are handed to the scheduler after each step, as ``sched_driver`` does.
@@ -258,7 +262,13 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
 
         setattr(mgr, name, wrapped)
 
-    for name in ("evict_blocks", "pop_blocks_for_free", "free", "record_blocks_for_zeroing"):
+    for name in (
+        "evict_blocks",
+        "pop_blocks_for_free",
+        "free",
+        "record_blocks_for_zeroing",
+        "truncate_computed_blocks",
+    ):
         count(name)
     connector_events, junctions = _record_connector(sched, calls)
     # What the cache holds right after the scheduler caches an async load (before the next
@@ -361,6 +371,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         "aborted_waiting": 0,
         "aborted_running": 0,
         "aborted_prefilling": 0,
+        "aborted_partial_tail": 0,
         "waited": 0,
         "delayed_free": 0,
         "preempted": 0,
@@ -372,6 +383,8 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         "stores": 0,
         "failed_sync": 0,
         "boundary_states": 0,
+        "boundary_partial": 0,
+        "cow_copies": 0,
         "drafts": 0,
     }
     # ExampleConnector: the prompts to save (folders to create) and the first block of each
@@ -470,9 +483,15 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         while pending and pending[0][0] <= step:
             _, rid, toks, mt, params = pending.pop(0)
             sched.add_request(_make_request(sched, rid, toks, mt, params))
-        for rid in sorted(w.abort_waiting | w.abort_running | w.abort_prefilling):
+        for rid in sorted(w.abort_waiting | w.abort_running | w.abort_prefilling | w.abort_partial_tail):
             req = sched.requests.get(rid)
             if req is None or req.is_finished():
+                continue
+            if rid in w.abort_partial_tail and req.status == RequestStatus.RUNNING:
+                done = req.num_computed_tokens - req.num_in_flight_tokens
+                if 0 < done < req.num_prompt_tokens and done % setup.block_size:
+                    sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                    counters["aborted_partial_tail"] += 1
                 continue
             if rid in w.abort_prefilling and req.status == RequestStatus.RUNNING:
                 if 0 < req.num_computed_tokens - req.num_in_flight_tokens < req.num_prompt_tokens:
@@ -517,6 +536,12 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         d = digest(so)
         d["boundary"] = list(boundary)
         counters["boundary_states"] += sum(len(e) for taken in boundary for _, e in taken)
+        # Boundary states inside their block: producer partial tails a copy-on-write kept.
+        counters["boundary_partial"] += sum(
+            n % setup.block_size != 0 for taken in boundary for _, e in taken for _, _, n in e
+        )
+        # Copy-on-write copies of sub-block partial hits (``prefix_match_unit``).
+        counters["cow_copies"] += len(getattr(so, "kv_cache_block_copies", None) or ())
         boundary.clear()
         counters["preempted"] += len(d["preempted"])
         if waiting:

@@ -3,7 +3,8 @@ with the greedy outputs and vLLM's own prefix-cache counters. The engine tests r
 subprocess through ``run_engine`` (vLLM spawns processes, so the engine runs under a
 __main__ guard).
 
-    python engine_run.py MODEL_DIR [--dtype D] [--no-cache] [--chat | --chat-too] [--reply N]
+    python engine_run.py MODEL_DIR [--dtype D] [--no-cache] [--chat | --chat-too | --partial]
+                         [--reply N] [--prefix-match-unit N]
     (HYBRID_ALLOC=1 to use the native manager; HYBRID_ALLOC_POLICY=exact|hit-aware)
 
 By default one request fills the cache, then six more share its prefix (and one does not).
@@ -14,6 +15,14 @@ resets the prefix cache, then runs the chat in the same engine (one engine start
 the RESULT line then carries the chat's outputs and counters under ``"chat"``.
 ``--dtype`` is the model's dtype (vLLM's CPU GDN kernel needs bfloat16; default float32);
 ``--no-cache`` turns prefix caching off (Mamba cache mode "none").
+
+``--partial`` runs the workload of partial hash hits (``--prefix-match-unit N``, vLLM's
+``prefix_match_unit``, below the Mamba block): prompts whose lengths are not multiples of the
+unit, then each again and each extended, then the chat; the RESULT line adds every request's
+hit length (vLLM's ``num_cached_tokens``) under ``"cached"``, in order, and what the scheduler
+took (``"scheduler"``: its block and hash block sizes, ``enable_partial_hash_hits``,
+``mamba_partial_cache_hit``, and the copy-on-write copies it handed the workers). It reads the
+scheduler, so it needs the engine in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
 """
 
 from __future__ import annotations
@@ -123,6 +132,8 @@ def main() -> None:
     p.add_argument("--reply", type=int, default=40)
     p.add_argument("--system", type=int, default=150)
     p.add_argument("--dense", action="store_true")
+    p.add_argument("--partial", action="store_true")
+    p.add_argument("--prefix-match-unit", type=int, default=None)
     # The SSM state's dtype (vLLM's ``mamba_ssm_cache_dtype``), default vLLM's "auto".
     p.add_argument("--mamba-ssm-dtype", default=None)
     args = p.parse_args()
@@ -143,11 +154,14 @@ def main() -> None:
         dtype=args.dtype,
         **({"prefix_cache_retention_interval": None} if args.dense else {}),
         **({"mamba_ssm_cache_dtype": args.mamba_ssm_dtype} if args.mamba_ssm_dtype else {}),
+        **({"prefix_match_unit": args.prefix_match_unit} if args.prefix_match_unit else {}),
     )
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     chat_params = SamplingParams(temperature=0.0, max_tokens=args.reply, ignore_eos=True, detokenize=False)
     if args.chat:
         result = {"outputs": chat(llm, chat_params, args.system), **counters(llm)}
+    elif args.partial:
+        result = partial_hits(llm, params, chat_params, args.system)
     else:
         prompts = make_prompts(500)
         # First one request to fill the cache, then the rest, which share its prefix.
@@ -162,9 +176,51 @@ def main() -> None:
     print("RESULT " + json.dumps(result))
 
 
-def chat(llm: Any, params: Any, system_len: int) -> list[list[int]]:
+def partial_hits(llm: Any, params: Any, chat_params: Any, system_len: int) -> dict[str, Any]:
+    """The ``--partial`` workload: four prompts of 201-455 tokens (no length a multiple of 8),
+    run together; then each again (a hit at the last unit boundary before the prompt's last
+    token, where vLLM kept the Mamba state of the prompt's partial tail), then each extended by
+    37 tokens (a hit there too); then the chat. Returns the outputs, every request's hit length
+    and the counters."""
+    from vllm.inputs import TokensPrompt
+
+    # The engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): its scheduler.
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    mgr = sched.kv_cache_manager
+    copies: list[int] = []
+    take = mgr.take_kv_cache_block_copies
+
+    def counted_take() -> Any:
+        out = take()
+        copies.append(len(out[0]))
+        return out
+
+    mgr.take_kv_cache_block_copies = counted_take
+    rng = random.Random(1)
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (201, 263, 359, 455)]
+    extended = [q + [rng.randrange(5, 500) for _ in range(37)] for q in prompts]
+    outputs: list[list[int]] = []
+    cached: list[int] = []
+    for batch in (prompts, prompts, extended):
+        res = llm.generate([TokensPrompt(prompt_token_ids=q) for q in batch], params, use_tqdm=False)
+        outputs += [list(o.outputs[0].token_ids) for o in res]
+        cached += [o.num_cached_tokens for o in res]
+    outputs += chat(llm, chat_params, system_len, cached)
+    took = {
+        "block_size": sched.block_size,
+        "hash_block_size": sched.hash_block_size,
+        "enable_partial_hash_hits": mgr.coordinator.enable_partial_hash_hits,
+        "mamba_partial_cache_hit": sched.mamba_partial_cache_hit,
+        "block_copies": sum(copies),
+        "steps_with_copies": sum(1 for n in copies if n),
+    }
+    return {"outputs": outputs, "cached": cached, "scheduler": took, **counters(llm)}
+
+
+def chat(llm: Any, params: Any, system_len: int, cached: list[int] | None = None) -> list[list[int]]:
     """Three conversations, three turns each, run together, after a ``system_len``-token
-    system prompt; returns the replies in order."""
+    system prompt; returns the replies in order (and appends each request's hit length to
+    ``cached`` when given)."""
     from vllm.inputs import TokensPrompt
 
     outs: list[list[int]] = []
@@ -176,6 +232,8 @@ def chat(llm: Any, params: Any, system_len: int) -> list[list[int]]:
         for i, o in enumerate(res):
             reply = list(o.outputs[0].token_ids)
             outs.append(reply)
+            if cached is not None:
+                cached.append(o.num_cached_tokens)
             convs[i] = convs[i] + reply + [rng.randrange(5, 500) for _ in range(rng.randrange(10, 30))]
     return outs
 

@@ -284,6 +284,9 @@ class ZeroingParityRun(ParityRun):
     (``take_boundary_state_offloads``, recorded always by vLLM's) are compared every 16
     operations too."""
 
+    # Compare the boundary states every this many operations.
+    boundary_every = 16
+
     def __init__(self, setup: Setup, seed: int, full_check_every: int = 64) -> None:
         super().__init__(setup, seed, full_check_every)
         self.boundary_ops = 0
@@ -307,17 +310,22 @@ class ZeroingParityRun(ParityRun):
         a, b = self.ref.take_new_block_ids(), self.ours.take_new_block_ids()
         self.eq("take_new_block_ids", a, b)
         self.boundary_ops += 1
-        if self.boundary and self.boundary_ops % 16 == 0:
-            # Every 16 operations (cheaper; entries of requests freed meanwhile must be gone).
+        if self.boundary and self.boundary_ops % self.boundary_every == 0:
+            # Every 16 operations by default (cheaper; entries of requests freed meanwhile
+            # must be gone).
             x, y = self.ref.take_boundary_state_offloads(), self.ours.take_boundary_state_offloads()
             self.eq("take_boundary_state_offloads", list(x.items()), list(y.items()))
             self.stats["boundary_states"] = self.stats.get("boundary_states", 0) + sum(len(e) for e in x.values())
+            self.on_boundary_offloads(x)
         self.stats["zeroed"] = self.stats.get("zeroed", 0) + len(a)
         # Prefill checkpoints vLLM's Mamba "align" managers hold reserved (counted per op).
         self.stats["checkpoints"] = self.stats.get("checkpoints", 0) + sum(
             len(getattr(m, "_checkpoints", ())) for m in self.ref.coordinator.single_type_managers
         )
         super().after_op()
+
+    def on_boundary_offloads(self, offloads: dict[str, list[tuple[int, int, int]]]) -> None:
+        """Hook: the boundary states vLLM's manager handed out (compared equal with ours)."""
 
     def maybe_new_step(self) -> None:
         # The scheduler starts a step before it schedules anything: Mamba "align" stops

@@ -5,16 +5,19 @@ block (the shared Mamba state block is redirected to a private copy-on-write blo
 handed out by ``take_kv_cache_block_copies``), and the prompt's last hash boundary is cached as
 a partial-block entry (a ``BlockStored`` event shorter than the group's block).
 
-``PartialParityRun`` drives vLLM's manager and ours with the same calls (``ZeroingParityRun``'s
+``PartialParityRun`` drives vLLM's manager and ours (built with an OffloadingConnector
+``kv_transfer_config``, as a KV connector builds it) with the same calls (``ZeroingParityRun``'s
 comparisons, plus the copies and their retained blocks after every allocation, freed at once as
-the scheduler frees them, the partial-tail offloads a finishing request hands a connector, and
+the scheduler frees them, the boundary states a connector is handed, the copy-on-write copies of
+producer partial tails among them, after every operation, the partial tails
+``finalize_partial_tail_offloads`` hands a producer's connector at every finish and abort, and
 ``coordinator.enable_partial_hash_hits``), schedules prefill chunks as vLLM's scheduler splits
 them (its own ``Scheduler._mamba_block_aligned_split``), and draws prompts that repeat or
 extend earlier ones so hits end at non-block boundaries.
 
 ``HYBRID_ALLOC_PARTIAL_VLLM_TWICE=1`` builds vLLM's manager on both sides (a check of the
-harness itself while ours refuses these configurations: the traces must reach partial hits,
-copies and partial tails on every release)."""
+harness itself: the traces must reach partial hits, copies and partial tails on every
+release)."""
 
 from __future__ import annotations
 
@@ -94,13 +97,23 @@ class PartialParityRun(ZeroingParityRun):
     """``ZeroingParityRun`` over a partial-hit setup; see the module docstring."""
 
     def __init__(self, setup: Setup, seed: int, full_check_every: int = 64) -> None:
-        # No KV connector: with partial hash hits the plugin falls back for one (the
-        # connector's partial tails and copy-on-write offloads are not served yet), so the
-        # boundary states and finalized partial tails a connector is handed are compared
-        # only vLLM against vLLM (``HYBRID_ALLOC_PARTIAL_VLLM_TWICE``).
+        # Ours is built with a KV connector (the OffloadingConnector, as ``ZeroingParityRun``
+        # builds it), so it records the boundary states and partial tails a connector is
+        # handed; they are compared after every operation and at every finish.
         ParityRun.__init__(self, setup, seed, full_check_every)
         self.boundary_ops = 0
-        self.boundary = VLLM_TWICE
+        self.boundary = True
+        self.boundary_every = 1
+        if not VLLM_TWICE:
+            from vllm.config import KVTransferConfig
+
+            from hybrid_alloc.vllm import HybridKVCacheManager
+
+            ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
+            self.ours = HybridKVCacheManager(
+                **setup.manager_kwargs(True), vllm_config=SimpleNamespace(kv_transfer_config=ktc)
+            )
+            assert type(self.ours) is HybridKVCacheManager, f"{setup.name}: fell back with a connector"
         self.block = setup.extra["block"]
         self.unit = setup.extra["unit"]
         self.admit_chunks = (self.block // 2, self.block, 2 * self.block, 300, 512, 1024)
@@ -135,6 +148,9 @@ class PartialParityRun(ZeroingParityRun):
             "partial_tails",
             "partial_tails_mamba",
             "partial_tail_offloads",
+            "finalize_calls",
+            "boundary_states",
+            "boundary_partial",
         ):
             self.stats[k] = 0
 
@@ -216,13 +232,29 @@ class PartialParityRun(ZeroingParityRun):
         if self.stats["hits"] > hits and (self.stats["hit_tokens"] - hit_tokens) % self.block:
             self.stats["partial_hits"] += 1
 
+    def on_boundary_offloads(self, offloads: dict[str, list[tuple[int, int, int]]]) -> None:
+        # A producer's partial tail preserved by its copy-on-write: the copy, at a boundary
+        # inside its block.
+        self.stats["boundary_partial"] += sum(t % self.block != 0 for e in offloads.values() for _, _, t in e)
+
     def _finalize(self, req: Request) -> None:
         a = self.ref.finalize_partial_tail_offloads(req)
-        if VLLM_TWICE:
-            self.eq("finalize_partial_tail_offloads", a, self.ours.finalize_partial_tail_offloads(req))
+        self.eq("finalize_partial_tail_offloads", a, self.ours.finalize_partial_tail_offloads(req))
+        self.stats["finalize_calls"] += 1
         self.stats["partial_tail_offloads"] += len(a)
 
     def finish(self, req: Request) -> None:
         # The scheduler asks a KV producer connector for the partial tails before the free.
         self._finalize(req)
         super().finish(req)
+
+    def abort(self) -> None:
+        # The request ParityRun.abort picks (the same draw), finalized first as the
+        # scheduler's _free_request does for every finished request.
+        pool = list(self.running) + list(self.waiting)
+        if pool:
+            state = self.rng.getstate()
+            req = self.rng.choice(pool)
+            self.rng.setstate(state)
+            self._finalize(req)
+        super().abort()
