@@ -440,6 +440,9 @@ impl Allocator {
                 for m in &self.managers {
                     m.promote_hit(&mut self.pool, s);
                 }
+                if self.partial_hash_hits {
+                    self.keep_passed_junctions(s, num_local);
+                }
                 self.reqs[s as usize].hit_aware.hit_and_prompt.0 = num_local;
             }
         }

@@ -19,11 +19,19 @@ use super::{Allocator, Hit};
 use crate::error::Result;
 use crate::ids::{ReqHandle, Slot};
 use crate::manager::HashView;
-use crate::policy::Policy;
+use crate::policy::{Policy, LEVEL_NORMAL, LEVEL_PINNED};
 
 /// The most hash-block prefixes [`Allocator::record_sighting`] keeps (32 bytes each, about
 /// 32 MiB with the set's overhead); past it the sightings start over.
 pub(super) const MAX_SIGHTINGS: usize = 1 << 20;
+
+/// What the hit-aware policy saw of one hash-block prefix (see
+/// [`Allocator::record_sighting`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Sight {
+    /// Who went on past it: 0 nobody, a request's handle + 1, or `u64::MAX` for several.
+    pub(super) passer: u64,
+}
 
 /// The hit-aware policy's per-request state (all zero under `exact`, and for a new request).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -72,8 +80,13 @@ impl Allocator {
             // A junction another request shares (or a pin) is a branch point, unless
             // the shared prefix is where a finished request's sequence ended (a
             // chat's earlier turn, which this request continues).
-            let shared =
+            let mut shared =
                 if res.num_uncached_common_prefix_tokens > 0 && !self.ends_a_sequence(s, known) { known } else { 0 };
+            if shared == 0 && self.partial_hash_hits && res.num_tokens > 0 && self.passed_by_other(s, res.num_tokens) {
+                // A hit where another prompt went on: a shared prefix (a system prompt), not
+                // this conversation's own earlier turn.
+                shared = res.num_tokens;
+            }
             for m in self.managers.iter_mut().filter(|m| m.is_mamba_align()) {
                 m.set_align_junction(s, junction.max(shared));
             }
@@ -88,6 +101,52 @@ impl Allocator {
             res.num_uncached_common_prefix_tokens = junction - res.num_tokens;
         }
         res
+    }
+
+    /// Hit-aware with partial hash hits: a request that adopted a hit of `hit` tokens keeps
+    /// the junctions it passed. A state set (cached in every Mamba group) at the hit's end
+    /// where another prompt went on is marked a branch point; every branch point at or
+    /// before the hit's end, with the full-attention block keyed there, goes to at least
+    /// [`LEVEL_NORMAL`] and, when free, to the back of its level, as a hit on it would put
+    /// it. Under `exact` every sibling hits the shared system prompt's state, which so stays
+    /// recent; a hit-aware sibling resumes further on (its own previous turn), and without
+    /// this the shared state ages out first under pressure, after which the siblings whose
+    /// own states were evicted (round-robin chat) hit nothing. O(hit / hash block x groups).
+    pub(super) fn keep_passed_junctions(&mut self, s: Slot, hit: u32) {
+        let hbs = self.cfg.hash_block_size;
+        let n = ((hit / hbs) as usize).min(self.reqs[s as usize].hashes.len());
+        if n == 0 || self.pool.state_groups().is_empty() {
+            return;
+        }
+        let states: Vec<_> = self.pool.state_groups().to_vec();
+        let fulls: Vec<_> = self.managers.iter().filter(|m| m.spec.kind.is_full()).map(|m| m.group_id).collect();
+        let shared_end = self.passed_by_other(s, n as u32 * hbs);
+        let (mut found, mut one) = (Vec::new(), Vec::new());
+        for i in 0..n {
+            let h = self.reqs[s as usize].hashes[i];
+            if !self.pool.get_cached_block(&h, &states, &mut found) {
+                continue;
+            }
+            if i + 1 == n && shared_end {
+                for &b in &found {
+                    self.pool.mark_branch(b);
+                }
+            }
+            if !found.iter().any(|&b| self.pool.is_branch(b)) {
+                continue;
+            }
+            for &g in &fulls {
+                if self.pool.get_cached_block(&h, &[g], &mut one) {
+                    found.extend_from_slice(&one);
+                }
+            }
+            for &b in &found {
+                let lvl = self.pool.level(b);
+                if lvl < LEVEL_PINNED {
+                    self.pool.set_level(b, lvl.max(LEVEL_NORMAL));
+                }
+            }
+        }
     }
 
     /// Hit-aware with partial hash hits: the longest prefix of `s`'s hashes (within
@@ -111,26 +170,43 @@ impl Allocator {
     }
 
     /// Hit-aware with partial hash hits: records `s`'s hashes as seen (forgetting every
-    /// sighting once [`MAX_SIGHTINGS`] are held). O(hashes).
+    /// sighting once [`MAX_SIGHTINGS`] are held): each one but the last as passed through by
+    /// `s`, the last as seen only (a prompt's end). O(hashes).
     fn record_sighting(&mut self, s: Slot) {
+        let me = self.handle_of(s) + 1;
         let hashes = &self.reqs[s as usize].hashes;
         if self.sightings.len() + hashes.len() > MAX_SIGHTINGS {
             self.sightings.clear();
         }
         let Some((last, rest)) = hashes.split_last() else { return };
         for h in rest {
-            // Passed through: a prompt continued past it.
-            self.sightings.insert(*h, false);
+            let e = self.sightings.entry(*h).or_default();
+            e.passer = match e.passer {
+                0 => me,
+                p if p == me => me,
+                _ => u64::MAX,
+            };
         }
-        self.sightings.entry(*last).or_insert(true);
+        self.sightings.entry(*last).or_default();
+    }
+
+    /// Hit-aware with partial hash hits: whether a prompt other than `s`'s went on past the
+    /// prefix of `tokens` tokens (a multiple of the hash block): a branch point, not only a
+    /// chat's earlier turn that `s` continues. O(1).
+    fn passed_by_other(&self, s: Slot, tokens: u32) -> bool {
+        let n = (tokens / self.cfg.hash_block_size) as usize;
+        if n == 0 || n > self.reqs[s as usize].hashes.len() {
+            return false;
+        }
+        let me = self.handle_of(s) + 1;
+        self.sightings.get(&self.reqs[s as usize].hashes[n - 1]).is_some_and(|e| e.passer != 0 && e.passer != me)
     }
 
     /// Hit-aware with partial hash hits: whether the sighted prefix of `seen` tokens is only
-    /// where earlier prompts ended (no prompt went on past it): a chat's next turn continuing
-    /// the previous one, not a branch point. O(1).
+    /// where earlier prompts ended (no other prompt went on past it): a chat's next turn
+    /// continuing the previous one, not a branch point. O(1).
     fn sighted_end(&self, s: Slot, seen: u32) -> bool {
-        let n = (seen / self.cfg.hash_block_size) as usize;
-        n > 0 && self.sightings.get(&self.reqs[s as usize].hashes[n - 1]) == Some(&true)
+        !self.passed_by_other(s, seen)
     }
 
     /// Hit-aware: whether the full-attention block of `s` ending at `tokens` ended a

@@ -127,7 +127,7 @@ pub struct Allocator {
     undo_tail: Vec<BlockHash>,
     /// Hit-aware with partial hash hits: the hash-block prefixes of the prompts looked up so
     /// far (see [`junctions`]), bounded by [`junctions::MAX_SIGHTINGS`].
-    sightings: rustc_hash::FxHashMap<BlockHash, bool>,
+    sightings: rustc_hash::FxHashMap<BlockHash, junctions::Sight>,
     /// [`Config::partial_hash_hits`], computed once (it walks the groups).
     partial_hash_hits: bool,
     /// [`Config::cache_hit_alignment_tokens`], computed once.
