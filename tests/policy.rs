@@ -1133,3 +1133,85 @@ fn resumed_own_state_waits_below_finished_units_while_its_request_runs_mamba_ali
     assert_eq!(seen, vec![(0, LEVEL_NEAR)], "turn 2's state, free while turn 3 runs");
     invariants::check(&a).unwrap();
 }
+
+/// Prefills `prompt` tokens of `h` after its lookup `hit`, as vLLM's scheduler does with
+/// `mamba_shared_prefix_checkpoint` (hit-aware sets it with partial hash hits): a chunk ends
+/// at the reported shared prefix's end, then at the prompt's last hash boundary, then at its
+/// end. Returns the chunk ends.
+fn prefill_partial(a: &mut Allocator, h: ReqHandle, hit: Hit, prompt: u32, hash_block: u32) -> Vec<u32> {
+    let boundary = hit.num_tokens + hit.num_uncached_common_prefix_tokens;
+    let mut ends: Vec<u32> = vec![boundary, prompt / hash_block * hash_block, prompt];
+    ends.retain(|&e| e > hit.num_tokens);
+    ends.dedup();
+    let mut start = hit.num_tokens;
+    for (k, &end) in ends.iter().enumerate() {
+        a.new_step_starts();
+        let args = AllocateArgs {
+            num_new_tokens: end - start,
+            num_new_computed_tokens: if k == 0 { hit.num_tokens } else { 0 },
+            num_computed_tokens: if k == 0 { 0 } else { start },
+            num_prompt_tokens: prompt,
+            num_tokens: prompt,
+            shared_prefix_boundary: boundary,
+            ..Default::default()
+        };
+        let nc = if k == 0 && hit.num_tokens > 0 { NewComputed::Stored } else { NewComputed::Empty };
+        assert!(a.allocate_slots(h, &args, nc, None).unwrap().is_some(), "chunk to {end}");
+        a.take_kv_cache_block_copies();
+        start = end;
+    }
+    ends
+}
+
+#[test]
+fn partial_hash_hits_sibling_prompts_hit_their_shared_prefix_inside_a_block_and_keep_it_hit_aware() {
+    // Full attention + Mamba "align" at blocks of 2 hash blocks (vLLM's partial hash hits,
+    // `--prefix-match-unit` = the hash block). Three prompts share 3 hash blocks (12 tokens,
+    // inside block 1) and then differ. Hit-aware: the 2nd prompt's lookup finds the prefix the
+    // 1st passed through and reports its end, inside a block, as the shared prefix's end; the
+    // scheduler ends a chunk there and the state and the full-attention block are keyed at
+    // it, so the 3rd prompt hits all 12 tokens (the 2nd hits the 1st's first-sighting stop,
+    // one block). Under exact (vLLM) the 2nd hits nothing and keys a state at the first
+    // block, the 8 tokens the full-attention search shared, which the 3rd hits.
+    let kinds = [AttentionKind::Full, mamba_align()];
+    for (policy, hits) in [(Policy::HitAware, vec![0, 8, 12]), (Policy::Exact, vec![0, 0, 8])] {
+        let mut cfg = config(&kinds, 64, None);
+        for g in &mut cfg.groups {
+            g.block_size = 2 * BS;
+        }
+        cfg.scheduler_block_size = 2 * BS;
+        assert!(cfg.partial_hash_hits());
+        let mut a = Allocator::new(cfg, policy).unwrap();
+        let prefix: Vec<u64> = (0..3).map(|i| 9_000 + i).collect();
+        let prompt = 6 * BS + 2;
+        let mut got = Vec::new();
+        let mut junction_states = Vec::new();
+        for own in [100u64, 200, 300] {
+            let contents: Vec<u64> = prefix.iter().copied().chain(own..own + 3).collect();
+            let hashes: Vec<BlockHash> = chain(&contents).into_iter().map(BlockHash::from_u64).collect();
+            let h = a.add_request();
+            a.append_hashes(h, &common::hash_bytes(&hashes), 8).unwrap();
+            let hit = a.find_longest_cache_hit(h, prompt - 1).unwrap();
+            got.push(hit.num_tokens);
+            let ends = prefill_partial(&mut a, h, hit, prompt, BS);
+            if policy == Policy::HitAware && own == 200 {
+                assert_eq!(ends[0], 3 * BS, "the 2nd sighting stops at the shared prefix's end");
+            }
+            a.free(h, LEVEL_NORMAL).unwrap();
+            invariants::check(&a).unwrap();
+            junction_states.push(mamba_state(&a, &hashes, 3 * BS));
+        }
+        assert_eq!(got, hits, "{policy:?}: hit tokens per sighting");
+        if policy == Policy::HitAware {
+            // The junction's state: keyed by the 2nd sighting, hit by the 3rd (where the 1st
+            // went on: a branch point), kept at the normal level.
+            let st = junction_states[1].expect("the state at the junction is cached");
+            assert_eq!(junction_states[2], Some(st));
+            assert!(a.pool().is_branch(st), "a hit where another prompt went on is a branch point");
+            assert_eq!(a.pool().level(st), LEVEL_NORMAL);
+            assert_eq!(a.pool().block_hash_num_tokens(st), 3 * BS);
+        } else {
+            assert!(junction_states.iter().all(Option::is_none), "exact keys no state inside the prefix");
+        }
+    }
+}

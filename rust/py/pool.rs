@@ -224,6 +224,21 @@ impl PyAllocatorBase {
         Ok(pool.block_hash(b).map(|_| pool.block_hash_num_tokens(b)))
     }
 
+    /// Blocks whose own prefix-cache key ends inside the block (a partial tail or a junction
+    /// under `--prefix-match-unit`): the memory the hits bench reports. O(pool).
+    fn num_partial_tail_blocks(&self) -> PyResult<u32> {
+        let core = self.core()?;
+        let (pool, groups) = (core.pool(), &core.config().groups);
+        let mut n = 0;
+        for b in 1..pool.num_blocks() {
+            if let Some(&(_, g)) = pool.block_hash(b) {
+                let bs = groups.get(g as usize).map_or(0, |s| s.block_size);
+                n += u32::from(bs > 0 && pool.block_hash_num_tokens(b) % bs != 0);
+            }
+        }
+        Ok(n)
+    }
+
     /// Free blocks in eviction order.
     fn free_queue_order<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         PyList::new(py, self.core()?.pool().free_queue_order())

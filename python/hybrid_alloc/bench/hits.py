@@ -671,15 +671,19 @@ class PartialTails:
     entries with ``prefix_match_unit`` set), counted after each step (:meth:`count`): the
     last count and the peak. Watches the pool's ``_insert_block_hash`` (every key passes
     through it, all three releases) for candidates, so a count costs O(candidates), not
-    O(pool). A native manager's pool (no ``KVCacheBlock`` objects) holds none: both stay
-    None."""
+    O(pool). A native manager's pool is counted by the core
+    (``Allocator.num_partial_tail_blocks``, O(pool) in Rust)."""
 
     def __init__(self, mgr: Any) -> None:
         self.last: int | None = None
         self.peak: int | None = None
         pool: Any = getattr(mgr, "block_pool", None)
         insert = getattr(pool, "_insert_block_hash", None)
-        if getattr(mgr, "_alloc", None) is not None or insert is None:
+        self._native = getattr(getattr(mgr, "_alloc", None), "num_partial_tail_blocks", None)
+        if self._native is not None:
+            self.last = self.peak = 0
+            return
+        if insert is None:
             return
         from vllm.v1.core.kv_cache_utils import get_group_id
 
@@ -701,6 +705,10 @@ class PartialTails:
 
     def count(self) -> None:
         if self.last is None or self.peak is None:
+            return
+        if self._native is not None:
+            self.last = self._native()
+            self.peak = max(self.peak, self.last)
             return
         for bid in [b for b, blk in self._candidates.items() if not self._partial(blk)]:
             del self._candidates[bid]
