@@ -213,6 +213,7 @@ def test_engine_gdn_partial_hash_hits_outputs_identical_with_flag(tiny_models: d
     inproc = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     off, log_off = run_engine(tiny_models["qwen3next"], *opts, flag=False, **inproc)
     on, log_on = run_engine(tiny_models["qwen3next"], *opts, flag=True, **inproc)
+    aware, log_aware = run_engine(tiny_models["qwen3next"], *opts, flag=True, HYBRID_ALLOC_POLICY="hit-aware", **inproc)
     assert "native KV cache manager serving" in log_on and "mamba_align" in log_on and "policy exact" in log_on
     assert "native KV cache manager serving" not in log_off
     assert "falling back" not in log_on
@@ -229,8 +230,8 @@ def test_engine_gdn_partial_hash_hits_outputs_identical_with_flag(tiny_models: d
     assert (took["block_size"], took["hash_block_size"]) == (block, PARTIAL_UNIT)
     assert took["enable_partial_hash_hits"] and took["mamba_partial_cache_hit"]
     assert took["block_copies"] > 0
-    # 12 requests of 24 tokens, then 9 chat replies of 40.
-    assert [len(o) for o in on["outputs"]] == [24] * 12 + [40] * 9
+    # 12 requests of 24 tokens, 9 chat replies of 40, then 8 siblings of 24.
+    assert [len(o) for o in on["outputs"]] == [24] * 12 + [40] * 9 + [24] * 8
     assert on["outputs"] == off["outputs"]
     assert on["cached"] == off["cached"]
     assert (on["prefix_cache_hits"], on["prefix_cache_queries"]) == (
@@ -251,7 +252,22 @@ def test_engine_gdn_partial_hash_hits_outputs_identical_with_flag(tiny_models: d
     expected = [(n - 1) // PARTIAL_UNIT * PARTIAL_UNIT for n in lengths]
     assert on["cached"][4:8] == expected and on["cached"][8:12] == expected
     assert all(c % block for c in expected)
-    assert any(c % block for c in on["cached"][12:])
+    assert any(c % block for c in on["cached"][12:21])
+    # Hit-aware with the unit: the same greedy outputs. The 1st siblings stop at the prefix
+    # their prompt passed (a junction inside a block) and key its state there, so the 2nd
+    # siblings hit it. Under exact (vLLM's) a sibling stops only where the full-attention
+    # search shares the prefix (a block boundary, or a longer prompt's partial tail), so the
+    # 2nd siblings of the shortest prefixes hit less.
+    assert "native KV cache manager serving" in log_aware and "policy hit-aware" in log_aware
+    assert "falling back" not in log_aware
+    assert aware["outputs"] == off["outputs"]
+    junctions = [n // PARTIAL_UNIT * PARTIAL_UNIT for n in (150, 200, 240, 300)]
+    assert all(j % block for j in junctions)
+    assert aware["cached"][25:29] == junctions
+    assert all(e <= j for e, j in zip(on["cached"][25:29], junctions, strict=True)), on["cached"][25:29]
+    assert sum(on["cached"][25:29]) < sum(junctions), on["cached"][25:29]
+    assert aware["prefix_cache_hits"] > on["prefix_cache_hits"]
+    print(f"hit-aware with the unit: hit lengths {aware['cached']}")
 
 
 def test_engine_mamba2_hybrid_without_prefix_caching_outputs_identical_with_flag(tiny_models: dict[str, str]) -> None:

@@ -181,7 +181,7 @@ def test_eagle_block_drop_row() -> None:
     assert '"EAGLE/MTP prefix-cache block drop"' in _cell(row)
 
 
-def test_kv_connector_rows() -> None:
+def test_kv_connector_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.config import KVTransferConfig
 
     def vc(**kw: Any) -> Any:
@@ -232,13 +232,17 @@ def test_kv_connector_rows() -> None:
     assert _decide(_kwargs(_specs("mamba2_align")), vllm_config=off) == (True, "")
     assert "take_boundary_state_offloads" in _cell("the native `OffloadingConnector`")
     # Sub-block partial hash hits (``--prefix-match-unit`` below the Mamba block) with either
-    # connector, and under a hit-aware policy (falls back).
+    # connector, and under a hit-aware policy (native too).
     partial = _kwargs(_specs("gdn_partial"), hash_block_size=16, scheduler_block_size=64)
     for conn in (off, vc(kv_connector="NixlConnector", kv_role="kv_producer")):
         assert _decide(partial, vllm_config=conn) == (True, ""), conn
     cell = _cell("`--prefix-match-unit` below")
     assert cell.startswith("native") and "with or without a KV connector" in cell, cell
-    assert "finalize_partial_tail_offloads" in cell and '"with partial hash hits"' in cell, cell
+    assert "finalize_partial_tail_offloads" in cell and "native under a hit-aware policy too" in cell, cell
+    assert "mamba_shared_prefix_checkpoint" in cell, cell
+    monkeypatch.setenv("HYBRID_ALLOC_POLICY", "hit-aware")
+    assert _decide(partial) == (True, "")
+    assert _decide(partial, vllm_config=off) == (True, "")
 
 
 def test_routed_experts_row() -> None:

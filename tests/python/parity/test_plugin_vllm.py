@@ -232,7 +232,7 @@ def test_fallback_returns_vllm_manager_with_one_line(over, reason, plugin_lines)
     assert len(fallback) == 1 and reason in fallback[0]
 
 
-def test_partial_hash_hits_served_and_hit_aware_falls_back(plugin_lines, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_partial_hash_hits_served_under_both_policies(plugin_lines, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import torch
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
@@ -241,8 +241,9 @@ def test_partial_hash_hits_served_and_hit_aware_falls_back(plugin_lines, monkeyp
     from vllm_harness import full
 
     # A Mamba block of two hash blocks in cache mode "align" (vLLM's partial hash hits,
-    # ``--prefix-match-unit``) is served natively (issue 30), under the default policy; a
-    # hit-aware policy falls back for it with one line.
+    # ``--prefix-match-unit``) is served natively (issue 30) under both policies; hit-aware
+    # asks vLLM's scheduler to end a prefill chunk at a junction inside a block (vLLM's
+    # shared-prefix checkpoint), exact does not (vLLM's own manager turns it on for EAGLE only).
     mamba = MambaSpec(
         block_size=32, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align", num_speculative_blocks=1
     )
@@ -255,12 +256,14 @@ def test_partial_hash_hits_served_and_hit_aware_falls_back(plugin_lines, monkeyp
     m = HybridKVCacheManager(**kw)
     assert type(m) is HybridKVCacheManager
     assert m.coordinator.enable_partial_hash_hits
+    assert not m.mamba_shared_prefix_checkpoint
     ref = KVCacheManager(**kw)
-    assert ref.coordinator.enable_partial_hash_hits
+    assert ref.coordinator.enable_partial_hash_hits and not ref.mamba_shared_prefix_checkpoint
     monkeypatch.setenv("HYBRID_ALLOC_POLICY", "hit-aware")
     m = HybridKVCacheManager(**kw)
-    assert type(m) is KVCacheManager
-    assert any("falling back" in ln and "with partial hash hits" in ln for ln in plugin_lines)
+    assert type(m) is HybridKVCacheManager and m._alloc.policy == "hit-aware"
+    assert m.coordinator.enable_partial_hash_hits and m.mamba_shared_prefix_checkpoint
+    assert not any("falling back" in ln for ln in plugin_lines)
 
 
 def test_fallback_for_kv_connector(plugin_lines) -> None:  # type: ignore[no-untyped-def]

@@ -180,8 +180,9 @@ def partial_hits(llm: Any, params: Any, chat_params: Any, system_len: int) -> di
     """The ``--partial`` workload: four prompts of 201-455 tokens (no length a multiple of 8),
     run together; then each again (a hit at the last unit boundary before the prompt's last
     token, where vLLM kept the Mamba state of the prompt's partial tail), then each extended by
-    37 tokens (a hit there too); then the chat. Returns the outputs, every request's hit length
-    and the counters."""
+    37 tokens (a hit there too); then the chat; then two sets of siblings of the four prompts
+    (each prompt's first 150-300 tokens and a new suffix). Returns the outputs, every request's
+    hit length and the counters."""
     from vllm.inputs import TokensPrompt
 
     # The engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): its scheduler.
@@ -206,6 +207,15 @@ def partial_hits(llm: Any, params: Any, chat_params: Any, system_len: int) -> di
         outputs += [list(o.outputs[0].token_ids) for o in res]
         cached += [o.num_cached_tokens for o in res]
     outputs += chat(llm, chat_params, system_len, cached)
+    # Siblings: each prompt's first 150-300 tokens (a hash boundary inside a block short of
+    # them) with a new suffix, then with another: under hit-aware the first set stops at the
+    # prefix the prompt passed (a junction inside a block) and the second hits it.
+    shared = (150, 200, 240, 300)
+    for _ in range(2):
+        sibs = [q[:n] + [rng.randrange(5, 500) for _ in range(20)] for q, n in zip(prompts, shared, strict=True)]
+        res = llm.generate([TokensPrompt(prompt_token_ids=q) for q in sibs], params, use_tqdm=False)
+        outputs += [list(o.outputs[0].token_ids) for o in res]
+        cached += [o.num_cached_tokens for o in res]
     took = {
         "block_size": sched.block_size,
         "hash_block_size": sched.hash_block_size,
