@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled
 from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheGroupRole, KVCacheSpec, MambaSpec
 
 from hybrid_alloc.specs import GroupSpec
@@ -58,7 +57,6 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         groups.append(gs if gs.block_size == sizes[i] else replace(gs, block_size=sizes[i]))
     if not groups:
         raise Unsupported("no KV cache groups (attention-free model)")
-    partial = a.enable_caching and partial_hash_hits_enabled(kvc.kv_cache_groups, a.hash_block_size, a.dcp_world_size)
     native: dict[str, Any] = dict(
         num_blocks=kvc.num_blocks,
         groups=groups,
