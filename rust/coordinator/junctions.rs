@@ -108,7 +108,7 @@ impl Allocator {
     /// where another prompt went on is marked a branch point; every branch point at or
     /// before the hit's end, with the full-attention block keyed there, goes to at least
     /// [`LEVEL_NORMAL`] and, when free, to the back of its level, as a hit on it would put
-    /// it. Under `exact` every sibling hits the shared system prompt's state, which so stays
+    /// it (not one whose full-attention block is gone: it serves no hit, and ages out). Under `exact` every sibling hits the shared system prompt's state, which so stays
     /// recent; a hit-aware sibling resumes further on (its own previous turn), and without
     /// this the shared state ages out first under pressure, after which the siblings whose
     /// own states were evicted (round-robin chat) hit nothing. O(hit / hash block x groups).
@@ -135,10 +135,14 @@ impl Allocator {
             if !found.iter().any(|&b| self.pool.is_branch(b)) {
                 continue;
             }
+            // A state set whose full-attention block is gone serves no hit: it is left to age.
+            let mut whole = true;
             for &g in &fulls {
-                if self.pool.get_cached_block(&h, &[g], &mut one) {
-                    found.extend_from_slice(&one);
-                }
+                whole &= self.pool.get_cached_block(&h, &[g], &mut one);
+                found.extend_from_slice(&one);
+            }
+            if !whole {
+                continue;
             }
             for &b in &found {
                 let lvl = self.pool.level(b);
