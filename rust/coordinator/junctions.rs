@@ -21,9 +21,10 @@ use crate::ids::{ReqHandle, Slot};
 use crate::manager::HashView;
 use crate::policy::{Policy, LEVEL_NORMAL, LEVEL_PINNED};
 
-/// The most hash-block prefixes [`Allocator::record_sighting`] keeps (32 bytes each, about
-/// 32 MiB with the set's overhead); past it the sightings start over.
-pub(super) const MAX_SIGHTINGS: usize = 1 << 20;
+/// The most hash-block prefixes [`Allocator::record_sighting`] keeps (48 bytes each, about
+/// 14 MiB with the map's overhead: 16M tokens of prompts at a 64-token unit); past it the
+/// sightings start over.
+pub(super) const MAX_SIGHTINGS: usize = 1 << 18;
 
 /// What the hit-aware policy saw of one hash-block prefix (see
 /// [`Allocator::record_sighting`]).
@@ -47,6 +48,9 @@ pub(super) struct HitAwareReq {
     /// (the next first-sighting stop), until taken ([`Allocator::take_moved_junction`]); 0:
     /// not moved.
     pub(super) moved_junction: u32,
+    /// Hit-aware with partial hash hits: the request's prompt is recorded in the sightings
+    /// (its first lookup did it; a lookup repeated while it waits does not again).
+    pub(super) sighted: bool,
 }
 
 impl Allocator {
@@ -70,7 +74,10 @@ impl Allocator {
             // `mamba_shared_prefix_checkpoint`), so its state and the full-attention blocks
             // up to it are keyed there, and the next sibling hits the whole shared prefix.
             let seen = self.sighted_prefix(s, max_cache_hit_length);
-            self.record_sighting(s);
+            if !self.reqs[s as usize].hit_aware.sighted {
+                self.record_sighting(s);
+                self.reqs[s as usize].hit_aware.sighted = true;
+            }
             if seen > known && !self.sighted_end(s, seen) {
                 res.num_uncached_common_prefix_tokens = seen - res.num_tokens;
                 known = seen;
