@@ -4,14 +4,19 @@
 //! Mamba "align" state is cached there). Under `exact` a junction is vLLM's (the shared
 //! prefix the hybrid search found); under `hit-aware` a pinned prefix's end is one too, a
 //! request nothing is shared with yet gets first-sighting stops, and the Mamba groups learn
-//! the junction that makes a state a branch point. The per-request state lives in
+//! the junction that makes a state a branch point. With partial hash hits (a Mamba block
+//! larger than the hash block) hit-aware also reports the longest prefix another prompt went
+//! on past (the sightings, [`Sight`]), so a junction may lie inside a block, and keeps the
+//! branch points a hit passes (rule 8 of [`crate::policy`]). The per-request state lives in
 //! [`HitAwareReq`] (one field of the coordinator's `ReqState`).
 //!
 //! Invariants: `guess_limit` is 0 unless the request's last lookup guessed a first-sighting
 //! stop; `moved_junction` is 0 unless the last allocation moved it and it was not taken.
 //!
 //! Cost: [`Allocator::place_junction`] O(groups) plus O(pinned blocks) with pins and
-//! O(log(max length)) for a first-sighting stop; the rest O(1) or O(log(prompt)).
+//! O(log(max length)) for a first-sighting stop, and with partial hash hits O(log(prompt))
+//! plus O(prompt hashes) at a request's first lookup; [`Allocator::keep_passed_junctions`]
+//! O(hit / hash block x groups) per adopted hit; the rest O(1) or O(log(prompt)).
 #![forbid(unsafe_code)]
 
 use super::{Allocator, Hit};

@@ -52,6 +52,30 @@
 //!      [`LEVEL_RESUMED`] when it was on probation. Under round-robin chat the running
 //!      session comes back last. When the request is freed its furthest state is raised again.
 //!
+//!   8. *Junctions inside a block (`--prefix-match-unit`, vLLM's partial hash hits).* With
+//!      a Mamba block larger than the hash block, a prefix shorter than one block hits only
+//!      where a state was kept inside the block. The coordinator remembers which hash-block
+//!      prefixes earlier prompts passed through ([`crate::Allocator`]'s sightings, recorded
+//!      at a request's first lookup, bounded). A lookup reports the longest prefix another
+//!      prompt went on past as the shared prefix's end; vLLM's scheduler ends a prefill chunk
+//!      there (our manager sets vLLM's `mamba_shared_prefix_checkpoint`, which vLLM's own
+//!      manager turns on only for EAGLE), the Mamba groups key their state there and full
+//!      attention keys the block there too (a second key, as vLLM keeps one per block). So
+//!      the 3rd prompt sharing a system prompt of any length of at least one unit hits all of
+//!      it, and the 2nd hits up to its first-sighting stop. A prefix where earlier prompts
+//!      only ended (a chat's previous turn) is no junction: the partial tail serves it. A
+//!      hit whose end another prompt went on past marks its states branch points. Every
+//!      branch point a request passes on its way to its hit (with the full-attention block
+//!      keyed there, when it is still cached) goes to at least [`LEVEL_NORMAL`] and to the
+//!      back of its level, as a hit on it would: under `exact` every sibling hits the shared
+//!      system prompt's state and keeps it recent, while a hit-aware sibling resumes further
+//!      on (its own previous turn), and without this the shared state aged out first under
+//!      pressure. A partial tail is kept at its level with the tail block in its hit unit.
+//!      Cost: a junction costs the request one more prefill chunk (one scheduler step) and
+//!      one state page per Mamba group while cached; the sightings cost O(prompt hashes) at
+//!      a request's first lookup and a binary search, O(log(prompt)), at each; adopting a
+//!      hit costs O(hit / hash block x groups) lookups.
+//!
 //!   User controls ride on the same levels: blocks of a request freed with a retention
 //!   priority and blocks of a pinned prefix go to [`LEVEL_PINNED`] (bounded share of the
 //!   pool; see [`crate::Allocator::pin_prefix`]).
