@@ -173,3 +173,46 @@ def test_real_scheduler_identical_with_partial_hits(case: str) -> None:
     assert partial_hits > 0, f"{case}: no hit ended inside a block"
     assert copies > 0, f"{case}: no copy-on-write copy"
     assert partial_tails > 0, f"{case}: no partial tail was cached"
+
+
+@pytest.mark.parametrize("case", ["qwen35_gdn_b64_u16_sync", "nemotron_h_b128_u16_async"])
+def test_hit_aware_with_partial_hits_on_the_real_scheduler_keeps_every_invariant(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``HYBRID_ALLOC_POLICY=hit-aware`` with the unit: the same workload (repeats, extensions,
+    shared prefixes, aborts, preemptions) on vLLM's real scheduler, sync and async, with the
+    core's invariants (free queue and levels, reference counts, the index and its second keys,
+    tables, hit units) checked after every step; hits end inside a block, and there are at
+    least as many as exact's on this workload."""
+    monkeypatch.setenv("HYBRID_ALLOC_POLICY", "hit-aware")
+    base = _setup(case)
+    _, block, _, _, _ = CASES[case]
+    cls = type(base)
+    checked = [0]
+
+    class Checked(cls):  # type: ignore[misc, valid-type]
+        def build(self) -> Any:
+            sched = cls.build(self)
+            mgr = sched.kv_cache_manager
+            schedule = sched.schedule
+
+            def checked_schedule() -> Any:
+                so = schedule()
+                mgr._alloc.check_invariants()
+                checked[0] += 1
+                return so
+
+            sched.schedule = checked_schedule
+            return sched
+
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    aware = _run(Checked(**{**fields, "manager": "hybrid_alloc"}))
+    assert aware["native"] == "HybridKVCacheManager" and aware["finished"]
+    assert checked[0] == len(aware["steps"]) > 0
+    assert aware["preemptions"] > 0 and aware["aborted"]
+    partial_hits = sum(1 for _, n in aware["lookups"] if n % block)
+    assert partial_hits > 0, f"{case}: no hit ended inside a block"
+    monkeypatch.setenv("HYBRID_ALLOC_POLICY", "exact")
+    exact = _run(dataclasses.replace(base, manager="hybrid_alloc"))
+    print(f"{case}: hit-aware hits {aware['hits']} ({partial_hits} inside a block), exact {exact['hits']}")
+    assert aware["hits"] >= exact["hits"]
