@@ -307,18 +307,25 @@ impl SingleTypeManager {
             *p = if *p == 0 { j } else { (*p).min(j) };
             return;
         }
-        let nh = (j / hbs) as usize;
-        if nh > c.hashes.len() {
+        self.key_inside_block(pool, h, c, j);
+    }
+
+    /// Keys `h`'s block holding the hash boundary at `tokens` (inside the block) under that
+    /// prefix's hash (vLLM's partial key; a second key once the block holds a longer one).
+    /// Nothing past the request's hashes or its table.
+    fn key_inside_block(&self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>, tokens: u32) {
+        let nh = (tokens / self.hash_block_size) as usize;
+        if nh == 0 || nh > c.hashes.len() {
             return;
         }
-        let Some(&b) = self.req_blocks[h as usize].get((j / bs) as usize) else { return };
+        let Some(&b) = self.req_blocks[h as usize].get((tokens / self.spec.block_size) as usize) else { return };
         let o = crate::block_pool::OneBlock {
             req: c.req,
             block: b,
             index: nh as u32 - 1,
             key: (c.hashes[nh - 1], self.group_id),
-            num_tokens: j,
-            block_size: hbs,
+            num_tokens: tokens,
+            block_size: self.hash_block_size,
             parent: if nh > 1 { Some(c.hashes[nh - 2]) } else { None },
         };
         pool.cache_partial_block(&o, false);
@@ -358,19 +365,7 @@ impl SingleTypeManager {
             self.tail_pending[h as usize] = boundary;
             return;
         }
-        let idx = boundary / bs;
-        let Some(&b) = self.req_blocks[h as usize].get(idx as usize) else { return };
-        let nh = (boundary / hbs) as usize;
-        let o = crate::block_pool::OneBlock {
-            req: c.req,
-            block: b,
-            index: nh as u32 - 1,
-            key: (c.hashes[nh - 1], self.group_id),
-            num_tokens: boundary,
-            block_size: hbs,
-            parent: if nh > 1 { Some(c.hashes[nh - 2]) } else { None },
-        };
-        pool.cache_partial_block(&o, false);
+        self.key_inside_block(pool, h, c, boundary);
     }
 
     /// Whether this is a Mamba group in cache mode "align".
