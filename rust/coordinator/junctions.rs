@@ -120,7 +120,8 @@ impl Allocator {
     /// where another prompt went on is marked a branch point; every branch point at or
     /// before the hit's end, with the full-attention block keyed there, goes to at least
     /// [`LEVEL_NORMAL`] and, when free, to the back of its level, as a hit on it would put
-    /// it (not one whose full-attention block is gone: it serves no hit, and ages out). Under `exact` every sibling hits the shared system prompt's state, which so stays
+    /// it (not one whose full-attention block is gone: it serves no hit, and ages out).
+    /// Under `exact` every sibling hits the shared system prompt's state, which so stays
     /// recent; a hit-aware sibling resumes further on (its own previous turn), and without
     /// this the shared state ages out first under pressure, after which the siblings whose
     /// own states were evicted (round-robin chat) hit nothing. O(hit / hash block x groups).
