@@ -42,14 +42,23 @@ impl KindRules for Full {
         check_block_size(cfg, i, g)
     }
 
+    #[inline]
     fn cache_blocks(&self, m: &mut SingleTypeManager, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
         m.cache_full(self, pool, h, c);
         if m.block_size() != m.hash_block_size {
-            m.cache_partial_tail(pool, h, c);
-            if pool.is_leveled() {
-                m.cache_junction(pool, h, c);
-            }
+            cache_inside_blocks(m, pool, h, c);
         }
+    }
+}
+
+/// Partial hash hits: the keys inside a block (the prompt's partial tail; under hit-aware the
+/// junction too). Out of the decode path's line, so `cache_blocks` stays small enough to inline.
+#[cold]
+#[inline(never)]
+fn cache_inside_blocks(m: &mut SingleTypeManager, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
+    m.cache_partial_tail(pool, h, c);
+    if pool.is_leveled() {
+        m.cache_junction(pool, h, c);
     }
 }
 
