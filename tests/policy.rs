@@ -1215,3 +1215,35 @@ fn partial_hash_hits_sibling_prompts_hit_their_shared_prefix_inside_a_block_and_
         }
     }
 }
+
+#[test]
+fn sibling_hit_on_a_shared_prefix_state_keeps_it_a_branch_point_mamba_align() {
+    // Full attention + Mamba "align" at the hash block. Two prompts share 2 blocks and then
+    // differ. The 1st (hit-aware's first-sighting stops at 1 and 2 blocks) caches a state at
+    // the shared prefix's end; the 2nd hits exactly there and computes on. That hit's end is
+    // where another prompt went on, not where a finished sequence ended: a shared prefix, so
+    // the state is a branch point and keeps the normal level once the 2nd passes it (it went
+    // speculative, as a chat's own earlier turn does, and under pressure the siblings lost
+    // the shared system prompt: 44.5% hits against vLLM's 57.0% on the full-size sysprompt).
+    let kinds = [AttentionKind::Full, mamba_align()];
+    let mut a = Allocator::new(config(&kinds, 64, Some(0)), Policy::HitAware).unwrap();
+    let prefix: Vec<u64> = vec![9_000, 9_001];
+    let prompt = 6 * BS + 2;
+    let mut shared_state = None;
+    for (k, own) in [100u64, 200].into_iter().enumerate() {
+        let contents: Vec<u64> = prefix.iter().copied().chain(own..own + 5).collect();
+        let hashes: Vec<BlockHash> = chain(&contents).into_iter().map(BlockHash::from_u64).collect();
+        let h = a.add_request();
+        a.append_hashes(h, &common::hash_bytes(&hashes[..6]), 8).unwrap();
+        let hit = a.find_longest_cache_hit(h, prompt - 1).unwrap();
+        assert_eq!(hit.num_tokens, if k == 0 { 0 } else { 2 * BS }, "sighting {}", k + 1);
+        prefill_in_chunks(&mut a, h, hit, prompt);
+        a.free(h, LEVEL_NORMAL).unwrap();
+        a.new_step_starts();
+        invariants::check(&a).unwrap();
+        shared_state = mamba_state(&a, &hashes, 2 * BS);
+    }
+    let st = shared_state.expect("the state at the shared prefix's end is cached");
+    assert!(a.pool().is_branch(st), "a hit where another prompt went on is a branch point");
+    assert_eq!(a.pool().level(st), LEVEL_NORMAL, "the shared prefix's state, passed by the 2nd");
+}

@@ -94,10 +94,20 @@ impl Allocator {
             // chat's earlier turn, which this request continues).
             let mut shared =
                 if res.num_uncached_common_prefix_tokens > 0 && !self.ends_a_sequence(s, known) { known } else { 0 };
-            if shared == 0 && self.partial_hash_hits && res.num_tokens > 0 && self.passed_by_other(s, res.num_tokens) {
-                // A hit where another prompt went on: a shared prefix (a system prompt), not
-                // this conversation's own earlier turn.
-                shared = res.num_tokens;
+            if shared == 0 && res.num_tokens > 0 {
+                // A hit where another prompt went on (with partial hash hits, as the sightings
+                // tell; otherwise where no finished request's sequence ended) is a shared
+                // prefix (a system prompt), not this conversation's own earlier turn: its
+                // states are branch points, kept when passed, not the running session's
+                // unit that goes first (rule 7).
+                let other = if self.partial_hash_hits {
+                    self.passed_by_other(s, res.num_tokens)
+                } else {
+                    !self.ends_a_sequence(s, res.num_tokens)
+                };
+                if other {
+                    shared = res.num_tokens;
+                }
             }
             for m in self.managers.iter_mut().filter(|m| m.is_mamba_align()) {
                 m.set_align_junction(s, junction.max(shared));

@@ -115,6 +115,11 @@ impl SingleTypeManager {
         }
         if pool.block_hash_num_tokens(b) == self.align_junction(h) {
             pool.mark_branch(b);
+            if pool.level(b) == LEVEL_SPECULATIVE {
+                // A state passed before (a hit's end that turned out shared): a branch point
+                // now, kept as one.
+                pool.set_level(b, LEVEL_NORMAL);
+            }
         }
         let lvl = pool.level(b);
         if lvl == LEVEL_SPECULATIVE || lvl >= LEVEL_PINNED || pool.ref_cnt(b) > 1 || pool.is_branch(b) {
