@@ -83,7 +83,9 @@ impl Allocator {
                 self.record_sighting(s);
                 self.reqs[s as usize].hit_aware.sighted = true;
             }
-            if seen > known && !self.sighted_end(s, seen) {
+            // A prefix where earlier prompts only ended (a chat's previous turn, which this
+            // request continues) is no branch point.
+            if seen > known && self.passed_by_other(s, seen) {
                 res.num_uncached_common_prefix_tokens = seen - res.num_tokens;
                 known = seen;
             }
@@ -227,13 +229,6 @@ impl Allocator {
         }
         let me = self.handle_of(s) + 1;
         self.sightings.get(&self.reqs[s as usize].hashes[n - 1]).is_some_and(|e| e.passer != 0 && e.passer != me)
-    }
-
-    /// Hit-aware with partial hash hits: whether the sighted prefix of `seen` tokens is only
-    /// where earlier prompts ended (no other prompt went on past it): a chat's next turn
-    /// continuing the previous one, not a branch point. O(1).
-    fn sighted_end(&self, s: Slot, seen: u32) -> bool {
-        !self.passed_by_other(s, seen)
     }
 
     /// Hit-aware: whether the full-attention block of `s` ending at `tokens` ended a

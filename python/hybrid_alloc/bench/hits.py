@@ -39,8 +39,8 @@ retention runs beside every policy, a hit-aware row whose manager fell back to v
 marked "(fallback)", and a unit the shape's block is not a multiple of runs at their GCD
 (:func:`cell_unit`). Each row also reports the share of shared-prompt tokens hit from each
 prompt's 2nd sighting on, and the blocks of the pool (vLLM's or ours) keyed inside a block (a
-partial tail, or a hit-aware junction) at the end and at the peak (:class:`PartialTails`); a second table holds them, with each row's prefill
-over vLLM's with the unit. The ideal is taken at the hash block (the unit when one is set).
+partial tail, or a hit-aware junction) at the end and at the peak (:class:`PartialTails`); a
+second table holds them, with each row's prefill over vLLM's with the unit. The ideal is taken at the hash block (the unit when one is set).
 
 Measured per run: the hit rate vLLM's own ``PrefixCacheStats`` reports (hits / queried
 tokens of requests scheduled from the waiting queue, preempted ones excluded, as vLLM's
