@@ -71,7 +71,7 @@
 //!   the full key only on a tag match. An admission's per-block index work (evicting the old
 //!   key, inserting the new) fell from about 267 to about 210 instructions, and in a bench
 //!   of a 323k-block pool alone its simulated last-level misses (32 MiB) from about 3 a
-//!   block to none: the index and the records now fit (`docs/benchmarks.md`, "The
+//!   block to none: the index and the records now fit (`docs/bench-log.md`, "The
 //!   prefix-index round").
 //! - The Python boundary is crossed at most once per vLLM call, with ints and flat lists;
 //!   the scheduler's per-request `allocate_slots` is answered by `Allocator::plain_step`
