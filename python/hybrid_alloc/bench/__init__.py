@@ -5,7 +5,8 @@ nothing; every module imports vLLM only inside the functions that run it.
 
 | module | holds |
 |---|---|
-| ``offline.py`` | vLLM's real ``Scheduler`` built without a GPU for a model shape (``SHAPES``), fabricated model outputs |
+| ``shapes.py`` | the model shapes, one registry for every bench (``SHAPES``, ``ALIASES``), and vLLM's Hopper block size |
+| ``offline.py`` | vLLM's real ``Scheduler`` built without a GPU for a model shape, fabricated model outputs |
 | ``common.py`` | the vLLM check and its install hint, the table renderer (80 columns or the terminal's), the plot backend |
 | ``clock.py`` | ``ManagerClock``: what the scheduler pays for a manager, call by call, its own cost subtracted |
 | ``floor.py`` | the ``floor`` probe (``--managers ...,floor``), present only in the probe build |
@@ -17,6 +18,7 @@ nothing; every module imports vLLM only inside the functions that run it.
 
 Imports go down the table: ``main`` imports ``serve``, ``memory``, ``runner``, ``floor`` and
 ``common``; ``serve`` imports ``runner`` and ``common``; ``runner`` imports ``clock`` and
-``floor``; ``memory`` and ``hits`` import ``common``; ``offline`` is imported inside the
-functions that build a scheduler. ``tests/python/core/test_imports.py`` checks there is no circle.
+``floor``; ``memory`` and ``hits`` import ``common``; ``offline`` imports ``shapes``; both are
+imported inside the functions that build a scheduler or look a shape up (``shapes`` loads
+torch, ``offline`` vLLM). ``tests/python/core/test_imports.py`` checks there is no circle.
 """

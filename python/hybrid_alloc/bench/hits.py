@@ -26,7 +26,8 @@ Shapes: ``gemma3`` (sliding window 1024, five window layers per full one) and ``
 (window 128, alternating), block size 16; ``qwen35`` (Qwen3-Next / 3.5 / 3.6: three Gated
 DeltaNet layers per full-attention one) and ``nemotronh`` (Nemotron-H 8B: Mamba2 with its
 prefill checkpoint block), both Mamba "align" at the attention block size vLLM picks for them
-on a Hopper GPU (544 and 1040 tokens: :func:`hopper_block_size`).
+on a Hopper GPU (544 and 1040 tokens: :func:`hybrid_alloc.bench.shapes.hopper_block_size`;
+the shapes live in the one registry, :mod:`hybrid_alloc.bench.shapes`).
 
 Issue 30 (asked for by name; not in the default run): shapes ``qwen3next`` (576-token
 blocks), ``qwen36`` (1088) and ``nemotron3nano`` (2096), vLLM 0.34's Hopper block sizes for
@@ -65,7 +66,6 @@ size do in a server.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -106,10 +106,6 @@ DEFAULT_PRESSURE: dict[str, dict[str, float]] = {
     },
     "full": dict.fromkeys(SHAPE_NAMES, 3.0),
 }
-#: The kernel block alignment of vLLM's FlashAttention backend on a Hopper GPU
-#: (``FlashAttentionBackend.get_supported_kernel_block_sizes``: ``[MultipleOf(16)]`` for
-#: FA3, which Hopper runs for these head sizes).
-HOPPER_KERNEL_BLOCK = 16
 
 
 @dataclass
@@ -267,117 +263,15 @@ def workloads(size: str) -> list[Workload]:
     ]
 
 
-def hopper_block_size(shape: Any) -> int:
-    """The attention block size vLLM picks for a Mamba hybrid on a Hopper GPU: vLLM's
-    ``Platform._align_hybrid_block_size`` (``vllm/platforms/interface.py``, called from
-    ``update_block_size_for_backend`` once the attention backend is known) with the
-    FlashAttention backend's kernel block alignment (:data:`HOPPER_KERNEL_BLOCK`):
-    ``attn_block_size = align * cdiv(mamba_page_size, align * attn_page_size_1_token)``,
-    then rounded up to every backend's alignment (the same 16 here), so one attention page
-    holds one Mamba state; in cache mode "align" the alignment is also a multiple of the Mamba
-    layers' prefill checkpoint alignment (``ModelShape.block_alignment``: 64 for Gated DeltaNet
-    on FlashInfer, vLLM 0.34). The default block size (16) for a shape without Mamba layers."""
-    if shape.mamba_state is None:
-        return 16
-    import torch
-
-    # max(kernel alignment, cache_config.block_size), then (cache mode "align") a multiple of
-    # the Mamba layers' prefill checkpoint alignment.
-    align = math.lcm(max(HOPPER_KERNEL_BLOCK, 16), shape.block_alignment)
-    attn_page_1_token = 2 * shape.num_kv_heads * shape.head_size * torch.finfo(shape.dtype).bits // 8
-    mamba_page = shape.mamba_state_bytes()
-    bs = align * -(-mamba_page // (align * attn_page_1_token))
-    return HOPPER_KERNEL_BLOCK * -(-bs // HOPPER_KERNEL_BLOCK)
-
-
 def shapes() -> dict[str, Any]:
-    import torch
+    """The shapes ``--shape`` takes, by those names (:data:`SHAPE_NAMES`), from the one registry
+    (``gptoss`` through its alias: :data:`hybrid_alloc.bench.shapes.ALIASES`).
 
-    from hybrid_alloc.bench.offline import SHAPES, LayerKind, MambaState, ModelShape, alternating
+    # Errors
+    ``KeyError`` if the registry lost a name this bench takes."""
+    from hybrid_alloc.bench.shapes import by_name
 
-    gemma3 = ModelShape(
-        "gemma3",
-        alternating(48, 1024, every=6),
-        num_kv_heads=8,
-        head_size=128,
-        weight_bytes=0,
-        description="48 layers, sliding window 1024 with every 6th layer full (Gemma-3 style)",
-    )
-    assert sum(1 for x in gemma3.layers if x == LayerKind("full")) == 8
-    # Qwen3-Next-80B-A3B (and Qwen3.5 / 3.6 of that layout): 48 layers, every 4th full
-    # attention with 2 KV heads of 256; Gated DeltaNet with 16 key / 32 value heads of 128 and
-    # conv kernel 4 (conv state 3 x (2 * 16 * 128 + 32 * 128)), SSM state in the model dtype
-    # (``mamba_ssm_cache_dtype`` "auto"): 1,097,728 bytes a state, 2,048 a token -> 544.
-    qwen35 = ModelShape(
-        "qwen35",
-        tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(48)),
-        num_kv_heads=2,
-        head_size=256,
-        weight_bytes=0,
-        max_model_len=32768,
-        mamba_state=MambaState(
-            shapes=((3, 8192), (32, 128, 128)), dtypes=(torch.bfloat16, torch.bfloat16), mamba_type="GDN_ATTN"
-        ),
-        description="48 layers, 3 Gated DeltaNet : 1 full attention (Qwen3-Next / 3.5 / 3.6), 2 KV heads of 256",
-    )
-    # Nemotron-H 8B: 24 Mamba2 layers (128 heads of 64, state 128, 8 groups: conv state
-    # 3 x 10240), 4 attention layers of 8 KV heads of 128; vLLM sets its SSM cache dtype to
-    # float32 (``NemotronHForCausalLMConfig``): 4,255,744 bytes a state, 4,096 a token -> 1040.
-    nemotronh = dataclasses.replace(SHAPES["nemotron-h-style"], name="nemotronh")
-    # Issue 30's Hopper block sizes, derived as above with vLLM 0.34's checkpoint alignment
-    # (``ModelShape.block_alignment``; each matches the size the issue measured). Qwen3-Next-80B-A3B:
-    # qwen35's layout and state (SSM state in bfloat16), FlashInfer's GDN prefill checkpoints
-    # align to 64: 1,097,728 / 2,048 = 536 -> 576.
-    qwen3next = dataclasses.replace(
-        qwen35,
-        name="qwen3next",
-        block_alignment=64,
-        description=(
-            "48 layers, 3 Gated DeltaNet : 1 full attention (Qwen3-Next-80B-A3B), 2 KV heads of 256, 576-token blocks"
-        ),
-    )
-    # Qwen3.6-35B-A3B (Qwen3.5 layout): 40 layers, every 4th full attention (2 KV heads of
-    # 256), the same GDN heads; its config's ``mamba_ssm_dtype`` float32 (vLLM's
-    # ``Qwen3_5ForConditionalGenerationConfig``): 2,146,304 bytes a state -> 1048 -> 1088.
-    qwen36 = ModelShape(
-        "qwen36",
-        tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(40)),
-        num_kv_heads=2,
-        head_size=256,
-        weight_bytes=0,
-        max_model_len=32768,
-        mamba_state=MambaState(
-            shapes=((3, 8192), (32, 128, 128)), dtypes=(torch.bfloat16, torch.float32), mamba_type="GDN_ATTN"
-        ),
-        block_alignment=64,
-        description="40 layers, 3 Gated DeltaNet : 1 full attention (Qwen3.6-35B-A3B), float32 SSM state, 1088-token blocks",
-    )
-    # Nemotron-3-Nano-30B-A3B: 23 Mamba2 layers (64 heads of 64, state 128, 8 groups: conv
-    # state 3 x 6144), 6 attention layers of 2 KV heads of 128 (the other 23 layers are MoE,
-    # no cache); SSM state in float32: 2,134,016 bytes a state, 1,024 a token -> 2084 -> 2096.
-    nemotron3nano = ModelShape(
-        "nemotron3nano",
-        tuple(LayerKind("full") if i in (4, 9, 14, 19, 24, 28) else LayerKind("mamba") for i in range(29)),
-        num_kv_heads=2,
-        head_size=128,
-        weight_bytes=0,
-        max_model_len=32768,
-        mamba_state=MambaState(shapes=((3, 6144), (64, 64, 128)), dtypes=(torch.bfloat16, torch.float32)),
-        description="23 Mamba2 + 6 attention layers (Nemotron-3-Nano-30B-A3B), 2 KV heads of 128, 2096-token blocks",
-    )
-    out = {
-        "gemma3": gemma3,
-        "gptoss": SHAPES["gpt-oss-120b"],
-        "qwen35": qwen35,
-        "nemotronh": nemotronh,
-        "qwen3next": qwen3next,
-        "qwen36": qwen36,
-        "nemotron3nano": nemotron3nano,
-    }
-    for sh in out.values():
-        # The offline scheduler sizes blocks with ModelShape.attention_block_size: the same rule.
-        assert sh.attention_block_size(16) == hopper_block_size(sh), sh.name
-    return out
+    return {name: by_name(name) for name in SHAPE_NAMES}
 
 
 def _window_blocks(shape: Any, bs: int) -> tuple[int, int, int]:
@@ -397,10 +291,12 @@ def _window_blocks(shape: Any, bs: int) -> tuple[int, int, int]:
 
 
 def budget_blocks(shape: Any, wl: Workload, budget: str, pressure: float, bs: int | None = None) -> int:
-    """Pool size in blocks (of the shape's block size, :func:`hopper_block_size`): ``ample``
+    """Pool size in blocks (of the shape's block size, :func:`hybrid_alloc.bench.shapes.hopper_block_size`): ``ample``
     holds every token of every request in every group; ``pressure`` is ``pressure`` times the
     live working set (``in_flight`` requests of the mean length, window groups capped at
     their window, Mamba groups at one state)."""
+    from hybrid_alloc.bench.shapes import hopper_block_size
+
     bs = bs or hopper_block_size(shape)
     nf, nw, wblocks = _window_blocks(shape, bs)
     lens = [sum(len(p) if isinstance(p, list) else 0 for p in j.parts) + j.max_tokens for j in wl.jobs]
@@ -797,6 +693,8 @@ def cell_unit(shape: Any, unit: int) -> int:
     unit, or, where the shape's block is not a multiple of it (vLLM's
     ``resolve_kv_cache_block_sizes`` refuses that, and does not grow the block to fit: 2096 =
     16 x 131 takes no unit of 32 or 64), the largest unit that divides both."""
+    from hybrid_alloc.bench.shapes import hopper_block_size
+
     return math.gcd(unit, hopper_block_size(shape)) if unit else 0
 
 
@@ -844,6 +742,8 @@ def main(argv: list[str] | None = None) -> int:
                 for asked in units:
                     unit = cell_unit(all_shapes[sn], asked)
                     if unit != asked:
+                        from hybrid_alloc.bench.shapes import hopper_block_size
+
                         print(
                             f"hybrid-alloc hits: {sn}'s {hopper_block_size(all_shapes[sn])}-token block is not a "
                             f"multiple of prefix_match_unit {asked} (vLLM refuses it); its rows take {unit}",

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.vllm
 
 
 def test_mamba_shapes_take_vllms_hopper_block_sizes() -> None:
-    from hybrid_alloc.bench.hits import hopper_block_size, shapes
+    from hybrid_alloc.bench.hits import shapes
+    from hybrid_alloc.bench.shapes import hopper_block_size
 
     sh = shapes()
     assert hopper_block_size(sh["qwen35"]) == 544

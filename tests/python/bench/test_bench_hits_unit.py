@@ -17,8 +17,9 @@ def test_issue30_shapes_take_the_hopper_block_sizes() -> None:
     """Derived as vLLM 0.34's ``_align_hybrid_block_size`` does (FlashInfer's GDN checkpoints
     align the Qwen blocks to 64), and equal to the sizes issue 30 measured; the offline
     scheduler builds every group at that size."""
-    from hybrid_alloc.bench.hits import hopper_block_size, shapes
+    from hybrid_alloc.bench.hits import shapes
     from hybrid_alloc.bench.offline import SchedulerSetup
+    from hybrid_alloc.bench.shapes import hopper_block_size
 
     sh = shapes()
     for name, bs in (("qwen3next", 576), ("qwen36", 1088), ("nemotron3nano", 2096)):
