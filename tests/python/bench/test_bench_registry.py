@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hybrid_alloc.bench.hits import DEFAULT_PRESSURE, DEFAULT_SHAPES, SHAPE_NAMES, shapes  # noqa: E402
+from hybrid_alloc.bench.hits_workloads import DEFAULT_PRESSURE, DEFAULT_SHAPES, SHAPE_NAMES, shapes  # noqa: E402
 from hybrid_alloc.bench.shapes import ALIASES, SHAPES, LayerKind, by_name, hopper_block_size  # noqa: E402
 
 
