@@ -18,7 +18,7 @@ from typing import Any
 
 
 def variants() -> list[tuple[str, Any]]:
-    from hybrid_alloc.bench.hits import resend_workload, shared_workload, sightings_workload
+    from hybrid_alloc.bench.hits_workloads import resend_workload, shared_workload, sightings_workload
 
     out: list[tuple[str, Any]] = []
     for n in (1500, 3000, 4500, 7000):
@@ -52,7 +52,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", action="append", choices=["qwen35", "nemotronh"], help="repeatable; default both")
     args = p.parse_args()
-    from hybrid_alloc.bench.hits import budget_blocks, run, shapes
+    from hybrid_alloc.bench.hits_run import run
+    from hybrid_alloc.bench.hits_workloads import budget_blocks, shapes
 
     all_shapes = shapes()
     print("| shape | workload | ideal | exact | hit-aware | steps (exact / hit-aware) | flags |")

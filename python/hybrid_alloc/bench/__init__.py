@@ -5,7 +5,8 @@ nothing; every module imports vLLM only inside the functions that run it.
 
 | module | holds |
 |---|---|
-| ``offline.py`` | vLLM's real ``Scheduler`` built without a GPU for a model shape (``SHAPES``), fabricated model outputs |
+| ``shapes.py`` | the model shapes, one registry for every bench (``SHAPES``, ``ALIASES``), and vLLM's Hopper block size |
+| ``offline.py`` | vLLM's real ``Scheduler`` built without a GPU for a model shape, fabricated model outputs |
 | ``common.py`` | the vLLM check and its install hint, the table renderer (80 columns or the terminal's), the plot backend |
 | ``clock.py`` | ``ManagerClock``: what the scheduler pays for a manager, call by call, its own cost subtracted |
 | ``floor.py`` | the ``floor`` probe (``--managers ...,floor``), present only in the probe build |
@@ -13,10 +14,16 @@ nothing; every module imports vLLM only inside the functions that run it.
 | ``serve.py`` | the ``serve`` workload (the closed loop) and its table |
 | ``memory.py`` | the ``memory`` workload: construction time and bytes per block, one interpreter each |
 | ``main.py`` | ``hybrid-alloc bench``: the scenarios, the options, the tables, the JSON and the plot |
-| ``hits.py`` | ``hybrid-alloc hits``: prefix-cache hits by retention policy |
+| ``hits_workloads.py`` | the hits bench's workloads, the shapes ``--shape`` names, the pool budgets |
+| ``hits_run.py`` | one hits cell on vLLM's real scheduler under one retention policy, and its ``Result`` |
+| ``hits_report.py`` | the hits bench's progress lines, tables, ``hits.json`` and ``hits.png`` |
+| ``hits.py`` | ``hybrid-alloc hits``: prefix-cache hits by retention policy, the options and the cells |
 
 Imports go down the table: ``main`` imports ``serve``, ``memory``, ``runner``, ``floor`` and
 ``common``; ``serve`` imports ``runner`` and ``common``; ``runner`` imports ``clock`` and
-``floor``; ``memory`` and ``hits`` import ``common``; ``offline`` is imported inside the
-functions that build a scheduler. ``tests/python/core/test_imports.py`` checks there is no circle.
+``floor``; ``hits`` imports ``hits_report``, ``hits_run``, ``hits_workloads`` and ``common``,
+``hits_report`` imports ``hits_run``, ``hits_workloads`` and ``common``, ``hits_run`` imports
+``hits_workloads``; ``memory`` imports ``common``; ``offline`` imports ``shapes``; both are
+imported inside the functions that build a scheduler or look a shape up (``shapes`` loads
+torch, ``offline`` vLLM). ``tests/python/core/test_imports.py`` checks there is no circle.
 """

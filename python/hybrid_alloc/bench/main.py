@@ -96,8 +96,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--model",
         action="append",
         help="model shape (repeatable); default: gemma-2-27b and llama-3.1-8b. "
-        "Built in: gemma-2-27b, llama-3.1-8b, gpt-oss-120b, llama-4-scout, mistral-sw, qwen3.5-style, "
-        "nemotron-h-style, jamba-style, lfm2-style, deepseek-v4-style",
+        "Built in (hybrid_alloc/bench/shapes.py, every bench's): gemma-2-27b, llama-3.1-8b, gpt-oss-120b, "
+        "llama-4-scout, mistral-sw, qwen3.5-style, nemotron-h-style, jamba-style, lfm2-style, deepseek-v4-style, "
+        "and the hits bench's gemma3, qwen35, nemotronh, qwen3next, qwen36, nemotron3nano (no weights: the whole "
+        "GPU goes to the KV cache); gptoss is gpt-oss-120b",
     )
     p.add_argument(
         "--workload",
@@ -185,13 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from tqdm import tqdm
 
-    from hybrid_alloc.bench.offline import SHAPES
+    from hybrid_alloc.bench.shapes import ALIASES, SHAPES, by_name
 
     models = args.model or list(DEFAULT_MODELS)
     serve_models = args.model or list(SERVE_MODELS)
     for m in models:
-        if m not in SHAPES:
-            print(f"unknown model shape {m!r}; built in: {', '.join(SHAPES)}", file=sys.stderr)
+        if m not in SHAPES and m not in ALIASES:
+            print(f"unknown model shape {m!r}; built in: {', '.join([*SHAPES, *ALIASES])}", file=sys.stderr)
             return 2
     workloads = args.workload or ["serve", "throughput", "shared-prefix", "decode", "memory"]
     conc = args.decode_concurrency or [256, 1024]
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[RunResult] = []
     bar = tqdm(total=len(plan), desc="bench", unit="run", file=sys.stderr)
     for model, scen, mg, n in plan:
-        shape = SHAPES[model]
+        shape = by_name(model)
         bar.set_postfix_str(f"{model} {scen} {mg}")
         if scen == "serve":
             r = run_serve(shape, mg, args)

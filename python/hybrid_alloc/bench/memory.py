@@ -70,9 +70,10 @@ def measure(model: str, manager: str, num_blocks: int) -> dict[str, Any]:
     logging.getLogger("vllm").setLevel(logging.ERROR)
     from vllm.v1.core.sched import scheduler as sched_mod
 
-    from hybrid_alloc.bench.offline import SHAPES, SchedulerSetup, scheduler_manager
+    from hybrid_alloc.bench.offline import SchedulerSetup, scheduler_manager
+    from hybrid_alloc.bench.shapes import by_name
 
-    setup = SchedulerSetup(SHAPES[model], manager=manager, num_blocks=num_blocks, max_num_seqs=1024)  # type: ignore[arg-type]
+    setup = SchedulerSetup(by_name(model), manager=manager, num_blocks=num_blocks, max_num_seqs=1024)  # type: ignore[arg-type]
     out: dict[str, Any] = {}
     with scheduler_manager(setup.manager):
         build = sched_mod.KVCacheManager

@@ -1,11 +1,13 @@
 """Builds vLLM's real ``Scheduler`` (0.32.0 or 0.33.0) offline (no GPU, no hub) for a model
 shape, with vLLM's own manager, ours, or "no hybrid allocation", and drives it with
-fabricated model outputs. Used by ``hybrid-alloc bench`` and by the tests.
+fabricated model outputs. Used by ``hybrid-alloc bench``, ``hybrid-alloc hits`` and by the tests.
 
-A model shape is a list of per-layer attention kinds; the model folder handed to vLLM's
-``ModelConfig`` holds only a ``config.json`` (a Llama-style stub: the scheduler reads
-nothing from it but the context length), and the KV cache specs are built here from the
-shape, then grouped and sized by vLLM's own planner (``get_kv_cache_groups``,
+A model shape (:mod:`hybrid_alloc.bench.shapes`, the one registry: ``SHAPES``; this module
+re-exports its ``LayerKind``, ``MambaState``, ``ModelShape`` and ``SHAPES``, so a test that
+builds a scheduler imports one module) is a list of per-layer attention kinds; the model folder
+handed to vLLM's ``ModelConfig`` holds only a ``config.json`` (a Llama-style stub: the scheduler
+reads nothing from it but the context length), and the KV cache specs are built here from the
+shape (:func:`kv_cache_specs`), then grouped and sized by vLLM's own planner (``get_kv_cache_groups``,
 ``get_kv_cache_config_from_groups``: ``vllm.v1.core.kv_cache_utils`` in 0.32,
 ``vllm.v1.core.kv_cache_planning`` from 0.33).
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -28,7 +29,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.config.kv_events import KVEventsConfig
 from vllm.sampling_params import SamplingParams
@@ -56,6 +56,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from hybrid_alloc.bench.shapes import SHAPES, LayerKind, MambaState, ModelShape
 from hybrid_alloc.vllm.compat import (
     config_hash_lookahead_tokens,
     get_kv_cache_config_from_groups,
@@ -71,255 +72,72 @@ ManagerName = Literal["vllm", "hybrid_alloc", "no_hybrid"]
 CACHE_AWARE_ADMISSION: bool = "cache_aware_admission_window" in {f.name for f in dataclasses.fields(SchedulerConfig)}
 
 
-@dataclass(frozen=True)
-class LayerKind:
-    """One layer's cache: ``kind`` is "full", "sliding_window", "chunked_local", "rswa"
-    (reference sliding window attention, ``window`` its ``rswa_window``), "mamba" (a Mamba /
-    linear-attention state layer, shaped by ``ModelShape.mamba_state``), or one of
-    DeepSeek-V4's: "mla" (compressed MLA, full attention), "swa_mla" (sliding-window MLA,
-    ``window`` tokens) and "ring" (the compressor's circular buffer, one block per request)."""
+def kv_cache_specs(
+    shape: ModelShape,
+    block_size: int,
+    no_hybrid: bool = False,
+    mamba_cache_mode: str = "align",
+    num_speculative_blocks: int = 0,
+) -> dict[str, KVCacheSpec]:
+    """vLLM's layer specs for ``shape``; ``num_speculative_blocks`` is what Mamba layers get
+    from a speculative config (vLLM's ``num_speculative_tokens``, for every method)."""
+    specs: dict[str, KVCacheSpec] = {}
+    block_size = shape.attention_block_size(block_size)
+    for i, layer in enumerate(shape.layers):
+        common = dict(
+            block_size=block_size, num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, dtype=shape.dtype
+        )
+        spec: KVCacheSpec
+        if layer.kind == "mamba":
+            # Mamba layers stay Mamba layers even without the hybrid manager (vLLM
+            # cannot serve their state as attention).
+            from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-    kind: str
-    window: int = 0
-
-
-@dataclass(frozen=True)
-class MambaState:
-    """The per-layer state of a Mamba / linear-attention layer (vLLM's ``MambaSpec``)."""
-
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[torch.dtype, ...]
-    mamba_type: str = "MAMBA2"  # a ``MambaAttentionBackendEnum`` member name
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The KV-cache-relevant shape of a model."""
-
-    name: str
-    layers: tuple[LayerKind, ...]
-    num_kv_heads: int
-    head_size: int
-    weight_bytes: int
-    max_model_len: int = 8192
-    dtype: torch.dtype = torch.bfloat16
-    description: str = ""
-    mamba_state: MambaState | None = None
-    #: The Mamba layers' prefill checkpoint alignment, which vLLM's
-    #: ``Platform._align_hybrid_block_size`` folds into the attention block's alignment in
-    #: cache mode "align" (``get_mamba_prefill_checkpoint_alignment``): 64 for Gated
-    #: DeltaNet on FlashInfer's prefill (``FLASHINFER_GDN_CHECKPOINT_ALIGNMENT``, vLLM 0.34,
-    #: Hopper), 1 for none (Mamba2's checkpoints align to 1 token).
-    block_alignment: int = 1
-
-    def attention_block_size(self, block_size: int) -> int:
-        """The attention block size vLLM's hybrid config picks: with Mamba layers, the
-        smallest multiple of ``lcm(block_size, block_alignment)`` whose attention page holds
-        a Mamba state (the state page is then padded to it). The alignment is applied in
-        every cache mode (vLLM applies it in "align" only, the mode of prefix caching)."""
-        if self.mamba_state is None:
-            return block_size
-        per_token = 2 * self.num_kv_heads * self.head_size * torch.finfo(self.dtype).bits // 8
-        state = self.mamba_state_bytes()
-        align = math.lcm(block_size, self.block_alignment)
-        return -(-state // (per_token * align)) * align
-
-    def mamba_state_bytes(self) -> int:
-        assert self.mamba_state is not None
-        total = 0
-        for shape, dt in zip(self.mamba_state.shapes, self.mamba_state.dtypes):
-            n = 1
-            for d in shape:
-                n *= d
-            total += n * torch.finfo(dt).bits // 8
-        return total
-
-    def kv_cache_specs(
-        self,
-        block_size: int,
-        no_hybrid: bool = False,
-        mamba_cache_mode: str = "align",
-        num_speculative_blocks: int = 0,
-    ) -> dict[str, KVCacheSpec]:
-        """vLLM's layer specs; ``num_speculative_blocks`` is what Mamba layers get from a
-        speculative config (vLLM's ``num_speculative_tokens``, for every method)."""
-        specs: dict[str, KVCacheSpec] = {}
-        block_size = self.attention_block_size(block_size)
-        for i, layer in enumerate(self.layers):
-            common = dict(
-                block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size, dtype=self.dtype
+            ms = shape.mamba_state
+            assert ms is not None, f"{shape.name}: a mamba layer needs ModelShape.mamba_state"
+            page = FullAttentionSpec(**common).page_size_bytes
+            # vLLM's MambaMixer2 (every MAMBA2 layer) always adds one prefill checkpoint
+            # block of alignment 1 to its spec (``get_kv_cache_spec``); the managers act
+            # on it in cache mode "align" only.
+            mixer2 = ms.mamba_type == "MAMBA2"
+            specs[f"model.layers.{i}.mixer"] = MambaSpec(
+                block_size=block_size if mamba_cache_mode == "align" else shape.max_model_len,
+                shapes=ms.shapes,
+                dtypes=ms.dtypes,
+                page_size_padded=page,
+                mamba_type=MambaAttentionBackendEnum[ms.mamba_type],
+                mamba_cache_mode=mamba_cache_mode,
+                num_speculative_blocks=num_speculative_blocks,
+                num_prefill_checkpoint_blocks=1 if mixer2 else 0,
+                prefill_checkpoint_alignment=1 if mixer2 else None,
             )
-            spec: KVCacheSpec
-            if layer.kind == "mamba":
-                # Mamba layers stay Mamba layers even without the hybrid manager (vLLM
-                # cannot serve their state as attention).
-                from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-
-                ms = self.mamba_state
-                assert ms is not None, f"{self.name}: a mamba layer needs ModelShape.mamba_state"
-                page = FullAttentionSpec(**common).page_size_bytes
-                # vLLM's MambaMixer2 (every MAMBA2 layer) always adds one prefill checkpoint
-                # block of alignment 1 to its spec (``get_kv_cache_spec``); the managers act
-                # on it in cache mode "align" only.
-                mixer2 = ms.mamba_type == "MAMBA2"
-                specs[f"model.layers.{i}.mixer"] = MambaSpec(
-                    block_size=block_size if mamba_cache_mode == "align" else self.max_model_len,
-                    shapes=ms.shapes,
-                    dtypes=ms.dtypes,
-                    page_size_padded=page,
-                    mamba_type=MambaAttentionBackendEnum[ms.mamba_type],
-                    mamba_cache_mode=mamba_cache_mode,
-                    num_speculative_blocks=num_speculative_blocks,
-                    num_prefill_checkpoint_blocks=1 if mixer2 else 0,
-                    prefill_checkpoint_alignment=1 if mixer2 else None,
-                )
-                continue
-            if layer.kind in ("mla", "swa_mla", "ring"):
-                # DeepSeek-V4: one latent vector per token (no K/V pair), padded to 576.
-                mla = dict(block_size=block_size, num_kv_heads=1, head_size=self.head_size, dtype=self.dtype)
-                if layer.kind == "mla" or (no_hybrid and layer.kind == "swa_mla"):
-                    spec = MLAAttentionSpec(**mla)
-                elif layer.kind == "swa_mla":
-                    spec = SlidingWindowMLASpec(**mla, sliding_window=layer.window)
-                else:
-                    spec = CircularBufferSpec(**{**mla, "block_size": 8})
-                specs[f"model.layers.{i}.{layer.kind}"] = spec
-                continue
-            if layer.kind == "full" or no_hybrid:
-                spec = FullAttentionSpec(**common)
-            elif layer.kind == "sliding_window":
-                spec = SlidingWindowSpec(**common, sliding_window=layer.window)
-            elif layer.kind == "chunked_local":
-                spec = ChunkedLocalAttentionSpec(**common, attention_chunk_size=layer.window)
-            elif layer.kind == "rswa":
-                # Reference sliding window attention (Unlimited-OCR): ``window`` is rswa_window.
-                from vllm.v1.kv_cache_interface import RSWASpec
-
-                spec = RSWASpec(**common, rswa_window=layer.window)
+            continue
+        if layer.kind in ("mla", "swa_mla", "ring"):
+            # DeepSeek-V4: one latent vector per token (no K/V pair), padded to 576.
+            mla = dict(block_size=block_size, num_kv_heads=1, head_size=shape.head_size, dtype=shape.dtype)
+            if layer.kind == "mla" or (no_hybrid and layer.kind == "swa_mla"):
+                spec = MLAAttentionSpec(**mla)
+            elif layer.kind == "swa_mla":
+                spec = SlidingWindowMLASpec(**mla, sliding_window=layer.window)
             else:
-                raise ValueError(f"unknown layer kind {layer.kind!r}")
-            specs[f"model.layers.{i}.self_attn.attn"] = spec
-        return specs
+                spec = CircularBufferSpec(**{**mla, "block_size": 8})
+            specs[f"model.layers.{i}.{layer.kind}"] = spec
+            continue
+        if layer.kind == "full" or no_hybrid:
+            spec = FullAttentionSpec(**common)
+        elif layer.kind == "sliding_window":
+            spec = SlidingWindowSpec(**common, sliding_window=layer.window)
+        elif layer.kind == "chunked_local":
+            spec = ChunkedLocalAttentionSpec(**common, attention_chunk_size=layer.window)
+        elif layer.kind == "rswa":
+            # Reference sliding window attention (Unlimited-OCR): ``window`` is rswa_window.
+            from vllm.v1.kv_cache_interface import RSWASpec
 
-    def kv_bytes_per_token(self) -> int:
-        width = torch.finfo(self.dtype).bits // 8
-        kv = sum(layer.kind in ("full", "sliding_window", "chunked_local") for layer in self.layers)
-        mla = sum(layer.kind in ("mla", "swa_mla") for layer in self.layers)
-        return kv * 2 * self.num_kv_heads * self.head_size * width + mla * self.head_size * width
-
-
-def alternating(n: int, window: int, kind: str = "sliding_window", every: int = 2) -> tuple[LayerKind, ...]:
-    """``n`` layers where every ``every``-th layer (from layer ``every - 1``) is full and the
-    rest are local of ``kind`` with ``window``."""
-    return tuple(LayerKind("full") if i % every == every - 1 else LayerKind(kind, window) for i in range(n))
-
-
-GiB = 1 << 30
-SHAPES: dict[str, ModelShape] = {
-    "gemma-2-27b": ModelShape(
-        "gemma-2-27b",
-        alternating(46, 4096),
-        num_kv_heads=16,
-        head_size=128,
-        weight_bytes=int(54.5 * GiB),
-        description="46 layers, sliding window 4096 and full attention alternating, 16 KV heads of 128",
-    ),
-    "llama-3.1-8b": ModelShape(
-        "llama-3.1-8b",
-        tuple(LayerKind("full") for _ in range(32)),
-        num_kv_heads=8,
-        head_size=128,
-        weight_bytes=int(16.1 * GiB),
-        description="32 full-attention layers, 8 KV heads of 128",
-    ),
-    "gpt-oss-120b": ModelShape(
-        "gpt-oss-120b",
-        alternating(36, 128),
-        num_kv_heads=8,
-        head_size=64,
-        weight_bytes=int(65.3 * GiB),
-        description="36 layers, 128-token sliding window and full attention alternating, 8 KV heads of 64",
-    ),
-    "llama-4-scout": ModelShape(
-        "llama-4-scout",
-        alternating(48, 8192, kind="chunked_local", every=4),
-        num_kv_heads=8,
-        head_size=128,
-        weight_bytes=int(40.0 * GiB),
-        max_model_len=16384,
-        description="48 layers, chunked local attention (chunk 8192) with every 4th layer full, 8 KV heads of 128",
-    ),
-    # Qwen3.5 / Qwen3-Next style: 3 Gated DeltaNet layers to 1 full-attention layer (48
-    # layers), GDN state of 16 key / 32 value heads of 128 (conv kernel 4), 2 KV heads of 256.
-    "qwen3.5-style": ModelShape(
-        "qwen3.5-style",
-        tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(48)),
-        num_kv_heads=2,
-        head_size=256,
-        weight_bytes=int(28.0 * GiB),
-        max_model_len=32768,
-        mamba_state=MambaState(
-            shapes=((3, 8192), (32, 128, 128)), dtypes=(torch.bfloat16, torch.float32), mamba_type="GDN_ATTN"
-        ),
-        description="48 layers, 3 GDN : 1 full attention (Qwen3.5 / Qwen3-Next), 2 KV heads of 256",
-    ),
-    # Nemotron-H-8B style: 52 layers, 4 attention, 24 Mamba2 (the rest MLP, no cache).
-    "nemotron-h-style": ModelShape(
-        "nemotron-h-style",
-        tuple(LayerKind("full") if i % 7 == 6 else LayerKind("mamba") for i in range(28)),
-        num_kv_heads=8,
-        head_size=128,
-        weight_bytes=int(16.2 * GiB),
-        max_model_len=32768,
-        mamba_state=MambaState(shapes=((3, 10240), (128, 64, 128)), dtypes=(torch.bfloat16, torch.float32)),
-        description="Mamba2 + attention (Nemotron-H 8B): 24 Mamba2, 4 attention layers, 8 KV heads of 128",
-    ),
-    # Jamba-1.5-Mini style: 32 layers, one attention layer in 8 (4), the rest Mamba (v1) with
-    # an inner width of 8192 (conv kernel 4, state 16), 8 KV heads of 128.
-    "jamba-style": ModelShape(
-        "jamba-style",
-        tuple(LayerKind("full") if i % 8 == 4 else LayerKind("mamba") for i in range(32)),
-        num_kv_heads=8,
-        head_size=128,
-        weight_bytes=int(24.0 * GiB),
-        max_model_len=32768,
-        mamba_state=MambaState(
-            shapes=((3, 8192), (8192, 16)), dtypes=(torch.bfloat16, torch.float32), mamba_type="MAMBA1"
-        ),
-        description="32 layers, Mamba (v1) with attention every 8th layer (Jamba 1.5 Mini), 8 KV heads of 128",
-    ),
-    # LFM2-1.2B style: 16 layers, 10 gated short-convolution blocks (kernel 3, hidden 2048)
-    # and 6 grouped-query attention layers, 8 KV heads of 64.
-    "lfm2-style": ModelShape(
-        "lfm2-style",
-        tuple(LayerKind("full") if i in (2, 5, 8, 10, 12, 14) else LayerKind("mamba") for i in range(16)),
-        num_kv_heads=8,
-        head_size=64,
-        weight_bytes=int(2.3 * GiB),
-        max_model_len=32768,
-        mamba_state=MambaState(shapes=((2, 2048),), dtypes=(torch.bfloat16,), mamba_type="SHORT_CONV"),
-        description="16 layers, 10 short convolution : 6 attention (LFM2-1.2B), 8 KV heads of 64",
-    ),
-    # DeepSeek-V4 style: each of 32 layers has a compressed MLA cache (full attention), a
-    # sliding-window MLA cache (128 tokens) and its compressor's circular buffer.
-    "deepseek-v4-style": ModelShape(
-        "deepseek-v4-style",
-        tuple(LayerKind(k, 128 if k == "swa_mla" else 0) for _ in range(32) for k in ("mla", "swa_mla", "ring")),
-        num_kv_heads=1,
-        head_size=576,
-        weight_bytes=int(60.0 * GiB),
-        max_model_len=32768,
-        description="32 layers, each compressed MLA (full) + sliding-window MLA (128) + compressor ring, latent 576",
-    ),
-    "mistral-sw": ModelShape(
-        "mistral-sw",
-        alternating(32, 4096, every=4),
-        num_kv_heads=8,
-        head_size=128,
-        weight_bytes=int(14.5 * GiB),
-        description="32 layers, sliding window 4096 with every 4th layer full (Mistral/Ministral style), 8 KV heads of 128",
-    ),
-}
+            spec = RSWASpec(**common, rswa_window=layer.window)
+        else:
+            raise ValueError(f"unknown layer kind {layer.kind!r}")
+        specs[f"model.layers.{i}.self_attn.attn"] = spec
+    return specs
 
 
 _STUB_DIRS: dict[tuple[int, int], str] = {}
@@ -468,7 +286,8 @@ class SchedulerSetup:
         return vc
 
     def kv_cache_config(self, vc: VllmConfig) -> KVCacheConfig:
-        specs = self.shape.kv_cache_specs(
+        specs = kv_cache_specs(
+            self.shape,
             self.block_size,
             no_hybrid=self.manager == "no_hybrid",
             mamba_cache_mode="align" if self.enable_prefix_caching else "none",
@@ -569,5 +388,6 @@ __all__ = [
     "ModelShape",
     "SchedulerSetup",
     "fabricate_output",
+    "kv_cache_specs",
     "make_request",
 ]

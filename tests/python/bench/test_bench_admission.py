@@ -48,7 +48,8 @@ def _admission_order(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_admission_window_reaches_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hybrid_alloc.bench.hits import budget_blocks, run, shapes, workloads
+    from hybrid_alloc.bench.hits_run import run
+    from hybrid_alloc.bench.hits_workloads import budget_blocks, shapes, workloads
     from hybrid_alloc.bench.offline import CACHE_AWARE_ADMISSION
 
     if not CACHE_AWARE_ADMISSION:

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.vllm
 
 
 def test_mamba_shapes_take_vllms_hopper_block_sizes() -> None:
-    from hybrid_alloc.bench.hits import hopper_block_size, shapes
+    from hybrid_alloc.bench.hits_workloads import shapes
+    from hybrid_alloc.bench.shapes import hopper_block_size
 
     sh = shapes()
     assert hopper_block_size(sh["qwen35"]) == 544
@@ -21,7 +22,8 @@ def test_mamba_shapes_take_vllms_hopper_block_sizes() -> None:
 
 
 def test_sightings_exact_hits_a_shared_prompt_only_from_its_third_sighting() -> None:
-    from hybrid_alloc.bench.hits import budget_blocks, run, shapes, workloads
+    from hybrid_alloc.bench.hits_run import run
+    from hybrid_alloc.bench.hits_workloads import budget_blocks, shapes, workloads
 
     shape = shapes()["qwen35"]
     wl = next(w for w in workloads("small") if w.name == "sightings")
@@ -35,7 +37,8 @@ def test_sightings_hit_aware_pinned_prompt_hits_from_its_second_sighting() -> No
     """Hit-aware with the prompt pinned: the junction is known on the 1st sighting (the
     scheduler ends a chunk there and its state is cached), so the 2nd one hits all of it,
     with no more scheduler steps than exact."""
-    from hybrid_alloc.bench.hits import budget_blocks, run, shapes, workloads
+    from hybrid_alloc.bench.hits_run import run
+    from hybrid_alloc.bench.hits_workloads import budget_blocks, shapes, workloads
 
     shape = shapes()["qwen35"]
     wl = next(w for w in workloads("small") if w.name == "sightings")
@@ -55,7 +58,8 @@ def test_sightings_hit_aware_unpinned_prompt_hits_from_its_second_sighting() -> 
     system prompt (4 blocks of 544, 2 of 1040: the whole block-aligned prompt), on both
     state-space shapes. It costs one more scheduler step per stop at most (the full-size
     cost is in docs/hit-aware.md)."""
-    from hybrid_alloc.bench.hits import budget_blocks, run, shapes, workloads
+    from hybrid_alloc.bench.hits_run import run
+    from hybrid_alloc.bench.hits_workloads import budget_blocks, shapes, workloads
 
     wl = next(w for w in workloads("small") if w.name == "sightings")
     first_prompt = sum(len(p) for p in wl.jobs[0].parts)
@@ -78,7 +82,8 @@ def test_shared_prompts_with_spare_memory_hit_aware_within_a_point_of_the_ideal(
     blocks of 544 and 2 of 1040, both past the 2048-token prompts) it was 58.7% against an
     ideal of 60.7% and 37.6% against 38.7% (2026-12-02). No more prefill than vLLM's manager,
     in at most 2% more scheduler steps. Deterministic."""
-    from hybrid_alloc.bench.hits import budget_blocks, run, shapes, workloads
+    from hybrid_alloc.bench.hits_run import run
+    from hybrid_alloc.bench.hits_workloads import budget_blocks, shapes, workloads
 
     wl = next(w for w in workloads("full") if w.name == "shared")
     for name in ("qwen35", "nemotronh"):
@@ -98,7 +103,8 @@ def test_chat_under_pressure_hit_aware_at_least_the_better_of_exact_and_dense_on
     shape, in no more
     scheduler steps (the full size, where vLLM's single LRU evicts each session just before
     its next turn, is in docs/hit-aware.md)."""
-    from hybrid_alloc.bench.hits import budget_blocks, run, shapes, workloads
+    from hybrid_alloc.bench.hits_run import run
+    from hybrid_alloc.bench.hits_workloads import budget_blocks, shapes, workloads
 
     chat = next(w for w in workloads("small") if w.name == "chat")
     for name in ("qwen35", "nemotronh"):
@@ -118,7 +124,8 @@ def test_nemotronh_chat_under_pressure_reaches_the_issue_target() -> None:
     hit-aware serves at least 50% of the queried tokens from the cache (38.9% before the hit
     units and the resumed level, 2026-12-02; vLLM's own manager 0%), computing less prefill
     than vLLM's manager, in at most 2% more scheduler steps. The hit counts are deterministic."""
-    from hybrid_alloc.bench.hits import budget_blocks, run, shapes, workloads
+    from hybrid_alloc.bench.hits_run import run
+    from hybrid_alloc.bench.hits_workloads import budget_blocks, shapes, workloads
 
     shape = shapes()["nemotronh"]
     wl = next(w for w in workloads("full") if w.name == "chat")

@@ -17,8 +17,9 @@ def test_issue30_shapes_take_the_hopper_block_sizes() -> None:
     """Derived as vLLM 0.34's ``_align_hybrid_block_size`` does (FlashInfer's GDN checkpoints
     align the Qwen blocks to 64), and equal to the sizes issue 30 measured; the offline
     scheduler builds every group at that size."""
-    from hybrid_alloc.bench.hits import hopper_block_size, shapes
+    from hybrid_alloc.bench.hits_workloads import shapes
     from hybrid_alloc.bench.offline import SchedulerSetup
+    from hybrid_alloc.bench.shapes import hopper_block_size
 
     sh = shapes()
     for name, bs in (("qwen3next", 576), ("qwen36", 1088), ("nemotron3nano", 2096)):
@@ -30,7 +31,7 @@ def test_issue30_shapes_take_the_hopper_block_sizes() -> None:
 
 
 def test_sysprompt_workload_prompts_are_shared_and_not_block_multiples() -> None:
-    from hybrid_alloc.bench.hits import workloads
+    from hybrid_alloc.bench.hits_workloads import workloads
 
     for size in ("small", "full"):
         wl = next(w for w in workloads(size) if w.name == "sysprompt")
@@ -47,7 +48,8 @@ def test_unit_takes_effect_on_vllm_and_lifts_its_chat_hits() -> None:
     scheduler hashes every 64 tokens with partial hits on (``run`` raises otherwise), the
     pool holds partial-tail keys, and each turn hits the previous turn's prompt past its last
     block boundary: a higher hit rate and less prefill than without the unit."""
-    from hybrid_alloc.bench.hits import budget_blocks, run, shapes, workloads
+    from hybrid_alloc.bench.hits_run import run
+    from hybrid_alloc.bench.hits_workloads import budget_blocks, shapes, workloads
 
     shape = shapes()["qwen3next"]
     chat = next(w for w in workloads("small") if w.name == "chat")
@@ -69,7 +71,8 @@ def test_hit_aware_with_a_unit_is_native_and_computes_less_prefill_than_vllm_wit
     the round-robin chat, whose sessions share a system prompt (the junction a hit passes is
     kept: without it the chat's 3rd turns hit nothing, 13568 prefill tokens against vLLM's
     6208). Our pool's partial-tail blocks are counted, and stay within it."""
-    from hybrid_alloc.bench.hits import DEFAULT_PRESSURE, budget_blocks, run, shapes, workloads
+    from hybrid_alloc.bench.hits_run import run
+    from hybrid_alloc.bench.hits_workloads import DEFAULT_PRESSURE, budget_blocks, shapes, workloads
 
     shape = shapes()["qwen3next"]
     wl = next(w for w in workloads("small") if w.name == workload)
@@ -88,7 +91,8 @@ def test_hit_aware_with_a_unit_is_native_and_computes_less_prefill_than_vllm_wit
 def test_a_unit_the_block_does_not_take_runs_at_their_gcd() -> None:
     """2096 = 16 x 131: vLLM refuses a unit of 64 on Nemotron-3-Nano's block (and does not
     grow the block for it); the bench runs that shape's rows at 16 and says so."""
-    from hybrid_alloc.bench.hits import cell_unit, shapes
+    from hybrid_alloc.bench.hits import cell_unit
+    from hybrid_alloc.bench.hits_workloads import shapes
 
     sh = shapes()
     assert cell_unit(sh["nemotron3nano"], 64) == 16
@@ -99,7 +103,7 @@ def test_a_unit_the_block_does_not_take_runs_at_their_gcd() -> None:
 def test_unit_table_marks_fallback_and_compares_against_vllm_with_the_unit(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from hybrid_alloc.bench.hits import print_unit_table
+    from hybrid_alloc.bench.hits_report import print_unit_table
 
     base = {"shape": "s", "block_size": 576, "workload": "sysprompt", "budget": "ample", "hit_rate": 0.5}
     rows = [

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_alloc.bench import common, hits, main
+from hybrid_alloc.bench import common, hits_report, main
 
 HINT = "pip install '.[bench]'"  # from the checkout: the package is not on PyPI
 
@@ -63,7 +63,7 @@ def test_hits_report_prints_table_and_json_then_skips_plot(tmp_path: Path, capsy
     monkey_rows = [_one_hit_row()]
     # report() takes Result objects; rows_of() turns them into these dicts with vars().
     results = [argparse.Namespace(**r) for r in monkey_rows]
-    hits.report(results, args)  # type: ignore[arg-type]
+    hits_report.report(results, args)  # type: ignore[arg-type]
     out = capsys.readouterr()
     assert "| gemma3 | chat | ample | 100 | exact | 50.0% | 75.0% | 300 | 1.50x | 7 |" in out.out
     assert "plot:" not in out.out

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.vllm
 
 
 def _build(monkeypatch: pytest.MonkeyPatch, policy: str | None, **env: str) -> Any:
-    from hybrid_alloc.bench.hits import shapes
+    from hybrid_alloc.bench.hits_workloads import shapes
     from hybrid_alloc.bench.offline import SchedulerSetup
 
     if policy is None:
@@ -86,7 +86,8 @@ def test_bad_pin_file_keeps_hit_aware_and_drops_only_the_pins(
 
 
 def test_hits_bench_small_chat_hit_aware_at_least_exact(tmp_path: Path) -> None:
-    from hybrid_alloc.bench.hits import budget_blocks, run, shapes, workloads
+    from hybrid_alloc.bench.hits_run import run
+    from hybrid_alloc.bench.hits_workloads import budget_blocks, shapes, workloads
 
     shape = shapes()["gptoss"]
     chat = next(w for w in workloads("small") if w.name == "chat")
@@ -218,7 +219,8 @@ def test_hit_aware_with_mamba_align_real_scheduler_hits_at_least_exact() -> None
     the hits bench's chat, shared-prefix and re-send workloads: every request finishes, no
     error, and hit-aware serves at least vLLM's own hits, with memory to spare and under
     pressure (the served states are checked block by block in ``tests/policy.rs``)."""
-    from hybrid_alloc.bench.hits import budget_blocks, run, workloads
+    from hybrid_alloc.bench.hits_run import run
+    from hybrid_alloc.bench.hits_workloads import budget_blocks, workloads
 
     shape = _tiny_qwen35(8192)
     gained = False
