@@ -2,12 +2,13 @@
 
 vLLM calls :func:`register` once in every process it starts (API server, engine core,
 workers), under fork and spawn. With ``HYBRID_ALLOC`` unset or ``0`` it returns at once
-and imports nothing: this module needs only the standard library, and the
-``hybrid_alloc`` and ``hybrid_alloc.vllm`` packages import their contents lazily.
+and imports nothing: this module needs only the standard library (and the release list,
+:mod:`hybrid_alloc.vllm.releases`, which needs nothing), and the ``hybrid_alloc`` and
+``hybrid_alloc.vllm`` packages import their contents lazily.
 
 With ``HYBRID_ALLOC`` set to ``1``, ``true``, ``yes`` or ``on`` (any case) on a tested vLLM
-release (:data:`TESTED_VLLM_RELEASES`) it makes vLLM's scheduler build
-:class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`:
+release (:data:`TESTED_VLLM_RELEASES`, the project's one list) it makes vLLM's scheduler
+build :class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`:
 
 - it assigns ``vllm.v1.core.sched.scheduler.KVCacheManager``: the scheduler module bound
   that name at import (``from vllm.v1.core.kv_cache_manager import KVCacheManager``), so
@@ -41,11 +42,13 @@ import os
 import sys
 from typing import Any
 
+from hybrid_alloc.vllm.releases import SUPPORTED_RELEASES
+
 ENV_FLAG = "HYBRID_ALLOC"
 # Set to 1 to apply the patch on a vLLM release outside TESTED_VLLM_RELEASES.
 ENV_UNTESTED = "HYBRID_ALLOC_UNTESTED_VLLM"
-# The vLLM releases the parity tests run against (the `vllm` extra allows >=0.32,<0.35).
-TESTED_VLLM_RELEASES: tuple[str, ...] = ("0.32.0", "0.33.0", "0.34.0")
+# The vLLM releases the parity tests run against: the project's one list (releases.py).
+TESTED_VLLM_RELEASES: tuple[str, ...] = SUPPORTED_RELEASES
 
 # A child of vLLM's "vllm" logger, so vLLM's own handler prints it (no vLLM import here).
 logger = logging.getLogger("vllm.hybrid_alloc")
