@@ -2,13 +2,13 @@
 
 vLLM calls :func:`register` once in every process it starts (API server, engine core,
 workers), under fork and spawn. With ``HYBRID_ALLOC`` unset or ``0`` it returns at once
-and imports nothing: this module needs only the standard library (and the release list,
-:mod:`hybrid_alloc.vllm.releases`, which needs nothing), and the ``hybrid_alloc`` and
-``hybrid_alloc.vllm`` packages import their contents lazily.
+and imports nothing: this module needs only the standard library, and the
+``hybrid_alloc`` and ``hybrid_alloc.vllm`` packages import their contents lazily.
 
 With ``HYBRID_ALLOC`` set to ``1``, ``true``, ``yes`` or ``on`` (any case) on a tested vLLM
-release (:data:`TESTED_VLLM_RELEASES`, the project's one list) it makes vLLM's scheduler
-build :class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`:
+release (``SUPPORTED_RELEASES``, the project's one list, in :mod:`hybrid_alloc.vllm.releases`,
+read only then) it makes vLLM's scheduler build
+:class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`:
 
 - it assigns ``vllm.v1.core.sched.scheduler.KVCacheManager``: the scheduler module bound
   that name at import (``from vllm.v1.core.kv_cache_manager import KVCacheManager``), so
@@ -42,13 +42,9 @@ import os
 import sys
 from typing import Any
 
-from hybrid_alloc.vllm.releases import SUPPORTED_RELEASES
-
 ENV_FLAG = "HYBRID_ALLOC"
-# Set to 1 to apply the patch on a vLLM release outside TESTED_VLLM_RELEASES.
+# Set to 1 to apply the patch on a vLLM release outside hybrid_alloc.vllm.releases' list.
 ENV_UNTESTED = "HYBRID_ALLOC_UNTESTED_VLLM"
-# The vLLM releases the parity tests run against: the project's one list (releases.py).
-TESTED_VLLM_RELEASES: tuple[str, ...] = SUPPORTED_RELEASES
 
 # A child of vLLM's "vllm" logger, so vLLM's own handler prints it (no vLLM import here).
 logger = logging.getLogger("vllm.hybrid_alloc")
@@ -111,9 +107,11 @@ def register() -> None:
             return
         if not on:
             return
+        from hybrid_alloc.vllm.releases import SUPPORTED_RELEASES
+
         release = vllm_release()
-        if release not in TESTED_VLLM_RELEASES:
-            tested = ", ".join(TESTED_VLLM_RELEASES)
+        if release not in SUPPORTED_RELEASES:
+            tested = ", ".join(SUPPORTED_RELEASES)
             if not _truthy(os.environ.get(ENV_UNTESTED)):
                 logger.warning(
                     "hybrid_alloc: vLLM %s is not a tested release (tested: %s); vLLM's own KV cache manager "
