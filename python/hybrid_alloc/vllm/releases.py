@@ -1,8 +1,8 @@
 """The vLLM releases hybrid_alloc supports: the one list the rest of the project reads.
 
-Read by the plugin's release check (:mod:`hybrid_alloc.vllm.plugin`), the bench's install hint,
-the tests, and the shell scripts: ``scripts/test.sh`` (its default lanes, one pytest run per
-release), ``scripts/test-env.sh`` (the releases it builds an environment for), ``scripts/bench.sh``
+Read by the plugin's release check (:mod:`hybrid_alloc.vllm.plugin`, once the flag is on), the
+bench's install hint, the tests, and the shell scripts: ``scripts/test.sh`` (its default lanes:
+the pytest runs of each release), ``scripts/test-env.sh`` (the releases it builds an environment for), ``scripts/bench.sh``
 and ``scripts/check.sh`` (their default release, :data:`ENGINE_RELEASE`). The copies that must
 stay literal (the README, ``docs/install.md``, ``docs/compatibility.md``, ``docs/development.md``,
 ``pyproject.toml``'s ``vllm`` extra, ``scripts/test-env.sh``'s recipes) are checked against it by
@@ -10,9 +10,11 @@ stay literal (the README, ``docs/install.md``, ``docs/compatibility.md``, ``docs
 
 Adding a release: the numbered checklist in ``docs/development.md``, "Adding a vLLM release".
 
-Standard library only, and nothing imported at module level: the scripts run this file directly,
-before the package is built and without vLLM. ``python3 python/hybrid_alloc/vllm/releases.py``
-prints the releases, space-separated; with ``--engine`` it prints :data:`ENGINE_RELEASE`.
+Invariants: the releases are ``X.Y.Z``, oldest first, each once; :data:`ENGINE_RELEASE` is one
+of them (the test checks both). Standard library only, nothing imported at module level, no cost
+at import: the scripts run this file directly, before the package is built and without vLLM.
+``python3 python/hybrid_alloc/vllm/releases.py`` prints the releases, space-separated; with
+``--engine`` it prints :data:`ENGINE_RELEASE`.
 """
 
 from __future__ import annotations
