@@ -154,7 +154,7 @@ def test_development_doc_lists_an_environment_per_release_and_the_checklist() ->
 
 
 def test_docs_count_the_releases_right() -> None:
-    """"all three releases" and the like, where a page counts the supported releases."""
+    """Where a page counts the supported releases ("all three releases"), the count is right."""
     word = NUMBER_WORDS[len(SUPPORTED_RELEASES)]
     for rel in ("README.md", "docs/install.md", "docs/compatibility.md", "docs/development.md"):
         for said in re.findall(r"\ball (\w+) (?:supported )?releases\b", _read(rel)):
