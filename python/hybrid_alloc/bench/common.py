@@ -9,7 +9,12 @@ import sys
 import textwrap
 from typing import Any
 
-INSTALL_HINT = "vLLM is not installed: pip install 'vllm>=0.32,<0.35' (0.32.0, 0.33.0 or 0.34.0), or run `bash scripts/bench.sh` (vLLM 0.32.0's CPU build)"
+from hybrid_alloc.vllm.releases import ENGINE_RELEASE, SUPPORTED_RELEASES, vllm_requirement
+
+INSTALL_HINT = (
+    f"vLLM is not installed: pip install '{vllm_requirement()}' (one of {', '.join(SUPPORTED_RELEASES)}), "
+    f"or run `bash scripts/bench.sh` (vLLM {ENGINE_RELEASE}'s CPU build)"
+)
 # The package is not on PyPI: the `bench` extra installs from a checkout of this repository.
 PLOT_SKIPPED = (
     "plot skipped: matplotlib is not installed (pip install matplotlib, or from this repository's checkout: "

@@ -1,4 +1,4 @@
-"""Builds vLLM's real ``Scheduler`` (0.32.0 or 0.33.0) offline (no GPU, no hub) for a model
+"""Builds vLLM's real ``Scheduler`` (the installed supported release's) offline (no GPU, no hub) for a model
 shape, with vLLM's own manager, ours, or "no hybrid allocation", and drives it with
 fabricated model outputs. Used by ``hybrid-alloc bench``, ``hybrid-alloc hits`` and by the tests.
 

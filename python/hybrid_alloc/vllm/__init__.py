@@ -1,5 +1,7 @@
-"""The vLLM V1 integration (vLLM 0.32.0, 0.33.0 and 0.34.0).
+"""The vLLM V1 integration, for the supported vLLM releases (:mod:`hybrid_alloc.vllm.releases`).
 
+- :mod:`hybrid_alloc.vllm.releases`: the one list of supported releases (the plugin, the
+  scripts, the docs and the tests read it, or a test checks their copy).
 - :mod:`hybrid_alloc.vllm.plugin`: the ``vllm.general_plugins`` entry point; with
   ``HYBRID_ALLOC=1`` it makes vLLM's scheduler build :class:`HybridKVCacheManager`.
 - :mod:`hybrid_alloc.vllm.manager`: the ``KVCacheManager``-compatible adapter over the

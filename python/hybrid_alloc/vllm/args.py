@@ -1,6 +1,6 @@
 """The constructor arguments of vLLM's ``KVCacheManager``, spelled once.
 
-:class:`ManagerArgs` holds every argument the adapter knows (vLLM 0.32.0 and 0.33.0), each
+:class:`ManagerArgs` holds every argument the adapter knows (every supported release's), each
 with vLLM's default; :meth:`ManagerArgs.bind` reads a call's arguments the way the installed
 vLLM's constructor would take them. An argument the installed constructor takes and this
 class does not know means a release whose meaning has not been checked: it is refused

@@ -1,4 +1,4 @@
-"""Mamba "align" boundary-state offloads for a KV connector (vLLM 0.32.0, 0.33.0 and 0.34.0).
+"""Mamba "align" boundary-state offloads for a KV connector (every supported vLLM release).
 
 Every step the scheduler drains ``KVCacheManager.take_boundary_state_offloads()`` into
 ``KVConnectorBlockState.boundary_state_offloads``: ``{request_id: [(group_id, block_id,

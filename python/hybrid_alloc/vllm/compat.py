@@ -1,5 +1,5 @@
 """What the installed vLLM offers, read once at import: the one place the adapter tells the
-supported releases (0.32.0, 0.33.0, 0.34.0) apart.
+supported releases (:mod:`hybrid_alloc.vllm.releases`) apart.
 
 Each capability has one feature probe (an import, an attribute, a signature, the names a
 vLLM function's code reads, or what a two-block ``BlockPool`` does); nothing compares a

@@ -1,4 +1,4 @@
-"""Which KV connectors the native manager serves (vLLM 0.32.0, 0.33.0 and 0.34.0).
+"""Which KV connectors the native manager serves (every supported vLLM release).
 
 A connector is served natively when its scheduler side works through the manager's public
 API only (``KVCacheBlocks`` with ``block_id`` / ``block_hash`` / ``is_null``,

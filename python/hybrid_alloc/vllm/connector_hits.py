@@ -1,4 +1,4 @@
-"""The local hit a KV connector's scheduler takes (vLLM 0.32.0, 0.33.0 and 0.34.0's
+"""The local hit a KV connector's scheduler takes (every supported vLLM release's
 ``KVCacheManager.get_computed_blocks_for_connector``), served by the core in one crossing.
 
 vLLM's scheduler asks it instead of ``get_computed_blocks`` when the connector sets

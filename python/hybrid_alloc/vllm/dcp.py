@@ -1,8 +1,8 @@
 """Decode context parallelism (DCP): each group's block size as vLLM's managers use it.
 
 Under DCP each rank holds ``1/dcp`` of every sharded group's KV, so one block spans
-``dcp`` times the spec's ``block_size`` tokens. vLLM 0.32.0 and 0.33.0 scale exactly one
-thing: ``SingleTypeKVCacheManager.block_size = spec.block_size * dcp`` for a spec with
+``dcp`` times the spec's ``block_size`` tokens. Every supported vLLM release scales exactly
+one thing: ``SingleTypeKVCacheManager.block_size = spec.block_size * dcp`` for a spec with
 ``dcp_sharded`` (every ``AttentionSpec`` by default), ``spec.block_size`` otherwise (a
 *replicated* group). The hash lookup views the request's hashes (computed at
 ``hash_block_size``, which ``resolve_kv_cache_block_sizes`` already derives from the scaled

@@ -1,4 +1,4 @@
-"""A drop-in ``KVCacheManager`` for vLLM 0.32.0, 0.33.0 and 0.34.0 backed by the native core.
+"""A drop-in ``KVCacheManager`` for the supported vLLM releases, backed by the native core.
 
 :class:`HybridKVCacheManager` takes the constructor arguments of vLLM's
 ``vllm.v1.core.kv_cache_manager.KVCacheManager`` and serves every method and attribute
@@ -143,8 +143,8 @@ def native_config_or_reason(*args: Any, vllm_config: Any = None, **kwargs: Any) 
 
 
 class HybridKVCacheManager:
-    """vLLM's ``KVCacheManager`` (0.32.0, 0.33.0 or 0.34.0, whichever is installed), served by
-    the native core.
+    """vLLM's ``KVCacheManager`` (of whichever supported release is installed), served by the
+    native core.
 
     Constructed with ``KVCacheManager``'s arguments, and optionally ``vllm_config`` (the
     ``VllmConfig`` being scheduled; default: the module's ``current_vllm_config``). When the

@@ -6,7 +6,8 @@ and imports nothing: this module needs only the standard library, and the
 ``hybrid_alloc`` and ``hybrid_alloc.vllm`` packages import their contents lazily.
 
 With ``HYBRID_ALLOC`` set to ``1``, ``true``, ``yes`` or ``on`` (any case) on a tested vLLM
-release (:data:`TESTED_VLLM_RELEASES`) it makes vLLM's scheduler build
+release (``SUPPORTED_RELEASES``, the project's one list, in :mod:`hybrid_alloc.vllm.releases`,
+read only then) it makes vLLM's scheduler build
 :class:`hybrid_alloc.vllm.manager.HybridKVCacheManager`:
 
 - it assigns ``vllm.v1.core.sched.scheduler.KVCacheManager``: the scheduler module bound
@@ -42,10 +43,8 @@ import sys
 from typing import Any
 
 ENV_FLAG = "HYBRID_ALLOC"
-# Set to 1 to apply the patch on a vLLM release outside TESTED_VLLM_RELEASES.
+# Set to 1 to apply the patch on a vLLM release outside hybrid_alloc.vllm.releases' list.
 ENV_UNTESTED = "HYBRID_ALLOC_UNTESTED_VLLM"
-# The vLLM releases the parity tests run against (the `vllm` extra allows >=0.32,<0.35).
-TESTED_VLLM_RELEASES: tuple[str, ...] = ("0.32.0", "0.33.0", "0.34.0")
 
 # A child of vLLM's "vllm" logger, so vLLM's own handler prints it (no vLLM import here).
 logger = logging.getLogger("vllm.hybrid_alloc")
@@ -108,9 +107,11 @@ def register() -> None:
             return
         if not on:
             return
+        from hybrid_alloc.vllm.releases import SUPPORTED_RELEASES
+
         release = vllm_release()
-        if release not in TESTED_VLLM_RELEASES:
-            tested = ", ".join(TESTED_VLLM_RELEASES)
+        if release not in SUPPORTED_RELEASES:
+            tested = ", ".join(SUPPORTED_RELEASES)
             if not _truthy(os.environ.get(ENV_UNTESTED)):
                 logger.warning(
                     "hybrid_alloc: vLLM %s is not a tested release (tested: %s); vLLM's own KV cache manager "

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_alloc.vllm.releases import vllm_requirement
+
 
 def test_help_lists_options() -> None:
     out = subprocess.run([sys.executable, "-m", "hybrid_alloc.cli", "bench", "--help"], capture_output=True, text=True)
@@ -26,7 +28,7 @@ def test_without_vllm_says_how_to_install_in_one_line() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 2
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "pip install 'vllm>=0.32,<0.35'" in lines[0]
+    assert len(lines) == 1 and f"pip install '{vllm_requirement()}'" in lines[0]
 
 
 @pytest.mark.vllm

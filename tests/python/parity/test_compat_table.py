@@ -312,13 +312,13 @@ def test_uniform_type_spec_row_falls_back_as_vllm_cannot_build_it() -> None:
 
 
 def test_every_row_has_every_tested_release() -> None:
-    from hybrid_alloc.vllm.plugin import TESTED_VLLM_RELEASES
+    from hybrid_alloc.vllm.releases import SUPPORTED_RELEASES
 
     rows = _table()
     assert len(rows) >= 15
     for label, cells in rows.items():
         if label == "any other vLLM release":
             continue
-        assert sorted(cells) == sorted(TESTED_VLLM_RELEASES), label
+        assert sorted(cells) == sorted(SUPPORTED_RELEASES), label
         for release, cell in cells.items():
             assert cell.startswith(("native", "falls back", "same as ")), (label, release, cell)

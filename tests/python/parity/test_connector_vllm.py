@@ -1,4 +1,4 @@
-"""KV connectors served natively: the installed vLLM's (0.32.0, 0.33.0 or 0.34.0) real
+"""KV connectors served natively: the installed vLLM's (a supported release's) real
 Scheduler and AsyncScheduler with NixlConnector configured (as KV consumer and as KV producer,
 alone, as its push variant and under a MultiConnector) and with the native OffloadingConnector, run
 once with vLLM's KVCacheManager and once with ours, the worker side faked with

@@ -1,4 +1,4 @@
-"""Decode context parallelism (DCP 2 and 4), against the installed vLLM (0.32.0 or 0.33.0):
+"""Decode context parallelism (DCP 2 and 4), against the installed vLLM (a supported release):
 
 - the manager: vLLM's own ``KVCacheManager`` built with ``dcp_world_size`` 2 and 4 and ours,
   on full-attention and MLA groups and on a sharded group beside a replicated one, driven by

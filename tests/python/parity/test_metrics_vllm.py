@@ -1,4 +1,4 @@
-"""``--kv-cache-metrics`` served natively: the installed vLLM's (0.32.0 or 0.33.0) real
+"""``--kv-cache-metrics`` served natively: the installed vLLM's (a supported release's) real
 Scheduler with its ``KVCacheMetricsCollector`` (sample rate 1.0, a fake clock), run once with
 vLLM's KVCacheManager and once with ours on the same seeded workload: shared prefixes (hits),
 a small pool (lazy evictions, preemption), an explicit ``evict_blocks``, a prefix-cache reset

@@ -1,4 +1,4 @@
-"""Differential tests: the installed vLLM's (0.32.0 or 0.33.0) own KVCacheManager against
+"""Differential tests: the installed vLLM's (a supported release's) own KVCacheManager against
 ours, on seeded random request traces (shared prefixes, chunked prefill, decode, preemption
 and re-admission, aborts, double frees and deferred frees through pop_blocks_for_free,
 eviction under memory pressure, prefix-cache resets, explicit cache_blocks /

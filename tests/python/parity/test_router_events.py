@@ -1,4 +1,4 @@
-"""Router fidelity at the scheduler level (vLLM 0.32.0 and 0.33.0): the example router's prefix
+"""Router fidelity at the scheduler level (every supported vLLM release): the example router's prefix
 index (``examples/kv_router.py``), fed the KV cache events of vLLM's real Scheduler, predicts
 each request's hit before the manager looks it up, over thousands of events with preemption,
 aborts and eviction, on a full-attention shape and a hybrid (sliding window 64 + full).

@@ -1,4 +1,4 @@
-"""The installed vLLM's (0.32.0 or 0.33.0) real Scheduler (and AsyncScheduler), run once with
+"""The installed vLLM's (a supported release's) real Scheduler (and AsyncScheduler), run once with
 vLLM's KVCacheManager and once with ours on the same seeded workload: shared prefixes,
 chunked prefill, preemption under memory pressure, aborts, requests that slide past the
 window; async scheduling with overlapped steps (outputs processed with the next step in

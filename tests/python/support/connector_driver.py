@@ -1,4 +1,4 @@
-"""Drives the installed vLLM's (0.32.0, 0.33.0 or 0.34.0) real Scheduler (sync or async) with a
+"""Drives the installed vLLM's (a supported release's) real Scheduler (sync or async) with a
 KV connector configured (NixlConnector as KV consumer or producer, the OffloadingConnector,
 MultiConnectors over them, ...) through a seeded workload of P/D lifecycles, faking the worker
 side as vLLM's own connector unit tests do: each step's ``ModelRunnerOutput`` carries a

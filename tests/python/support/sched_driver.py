@@ -1,4 +1,4 @@
-"""Drives the installed vLLM's (0.32.0, 0.33.0 or 0.34.0) real Scheduler (sync or async) through a
+"""Drives the installed vLLM's (a supported release's) real Scheduler (sync or async) through a
 seeded synthetic workload and records, per step, a digest of the SchedulerOutput and the KV
 cache events, so two runs (vLLM's manager and ours) can be compared step by step."""
 

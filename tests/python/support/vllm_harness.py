@@ -1,4 +1,4 @@
-"""Builds the installed vLLM's (0.32.0, 0.33.0 or 0.34.0) own KVCacheManager and ours from one
+"""Builds the installed vLLM's (a supported release's) own KVCacheManager and ours from one
 KVCacheConfig, and real vLLM Requests (with vLLM's own block hasher) to drive them with. Used
 by the parity tests and the pytest-benchmark benches; never an imitation of vLLM: every
 object here is vLLM's.
