@@ -64,9 +64,12 @@ trap 'rm -f "$constraints"' EXIT
 echo "$MATURIN_PIN" >"$constraints"
 # A cargo target folder set in the environment would be reused: the build starts from nothing.
 unset CARGO_TARGET_DIR
+# pip files the wheels it builds from an sdist named NAME-VERSION.tar.gz in its cache, keyed by the
+# file's path alone: the build's pip keeps a cache of its own (that, and maturin's download), so
+# these builds stay out of the user's.
 for target in $TARGETS; do
   echo "release-build: $target wheel from $SDIST ($COMPAT, zig)" >&2
-  PIP_CONSTRAINT=$constraints \
+  PIP_CACHE_DIR="$TOOLS/pip-cache" PIP_CONSTRAINT=$constraints \
     MATURIN_PEP517_ARGS="--zig --compatibility $COMPAT --target $target --locked" \
     "$TOOLS/bin/python" -m pip wheel -q --no-deps -w "$DIST" "$SDIST" >&2
 done
