@@ -59,7 +59,8 @@ def test_plugin_entry_point_and_console_script_are_registered() -> None:
 
 def test_console_script_prints_its_help() -> None:
     script = Path(sys.prefix) / "bin" / "hybrid-alloc"
-    assert script.read_text().splitlines()[0] == f"#!{sys.executable}"
+    # The venv's interpreter runs it (a path over 127 bytes gets pip's /bin/sh preamble instead).
+    assert sys.executable in "\n".join(script.read_text().splitlines()[:3])
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: hybrid-alloc bench [options]")
