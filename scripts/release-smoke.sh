@@ -3,7 +3,8 @@
 # an installed vLLM, and runs tests/python/wheel there: the package and its compiled core come from
 # that venv, the plugin's entry point (vllm.general_plugins) and the `hybrid-alloc` console script
 # are registered, `hybrid-alloc --help` runs, and vLLM's real Scheduler schedules through the
-# plugin (HYBRID_ALLOC=1). Usage: scripts/release-smoke.sh VLLM_VENV [WHEEL] (a test environment
+# plugin (HYBRID_ALLOC=1); and tests/python/core/test_packaging.py (version, license, extras, readme)
+# on the installed metadata. Usage: scripts/release-smoke.sh VLLM_VENV [WHEEL] (a test environment
 # of scripts/test-env.sh; WHEEL defaults to target/dist's wheel for this machine's architecture).
 #
 # The fresh venv (target/dist-venv) is made from the vLLM venv's base interpreter and gets the
@@ -27,4 +28,5 @@ echo "import site; site.addsitedir('$(purelib "$VLLM_VENV/bin/python")')" \
   >"$(purelib "$FRESH/bin/python")/hybrid_alloc_smoke_vllm.pth"
 echo "release-smoke: $(basename "$WHEEL") installed into $FRESH, beside $VLLM_VENV's vLLM"
 env -u PYTHONPATH HYBRID_ALLOC_WHEEL="$(readlink -f "$WHEEL")" HYBRID_ALLOC_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 \
-  "$FRESH/bin/python" -m pytest tests/python/wheel -p no:cacheprovider -W ignore::DeprecationWarning -q
+  "$FRESH/bin/python" -m pytest tests/python/wheel tests/python/core/test_packaging.py -p no:cacheprovider \
+  -W ignore::DeprecationWarning -q
