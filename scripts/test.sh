@@ -142,6 +142,14 @@ for release in $RELEASES; do
     RUNS+=("$run_name")
   done
 done
+# The release artefacts, while the pytest runs go on: scripts/release-build.sh (the sdist, the
+# manylinux_2_28 wheel pip builds from it, `auditwheel show`), then that wheel installed into a
+# fresh venv beside the last release's vLLM (scripts/release-smoke.sh: the plugin's entry point,
+# `hybrid-alloc --help`, one scheduler step through the plugin).
+if [ $first = 0 ]; then
+  run "release build (sdist, manylinux_2_28 wheel, auditwheel)" bash scripts/release-build.sh &&
+    run "release wheel in a fresh venv beside vLLM ($(basename "$VENV"))" bash scripts/release-smoke.sh "$VENV"
+fi
 # While they run, one line every PROGRESS_EVERY seconds: each release's pytest percentage and the
 # file it is in (read from its log), so a run that takes most of an hour shows it is moving.
 progress() {
