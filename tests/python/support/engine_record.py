@@ -264,3 +264,16 @@ class Recorder:
                 }
             )
         return rows
+
+
+def assert_provenance(rows: list[dict[str, Any]], hits_per_phase: list[int]) -> None:
+    """Asserts that ``rows`` (``Recorder.provenance``) cover every hit (their lengths add up to
+    each phase's prefix-cache hits, vLLM's counter), that every hit handed over the blocks of
+    exactly its tokens (``err`` below ``PROVENANCE_TOL``), and that each would have failed with
+    another prefix's blocks (``other`` at least 10 times ``PROVENANCE_TOL``)."""
+    for phase, hits in enumerate(hits_per_phase):
+        assert sum(r["k"] for r in rows if r["phase"] == phase) == hits, (phase, hits, rows)
+    wrong = [r for r in rows if not r["err"] < PROVENANCE_TOL]
+    assert not wrong, f"hits handed over blocks of other tokens: {wrong}"
+    blind = [r for r in rows if not r["other"] >= 10 * PROVENANCE_TOL]
+    assert not blind, f"the check cannot tell these hits' blocks from another prefix's: {blind}"
