@@ -16,7 +16,8 @@ outputs are not compared where the policies took different hits: a turn resuming
 its previous turn's decode computed, instead of its prefill, gets a bfloat16 state 0.4-0.6%
 away from exact's, and which way a near-tie of the top two logits then goes depends on the
 host's kernels (issue 36: the 7th reply's 10th token, a tie within 0.0039 in log-probability,
-went the other way under exact on an Intel Xeon with AMX).
+went the other way under exact on an Intel Xeon with AVX-512 BF16 and FP16; on an AMD EPYC
+with AVX-512 BF16 it did not).
 
 Two more engines on the Qwen3-Next-style model run with ``prefix_match_unit=32`` (vLLM's
 partial hash hits: hits every 32 tokens, below the 160-token block): repeated and extended
