@@ -56,6 +56,11 @@ from typing import Any
 PROVENANCE_TOL = 0.05
 
 
+#: A recorded hit: (phase, request number, prompt, hit length, {(group, block index): (the
+#: block's tensors before the step, after it)}).
+HitRecord = tuple[int, int, list[int], int, dict[tuple[int, int], tuple[list[Any], list[Any]]]]
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -111,12 +116,13 @@ class Recorder:
             self.groups.append((g.kv_cache_spec.block_size, isinstance(g.kv_cache_spec, MambaSpec), tensors))
         #: Each phase's steps: ``{"rows": [[n, computed, scheduled, digest], ...], "tokens": [[n, tok, ...]]}``.
         self.phases: list[list[dict[str, Any]]] = [[]]
-        #: Every hit: (phase, request number, prompt, hit length, {(group, block index): (the
-        #: block before the step, after it)}).
-        self.hits: list[tuple[int, int, list[int], int, dict[tuple[int, int], tuple[list[Any], list[Any]]]]] = []
+        #: Every hit, in the order they were scheduled.
+        self.hits: list[HitRecord] = []
         self._numbers: dict[str, int] = {}
         #: The step being run: its rows, and per hit (its row, its hit entry, its block ids).
-        self._pending: tuple[list[list[Any]], list[tuple[list[Any], Any, dict[tuple[int, int], int]]]] | None = None
+        self._pending: tuple[list[list[Any]], list[tuple[list[Any], HitRecord, dict[tuple[int, int], int]]]] | None = (
+            None
+        )
         #: While computing references: the blocks of each request whose prompt just finished.
         self._ends: dict[str, dict[tuple[int, int], list[Any]]] | None = None
         schedule, update = self.sched.schedule, self.sched.update_from_output
@@ -180,7 +186,13 @@ class Recorder:
             row = [n, k, out.num_scheduled_tokens[nr.req_id], hashlib.sha1(repr(prompt).encode()).hexdigest()[:16]]
             if k:
                 ids = self._block_ids(nr.block_ids, k, copies)
-                hit = (len(self.phases) - 1, n, prompt, k, {key: (b, []) for key, b in self._read(ids).items()})
+                hit: HitRecord = (
+                    len(self.phases) - 1,
+                    n,
+                    prompt,
+                    k,
+                    {key: (b, []) for key, b in self._read(ids).items()},
+                )
                 self.hits.append(hit)
                 hits.append((row, hit, ids))
             rows.append(row)
