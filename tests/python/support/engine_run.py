@@ -4,7 +4,7 @@ subprocess through ``run_engine`` (vLLM spawns processes, so the engine runs und
 __main__ guard).
 
     python engine_run.py MODEL_DIR [--dtype D] [--no-cache] [--chat | --chat-too | --partial]
-                         [--reply N] [--prefix-match-unit N]
+                         [--reply N] [--prefix-match-unit N] [--record | --provenance]
     (HYBRID_ALLOC=1 to use the native manager; HYBRID_ALLOC_POLICY=exact|hit-aware)
 
 By default one request fills the cache, then six more share its prefix (and one does not).
@@ -23,6 +23,12 @@ hit length (vLLM's ``num_cached_tokens``) under ``"cached"``, in order, and what
 took (``"scheduler"``: its block and hash block sizes, ``enable_partial_hash_hits``,
 ``mamba_partial_cache_hit``, and the copy-on-write copies it handed the workers). It reads the
 scheduler, so it needs the engine in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
+
+``--record`` (it runs the engine in this process) adds what the engine computed
+(``engine_record.py``): each phase's steps under ``"steps"`` (the workload's; the chat's under
+``"chat"`` with ``--chat-too``, whose prefix-cache reset starts a new phase). ``--provenance``
+records too and adds under ``"provenance"`` every hit's distance from a clean prefill of its
+tokens, computed after the workload (the outputs and counters are taken before).
 """
 
 from __future__ import annotations
@@ -136,7 +142,12 @@ def main() -> None:
     p.add_argument("--prefix-match-unit", type=int, default=None)
     # The SSM state's dtype (vLLM's ``mamba_ssm_cache_dtype``), default vLLM's "auto".
     p.add_argument("--mamba-ssm-dtype", default=None)
+    p.add_argument("--record", action="store_true")
+    p.add_argument("--provenance", action="store_true")
     args = p.parse_args()
+    if args.record or args.provenance:
+        # The recorder reads the engine core and the model runner: both in this process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -156,6 +167,11 @@ def main() -> None:
         **({"mamba_ssm_cache_dtype": args.mamba_ssm_dtype} if args.mamba_ssm_dtype else {}),
         **({"prefix_match_unit": args.prefix_match_unit} if args.prefix_match_unit else {}),
     )
+    recorder = None
+    if args.record or args.provenance:
+        from engine_record import Recorder
+
+        recorder = Recorder(llm)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     chat_params = SamplingParams(temperature=0.0, max_tokens=args.reply, ignore_eos=True, detokenize=False)
     if args.chat:
@@ -170,9 +186,17 @@ def main() -> None:
         result = {"outputs": [list(o.outputs[0].token_ids) for o in first + rest], **counters(llm)}
         if args.chat_too:
             assert llm.reset_prefix_cache()
+            if recorder is not None:
+                recorder.new_phase()
             outs = chat(llm, chat_params, args.system)
             after = counters(llm)
             result["chat"] = {"outputs": outs, **{k: after[k] - result[k] for k in after}}
+    if recorder is not None:
+        result["steps"] = recorder.phases[0]
+        if args.chat_too:
+            result["chat"]["steps"] = recorder.phases[1]
+        if args.provenance:
+            result["provenance"] = recorder.provenance()
     print("RESULT " + json.dumps(result))
 
 
