@@ -18,7 +18,7 @@
 //! ([`crate::policy::Retention`], `None` under `exact`) and calls it at one named hook in
 //! each pool operation whose exact path it changes: `get_new_blocks` (`popped`), `touch`
 //! (`touched`), `free_blocks` (`freed`), `remove_cached_block_hashes` (`unkeying`),
-//! `cache_full_blocks` (`keyed`) and `reset_prefix_cache` (`reset`). The policy's
+//! `cache_full_blocks` and `cache_one_block` (`keyed`) and `reset_prefix_cache` (`reset`). The policy's
 //! decisions the managers and the coordinator take (levels, flags, units, pins) go through
 //! the forwards at the end of this file, each a no-op or a neutral answer under `exact`.
 //!
@@ -666,6 +666,9 @@ impl BlockPool {
             return false;
         }
         self.hash_tokens[b as usize] = num_tokens;
+        if let Some(r) = &mut self.retention {
+            r.keyed(b);
+        }
         self.insert_key(key, b);
         self.push_stored(o);
         true
@@ -1116,6 +1119,56 @@ mod tests {
         p.evict_blocks(&[a]);
         assert!(p.get_cached_block(&h(7), &[0], &mut hit));
         assert_eq!(hit, vec![b]);
+    }
+
+    #[test]
+    fn cache_one_block_hit_aware_recycled_block_keyed_at_the_normal_level_as_cache_full_blocks() {
+        use crate::policy::{LEVEL_PINNED, LEVEL_SPECULATIVE};
+        // Hit-aware: a block's level outlives its key (a block evicted keeps the level its
+        // previous life left). Keying it again must start it at the normal level, whichever
+        // call keys it: `cache_full_blocks` (a full block), `cache_one_block` (a Mamba
+        // checkpoint state) or `cache_partial_block` (a key inside the block: a prompt's
+        // partial tail, a junction).
+        let h = |i: u64| BlockHash::from_u64(i);
+        let one = |b: BlockId, key: u64| OneBlock {
+            req: 0,
+            block: b,
+            index: 0,
+            key: (h(key), 0),
+            num_tokens: 16,
+            block_size: 16,
+            parent: None,
+        };
+        for (how, old) in [(0, LEVEL_PINNED), (1, LEVEL_PINNED), (2, LEVEL_PINNED), (1, LEVEL_SPECULATIVE)] {
+            let mut p = BlockPool::try_new_leveled(9, true, false, true).unwrap();
+            let mut got = Vec::new();
+            p.get_new_blocks(1, &mut got);
+            let b = got[0];
+            // Its previous life: cached, left at `old`, freed there, then evicted by a pop.
+            p.cache_full_blocks(&TableRef { req: 0, group: 0, block_size: 16, blocks: &got }, 0..1, None, |_| h(1));
+            p.set_level(b, old);
+            p.free_blocks([b]);
+            assert_eq!(p.level(b), old);
+            // Popped again (the other free blocks first: unhashed, they are ahead of it).
+            got.clear();
+            p.get_new_blocks(p.num_free_blocks(), &mut got);
+            assert_eq!((got.last(), p.block_hash(b)), (Some(&b), None), "the same block, evicted");
+            got = vec![b];
+            match how {
+                0 => p.cache_full_blocks(
+                    &TableRef { req: 0, group: 0, block_size: 16, blocks: &got },
+                    0..1,
+                    None,
+                    |_| h(2),
+                ),
+                1 => assert!(p.cache_one_block(&one(b, 2))),
+                _ => assert!(p.cache_partial_block(&one(b, 2), false).is_some()),
+            }
+            assert_eq!(p.level(b), LEVEL_NORMAL, "keyed by call {how} after a life at level {old}");
+            // Freed, it is queued at the normal level: not counted in the pinned share.
+            p.free_blocks([b]);
+            assert_eq!(p.pinned_free(), 0, "keyed by call {how} after a life at level {old}");
+        }
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! | [`Retention::touched`] | `touch` | counts a pinned block out, marks the block reused |
 //! | [`Retention::freed`] | `free_blocks` | queues cached blocks at their levels, keeps the pinned share |
 //! | [`Retention::unkeying`] | `remove_cached_block_hashes` | dissolves the block's hit unit, clears its flags |
-//! | [`Retention::keyed`] | `cache_full_blocks` | a newly cached block is freed at [`LEVEL_NORMAL`] |
+//! | [`Retention::keyed`] | `cache_full_blocks`, `cache_one_block` | a newly cached block is freed at [`LEVEL_NORMAL`] |
 //! | [`Retention::reset`] | `reset_prefix_cache` | forgets flags, units and the pinned count |
 //!
 //! The rest ([`Retention::set_level`], [`Retention::evict_first`], pinning, the flags) are
@@ -171,7 +171,9 @@ impl Retention {
         }
     }
 
-    /// Hook of `cache_full_blocks`: `b` was just cached; it is freed at [`LEVEL_NORMAL`].
+    /// Hook of `cache_full_blocks` and `cache_one_block` (which `cache_partial_block` calls
+    /// for a block holding no key): `b` was just cached; it is freed at [`LEVEL_NORMAL`],
+    /// whatever level its previous life left (a level outlives the key).
     #[inline]
     pub fn keyed(&mut self, b: BlockId) {
         self.level[b as usize] = LEVEL_NORMAL;
