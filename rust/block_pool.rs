@@ -18,9 +18,11 @@
 //! ([`crate::policy::Retention`], `None` under `exact`) and calls it at one named hook in
 //! each pool operation whose exact path it changes: `get_new_blocks` (`popped`), `touch`
 //! (`touched`), `free_blocks` (`freed`), `remove_cached_block_hashes` (`unkeying`),
-//! `cache_full_blocks` and `cache_one_block` (`keyed`) and `reset_prefix_cache` (`reset`). The policy's
-//! decisions the managers and the coordinator take (levels, flags, units, pins) go through
-//! the forwards at the end of this file, each a no-op or a neutral answer under `exact`.
+//! `cache_full_blocks` and `cache_one_block` (`keyed`), `move_block_hashes` (`unkeying`,
+//! `keyed`) and `reset_prefix_cache` (`reset`). The policy's decisions the managers and the
+//! coordinator take (levels, flags, units, pins) go through one handle it lends,
+//! [`BlockPool::hit_aware`] (`None` under `exact`: nothing to decide), and its state is
+//! read through [`BlockPool::retention`].
 //!
 //! Cost: `get_new_blocks` O(n) (each popped block's lazy eviction O(1), plus, under
 //! hit-aware with Mamba groups, O(members) when it dissolves a hit unit); `touch`,
@@ -30,15 +32,20 @@
 use crate::error::{Error, Result};
 use crate::free_queue::{try_filled, FreeQueue};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, NULL_BLOCK};
-use crate::policy::retention::PoolParts;
-use crate::policy::{Level, Retention, LEVEL_NORMAL, NUM_LEVELS};
+use crate::policy::retention::{HitAware, PoolParts};
+use crate::policy::{Retention, NUM_LEVELS};
 use crate::prefix_index::{HashKey, PrefixIndex};
 
 /// The pool's parts the policy works on ([`PoolParts`]), lent for one hook call; borrows
 /// the fields apart from `retention`.
 macro_rules! parts {
     ($pool:ident) => {
-        PoolParts { queue: &mut $pool.queue, index: &$pool.index, ref_cnt: &$pool.ref_cnt }
+        PoolParts {
+            queue: &mut $pool.queue,
+            index: &$pool.index,
+            ref_cnt: &$pool.ref_cnt,
+            hash_tokens: &$pool.hash_tokens,
+        }
     };
 }
 
@@ -795,150 +802,26 @@ impl BlockPool {
     pub fn take_events(&mut self) -> Vec<Event> {
         std::mem::take(&mut self.events)
     }
-}
 
-/// The hit-aware policy's decisions, forwarded to [`Retention`] with the pool's parts it
-/// works on; under `exact` (no retention) each is a no-op or returns what an exact pool
-/// would (`LEVEL_NORMAL`, no flags, no units, no pins).
-impl BlockPool {
     /// Whether the free queue has retention levels (the `hit-aware` policy).
     #[inline]
     pub fn is_leveled(&self) -> bool {
         self.retention.is_some()
     }
 
-    /// The hit-aware policy's state (`None` under `exact`).
+    /// The hit-aware policy's state, to read (`None` under `exact`).
+    #[inline]
     pub fn retention(&self) -> Option<&Retention> {
         self.retention.as_ref()
     }
 
-    /// Whether `key` is a pinned prefix's (hit-aware; always false under `exact`).
-    pub fn is_pinned_key(&self, key: &HashKey) -> bool {
-        self.retention.as_ref().is_some_and(|r| r.is_pinned_key(key))
-    }
-
-    /// Hit-aware: whether `b` was served in a cache hit since it was cached (false under
-    /// `exact`).
-    pub fn reused(&self, b: BlockId) -> bool {
-        self.retention.as_ref().is_some_and(|r| r.reused(b))
-    }
-
-    /// Hit-aware: whether `b` (a Mamba state) was marked a branch point since it was cached
-    /// ([`Self::mark_branch`]; false under `exact`).
-    pub fn is_branch(&self, b: BlockId) -> bool {
-        self.retention.as_ref().is_some_and(|r| r.is_branch(b))
-    }
-
-    /// Hit-aware: marks cached block `b` a branch point until it loses its hash (no-op under
-    /// `exact` or for an unhashed block).
-    pub(crate) fn mark_branch(&mut self, b: BlockId) {
-        if let Some(r) = &mut self.retention {
-            r.mark_branch(b, &self.index);
-        }
-    }
-
-    /// Hit-aware: whether `b` ended a finished request's cached sequence since it was cached
-    /// ([`Self::mark_tail`]; false under `exact`).
-    pub fn is_tail(&self, b: BlockId) -> bool {
-        self.retention.as_ref().is_some_and(|r| r.is_tail(b))
-    }
-
-    /// Hit-aware: marks cached block `b` as the end of a finished request's cached sequence
-    /// until it loses its hash (no-op under `exact` or for an unhashed block).
-    pub(crate) fn mark_tail(&mut self, b: BlockId) {
-        if let Some(r) = &mut self.retention {
-            r.mark_tail(b, &self.index);
-        }
-    }
-
-    /// Hit-aware: records that Mamba "align" group `g` caches states (the groups a hit unit
-    /// holds a state in). O(groups).
-    pub(crate) fn note_state_group(&mut self, g: GroupId) {
-        if let Some(r) = &mut self.retention {
-            r.note_state_group(g);
-        }
-    }
-
-    /// Hit-aware: the Mamba "align" groups that cached a state (empty under `exact` and
-    /// without Mamba groups).
-    pub fn state_groups(&self) -> &[GroupId] {
-        self.retention.as_ref().map_or(&[], |r| r.state_groups())
-    }
-
-    /// Hit-aware: the state blocks cached under `hash` in every state group (empty when any
-    /// is missing).
-    pub(crate) fn state_set(&self, hash: &BlockHash) -> Vec<BlockId> {
-        self.retention.as_ref().map_or_else(Vec::new, |r| r.state_set(hash, &self.index))
-    }
-
-    /// Hit-aware: forms a hit unit of cached `states` and the cached full-attention `prefix`
-    /// before them (see [`crate::policy::HitUnits`]). No-op under `exact`.
-    pub(crate) fn form_unit(&mut self, states: &[BlockId], prefix: &[BlockId]) {
-        if let Some(r) = &mut self.retention {
-            r.form_unit(states, prefix, &self.index);
-        }
-    }
-
-    /// Hit-aware: live hit units holding full-attention block `b` in their prefix.
-    pub fn unit_support(&self, b: BlockId) -> u32 {
-        self.retention.as_ref().map_or(0, |r| r.unit_support(b))
-    }
-
-    /// Hit-aware: cached block `b` serves no hit: it goes to the speculative level, at the
-    /// front of the queue when free ([`Retention::evict_first`]). No-op under `exact`.
-    pub(crate) fn evict_first(&mut self, b: BlockId) {
-        if let Some(r) = &mut self.retention {
-            r.evict_first(b, &mut parts!(self));
-        }
-    }
-
-    /// Retention level of `b` (`LEVEL_NORMAL` without levels).
-    pub fn level(&self, b: BlockId) -> Level {
-        self.retention.as_ref().map_or(LEVEL_NORMAL, |r| r.level(b))
-    }
-
-    /// Sets the retention level `b` gets when freed; a free block moves to the back of its
-    /// new level now. No-op without levels or for the null block.
-    pub(crate) fn set_level(&mut self, b: BlockId, lvl: Level) {
-        if let Some(r) = &mut self.retention {
-            r.set_level(b, lvl, parts!(self));
-        }
-    }
-
-    /// Pins hash keys ([`Retention::pin_keys`]); under `exact` (which the coordinator
-    /// refuses first) pins nothing.
-    ///
-    /// # Errors
-    /// [`Error::OutOfRange`] when the pinned keys would exceed the pinned share (nothing
-    /// changes).
-    pub(crate) fn pin_keys(&mut self, keys: Vec<HashKey>) -> Result<u32> {
-        match &mut self.retention {
-            Some(r) => r.pin_keys(keys, parts!(self)),
-            None => Ok(0),
-        }
-    }
-
-    /// Sets the pinned share of the pool ([`Retention::set_pinned_share`]); under `exact`
-    /// only the share's range is checked.
-    ///
-    /// # Errors
-    /// [`Error::OutOfRange`] for a share outside `0.0..=1.0` or below the keys pinned.
-    pub(crate) fn set_pinned_share(&mut self, share: f64) -> Result<()> {
-        let n = self.num_blocks;
-        match &mut self.retention {
-            Some(r) => r.set_pinned_share(share, n, parts!(self)),
-            None => Retention::pinned_cap_for(share, n).map(|_| ()),
-        }
-    }
-
-    /// The pinned share in blocks (under `exact`, the share a hit-aware pool starts with).
-    pub fn pinned_cap(&self) -> u32 {
-        self.retention.as_ref().map_or(Retention::default_pinned_cap(self.num_blocks), |r| r.pinned_cap())
-    }
-
-    /// Free cached blocks at `LEVEL_PINNED` (0 under `exact`).
-    pub fn pinned_free(&self) -> u32 {
-        self.retention.as_ref().map_or(0, |r| r.pinned_free())
+    /// The hit-aware policy's decisions, over its state and the pool's parts it works on
+    /// (see [`HitAware`]); `None` under `exact`, where a caller has nothing to decide. The
+    /// pool is borrowed while the handle lives.
+    #[inline]
+    pub(crate) fn hit_aware(&mut self) -> Option<HitAware<'_>> {
+        let r = self.retention.as_mut()?;
+        Some(HitAware::new(r, parts!(self)))
     }
 }
 
@@ -1123,7 +1006,7 @@ mod tests {
 
     #[test]
     fn cache_one_block_hit_aware_recycled_block_keyed_at_the_normal_level_as_cache_full_blocks() {
-        use crate::policy::{LEVEL_PINNED, LEVEL_SPECULATIVE};
+        use crate::policy::{LEVEL_NORMAL, LEVEL_PINNED, LEVEL_SPECULATIVE};
         // Hit-aware: a block's level outlives its key (a block evicted keeps the level its
         // previous life left). Keying it again must start it at the normal level, whichever
         // call keys it: `cache_full_blocks` (a full block), `cache_one_block` (a Mamba
@@ -1146,9 +1029,10 @@ mod tests {
             let b = got[0];
             // Its previous life: cached, left at `old`, freed there, then evicted by a pop.
             p.cache_full_blocks(&TableRef { req: 0, group: 0, block_size: 16, blocks: &got }, 0..1, None, |_| h(1));
-            p.set_level(b, old);
+            p.hit_aware().unwrap().set_level(b, old);
             p.free_blocks([b]);
-            assert_eq!(p.level(b), old);
+            let level = |p: &BlockPool| p.retention().unwrap().level(b);
+            assert_eq!(level(&p), old);
             // Popped again (the other free blocks first: unhashed, they are ahead of it).
             got.clear();
             p.get_new_blocks(p.num_free_blocks(), &mut got);
@@ -1164,10 +1048,10 @@ mod tests {
                 1 => assert!(p.cache_one_block(&one(b, 2))),
                 _ => assert!(p.cache_partial_block(&one(b, 2), false).is_some()),
             }
-            assert_eq!(p.level(b), LEVEL_NORMAL, "keyed by call {how} after a life at level {old}");
+            assert_eq!(level(&p), LEVEL_NORMAL, "keyed by call {how} after a life at level {old}");
             // Freed, it is queued at the normal level: not counted in the pinned share.
             p.free_blocks([b]);
-            assert_eq!(p.pinned_free(), 0, "keyed by call {how} after a life at level {old}");
+            assert_eq!(p.retention().unwrap().pinned_free(), 0, "keyed by call {how} after a life at level {old}");
         }
     }
 

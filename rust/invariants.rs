@@ -26,22 +26,22 @@ pub fn check(a: &Allocator) -> Result<(), String> {
     if queued != pool.queue().len() || pool.queue().iter().count() as u32 != queued {
         return Err(format!("free queue length {} but {queued} blocks have ref_cnt 0", pool.queue().len()));
     }
-    if pool.is_leveled() {
+    if let Some(r) = pool.retention() {
         // Hit-aware: a free cached block sits in the segment of its retention level.
         let levels = pool.queue().iter_levels();
         let pinned = levels
             .get(crate::policy::LEVEL_PINNED as usize)
             .map_or(0, |seg| seg.iter().filter(|&&b| pool.block_hash(b).is_some()).count() as u32);
-        if pinned != pool.pinned_free() {
-            return Err(format!("{pinned} free pinned cached blocks, counted {}", pool.pinned_free()));
+        if pinned != r.pinned_free() {
+            return Err(format!("{pinned} free pinned cached blocks, counted {}", r.pinned_free()));
         }
-        if pinned > pool.pinned_cap() {
-            return Err(format!("{pinned} free pinned blocks above the pinned share {}", pool.pinned_cap()));
+        if pinned > r.pinned_cap() {
+            return Err(format!("{pinned} free pinned blocks above the pinned share {}", r.pinned_cap()));
         }
         for (k, seg) in levels.iter().enumerate() {
             for &b in seg {
-                if pool.block_hash(b).is_some() && pool.level(b) as usize != k {
-                    return Err(format!("free cached block {b} of level {} queued at level {k}", pool.level(b)));
+                if pool.block_hash(b).is_some() && r.level(b) as usize != k {
+                    return Err(format!("free cached block {b} of level {} queued at level {k}", r.level(b)));
                 }
             }
         }

@@ -33,9 +33,10 @@ use std::collections::HashMap;
 mod common;
 
 use common::{chain, groups};
+use hybrid_alloc::block_pool::BlockPool;
 use hybrid_alloc::invariants;
 use hybrid_alloc::policy::{
-    Policy, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_RESUMED, LEVEL_SPECULATIVE,
+    Level, Policy, Retention, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_RESUMED, LEVEL_SPECULATIVE,
 };
 use hybrid_alloc::{
     AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Event, Hit, NewComputed, ReqHandle, NULL_BLOCK,
@@ -44,6 +45,39 @@ use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
 const BS: u32 = 4;
+
+/// The hit-aware policy's state as the tests read it, through the pool's read-only handle
+/// (`BlockPool::retention`); under `exact` (no state) what an exact pool answers: every
+/// block at the normal level, no flags, no units, no pins, the default pinned share.
+trait RetentionView {
+    fn level(&self, b: BlockId) -> Level;
+    fn is_branch(&self, b: BlockId) -> bool;
+    fn unit_support(&self, b: BlockId) -> u32;
+    fn is_pinned_key(&self, key: &(BlockHash, u32)) -> bool;
+    fn pinned_free(&self) -> u32;
+    fn pinned_cap(&self) -> u32;
+}
+
+impl RetentionView for BlockPool {
+    fn level(&self, b: BlockId) -> Level {
+        self.retention().map_or(LEVEL_NORMAL, |r| r.level(b))
+    }
+    fn is_branch(&self, b: BlockId) -> bool {
+        self.retention().is_some_and(|r| r.is_branch(b))
+    }
+    fn unit_support(&self, b: BlockId) -> u32 {
+        self.retention().map_or(0, |r| r.unit_support(b))
+    }
+    fn is_pinned_key(&self, key: &(BlockHash, u32)) -> bool {
+        self.retention().is_some_and(|r| r.is_pinned_key(key))
+    }
+    fn pinned_free(&self) -> u32 {
+        self.retention().map_or(0, |r| r.pinned_free())
+    }
+    fn pinned_cap(&self) -> u32 {
+        self.retention().map_or(Retention::default_pinned_cap(self.num_blocks()), |r| r.pinned_cap())
+    }
+}
 
 fn swa(window: u32) -> AttentionKind {
     AttentionKind::SlidingWindow { window, extra_retained_tokens: 0 }
@@ -1269,7 +1303,7 @@ fn partial_tail_keyed_in_a_block_left_pinned_by_its_previous_life_is_freed_at_th
     let mut a = Allocator::new(cfg, Policy::HitAware).unwrap();
     a.set_pinned_share(1.0).unwrap();
     let prompt = 3 * BS + 2;
-    let mut run = |a: &mut Allocator, first: u64, level| {
+    let run = |a: &mut Allocator, first: u64, level| {
         let contents: Vec<u64> = (first..first + 3).collect();
         let hashes: Vec<BlockHash> = chain(&contents).into_iter().map(BlockHash::from_u64).collect();
         let h = a.add_request();

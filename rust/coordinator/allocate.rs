@@ -436,18 +436,10 @@ impl Allocator {
                 a.num_external_computed_tokens,
                 a.skip_zeroing_groups,
             );
-            if self.pool.is_leveled() {
-                for m in &self.managers {
-                    m.promote_hit(&mut self.pool, s);
-                }
-                if self.partial_hash_hits {
-                    self.keep_passed_junctions(s, num_local);
-                }
-                self.reqs[s as usize].hit_aware.hit_and_prompt.0 = num_local;
-            }
         }
         if self.pool.is_leveled() {
-            self.reqs[s as usize].hit_aware.hit_and_prompt.1 = a.num_prompt_tokens;
+            // The policy's hook: the adopted hit's levels and junctions, and its bookkeeping.
+            self.note_allocation(s, adopts.then_some(num_local), a.num_prompt_tokens);
         }
         self.out_ids.clear();
         for (g, m) in self.managers.iter_mut().enumerate() {

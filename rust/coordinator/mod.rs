@@ -21,8 +21,8 @@
 
 mod allocate;
 mod cache_free;
+mod hit_aware;
 mod hits;
-mod junctions;
 mod noop;
 mod requests;
 
@@ -64,9 +64,9 @@ struct ReqState {
     /// no block from there on is ever cached for it; `None` for every request the vLLM
     /// adapter drives ([`AllocateArgs::trust_computed_tokens`]).
     unwritten_from: Option<u32>,
-    /// Hit-aware: the junctions and the probation input ([`junctions::HitAwareReq`]; all
+    /// Hit-aware: the junctions and the probation input ([`hit_aware::HitAwareReq`]; all
     /// zero under `exact`).
-    hit_aware: junctions::HitAwareReq,
+    hit_aware: hit_aware::HitAwareReq,
 }
 
 /// A caller-supplied token count as `u32`.
@@ -126,8 +126,8 @@ pub struct Allocator {
     /// The hashes the last sync dropped (put back when the call fails).
     undo_tail: Vec<BlockHash>,
     /// Hit-aware with partial hash hits: the hash-block prefixes of the prompts looked up so
-    /// far (see [`junctions`]), bounded by [`junctions::MAX_SIGHTINGS`].
-    sightings: rustc_hash::FxHashMap<BlockHash, junctions::Sight>,
+    /// far (see [`junctions`]), bounded by [`hit_aware::MAX_SIGHTINGS`].
+    sightings: rustc_hash::FxHashMap<BlockHash, hit_aware::Sight>,
     /// [`Config::partial_hash_hits`], computed once (it walks the groups).
     partial_hash_hits: bool,
     /// [`Config::cache_hit_alignment_tokens`], computed once.

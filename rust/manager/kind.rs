@@ -344,7 +344,7 @@ pub trait KindRules {
             return;
         }
         let n = ((skipped / m.spec.block_size) as usize).min(m.req_blocks[h as usize].len());
-        m.null_out_backwards(pool, h, 0, n, true);
+        super::null_out_backwards(&mut m.req_blocks[h as usize], &mut m.scratch, pool, 0, n, true);
         let np = &mut m.null_prefix[h as usize];
         *np = (*np).max(n as u32);
     }

@@ -94,6 +94,39 @@ pub(crate) fn cdiv(a: u64, b: u64) -> u64 {
     a.div_ceil(b)
 }
 
+/// Frees the non-null blocks of a table's slots `first..last` walking back from `last`,
+/// putting the null block in their slots (vLLM's `_remove_blocks_in_range` and the loop of
+/// `remove_skipped_blocks`); `scratch` is the manager's buffer for the freed blocks. With
+/// `stop_at_null` the walk ends at the first null block it meets and returns that slot;
+/// without, null slots are passed over.
+pub(super) fn null_out_backwards(
+    table: &mut [BlockId],
+    scratch: &mut Vec<BlockId>,
+    pool: &mut BlockPool,
+    first: usize,
+    last: usize,
+    stop_at_null: bool,
+) -> Option<usize> {
+    let mut stop = None;
+    for i in (first..last).rev() {
+        let b = table[i];
+        if b == NULL_BLOCK {
+            if stop_at_null {
+                stop = Some(i);
+                break;
+            }
+            continue;
+        }
+        scratch.push(b);
+        table[i] = NULL_BLOCK;
+    }
+    if !scratch.is_empty() {
+        pool.free_blocks(scratch.iter().copied());
+    }
+    scratch.clear();
+    stop
+}
+
 /// The per-request state of the kinds that keep one beyond the shared bookkeeping (static
 /// dispatch: one arm per such kind, its struct in the kind's file).
 // One per manager (not per request): the align arm's size costs nothing worth a box.
@@ -214,6 +247,9 @@ pub struct SingleTypeManager {
     tail_pending: Vec<u32>,
     /// `tail_boundary[h]`: that boundary, kept once keyed (see [`Self::rearm_partial_tails`]).
     tail_boundary: Vec<u32>,
+    /// The hit-aware policy's per-request state of this group (Mamba "align" only; see
+    /// [`retention`]).
+    retention: retention::GroupRetention,
 }
 
 /// Marker for "no partial hit" in [`SingleTypeManager`]'s `partial_hit`.
@@ -249,6 +285,7 @@ impl SingleTypeManager {
             pending_cow: Vec::new(),
             tail_pending: Vec::new(),
             tail_boundary: Vec::new(),
+            retention: retention::GroupRetention::new(spec.kind.is_mamba_align()),
         }
     }
 
@@ -382,41 +419,6 @@ impl SingleTypeManager {
         }
     }
 
-    /// Frees the non-null blocks of `h`'s table slots `first..last` walking back from
-    /// `last`, putting the null block in their slots (vLLM's `_remove_blocks_in_range` and
-    /// the loop of `remove_skipped_blocks`). With `stop_at_null` the walk ends at the first
-    /// null block it meets and returns that slot; without, null slots are passed over.
-    fn null_out_backwards(
-        &mut self,
-        pool: &mut BlockPool,
-        h: Slot,
-        first: usize,
-        last: usize,
-        stop_at_null: bool,
-    ) -> Option<usize> {
-        let table = &mut self.req_blocks[h as usize];
-        let mut freed = std::mem::take(&mut self.scratch);
-        let mut stop = None;
-        for i in (first..last).rev() {
-            let b = table[i];
-            if b == NULL_BLOCK {
-                if stop_at_null {
-                    stop = Some(i);
-                    break;
-                }
-                continue;
-            }
-            freed.push(b);
-            table[i] = NULL_BLOCK;
-        }
-        if !freed.is_empty() {
-            pool.free_blocks(freed.iter().copied());
-        }
-        freed.clear();
-        self.scratch = freed;
-        stop
-    }
-
     /// Tokens per block.
     #[inline]
     pub fn block_size(&self) -> u32 {
@@ -434,6 +436,7 @@ impl SingleTypeManager {
             self.tail_pending.resize(n, 0);
             self.tail_boundary.resize(n, 0);
             self.kind_state.ensure_slot(n);
+            self.retention.ensure_slot(n);
         }
     }
 
@@ -576,8 +579,10 @@ impl SingleTypeManager {
         pool.cache_full_blocks(&table, num_cached..num_full, if dense { None } else { mask.as_deref() }, |i| {
             view.get(i)
         });
-        if let (true, Some(mask)) = (dense, &mask) {
-            self.level_masked_blocks(pool, h, num_cached, mask, c.reachable_boundaries);
+        if dense {
+            if let (Some(mask), Some(mut ha)) = (&mask, pool.hit_aware()) {
+                self.level_masked_blocks(&mut ha, h, num_cached, mask, c.reachable_boundaries);
+            }
         }
         self.num_cached[h as usize] = num_full;
     }
@@ -610,6 +615,7 @@ impl SingleTypeManager {
         self.tail_pending[h as usize] = 0;
         self.tail_boundary[h as usize] = 0;
         self.kind_state.clear(h);
+        self.retention.clear(h);
     }
 
     /// Frees every block of `h`, tail first, and forgets its bookkeeping (vLLM's `free`).
