@@ -11,7 +11,7 @@
 //!
 //! | file | kind | rules | per-request state |
 //! |---|---|---|---|
-//! | [`full`] | full attention, MLA | [`full::Full`] (the defaults) | none |
+//! | [`full`] | full attention, MLA | [`full::Full`] (the defaults) | [`full::FullState`] (partial tails, partial hash hits) |
 //! | [`rswa`] | R-SWA (full attention plus a gap freed between prompt and window) | [`rswa::Rswa`] | [`rswa::RswaState`] |
 //! | [`sliding_window`] | sliding window | [`sliding_window::SlidingWindow`] | none (the null prefix) |
 //! | [`chunked_local`] | chunked local attention | [`chunked_local::ChunkedLocal`] | none (the null prefix) |
@@ -135,6 +135,9 @@ pub(super) fn null_out_backwards(
 pub enum KindState {
     /// The kind needs nothing beyond the shared bookkeeping.
     Stateless,
+    /// Full attention: the prompt's partial tail and the junction keyed inside a block
+    /// (partial hash hits; see [`full`]).
+    Full(full::FullState),
     /// R-SWA: the prompt length and the known-null gap (see [`rswa`]).
     Rswa(rswa::RswaState),
     /// Mamba "align": state blocks, retired range, checkpoints (see [`mamba`]).
@@ -145,6 +148,7 @@ impl KindState {
     fn ensure_slot(&mut self, n: usize) {
         match self {
             KindState::Stateless => {}
+            KindState::Full(st) => st.ensure_slot(n),
             KindState::Rswa(st) => st.ensure_slot(n),
             KindState::MambaAlign(st) => st.ensure_slot(n),
         }
@@ -153,6 +157,7 @@ impl KindState {
     fn clear(&mut self, h: Slot) {
         match self {
             KindState::Stateless => {}
+            KindState::Full(st) => st.clear(h),
             KindState::Rswa(st) => st.clear(h),
             KindState::MambaAlign(st) => st.clear(h),
         }
@@ -241,12 +246,6 @@ pub struct SingleTypeManager {
     /// [`Self::take_pending_cow_copies`] (vLLM's `_pending_cow_copies`); both blocks hold
     /// one extra reference until the scheduler frees them after the copy has run.
     pending_cow: Vec<(BlockId, BlockId)>,
-    /// `tail_pending[h]`: the prompt's partial-tail boundary (full attention with partial
-    /// hash hits) that a later caching call will key, once the tokens cached reach it (0:
-    /// none); the no-op limits stop there.
-    tail_pending: Vec<u32>,
-    /// `tail_boundary[h]`: that boundary, kept once keyed (see [`Self::rearm_partial_tails`]).
-    tail_boundary: Vec<u32>,
     /// The hit-aware policy's per-request state of this group (Mamba "align" only; see
     /// [`retention`]).
     retention: retention::GroupRetention,
@@ -283,8 +282,6 @@ impl SingleTypeManager {
             kind_state: with_rules!(spec.kind, r => r.new_state()),
             partial_hit: Vec::new(),
             pending_cow: Vec::new(),
-            tail_pending: Vec::new(),
-            tail_boundary: Vec::new(),
             retention: retention::GroupRetention::new(spec.kind.is_mamba_align()),
         }
     }
@@ -328,53 +325,11 @@ impl SingleTypeManager {
         pool.incref(cow);
     }
 
-    /// Hit-aware with partial hash hits: the block holding the request's junction
-    /// (`shared_prefix_boundary`, inside a block, within the prompt and the tokens cached) is
-    /// keyed there too, as a second key once it holds a longer one (a full-attention block is
-    /// a valid prefix at every position it holds), so a sibling sharing the prefix up to the
-    /// junction hits it; the Mamba groups key their state there.
-    pub(crate) fn cache_junction(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
-        let (hbs, bs, j) = (self.hash_block_size, self.spec.block_size, c.shared_prefix_boundary);
-        if j == 0 || j % bs == 0 || j % hbs != 0 || j > c.num_prompt_tokens {
-            return;
-        }
-        if j > c.num_tokens {
-            // Not reached yet: the no-op limits stop there (the scheduler ends a chunk there).
-            let p = &mut self.tail_pending[h as usize];
-            *p = if *p == 0 { j } else { (*p).min(j) };
-            return;
-        }
-        self.key_inside_block(pool, h, c, j);
-    }
-
-    /// Keys `h`'s block holding the hash boundary at `tokens` (inside the block) under that
-    /// prefix's hash (vLLM's partial key; a second key once the block holds a longer one).
-    /// Nothing past the request's hashes or its table.
-    fn key_inside_block(&self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>, tokens: u32) {
-        let nh = (tokens / self.hash_block_size) as usize;
-        if nh == 0 || nh > c.hashes.len() {
-            return;
-        }
-        let Some(&b) = self.req_blocks[h as usize].get((tokens / self.spec.block_size) as usize) else { return };
-        let o = crate::block_pool::OneBlock {
-            req: c.req,
-            block: b,
-            index: nh as u32 - 1,
-            key: (c.hashes[nh - 1], self.group_id),
-            num_tokens: tokens,
-            block_size: self.hash_block_size,
-            parent: if nh > 1 { Some(c.hashes[nh - 2]) } else { None },
-        };
-        pool.cache_partial_block(&o, false);
-    }
-
     /// After an eviction by id: every request's partial-tail boundary is watched again by the
-    /// no-op limits (its key may be gone; the next caching call re-keys it, as vLLM's).
+    /// no-op limits (full attention with partial hash hits; see [`full::FullState::rearm`]).
     pub(crate) fn rearm_partial_tails(&mut self) {
-        for (p, &b) in self.tail_pending.iter_mut().zip(&self.tail_boundary) {
-            if b > 0 {
-                *p = b;
-            }
+        if let KindState::Full(st) = &mut self.kind_state {
+            st.rearm();
         }
     }
 
@@ -382,27 +337,6 @@ impl SingleTypeManager {
     /// `take_pending_cow_copies`).
     pub fn take_pending_cow_copies(&mut self, out: &mut Vec<(BlockId, BlockId)>) {
         out.append(&mut self.pending_cow);
-    }
-
-    /// vLLM's `FullAttentionManager._cache_partial_tail_block`: when the prompt's last hash
-    /// boundary a resend could hit (`num_prompt_tokens - 1`, floored to the hash block, at
-    /// most the hashes) lies inside a block and within the tokens cached, that block is
-    /// keyed there too.
-    pub(crate) fn cache_partial_tail(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
-        let hbs = self.hash_block_size;
-        let bs = self.spec.block_size;
-        let limit = c.num_prompt_tokens.saturating_sub(1);
-        let boundary = (limit / hbs).min(c.hashes.len() as u32) * hbs;
-        self.tail_pending[h as usize] = 0;
-        if boundary == 0 || boundary % bs == 0 {
-            return;
-        }
-        self.tail_boundary[h as usize] = boundary;
-        if boundary > c.num_tokens {
-            self.tail_pending[h as usize] = boundary;
-            return;
-        }
-        self.key_inside_block(pool, h, c, boundary);
     }
 
     /// Whether this is a Mamba group in cache mode "align".
@@ -433,8 +367,6 @@ impl SingleTypeManager {
             self.num_cached.resize(n, ABSENT);
             self.null_prefix.resize(n, 0);
             self.partial_hit.resize(n, (NO_PARTIAL, NULL_BLOCK));
-            self.tail_pending.resize(n, 0);
-            self.tail_boundary.resize(n, 0);
             self.kind_state.ensure_slot(n);
             self.retention.ensure_slot(n);
         }
@@ -612,8 +544,6 @@ impl SingleTypeManager {
         self.num_cached[h as usize] = ABSENT;
         self.null_prefix[h as usize] = 0;
         self.partial_hit[h as usize] = (NO_PARTIAL, NULL_BLOCK);
-        self.tail_pending[h as usize] = 0;
-        self.tail_boundary[h as usize] = 0;
         self.kind_state.clear(h);
         self.retention.clear(h);
     }

@@ -42,11 +42,11 @@ impl SingleTypeManager {
         if self.enable_caching {
             let next_block = clamp((self.num_cached(h) as u64 + 1) * self.spec.block_size as u64);
             if self.hash_block_size == self.spec.block_size {
-                // No key inside a block (`tail_pending` stays 0): skip its load.
+                // No key inside a block (no pending partial tail): skip its load.
                 return next_block;
             }
-            match self.tail_pending.get(h as usize) {
-                Some(&t) if t > 0 => next_block.min(t),
+            match &self.kind_state {
+                KindState::Full(st) => st.pending(h).map_or(next_block, |t| next_block.min(t)),
                 _ => next_block,
             }
         } else {
