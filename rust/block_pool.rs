@@ -21,7 +21,7 @@
 //! `cache_full_blocks` and `cache_one_block` (`keyed`), `move_block_hashes` (`unkeying`,
 //! `keyed`) and `reset_prefix_cache` (`reset`). The policy's decisions the managers and the
 //! coordinator take (levels, flags, units, pins) go through one handle it lends,
-//! [`BlockPool::hit_aware`] (`None` under `exact`: nothing to decide), and its state is
+//! `BlockPool::hit_aware` (`None` under `exact`: nothing to decide), and its state is
 //! read through [`BlockPool::retention`].
 //!
 //! Cost: `get_new_blocks` O(n) (each popped block's lazy eviction O(1), plus, under
@@ -116,21 +116,21 @@ pub struct TableRef<'a> {
 
 /// One block keyed by [`BlockPool::cache_one_block`].
 #[derive(Clone, Copy, Debug)]
-pub struct OneBlock {
+pub(crate) struct OneBlock {
     /// The request (events name it).
-    pub req: ReqHandle,
+    pub(crate) req: ReqHandle,
     /// The block keyed.
-    pub block: BlockId,
+    pub(crate) block: BlockId,
     /// Its index in the request's table.
-    pub index: u32,
+    pub(crate) index: u32,
     /// The key (the hash of the prefix ending at the block, and the group).
-    pub key: HashKey,
+    pub(crate) key: HashKey,
     /// Prefix tokens the key covers.
-    pub num_tokens: u32,
+    pub(crate) num_tokens: u32,
     /// Tokens per block of the group.
-    pub block_size: u32,
+    pub(crate) block_size: u32,
     /// The hash of the block before it, if any (the event's parent).
-    pub parent: Option<BlockHash>,
+    pub(crate) parent: Option<BlockHash>,
 }
 
 /// Second keys of blocks (vLLM's `cached_block_hashes_by_block`, and their entries in its
@@ -247,7 +247,12 @@ impl BlockPool {
     ///
     /// # Errors
     /// [`Error::OutOfMemory`] when the metadata of `num_blocks` blocks cannot be allocated.
-    pub fn try_new_leveled(num_blocks: u32, enable_caching: bool, enable_events: bool, leveled: bool) -> Result<Self> {
+    pub(crate) fn try_new_leveled(
+        num_blocks: u32,
+        enable_caching: bool,
+        enable_events: bool,
+        leveled: bool,
+    ) -> Result<Self> {
         let oom = |what: &str| {
             let what = what.to_string();
             move |e: std::collections::TryReserveError| {
@@ -297,7 +302,7 @@ impl BlockPool {
     }
 
     /// Turns the residency log on or off (see [`ResidencyOp`]); entries not taken stay.
-    pub fn set_residency_log(&mut self, on: bool) {
+    pub(crate) fn set_residency_log(&mut self, on: bool) {
         self.record_residency = on;
     }
 
@@ -315,7 +320,7 @@ impl BlockPool {
     }
 
     /// Takes the residency log: the collector calls vLLM's pool would have made since the
-    /// last take, in its order. Empty unless [`Self::set_residency_log`].
+    /// last take, in its order. Empty unless the log is on (`set_residency_log`).
     pub fn take_residency_log(&mut self) -> Vec<(ResidencyOp, BlockId)> {
         std::mem::take(&mut self.residency)
     }
@@ -456,7 +461,7 @@ impl BlockPool {
 
     /// Whether `b` is cached under `key`, as its key or a second key (vLLM's
     /// `cached_block_hash_to_block.contain`).
-    pub fn holds_key(&self, b: BlockId, key: &HashKey) -> bool {
+    pub(crate) fn holds_key(&self, b: BlockId, key: &HashKey) -> bool {
         self.index.key_of(b) == Some(key) || self.second.contains(key, b)
     }
 
@@ -522,7 +527,7 @@ impl BlockPool {
 
     /// vLLM's `_maybe_evict_cached_block`: reports `b` evicted to the residency log, then
     /// drops its hash ([`Self::remove_cached_block_hashes`]); returns whether it had one.
-    pub fn maybe_evict_cached_block(&mut self, b: BlockId) -> bool {
+    pub(crate) fn maybe_evict_cached_block(&mut self, b: BlockId) -> bool {
         self.note(ResidencyOp::Evicted, b);
         self.remove_cached_block_hashes(b)
     }
@@ -530,7 +535,7 @@ impl BlockPool {
     /// Drops `b`'s hash from the prefix index (emitting `Removed`); returns whether it had one
     /// (vLLM's `_remove_cached_block_hashes` with its events, which reports nothing to the
     /// metrics collector: re-keying a block in `cache_partial_block` uses this).
-    pub fn remove_cached_block_hashes(&mut self, b: BlockId) -> bool {
+    pub(crate) fn remove_cached_block_hashes(&mut self, b: BlockId) -> bool {
         if let Some(r) = &mut self.retention {
             r.unkeying(b, parts!(self));
         }
@@ -667,7 +672,7 @@ impl BlockPool {
     /// `o.block_size` ending there (vLLM's `cache_partial_block` for a block that holds no
     /// hash yet), emitting `Stored` with `o.parent`. Returns `false`, changing nothing,
     /// when the block already holds a hash.
-    pub fn cache_one_block(&mut self, o: &OneBlock) -> bool {
+    pub(crate) fn cache_one_block(&mut self, o: &OneBlock) -> bool {
         let OneBlock { block: b, key, num_tokens, .. } = *o;
         if b == NULL_BLOCK || self.index.is_keyed(b) {
             return false;
@@ -705,7 +710,7 @@ impl BlockPool {
     /// (its contents were replaced); otherwise a key covering fewer tokens is dropped (a
     /// promotion). Returns the key, or `None` for the null block. A block keyed for more
     /// tokens takes it as a second key (vLLM's `cached_block_hashes_by_block`).
-    pub fn cache_partial_block(&mut self, o: &OneBlock, replace: bool) -> Option<HashKey> {
+    pub(crate) fn cache_partial_block(&mut self, o: &OneBlock, replace: bool) -> Option<HashKey> {
         let b = o.block;
         if b == NULL_BLOCK {
             return None;
@@ -732,7 +737,7 @@ impl BlockPool {
 
     /// vLLM's `move_block_hashes`: `src`'s key moves to `dst` (which holds none), keeping its
     /// token count; no events (the entry stays live, on the private copy).
-    pub fn move_block_hashes(&mut self, src: BlockId, dst: BlockId) {
+    pub(crate) fn move_block_hashes(&mut self, src: BlockId, dst: BlockId) {
         debug_assert!(!self.index.is_keyed(dst));
         let tokens = self.hash_tokens[src as usize];
         if let Some(r) = &mut self.retention {

@@ -86,7 +86,7 @@ pub fn check(a: &Allocator) -> Result<(), String> {
                     }
                 }
             }
-            if m.spec.kind.covers_sequence() && slots as usize > t.len() * m.block_size() as usize {
+            if m.kind().covers_sequence() && slots as usize > t.len() * m.block_size() as usize {
                 return Err(format!("handle {h}: slot limit {slots} beyond group {g}'s table"));
             }
         }
@@ -95,7 +95,7 @@ pub fn check(a: &Allocator) -> Result<(), String> {
         // Boundary-state offloads name live requests only (dropped with their blocks).
         for &(h, b, tokens) in m.pending_boundary_offloads() {
             if !a.is_live(h) || b == NULL_BLOCK || b >= n || tokens == 0 {
-                return Err(format!("group {}: boundary offload ({h}, {b}, {tokens}) is stale", m.group_id));
+                return Err(format!("group {}: boundary offload ({h}, {b}, {tokens}) is stale", m.group_id()));
             }
         }
     }
@@ -105,7 +105,7 @@ pub fn check(a: &Allocator) -> Result<(), String> {
         for (h, table) in m.tables() {
             let live = a.slot_is_live(h);
             if !live && !table.is_empty() {
-                return Err(format!("released handle {h} still has blocks in group {}", m.group_id));
+                return Err(format!("released handle {h} still has blocks in group {}", m.group_id()));
             }
             if !live {
                 continue;
@@ -116,7 +116,7 @@ pub fn check(a: &Allocator) -> Result<(), String> {
                 }
                 if b != NULL_BLOCK {
                     if pool.ref_cnt(b) == 0 {
-                        return Err(format!("handle {h}: freed block {b} in group {}", m.group_id));
+                        return Err(format!("handle {h}: freed block {b} in group {}", m.group_id()));
                     }
                     refs[b as usize] += 1;
                 }

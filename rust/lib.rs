@@ -92,17 +92,22 @@
 //! ids, hits and hashes are validated; a panic means a broken internal invariant (our bug).
 #![deny(unsafe_code)]
 
+// The public surface: the allocator and its types, re-exported here; documented modules for
+// what callers below the allocator legitimately use (a front end's rules, the pool as the
+// benches drive it, the configuration, the policy's levels and state as tests read them);
+// and the invariant checks the tests run. Everything else is the crate's own.
 pub mod api;
 pub mod block_pool;
 pub mod config;
-pub mod coordinator;
-pub mod error;
-pub mod free_queue;
-pub mod ids;
 pub mod invariants;
-pub mod manager;
 pub mod policy;
-pub mod prefix_index;
+
+pub(crate) mod coordinator;
+pub(crate) mod error;
+pub(crate) mod free_queue;
+pub(crate) mod ids;
+pub(crate) mod manager;
+pub(crate) mod prefix_index;
 
 #[cfg(feature = "python")]
 mod py;
@@ -114,5 +119,6 @@ pub use coordinator::{
     NoopLimits, PlainStep, StepFields,
 };
 pub use error::{Error, Result};
-pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
+pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, MAX_HASH_LEN, NULL_BLOCK};
+pub use manager::SingleTypeManager;
 pub use policy::Policy;

@@ -131,7 +131,7 @@ impl Allocator {
     }
 
     /// Frees every block of `h`, tail first, and releases the handle (vLLM's `free`, with
-    /// `level` [`LEVEL_NORMAL`]). Under `hit-aware`, its full-attention prefix and the
+    /// `level` [`crate::policy::LEVEL_NORMAL`]). Under `hit-aware`, its full-attention prefix and the
     /// window tail ending at its last cached block keep at least `level`
     /// ([`crate::policy::LEVEL_PINNED`] for a request with a retention priority), and its
     /// blocks are freed in token-position order across groups (a hit unit together). Under

@@ -143,7 +143,7 @@ impl Allocator {
         let mamba = managers.iter().any(|m| m.is_mamba_align());
         let probation = level <= LEVEL_NORMAL && (hit as u64) * 2 < prompt as u64 && mamba;
         for m in managers.iter() {
-            if mamba && m.spec.kind.is_full() {
+            if mamba && m.kind().is_full() {
                 // Where a chat's next turn continues: a junction found there later is
                 // no branch point (see `Allocator::place_junction`).
                 let n = m.num_cached(s) as usize;
@@ -205,13 +205,13 @@ impl Allocator {
         }
         let mut keys = Vec::new();
         for m in &self.managers {
-            if m.spec.kind.sized_by_encoder_tokens() {
+            if m.kind().sized_by_encoder_tokens() {
                 continue;
             }
             let view = HashView { hashes, scale: m.block_size() / self.cfg.hash_block_size };
             let n = view.len();
             let from = m.hit_tail_blocks().map_or(0, |t| n.saturating_sub(t));
-            keys.extend((from..n).map(|i| (view.get(i), m.group_id)));
+            keys.extend((from..n).map(|i| (view.get(i), m.group_id())));
         }
         match self.pool.hit_aware() {
             Some(mut ha) => ha.pin_keys(keys),
@@ -253,7 +253,7 @@ impl Allocator {
         if n == 0 || states.is_empty() {
             return;
         }
-        let fulls: Vec<_> = self.managers.iter().filter(|m| m.spec.kind.is_full()).map(|m| m.group_id).collect();
+        let fulls: Vec<_> = self.managers.iter().filter(|m| m.kind().is_full()).map(|m| m.group_id()).collect();
         let shared_end = self.passed_by_other(s, n as u32 * hbs);
         // The lookups first (the pool's: second keys count), then the decisions on what they
         // found (the policy's handle): a decision changes no key, so no lookup. Per position
@@ -363,7 +363,7 @@ impl Allocator {
             let view = HashView { hashes, scale: bs / self.cfg.hash_block_size };
             let n = (max_len / bs).min(view.len());
             let mut i = 0;
-            while i < n && pins.is_some_and(|r| r.is_pinned_key(&(view.get(i), m.group_id))) {
+            while i < n && pins.is_some_and(|r| r.is_pinned_key(&(view.get(i), m.group_id()))) {
                 i += 1;
             }
             best = best.max(i * bs);
@@ -435,7 +435,7 @@ impl Allocator {
     }
 
     /// The junction the last allocation of `h` moved its `shared_prefix_boundary` to (the
-    /// next first-sighting stop: see [`Self::first_sighting_stop`]), taken: `None` when it
+    /// next first-sighting stop: see `first_sighting_stop`), taken: `None` when it
     /// did not move it, or it was taken already. The vLLM adapter sets
     /// `request.shared_prefix_boundary` to it, so the scheduler ends the next prefill chunk
     /// there. O(1).
@@ -459,10 +459,10 @@ fn ends_a_sequence(
     hash_block_size: u32,
     tokens: u32,
 ) -> bool {
-    managers.iter().filter(|m| m.spec.kind.is_full()).any(|m| {
+    managers.iter().filter(|m| m.kind().is_full()).any(|m| {
         let bs = m.block_size();
         let view = HashView { hashes, scale: bs / hash_block_size };
         let n = tokens / bs;
-        n > 0 && n <= view.len() && ha.keyed_block(&(view.get(n - 1), m.group_id)).is_some_and(|b| ha.is_tail(b))
+        n > 0 && n <= view.len() && ha.keyed_block(&(view.get(n - 1), m.group_id())).is_some_and(|b| ha.is_tail(b))
     })
 }

@@ -163,7 +163,7 @@ impl Allocator {
                     cfg.hash_block_size,
                     cfg.hash_lookahead_tokens,
                 );
-                m.records_new_block_ids = cfg.zero_new_blocks && g.kind.is_attention();
+                m.set_records_new_block_ids(cfg.zero_new_blocks && g.kind.is_attention());
                 m.set_boundary_offloads(cfg.boundary_offloads);
                 m
             })
@@ -267,7 +267,7 @@ impl Allocator {
 
     /// vLLM's `KVCacheManager.finalize_partial_tail_offloads` when `h` finishes (a KV
     /// producer's connector, before the free): each group's producer partial tail (see
-    /// [`SingleTypeManager::finalize_partial_tail_offload`]) is popped, and those still
+    /// `SingleTypeManager::finalize_partial_tail_offload`) is popped, and those still
     /// holding the request's last state (`num_computed` equal to the tail's tokens and
     /// `num_in_flight` 0, compared as vLLM compares them) come back as flat
     /// `[group, block, boundary tokens]` triples, group by group.
@@ -284,7 +284,7 @@ impl Allocator {
         let mut out = Vec::new();
         for m in self.managers.iter_mut() {
             if let Some((block, tokens)) = m.finalize_partial_tail_offload(s, num_computed, num_in_flight) {
-                out.extend([m.group_id as u64, block as u64, tokens as u64]);
+                out.extend([m.group_id() as u64, block as u64, tokens as u64]);
             }
         }
         Ok(out)
@@ -316,10 +316,10 @@ impl Allocator {
     /// (checked before any change).
     pub fn record_blocks_for_zeroing(&mut self, h: ReqHandle, start_token: u32) -> Result<()> {
         let s = self.slot(h)?;
-        if let Some(m) = self.managers.iter().find(|m| m.records_new_block_ids && start_token % m.block_size() != 0) {
+        if let Some(m) = self.managers.iter().find(|m| m.records_new_block_ids() && start_token % m.block_size() != 0) {
             return Err(Error::OutOfRange(format!(
                 "start_token={start_token} is not a multiple of group {}'s block size {}",
-                m.group_id,
+                m.group_id(),
                 m.block_size()
             )));
         }

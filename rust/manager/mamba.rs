@@ -581,7 +581,7 @@ impl SingleTypeManager {
     ///
     /// # Complexity
     /// O(1).
-    pub fn finalize_partial_tail_offload(
+    pub(crate) fn finalize_partial_tail_offload(
         &mut self,
         h: Slot,
         num_computed: i64,
@@ -1044,7 +1044,7 @@ impl AlignState {
 impl SingleTypeManager {
     /// With prefill checkpoint blocks: records the checkpoint of this allocation's count
     /// (see [`AlignState::record_checkpoint`]). Nothing for other kinds.
-    pub fn record_checkpoint(
+    pub(crate) fn record_checkpoint(
         &mut self,
         pool: &BlockPool,
         h: Slot,

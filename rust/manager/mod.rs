@@ -82,7 +82,7 @@ pub use hit::{find_longest_cache_hit, HashView, HitQuery};
 pub use kind::KindRules;
 
 use crate::block_pool::{BlockPool, TableRef};
-use crate::config::GroupSpec;
+use crate::config::{AttentionKind, GroupSpec};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
 use kind::with_rules;
 
@@ -209,19 +209,19 @@ pub struct CacheArgs<'a> {
 #[derive(Clone, Debug)]
 pub struct SingleTypeManager {
     /// The group's spec.
-    pub spec: GroupSpec,
+    spec: GroupSpec,
     /// The group's index.
-    pub group_id: GroupId,
+    group_id: GroupId,
     /// Recycling-aware admission cap in blocks (SWA, chunked local), if any.
-    pub max_admission_blocks: Option<u32>,
+    max_admission_blocks: Option<u32>,
     /// Prefix caching on for this manager.
-    pub enable_caching: bool,
+    enable_caching: bool,
     /// Alignment of cache hits in tokens (the coordinator's).
-    pub cache_hit_alignment_tokens: u32,
+    cache_hit_alignment_tokens: u32,
     /// Tokens per block hash (the pool's `hash_block_size`).
-    pub hash_block_size: u32,
+    hash_block_size: u32,
     /// Tokens past each block its hash covers ([`crate::Config::hash_lookahead_tokens`]).
-    pub hash_lookahead_tokens: u32,
+    hash_lookahead_tokens: u32,
     /// `req_blocks[h]`: the block table of request `h` (empty when it has none).
     req_blocks: Vec<Vec<BlockId>>,
     /// `num_cached[h]`: blocks of the table already cached, or `ABSENT`.
@@ -233,7 +233,7 @@ pub struct SingleTypeManager {
     scratch: Vec<BlockId>,
     /// Whether this group records the blocks it hands out for KV cache zeroing (vLLM's
     /// `_record_new_block_ids`: zeroing needed and an attention group).
-    pub records_new_block_ids: bool,
+    records_new_block_ids: bool,
     /// The block ids handed out since the last [`Self::take_new_block_ids`], in order.
     new_block_ids: Vec<BlockId>,
     /// The kind's own per-request state (its arm matches `spec.kind`).
@@ -256,7 +256,7 @@ pub(crate) const NO_PARTIAL: u32 = u32::MAX;
 
 impl SingleTypeManager {
     /// A manager for group `group_id`.
-    pub fn new(
+    pub(crate) fn new(
         spec: GroupSpec,
         group_id: GroupId,
         max_admission_blocks: Option<u32>,
@@ -335,19 +335,19 @@ impl SingleTypeManager {
 
     /// Drains the copy-on-write copies queued since the last call into `out` (vLLM's
     /// `take_pending_cow_copies`).
-    pub fn take_pending_cow_copies(&mut self, out: &mut Vec<(BlockId, BlockId)>) {
+    pub(crate) fn take_pending_cow_copies(&mut self, out: &mut Vec<(BlockId, BlockId)>) {
         out.append(&mut self.pending_cow);
     }
 
     /// Whether this is a Mamba group in cache mode "align".
     #[inline]
-    pub fn is_mamba_align(&self) -> bool {
+    pub(crate) fn is_mamba_align(&self) -> bool {
         self.spec.kind.is_mamba_align()
     }
 
     /// A new scheduler step starts (vLLM's `new_step_starts`): hits on states cached in the
     /// previous step are no longer deferred.
-    pub fn new_step_starts(&mut self) {
+    pub(crate) fn new_step_starts(&mut self) {
         if let KindState::MambaAlign(st) = &mut self.kind_state {
             st.new_step_starts();
         }
@@ -359,8 +359,32 @@ impl SingleTypeManager {
         self.spec.block_size
     }
 
+    /// The group's attention kind.
+    #[inline]
+    pub fn kind(&self) -> AttentionKind {
+        self.spec.kind
+    }
+
+    /// The group's index.
+    #[inline]
+    pub fn group_id(&self) -> GroupId {
+        self.group_id
+    }
+
+    /// Whether this group records the blocks it hands out for KV cache zeroing.
+    #[inline]
+    pub(crate) fn records_new_block_ids(&self) -> bool {
+        self.records_new_block_ids
+    }
+
+    /// Makes this group record the blocks it hands out for KV cache zeroing, or not (at
+    /// construction).
+    pub(crate) fn set_records_new_block_ids(&mut self, on: bool) {
+        self.records_new_block_ids = on;
+    }
+
     /// Makes room for handle `h` (a new request slot).
-    pub fn ensure_slot(&mut self, h: Slot) {
+    pub(crate) fn ensure_slot(&mut self, h: Slot) {
         let n = h as usize + 1;
         if self.req_blocks.len() < n {
             self.req_blocks.resize_with(n, Vec::new);
@@ -401,12 +425,6 @@ impl SingleTypeManager {
         }
     }
 
-    /// Tokens before the attention window of the next token (`get_num_skipped_tokens`).
-    #[inline]
-    pub fn num_skipped_tokens(&self, num_computed_tokens: u32) -> u32 {
-        with_rules!(self.spec.kind, r => r.num_skipped_tokens(num_computed_tokens))
-    }
-
     fn count_evictable(pool: &BlockPool, blocks: &[BlockId]) -> u32 {
         blocks.iter().filter(|&&b| b != NULL_BLOCK && pool.ref_cnt(b) == 0).count() as u32
     }
@@ -420,13 +438,13 @@ impl SingleTypeManager {
     /// grows from its current length, and the count says exactly that, so the capacity check
     /// and the allocation always agree (a request whose computed tokens run ahead of its
     /// table is not under-counted).
-    pub fn get_num_blocks_to_allocate(&self, pool: &BlockPool, h: Slot, c: &CountArgs<'_>) -> i64 {
+    pub(crate) fn get_num_blocks_to_allocate(&self, pool: &BlockPool, h: Slot, c: &CountArgs<'_>) -> i64 {
         with_rules!(self.spec.kind, r => r.get_num_blocks_to_allocate(self, pool, h, c))
     }
 
     /// Adds a request's cache-hit blocks to its (empty) table, touching them; blocks that
     /// are already out of the window become null (vLLM's `add_local_computed_blocks`).
-    pub fn add_local_computed_blocks(
+    pub(crate) fn add_local_computed_blocks(
         &mut self,
         pool: &mut BlockPool,
         h: Slot,
@@ -446,7 +464,7 @@ impl SingleTypeManager {
 
     /// Allocates blocks for tokens a KV connector computed (vLLM's
     /// `allocate_external_computed_blocks`).
-    pub fn allocate_external_computed_blocks(
+    pub(crate) fn allocate_external_computed_blocks(
         &mut self,
         pool: &mut BlockPool,
         h: Slot,
@@ -466,7 +484,7 @@ impl SingleTypeManager {
 
     /// Grows `h`'s table to `num_tokens` slots; appends the new block ids to `out`
     /// (vLLM's `allocate_new_blocks`). The caller checked capacity.
-    pub fn allocate_new_blocks(
+    pub(crate) fn allocate_new_blocks(
         &mut self,
         pool: &mut BlockPool,
         h: Slot,
@@ -480,14 +498,14 @@ impl SingleTypeManager {
     /// Blocks of `h`'s table that [`Self::cache_blocks`] would treat as full for
     /// `num_tokens` tokens and `num_hashes` hashes (0 for cross attention), and the table's
     /// length: the coordinator refuses a caching call whose full blocks the table lacks.
-    pub fn blocks_to_cache(&self, h: Slot, num_hashes: usize, num_tokens: u32) -> (u32, u32) {
+    pub(crate) fn blocks_to_cache(&self, h: Slot, num_hashes: usize, num_tokens: u32) -> (u32, u32) {
         with_rules!(self.spec.kind, r => r.blocks_to_cache(self, h, num_hashes, num_tokens))
     }
 
     /// Caches the full blocks of `h` up to `c.num_tokens` (vLLM's `cache_blocks`), with the
     /// retention mask. The caller checked with [`Self::blocks_to_cache`] that the table
     /// holds every full block.
-    pub fn cache_blocks(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
+    pub(crate) fn cache_blocks(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
         with_rules!(self.spec.kind, r => r.cache_blocks(self, pool, h, c))
     }
 
@@ -522,7 +540,7 @@ impl SingleTypeManager {
     /// Frees the blocks of `h` that fell out of the attention window, replacing them with
     /// the null block (vLLM's `remove_skipped_blocks`). `num_prompt_tokens` is what vLLM's
     /// `allocate_slots` passes (`None` from its other callers); only R-SWA reads it.
-    pub fn remove_skipped_blocks(
+    pub(crate) fn remove_skipped_blocks(
         &mut self,
         pool: &mut BlockPool,
         h: Slot,
@@ -539,7 +557,7 @@ impl SingleTypeManager {
     }
 
     /// Forgets `h`'s table without freeing its blocks (the caller frees them).
-    pub fn forget(&mut self, h: Slot) {
+    pub(crate) fn forget(&mut self, h: Slot) {
         self.req_blocks[h as usize].clear();
         self.num_cached[h as usize] = ABSENT;
         self.null_prefix[h as usize] = 0;
@@ -549,20 +567,20 @@ impl SingleTypeManager {
     }
 
     /// Frees every block of `h`, tail first, and forgets its bookkeeping (vLLM's `free`).
-    pub fn free(&mut self, pool: &mut BlockPool, h: Slot) {
+    pub(crate) fn free(&mut self, pool: &mut BlockPool, h: Slot) {
         pool.free_blocks(self.req_blocks[h as usize].iter().rev().copied());
         self.forget(h);
     }
 
     /// Forgets `h`'s bookkeeping and moves its table into `out`, without freeing
     /// (vLLM's `pop_blocks_for_free`).
-    pub fn pop_blocks(&mut self, h: Slot, out: &mut Vec<BlockId>) {
+    pub(crate) fn pop_blocks(&mut self, h: Slot, out: &mut Vec<BlockId>) {
         out.extend_from_slice(&self.req_blocks[h as usize]);
         self.forget(h);
     }
 
     /// R-SWA: `(prompt length, gap end)` of `h` (invariant checks).
-    pub fn rswa_gap(&self, h: Slot) -> Option<(u32, u32)> {
+    pub(crate) fn rswa_gap(&self, h: Slot) -> Option<(u32, u32)> {
         match &self.kind_state {
             KindState::Rswa(st) => Some(st.gap(h)),
             _ => None,
@@ -570,7 +588,7 @@ impl SingleTypeManager {
     }
 
     /// Every live table (invariant checks).
-    pub fn tables(&self) -> impl Iterator<Item = (Slot, &[BlockId])> + '_ {
+    pub(crate) fn tables(&self) -> impl Iterator<Item = (Slot, &[BlockId])> + '_ {
         self.req_blocks.iter().enumerate().map(|(h, t)| (h as Slot, t.as_slice()))
     }
 }

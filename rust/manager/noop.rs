@@ -23,7 +23,7 @@ impl SingleTypeManager {
     /// `need_slot <= slots`, `processed < processed_limit`, `to_cache < cached` and
     /// `num_new_tokens <= new_tokens` allocates, frees and caches nothing. Conservative: a
     /// step outside them may still be a no-op.
-    pub fn noop_limits(&self, h: Slot) -> (u32, u32, u32, u32) {
+    pub(crate) fn noop_limits(&self, h: Slot) -> (u32, u32, u32, u32) {
         with_rules!(self.spec.kind, r => r.noop_limits(self, h))
     }
 
@@ -56,7 +56,7 @@ impl SingleTypeManager {
 
     /// The smallest prompt length for which [`Self::noop_limits`] of `h` hold (R-SWA: the
     /// prompt length they were computed for; a shorter one moves the gap's start down).
-    pub fn noop_min_prompt(&self, h: Slot) -> u32 {
+    pub(crate) fn noop_min_prompt(&self, h: Slot) -> u32 {
         match &self.kind_state {
             KindState::Rswa(st) => st.min_prompt(h),
             _ => 0,

@@ -38,7 +38,7 @@
 //!      dominated states and unreachable copies.
 //!
 //!   6. *Hit units (state-space hybrids).* A hit needs a state in every Mamba group and the
-//!      full-attention blocks before it: a *unit* ([`HitUnits`]). When a request is freed,
+//!      full-attention blocks before it: a *unit* (`HitUnits`). When a request is freed,
 //!      its furthest position where a state is cached in every Mamba group forms a unit with
 //!      the full-attention blocks before it; its full-attention blocks past that state serve
 //!      no hit and are evicted first. When any member of a unit is evicted, the members no
@@ -92,11 +92,11 @@
 //! (O(members)).
 #![forbid(unsafe_code)]
 
-pub mod retention;
+pub(crate) mod retention;
 mod units;
 
 pub use retention::Retention;
-pub use units::HitUnits;
+pub(crate) use units::HitUnits;
 
 use crate::error::{Error, Result};
 

@@ -1,4 +1,4 @@
-//! The hit-aware policy's per-block state ([`Retention`]) and its decisions ([`HitAware`]):
+//! The hit-aware policy's per-block state ([`Retention`]) and its decisions (`HitAware`):
 //! each block's retention level and flags, the hit units, the pinned keys and the pinned
 //! share. A hit-aware [`crate::block_pool::BlockPool`] holds a [`Retention`] (`None` under
 //! `exact`) and calls it at six named hooks, one per pool operation whose exact path it
@@ -8,16 +8,16 @@
 //! |---|---|---|
 //! | [`Retention::popped`] | `get_new_blocks` | counts a pinned block out |
 //! | [`Retention::touched`] | `touch` | counts a pinned block out, marks the block reused |
-//! | [`Retention::freed`] | `free_blocks` | queues cached blocks at their levels, keeps the pinned share |
-//! | [`Retention::unkeying`] | `remove_cached_block_hashes`, `move_block_hashes` | dissolves the block's hit unit, clears its flags |
+//! | `Retention::freed` | `free_blocks` | queues cached blocks at their levels, keeps the pinned share |
+//! | `Retention::unkeying` | `remove_cached_block_hashes`, `move_block_hashes` | dissolves the block's hit unit, clears its flags |
 //! | [`Retention::keyed`] | `cache_full_blocks`, `cache_one_block`, `move_block_hashes` | a newly cached block is freed at [`LEVEL_NORMAL`] |
 //! | [`Retention::reset`] | `reset_prefix_cache` | forgets flags, units and the pinned count |
 //!
 //! The decisions the managers' retention rules (`manager/retention.rs`, per group) and the
 //! coordinator's hit-aware room (`coordinator/hit_aware.rs`, per request) take are the
-//! methods of [`HitAware`], the one handle the pool lends (`BlockPool::hit_aware`, `None`
+//! methods of `HitAware`, the one handle the pool lends (`BlockPool::hit_aware`, `None`
 //! under `exact`): the state and the pool's free queue, prefix index, reference counts and
-//! hash token counts ([`PoolParts`]), borrowed for as long as the caller decides. It reads
+//! hash token counts (`PoolParts`), borrowed for as long as the caller decides. It reads
 //! the state through [`Retention`]'s reads (it dereferences to it). The policy never names
 //! `BlockPool`.
 //!
@@ -110,7 +110,7 @@ impl Retention {
     ///
     /// # Errors
     /// [`Error::OutOfMemory`] when the per-block arrays cannot be allocated.
-    pub fn try_new(num_blocks: u32) -> Result<Self> {
+    pub(crate) fn try_new(num_blocks: u32) -> Result<Self> {
         let oom = |what: &str| {
             let what = what.to_string();
             move |e: std::collections::TryReserveError| {
@@ -138,7 +138,7 @@ impl Retention {
     ///
     /// # Errors
     /// [`Error::OutOfRange`] for a share outside `0.0..=1.0`.
-    pub fn pinned_cap_for(share: f64, num_blocks: u32) -> Result<u32> {
+    pub(crate) fn pinned_cap_for(share: f64, num_blocks: u32) -> Result<u32> {
         if !(0.0..=1.0).contains(&share) {
             return Err(Error::OutOfRange(format!("pinned share {share} is outside 0.0..=1.0")));
         }
@@ -149,7 +149,7 @@ impl Retention {
 
     /// Hook of `get_new_blocks`: free block `b`, still keyed, left the front of the queue.
     #[inline]
-    pub fn popped(&mut self, b: BlockId, index: &PrefixIndex) {
+    pub(crate) fn popped(&mut self, b: BlockId, index: &PrefixIndex) {
         if self.counts_pinned(b, index) {
             self.pinned_free -= 1;
         }
@@ -157,7 +157,7 @@ impl Retention {
 
     /// Hook of `touch`: a hit took a reference on `b` (`was_free`: it left the queue).
     #[inline]
-    pub fn touched(&mut self, b: BlockId, was_free: bool, index: &PrefixIndex) {
+    pub(crate) fn touched(&mut self, b: BlockId, was_free: bool, index: &PrefixIndex) {
         if was_free && self.counts_pinned(b, index) {
             self.pinned_free -= 1;
         }
@@ -205,13 +205,13 @@ impl Retention {
     /// for a block holding no key): `b` was just cached; it is freed at [`LEVEL_NORMAL`],
     /// whatever level its previous life left (a level outlives the key).
     #[inline]
-    pub fn keyed(&mut self, b: BlockId) {
+    pub(crate) fn keyed(&mut self, b: BlockId) {
         self.level[b as usize] = LEVEL_NORMAL;
     }
 
     /// Hook of `reset_prefix_cache`: forgets every flag, unit and free pinned block (the
     /// levels and pinned keys stay).
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.flags.fill(0);
         self.units.clear();
         self.pinned_free = 0;
