@@ -1,22 +1,30 @@
-//! The hit-aware policy's junctions, around vLLM's `find_longest_cache_hit`: where a
-//! request's shared prefix is reported to end (`num_uncached_common_prefix_tokens`, which
-//! vLLM's scheduler turns into `shared_prefix_boundary` and ends a prefill chunk at, so a
-//! Mamba "align" state is cached there). Under `exact` a junction is vLLM's (the shared
-//! prefix the hybrid search found); under `hit-aware` a pinned prefix's end is one too, a
-//! request nothing is shared with yet gets first-sighting stops, and the Mamba groups learn
-//! the junction that makes a state a branch point. With partial hash hits (a Mamba block
-//! larger than the hash block) hit-aware also reports the longest prefix another prompt went
-//! on past (the sightings, [`Sight`]), so a junction may lie inside a block, and keeps the
-//! branch points a hit passes (rule 8 of [`crate::policy`]). The per-request state lives in
-//! [`HitAwareReq`] (one field of the coordinator's `ReqState`).
+//! The hit-aware policy's room per request (rule by rule in [`crate::policy`]): what it
+//! decides for a request across the groups, through the policy's handle (`HitAware`, from
+//! `BlockPool::hit_aware`), with the per-request state it keeps ([`HitAwareReq`], one field
+//! of the coordinator's `ReqState`, all zero under `exact`):
+//! - *junctions*, around vLLM's `find_longest_cache_hit`: where a request's shared prefix is
+//!   reported to end (`num_uncached_common_prefix_tokens`, which vLLM's scheduler turns into
+//!   `shared_prefix_boundary` and ends a prefill chunk at, so a Mamba "align" state is cached
+//!   there). Under `exact` a junction is vLLM's (the shared prefix the hybrid search found);
+//!   under `hit-aware` a pinned prefix's end is one too, a request nothing is shared with yet
+//!   gets first-sighting stops, and the Mamba groups learn the junction that makes a state a
+//!   branch point. With partial hash hits (a Mamba block larger than the hash block) it also
+//!   reports the longest prefix another prompt went on past (the sightings, [`Sight`]), so a
+//!   junction may lie inside a block, and keeps the branch points a hit passes (rule 8);
+//! - the hooks the other rooms call under `hit-aware`: `retain_for_free` (`free`: the levels
+//!   a freed request's blocks go back at and one freeing order across groups) and
+//!   `note_allocation` (`allocate_slots`: an adopted hit's levels and junctions, and the
+//!   probation rule's inputs);
+//! - pinning ([`Allocator::pin_prefix`], [`Allocator::set_pinned_share`]).
 //!
 //! Invariants: `guess_limit` is 0 unless the request's last lookup guessed a first-sighting
 //! stop; `moved_junction` is 0 unless the last allocation moved it and it was not taken.
 //!
-//! Cost: [`Allocator::place_junction`] O(groups) plus O(pinned blocks) with pins and
-//! O(log(max length)) for a first-sighting stop, and with partial hash hits O(log(prompt))
-//! plus O(prompt hashes) at a request's first lookup; [`Allocator::keep_passed_junctions`]
-//! O(hit / hash block x groups) per adopted hit; the rest O(1) or O(log(prompt)).
+//! Cost: `place_junction` O(groups) plus O(pinned blocks) with pins and O(log(max length))
+//! for a first-sighting stop, and with partial hash hits O(log(prompt)) plus O(prompt
+//! hashes) at a request's first lookup; `keep_passed_junctions` O(hit / hash block x groups)
+//! per adopted hit; `retain_for_free` O(table log table); pinning O(prefix blocks); the rest
+//! O(1) or O(log(prompt)).
 #![forbid(unsafe_code)]
 
 use super::{Allocator, Hit};

@@ -8,12 +8,13 @@
 //! found for it, and each group's manager keeps its block table.
 //!
 //! The rooms: [`requests`] (the slab of handles and the request's block hashes), [`hits`]
-//! (the hit search and the validation of a hit before it is adopted), [`junctions`] (the
-//! hit-aware policy's junctions around the hit search, and its per-request state), [`noop`]
-//! (the no-op limits and the scheduler's plain step), [`allocate`] (counting and
-//! allocation), [`cache_free`] (caching, freeing, with the hit-aware policy's one hook,
-//! eviction and pinning). This file holds the types and the allocator's construction and
-//! accessors.
+//! (the hit search and the validation of a hit before it is adopted), [`noop`] (the no-op
+//! limits and the scheduler's plain step), [`allocate`] (counting and allocation),
+//! [`cache_free`] (caching, freeing, eviction), and [`hit_aware`], the hit-aware policy's
+//! room per request: its per-request state, the junctions around the hit search, the
+//! sightings, and the hooks the other rooms call under `hit-aware` (`retain_for_free` in
+//! `free`, `note_allocation` in `allocate_slots`), and pinning. This file holds the types
+//! and the allocator's construction and accessors.
 //!
 //! Cost: `allocate_slots` for a decoding request is O(groups) with no allocation (new
 //! block ids go to reused buffers); a hit search is O(blocks scanned); `free` O(table).
@@ -126,7 +127,7 @@ pub struct Allocator {
     /// The hashes the last sync dropped (put back when the call fails).
     undo_tail: Vec<BlockHash>,
     /// Hit-aware with partial hash hits: the hash-block prefixes of the prompts looked up so
-    /// far (see [`junctions`]), bounded by [`hit_aware::MAX_SIGHTINGS`].
+    /// far (see [`hit_aware`]), bounded by [`hit_aware::MAX_SIGHTINGS`].
     sightings: rustc_hash::FxHashMap<BlockHash, hit_aware::Sight>,
     /// [`Config::partial_hash_hits`], computed once (it walks the groups).
     partial_hash_hits: bool,

@@ -16,7 +16,7 @@
 //! block larger than the hash block): a producer's partial tail (the prompt's last hash
 //! boundary keyed inside its own running state block, `AlignState::producer`) is recorded
 //! here by the copy-on-write that preserves it (the copy, with the tail's tokens: see
-//! `align_allocate_new_blocks`), or, when the request finishes before its next allocation,
+//! `AlignState`'s `allocate_new_blocks`), or, when the request finishes before its next allocation,
 //! returned by `finalize_partial_tail_offload` (`rust/manager/mamba.rs`). Without sub-block
 //! keys neither source has anything.
 //!

@@ -43,6 +43,12 @@
 //! Rules: [`MambaNone`] (skipped tokens, the hit search, the retention mask, the speculative
 //! blocks' slots and no-op limits, its checks) and [`MambaAlign`] (the same search and mask,
 //! with its own count, allocation, caching, freeing, no-op limits and per-request state).
+//! Align's operations are methods of its state ([`AlignState`], which holds a copy of the
+//! rules), on one request's share of the manager's bookkeeping the manager lends them
+//! (`AlignReq`, `AlignView`). The hit-aware policy's rules for its states (the furthest one
+//! a request keyed, the junction, the states a request passes) are in `manager/retention.rs`:
+//! this file only calls its named hooks (`states_keyed`, `states_passed`, `state_moved`,
+//! `keys_junction_state`).
 //!
 //! Cost: every function here is O(1), except [`find_longest_cache_hit`], O(blocks scanned
 //! from the right until a cached one).

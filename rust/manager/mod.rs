@@ -21,8 +21,13 @@
 //!
 //! Beside the kinds: [`kind`] (the [`KindRules`] trait, its defaults, and the dispatch),
 //! `boundary` (Mamba "align" boundary-state offloads for a KV connector), `hit` (the search's
-//! inputs), `noop` (the decode fast path's limits), `retention` (hit-aware levels),
-//! `zeroing` (KV cache zeroing records).
+//! inputs), `noop` (the decode fast path's limits), `retention` (the hit-aware policy's
+//! rules per group, Mamba "align"'s included, with its per-request state and the named
+//! hooks the kinds' files call), `zeroing` (KV cache zeroing records).
+//!
+//! A kind's operations that need its per-request state are methods of that state (Mamba
+//! "align"'s of [`mamba::AlignState`], full attention's partial tails of
+//! [`full::FullState`]); the manager lends them one request's share of its bookkeeping.
 //!
 //! Per request (by handle) a manager keeps its block table and `num_cached_block`.
 //! Invariants: every non-null block in a table holds one reference for that slot; a

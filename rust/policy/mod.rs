@@ -80,6 +80,13 @@
 //!   priority and blocks of a pinned prefix go to [`LEVEL_PINNED`] (bounded share of the
 //!   pool; see [`crate::Allocator::pin_prefix`]).
 //!
+//! Where the rules live, one room a layer: this folder (the levels here; the per-block
+//! state, the pool's six hooks and the decisions in `retention.rs`, reached through the one
+//! handle the pool lends, `BlockPool::hit_aware`, `None` under `exact`; the hit units in
+//! `units.rs`), `manager/retention.rs` (the rules per group, Mamba "align"'s included) and
+//! `coordinator/hit_aware.rs` (per request: junctions, sightings, a freed request's levels,
+//! pinning).
+//!
 //! Correctness does not depend on the policy: blocks are only ever found by their chained
 //! hash (the full prefix up to and including the block, in that group), and a block keeps
 //! a hash only while it holds the KV of exactly those tokens, so a hit is what recomputation
