@@ -71,7 +71,7 @@ pub struct MambaNone {
 }
 
 /// Mamba's rules in cache mode "align" (vLLM's `MambaManager` with prefix caching).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct MambaAlign {
     /// Extra state blocks kept for speculative decoding.
     pub speculative_blocks: u32,
@@ -413,7 +413,7 @@ pub fn none_mode_noop_limits(table_len: u32, null_prefix: u32, block_size: u32, 
 /// `MambaManager` attributes of the same meaning), with align's operations: each works on
 /// one request's share of the manager's bookkeeping ([`AlignReq`], [`AlignView`]), borrowed
 /// apart from this state by the manager (`SingleTypeManager::align_req`).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct AlignState {
     /// The group's rules (its parameters).
     rules: MambaAlign,
@@ -540,7 +540,6 @@ impl SingleTypeManager {
     /// for a group without align state: only another kind's (`new_state` gives an align
     /// group its state at construction, and a manager's kind never changes).
     fn align_req(&mut self, h: Slot) -> Option<(&mut AlignState, AlignReq<'_>)> {
-        let sizes = self.align_sizes();
         let hs = h as usize;
         let Self {
             kind_state: KindState::MambaAlign(st),
@@ -550,10 +549,22 @@ impl SingleTypeManager {
             pending_cow,
             scratch,
             retention,
+            spec,
+            hash_block_size,
+            hash_lookahead_tokens,
+            cache_hit_alignment_tokens,
+            group_id,
             ..
         } = self
         else {
             return None;
+        };
+        let sizes = Sizes {
+            block_size: spec.block_size,
+            hash_block_size: *hash_block_size,
+            lookahead: *hash_lookahead_tokens,
+            alignment: *cache_hit_alignment_tokens,
+            group: *group_id,
         };
         let req = AlignReq {
             h,
@@ -603,17 +614,7 @@ impl SingleTypeManager {
 impl AlignState {
     /// The state of an align group with these rules, no request yet.
     fn new(rules: MambaAlign) -> Self {
-        Self {
-            rules,
-            last_state: Vec::new(),
-            retired: Vec::new(),
-            allocated: Vec::new(),
-            prompt_boundary: Vec::new(),
-            checkpoint: Vec::new(),
-            cached_this_step: Default::default(),
-            offloads: Default::default(),
-            producer: Vec::new(),
-        }
+        Self { rules, ..Self::default() }
     }
 
     /// Makes room for `n` slots.
