@@ -41,10 +41,10 @@ use rustc_hash::FxHashSet;
 /// Block flag: served in a cache hit since it was cached.
 const FLAG_REUSED: u8 = 1;
 /// Block flag: a Mamba state at a shared-prefix junction (see
-/// `SingleTypeManager::demote_passed_state`).
+/// `GroupRetention::demote_passed_state` in `manager/retention.rs`).
 const FLAG_BRANCH: u8 = 2;
 /// Block flag: a full-attention block that ended a finished request's cached sequence (a
-/// chat's next turn continues there; see `Allocator::free`).
+X
 const FLAG_TAIL: u8 = 4;
 
 /// The parts of the pool the policy works on, lent for one hook call or for a [`HitAware`]
