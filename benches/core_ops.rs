@@ -18,10 +18,21 @@
 //!   gemma-2 request.
 //! - `prefill_burst/*`: admitting 16 requests of 6144 tokens sharing a 2048-token prefix
 //!   (hashes, hit search, `allocate_slots` with the hit), from an empty cache.
+//! - `*/*_hit_aware/*`: the same operations under [`Policy::HitAware`] (the cases above are
+//!   all [`Policy::Exact`]): `decode` (a block fills; a new block opens), `free` and
+//!   `prefill_burst`, on the gemma-2 shape and on the align shape. On the align shape the
+//!   requests run as vLLM's scheduler runs them in Mamba cache mode "align": a new scheduler
+//!   step before each allocation, and the prefill in chunks that end at the junction the
+//!   lookup reported (and each one an allocation moved it to: hit-aware's first-sighting
+//!   stops) and at the prompt's checkpoint (`(prompt - 1)` rounded down to a block). The
+//!   hit-aware `free` admits a request of new content each time (not timed), so the pool
+//!   holds the units earlier requests left and the admission evicts the oldest.
 //!
 //! The gemma-2 shape: groups full bs 16 + sliding window 4096 bs 16 (distinct spec keys),
 //! `hash_block_size` = `scheduler_block_size` = 16, `max_model_len` 8192,
-//! `max_in_flight_tokens` 8192, `prefix_cache_retention_interval` `Some(0)`.
+//! `max_in_flight_tokens` 8192, `prefix_cache_retention_interval` `Some(0)`. The align shape
+//! (a state-space hybrid: Qwen3-Next, Nemotron-H): full bs 16 + Mamba "align" bs 16 (no
+//! speculative blocks, no prefill checkpoint blocks), otherwise the same.
 //!
 //! Run: `cargo bench --bench core_ops` (about two minutes); `-- --test` runs each once.
 
@@ -53,6 +64,23 @@ fn gemma2(num_blocks: u32) -> Config {
     let mut cfg = full_only(num_blocks);
     cfg.groups.push(GroupSpec {
         kind: AttentionKind::SlidingWindow { window: 4096, extra_retained_tokens: 0 },
+        block_size: BS,
+        spec_key: 1,
+    });
+    cfg.retention_interval = Some(0);
+    cfg
+}
+
+/// A state-space hybrid: full attention + Mamba "align", both block size 16.
+fn align(num_blocks: u32) -> Config {
+    let mut cfg = full_only(num_blocks);
+    cfg.groups.push(GroupSpec {
+        kind: AttentionKind::Mamba {
+            speculative_blocks: 0,
+            align: true,
+            rekey_cached_tail: false,
+            checkpoint_alignment: 0,
+        },
         block_size: BS,
         spec_key: 1,
     });
@@ -97,7 +125,53 @@ fn prefilled(a: &mut Allocator, seed: u64, num_tokens: u32) -> Running {
         AllocateArgs { num_new_tokens: num_tokens, num_prompt_tokens: num_tokens, num_tokens, ..Default::default() };
     a.allocate_slots(h, &args, NewComputed::Empty, None).unwrap().expect("pool large enough");
     let last = bytes.last_chunk::<8>().map_or(0x5EED, |b| u64::from_be_bytes(*b));
-    Running { h, seed, prompt: num_tokens, computed: num_tokens, last_hash: last }
+    Running { h, seed, prompt: num_tokens, computed: num_tokens, last_hash: last, align: false }
+}
+
+/// Admits request `h` (its hashes sent) with a prompt of `prompt` tokens as vLLM's scheduler
+/// does under Mamba "align": the lookup, then one prefill chunk a scheduler step, ending at
+/// the junction the lookup reported (and each one an allocation moved it to) and at the
+/// prompt's checkpoint, then at its end. Returns the hit's tokens.
+fn admit_align(a: &mut Allocator, h: ReqHandle, prompt: u32) -> u32 {
+    let hit = a.find_longest_cache_hit(h, prompt - 1).unwrap();
+    let mut junction = if hit.num_uncached_common_prefix_tokens > 0 {
+        hit.num_tokens + hit.num_uncached_common_prefix_tokens
+    } else {
+        0
+    };
+    let mut start = hit.num_tokens;
+    while start < prompt {
+        let first = start == hit.num_tokens;
+        let end =
+            [junction, (prompt - 1) / BS * BS].into_iter().filter(|&e| e > start && e < prompt).min().unwrap_or(prompt);
+        a.new_step_starts();
+        let args = AllocateArgs {
+            num_new_tokens: end - start,
+            num_new_computed_tokens: if first { hit.num_tokens } else { 0 },
+            num_computed_tokens: if first { 0 } else { start },
+            num_prompt_tokens: prompt,
+            num_tokens: prompt,
+            shared_prefix_boundary: junction,
+            ..Default::default()
+        };
+        let nc = if first && hit.num_tokens > 0 { NewComputed::Stored } else { NewComputed::Empty };
+        a.allocate_slots(h, &args, nc, None).unwrap().expect("pool large enough");
+        if let Some(j) = a.take_moved_junction(h).unwrap() {
+            junction = j;
+        }
+        start = end;
+    }
+    hit.num_tokens
+}
+
+/// [`prefilled`] on the align shape: the prompt admitted as [`admit_align`] does.
+fn prefilled_align(a: &mut Allocator, seed: u64, num_tokens: u32) -> Running {
+    let h = a.add_request();
+    let bytes = hash_bytes(seed, 0, num_tokens / BS);
+    a.append_hashes(h, &bytes, 8).unwrap();
+    admit_align(a, h, num_tokens);
+    let last = bytes.last_chunk::<8>().map_or(0x5EED, |b| u64::from_be_bytes(*b));
+    Running { h, seed, prompt: num_tokens, computed: num_tokens, last_hash: last, align: true }
 }
 
 fn decode_args(computed: u32, prompt: u32) -> AllocateArgs {
@@ -120,6 +194,8 @@ struct Running {
     computed: u32,
     /// Hash of its last full block (the next one chains on it).
     last_hash: u64,
+    /// Mamba "align": a new scheduler step starts before each allocation.
+    align: bool,
 }
 
 impl Running {
@@ -131,6 +207,9 @@ impl Running {
         if num_tokens % BS == 0 {
             self.last_hash = mix(self.last_hash, content(self.seed, 0, num_tokens / BS - 1));
             a.append_hashes(self.h, BlockHash::from_u64(self.last_hash).as_bytes(), 8).unwrap();
+        }
+        if self.align {
+            a.new_step_starts();
         }
         let res = a.allocate_slots(self.h, &decode_args(self.computed, self.prompt), NewComputed::Empty, None).unwrap();
         black_box(res.expect("pool large enough"));
@@ -241,12 +320,16 @@ fn bench_find(c: &mut Criterion) {
 }
 
 impl Running {
-    /// Sends the hash of the block the next token fills, if it fills one.
+    /// Sends the hash of the block the next token fills, if it fills one (and under Mamba
+    /// "align" starts the scheduler step).
     fn prepare(&mut self, a: &mut Allocator) {
         let num_tokens = self.computed + 1;
         if num_tokens % BS == 0 {
             self.last_hash = mix(self.last_hash, content(self.seed, 0, num_tokens / BS - 1));
             a.append_hashes(self.h, BlockHash::from_u64(self.last_hash).as_bytes(), 8).unwrap();
+        }
+        if self.align {
+            a.new_step_starts();
         }
     }
 
@@ -260,53 +343,66 @@ impl Running {
     }
 }
 
-/// One gemma-2 request decoding from 6144 + 16 tokens (its window already recycled) up to
+/// Which decode steps a case times, by position `computed % 16`.
+type Positions = fn(u32) -> bool;
+/// A shape's config for a pool of so many blocks.
+type Shape = fn(u32) -> Config;
+/// A decode case: its name and the steps it times.
+type DecodeCase = (&'static str, Positions);
+
+/// 1..=14: the token lands in the last block, no block fills; 15: the block fills and is
+/// cached; 0: the token opens a new block in every group (and one SWA block falls out).
+const NO_NEW_BLOCK: DecodeCase = ("no_new_block", |p| (1..=14).contains(&p));
+const BLOCK_FILLS: DecodeCase = ("block_fills", |p| p == 15);
+const NEW_BLOCK: DecodeCase = ("new_block", |p| p == 0);
+
+/// One request decoding from 6144 + 16 tokens (a gemma-2 window already recycled) up to
 /// `MAX_MODEL_LEN`, then again from a copy (not timed). Only the steps whose position
 /// `computed % 16` is selected are timed; the others run between them, as in a server.
 fn bench_decode(c: &mut Criterion) {
     let mut g = c.benchmark_group("decode");
-    let mut a = Allocator::new(gemma2(2048), Policy::Exact).unwrap();
-    let mut r = prefilled(&mut a, 1, PROMPT);
-    decode_steps(&mut a, &mut r, BS);
-    let base = (a, r);
-    // 1..=14: the token lands in the last block, no block fills; 15: the block fills and is
-    // cached; 0: the token opens a new block in both groups, and one SWA block falls out.
-    type Positions = fn(u32) -> bool;
-    let cases: [(&str, Positions); 3] = [
-        ("gemma2/no_new_block", |p| (1..=14).contains(&p)),
-        ("gemma2/block_fills", |p| p == 15),
-        ("gemma2/new_block", |p| p == 0),
+    let setups: [(&str, Shape, Policy, &[DecodeCase]); 3] = [
+        ("gemma2", gemma2, Policy::Exact, &[NO_NEW_BLOCK, BLOCK_FILLS, NEW_BLOCK]),
+        ("gemma2_hit_aware", gemma2, Policy::HitAware, &[BLOCK_FILLS, NEW_BLOCK]),
+        ("align_hit_aware", align, Policy::HitAware, &[BLOCK_FILLS, NEW_BLOCK]),
     ];
-    for (name, timed) in cases {
-        let (mut a, mut r) = base.clone();
-        g.bench_function(name, |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                let mut n = 0;
-                while n < iters {
-                    if r.computed + 2 >= MAX_MODEL_LEN {
-                        (a, r) = base.clone();
-                    }
-                    if !timed(r.computed % BS) {
-                        r.step(&mut a);
-                        continue;
-                    }
-                    // Time a run of consecutive selected steps with one pair of clock reads.
-                    r.prepare(&mut a);
-                    let t = Instant::now();
-                    loop {
-                        r.allocate(&mut a);
-                        n += 1;
-                        let p = r.computed % BS;
-                        if n == iters || !timed(p) || p == BS - 1 || r.computed + 2 >= MAX_MODEL_LEN {
-                            break;
+    for (shape, cfg, policy, cases) in setups {
+        let mut a = Allocator::new(cfg(2048), policy).unwrap();
+        let mut r =
+            if shape.starts_with("align") { prefilled_align(&mut a, 1, PROMPT) } else { prefilled(&mut a, 1, PROMPT) };
+        decode_steps(&mut a, &mut r, BS);
+        let base = (a, r);
+        for &(case, timed) in cases {
+            let (mut a, mut r) = base.clone();
+            g.bench_function(format!("{shape}/{case}"), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    let mut n = 0;
+                    while n < iters {
+                        if r.computed + 2 >= MAX_MODEL_LEN {
+                            (a, r) = base.clone();
                         }
+                        if !timed(r.computed % BS) {
+                            r.step(&mut a);
+                            continue;
+                        }
+                        // Time a run of consecutive selected steps with one pair of clock reads.
+                        r.prepare(&mut a);
+                        let t = Instant::now();
+                        loop {
+                            r.allocate(&mut a);
+                            n += 1;
+                            let p = r.computed % BS;
+                            if n == iters || !timed(p) || p == BS - 1 || r.computed + 2 >= MAX_MODEL_LEN {
+                                break;
+                            }
+                        }
+                        total += t.elapsed();
                     }
-                    total += t.elapsed();
-                }
-                total
-            })
-        });
+                    total
+                })
+            });
+        }
     }
     g.finish();
 }
@@ -371,13 +467,29 @@ fn bench_scheduler_step(c: &mut Criterion) {
 }
 
 /// `free` of a request holding 400 blocks (6399 prompt tokens, one decoded, so the window
-/// has recycled its part). Each iteration admits it again (not timed), from the same pool.
+/// has recycled its part). Each iteration admits it again (not timed), from the same pool:
+/// under exact the same request; under hit-aware one of new content each time, so the
+/// pool holds what earlier requests left at their levels (and, on the align shape, their
+/// hit units), and the admission evicts the oldest.
 fn bench_free(c: &mut Criterion) {
     let mut g = c.benchmark_group("free");
-    for (name, cfg) in [("full/400_blocks", full_only(1024)), ("gemma2/400_blocks_per_group", gemma2(1024))] {
-        let mut a = Allocator::new(cfg, Policy::Exact).unwrap();
-        let admit = |a: &mut Allocator| {
-            let mut r = prefilled(a, 1, 400 * BS - 1);
+    let setups: [(&str, Config, Policy); 5] = [
+        ("full/400_blocks", full_only(1024), Policy::Exact),
+        ("gemma2/400_blocks_per_group", gemma2(1024), Policy::Exact),
+        ("gemma2_hit_aware/400_blocks_per_group", gemma2(1024), Policy::HitAware),
+        ("full_hit_aware/400_blocks", full_only(1024), Policy::HitAware),
+        ("align_hit_aware/400_blocks", align(1024), Policy::HitAware),
+    ];
+    for (name, cfg, policy) in setups {
+        let is_align = name.starts_with("align");
+        let mut a = Allocator::new(cfg, policy).unwrap();
+        let mut seed = 1;
+        let mut admit = |a: &mut Allocator| {
+            if policy == Policy::HitAware {
+                seed += 1;
+            }
+            let prompt = 400 * BS - 1;
+            let mut r = if is_align { prefilled_align(a, seed, prompt) } else { prefilled(a, seed, prompt) };
             decode_steps(a, &mut r, 1);
             assert_eq!(a.blocks(r.h, 0).unwrap().len(), 400);
             r.h
@@ -398,56 +510,75 @@ fn bench_free(c: &mut Criterion) {
     g.finish();
 }
 
+/// 16 requests of 6144 tokens sharing a 2048-token prefix admitted one after the other
+/// (hashes, hit search, `allocate_slots` with the hit; on the align shape, as vLLM's
+/// scheduler admits them in Mamba cache mode "align": [`admit_align`]), from an empty cache.
 fn bench_prefill_burst(c: &mut Criterion) {
     const N: u64 = 16;
     const SHARED: u32 = 2048;
     let mut g = c.benchmark_group("prefill_burst");
-    let mut a = Allocator::new(gemma2(16384), Policy::Exact).unwrap();
+    let setups: [(&str, Shape, Policy); 3] = [
+        ("gemma2/16x6144_shared_2048", gemma2, Policy::Exact),
+        ("gemma2_hit_aware/16x6144_shared_2048", gemma2, Policy::HitAware),
+        ("align_hit_aware/16x6144_shared_2048", align, Policy::HitAware),
+    ];
     let hashes: Vec<Vec<u8>> = (0..N).map(|i| hash_bytes(100 + i, SHARED / BS, PROMPT / BS)).collect();
-    let admit = |a: &mut Allocator, handles: &mut Vec<ReqHandle>| {
-        let mut hits = 0;
-        for hs in &hashes {
-            let h = a.add_request();
-            handles.push(h);
-            a.append_hashes(h, hs, 8).unwrap();
-            let hit = a.find_longest_cache_hit(h, PROMPT - 1).unwrap().num_tokens;
-            let args = AllocateArgs {
-                num_new_tokens: PROMPT - hit,
-                num_new_computed_tokens: hit,
-                num_prompt_tokens: PROMPT,
-                num_tokens: PROMPT,
-                shared_prefix_boundary: SHARED,
-                ..Default::default()
-            };
-            a.allocate_slots(h, &args, NewComputed::Stored, None).unwrap().expect("pool large enough");
-            hits += hit;
-        }
-        hits
-    };
-    // Between iterations (not timed): free the 16 requests and clear the prefix cache, so
-    // each burst starts from an empty cache in a warm pool.
-    let mut handles: Vec<ReqHandle> = Vec::new();
-    let reset = |a: &mut Allocator, handles: &mut Vec<ReqHandle>| {
-        for h in handles.drain(..) {
-            a.free(h, LEVEL_NORMAL).unwrap();
-        }
-        assert!(a.reset_prefix_cache());
-    };
-    assert_eq!(admit(&mut a, &mut handles), (N as u32 - 1) * SHARED, "every request after the first hits the prefix");
-    reset(&mut a, &mut handles);
-    g.throughput(Throughput::Elements(N));
-    g.bench_function("gemma2/16x6144_shared_2048", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                let t = Instant::now();
-                black_box(admit(&mut a, &mut handles));
-                total += t.elapsed();
-                reset(&mut a, &mut handles);
+    for (name, cfg, policy) in setups {
+        let is_align = name.starts_with("align");
+        let mut a = Allocator::new(cfg(16384), policy).unwrap();
+        let admit = |a: &mut Allocator, handles: &mut Vec<ReqHandle>| {
+            let mut hits = 0;
+            for hs in &hashes {
+                let h = a.add_request();
+                handles.push(h);
+                a.append_hashes(h, hs, 8).unwrap();
+                if is_align {
+                    hits += admit_align(a, h, PROMPT);
+                    continue;
+                }
+                let hit = a.find_longest_cache_hit(h, PROMPT - 1).unwrap().num_tokens;
+                let args = AllocateArgs {
+                    num_new_tokens: PROMPT - hit,
+                    num_new_computed_tokens: hit,
+                    num_prompt_tokens: PROMPT,
+                    num_tokens: PROMPT,
+                    shared_prefix_boundary: SHARED,
+                    ..Default::default()
+                };
+                a.allocate_slots(h, &args, NewComputed::Stored, None).unwrap().expect("pool large enough");
+                hits += hit;
             }
-            total
-        })
-    });
+            hits
+        };
+        // Between iterations (not timed): free the 16 requests and clear the prefix cache, so
+        // each burst starts from an empty cache in a warm pool.
+        let mut handles: Vec<ReqHandle> = Vec::new();
+        let reset = |a: &mut Allocator, handles: &mut Vec<ReqHandle>| {
+            for h in handles.drain(..) {
+                a.free(h, LEVEL_NORMAL).unwrap();
+            }
+            assert!(a.reset_prefix_cache());
+        };
+        assert_eq!(
+            admit(&mut a, &mut handles),
+            (N as u32 - 1) * SHARED,
+            "{name}: every request after the first hits the prefix"
+        );
+        reset(&mut a, &mut handles);
+        g.throughput(Throughput::Elements(N));
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let t = Instant::now();
+                    black_box(admit(&mut a, &mut handles));
+                    total += t.elapsed();
+                    reset(&mut a, &mut handles);
+                }
+                total
+            })
+        });
+    }
     g.finish();
 }
 

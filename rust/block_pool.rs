@@ -18,9 +18,11 @@
 //! ([`crate::policy::Retention`], `None` under `exact`) and calls it at one named hook in
 //! each pool operation whose exact path it changes: `get_new_blocks` (`popped`), `touch`
 //! (`touched`), `free_blocks` (`freed`), `remove_cached_block_hashes` (`unkeying`),
-//! `cache_full_blocks` (`keyed`) and `reset_prefix_cache` (`reset`). The policy's
-//! decisions the managers and the coordinator take (levels, flags, units, pins) go through
-//! the forwards at the end of this file, each a no-op or a neutral answer under `exact`.
+//! `cache_full_blocks` and `cache_one_block` (`keyed`), `move_block_hashes` (`unkeying`,
+//! `keyed`) and `reset_prefix_cache` (`reset`). The policy's decisions the managers and the
+//! coordinator take (levels, flags, units, pins) go through one handle it lends,
+//! `BlockPool::hit_aware` (`None` under `exact`: nothing to decide), and its state is
+//! read through [`BlockPool::retention`].
 //!
 //! Cost: `get_new_blocks` O(n) (each popped block's lazy eviction O(1), plus, under
 //! hit-aware with Mamba groups, O(members) when it dissolves a hit unit); `touch`,
@@ -30,15 +32,20 @@
 use crate::error::{Error, Result};
 use crate::free_queue::{try_filled, FreeQueue};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, NULL_BLOCK};
-use crate::policy::retention::PoolParts;
-use crate::policy::{Level, Retention, LEVEL_NORMAL, NUM_LEVELS};
+use crate::policy::retention::{HitAware, PoolParts};
+use crate::policy::{Retention, NUM_LEVELS};
 use crate::prefix_index::{HashKey, PrefixIndex};
 
 /// The pool's parts the policy works on ([`PoolParts`]), lent for one hook call; borrows
 /// the fields apart from `retention`.
 macro_rules! parts {
     ($pool:ident) => {
-        PoolParts { queue: &mut $pool.queue, index: &$pool.index, ref_cnt: &$pool.ref_cnt }
+        PoolParts {
+            queue: &mut $pool.queue,
+            index: &$pool.index,
+            ref_cnt: &$pool.ref_cnt,
+            hash_tokens: &$pool.hash_tokens,
+        }
     };
 }
 
@@ -109,21 +116,21 @@ pub struct TableRef<'a> {
 
 /// One block keyed by [`BlockPool::cache_one_block`].
 #[derive(Clone, Copy, Debug)]
-pub struct OneBlock {
+pub(crate) struct OneBlock {
     /// The request (events name it).
-    pub req: ReqHandle,
+    pub(crate) req: ReqHandle,
     /// The block keyed.
-    pub block: BlockId,
+    pub(crate) block: BlockId,
     /// Its index in the request's table.
-    pub index: u32,
+    pub(crate) index: u32,
     /// The key (the hash of the prefix ending at the block, and the group).
-    pub key: HashKey,
+    pub(crate) key: HashKey,
     /// Prefix tokens the key covers.
-    pub num_tokens: u32,
+    pub(crate) num_tokens: u32,
     /// Tokens per block of the group.
-    pub block_size: u32,
+    pub(crate) block_size: u32,
     /// The hash of the block before it, if any (the event's parent).
-    pub parent: Option<BlockHash>,
+    pub(crate) parent: Option<BlockHash>,
 }
 
 /// Second keys of blocks (vLLM's `cached_block_hashes_by_block`, and their entries in its
@@ -240,7 +247,12 @@ impl BlockPool {
     ///
     /// # Errors
     /// [`Error::OutOfMemory`] when the metadata of `num_blocks` blocks cannot be allocated.
-    pub fn try_new_leveled(num_blocks: u32, enable_caching: bool, enable_events: bool, leveled: bool) -> Result<Self> {
+    pub(crate) fn try_new_leveled(
+        num_blocks: u32,
+        enable_caching: bool,
+        enable_events: bool,
+        leveled: bool,
+    ) -> Result<Self> {
         let oom = |what: &str| {
             let what = what.to_string();
             move |e: std::collections::TryReserveError| {
@@ -290,7 +302,7 @@ impl BlockPool {
     }
 
     /// Turns the residency log on or off (see [`ResidencyOp`]); entries not taken stay.
-    pub fn set_residency_log(&mut self, on: bool) {
+    pub(crate) fn set_residency_log(&mut self, on: bool) {
         self.record_residency = on;
     }
 
@@ -308,7 +320,7 @@ impl BlockPool {
     }
 
     /// Takes the residency log: the collector calls vLLM's pool would have made since the
-    /// last take, in its order. Empty unless [`Self::set_residency_log`].
+    /// last take, in its order. Empty unless the log is on (`set_residency_log`).
     pub fn take_residency_log(&mut self) -> Vec<(ResidencyOp, BlockId)> {
         std::mem::take(&mut self.residency)
     }
@@ -449,7 +461,7 @@ impl BlockPool {
 
     /// Whether `b` is cached under `key`, as its key or a second key (vLLM's
     /// `cached_block_hash_to_block.contain`).
-    pub fn holds_key(&self, b: BlockId, key: &HashKey) -> bool {
+    pub(crate) fn holds_key(&self, b: BlockId, key: &HashKey) -> bool {
         self.index.key_of(b) == Some(key) || self.second.contains(key, b)
     }
 
@@ -515,7 +527,7 @@ impl BlockPool {
 
     /// vLLM's `_maybe_evict_cached_block`: reports `b` evicted to the residency log, then
     /// drops its hash ([`Self::remove_cached_block_hashes`]); returns whether it had one.
-    pub fn maybe_evict_cached_block(&mut self, b: BlockId) -> bool {
+    pub(crate) fn maybe_evict_cached_block(&mut self, b: BlockId) -> bool {
         self.note(ResidencyOp::Evicted, b);
         self.remove_cached_block_hashes(b)
     }
@@ -523,7 +535,7 @@ impl BlockPool {
     /// Drops `b`'s hash from the prefix index (emitting `Removed`); returns whether it had one
     /// (vLLM's `_remove_cached_block_hashes` with its events, which reports nothing to the
     /// metrics collector: re-keying a block in `cache_partial_block` uses this).
-    pub fn remove_cached_block_hashes(&mut self, b: BlockId) -> bool {
+    pub(crate) fn remove_cached_block_hashes(&mut self, b: BlockId) -> bool {
         if let Some(r) = &mut self.retention {
             r.unkeying(b, parts!(self));
         }
@@ -660,12 +672,15 @@ impl BlockPool {
     /// `o.block_size` ending there (vLLM's `cache_partial_block` for a block that holds no
     /// hash yet), emitting `Stored` with `o.parent`. Returns `false`, changing nothing,
     /// when the block already holds a hash.
-    pub fn cache_one_block(&mut self, o: &OneBlock) -> bool {
+    pub(crate) fn cache_one_block(&mut self, o: &OneBlock) -> bool {
         let OneBlock { block: b, key, num_tokens, .. } = *o;
         if b == NULL_BLOCK || self.index.is_keyed(b) {
             return false;
         }
         self.hash_tokens[b as usize] = num_tokens;
+        if let Some(r) = &mut self.retention {
+            r.keyed(b);
+        }
         self.insert_key(key, b);
         self.push_stored(o);
         true
@@ -695,7 +710,7 @@ impl BlockPool {
     /// (its contents were replaced); otherwise a key covering fewer tokens is dropped (a
     /// promotion). Returns the key, or `None` for the null block. A block keyed for more
     /// tokens takes it as a second key (vLLM's `cached_block_hashes_by_block`).
-    pub fn cache_partial_block(&mut self, o: &OneBlock, replace: bool) -> Option<HashKey> {
+    pub(crate) fn cache_partial_block(&mut self, o: &OneBlock, replace: bool) -> Option<HashKey> {
         let b = o.block;
         if b == NULL_BLOCK {
             return None;
@@ -722,7 +737,7 @@ impl BlockPool {
 
     /// vLLM's `move_block_hashes`: `src`'s key moves to `dst` (which holds none), keeping its
     /// token count; no events (the entry stays live, on the private copy).
-    pub fn move_block_hashes(&mut self, src: BlockId, dst: BlockId) {
+    pub(crate) fn move_block_hashes(&mut self, src: BlockId, dst: BlockId) {
         debug_assert!(!self.index.is_keyed(dst));
         let tokens = self.hash_tokens[src as usize];
         if let Some(r) = &mut self.retention {
@@ -792,150 +807,26 @@ impl BlockPool {
     pub fn take_events(&mut self) -> Vec<Event> {
         std::mem::take(&mut self.events)
     }
-}
 
-/// The hit-aware policy's decisions, forwarded to [`Retention`] with the pool's parts it
-/// works on; under `exact` (no retention) each is a no-op or returns what an exact pool
-/// would (`LEVEL_NORMAL`, no flags, no units, no pins).
-impl BlockPool {
     /// Whether the free queue has retention levels (the `hit-aware` policy).
     #[inline]
     pub fn is_leveled(&self) -> bool {
         self.retention.is_some()
     }
 
-    /// The hit-aware policy's state (`None` under `exact`).
+    /// The hit-aware policy's state, to read (`None` under `exact`).
+    #[inline]
     pub fn retention(&self) -> Option<&Retention> {
         self.retention.as_ref()
     }
 
-    /// Whether `key` is a pinned prefix's (hit-aware; always false under `exact`).
-    pub fn is_pinned_key(&self, key: &HashKey) -> bool {
-        self.retention.as_ref().is_some_and(|r| r.is_pinned_key(key))
-    }
-
-    /// Hit-aware: whether `b` was served in a cache hit since it was cached (false under
-    /// `exact`).
-    pub fn reused(&self, b: BlockId) -> bool {
-        self.retention.as_ref().is_some_and(|r| r.reused(b))
-    }
-
-    /// Hit-aware: whether `b` (a Mamba state) was marked a branch point since it was cached
-    /// ([`Self::mark_branch`]; false under `exact`).
-    pub fn is_branch(&self, b: BlockId) -> bool {
-        self.retention.as_ref().is_some_and(|r| r.is_branch(b))
-    }
-
-    /// Hit-aware: marks cached block `b` a branch point until it loses its hash (no-op under
-    /// `exact` or for an unhashed block).
-    pub(crate) fn mark_branch(&mut self, b: BlockId) {
-        if let Some(r) = &mut self.retention {
-            r.mark_branch(b, &self.index);
-        }
-    }
-
-    /// Hit-aware: whether `b` ended a finished request's cached sequence since it was cached
-    /// ([`Self::mark_tail`]; false under `exact`).
-    pub fn is_tail(&self, b: BlockId) -> bool {
-        self.retention.as_ref().is_some_and(|r| r.is_tail(b))
-    }
-
-    /// Hit-aware: marks cached block `b` as the end of a finished request's cached sequence
-    /// until it loses its hash (no-op under `exact` or for an unhashed block).
-    pub(crate) fn mark_tail(&mut self, b: BlockId) {
-        if let Some(r) = &mut self.retention {
-            r.mark_tail(b, &self.index);
-        }
-    }
-
-    /// Hit-aware: records that Mamba "align" group `g` caches states (the groups a hit unit
-    /// holds a state in). O(groups).
-    pub(crate) fn note_state_group(&mut self, g: GroupId) {
-        if let Some(r) = &mut self.retention {
-            r.note_state_group(g);
-        }
-    }
-
-    /// Hit-aware: the Mamba "align" groups that cached a state (empty under `exact` and
-    /// without Mamba groups).
-    pub fn state_groups(&self) -> &[GroupId] {
-        self.retention.as_ref().map_or(&[], |r| r.state_groups())
-    }
-
-    /// Hit-aware: the state blocks cached under `hash` in every state group (empty when any
-    /// is missing).
-    pub(crate) fn state_set(&self, hash: &BlockHash) -> Vec<BlockId> {
-        self.retention.as_ref().map_or_else(Vec::new, |r| r.state_set(hash, &self.index))
-    }
-
-    /// Hit-aware: forms a hit unit of cached `states` and the cached full-attention `prefix`
-    /// before them (see [`crate::policy::HitUnits`]). No-op under `exact`.
-    pub(crate) fn form_unit(&mut self, states: &[BlockId], prefix: &[BlockId]) {
-        if let Some(r) = &mut self.retention {
-            r.form_unit(states, prefix, &self.index);
-        }
-    }
-
-    /// Hit-aware: live hit units holding full-attention block `b` in their prefix.
-    pub fn unit_support(&self, b: BlockId) -> u32 {
-        self.retention.as_ref().map_or(0, |r| r.unit_support(b))
-    }
-
-    /// Hit-aware: cached block `b` serves no hit: it goes to the speculative level, at the
-    /// front of the queue when free ([`Retention::evict_first`]). No-op under `exact`.
-    pub(crate) fn evict_first(&mut self, b: BlockId) {
-        if let Some(r) = &mut self.retention {
-            r.evict_first(b, &mut parts!(self));
-        }
-    }
-
-    /// Retention level of `b` (`LEVEL_NORMAL` without levels).
-    pub fn level(&self, b: BlockId) -> Level {
-        self.retention.as_ref().map_or(LEVEL_NORMAL, |r| r.level(b))
-    }
-
-    /// Sets the retention level `b` gets when freed; a free block moves to the back of its
-    /// new level now. No-op without levels or for the null block.
-    pub(crate) fn set_level(&mut self, b: BlockId, lvl: Level) {
-        if let Some(r) = &mut self.retention {
-            r.set_level(b, lvl, parts!(self));
-        }
-    }
-
-    /// Pins hash keys ([`Retention::pin_keys`]); under `exact` (which the coordinator
-    /// refuses first) pins nothing.
-    ///
-    /// # Errors
-    /// [`Error::OutOfRange`] when the pinned keys would exceed the pinned share (nothing
-    /// changes).
-    pub(crate) fn pin_keys(&mut self, keys: Vec<HashKey>) -> Result<u32> {
-        match &mut self.retention {
-            Some(r) => r.pin_keys(keys, parts!(self)),
-            None => Ok(0),
-        }
-    }
-
-    /// Sets the pinned share of the pool ([`Retention::set_pinned_share`]); under `exact`
-    /// only the share's range is checked.
-    ///
-    /// # Errors
-    /// [`Error::OutOfRange`] for a share outside `0.0..=1.0` or below the keys pinned.
-    pub(crate) fn set_pinned_share(&mut self, share: f64) -> Result<()> {
-        let n = self.num_blocks;
-        match &mut self.retention {
-            Some(r) => r.set_pinned_share(share, n, parts!(self)),
-            None => Retention::pinned_cap_for(share, n).map(|_| ()),
-        }
-    }
-
-    /// The pinned share in blocks (under `exact`, the share a hit-aware pool starts with).
-    pub fn pinned_cap(&self) -> u32 {
-        self.retention.as_ref().map_or(Retention::default_pinned_cap(self.num_blocks), |r| r.pinned_cap())
-    }
-
-    /// Free cached blocks at `LEVEL_PINNED` (0 under `exact`).
-    pub fn pinned_free(&self) -> u32 {
-        self.retention.as_ref().map_or(0, |r| r.pinned_free())
+    /// The hit-aware policy's decisions, over its state and the pool's parts it works on
+    /// (see [`HitAware`]); `None` under `exact`, where a caller has nothing to decide. The
+    /// pool is borrowed while the handle lives.
+    #[inline]
+    pub(crate) fn hit_aware(&mut self) -> Option<HitAware<'_>> {
+        let r = self.retention.as_mut()?;
+        Some(HitAware::new(r, parts!(self)))
     }
 }
 
@@ -1116,6 +1007,57 @@ mod tests {
         p.evict_blocks(&[a]);
         assert!(p.get_cached_block(&h(7), &[0], &mut hit));
         assert_eq!(hit, vec![b]);
+    }
+
+    #[test]
+    fn cache_one_block_hit_aware_recycled_block_keyed_at_the_normal_level_as_cache_full_blocks() {
+        use crate::policy::{LEVEL_NORMAL, LEVEL_PINNED, LEVEL_SPECULATIVE};
+        // Hit-aware: a block's level outlives its key (a block evicted keeps the level its
+        // previous life left). Keying it again must start it at the normal level, whichever
+        // call keys it: `cache_full_blocks` (a full block), `cache_one_block` (a Mamba
+        // checkpoint state) or `cache_partial_block` (a key inside the block: a prompt's
+        // partial tail, a junction).
+        let h = |i: u64| BlockHash::from_u64(i);
+        let one = |b: BlockId, key: u64| OneBlock {
+            req: 0,
+            block: b,
+            index: 0,
+            key: (h(key), 0),
+            num_tokens: 16,
+            block_size: 16,
+            parent: None,
+        };
+        for (how, old) in [(0, LEVEL_PINNED), (1, LEVEL_PINNED), (2, LEVEL_PINNED), (1, LEVEL_SPECULATIVE)] {
+            let mut p = BlockPool::try_new_leveled(9, true, false, true).unwrap();
+            let mut got = Vec::new();
+            p.get_new_blocks(1, &mut got);
+            let b = got[0];
+            // Its previous life: cached, left at `old`, freed there, then evicted by a pop.
+            p.cache_full_blocks(&TableRef { req: 0, group: 0, block_size: 16, blocks: &got }, 0..1, None, |_| h(1));
+            p.hit_aware().unwrap().set_level(b, old);
+            p.free_blocks([b]);
+            let level = |p: &BlockPool| p.retention().unwrap().level(b);
+            assert_eq!(level(&p), old);
+            // Popped again (the other free blocks first: unhashed, they are ahead of it).
+            got.clear();
+            p.get_new_blocks(p.num_free_blocks(), &mut got);
+            assert_eq!((got.last(), p.block_hash(b)), (Some(&b), None), "the same block, evicted");
+            got = vec![b];
+            match how {
+                0 => p.cache_full_blocks(
+                    &TableRef { req: 0, group: 0, block_size: 16, blocks: &got },
+                    0..1,
+                    None,
+                    |_| h(2),
+                ),
+                1 => assert!(p.cache_one_block(&one(b, 2))),
+                _ => assert!(p.cache_partial_block(&one(b, 2), false).is_some()),
+            }
+            assert_eq!(level(&p), LEVEL_NORMAL, "keyed by call {how} after a life at level {old}");
+            // Freed, it is queued at the normal level: not counted in the pinned share.
+            p.free_blocks([b]);
+            assert_eq!(p.retention().unwrap().pinned_free(), 0, "keyed by call {how} after a life at level {old}");
+        }
     }
 
     #[test]

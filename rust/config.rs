@@ -2,7 +2,7 @@
 //! types, and the scheduler-level knobs vLLM's `KVCacheManager` is built with.
 //! Validation happens once, in [`Config::validate`]; everything after may rely on it.
 //! What varies by kind (its predicates, its checks, its admission cap) is the kind's rules,
-//! in its manager file ([`crate::manager::KindRules`]); this file holds only the data.
+//! in its manager file (`manager::KindRules`); this file holds only the data.
 #![forbid(unsafe_code)]
 
 use crate::error::{Error, Result};

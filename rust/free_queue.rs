@@ -96,8 +96,9 @@ impl FreeQueue {
         Ok(q)
     }
 
-    /// Number of retention levels (1 for a queue without levels).
-    pub fn levels(&self) -> u32 {
+    /// Number of retention levels (1 for a queue without levels; tests).
+    #[cfg(test)]
+    fn levels(&self) -> u32 {
         self.ends.len().max(1) as u32
     }
 
@@ -107,7 +108,8 @@ impl FreeQueue {
     }
 
     /// [`Self::try_new`] for sizes known to fit (tests).
-    pub fn new(n: u32) -> Self {
+    #[cfg(test)]
+    fn new(n: u32) -> Self {
         Self::try_new(n).expect("free queue allocation")
     }
 
@@ -117,9 +119,9 @@ impl FreeQueue {
         self.len
     }
 
-    /// Whether no block is queued.
-    #[inline]
-    pub fn is_empty(&self) -> bool {
+    /// Whether no block is queued (tests).
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.len == 0
     }
 

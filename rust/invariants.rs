@@ -26,22 +26,22 @@ pub fn check(a: &Allocator) -> Result<(), String> {
     if queued != pool.queue().len() || pool.queue().iter().count() as u32 != queued {
         return Err(format!("free queue length {} but {queued} blocks have ref_cnt 0", pool.queue().len()));
     }
-    if pool.is_leveled() {
+    if let Some(r) = pool.retention() {
         // Hit-aware: a free cached block sits in the segment of its retention level.
         let levels = pool.queue().iter_levels();
         let pinned = levels
             .get(crate::policy::LEVEL_PINNED as usize)
             .map_or(0, |seg| seg.iter().filter(|&&b| pool.block_hash(b).is_some()).count() as u32);
-        if pinned != pool.pinned_free() {
-            return Err(format!("{pinned} free pinned cached blocks, counted {}", pool.pinned_free()));
+        if pinned != r.pinned_free() {
+            return Err(format!("{pinned} free pinned cached blocks, counted {}", r.pinned_free()));
         }
-        if pinned > pool.pinned_cap() {
-            return Err(format!("{pinned} free pinned blocks above the pinned share {}", pool.pinned_cap()));
+        if pinned > r.pinned_cap() {
+            return Err(format!("{pinned} free pinned blocks above the pinned share {}", r.pinned_cap()));
         }
         for (k, seg) in levels.iter().enumerate() {
             for &b in seg {
-                if pool.block_hash(b).is_some() && pool.level(b) as usize != k {
-                    return Err(format!("free cached block {b} of level {} queued at level {k}", pool.level(b)));
+                if pool.block_hash(b).is_some() && r.level(b) as usize != k {
+                    return Err(format!("free cached block {b} of level {} queued at level {k}", r.level(b)));
                 }
             }
         }
@@ -86,7 +86,7 @@ pub fn check(a: &Allocator) -> Result<(), String> {
                     }
                 }
             }
-            if m.spec.kind.covers_sequence() && slots as usize > t.len() * m.block_size() as usize {
+            if m.kind().covers_sequence() && slots as usize > t.len() * m.block_size() as usize {
                 return Err(format!("handle {h}: slot limit {slots} beyond group {g}'s table"));
             }
         }
@@ -95,7 +95,7 @@ pub fn check(a: &Allocator) -> Result<(), String> {
         // Boundary-state offloads name live requests only (dropped with their blocks).
         for &(h, b, tokens) in m.pending_boundary_offloads() {
             if !a.is_live(h) || b == NULL_BLOCK || b >= n || tokens == 0 {
-                return Err(format!("group {}: boundary offload ({h}, {b}, {tokens}) is stale", m.group_id));
+                return Err(format!("group {}: boundary offload ({h}, {b}, {tokens}) is stale", m.group_id()));
             }
         }
     }
@@ -105,7 +105,7 @@ pub fn check(a: &Allocator) -> Result<(), String> {
         for (h, table) in m.tables() {
             let live = a.slot_is_live(h);
             if !live && !table.is_empty() {
-                return Err(format!("released handle {h} still has blocks in group {}", m.group_id));
+                return Err(format!("released handle {h} still has blocks in group {}", m.group_id()));
             }
             if !live {
                 continue;
@@ -116,7 +116,7 @@ pub fn check(a: &Allocator) -> Result<(), String> {
                 }
                 if b != NULL_BLOCK {
                     if pool.ref_cnt(b) == 0 {
-                        return Err(format!("handle {h}: freed block {b} in group {}", m.group_id));
+                        return Err(format!("handle {h}: freed block {b} in group {}", m.group_id()));
                     }
                     refs[b as usize] += 1;
                 }

@@ -1,7 +1,8 @@
 //! # `hybrid_alloc`
 //!
-//! The KV cache block allocator of vLLM V1 (0.32.0), in Rust, for models whose layers mix
-//! attention types: full attention, R-SWA, sliding window, chunked local, cross attention, Mamba /
+//! The KV cache block allocator of vLLM V1 (every supported release, 0.32 to 0.34 as of this
+//! writing: `docs/compatibility.md`), in Rust, for models whose layers mix attention types:
+//! full attention, R-SWA, sliding window, chunked local, cross attention, Mamba /
 //! linear-attention state (cache modes "none" and "align"), circular buffers. Same
 //! semantics as vLLM's Python `KVCacheManager` (same block ids, hits, free counts, events),
 //! at a fraction of its cost. `rust/py` (feature `python`) exposes it to Python; the vLLM
@@ -11,26 +12,56 @@
 //! ```text
 //!  Allocator (coordinator/)          one per vLLM KVCacheManager
 //!   |- requests: slab of handles     generation, block hashes, pending cache hit, no-op limits,
-//!   |                                  hit-aware's junctions (coordinator/junctions.rs)
+//!   |                                  hit-aware's per-request state (coordinator/hit_aware.rs)
 //!   |- managers[g] (manager/)        one per KV cache group: block tables, num_cached,
-//!   |                                  attention-type rules (full | R-SWA | SWA | chunked | cross |
-//!   |                                  Mamba none/align | circular buffer), zeroing records,
-//!   |                                  hit-aware's per-group rules (manager/retention.rs)
+//!   |                                  pending copy-on-write, zeroing records; attention-type
+//!   |                                  rules, each kind in its file with its per-request state
+//!   |                                  (full: partial tails | R-SWA | SWA | chunked | cross |
+//!   |                                  Mamba none/align | circular buffer); hit-aware's
+//!   |                                  per-group rules (manager/retention.rs)
 //!   '- BlockPool (block_pool.rs)     shared by all groups; vLLM's BlockPool, no policy
 //!        |- ref_cnt / hash_tokens / loose struct of arrays, indexed by block id
 //!        |- FreeQueue (free_queue.rs)     index-linked list = free list + LRU order
 //!        |                                  (split into retention levels under `hit-aware`)
 //!        |- PrefixIndex (prefix_index.rs) (hash, group) -> blocks, duplicates allowed;
 //!        |                                  each block's hash key (one record a block)
+//!        |- second keys                    partial hash hits: shorter keys of blocks keyed
+//!        |                                  for a longer prefix (vLLM's
+//!        |                                  cached_block_hashes_by_block)
 //!        |- events                         BlockStored / BlockRemoved / AllBlocksCleared
 //!        '- retention: Option<Retention>  `hit-aware` only (policy/): levels, flags, hit
 //!                                           units, pins; called at the pool's hooks
-//!                                           (popped, touched, freed, unkeying, keyed, reset)
+//!                                           (popped, touched, freed, unkeying, keyed,
+//!                                           reset); its decisions through one handle
+//!                                           the pool lends (hit_aware(): None under exact)
 //! ```
 //!
-//! The policy's room, `policy/`: `mod.rs` (the rules, [`Policy`], the levels),
-//! `retention.rs` (the per-block state and its decisions on the free queue and prefix index
-//! lent by the pool), `units.rs` (the hit units). It never names the pool: the pool calls it.
+//! The policy decides in its rooms, one a layer: `policy/` (`mod.rs`: the rules,
+//! [`Policy`], the levels; `retention.rs`: the per-block state, its hooks, and its
+//! decisions on the free queue and prefix index the pool lends, the `HitAware` handle;
+//! `units.rs`: the hit units; it never names the pool), `manager/retention.rs` (per group,
+//! Mamba "align"'s states included: the kinds' files call its named hooks) and
+//! `coordinator/hit_aware.rs` (per request: junctions, sightings, the levels a freed
+//! request leaves, pinning).
+//!
+//! ## Partial hash hits
+//! With vLLM's `--prefix-match-unit` on a Mamba hybrid ([`Config::partial_hash_hits`]) the
+//! full-attention and Mamba blocks are larger than the hash block and are looked up at hash
+//! granularity, so a hit may end inside a block:
+//! - *copy-on-write*: the next allocation replaces that block in the request's table with a
+//!   private copy (the pairs taken by [`Allocator::take_kv_cache_block_copies`]; both
+//!   blocks hold a reference until the scheduler gives them back);
+//! - *partial tails*: the prompt's last hash boundary inside a block is keyed there
+//!   (vLLM's `_cache_partial_tail_block`; full attention's in `manager/full.rs`, Mamba's
+//!   on the running state block in `manager/mamba.rs`, its key moved to a copy before the
+//!   next forward overwrites it);
+//! - *second keys*: a block keyed for a longer prefix keeps a shorter key as a second key
+//!   (in the pool); a lookup finds the earliest-keyed block under a key, and evicting a
+//!   block drops every key it holds, each with its event;
+//! - *junctions* (`hit-aware`): a lookup reports the longest prefix another prompt went on
+//!   past as the shared prefix's end, inside a block or not; the scheduler ends a prefill
+//!   chunk there and full attention and the Mamba groups key their blocks there, so a third
+//!   prompt sharing a system prompt hits all of it (see [`policy`], rule 8).
 //!
 //! ## Invariants (checked by `invariants::check`)
 //! - Block 0 is the null block: never free-queued, hashed or ref-counted.
@@ -92,17 +123,22 @@
 //! ids, hits and hashes are validated; a panic means a broken internal invariant (our bug).
 #![deny(unsafe_code)]
 
+// The public surface: the allocator and its types, re-exported here; documented modules for
+// what callers below the allocator legitimately use (a front end's rules, the pool as the
+// benches drive it, the configuration, the policy's levels and state as tests read them);
+// and the invariant checks the tests run. Everything else is the crate's own.
 pub mod api;
 pub mod block_pool;
 pub mod config;
-pub mod coordinator;
-pub mod error;
-pub mod free_queue;
-pub mod ids;
 pub mod invariants;
-pub mod manager;
 pub mod policy;
-pub mod prefix_index;
+
+pub(crate) mod coordinator;
+pub(crate) mod error;
+pub(crate) mod free_queue;
+pub(crate) mod ids;
+pub(crate) mod manager;
+pub(crate) mod prefix_index;
 
 #[cfg(feature = "python")]
 mod py;
@@ -114,5 +150,6 @@ pub use coordinator::{
     NoopLimits, PlainStep, StepFields,
 };
 pub use error::{Error, Result};
-pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
+pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, MAX_HASH_LEN, NULL_BLOCK};
+pub use manager::SingleTypeManager;
 pub use policy::Policy;

@@ -120,9 +120,10 @@ fn finish(mut h: u64) -> u64 {
 }
 
 impl PrefixIndex {
-    /// An empty index for blocks `0..num_blocks` ([`Self::try_with_capacity`] for sizes
-    /// known to fit: tests).
-    pub fn new(num_blocks: usize) -> Self {
+    /// An empty index for blocks `0..num_blocks` (`try_with_capacity` for sizes known to
+    /// fit: tests).
+    #[cfg(test)]
+    fn new(num_blocks: usize) -> Self {
         Self::try_with_capacity(num_blocks).expect("prefix index allocation")
     }
 
@@ -320,18 +321,21 @@ impl PrefixIndex {
         self.len -= 1;
     }
 
-    /// Removes `block` from `key`; returns whether it was there.
-    pub fn remove(&mut self, key: &HashKey, block: BlockId) -> bool {
+    /// Removes `block` from `key`; returns whether it was there (tests).
+    #[cfg(test)]
+    fn remove(&mut self, key: &HashKey, block: BlockId) -> bool {
         self.key_of(block) == Some(key) && self.remove_block(block).is_some()
     }
 
-    /// Number of distinct keys.
-    pub fn len(&self) -> usize {
+    /// Number of distinct keys (tests).
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.len
     }
 
-    /// Whether the index is empty.
-    pub fn is_empty(&self) -> bool {
+    /// Whether the index is empty (tests).
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.len == 0
     }
 

@@ -33,9 +33,10 @@ use std::collections::HashMap;
 mod common;
 
 use common::{chain, groups};
+use hybrid_alloc::block_pool::BlockPool;
 use hybrid_alloc::invariants;
 use hybrid_alloc::policy::{
-    Policy, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_RESUMED, LEVEL_SPECULATIVE,
+    Level, Policy, Retention, LEVEL_NEAR, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_RESUMED, LEVEL_SPECULATIVE,
 };
 use hybrid_alloc::{
     AllocateArgs, Allocator, AttentionKind, BlockHash, BlockId, Config, Event, Hit, NewComputed, ReqHandle, NULL_BLOCK,
@@ -44,6 +45,39 @@ use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
 const BS: u32 = 4;
+
+/// The hit-aware policy's state as the tests read it, through the pool's read-only handle
+/// (`BlockPool::retention`); under `exact` (no state) what an exact pool answers: every
+/// block at the normal level, no flags, no units, no pins, the default pinned share.
+trait RetentionView {
+    fn level(&self, b: BlockId) -> Level;
+    fn is_branch(&self, b: BlockId) -> bool;
+    fn unit_support(&self, b: BlockId) -> u32;
+    fn is_pinned_key(&self, key: &(BlockHash, u32)) -> bool;
+    fn pinned_free(&self) -> u32;
+    fn pinned_cap(&self) -> u32;
+}
+
+impl RetentionView for BlockPool {
+    fn level(&self, b: BlockId) -> Level {
+        self.retention().map_or(LEVEL_NORMAL, |r| r.level(b))
+    }
+    fn is_branch(&self, b: BlockId) -> bool {
+        self.retention().is_some_and(|r| r.is_branch(b))
+    }
+    fn unit_support(&self, b: BlockId) -> u32 {
+        self.retention().map_or(0, |r| r.unit_support(b))
+    }
+    fn is_pinned_key(&self, key: &(BlockHash, u32)) -> bool {
+        self.retention().is_some_and(|r| r.is_pinned_key(key))
+    }
+    fn pinned_free(&self) -> u32 {
+        self.retention().map_or(0, |r| r.pinned_free())
+    }
+    fn pinned_cap(&self) -> u32 {
+        self.retention().map_or(Retention::default_pinned_cap(self.num_blocks()), |r| r.pinned_cap())
+    }
+}
 
 fn swa(window: u32) -> AttentionKind {
     AttentionKind::SlidingWindow { window, extra_retained_tokens: 0 }
@@ -1246,4 +1280,58 @@ fn sibling_hit_on_a_shared_prefix_state_keeps_it_a_branch_point_mamba_align() {
     let st = shared_state.expect("the state at the shared prefix's end is cached");
     assert!(a.pool().is_branch(st), "a hit where another prompt went on is a branch point");
     assert_eq!(a.pool().level(st), LEVEL_NORMAL, "the shared prefix's state, passed by the 2nd");
+}
+
+#[test]
+fn partial_tail_keyed_in_a_block_left_pinned_by_its_previous_life_is_freed_at_the_normal_level() {
+    // Full attention + Mamba "align" at blocks of 2 hash blocks (partial hash hits), hit-aware,
+    // a pool of 6 blocks (and the null block). Request A (a 14-token prompt: its partial tail, 12 tokens, is keyed
+    // inside full-attention block 1 and on its state) is freed with a retention priority: its
+    // blocks at the pinned level. Evicted, they go back to the pool keeping that level (a
+    // level outlives its key). Request B (other content, same length) gets them: its partial
+    // tail is keyed by `cache_partial_block` (`cache_one_block`), which must start the block
+    // at the normal level as `cache_full_blocks` does, so B, freed without a priority, leaves
+    // nothing at the pinned level. Without the `keyed` hook there, B's partial-tail blocks
+    // kept A's pinned level and took the pinned share.
+    let kinds = [AttentionKind::Full, mamba_align()];
+    let mut cfg = config(&kinds, 7, None);
+    for g in &mut cfg.groups {
+        g.block_size = 2 * BS;
+    }
+    cfg.scheduler_block_size = 2 * BS;
+    assert!(cfg.partial_hash_hits());
+    let mut a = Allocator::new(cfg, Policy::HitAware).unwrap();
+    a.set_pinned_share(1.0).unwrap();
+    let prompt = 3 * BS + 2;
+    let run = |a: &mut Allocator, first: u64, level| {
+        let contents: Vec<u64> = (first..first + 3).collect();
+        let hashes: Vec<BlockHash> = chain(&contents).into_iter().map(BlockHash::from_u64).collect();
+        let h = a.add_request();
+        a.append_hashes(h, &common::hash_bytes(&hashes), 8).unwrap();
+        let hit = a.find_longest_cache_hit(h, prompt - 1).unwrap();
+        assert_eq!(hit.num_tokens, 0);
+        prefill_partial(a, h, hit, prompt, BS);
+        let blocks: Vec<BlockId> = (0..2).flat_map(|g| a.blocks(h, g).unwrap().to_vec()).collect();
+        a.free(h, level).unwrap();
+        a.take_kv_cache_block_copies();
+        invariants::check(a).unwrap();
+        blocks
+    };
+    let first = run(&mut a, 100, LEVEL_PINNED);
+    assert!(a.pool().pinned_free() > 0, "A's blocks wait at the pinned level");
+    a.evict_blocks(&first).unwrap();
+    assert_eq!(a.pool().pinned_free(), 0);
+    let second = run(&mut a, 200, LEVEL_NORMAL);
+    let reused: Vec<BlockId> = second.iter().copied().filter(|b| *b != NULL_BLOCK && first.contains(b)).collect();
+    assert!(!reused.is_empty(), "B got A's blocks");
+    for b in reused {
+        if a.pool().block_hash(b).is_some() {
+            assert!(
+                a.pool().level(b) <= LEVEL_NORMAL,
+                "block {b}, B's, keyed again after A's life at the pinned level"
+            );
+        }
+    }
+    assert_eq!(a.pool().pinned_free(), 0, "B, freed without a priority, pins nothing");
+    invariants::check(&a).unwrap();
 }

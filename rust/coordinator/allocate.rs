@@ -98,7 +98,7 @@ impl Allocator {
     ) -> i64 {
         let mut n = 0i64;
         for (i, m) in self.managers.iter().enumerate() {
-            let group = if m.spec.kind.sized_by_encoder_tokens() {
+            let group = if m.kind().sized_by_encoder_tokens() {
                 CountArgs {
                     num_tokens: num_encoder_tokens,
                     num_tokens_main_model: num_encoder_tokens,
@@ -339,7 +339,7 @@ impl Allocator {
         let unwritten = self
             .managers
             .iter()
-            .filter(|m| m.spec.kind.covers_sequence())
+            .filter(|m| m.kind().covers_sequence())
             .map(covered)
             .min()
             .filter(|&slots| (a.num_computed_tokens as u64) > slots)
@@ -355,7 +355,7 @@ impl Allocator {
         let num_hashes = self.reqs[s as usize].hashes.len();
         for (g, m) in self.managers.iter().enumerate() {
             let slots = m.blocks(s).len() as u64 * m.block_size() as u64;
-            if !m.spec.kind.covers_sequence() || a.num_computed_tokens as u64 <= slots {
+            if !m.kind().covers_sequence() || a.num_computed_tokens as u64 <= slots {
                 continue;
             }
             let (full, held) = m.blocks_to_cache(s, num_hashes, to_cache);
@@ -436,23 +436,15 @@ impl Allocator {
                 a.num_external_computed_tokens,
                 a.skip_zeroing_groups,
             );
-            if self.pool.is_leveled() {
-                for m in &self.managers {
-                    m.promote_hit(&mut self.pool, s);
-                }
-                if self.partial_hash_hits {
-                    self.keep_passed_junctions(s, num_local);
-                }
-                self.reqs[s as usize].hit_aware.hit_and_prompt.0 = num_local;
-            }
         }
         if self.pool.is_leveled() {
-            self.reqs[s as usize].hit_aware.hit_and_prompt.1 = a.num_prompt_tokens;
+            // The policy's hook: the adopted hit's levels and junctions, and its bookkeeping.
+            self.note_allocation(s, adopts.then_some(num_local), a.num_prompt_tokens);
         }
         self.out_ids.clear();
         for (g, m) in self.managers.iter_mut().enumerate() {
             let before = self.out_ids.len();
-            let n = if m.spec.kind.sized_by_encoder_tokens() { a.num_encoder_tokens } else { need_slot };
+            let n = if m.kind().sized_by_encoder_tokens() { a.num_encoder_tokens } else { need_slot };
             m.allocate_new_blocks(&mut self.pool, s, n, main, &mut self.out_ids);
             self.out_counts[g] = (self.out_ids.len() - before) as u32;
         }

@@ -1,19 +1,18 @@
-//! Caching, freeing and pinning: `cache_blocks`, `remove_skipped_blocks`, `free` (one body;
-//! under hit-aware its hook, `retain_for_free`, sets the levels and one freeing order across
-//! groups), `pop_blocks_for_free` / `free_block_ids`, `evict_blocks`, `reset_prefix_cache`,
-//! and prefix pinning (the pool's retention state owns the pinned keys).
+//! Caching and freeing: `cache_blocks`, `remove_skipped_blocks`, `free` (one body; under
+//! hit-aware its hook, `retain_for_free` in [`super::hit_aware`], sets the levels and one
+//! freeing order across groups), `pop_blocks_for_free` / `free_block_ids`, `evict_blocks`,
+//! `reset_prefix_cache`.
 //!
-//! Cost: caching O(blocks cached); `free` O(table) (O(table log table) under hit-aware);
-//! pinning O(prefix blocks).
+//! Cost: caching O(blocks cached); `free` O(table) (O(table log table) under hit-aware).
 #![forbid(unsafe_code)]
 
 use super::{Allocator, HashSource};
 
 use crate::config::CoordinatorKind;
 use crate::error::{Error, Result};
-use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
-use crate::manager::{CacheArgs, HashView};
-use crate::policy::{Level, LEVEL_NORMAL, LEVEL_SPECULATIVE};
+use crate::ids::{BlockId, ReqHandle, Slot, NULL_BLOCK};
+use crate::manager::CacheArgs;
+use crate::policy::Level;
 
 /// The arguments of [`Allocator::cache_blocks`] (the request fields vLLM's `cache_blocks`
 /// reads).
@@ -132,7 +131,7 @@ impl Allocator {
     }
 
     /// Frees every block of `h`, tail first, and releases the handle (vLLM's `free`, with
-    /// `level` [`LEVEL_NORMAL`]). Under `hit-aware`, its full-attention prefix and the
+    /// `level` [`crate::policy::LEVEL_NORMAL`]). Under `hit-aware`, its full-attention prefix and the
     /// window tail ending at its last cached block keep at least `level`
     /// ([`crate::policy::LEVEL_PINNED`] for a request with a retention priority), and its
     /// blocks are freed in token-position order across groups (a hit unit together). Under
@@ -144,53 +143,21 @@ impl Allocator {
         let s = self.slot(h)?;
         // The policy's hook (hit-aware only): the levels the blocks are freed at, and one
         // freeing order across groups. Under exact each group frees its own table.
-        let ordered = self.pool.is_leveled().then(|| self.retain_for_free(s, level));
-        for m in self.managers.iter_mut() {
-            match ordered {
-                None => m.free(&mut self.pool, s),
-                Some(_) => m.forget(s),
+        match self.retain_for_free(s, level) {
+            None => {
+                for m in self.managers.iter_mut() {
+                    m.free(&mut self.pool, s);
+                }
             }
-        }
-        if let Some(blocks) = ordered {
-            self.pool.free_blocks(blocks.iter().map(|x| x.2));
+            Some(blocks) => {
+                for m in self.managers.iter_mut() {
+                    m.forget(s);
+                }
+                self.pool.free_blocks(blocks.iter().map(|x| x.2));
+            }
         }
         self.release(s);
         Ok(())
-    }
-
-    /// Hit-aware, [`Self::free`]'s hook: sets the retention levels `s`'s blocks are freed at
-    /// (see [`crate::policy`], rules 2, 5 and 6, and `level`) and returns every non-null
-    /// block of its tables as `(token position, group, block)`, tail first; at equal
-    /// positions in group order (vLLM frees group after group), so a hit unit is freed
-    /// together. The tables are left as they are. O(table log table).
-    fn retain_for_free(&mut self, s: Slot, level: Level) -> Vec<(u64, GroupId, BlockId)> {
-        let mut blocks = Vec::new();
-        // State-space hybrids: a request whose hit saved under half its prompt leaves
-        // the blocks it computed on probation (see `LEVEL_PROBATION`).
-        let (hit, prompt) = self.reqs[s as usize].hit_aware.hit_and_prompt;
-        let mamba = self.managers.iter().any(|m| m.is_mamba_align());
-        let probation = level <= LEVEL_NORMAL && (hit as u64) * 2 < prompt as u64 && mamba;
-        for m in self.managers.iter() {
-            if mamba && m.spec.kind.is_full() {
-                // Where a chat's next turn continues: a junction found there later is
-                // no branch point (see `Allocator::place_junction`).
-                let n = m.num_cached(s) as usize;
-                if let Some(&b) = n.checked_sub(1).and_then(|i| m.blocks(s).get(i)) {
-                    self.pool.mark_tail(b);
-                }
-            }
-            m.promote_for_free(&mut self.pool, s, level.max(LEVEL_NORMAL), LEVEL_SPECULATIVE);
-            if mamba {
-                m.demote_duplicates(&mut self.pool, s);
-            }
-            if probation {
-                m.demote_unproven(&mut self.pool, s, hit);
-            }
-            m.positioned_blocks(s, &mut blocks);
-        }
-        // Tail first; at equal positions, group order (vLLM frees group after group).
-        blocks.sort_unstable_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
-        blocks
     }
 
     /// Releases the handle and returns its blocks without freeing them (vLLM's
@@ -272,47 +239,6 @@ impl Allocator {
             }
         }
         Ok(())
-    }
-
-    /// Pins a prefix (e.g. a system prompt) given by its block hashes at `hash_block_size`
-    /// granularity (`hashes[i]` covers tokens `0..(i + 1) * hash_block_size`), under the
-    /// `hit-aware` policy: the blocks a hit on the whole prefix needs (every block of a
-    /// full-attention or chunked group, the window tail at its end in a sliding-window
-    /// group) are freed at [`crate::policy::LEVEL_PINNED`], evicted after every other cached
-    /// block, within the pinned share ([`Self::set_pinned_share`]). Blocks cached now are
-    /// pinned now; the others when they are cached. Returns the hash keys pinned in all.
-    ///
-    /// # Errors
-    /// [`Error::Unsupported`] under `exact` or with prefix caching off (vLLM has no
-    /// pinning); [`Error::OutOfRange`] when the pinned keys would exceed the pinned share
-    /// (nothing changes).
-    pub fn pin_prefix(&mut self, hashes: &[BlockHash]) -> Result<u32> {
-        if !self.pool.is_leveled() {
-            return Err(Error::Unsupported(
-                "pinning a prefix needs the hit-aware policy with prefix caching on".into(),
-            ));
-        }
-        let mut keys = Vec::new();
-        for m in &self.managers {
-            if m.spec.kind.sized_by_encoder_tokens() {
-                continue;
-            }
-            let view = HashView { hashes, scale: m.block_size() / self.cfg.hash_block_size };
-            let n = view.len();
-            let from = m.hit_tail_blocks().map_or(0, |t| n.saturating_sub(t));
-            keys.extend((from..n).map(|i| (view.get(i), m.group_id)));
-        }
-        self.pool.pin_keys(keys)
-    }
-
-    /// Sets the pinned share of the pool (`0.0..=1.0`, default 0.25): at most that fraction
-    /// of the blocks may be pinned keys, or free at the pinned level (past it the oldest
-    /// free pinned block is demoted to the normal LRU).
-    ///
-    /// # Errors
-    /// [`Error::OutOfRange`] for a share outside `0.0..=1.0` or below the keys pinned.
-    pub fn set_pinned_share(&mut self, share: f64) -> Result<()> {
-        self.pool.set_pinned_share(share)
     }
 
     /// Clears the prefix cache when no block is in use (vLLM's `reset_prefix_cache`).

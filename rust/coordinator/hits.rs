@@ -113,7 +113,7 @@ impl Allocator {
     /// Mamba layers, several groups (the hybrid coordinator) and a full-attention group.
     /// `None` for every other config, where no hit's groups can lag. O(groups).
     fn per_group_hit_group(&self) -> Option<usize> {
-        let mamba = self.managers.iter().any(|m| matches!(m.spec.kind, crate::config::AttentionKind::Mamba { .. }));
+        let mamba = self.managers.iter().any(|m| matches!(m.kind(), crate::config::AttentionKind::Mamba { .. }));
         let full = self.spec_groups.first().filter(|sg| sg.kind.is_full()).map(|sg| sg.group_ids[0] as usize);
         full.filter(|_| mamba && self.kind == CoordinatorKind::Hybrid)
     }
@@ -202,7 +202,7 @@ impl Allocator {
             block_size: bs,
             alignment_tokens: bs,
         };
-        find_longest_cache_hit(m.spec.kind, &q, out)
+        find_longest_cache_hit(m.kind(), &q, out)
     }
 
     /// vLLM's `HybridKVCacheCoordinator.find_longest_cache_hit` over `hashes`: the fixed
@@ -345,7 +345,7 @@ impl Allocator {
         }
         let mut seen: rustc_hash::FxHashSet<BlockId> = Default::default();
         for (g, (m, v)) in self.managers.iter().zip(hit_blocks).enumerate() {
-            if !m.spec.kind.takes_hits() {
+            if !m.kind().takes_hits() {
                 if !v.is_empty() {
                     return Err(Error::OutOfRange(format!(
                         "group {g} (cross attention or circular buffer) cannot have cache-hit blocks"
@@ -357,7 +357,7 @@ impl Allocator {
             // A group lagging behind full attention: see the doc comment. With partial hash
             // hits a hit may end inside its last block.
             let len = v.len() as u64 * bs as u64;
-            let lags = len < num_new_computed_tokens as u64 && may_lag && !m.spec.kind.is_full();
+            let lags = len < num_new_computed_tokens as u64 && may_lag && !m.kind().is_full();
             let partial = partial_hits && num_new_computed_tokens % bs != 0;
             let fits = if partial {
                 v.len() as u64 == cdiv(num_new_computed_tokens as u64, bs as u64)
@@ -391,7 +391,7 @@ impl Allocator {
                     view.len()
                 )));
             }
-            let nulls_allowed = !m.spec.kind.is_full();
+            let nulls_allowed = !m.kind().is_full();
             let mut leading = true;
             for (i, &b) in v.iter().enumerate() {
                 if b == NULL_BLOCK {
@@ -438,7 +438,7 @@ impl Allocator {
         let s = self.slot(h)?;
         let mut best: Option<u32> = None;
         for m in &self.managers {
-            if !m.spec.kind.takes_hits() {
+            if !m.kind().takes_hits() {
                 continue;
             }
             let t = m.blocks(s).iter().map(|&b| self.pool.block_hash_num_tokens(b)).max().unwrap_or(0);

@@ -8,12 +8,13 @@
 //! found for it, and each group's manager keeps its block table.
 //!
 //! The rooms: [`requests`] (the slab of handles and the request's block hashes), [`hits`]
-//! (the hit search and the validation of a hit before it is adopted), [`junctions`] (the
-//! hit-aware policy's junctions around the hit search, and its per-request state), [`noop`]
-//! (the no-op limits and the scheduler's plain step), [`allocate`] (counting and
-//! allocation), [`cache_free`] (caching, freeing, with the hit-aware policy's one hook,
-//! eviction and pinning). This file holds the types and the allocator's construction and
-//! accessors.
+//! (the hit search and the validation of a hit before it is adopted), [`noop`] (the no-op
+//! limits and the scheduler's plain step), [`allocate`] (counting and allocation),
+//! [`cache_free`] (caching, freeing, eviction), and [`hit_aware`], the hit-aware policy's
+//! room per request: its per-request state, the junctions around the hit search, the
+//! sightings, and the hooks the other rooms call under `hit-aware` (`retain_for_free` in
+//! `free`, `note_allocation` in `allocate_slots`), and pinning. This file holds the types
+//! and the allocator's construction and accessors.
 //!
 //! Cost: `allocate_slots` for a decoding request is O(groups) with no allocation (new
 //! block ids go to reused buffers); a hit search is O(blocks scanned); `free` O(table).
@@ -21,8 +22,8 @@
 
 mod allocate;
 mod cache_free;
+mod hit_aware;
 mod hits;
-mod junctions;
 mod noop;
 mod requests;
 
@@ -64,9 +65,9 @@ struct ReqState {
     /// no block from there on is ever cached for it; `None` for every request the vLLM
     /// adapter drives ([`AllocateArgs::trust_computed_tokens`]).
     unwritten_from: Option<u32>,
-    /// Hit-aware: the junctions and the probation input ([`junctions::HitAwareReq`]; all
+    /// Hit-aware: the junctions and the probation input ([`hit_aware::HitAwareReq`]; all
     /// zero under `exact`).
-    hit_aware: junctions::HitAwareReq,
+    hit_aware: hit_aware::HitAwareReq,
 }
 
 /// A caller-supplied token count as `u32`.
@@ -126,8 +127,8 @@ pub struct Allocator {
     /// The hashes the last sync dropped (put back when the call fails).
     undo_tail: Vec<BlockHash>,
     /// Hit-aware with partial hash hits: the hash-block prefixes of the prompts looked up so
-    /// far (see [`junctions`]), bounded by [`junctions::MAX_SIGHTINGS`].
-    sightings: rustc_hash::FxHashMap<BlockHash, junctions::Sight>,
+    /// far (see [`hit_aware`]), bounded by [`hit_aware::MAX_SIGHTINGS`].
+    sightings: rustc_hash::FxHashMap<BlockHash, hit_aware::Sight>,
     /// [`Config::partial_hash_hits`], computed once (it walks the groups).
     partial_hash_hits: bool,
     /// [`Config::cache_hit_alignment_tokens`], computed once.
@@ -163,7 +164,7 @@ impl Allocator {
                     cfg.hash_block_size,
                     cfg.hash_lookahead_tokens,
                 );
-                m.records_new_block_ids = cfg.zero_new_blocks && g.kind.is_attention();
+                m.set_records_new_block_ids(cfg.zero_new_blocks && g.kind.is_attention());
                 m.set_boundary_offloads(cfg.boundary_offloads);
                 m
             })
@@ -267,7 +268,7 @@ impl Allocator {
 
     /// vLLM's `KVCacheManager.finalize_partial_tail_offloads` when `h` finishes (a KV
     /// producer's connector, before the free): each group's producer partial tail (see
-    /// [`SingleTypeManager::finalize_partial_tail_offload`]) is popped, and those still
+    /// `SingleTypeManager::finalize_partial_tail_offload`) is popped, and those still
     /// holding the request's last state (`num_computed` equal to the tail's tokens and
     /// `num_in_flight` 0, compared as vLLM compares them) come back as flat
     /// `[group, block, boundary tokens]` triples, group by group.
@@ -284,7 +285,7 @@ impl Allocator {
         let mut out = Vec::new();
         for m in self.managers.iter_mut() {
             if let Some((block, tokens)) = m.finalize_partial_tail_offload(s, num_computed, num_in_flight) {
-                out.extend([m.group_id as u64, block as u64, tokens as u64]);
+                out.extend([m.group_id() as u64, block as u64, tokens as u64]);
             }
         }
         Ok(out)
@@ -316,10 +317,10 @@ impl Allocator {
     /// (checked before any change).
     pub fn record_blocks_for_zeroing(&mut self, h: ReqHandle, start_token: u32) -> Result<()> {
         let s = self.slot(h)?;
-        if let Some(m) = self.managers.iter().find(|m| m.records_new_block_ids && start_token % m.block_size() != 0) {
+        if let Some(m) = self.managers.iter().find(|m| m.records_new_block_ids() && start_token % m.block_size() != 0) {
             return Err(Error::OutOfRange(format!(
                 "start_token={start_token} is not a multiple of group {}'s block size {}",
-                m.group_id,
+                m.group_id(),
                 m.block_size()
             )));
         }

@@ -35,7 +35,7 @@ pub struct NoopLimits {
 }
 
 impl NoopLimits {
-    /// Proves everything (the identity of [`Self::min`]).
+    /// Proves everything (the identity of the component-wise minimum).
     pub const ANY: Self =
         Self { slots: u32::MAX, processed: u32::MAX, cached: u32::MAX, new_tokens: u32::MAX, prompt: 0 };
 
@@ -124,7 +124,7 @@ impl Allocator {
     }
 
     /// The limits under which a plain step of `h` changes nothing (the component-wise
-    /// minimum of every group's [`SingleTypeManager::noop_limits`]).
+    /// minimum of every group's limits, `SingleTypeManager::noop_limits`).
     ///
     /// # Errors
     /// Unknown handle.

@@ -16,7 +16,7 @@
 //! block larger than the hash block): a producer's partial tail (the prompt's last hash
 //! boundary keyed inside its own running state block, `AlignState::producer`) is recorded
 //! here by the copy-on-write that preserves it (the copy, with the tail's tokens: see
-//! `align_allocate_new_blocks`), or, when the request finishes before its next allocation,
+//! `AlignState`'s `allocate_new_blocks`), or, when the request finishes before its next allocation,
 //! returned by `finalize_partial_tail_offload` (`rust/manager/mamba.rs`). Without sub-block
 //! keys neither source has anything.
 //!
@@ -73,14 +73,14 @@ impl BoundaryOffloads {
 impl SingleTypeManager {
     /// Turns the recording of boundary-state offloads on or off (align groups only; at
     /// construction).
-    pub fn set_boundary_offloads(&mut self, on: bool) {
+    pub(crate) fn set_boundary_offloads(&mut self, on: bool) {
         if let KindState::MambaAlign(st) = &mut self.kind_state {
             st.offloads.on = on;
         }
     }
 
     /// Moves this group's pending boundary-state offloads to `out` (see [`BoundaryOffloads::take_into`]).
-    pub fn take_boundary_offloads(&mut self, out: &mut Vec<u64>) {
+    pub(crate) fn take_boundary_offloads(&mut self, out: &mut Vec<u64>) {
         if let KindState::MambaAlign(st) = &mut self.kind_state {
             st.offloads.take_into(self.group_id, out);
         }
@@ -88,7 +88,7 @@ impl SingleTypeManager {
 
     /// This group's pending boundary-state offloads, `(request, block, tokens)` (invariant
     /// checks).
-    pub fn pending_boundary_offloads(&self) -> &[(ReqHandle, BlockId, u32)] {
+    pub(crate) fn pending_boundary_offloads(&self) -> &[(ReqHandle, BlockId, u32)] {
         match &self.kind_state {
             KindState::MambaAlign(st) => &st.offloads.pending,
             _ => &[],

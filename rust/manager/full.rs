@@ -6,19 +6,24 @@
 //! With partial hash hits (vLLM's `--prefix-match-unit` on a Mamba hybrid, see
 //! [`crate::Config::partial_hash_hits`]) the block may be larger than the hash block: a hit
 //! may end inside a block (the block is then copied on write, see
-//! [`SingleTypeManager::take_partial_hit`]) and the prompt's last hash boundary is cached
-//! inside its block (`_cache_partial_tail_block`).
+//! [`SingleTypeManager::take_partial_hit`]) and the prompt's last hash boundary is keyed
+//! inside its block (its *partial tail*, vLLM's `_cache_partial_tail_block`), as is, under
+//! `hit-aware`, the junction a lookup reported there (a shared prefix's end inside a
+//! block). A block keyed for a longer prefix takes such a key as a second key (the pool's
+//! `cache_partial_block`).
 //!
-//! Per-request state: none beyond the shared table.
+//! Per-request state ([`FullState`]): the partial-tail boundary each request keys (and the
+//! one it waits to reach, which the no-op limits watch).
 //!
-//! Cost: the hit search is O(hit blocks + 1) (chained hashes: the first miss ends it).
+//! Cost: the hit search is O(hit blocks + 1) (chained hashes: the first miss ends it); a
+//! key inside a block O(1).
 #![forbid(unsafe_code)]
 
-use super::{cdiv, CacheArgs, HitQuery, KindRules, SingleTypeManager};
-use crate::block_pool::BlockPool;
+use super::{cdiv, CacheArgs, HitQuery, KindRules, KindState, SingleTypeManager};
+use crate::block_pool::{BlockPool, OneBlock};
 use crate::config::{Config, GroupSpec};
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, Slot};
+use crate::ids::{BlockId, GroupId, Slot};
 
 /// Full attention's rules (vLLM's `FullAttentionManager`).
 #[derive(Clone, Copy, Debug)]
@@ -31,6 +36,10 @@ impl KindRules for Full {
 
     fn fine_grained_lookup(&self) -> bool {
         true
+    }
+
+    fn new_state(&self) -> KindState {
+        KindState::Full(FullState::default())
     }
 
     fn check_with_caching(&self, cfg: &Config, i: usize, g: &GroupSpec) -> Result<()> {
@@ -56,10 +65,129 @@ impl KindRules for Full {
 #[cold]
 #[inline(never)]
 fn cache_inside_blocks(m: &mut SingleTypeManager, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
-    m.cache_partial_tail(pool, h, c);
+    let sizes = Inside { block_size: m.spec.block_size, hash_block_size: m.hash_block_size, group: m.group_id };
+    let SingleTypeManager { kind_state: KindState::Full(st), req_blocks, .. } = m else { return };
+    let table = &req_blocks[h as usize];
+    st.cache_partial_tail(pool, h, table, sizes, c);
     if pool.is_leveled() {
-        m.cache_junction(pool, h, c);
+        st.cache_junction(pool, h, table, sizes, c);
     }
+}
+
+/// The sizes a key inside a block is computed with.
+#[derive(Clone, Copy, Debug)]
+struct Inside {
+    /// Tokens per block.
+    block_size: u32,
+    /// Tokens per block hash.
+    hash_block_size: u32,
+    /// The group.
+    group: GroupId,
+}
+
+/// Full attention's per-request state: the prompt's partial-tail boundary (partial hash
+/// hits; vLLM's `FullAttentionManager._cache_partial_tail_block`).
+///
+/// Invariant: `pending[h]` is 0 or a boundary not yet reached by the tokens cached, which
+/// the no-op limits stop at; `boundary[h]` is 0 or the partial tail `h` keyed.
+#[derive(Clone, Debug, Default)]
+pub struct FullState {
+    /// `pending[h]`: the prompt's partial-tail boundary (or, under hit-aware, the junction
+    /// inside a block) that a later caching call will key, once the tokens cached reach it
+    /// (0: none); the no-op limits stop there.
+    pending: Vec<u32>,
+    /// `boundary[h]`: the partial-tail boundary, kept once keyed (see [`Self::rearm`]).
+    boundary: Vec<u32>,
+}
+
+impl FullState {
+    /// Makes room for `n` slots.
+    pub(super) fn ensure_slot(&mut self, n: usize) {
+        self.pending.resize(n, 0);
+        self.boundary.resize(n, 0);
+    }
+
+    /// Forgets slot `h`.
+    pub(super) fn clear(&mut self, h: Slot) {
+        self.pending[h as usize] = 0;
+        self.boundary[h as usize] = 0;
+    }
+
+    /// The boundary inside a block `h` waits to key, if any (the no-op limits stop there).
+    #[inline]
+    pub(super) fn pending(&self, h: Slot) -> Option<u32> {
+        self.pending.get(h as usize).copied().filter(|&t| t > 0)
+    }
+
+    /// After an eviction by id: every request's partial-tail boundary is watched again by the
+    /// no-op limits (its key may be gone; the next caching call re-keys it, as vLLM's).
+    pub(super) fn rearm(&mut self) {
+        for (p, &b) in self.pending.iter_mut().zip(&self.boundary) {
+            if b > 0 {
+                *p = b;
+            }
+        }
+    }
+
+    /// vLLM's `FullAttentionManager._cache_partial_tail_block`: when the prompt's last hash
+    /// boundary a resend could hit (`num_prompt_tokens - 1`, floored to the hash block, at
+    /// most the hashes) lies inside a block and within the tokens cached, `h`'s block
+    /// holding it (in `table`) is keyed there too.
+    fn cache_partial_tail(&mut self, pool: &mut BlockPool, h: Slot, table: &[BlockId], z: Inside, c: &CacheArgs<'_>) {
+        let (hbs, bs) = (z.hash_block_size, z.block_size);
+        let limit = c.num_prompt_tokens.saturating_sub(1);
+        let boundary = (limit / hbs).min(c.hashes.len() as u32) * hbs;
+        self.pending[h as usize] = 0;
+        if boundary == 0 || boundary % bs == 0 {
+            return;
+        }
+        self.boundary[h as usize] = boundary;
+        if boundary > c.num_tokens {
+            self.pending[h as usize] = boundary;
+            return;
+        }
+        key_inside_block(pool, table, z, c, boundary);
+    }
+
+    /// Hit-aware with partial hash hits: the block holding the request's junction
+    /// (`shared_prefix_boundary`, inside a block, within the prompt and the tokens cached) is
+    /// keyed there too, as a second key once it holds a longer one (a full-attention block is
+    /// a valid prefix at every position it holds), so a sibling sharing the prefix up to the
+    /// junction hits it; the Mamba groups key their state there.
+    fn cache_junction(&mut self, pool: &mut BlockPool, h: Slot, table: &[BlockId], z: Inside, c: &CacheArgs<'_>) {
+        let (hbs, bs, j) = (z.hash_block_size, z.block_size, c.shared_prefix_boundary);
+        if j == 0 || j % bs == 0 || j % hbs != 0 || j > c.num_prompt_tokens {
+            return;
+        }
+        if j > c.num_tokens {
+            // Not reached yet: the no-op limits stop there (the scheduler ends a chunk there).
+            let p = &mut self.pending[h as usize];
+            *p = if *p == 0 { j } else { (*p).min(j) };
+            return;
+        }
+        key_inside_block(pool, table, z, c, j);
+    }
+}
+
+/// Keys the block of `table` holding the hash boundary at `tokens` (inside the block) under
+/// that prefix's hash (vLLM's partial key; a second key once the block holds a longer one).
+/// Nothing past the request's hashes or its table.
+fn key_inside_block(pool: &mut BlockPool, table: &[BlockId], z: Inside, c: &CacheArgs<'_>, tokens: u32) {
+    let nh = (tokens / z.hash_block_size) as usize;
+    if nh == 0 || nh > c.hashes.len() {
+        return;
+    }
+    let Some(&b) = table.get((tokens / z.block_size) as usize) else { return };
+    let o = OneBlock {
+        req: c.req,
+        block: b,
+        index: nh as u32 - 1,
+        key: (c.hashes[nh - 1], z.group),
+        num_tokens: tokens,
+        block_size: z.hash_block_size,
+        parent: if nh > 1 { Some(c.hashes[nh - 2]) } else { None },
+    };
+    pool.cache_partial_block(&o, false);
 }
 
 /// Full attention (and R-SWA) with caching on: the block is the hash block (no

@@ -27,12 +27,6 @@ impl HashView<'_> {
         self.hashes.len() as u32 / self.scale
     }
 
-    /// Whether no whole group block is hashed.
-    #[inline]
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Hash of group block `i` (`i < len()`).
     #[inline]
     pub fn get(&self, i: u32) -> BlockHash {

@@ -344,7 +344,7 @@ pub trait KindRules {
             return;
         }
         let n = ((skipped / m.spec.block_size) as usize).min(m.req_blocks[h as usize].len());
-        m.null_out_backwards(pool, h, 0, n, true);
+        super::null_out_backwards(&mut m.req_blocks[h as usize], &mut m.scratch, pool, 0, n, true);
         let np = &mut m.null_prefix[h as usize];
         *np = (*np).max(n as u32);
     }
@@ -353,49 +353,50 @@ pub trait KindRules {
 /// The kind's rules, asked through `with_rules!` (the forms the coordinator and the
 /// config read).
 impl AttentionKind {
-    /// See [`KindRules::is_full`].
+    /// Whether vLLM treats this kind as a `FullAttentionSpec` in the hybrid hit search.
     #[inline]
     pub fn is_full(&self) -> bool {
         with_rules!(*self, r => r.is_full())
     }
 
-    /// See [`KindRules::is_attention`].
+    /// Whether vLLM records this kind's new blocks for KV cache zeroing (an attention spec).
     #[inline]
     pub fn is_attention(&self) -> bool {
         with_rules!(*self, r => r.is_attention())
     }
 
-    /// See [`KindRules::is_prefix_cacheable`].
+    /// Whether the group takes part in prefix caching (vLLM's `prefix_cacheable`).
     #[inline]
     pub fn is_prefix_cacheable(&self) -> bool {
         with_rules!(*self, r => r.is_prefix_cacheable())
     }
 
-    /// See [`KindRules::takes_hits`].
+    /// Whether the group has a hit search and caches full blocks under the request's hashes.
     #[inline]
     pub fn takes_hits(&self) -> bool {
         with_rules!(*self, r => r.takes_hits())
     }
 
-    /// See [`KindRules::sized_by_encoder_tokens`].
+    /// Whether the table is sized by the encoder tokens, not the sequence.
     #[inline]
     pub fn sized_by_encoder_tokens(&self) -> bool {
         with_rules!(*self, r => r.sized_by_encoder_tokens())
     }
 
-    /// See [`KindRules::covers_sequence`].
+    /// Whether the table is positional over the sequence.
     #[inline]
     pub fn covers_sequence(&self) -> bool {
         with_rules!(*self, r => r.covers_sequence())
     }
 
-    /// See [`KindRules::is_mamba_align`].
+    /// Whether this is a Mamba group in cache mode "align".
     #[inline]
     pub fn is_mamba_align(&self) -> bool {
         with_rules!(*self, r => r.is_mamba_align())
     }
 
-    /// See [`KindRules::fine_grained_lookup`].
+    /// Whether vLLM's manager looks hits up at hash granularity with partial hash hits
+    /// (`supports_fine_grained_hash_lookup`: full attention and Mamba).
     #[inline]
     pub fn fine_grained_lookup(&self) -> bool {
         with_rules!(*self, r => r.fine_grained_lookup())

@@ -43,17 +43,25 @@
 //! Rules: [`MambaNone`] (skipped tokens, the hit search, the retention mask, the speculative
 //! blocks' slots and no-op limits, its checks) and [`MambaAlign`] (the same search and mask,
 //! with its own count, allocation, caching, freeing, no-op limits and per-request state).
+//! Align's operations are methods of its state ([`AlignState`], which holds a copy of the
+//! rules), on one request's share of the manager's bookkeeping the manager lends them
+//! (`AlignReq`, `AlignView`). The hit-aware policy's rules for its states (the furthest one
+//! a request keyed, the junction, the states a request passes) are in `manager/retention.rs`:
+//! this file only calls its named hooks (`states_keyed`, `states_passed`, `state_moved`,
+//! `keys_junction_state`).
 //!
 //! Cost: every function here is O(1), except [`find_longest_cache_hit`], O(blocks scanned
 //! from the right until a cached one).
 #![forbid(unsafe_code)]
 
 use super::noop::clamp;
+use super::retention::GroupRetention;
 use super::{cdiv, CacheArgs, CountArgs, HitQuery, KindRules, KindState, SingleTypeManager};
 use crate::block_pool::{BlockPool, OneBlock};
 use crate::config::{Config, GroupSpec};
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, Slot, NULL_BLOCK};
+use crate::ids::{BlockId, GroupId, Slot, NULL_BLOCK};
+use crate::prefix_index::HashKey;
 
 /// Mamba's rules in cache mode "none" (vLLM's `MambaManager` without prefix caching).
 #[derive(Clone, Copy, Debug)]
@@ -63,7 +71,7 @@ pub struct MambaNone {
 }
 
 /// Mamba's rules in cache mode "align" (vLLM's `MambaManager` with prefix caching).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct MambaAlign {
     /// Extra state blocks kept for speculative decoding.
     pub speculative_blocks: u32,
@@ -189,7 +197,7 @@ impl KindRules for MambaAlign {
     }
 
     fn new_state(&self) -> KindState {
-        KindState::MambaAlign(AlignState::default())
+        KindState::MambaAlign(AlignState::new(*self))
     }
 
     #[inline]
@@ -212,12 +220,15 @@ impl KindRules for MambaAlign {
         reachable_block_mask(start, end, alignment_tokens, block_size, c.retention_interval, c.reachable_boundaries)
     }
 
+    /// Align's own limits ([`AlignState::noop_limits`]); a group without align state is
+    /// never a no-op (it cannot be one: see `SingleTypeManager::align_req`).
     fn noop_limits(&self, m: &SingleTypeManager, h: Slot) -> (u32, u32, u32, u32) {
-        m.align_noop_limits(h)
+        m.align_view(h).map_or((0, 0, 0, 0), |(st, v)| st.noop_limits(&v))
     }
 
     fn get_num_blocks_to_allocate(&self, m: &SingleTypeManager, pool: &BlockPool, h: Slot, c: &CountArgs<'_>) -> i64 {
-        m.align_num_blocks_to_allocate(pool, h, c)
+        let partial_local_hit = m.has_partial_local_hit(c.new_computed, c.num_local_computed_tokens);
+        m.align_view(h).map_or(0, |(st, v)| st.num_blocks_to_allocate(pool, &v, c, partial_local_hit))
     }
 
     fn allocate_new_blocks(
@@ -229,15 +240,19 @@ impl KindRules for MambaAlign {
         num_tokens_main_model: u32,
         out: &mut Vec<BlockId>,
     ) {
-        m.align_allocate_new_blocks(pool, h, num_tokens_main_model, out);
+        if let Some((st, mut q)) = m.align_req(h) {
+            st.allocate_new_blocks(pool, &mut q, num_tokens_main_model, out);
+        }
     }
 
     /// The full blocks (the default's), then the align states (see
-    /// `SingleTypeManager::align_cache_blocks`).
+    /// [`AlignState::cache_blocks`]).
     fn cache_blocks(&self, m: &mut SingleTypeManager, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
         let before = m.num_cached(h);
         m.cache_full(self, pool, h, c);
-        m.align_cache_blocks(pool, h, c, before);
+        if let Some((st, mut q)) = m.align_req(h) {
+            st.cache_blocks(pool, &mut q, c, before);
+        }
     }
 
     fn remove_skipped_blocks(
@@ -248,18 +263,11 @@ impl KindRules for MambaAlign {
         processed_computed_tokens: u32,
         _num_prompt_tokens: Option<u32>,
     ) {
-        m.align_remove_skipped_blocks(pool, h, processed_computed_tokens);
+        if let Some((st, mut q)) = m.align_req(h) {
+            st.remove_skipped_blocks(pool, &mut q, processed_computed_tokens);
+        }
     }
 }
-use crate::policy::LEVEL_NEAR;
-use crate::prefix_index::HashKey;
-
-/// The block of a `last_keyed` entry while it still holds the key it was recorded with
-/// (`None` once the block was re-keyed or evicted, or when nothing was keyed).
-fn still_keyed(pool: &BlockPool, (b, key, _): (BlockId, Option<HashKey>, u32)) -> Option<BlockId> {
-    (key.is_some() && pool.block_hash(b) == key.as_ref()).then_some(b)
-}
-
 /// Marker for "no entry" in the per-request align state.
 pub const NONE: u32 = u32::MAX;
 
@@ -402,9 +410,13 @@ pub fn none_mode_noop_limits(table_len: u32, null_prefix: u32, block_size: u32, 
 }
 
 /// Mamba "align"'s per-request state, by slot, and the keys cached this step (vLLM's
-/// `MambaManager` attributes of the same meaning).
+/// `MambaManager` attributes of the same meaning), with align's operations: each works on
+/// one request's share of the manager's bookkeeping ([`AlignReq`], [`AlignView`]), borrowed
+/// apart from this state by the manager (`SingleTypeManager::align_req`).
 #[derive(Clone, Debug, Default)]
 pub struct AlignState {
+    /// The group's rules (its parameters).
+    rules: MambaAlign,
     /// `last_state[h]`: the table index of the state block of the request's previous step
     /// (`NONE` when absent).
     last_state: Vec<u32>,
@@ -424,10 +436,6 @@ pub struct AlignState {
     /// Keys cached during the current scheduler step (`cached_blocks_this_step`); a hit
     /// ending on one of them waits a step.
     cached_this_step: rustc_hash::FxHashSet<HashKey>,
-    /// Hit-aware only: `last_keyed[h] = (block, key, tokens)` of the furthest state the
-    /// request keyed (`tokens` 0: none). It dominates the request's earlier states: a later
-    /// request re-sending the sequence resumes from it (see [`SingleTypeManager::promote_for_free`]).
-    last_keyed: Vec<(BlockId, Option<HashKey>, u32)>,
     /// The boundary states keyed for a KV connector, not yet taken (see [`super::boundary`]).
     pub(super) offloads: super::boundary::BoundaryOffloads,
     /// `producer[h] = (block, tokens, request)`: the partial tail (a key ending inside its
@@ -435,14 +443,180 @@ pub struct AlignState {
     /// overwrites (vLLM's `_producer_partial_tail_reqs`); `tokens` 0: none. The copy-on-write
     /// that preserves it hands the copy to a KV connector.
     producer: Vec<(BlockId, u32, crate::ids::ReqHandle)>,
-    /// Hit-aware only: `junction[h]`, the junction the request's last lookup found shared
-    /// with another request or pinned (0: none). The state there is where other requests
-    /// branch off: it is not demoted when the request passes it (see
-    /// [`SingleTypeManager::demote_passed_state`]).
-    junction: Vec<u32>,
+}
+
+/// The sizes of an align group its operations read (copied from the manager).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Sizes {
+    /// Tokens per block.
+    block_size: u32,
+    /// Tokens per block hash.
+    hash_block_size: u32,
+    /// Tokens past each block its hash covers.
+    lookahead: u32,
+    /// Alignment of cache hits in tokens.
+    alignment: u32,
+    /// The group.
+    group: GroupId,
+}
+
+/// One request's share of an align manager's shared bookkeeping, read-only (see
+/// [`AlignState`]).
+#[derive(Clone, Copy)]
+pub(super) struct AlignView<'a> {
+    /// The request's slot.
+    h: Slot,
+    /// Its block table.
+    table: &'a [BlockId],
+    /// Its `num_cached_block` (0 when absent).
+    num_cached: u32,
+    /// Its pending partial hit.
+    partial: Option<(u32, BlockId)>,
+    /// The group's sizes.
+    sizes: Sizes,
+}
+
+/// One request's share of an align manager's shared bookkeeping, to change (see
+/// [`AlignState`]).
+pub(super) struct AlignReq<'a> {
+    /// The request's slot.
+    h: Slot,
+    /// Its block table.
+    table: &'a mut Vec<BlockId>,
+    /// Its `num_cached_block` entry (`ABSENT` when absent).
+    num_cached: &'a mut u32,
+    /// Its pending partial hit entry.
+    partial_hit: &'a mut (u32, BlockId),
+    /// The manager's queued copy-on-write copies.
+    pending_cow: &'a mut Vec<(BlockId, BlockId)>,
+    /// The manager's scratch for freed blocks.
+    scratch: &'a mut Vec<BlockId>,
+    /// The group's hit-aware state (its hooks).
+    retention: &'a mut GroupRetention,
+    /// The group's sizes.
+    sizes: Sizes,
+}
+
+impl AlignReq<'_> {
+    /// `num_cached_block` of the request (0 when absent).
+    fn num_cached(&self) -> u32 {
+        if *self.num_cached == super::ABSENT {
+            0
+        } else {
+            *self.num_cached
+        }
+    }
+
+    /// The request's pending partial hit, if any.
+    fn partial(&self) -> Option<(u32, BlockId)> {
+        (self.partial_hit.0 != super::NO_PARTIAL).then_some(*self.partial_hit)
+    }
+
+    /// The read-only view.
+    fn view(&self) -> AlignView<'_> {
+        AlignView {
+            h: self.h,
+            table: self.table,
+            num_cached: self.num_cached(),
+            partial: self.partial(),
+            sizes: self.sizes,
+        }
+    }
+}
+
+impl SingleTypeManager {
+    /// The sizes of this group its align operations read.
+    fn align_sizes(&self) -> Sizes {
+        Sizes {
+            block_size: self.spec.block_size,
+            hash_block_size: self.hash_block_size,
+            lookahead: self.hash_lookahead_tokens,
+            alignment: self.cache_hit_alignment_tokens,
+            group: self.group_id,
+        }
+    }
+
+    /// Request `h`'s align state and its share of the bookkeeping, borrowed apart. `None`
+    /// for a group without align state: only another kind's (`new_state` gives an align
+    /// group its state at construction, and a manager's kind never changes).
+    fn align_req(&mut self, h: Slot) -> Option<(&mut AlignState, AlignReq<'_>)> {
+        let hs = h as usize;
+        let Self {
+            kind_state: KindState::MambaAlign(st),
+            req_blocks,
+            num_cached,
+            partial_hit,
+            pending_cow,
+            scratch,
+            retention,
+            spec,
+            hash_block_size,
+            hash_lookahead_tokens,
+            cache_hit_alignment_tokens,
+            group_id,
+            ..
+        } = self
+        else {
+            return None;
+        };
+        let sizes = Sizes {
+            block_size: spec.block_size,
+            hash_block_size: *hash_block_size,
+            lookahead: *hash_lookahead_tokens,
+            alignment: *cache_hit_alignment_tokens,
+            group: *group_id,
+        };
+        let req = AlignReq {
+            h,
+            table: &mut req_blocks[hs],
+            num_cached: &mut num_cached[hs],
+            partial_hit: &mut partial_hit[hs],
+            pending_cow,
+            scratch,
+            retention,
+            sizes,
+        };
+        Some((st, req))
+    }
+
+    /// [`Self::align_req`], read-only.
+    fn align_view(&self, h: Slot) -> Option<(&AlignState, AlignView<'_>)> {
+        let KindState::MambaAlign(st) = &self.kind_state else { return None };
+        let view = AlignView {
+            h,
+            table: &self.req_blocks[h as usize],
+            num_cached: self.num_cached(h),
+            partial: self.partial_hit(h),
+            sizes: self.align_sizes(),
+        };
+        Some((st, view))
+    }
+
+    /// vLLM's `MambaManager.finalize_partial_tail_offload` when `h` finishes (see
+    /// [`AlignState::finalize_partial_tail_offload`]); a no-op (`None`) for other groups,
+    /// as vLLM's base method.
+    ///
+    /// # Complexity
+    /// O(1).
+    pub(crate) fn finalize_partial_tail_offload(
+        &mut self,
+        h: Slot,
+        num_computed: i64,
+        num_in_flight: i64,
+    ) -> Option<(BlockId, u32)> {
+        match &mut self.kind_state {
+            KindState::MambaAlign(st) => st.finalize_partial_tail_offload(h, num_computed, num_in_flight),
+            _ => None,
+        }
+    }
 }
 
 impl AlignState {
+    /// The state of an align group with these rules, no request yet.
+    fn new(rules: MambaAlign) -> Self {
+        Self { rules, ..Self::default() }
+    }
+
     /// Makes room for `n` slots.
     pub(super) fn ensure_slot(&mut self, n: usize) {
         self.last_state.resize(n, NONE);
@@ -450,8 +624,6 @@ impl AlignState {
         self.allocated.resize(n, false);
         self.prompt_boundary.resize(n, NONE);
         self.checkpoint.resize(n, (0, 0));
-        self.last_keyed.resize(n, (NULL_BLOCK, None, 0));
-        self.junction.resize(n, 0);
         self.producer.resize(n, (NULL_BLOCK, 0, 0));
     }
 
@@ -463,9 +635,7 @@ impl AlignState {
         self.allocated[hs] = false;
         self.prompt_boundary[hs] = NONE;
         self.checkpoint[hs] = (0, 0);
-        self.last_keyed[hs] = (NULL_BLOCK, None, 0);
         self.offloads.drop_slot(h);
-        self.junction[hs] = 0;
         self.producer[hs] = (NULL_BLOCK, 0, 0);
     }
 
@@ -473,38 +643,26 @@ impl AlignState {
     pub(super) fn new_step_starts(&mut self) {
         self.cached_this_step.clear();
     }
-}
 
-impl SingleTypeManager {
-    fn align(&self) -> &AlignState {
-        match &self.kind_state {
-            KindState::MambaAlign(st) => st,
-            _ => unreachable!("a Mamba align group keeps align state"),
-        }
-    }
-
-    fn align_mut(&mut self) -> &mut AlignState {
-        match &mut self.kind_state {
-            KindState::MambaAlign(st) => st,
-            _ => unreachable!("a Mamba align group keeps align state"),
-        }
-    }
-
-    /// `(speculative_blocks, checkpoint_alignment)` of a Mamba group (zeros for others).
-    #[inline]
-    fn mamba_params(&self) -> (u32, u32) {
-        match self.spec.kind {
-            crate::config::AttentionKind::Mamba { speculative_blocks, checkpoint_alignment, .. } => {
-                (speculative_blocks, checkpoint_alignment)
-            }
-            _ => (0, 0),
-        }
+    /// vLLM's `MambaManager.finalize_partial_tail_offload` when `h` finishes: pops the
+    /// producer tail `h` keyed on its running state block (none once a copy-on-write took it
+    /// over), and returns `(block, tokens)` only when no token past it was forwarded
+    /// (`num_in_flight` 0 and `num_computed` equal to the tail's tokens). O(1).
+    fn finalize_partial_tail_offload(
+        &mut self,
+        h: Slot,
+        num_computed: i64,
+        num_in_flight: i64,
+    ) -> Option<(BlockId, u32)> {
+        let slot = self.producer.get_mut(h as usize)?;
+        let (block, tokens, _) = std::mem::replace(slot, (NULL_BLOCK, 0, 0));
+        (tokens > 0 && num_in_flight == 0 && num_computed == tokens as i64).then_some((block, tokens))
     }
 
     /// Whether a hit ending on `new_computed`'s last block waits a step (its state was
     /// cached during this step: vLLM answers `num_gpu_blocks + 1`).
-    fn align_defers(&self, pool: &BlockPool, new_computed: &[BlockId]) -> bool {
-        let cached = &self.align().cached_this_step;
+    fn defers(&self, pool: &BlockPool, new_computed: &[BlockId]) -> bool {
+        let cached = &self.cached_this_step;
         new_computed.last().and_then(|&b| pool.block_hash(b)).is_some_and(|key| cached.contains(key))
     }
 
@@ -512,18 +670,19 @@ impl SingleTypeManager {
     /// block for (vLLM's `get_mamba_prefill_checkpoint_position` of the chunk end, kept when
     /// `_needs_internal_checkpoint`): its position, 0 for none. `prefill_end` is 0 except
     /// under retention interval 0, where only the chunk reaching it reserves one.
-    fn align_checkpoint(&self, h: Slot, query_start: u32, query_end: u32, prefill_end: u32) -> u32 {
-        let (spec, alignment) = self.mamba_params();
+    fn checkpoint_at(&self, v: &AlignView<'_>, query_start: u32, query_end: u32, prefill_end: u32) -> u32 {
+        let (spec, alignment) = (self.rules.speculative_blocks, self.rules.checkpoint_alignment);
         if alignment == 0 || query_end < prefill_end {
             return 0;
         }
-        let pos = prefill_checkpoint_position(query_end, self.cache_hit_alignment_tokens, self.hash_lookahead_tokens);
-        let bs = self.spec.block_size as i64;
+        let Sizes { block_size, hash_block_size, lookahead, alignment: hit_alignment, .. } = v.sizes;
+        let pos = prefill_checkpoint_position(query_end, hit_alignment, lookahead);
+        let bs = block_size as i64;
         if !prefill_checkpoint_valid(
             query_start as i64,
             query_end as i64,
             pos as i64,
-            self.hash_block_size as i64,
+            hash_block_size as i64,
             bs,
             alignment as i64,
         ) {
@@ -533,11 +692,11 @@ impl SingleTypeManager {
         if idx < 0 {
             return 0;
         }
-        let table = &self.req_blocks[h as usize];
+        let table = v.table;
         let len = table.len() as i64;
         let free_slot = idx >= len
             || table[idx as usize] == NULL_BLOCK
-            || (self.align().allocated[h as usize] && idx >= len - spec as i64);
+            || (self.allocated[v.h as usize] && idx >= len - spec as i64);
         if free_slot {
             pos
         } else {
@@ -547,84 +706,124 @@ impl SingleTypeManager {
 
     /// With prefill checkpoint blocks: records the checkpoint of this allocation's count, as
     /// vLLM's `get_num_blocks_to_allocate` does outside the admission gate (a count that
-    /// defers a hit records nothing). Nothing for other kinds.
-    pub fn record_checkpoint(
+    /// defers a hit records nothing).
+    pub(super) fn record_checkpoint(
         &mut self,
         pool: &BlockPool,
-        h: Slot,
+        v: &AlignView<'_>,
         new_computed: &[BlockId],
         query_start: u32,
         query_end: u32,
         prefill_end: u32,
     ) {
-        if !self.is_mamba_align() || self.mamba_params().1 == 0 || self.align_defers(pool, new_computed) {
+        if self.rules.checkpoint_alignment == 0 || self.defers(pool, new_computed) {
             return;
         }
-        let pos = self.align_checkpoint(h, query_start, query_end, prefill_end);
-        let bs = self.spec.block_size as u64;
-        self.align_mut().checkpoint[h as usize] =
-            if pos > 0 { (pos, (cdiv(query_end as u64, bs) - 2) as u32) } else { (0, 0) };
+        let pos = self.checkpoint_at(v, query_start, query_end, prefill_end);
+        let bs = v.sizes.block_size as u64;
+        self.checkpoint[v.h as usize] = if pos > 0 { (pos, (cdiv(query_end as u64, bs) - 2) as u32) } else { (0, 0) };
     }
 
-    /// The blocks to take (vLLM's align branch of `MambaManager.get_num_blocks_to_allocate`,
-    /// without partial hits): the running state block, a prefill checkpoint block when the
-    /// chunk reserves one, and the speculative blocks of a first allocation. May be negative
-    /// (an over-allocated table), as in vLLM; `num_blocks + 1` defers a hit on a state cached
+    /// The no-op limits of a plain step in mode "align" (see
+    /// [`SingleTypeManager::noop_limits`]).
+    fn noop_limits(&self, v: &AlignView<'_>) -> (u32, u32, u32, u32) {
+        let bs = v.sizes.block_size as u64;
+        let (spec, alignment) = (self.rules.speculative_blocks, self.rules.checkpoint_alignment);
+        // No allocation while the main tokens fit the table before its speculative blocks
+        // (lookahead slots are not allocated in align mode, so `slots` is conservative);
+        // nothing freed below the retired range's next block nor before the previous state
+        // block falls out; no new full block, and not the prompt's checkpoint position
+        // (re-keyed there).
+        let hs = v.h as usize;
+        let len = v.table.len() as u64;
+        let slots = clamp(len.saturating_sub(spec as u64) * bs);
+        let mut processed = (self.retired[hs] as u64 + 1) * bs + 1;
+        let ls = self.last_state[hs];
+        if ls != NONE && v.table[ls as usize] != NULL_BLOCK {
+            processed = processed.min((ls as u64 + 1) * bs + 1);
+        }
+        let mut cached = (v.num_cached as u64 + 1) * bs;
+        let pb = self.prompt_boundary[hs];
+        if pb == NONE {
+            cached = 0;
+        } else if pb != 0 && (pb as u64) < cached {
+            cached = pb as u64;
+        }
+        let (processed, cached) = (clamp(processed), clamp(cached));
+        if alignment == 0 {
+            return (slots, processed, cached, u32::MAX);
+        }
+        // Prefill checkpoints: a step reserves one only when it spans more than one block
+        // past the block its first token's state comes from (`prefill_checkpoint_valid`), so
+        // a step of at most one block never does; and a stored checkpoint is dropped (or
+        // renewed) by the next allocation's count, which the no-op answer would skip.
+        let slots = if self.checkpoint[hs].0 > 0 || v.partial.is_some() { 0 } else { slots };
+        (slots, processed, cached, v.sizes.block_size)
+    }
+
+    /// The blocks to take (vLLM's align branch of `MambaManager.get_num_blocks_to_allocate`):
+    /// the running state block, a prefill checkpoint block when the chunk reserves one, a
+    /// copy-on-write copy for a partial hit (`partial_local_hit`: the local hit ends inside a
+    /// block), and the speculative blocks of a first allocation. May be negative (an
+    /// over-allocated table), as in vLLM; `num_blocks + 1` defers a hit on a state cached
     /// this step. `c.total_computed_tokens` is where the step's query starts.
-    pub(super) fn align_num_blocks_to_allocate(&self, pool: &BlockPool, h: Slot, c: &CountArgs<'_>) -> i64 {
-        if self.align_defers(pool, c.new_computed) {
+    fn num_blocks_to_allocate(
+        &self,
+        pool: &BlockPool,
+        v: &AlignView<'_>,
+        c: &CountArgs<'_>,
+        partial_local_hit: bool,
+    ) -> i64 {
+        if self.defers(pool, c.new_computed) {
             return pool.num_blocks() as i64 + 1;
         }
-        let spec = self.mamba_params().0 as i64;
-        let required = cdiv(c.num_tokens_main_model as u64, self.spec.block_size as u64) as i64 + spec;
-        let mut num_new = required - c.new_computed.len() as i64 - self.req_blocks[h as usize].len() as i64;
-        let partial = (self.has_partial_local_hit(c.new_computed, c.num_local_computed_tokens)
-            || self.partial_hit(h).is_some()) as i64;
+        let spec = self.rules.speculative_blocks as i64;
+        let required = cdiv(c.num_tokens_main_model as u64, v.sizes.block_size as u64) as i64 + spec;
+        let mut num_new = required - c.new_computed.len() as i64 - v.table.len() as i64;
+        let partial = (partial_local_hit || v.partial.is_some()) as i64;
         if partial == 1 {
             num_new = num_new.max(0) + 1;
         }
         if num_new > 0 {
             let checkpoint =
-                (self.align_checkpoint(h, c.total_computed_tokens, c.num_tokens_main_model, c.prefill_end) > 0) as i64;
-            let cap = 1 + partial + checkpoint + if self.align().allocated[h as usize] { 0 } else { spec };
+                (self.checkpoint_at(v, c.total_computed_tokens, c.num_tokens_main_model, c.prefill_end) > 0) as i64;
+            let cap = 1 + partial + checkpoint + if self.allocated[v.h as usize] { 0 } else { spec };
             num_new = num_new.min(cap);
         }
-        num_new + Self::count_evictable(pool, c.new_computed) as i64
+        num_new + SingleTypeManager::count_evictable(pool, c.new_computed) as i64
     }
 
-    /// vLLM's align branch of `MambaManager.allocate_new_blocks` (no partial hit): the table
-    /// is padded with null blocks up to the new running state block (up to the checkpoint
-    /// block when the count reserved one, which is allocated then), the speculative scratch
-    /// blocks this step leaves behind move to the table's end, and the padding, the moved
-    /// blocks and the new blocks are the "new blocks" reported.
-    pub(super) fn align_allocate_new_blocks(
+    /// vLLM's align branch of `MambaManager.allocate_new_blocks`: the table is padded with
+    /// null blocks up to the new running state block (up to the checkpoint block when the
+    /// count reserved one, which is allocated then), the speculative scratch blocks this
+    /// step leaves behind move to the table's end, a pending partial hit is copied on write,
+    /// and the padding, the moved blocks and the new blocks are the "new blocks" reported.
+    fn allocate_new_blocks(
         &mut self,
         pool: &mut BlockPool,
-        h: Slot,
+        q: &mut AlignReq<'_>,
         num_tokens_main_model: u32,
         out: &mut Vec<BlockId>,
     ) {
-        let hs = h as usize;
-        let spec = self.mamba_params().0 as usize;
-        let required = cdiv(num_tokens_main_model as u64, self.spec.block_size as u64) as usize + spec;
-        let partial = self.partial_hit(h);
-        let Self { req_blocks, kind_state, pending_cow, .. } = self;
-        let KindState::MambaAlign(st) = kind_state else { unreachable!("a Mamba align group keeps align state") };
-        let checkpoint = (st.checkpoint[hs].0 > 0) as usize;
-        let table = &mut req_blocks[hs];
+        let hs = q.h as usize;
+        let spec = self.rules.speculative_blocks as usize;
+        let required = cdiv(num_tokens_main_model as u64, q.sizes.block_size as u64) as usize + spec;
+        let partial = q.partial();
+        let checkpoint = (self.checkpoint[hs].0 > 0) as usize;
+        let table = &mut *q.table;
         if required <= table.len() && checkpoint == 0 && partial.is_none() {
-            st.allocated[hs] = true;
+            self.allocated[hs] = true;
             return;
         }
         let prev = table.len();
-        let was_allocated = st.allocated[hs];
+        let was_allocated = self.allocated[hs];
         if was_allocated {
             // The running state sits before the speculative blocks. An allocated table holds
             // at least `1 + spec` blocks (its first allocation reached `required`).
-            st.last_state[hs] = prev.saturating_sub(1 + spec) as u32;
+            self.last_state[hs] = prev.saturating_sub(1 + spec) as u32;
         } else if prev > 0 {
             // A new request on a hit: the hit's last block holds the state.
-            st.last_state[hs] = (prev - 1) as u32;
+            self.last_state[hs] = (prev - 1) as u32;
         }
         let num_skipped = required as i64 - spec as i64 - 1;
         let null_end = num_skipped - checkpoint as i64;
@@ -656,26 +855,23 @@ impl SingleTypeManager {
                 // which this step's copy fills before the forward overwrites `source`.
                 debug_assert_eq!(table[idx as usize], source);
                 pool.move_block_hashes(source, cow);
-                // Hit-aware: the furthest state the request keyed moved with its key.
-                if st.last_keyed[hs].0 == source {
-                    st.last_keyed[hs].0 = cow;
-                }
-                pending_cow.push((source, cow));
+                q.retention.state_moved(q.h, source, cow);
+                q.pending_cow.push((source, cow));
                 pool.incref(source);
                 // The copy's one reference is held by no table: the scheduler gives it back.
                 pool.loosen(&[cow]);
-                let (pb, tokens, req) = std::mem::replace(&mut st.producer[hs], (NULL_BLOCK, 0, 0));
+                let (pb, tokens, req) = std::mem::replace(&mut self.producer[hs], (NULL_BLOCK, 0, 0));
                 if tokens > 0 {
                     debug_assert_eq!(pb, source);
-                    st.offloads.record(req, cow, tokens);
+                    self.offloads.record(req, cow, tokens);
                 }
                 if let Some(key) = pool.block_hash(cow) {
-                    st.cached_this_step.insert(*key);
+                    self.cached_this_step.insert(*key);
                 }
                 out.extend_from_slice(&table[prev..]);
             } else {
                 table[idx as usize] = cow;
-                pending_cow.push((source, cow));
+                q.pending_cow.push((source, cow));
                 pool.loosen(&[source]);
                 pool.incref(cow);
                 out.push(cow);
@@ -686,39 +882,32 @@ impl SingleTypeManager {
         }
         table.extend_from_slice(fresh);
         out.extend_from_slice(fresh);
-        st.allocated[hs] = true;
-        self.partial_hit[hs] = (super::NO_PARTIAL, NULL_BLOCK);
+        self.allocated[hs] = true;
+        *q.partial_hit = (super::NO_PARTIAL, NULL_BLOCK);
     }
 
     /// vLLM's `MambaManager.remove_skipped_blocks` in mode "align" (the retired range, null
     /// gaps skipped, then the previous step's state block once the step after it is processed).
-    pub(super) fn align_remove_skipped_blocks(&mut self, pool: &mut BlockPool, h: Slot, processed: u32) {
-        let hs = h as usize;
-        let bs = self.spec.block_size;
+    fn remove_skipped_blocks(&mut self, pool: &mut BlockPool, q: &mut AlignReq<'_>, processed: u32) {
+        let hs = q.h as usize;
+        let bs = q.sizes.block_size;
         let skipped = num_skipped_tokens(processed);
         if skipped > 0 {
-            let last = ((skipped / bs) as usize).min(self.req_blocks[hs].len());
-            let first = self.align().retired[hs] as usize;
+            let last = ((skipped / bs) as usize).min(q.table.len());
+            let first = self.retired[hs] as usize;
             if first < last {
-                if pool.is_leveled() {
-                    for i in first..last {
-                        self.demote_passed_state(pool, h, self.req_blocks[hs][i]);
-                    }
-                }
-                self.null_out_backwards(pool, h, first, last, false);
-                self.align_mut().retired[hs] = last as u32;
+                q.retention.states_passed(pool, q.h, &q.table[first..last]);
+                super::null_out_backwards(q.table, q.scratch, pool, first, last, false);
+                self.retired[hs] = last as u32;
             }
         }
-        let ls = self.align().last_state[hs];
+        let ls = self.last_state[hs];
         if ls != NONE && (ls as u64) + 1 < cdiv(processed as u64, bs as u64) {
-            let b = self.req_blocks[hs][ls as usize];
+            let b = q.table[ls as usize];
             if b != NULL_BLOCK {
-                if pool.is_leveled() {
-                    self.demote_passed_state(pool, h, b);
-                }
-                let table = &mut self.req_blocks[hs];
+                q.retention.states_passed(pool, q.h, &[b]);
                 pool.free_blocks([b]);
-                table[ls as usize] = NULL_BLOCK;
+                q.table[ls as usize] = NULL_BLOCK;
             }
         }
     }
@@ -726,140 +915,54 @@ impl SingleTypeManager {
     /// What `cache_blocks` does in mode "align" after caching the full blocks (`before` of
     /// them were cached before): the no-op limits' prompt boundary, the checkpoint or
     /// prompt-tail state block, and the keys cached this step.
-    pub(super) fn align_cache_blocks(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>, before: u32) {
-        let crate::config::AttentionKind::Mamba { rekey_cached_tail, .. } = self.spec.kind else {
-            unreachable!("a Mamba align group")
-        };
-        let hash_block_size = self.hash_block_size;
-        let lookahead = self.hash_lookahead_tokens;
+    fn cache_blocks(&mut self, pool: &mut BlockPool, q: &mut AlignReq<'_>, c: &CacheArgs<'_>, before: u32) {
+        let hs = q.h as usize;
+        let Sizes { hash_block_size, lookahead, .. } = q.sizes;
         // Read before the prompt tail: a partial tail moves `num_cached` back to its block.
-        let after = self.num_cached(h);
-        let st = self.align_mut();
+        let after = q.num_cached();
         // Once the prompt is computed, the tokens to cache never come back down to its
         // checkpoint position (below the prompt's end), so the no-op limits stop watching it
         // (0: no position to watch).
-        st.prompt_boundary[h as usize] = if c.num_tokens >= c.num_prompt_tokens {
+        self.prompt_boundary[hs] = if c.num_tokens >= c.num_prompt_tokens {
             0
         } else {
             prefill_checkpoint_position(c.num_prompt_tokens, hash_block_size, lookahead)
         };
-        if st.checkpoint[h as usize].0 > 0 {
-            self.align_cache_checkpoint(pool, h, c);
+        if self.checkpoint[hs].0 > 0 {
+            self.cache_checkpoint(pool, q, c);
         } else {
-            self.align_cache_prompt_tail(pool, h, c, rekey_cached_tail);
+            self.cache_prompt_tail(pool, q, c);
         }
-        let Self { req_blocks, kind_state, .. } = self;
-        let KindState::MambaAlign(st) = kind_state else { unreachable!("a Mamba align group keeps align state") };
         for i in before..after {
-            let b = req_blocks[h as usize][i as usize];
+            let b = q.table[i as usize];
             if b != NULL_BLOCK {
                 if let Some(key) = pool.block_hash(b) {
-                    st.cached_this_step.insert(*key);
-                    st.offloads.record(c.req, b, pool.block_hash_num_tokens(b));
+                    self.cached_this_step.insert(*key);
+                    self.offloads.record(c.req, b, pool.block_hash_num_tokens(b));
                 }
             }
         }
-        if pool.is_leveled() {
-            pool.note_state_group(self.group_id);
-            // The few real blocks at the table's end (running state, previous state,
-            // checkpoint, speculative scratch): the furthest keyed one dominates.
-            let last = &mut st.last_keyed[h as usize];
-            let prev = *last;
-            for &b in req_blocks[h as usize].iter().rev().filter(|&&b| b != NULL_BLOCK).take(4) {
-                let t = pool.block_hash_num_tokens(b);
-                if t > last.2 {
-                    if let Some(key) = pool.block_hash(b) {
-                        *last = (b, Some(*key), t);
-                    }
-                }
-            }
-            // The new furthest state is where a re-sent sequence resumes: above the
-            // speculative level (vLLM's mask may skip it) while its request runs.
-            if last.2 > prev.2 && pool.level(last.0) < LEVEL_NEAR {
-                pool.set_level(last.0, LEVEL_NEAR);
-            }
-            // The previous furthest state is passed now (it was kept while it was the
-            // furthest): demoted unless another request holds it.
-            let passed = if last.2 > prev.2 { still_keyed(pool, prev) } else { None };
-            if let Some(b) = passed {
-                let held = req_blocks[h as usize].contains(&b) as u32;
-                if pool.ref_cnt(b) <= held {
-                    self.demote_passed_state(pool, h, b);
-                }
-            }
-        }
-    }
-
-    /// Hit-aware: the request's furthest keyed state, when its block still holds that key
-    /// (it may be free already: the previous state goes back to the pool during decode).
-    pub(super) fn align_dominant_state(&self, pool: &BlockPool, h: Slot) -> Option<BlockId> {
-        still_keyed(pool, *self.align().last_keyed.get(h as usize)?)
-    }
-
-    /// Hit-aware: the tokens the furthest state `h` keyed covers (0: none keyed yet).
-    pub(super) fn align_furthest_keyed(&self, h: Slot) -> u32 {
-        self.align().last_keyed.get(h as usize).map_or(0, |x| x.2)
-    }
-
-    /// Hit-aware: the junction `h`'s last lookup found shared (0: none).
-    pub(super) fn align_junction(&self, h: Slot) -> u32 {
-        self.align().junction.get(h as usize).copied().unwrap_or(0)
-    }
-
-    /// vLLM's `MambaManager.finalize_partial_tail_offload` when `h` finishes: pops the
-    /// producer tail `h` keyed on its running state block (none once a copy-on-write took it
-    /// over), and returns `(block, tokens)` only when no token past it was forwarded
-    /// (`num_in_flight` 0 and `num_computed` equal to the tail's tokens). A no-op (`None`)
-    /// for other groups, as vLLM's base method.
-    ///
-    /// # Complexity
-    /// O(1).
-    pub fn finalize_partial_tail_offload(
-        &mut self,
-        h: Slot,
-        num_computed: i64,
-        num_in_flight: i64,
-    ) -> Option<(BlockId, u32)> {
-        let KindState::MambaAlign(st) = &mut self.kind_state else { return None };
-        let slot = st.producer.get_mut(h as usize)?;
-        let (block, tokens, _) = std::mem::replace(slot, (NULL_BLOCK, 0, 0));
-        (tokens > 0 && num_in_flight == 0 && num_computed == tokens as i64).then_some((block, tokens))
-    }
-
-    /// Hit-aware: records the junction `h`'s lookup found shared with another request or
-    /// pinned (0: none; not a first-sighting guess), where other requests branch off.
-    pub fn set_align_junction(&mut self, h: Slot, pos: u32) {
-        let st = self.align_mut();
-        if let Some(j) = st.junction.get_mut(h as usize) {
-            *j = pos;
-        }
+        q.retention.states_keyed(pool, q.sizes.group, q.h, q.table);
     }
 
     /// vLLM's `_cache_partial_tail_block` when the Mamba block is the hash block: at the
     /// prompt's checkpoint position the state block ending there is keyed (again, if an
-    /// eviction dropped its key) and counted as cached this step. `rekey_cached` is vLLM
-    /// 0.32's rule (a block already keyed there is counted again); 0.33 skips such a block.
-    fn align_cache_prompt_tail(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>, rekey_cached: bool) {
+    /// eviction dropped its key) and counted as cached this step. The rules'
+    /// `rekey_cached_tail` is vLLM 0.32's rule (a block already keyed there is counted
+    /// again); 0.33 skips such a block.
+    fn cache_prompt_tail(&mut self, pool: &mut BlockPool, q: &mut AlignReq<'_>, c: &CacheArgs<'_>) {
         let (req, hashes, num_tokens) = (c.req, c.hashes, c.num_tokens);
-        let hash_block_size = self.hash_block_size;
+        let Sizes { block_size: bs, hash_block_size, lookahead, group, .. } = q.sizes;
         if num_tokens == 0 || num_tokens % hash_block_size != 0 {
             return;
         }
-        // vLLM's shared-prefix checkpoint (`shared_prefix_checkpoint`, which our hit-aware
-        // policy turns on with partial hash hits): also the junction the scheduler stopped at.
-        let junction = pool.is_leveled()
-            && self.hash_block_size < self.spec.block_size
-            && num_tokens == c.shared_prefix_boundary
-            && num_tokens <= c.num_prompt_tokens;
-        if num_tokens != prefill_checkpoint_position(c.num_prompt_tokens, hash_block_size, self.hash_lookahead_tokens)
-            && !junction
-        {
+        // vLLM's shared-prefix checkpoint: also the junction the scheduler stopped at.
+        let junction = GroupRetention::keys_junction_state(pool, bs, hash_block_size, num_tokens, c);
+        if num_tokens != prefill_checkpoint_position(c.num_prompt_tokens, hash_block_size, lookahead) && !junction {
             return;
         }
-        let bs = self.spec.block_size;
         let idx = (num_tokens.div_ceil(bs) - 1) as usize;
-        let table = &self.req_blocks[h as usize];
-        let Some(&b) = table.get(idx) else { return };
+        let Some(&b) = q.table.get(idx) else { return };
         if b == NULL_BLOCK {
             return;
         }
@@ -867,9 +970,9 @@ impl SingleTypeManager {
         if nh > hashes.len() {
             return;
         }
-        let key = (hashes[nh - 1], self.group_id);
+        let key = (hashes[nh - 1], group);
         let tokens = pool.block_hash_num_tokens(b);
-        if !rekey_cached && pool.block_hash(b).is_some() && tokens == num_tokens {
+        if !self.rules.rekey_cached_tail && pool.block_hash(b).is_some() && tokens == num_tokens {
             return;
         }
         let one = OneBlock {
@@ -887,11 +990,11 @@ impl SingleTypeManager {
         if num_tokens % bs != 0 {
             // A partial tail on the running state block, which the next forward overwrites:
             // the next allocation copies it on write and moves the key to the copy.
-            self.set_partial_hit(h, idx as u32, b);
-            self.num_cached[h as usize] = idx as u32;
-            self.align_mut().producer[h as usize] = (b, num_tokens, req);
+            *q.partial_hit = (idx as u32, b);
+            *q.num_cached = idx as u32;
+            self.producer[q.h as usize] = (b, num_tokens, req);
         }
-        self.align_mut().cached_this_step.insert(key);
+        self.cached_this_step.insert(key);
     }
 
     /// The checkpoint branch of vLLM's `_cache_partial_tail_block`. The block reserved at the
@@ -900,15 +1003,13 @@ impl SingleTypeManager {
     /// dense retention) or the shared-prefix junction. Otherwise the state is transient and
     /// any key the block got this step is dropped. The scheduler block size is the Mamba
     /// block size here (the config requires it), so the position ends the block.
-    fn align_cache_checkpoint(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
-        let (pos, idx) = self.align().checkpoint[h as usize];
+    fn cache_checkpoint(&mut self, pool: &mut BlockPool, q: &mut AlignReq<'_>, c: &CacheArgs<'_>) {
+        let (pos, idx) = self.checkpoint[q.h as usize];
         // vLLM asserts the index is in the table; a count whose allocation then failed can
         // leave it past the table until the next allocation: nothing to key then.
-        let Some(&b) = self.req_blocks[h as usize].get(idx as usize) else { return };
-        let bs = self.spec.block_size;
-        let align = self.cache_hit_alignment_tokens;
-        let is_prompt_checkpoint =
-            pos == prefill_checkpoint_position(c.num_prompt_tokens, align, self.hash_lookahead_tokens);
+        let Some(&b) = q.table.get(idx as usize) else { return };
+        let Sizes { block_size: bs, hash_block_size, lookahead, alignment: align, group } = q.sizes;
+        let is_prompt_checkpoint = pos == prefill_checkpoint_position(c.num_prompt_tokens, align, lookahead);
         let mut retained = false;
         if pos % bs == 0 {
             let i = pos / bs - 1;
@@ -924,58 +1025,44 @@ impl SingleTypeManager {
             return;
         }
         let hashes = c.hashes;
-        let nh = (pos / self.hash_block_size) as usize;
+        let nh = (pos / hash_block_size) as usize;
         if nh == 0 || nh > hashes.len() {
             // vLLM asserts the request has the hashes (the scheduler's requests do).
             return;
         }
-        let key = (hashes[nh - 1], self.group_id);
+        let key = (hashes[nh - 1], group);
         // `cache_partial_block(replace_existing_hashes=True)`: the metrics collector hears nothing.
         pool.remove_cached_block_hashes(b);
         let parent = if nh > 1 { Some(hashes[nh - 2]) } else { None };
-        let hbs = self.hash_block_size;
-        let o = OneBlock { req: c.req, block: b, index: nh as u32 - 1, key, num_tokens: pos, block_size: hbs, parent };
+        let o = OneBlock {
+            req: c.req,
+            block: b,
+            index: nh as u32 - 1,
+            key,
+            num_tokens: pos,
+            block_size: hash_block_size,
+            parent,
+        };
         pool.cache_one_block(&o);
-        self.align_mut().cached_this_step.insert(key);
+        self.cached_this_step.insert(key);
     }
+}
 
-    /// The no-op limits of a plain step in mode "align" (see
-    /// [`SingleTypeManager::noop_limits`]).
-    pub(super) fn align_noop_limits(&self, h: Slot) -> (u32, u32, u32, u32) {
-        let bs = self.spec.block_size as u64;
-        let clamp = |x: u64| x.min(u32::MAX as u64) as u32;
-        let (spec, alignment) = self.mamba_params();
-        let st = self.align();
-        // No allocation while the main tokens fit the table before its speculative blocks
-        // (lookahead slots are not allocated in align mode, so `slots` is conservative);
-        // nothing freed below the retired range's next block nor before the previous state
-        // block falls out; no new full block, and not the prompt's checkpoint position
-        // (re-keyed there).
-        let hs = h as usize;
-        let len = self.req_blocks[hs].len() as u64;
-        let slots = clamp(len.saturating_sub(spec as u64) * bs);
-        let mut processed = (st.retired[hs] as u64 + 1) * bs + 1;
-        let ls = st.last_state[hs];
-        if ls != NONE && self.req_blocks[hs][ls as usize] != NULL_BLOCK {
-            processed = processed.min((ls as u64 + 1) * bs + 1);
+impl SingleTypeManager {
+    /// With prefill checkpoint blocks: records the checkpoint of this allocation's count
+    /// (see [`AlignState::record_checkpoint`]). Nothing for other kinds.
+    pub(crate) fn record_checkpoint(
+        &mut self,
+        pool: &BlockPool,
+        h: Slot,
+        new_computed: &[BlockId],
+        query_start: u32,
+        query_end: u32,
+        prefill_end: u32,
+    ) {
+        if let Some((st, q)) = self.align_req(h) {
+            st.record_checkpoint(pool, &q.view(), new_computed, query_start, query_end, prefill_end);
         }
-        let mut cached = (self.num_cached(h) as u64 + 1) * bs;
-        let pb = st.prompt_boundary[hs];
-        if pb == NONE {
-            cached = 0;
-        } else if pb != 0 && (pb as u64) < cached {
-            cached = pb as u64;
-        }
-        let (processed, cached) = (clamp(processed), clamp(cached));
-        if alignment == 0 {
-            return (slots, processed, cached, u32::MAX);
-        }
-        // Prefill checkpoints: a step reserves one only when it spans more than one block
-        // past the block its first token's state comes from (`prefill_checkpoint_valid`), so
-        // a step of at most one block never does; and a stored checkpoint is dropped (or
-        // renewed) by the next allocation's count, which the no-op answer would skip.
-        let slots = if st.checkpoint[hs].0 > 0 || self.partial_hit(h).is_some() { 0 } else { slots };
-        (slots, processed, cached, self.spec.block_size)
     }
 }
 

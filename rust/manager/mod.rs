@@ -11,7 +11,7 @@
 //!
 //! | file | kind | rules | per-request state |
 //! |---|---|---|---|
-//! | [`full`] | full attention, MLA | [`full::Full`] (the defaults) | none |
+//! | [`full`] | full attention, MLA | [`full::Full`] (the defaults) | [`full::FullState`] (partial tails, partial hash hits) |
 //! | [`rswa`] | R-SWA (full attention plus a gap freed between prompt and window) | [`rswa::Rswa`] | [`rswa::RswaState`] |
 //! | [`sliding_window`] | sliding window | [`sliding_window::SlidingWindow`] | none (the null prefix) |
 //! | [`chunked_local`] | chunked local attention | [`chunked_local::ChunkedLocal`] | none (the null prefix) |
@@ -21,8 +21,13 @@
 //!
 //! Beside the kinds: [`kind`] (the [`KindRules`] trait, its defaults, and the dispatch),
 //! `boundary` (Mamba "align" boundary-state offloads for a KV connector), `hit` (the search's
-//! inputs), `noop` (the decode fast path's limits), `retention` (hit-aware levels),
-//! `zeroing` (KV cache zeroing records).
+//! inputs), `noop` (the decode fast path's limits), `retention` (the hit-aware policy's
+//! rules per group, Mamba "align"'s included, with its per-request state and the named
+//! hooks the kinds' files call), `zeroing` (KV cache zeroing records).
+//!
+//! A kind's operations that need its per-request state are methods of that state (Mamba
+//! "align"'s of [`mamba::AlignState`], full attention's partial tails of
+//! [`full::FullState`]); the manager lends them one request's share of its bookkeeping.
 //!
 //! Per request (by handle) a manager keeps its block table and `num_cached_block`.
 //! Invariants: every non-null block in a table holds one reference for that slot; a
@@ -82,7 +87,7 @@ pub use hit::{find_longest_cache_hit, HashView, HitQuery};
 pub use kind::KindRules;
 
 use crate::block_pool::{BlockPool, TableRef};
-use crate::config::GroupSpec;
+use crate::config::{AttentionKind, GroupSpec};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, NULL_BLOCK};
 use kind::with_rules;
 
@@ -94,6 +99,39 @@ pub(crate) fn cdiv(a: u64, b: u64) -> u64 {
     a.div_ceil(b)
 }
 
+/// Frees the non-null blocks of a table's slots `first..last` walking back from `last`,
+/// putting the null block in their slots (vLLM's `_remove_blocks_in_range` and the loop of
+/// `remove_skipped_blocks`); `scratch` is the manager's buffer for the freed blocks. With
+/// `stop_at_null` the walk ends at the first null block it meets and returns that slot;
+/// without, null slots are passed over.
+pub(super) fn null_out_backwards(
+    table: &mut [BlockId],
+    scratch: &mut Vec<BlockId>,
+    pool: &mut BlockPool,
+    first: usize,
+    last: usize,
+    stop_at_null: bool,
+) -> Option<usize> {
+    let mut stop = None;
+    for i in (first..last).rev() {
+        let b = table[i];
+        if b == NULL_BLOCK {
+            if stop_at_null {
+                stop = Some(i);
+                break;
+            }
+            continue;
+        }
+        scratch.push(b);
+        table[i] = NULL_BLOCK;
+    }
+    if !scratch.is_empty() {
+        pool.free_blocks(scratch.iter().copied());
+    }
+    scratch.clear();
+    stop
+}
+
 /// The per-request state of the kinds that keep one beyond the shared bookkeeping (static
 /// dispatch: one arm per such kind, its struct in the kind's file).
 // One per manager (not per request): the align arm's size costs nothing worth a box.
@@ -102,6 +140,9 @@ pub(crate) fn cdiv(a: u64, b: u64) -> u64 {
 pub enum KindState {
     /// The kind needs nothing beyond the shared bookkeeping.
     Stateless,
+    /// Full attention: the prompt's partial tail and the junction keyed inside a block
+    /// (partial hash hits; see [`full`]).
+    Full(full::FullState),
     /// R-SWA: the prompt length and the known-null gap (see [`rswa`]).
     Rswa(rswa::RswaState),
     /// Mamba "align": state blocks, retired range, checkpoints (see [`mamba`]).
@@ -112,6 +153,7 @@ impl KindState {
     fn ensure_slot(&mut self, n: usize) {
         match self {
             KindState::Stateless => {}
+            KindState::Full(st) => st.ensure_slot(n),
             KindState::Rswa(st) => st.ensure_slot(n),
             KindState::MambaAlign(st) => st.ensure_slot(n),
         }
@@ -120,6 +162,7 @@ impl KindState {
     fn clear(&mut self, h: Slot) {
         match self {
             KindState::Stateless => {}
+            KindState::Full(st) => st.clear(h),
             KindState::Rswa(st) => st.clear(h),
             KindState::MambaAlign(st) => st.clear(h),
         }
@@ -171,19 +214,19 @@ pub struct CacheArgs<'a> {
 #[derive(Clone, Debug)]
 pub struct SingleTypeManager {
     /// The group's spec.
-    pub spec: GroupSpec,
+    spec: GroupSpec,
     /// The group's index.
-    pub group_id: GroupId,
+    group_id: GroupId,
     /// Recycling-aware admission cap in blocks (SWA, chunked local), if any.
-    pub max_admission_blocks: Option<u32>,
+    max_admission_blocks: Option<u32>,
     /// Prefix caching on for this manager.
-    pub enable_caching: bool,
+    enable_caching: bool,
     /// Alignment of cache hits in tokens (the coordinator's).
-    pub cache_hit_alignment_tokens: u32,
+    cache_hit_alignment_tokens: u32,
     /// Tokens per block hash (the pool's `hash_block_size`).
-    pub hash_block_size: u32,
+    hash_block_size: u32,
     /// Tokens past each block its hash covers ([`crate::Config::hash_lookahead_tokens`]).
-    pub hash_lookahead_tokens: u32,
+    hash_lookahead_tokens: u32,
     /// `req_blocks[h]`: the block table of request `h` (empty when it has none).
     req_blocks: Vec<Vec<BlockId>>,
     /// `num_cached[h]`: blocks of the table already cached, or `ABSENT`.
@@ -195,7 +238,7 @@ pub struct SingleTypeManager {
     scratch: Vec<BlockId>,
     /// Whether this group records the blocks it hands out for KV cache zeroing (vLLM's
     /// `_record_new_block_ids`: zeroing needed and an attention group).
-    pub records_new_block_ids: bool,
+    records_new_block_ids: bool,
     /// The block ids handed out since the last [`Self::take_new_block_ids`], in order.
     new_block_ids: Vec<BlockId>,
     /// The kind's own per-request state (its arm matches `spec.kind`).
@@ -208,12 +251,9 @@ pub struct SingleTypeManager {
     /// [`Self::take_pending_cow_copies`] (vLLM's `_pending_cow_copies`); both blocks hold
     /// one extra reference until the scheduler frees them after the copy has run.
     pending_cow: Vec<(BlockId, BlockId)>,
-    /// `tail_pending[h]`: the prompt's partial-tail boundary (full attention with partial
-    /// hash hits) that a later caching call will key, once the tokens cached reach it (0:
-    /// none); the no-op limits stop there.
-    tail_pending: Vec<u32>,
-    /// `tail_boundary[h]`: that boundary, kept once keyed (see [`Self::rearm_partial_tails`]).
-    tail_boundary: Vec<u32>,
+    /// The hit-aware policy's per-request state of this group (Mamba "align" only; see
+    /// [`retention`]).
+    retention: retention::GroupRetention,
 }
 
 /// Marker for "no partial hit" in [`SingleTypeManager`]'s `partial_hit`.
@@ -221,7 +261,7 @@ pub(crate) const NO_PARTIAL: u32 = u32::MAX;
 
 impl SingleTypeManager {
     /// A manager for group `group_id`.
-    pub fn new(
+    pub(crate) fn new(
         spec: GroupSpec,
         group_id: GroupId,
         max_admission_blocks: Option<u32>,
@@ -247,8 +287,7 @@ impl SingleTypeManager {
             kind_state: with_rules!(spec.kind, r => r.new_state()),
             partial_hit: Vec::new(),
             pending_cow: Vec::new(),
-            tail_pending: Vec::new(),
-            tail_boundary: Vec::new(),
+            retention: retention::GroupRetention::new(spec.kind.is_mamba_align()),
         }
     }
 
@@ -291,130 +330,32 @@ impl SingleTypeManager {
         pool.incref(cow);
     }
 
-    /// Hit-aware with partial hash hits: the block holding the request's junction
-    /// (`shared_prefix_boundary`, inside a block, within the prompt and the tokens cached) is
-    /// keyed there too, as a second key once it holds a longer one (a full-attention block is
-    /// a valid prefix at every position it holds), so a sibling sharing the prefix up to the
-    /// junction hits it; the Mamba groups key their state there.
-    pub(crate) fn cache_junction(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
-        let (hbs, bs, j) = (self.hash_block_size, self.spec.block_size, c.shared_prefix_boundary);
-        if j == 0 || j % bs == 0 || j % hbs != 0 || j > c.num_prompt_tokens {
-            return;
-        }
-        if j > c.num_tokens {
-            // Not reached yet: the no-op limits stop there (the scheduler ends a chunk there).
-            let p = &mut self.tail_pending[h as usize];
-            *p = if *p == 0 { j } else { (*p).min(j) };
-            return;
-        }
-        self.key_inside_block(pool, h, c, j);
-    }
-
-    /// Keys `h`'s block holding the hash boundary at `tokens` (inside the block) under that
-    /// prefix's hash (vLLM's partial key; a second key once the block holds a longer one).
-    /// Nothing past the request's hashes or its table.
-    fn key_inside_block(&self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>, tokens: u32) {
-        let nh = (tokens / self.hash_block_size) as usize;
-        if nh == 0 || nh > c.hashes.len() {
-            return;
-        }
-        let Some(&b) = self.req_blocks[h as usize].get((tokens / self.spec.block_size) as usize) else { return };
-        let o = crate::block_pool::OneBlock {
-            req: c.req,
-            block: b,
-            index: nh as u32 - 1,
-            key: (c.hashes[nh - 1], self.group_id),
-            num_tokens: tokens,
-            block_size: self.hash_block_size,
-            parent: if nh > 1 { Some(c.hashes[nh - 2]) } else { None },
-        };
-        pool.cache_partial_block(&o, false);
-    }
-
     /// After an eviction by id: every request's partial-tail boundary is watched again by the
-    /// no-op limits (its key may be gone; the next caching call re-keys it, as vLLM's).
+    /// no-op limits (full attention with partial hash hits; see [`full::FullState::rearm`]).
     pub(crate) fn rearm_partial_tails(&mut self) {
-        for (p, &b) in self.tail_pending.iter_mut().zip(&self.tail_boundary) {
-            if b > 0 {
-                *p = b;
-            }
+        if let KindState::Full(st) = &mut self.kind_state {
+            st.rearm();
         }
     }
 
     /// Drains the copy-on-write copies queued since the last call into `out` (vLLM's
     /// `take_pending_cow_copies`).
-    pub fn take_pending_cow_copies(&mut self, out: &mut Vec<(BlockId, BlockId)>) {
+    pub(crate) fn take_pending_cow_copies(&mut self, out: &mut Vec<(BlockId, BlockId)>) {
         out.append(&mut self.pending_cow);
-    }
-
-    /// vLLM's `FullAttentionManager._cache_partial_tail_block`: when the prompt's last hash
-    /// boundary a resend could hit (`num_prompt_tokens - 1`, floored to the hash block, at
-    /// most the hashes) lies inside a block and within the tokens cached, that block is
-    /// keyed there too.
-    pub(crate) fn cache_partial_tail(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
-        let hbs = self.hash_block_size;
-        let bs = self.spec.block_size;
-        let limit = c.num_prompt_tokens.saturating_sub(1);
-        let boundary = (limit / hbs).min(c.hashes.len() as u32) * hbs;
-        self.tail_pending[h as usize] = 0;
-        if boundary == 0 || boundary % bs == 0 {
-            return;
-        }
-        self.tail_boundary[h as usize] = boundary;
-        if boundary > c.num_tokens {
-            self.tail_pending[h as usize] = boundary;
-            return;
-        }
-        self.key_inside_block(pool, h, c, boundary);
     }
 
     /// Whether this is a Mamba group in cache mode "align".
     #[inline]
-    pub fn is_mamba_align(&self) -> bool {
+    pub(crate) fn is_mamba_align(&self) -> bool {
         self.spec.kind.is_mamba_align()
     }
 
     /// A new scheduler step starts (vLLM's `new_step_starts`): hits on states cached in the
     /// previous step are no longer deferred.
-    pub fn new_step_starts(&mut self) {
+    pub(crate) fn new_step_starts(&mut self) {
         if let KindState::MambaAlign(st) = &mut self.kind_state {
             st.new_step_starts();
         }
-    }
-
-    /// Frees the non-null blocks of `h`'s table slots `first..last` walking back from
-    /// `last`, putting the null block in their slots (vLLM's `_remove_blocks_in_range` and
-    /// the loop of `remove_skipped_blocks`). With `stop_at_null` the walk ends at the first
-    /// null block it meets and returns that slot; without, null slots are passed over.
-    fn null_out_backwards(
-        &mut self,
-        pool: &mut BlockPool,
-        h: Slot,
-        first: usize,
-        last: usize,
-        stop_at_null: bool,
-    ) -> Option<usize> {
-        let table = &mut self.req_blocks[h as usize];
-        let mut freed = std::mem::take(&mut self.scratch);
-        let mut stop = None;
-        for i in (first..last).rev() {
-            let b = table[i];
-            if b == NULL_BLOCK {
-                if stop_at_null {
-                    stop = Some(i);
-                    break;
-                }
-                continue;
-            }
-            freed.push(b);
-            table[i] = NULL_BLOCK;
-        }
-        if !freed.is_empty() {
-            pool.free_blocks(freed.iter().copied());
-        }
-        freed.clear();
-        self.scratch = freed;
-        stop
     }
 
     /// Tokens per block.
@@ -423,17 +364,40 @@ impl SingleTypeManager {
         self.spec.block_size
     }
 
+    /// The group's attention kind.
+    #[inline]
+    pub fn kind(&self) -> AttentionKind {
+        self.spec.kind
+    }
+
+    /// The group's index.
+    #[inline]
+    pub fn group_id(&self) -> GroupId {
+        self.group_id
+    }
+
+    /// Whether this group records the blocks it hands out for KV cache zeroing.
+    #[inline]
+    pub(crate) fn records_new_block_ids(&self) -> bool {
+        self.records_new_block_ids
+    }
+
+    /// Makes this group record the blocks it hands out for KV cache zeroing, or not (at
+    /// construction).
+    pub(crate) fn set_records_new_block_ids(&mut self, on: bool) {
+        self.records_new_block_ids = on;
+    }
+
     /// Makes room for handle `h` (a new request slot).
-    pub fn ensure_slot(&mut self, h: Slot) {
+    pub(crate) fn ensure_slot(&mut self, h: Slot) {
         let n = h as usize + 1;
         if self.req_blocks.len() < n {
             self.req_blocks.resize_with(n, Vec::new);
             self.num_cached.resize(n, ABSENT);
             self.null_prefix.resize(n, 0);
             self.partial_hit.resize(n, (NO_PARTIAL, NULL_BLOCK));
-            self.tail_pending.resize(n, 0);
-            self.tail_boundary.resize(n, 0);
             self.kind_state.ensure_slot(n);
+            self.retention.ensure_slot(n);
         }
     }
 
@@ -466,12 +430,6 @@ impl SingleTypeManager {
         }
     }
 
-    /// Tokens before the attention window of the next token (`get_num_skipped_tokens`).
-    #[inline]
-    pub fn num_skipped_tokens(&self, num_computed_tokens: u32) -> u32 {
-        with_rules!(self.spec.kind, r => r.num_skipped_tokens(num_computed_tokens))
-    }
-
     fn count_evictable(pool: &BlockPool, blocks: &[BlockId]) -> u32 {
         blocks.iter().filter(|&&b| b != NULL_BLOCK && pool.ref_cnt(b) == 0).count() as u32
     }
@@ -485,13 +443,13 @@ impl SingleTypeManager {
     /// grows from its current length, and the count says exactly that, so the capacity check
     /// and the allocation always agree (a request whose computed tokens run ahead of its
     /// table is not under-counted).
-    pub fn get_num_blocks_to_allocate(&self, pool: &BlockPool, h: Slot, c: &CountArgs<'_>) -> i64 {
+    pub(crate) fn get_num_blocks_to_allocate(&self, pool: &BlockPool, h: Slot, c: &CountArgs<'_>) -> i64 {
         with_rules!(self.spec.kind, r => r.get_num_blocks_to_allocate(self, pool, h, c))
     }
 
     /// Adds a request's cache-hit blocks to its (empty) table, touching them; blocks that
     /// are already out of the window become null (vLLM's `add_local_computed_blocks`).
-    pub fn add_local_computed_blocks(
+    pub(crate) fn add_local_computed_blocks(
         &mut self,
         pool: &mut BlockPool,
         h: Slot,
@@ -511,7 +469,7 @@ impl SingleTypeManager {
 
     /// Allocates blocks for tokens a KV connector computed (vLLM's
     /// `allocate_external_computed_blocks`).
-    pub fn allocate_external_computed_blocks(
+    pub(crate) fn allocate_external_computed_blocks(
         &mut self,
         pool: &mut BlockPool,
         h: Slot,
@@ -531,7 +489,7 @@ impl SingleTypeManager {
 
     /// Grows `h`'s table to `num_tokens` slots; appends the new block ids to `out`
     /// (vLLM's `allocate_new_blocks`). The caller checked capacity.
-    pub fn allocate_new_blocks(
+    pub(crate) fn allocate_new_blocks(
         &mut self,
         pool: &mut BlockPool,
         h: Slot,
@@ -545,14 +503,14 @@ impl SingleTypeManager {
     /// Blocks of `h`'s table that [`Self::cache_blocks`] would treat as full for
     /// `num_tokens` tokens and `num_hashes` hashes (0 for cross attention), and the table's
     /// length: the coordinator refuses a caching call whose full blocks the table lacks.
-    pub fn blocks_to_cache(&self, h: Slot, num_hashes: usize, num_tokens: u32) -> (u32, u32) {
+    pub(crate) fn blocks_to_cache(&self, h: Slot, num_hashes: usize, num_tokens: u32) -> (u32, u32) {
         with_rules!(self.spec.kind, r => r.blocks_to_cache(self, h, num_hashes, num_tokens))
     }
 
     /// Caches the full blocks of `h` up to `c.num_tokens` (vLLM's `cache_blocks`), with the
     /// retention mask. The caller checked with [`Self::blocks_to_cache`] that the table
     /// holds every full block.
-    pub fn cache_blocks(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
+    pub(crate) fn cache_blocks(&mut self, pool: &mut BlockPool, h: Slot, c: &CacheArgs<'_>) {
         with_rules!(self.spec.kind, r => r.cache_blocks(self, pool, h, c))
     }
 
@@ -576,8 +534,10 @@ impl SingleTypeManager {
         pool.cache_full_blocks(&table, num_cached..num_full, if dense { None } else { mask.as_deref() }, |i| {
             view.get(i)
         });
-        if let (true, Some(mask)) = (dense, &mask) {
-            self.level_masked_blocks(pool, h, num_cached, mask, c.reachable_boundaries);
+        if dense {
+            if let (Some(mask), Some(mut ha)) = (&mask, pool.hit_aware()) {
+                self.level_masked_blocks(&mut ha, h, num_cached, mask, c.reachable_boundaries);
+            }
         }
         self.num_cached[h as usize] = num_full;
     }
@@ -585,7 +545,7 @@ impl SingleTypeManager {
     /// Frees the blocks of `h` that fell out of the attention window, replacing them with
     /// the null block (vLLM's `remove_skipped_blocks`). `num_prompt_tokens` is what vLLM's
     /// `allocate_slots` passes (`None` from its other callers); only R-SWA reads it.
-    pub fn remove_skipped_blocks(
+    pub(crate) fn remove_skipped_blocks(
         &mut self,
         pool: &mut BlockPool,
         h: Slot,
@@ -602,31 +562,30 @@ impl SingleTypeManager {
     }
 
     /// Forgets `h`'s table without freeing its blocks (the caller frees them).
-    pub fn forget(&mut self, h: Slot) {
+    pub(crate) fn forget(&mut self, h: Slot) {
         self.req_blocks[h as usize].clear();
         self.num_cached[h as usize] = ABSENT;
         self.null_prefix[h as usize] = 0;
         self.partial_hit[h as usize] = (NO_PARTIAL, NULL_BLOCK);
-        self.tail_pending[h as usize] = 0;
-        self.tail_boundary[h as usize] = 0;
         self.kind_state.clear(h);
+        self.retention.clear(h);
     }
 
     /// Frees every block of `h`, tail first, and forgets its bookkeeping (vLLM's `free`).
-    pub fn free(&mut self, pool: &mut BlockPool, h: Slot) {
+    pub(crate) fn free(&mut self, pool: &mut BlockPool, h: Slot) {
         pool.free_blocks(self.req_blocks[h as usize].iter().rev().copied());
         self.forget(h);
     }
 
     /// Forgets `h`'s bookkeeping and moves its table into `out`, without freeing
     /// (vLLM's `pop_blocks_for_free`).
-    pub fn pop_blocks(&mut self, h: Slot, out: &mut Vec<BlockId>) {
+    pub(crate) fn pop_blocks(&mut self, h: Slot, out: &mut Vec<BlockId>) {
         out.extend_from_slice(&self.req_blocks[h as usize]);
         self.forget(h);
     }
 
     /// R-SWA: `(prompt length, gap end)` of `h` (invariant checks).
-    pub fn rswa_gap(&self, h: Slot) -> Option<(u32, u32)> {
+    pub(crate) fn rswa_gap(&self, h: Slot) -> Option<(u32, u32)> {
         match &self.kind_state {
             KindState::Rswa(st) => Some(st.gap(h)),
             _ => None,
@@ -634,7 +593,7 @@ impl SingleTypeManager {
     }
 
     /// Every live table (invariant checks).
-    pub fn tables(&self) -> impl Iterator<Item = (Slot, &[BlockId])> + '_ {
+    pub(crate) fn tables(&self) -> impl Iterator<Item = (Slot, &[BlockId])> + '_ {
         self.req_blocks.iter().enumerate().map(|(h, t)| (h as Slot, t.as_slice()))
     }
 }

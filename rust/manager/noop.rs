@@ -23,7 +23,7 @@ impl SingleTypeManager {
     /// `need_slot <= slots`, `processed < processed_limit`, `to_cache < cached` and
     /// `num_new_tokens <= new_tokens` allocates, frees and caches nothing. Conservative: a
     /// step outside them may still be a no-op.
-    pub fn noop_limits(&self, h: Slot) -> (u32, u32, u32, u32) {
+    pub(crate) fn noop_limits(&self, h: Slot) -> (u32, u32, u32, u32) {
         with_rules!(self.spec.kind, r => r.noop_limits(self, h))
     }
 
@@ -42,11 +42,11 @@ impl SingleTypeManager {
         if self.enable_caching {
             let next_block = clamp((self.num_cached(h) as u64 + 1) * self.spec.block_size as u64);
             if self.hash_block_size == self.spec.block_size {
-                // No key inside a block (`tail_pending` stays 0): skip its load.
+                // No key inside a block (no pending partial tail): skip its load.
                 return next_block;
             }
-            match self.tail_pending.get(h as usize) {
-                Some(&t) if t > 0 => next_block.min(t),
+            match &self.kind_state {
+                KindState::Full(st) => st.pending(h).map_or(next_block, |t| next_block.min(t)),
                 _ => next_block,
             }
         } else {
@@ -56,7 +56,7 @@ impl SingleTypeManager {
 
     /// The smallest prompt length for which [`Self::noop_limits`] of `h` hold (R-SWA: the
     /// prompt length they were computed for; a shorter one moves the gap's start down).
-    pub fn noop_min_prompt(&self, h: Slot) -> u32 {
+    pub(crate) fn noop_min_prompt(&self, h: Slot) -> u32 {
         match &self.kind_state {
             KindState::Rswa(st) => st.min_prompt(h),
             _ => 0,

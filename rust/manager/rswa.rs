@@ -133,7 +133,15 @@ impl SingleTypeManager {
         let last = last.min(self.req_blocks[hs].len() as u64);
         // `stop`: the slot of the null block the walk stopped at (vLLM's `break`), if any.
         let stop = if first < last {
-            self.null_out_backwards(pool, h, first as usize, last as usize, true).map(|j| j as u64)
+            super::null_out_backwards(
+                &mut self.req_blocks[hs],
+                &mut self.scratch,
+                pool,
+                first as usize,
+                last as usize,
+                true,
+            )
+            .map(|j| j as u64)
         } else {
             None
         };

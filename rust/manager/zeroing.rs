@@ -18,13 +18,13 @@ impl SingleTypeManager {
     }
 
     /// Drains the block ids recorded for zeroing (vLLM's `take_new_block_ids`).
-    pub fn take_new_block_ids(&mut self, out: &mut Vec<BlockId>) {
+    pub(crate) fn take_new_block_ids(&mut self, out: &mut Vec<BlockId>) {
         out.append(&mut self.new_block_ids);
     }
 
     /// Records `h`'s table from slot `start_idx` on for zeroing again, null blocks included
     /// (vLLM's `record_blocks_for_zeroing`); nothing when this group does not record.
-    pub fn record_blocks_for_zeroing(&mut self, h: Slot, start_idx: usize) {
+    pub(crate) fn record_blocks_for_zeroing(&mut self, h: Slot, start_idx: usize) {
         if self.records_new_block_ids {
             let t = &self.req_blocks[h as usize];
             self.new_block_ids.extend_from_slice(t.get(start_idx..).unwrap_or(&[]));
@@ -32,7 +32,7 @@ impl SingleTypeManager {
     }
 
     /// Block ids recorded for zeroing and not yet taken.
-    pub fn pending_new_block_ids(&self) -> &[BlockId] {
+    pub(crate) fn pending_new_block_ids(&self) -> &[BlockId] {
         &self.new_block_ids
     }
 }

@@ -38,7 +38,7 @@
 //!      dominated states and unreachable copies.
 //!
 //!   6. *Hit units (state-space hybrids).* A hit needs a state in every Mamba group and the
-//!      full-attention blocks before it: a *unit* ([`HitUnits`]). When a request is freed,
+//!      full-attention blocks before it: a *unit* (`HitUnits`). When a request is freed,
 //!      its furthest position where a state is cached in every Mamba group forms a unit with
 //!      the full-attention blocks before it; its full-attention blocks past that state serve
 //!      no hit and are evicted first. When any member of a unit is evicted, the members no
@@ -80,6 +80,13 @@
 //!   priority and blocks of a pinned prefix go to [`LEVEL_PINNED`] (bounded share of the
 //!   pool; see [`crate::Allocator::pin_prefix`]).
 //!
+//! Where the rules live, one room a layer: this folder (the levels here; the per-block
+//! state, the pool's six hooks and the decisions in `retention.rs`, reached through the one
+//! handle the pool lends, `BlockPool::hit_aware`, `None` under `exact`; the hit units in
+//! `units.rs`), `manager/retention.rs` (the rules per group, Mamba "align"'s included) and
+//! `coordinator/hit_aware.rs` (per request: junctions, sightings, a freed request's levels,
+//! pinning).
+//!
 //! Correctness does not depend on the policy: blocks are only ever found by their chained
 //! hash (the full prefix up to and including the block, in that group), and a block keeps
 //! a hash only while it holds the KV of exactly those tokens, so a hit is what recomputation
@@ -92,11 +99,11 @@
 //! (O(members)).
 #![forbid(unsafe_code)]
 
-pub mod retention;
+pub(crate) mod retention;
 mod units;
 
 pub use retention::Retention;
-pub use units::HitUnits;
+pub(crate) use units::HitUnits;
 
 use crate::error::{Error, Result};
 

@@ -1,22 +1,25 @@
-//! The hit-aware policy's per-block state and its decisions on the free queue ([`Retention`]):
+//! The hit-aware policy's per-block state ([`Retention`]) and its decisions (`HitAware`):
 //! each block's retention level and flags, the hit units, the pinned keys and the pinned
-//! share. A hit-aware [`crate::block_pool::BlockPool`] holds one (`None` under `exact`) and
-//! calls it at five named hooks, one per pool operation whose exact path it changes:
+//! share. A hit-aware [`crate::block_pool::BlockPool`] holds a [`Retention`] (`None` under
+//! `exact`) and calls it at six named hooks, one per pool operation whose exact path it
+//! changes:
 //!
 //! | hook | pool operation (vLLM's `BlockPool`) | what the policy does |
 //! |---|---|---|
 //! | [`Retention::popped`] | `get_new_blocks` | counts a pinned block out |
 //! | [`Retention::touched`] | `touch` | counts a pinned block out, marks the block reused |
-//! | [`Retention::freed`] | `free_blocks` | queues cached blocks at their levels, keeps the pinned share |
-//! | [`Retention::unkeying`] | `remove_cached_block_hashes` | dissolves the block's hit unit, clears its flags |
-//! | [`Retention::keyed`] | `cache_full_blocks` | a newly cached block is freed at [`LEVEL_NORMAL`] |
+//! | `Retention::freed` | `free_blocks` | queues cached blocks at their levels, keeps the pinned share |
+//! | `Retention::unkeying` | `remove_cached_block_hashes`, `move_block_hashes` | dissolves the block's hit unit, clears its flags |
+//! | [`Retention::keyed`] | `cache_full_blocks`, `cache_one_block`, `move_block_hashes` | a newly cached block is freed at [`LEVEL_NORMAL`] |
 //! | [`Retention::reset`] | `reset_prefix_cache` | forgets flags, units and the pinned count |
 //!
-//! The rest ([`Retention::set_level`], [`Retention::evict_first`], pinning, the flags) are
-//! the decisions the managers' retention rules (`manager/retention.rs`) and the coordinator
-//! take through the pool's forwards. The policy works on the pool's free queue, prefix index
-//! and reference counts lent for one call ([`PoolParts`]), never on the pool itself, so it
-//! does not name `BlockPool`.
+//! The decisions the managers' retention rules (`manager/retention.rs`, per group) and the
+//! coordinator's hit-aware room (`coordinator/hit_aware.rs`, per request) take are the
+//! methods of `HitAware`, the one handle the pool lends (`BlockPool::hit_aware`, `None`
+//! under `exact`): the state and the pool's free queue, prefix index, reference counts and
+//! hash token counts (`PoolParts`), borrowed for as long as the caller decides. It reads
+//! the state through [`Retention`]'s reads (it dereferences to it). The policy never names
+//! `BlockPool`.
 //!
 //! Invariants (checked by `invariants::check`): a free cached block sits in the free-queue
 //! segment of its level; `pinned_free` equals the free keyed blocks at [`LEVEL_PINNED`],
@@ -24,7 +27,8 @@
 //!
 //! Cost: every hook O(1) a block (`freed` O(blocks freed), plus O(demoted) when the pinned
 //! share overflows); `unkeying` O(members) when it dissolves a hit unit; `reset`
-//! O(`num_blocks`); memory 2 bytes a block plus the hit units' two words a block.
+//! O(`num_blocks`); a decision O(1) (`set_level` plus O(demoted)), `form_unit` O(members),
+//! `pin_keys` O(keys); memory 2 bytes a block plus the hit units' two words a block.
 #![forbid(unsafe_code)]
 
 use super::{HitUnits, Level, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_RESUMED, LEVEL_SPECULATIVE};
@@ -37,20 +41,44 @@ use rustc_hash::FxHashSet;
 /// Block flag: served in a cache hit since it was cached.
 const FLAG_REUSED: u8 = 1;
 /// Block flag: a Mamba state at a shared-prefix junction (see
-/// `SingleTypeManager::demote_passed_state`).
+/// `GroupRetention::demote_passed_state` in `manager/retention.rs`).
 const FLAG_BRANCH: u8 = 2;
 /// Block flag: a full-attention block that ended a finished request's cached sequence (a
-/// chat's next turn continues there; see `Allocator::free`).
+X
 const FLAG_TAIL: u8 = 4;
 
-/// The parts of the pool the policy works on, lent for one call.
-pub struct PoolParts<'a> {
+/// The parts of the pool the policy works on, lent for one hook call or for a [`HitAware`]
+/// handle.
+pub(crate) struct PoolParts<'a> {
     /// The free queue (split into the retention levels).
-    pub queue: &'a mut FreeQueue,
+    pub(crate) queue: &'a mut FreeQueue,
     /// The prefix index (each block's hash key).
-    pub index: &'a PrefixIndex,
+    pub(crate) index: &'a PrefixIndex,
     /// Each block's reference count (0: free).
-    pub ref_cnt: &'a [u32],
+    pub(crate) ref_cnt: &'a [u32],
+    /// Prefix tokens each block's key covers (0: unkeyed).
+    pub(crate) hash_tokens: &'a [u32],
+}
+
+/// The hit-aware policy's decisions: its state and the pool's parts it works on, lent by
+/// `BlockPool::hit_aware` (`None` under `exact`) for as long as the caller decides. Reads
+/// of the state go through [`Retention`] (the handle dereferences to it); the pool's
+/// reads a rule needs (a block's key, its tokens, its references) are here too, so a rule
+/// never goes back to the pool while it holds the handle.
+pub(crate) struct HitAware<'a> {
+    /// The policy's state.
+    r: &'a mut Retention,
+    /// The pool's parts.
+    p: PoolParts<'a>,
+}
+
+impl std::ops::Deref for HitAware<'_> {
+    type Target = Retention;
+
+    #[inline]
+    fn deref(&self) -> &Retention {
+        self.r
+    }
 }
 
 /// The hit-aware policy's state: see the module docs.
@@ -82,7 +110,7 @@ impl Retention {
     ///
     /// # Errors
     /// [`Error::OutOfMemory`] when the per-block arrays cannot be allocated.
-    pub fn try_new(num_blocks: u32) -> Result<Self> {
+    pub(crate) fn try_new(num_blocks: u32) -> Result<Self> {
         let oom = |what: &str| {
             let what = what.to_string();
             move |e: std::collections::TryReserveError| {
@@ -110,7 +138,7 @@ impl Retention {
     ///
     /// # Errors
     /// [`Error::OutOfRange`] for a share outside `0.0..=1.0`.
-    pub fn pinned_cap_for(share: f64, num_blocks: u32) -> Result<u32> {
+    pub(crate) fn pinned_cap_for(share: f64, num_blocks: u32) -> Result<u32> {
         if !(0.0..=1.0).contains(&share) {
             return Err(Error::OutOfRange(format!("pinned share {share} is outside 0.0..=1.0")));
         }
@@ -121,7 +149,7 @@ impl Retention {
 
     /// Hook of `get_new_blocks`: free block `b`, still keyed, left the front of the queue.
     #[inline]
-    pub fn popped(&mut self, b: BlockId, index: &PrefixIndex) {
+    pub(crate) fn popped(&mut self, b: BlockId, index: &PrefixIndex) {
         if self.counts_pinned(b, index) {
             self.pinned_free -= 1;
         }
@@ -129,7 +157,7 @@ impl Retention {
 
     /// Hook of `touch`: a hit took a reference on `b` (`was_free`: it left the queue).
     #[inline]
-    pub fn touched(&mut self, b: BlockId, was_free: bool, index: &PrefixIndex) {
+    pub(crate) fn touched(&mut self, b: BlockId, was_free: bool, index: &PrefixIndex) {
         if was_free && self.counts_pinned(b, index) {
             self.pinned_free -= 1;
         }
@@ -142,16 +170,17 @@ impl Retention {
     /// [`LEVEL_PROBATION`] and [`LEVEL_RESUMED`]), or, with `evict_first` (vLLM 0.34's
     /// `free_blocks(..., evict_first=True)`), to the front of [`LEVEL_SPECULATIVE`] unless
     /// pinned or a branch point. Then the pinned share is enforced. O(blocks).
-    pub fn freed(&mut self, uncached: &[BlockId], cached: &[BlockId], evict_first: bool, mut p: PoolParts<'_>) {
+    pub(crate) fn freed(&mut self, uncached: &[BlockId], cached: &[BlockId], evict_first: bool, p: PoolParts<'_>) {
+        let mut ha = HitAware { r: self, p };
         for &b in cached {
-            self.queue_cached(b, p.queue, p.index);
+            ha.queue_cached(b);
             if evict_first {
-                self.evict_first(b, &mut p);
+                ha.evict_first(b);
             }
         }
-        p.queue.push_front_n(uncached);
-        if self.pinned_free > self.pinned_cap {
-            self.enforce_pinned_cap(p.queue, p.index);
+        ha.p.queue.push_front_n(uncached);
+        if ha.r.pinned_free > ha.r.pinned_cap {
+            ha.enforce_pinned_cap();
         }
     }
 
@@ -159,33 +188,36 @@ impl Retention {
     /// pinned block is counted out, the hit unit naming `b` is dissolved (its members no
     /// live unit needs are evicted first, see [`Self::evict_first`]) and `b`'s flags are
     /// cleared.
-    pub fn unkeying(&mut self, b: BlockId, mut p: PoolParts<'_>) {
+    pub(crate) fn unkeying(&mut self, b: BlockId, p: PoolParts<'_>) {
         if p.ref_cnt[b as usize] == 0 && b != NULL_BLOCK && self.counts_pinned(b, p.index) && p.queue.contains(b) {
             self.pinned_free -= 1;
         }
+        let keyed = p.index.is_keyed(b);
         if self.units.in_unit(b) {
-            self.orphan_unit_of(b, &mut p);
+            HitAware { r: self, p }.orphan_unit_of(b);
         }
-        if p.index.is_keyed(b) {
+        if keyed {
             self.flags[b as usize] = 0;
         }
     }
 
-    /// Hook of `cache_full_blocks`: `b` was just cached; it is freed at [`LEVEL_NORMAL`].
+    /// Hook of `cache_full_blocks` and `cache_one_block` (which `cache_partial_block` calls
+    /// for a block holding no key): `b` was just cached; it is freed at [`LEVEL_NORMAL`],
+    /// whatever level its previous life left (a level outlives the key).
     #[inline]
-    pub fn keyed(&mut self, b: BlockId) {
+    pub(crate) fn keyed(&mut self, b: BlockId) {
         self.level[b as usize] = LEVEL_NORMAL;
     }
 
     /// Hook of `reset_prefix_cache`: forgets every flag, unit and free pinned block (the
     /// levels and pinned keys stay).
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.flags.fill(0);
         self.units.clear();
         self.pinned_free = 0;
     }
 
-    // --- The decisions ---
+    // --- The reads (of the state; [`HitAware`] dereferences to them) ---
 
     /// Whether `key` is a pinned prefix's.
     pub fn is_pinned_key(&self, key: &HashKey) -> bool {
@@ -207,43 +239,108 @@ impl Retention {
         self.flags.get(b as usize).is_some_and(|f| f & FLAG_TAIL != 0)
     }
 
+    /// The Mamba "align" groups that cached a state.
+    pub fn state_groups(&self) -> &[GroupId] {
+        &self.state_groups
+    }
+
+    /// Live hit units holding full-attention block `b` in their prefix.
+    pub fn unit_support(&self, b: BlockId) -> u32 {
+        self.units.support(b)
+    }
+
+    /// Retention level of `b`.
+    #[inline]
+    pub fn level(&self, b: BlockId) -> Level {
+        self.level.get(b as usize).copied().unwrap_or(LEVEL_NORMAL)
+    }
+
+    /// Whether `b` (free) counts in `pinned_free`.
+    #[inline]
+    fn counts_pinned(&self, b: BlockId, index: &PrefixIndex) -> bool {
+        self.level[b as usize] == LEVEL_PINNED && index.is_keyed(b)
+    }
+
+    /// The pinned share in blocks.
+    pub fn pinned_cap(&self) -> u32 {
+        self.pinned_cap
+    }
+
+    /// Free cached blocks at `LEVEL_PINNED`.
+    pub fn pinned_free(&self) -> u32 {
+        self.pinned_free
+    }
+}
+
+/// The decisions (see the module docs). Each is O(1) unless it says otherwise.
+impl<'a> HitAware<'a> {
+    /// The handle over `r` and the pool's parts `p`.
+    #[inline]
+    pub(crate) fn new(r: &'a mut Retention, p: PoolParts<'a>) -> Self {
+        Self { r, p }
+    }
+
+    // --- The pool's reads a rule needs while it holds the handle ---
+
+    /// Hash key of `b`, if cached (the pool's `block_hash`).
+    #[inline]
+    pub(crate) fn key_of(&self, b: BlockId) -> Option<&HashKey> {
+        self.p.index.key_of(b)
+    }
+
+    /// Prefix tokens `b`'s key covers, 0 when unkeyed (the pool's `block_hash_num_tokens`).
+    #[inline]
+    pub(crate) fn hash_tokens(&self, b: BlockId) -> u32 {
+        self.p.hash_tokens[b as usize]
+    }
+
+    /// Reference count of `b` (the pool's `ref_cnt`).
+    #[inline]
+    pub(crate) fn ref_cnt(&self, b: BlockId) -> u32 {
+        self.p.ref_cnt[b as usize]
+    }
+
+    /// The block keyed first under `key` (its own key; second keys aside), if any.
+    #[inline]
+    pub(crate) fn keyed_block(&self, key: &HashKey) -> Option<BlockId> {
+        self.p.index.get_one(key)
+    }
+
+    // --- Flags and hit units ---
+
     /// Marks cached block `b` a branch point until it loses its hash (no-op for an
     /// unhashed block).
-    pub fn mark_branch(&mut self, b: BlockId, index: &PrefixIndex) {
-        self.set_flag(b, FLAG_BRANCH, index);
+    pub(crate) fn mark_branch(&mut self, b: BlockId) {
+        self.set_flag(b, FLAG_BRANCH);
     }
 
     /// Marks cached block `b` as the end of a finished request's cached sequence until it
     /// loses its hash (no-op for an unhashed block).
-    pub fn mark_tail(&mut self, b: BlockId, index: &PrefixIndex) {
-        self.set_flag(b, FLAG_TAIL, index);
+    pub(crate) fn mark_tail(&mut self, b: BlockId) {
+        self.set_flag(b, FLAG_TAIL);
     }
 
-    fn set_flag(&mut self, b: BlockId, flag: u8, index: &PrefixIndex) {
-        if index.is_keyed(b) {
-            if let Some(f) = self.flags.get_mut(b as usize) {
+    fn set_flag(&mut self, b: BlockId, flag: u8) {
+        if self.p.index.is_keyed(b) {
+            if let Some(f) = self.r.flags.get_mut(b as usize) {
                 *f |= flag;
             }
         }
     }
 
     /// Records that Mamba "align" group `g` caches states. O(groups).
-    pub fn note_state_group(&mut self, g: GroupId) {
-        if !self.state_groups.contains(&g) {
-            self.state_groups.push(g);
+    pub(crate) fn note_state_group(&mut self, g: GroupId) {
+        if !self.r.state_groups.contains(&g) {
+            self.r.state_groups.push(g);
         }
     }
 
-    /// The Mamba "align" groups that cached a state.
-    pub fn state_groups(&self) -> &[GroupId] {
-        &self.state_groups
-    }
-
-    /// The state blocks cached under `hash` in every state group (empty when any is missing).
-    pub fn state_set(&self, hash: &BlockHash, index: &PrefixIndex) -> Vec<BlockId> {
-        let mut out = Vec::with_capacity(self.state_groups.len());
-        for &g in &self.state_groups {
-            match index.get_one(&(*hash, g)) {
+    /// The state blocks cached under `hash` in every state group (empty when any is
+    /// missing). O(state groups).
+    pub(crate) fn state_set(&self, hash: &BlockHash) -> Vec<BlockId> {
+        let mut out = Vec::with_capacity(self.r.state_groups.len());
+        for &g in &self.r.state_groups {
+            match self.p.index.get_one(&(*hash, g)) {
                 Some(b) => out.push(b),
                 None => {
                     out.clear();
@@ -255,131 +352,120 @@ impl Retention {
     }
 
     /// Forms a hit unit of cached `states` and the cached full-attention `prefix` before
-    /// them (see [`HitUnits`]); nothing when one of them is not cached.
-    pub fn form_unit(&mut self, states: &[BlockId], prefix: &[BlockId], index: &PrefixIndex) {
+    /// them (see [`HitUnits`]); nothing when one of them is not cached. O(members).
+    pub(crate) fn form_unit(&mut self, states: &[BlockId], prefix: &[BlockId]) {
+        let index = self.p.index;
         let keyed = |bs: &[BlockId]| -> Option<Vec<(BlockId, HashKey)>> {
             bs.iter().map(|&b| index.key_of(b).map(|&k| (b, k))).collect()
         };
         if let (Some(st), Some(pre)) = (keyed(states), keyed(prefix)) {
-            self.units.form(st, pre, &mut |m| index.key_of(m.0) == Some(&m.1));
+            self.r.units.form(st, pre, &mut |m| index.key_of(m.0) == Some(&m.1));
         }
-    }
-
-    /// Live hit units holding full-attention block `b` in their prefix.
-    pub fn unit_support(&self, b: BlockId) -> u32 {
-        self.units.support(b)
     }
 
     /// `b` is about to lose its hash: the unit naming it is dissolved and its members that
     /// no live unit needs any more are evicted first ([`Self::evict_first`]), except a
-    /// full-attention block at which another state set is cached.
-    fn orphan_unit_of(&mut self, b: BlockId, p: &mut PoolParts<'_>) {
+    /// full-attention block at which another state set is cached. O(members).
+    fn orphan_unit_of(&mut self, b: BlockId) {
         let mut orphans = Vec::new();
-        let index = p.index;
-        self.units.lose(b, &mut |m| index.key_of(m.0) == Some(&m.1), &mut orphans);
+        let index = self.p.index;
+        self.r.units.lose(b, &mut |m| index.key_of(m.0) == Some(&m.1), &mut orphans);
         for m in orphans {
             // A full-attention block that ends where a state set other than `b`'s is cached
             // (a shared prefix's junction) still serves hits there.
-            if let Some(&key) = p.index.key_of(m) {
-                if !self.state_groups.contains(&key.1) {
-                    let st = self.state_set(&key.0, p.index);
+            if let Some(&key) = index.key_of(m) {
+                if !self.r.state_groups.contains(&key.1) {
+                    let st = self.state_set(&key.0);
                     if !st.is_empty() && !st.contains(&b) {
                         continue;
                     }
                 }
             }
-            self.evict_first(m, p);
+            self.evict_first(m);
         }
     }
+
+    // --- Levels ---
 
     /// Cached block `b` serves no hit (a member of a lost unit): it goes to
     /// [`LEVEL_SPECULATIVE`], at the front of the queue when free. Pinned blocks and branch
-    /// points keep their level. O(1).
-    pub fn evict_first(&mut self, b: BlockId, p: &mut PoolParts<'_>) {
-        if b == NULL_BLOCK || self.level[b as usize] >= LEVEL_PINNED || self.is_branch(b) {
+    /// points keep their level.
+    pub(crate) fn evict_first(&mut self, b: BlockId) {
+        if b == NULL_BLOCK || self.r.level[b as usize] >= LEVEL_PINNED || self.r.is_branch(b) {
             return;
         }
-        let queued = p.ref_cnt[b as usize] == 0 && p.index.is_keyed(b);
+        let queued = self.p.ref_cnt[b as usize] == 0 && self.p.index.is_keyed(b);
         if queued {
-            self.unqueue_cached(b, p.queue, p.index);
+            self.unqueue_cached(b);
         }
-        self.level[b as usize] = LEVEL_SPECULATIVE;
+        self.r.level[b as usize] = LEVEL_SPECULATIVE;
         if queued {
-            p.queue.push_front_level(b, LEVEL_SPECULATIVE);
+            self.p.queue.push_front_level(b, LEVEL_SPECULATIVE);
         }
-    }
-
-    /// Retention level of `b`.
-    #[inline]
-    pub fn level(&self, b: BlockId) -> Level {
-        self.level.get(b as usize).copied().unwrap_or(LEVEL_NORMAL)
     }
 
     /// Sets the retention level `b` gets when freed; a free block moves to the back of its
-    /// new level now. No-op for the null block.
-    pub fn set_level(&mut self, b: BlockId, lvl: Level, p: PoolParts<'_>) {
+    /// new level now. No-op for the null block. O(1) plus O(demoted) when the pinned share
+    /// overflows.
+    pub(crate) fn set_level(&mut self, b: BlockId, lvl: Level) {
         if b == NULL_BLOCK {
             return;
         }
-        let queued = p.ref_cnt[b as usize] == 0 && p.index.is_keyed(b);
+        let queued = self.p.ref_cnt[b as usize] == 0 && self.p.index.is_keyed(b);
         if queued {
-            self.unqueue_cached(b, p.queue, p.index);
+            self.unqueue_cached(b);
         }
-        self.level[b as usize] = lvl;
+        self.r.level[b as usize] = lvl;
         if queued {
-            self.queue_cached(b, p.queue, p.index);
-            self.enforce_pinned_cap(p.queue, p.index);
+            self.queue_cached(b);
+            self.enforce_pinned_cap();
         }
-    }
-
-    /// Whether `b` (free) counts in `pinned_free`.
-    #[inline]
-    fn counts_pinned(&self, b: BlockId, index: &PrefixIndex) -> bool {
-        self.level[b as usize] == LEVEL_PINNED && index.is_keyed(b)
     }
 
     /// Takes a free cached block out of the queue, keeping the count.
-    fn unqueue_cached(&mut self, b: BlockId, queue: &mut FreeQueue, index: &PrefixIndex) {
-        if self.counts_pinned(b, index) {
-            self.pinned_free -= 1;
+    fn unqueue_cached(&mut self, b: BlockId) {
+        if self.r.counts_pinned(b, self.p.index) {
+            self.r.pinned_free -= 1;
         }
-        queue.remove(b);
+        self.p.queue.remove(b);
     }
 
     /// Queues a free cached block at the back of its level (at the front for
     /// `LEVEL_PROBATION` and `LEVEL_RESUMED`; a pinned key raises it to `LEVEL_PINNED`),
     /// keeping the count.
-    fn queue_cached(&mut self, b: BlockId, queue: &mut FreeQueue, index: &PrefixIndex) {
-        if !self.pinned_keys.is_empty() {
-            if let Some(k) = index.key_of(b) {
-                if self.pinned_keys.contains(k) {
-                    self.level[b as usize] = LEVEL_PINNED;
+    fn queue_cached(&mut self, b: BlockId) {
+        let r = &mut *self.r;
+        if !r.pinned_keys.is_empty() {
+            if let Some(k) = self.p.index.key_of(b) {
+                if r.pinned_keys.contains(k) {
+                    r.level[b as usize] = LEVEL_PINNED;
                 }
             }
         }
-        if self.counts_pinned(b, index) {
-            self.pinned_free += 1;
+        if r.counts_pinned(b, self.p.index) {
+            r.pinned_free += 1;
         }
-        let lvl = self.level[b as usize];
+        let lvl = r.level[b as usize];
         if lvl == LEVEL_PROBATION || lvl == LEVEL_RESUMED {
             // Newest first: under a cyclic load larger than the cache (round-robin chat) the
             // unproven sessions that waited longest, and come back next, keep their blocks.
-            queue.push_front_level(b, lvl);
+            self.p.queue.push_front_level(b, lvl);
         } else {
-            queue.push_back_level(b, lvl);
+            self.p.queue.push_back_level(b, lvl);
         }
     }
 
     /// Demotes the oldest free pinned blocks to `LEVEL_NORMAL` while more than
     /// `pinned_cap` are free (a pinned key's block too: the share is a bound).
-    fn enforce_pinned_cap(&mut self, queue: &mut FreeQueue, index: &PrefixIndex) {
-        while self.pinned_free > self.pinned_cap {
+    fn enforce_pinned_cap(&mut self) {
+        let (r, queue, index) = (&mut *self.r, &mut *self.p.queue, self.p.index);
+        while r.pinned_free > r.pinned_cap {
             let b = queue.first_in_level(LEVEL_PINNED).expect("pinned count above the pinned level's length");
-            if self.counts_pinned(b, index) {
-                self.pinned_free -= 1;
+            if r.counts_pinned(b, index) {
+                r.pinned_free -= 1;
             }
             queue.remove(b);
-            self.level[b as usize] = LEVEL_NORMAL;
+            r.level[b as usize] = LEVEL_NORMAL;
             if index.is_keyed(b) {
                 queue.push_back_level(b, LEVEL_NORMAL);
             } else {
@@ -388,61 +474,52 @@ impl Retention {
         }
     }
 
+    // --- Pins ---
+
     /// Pins hash keys (a prefix's, see [`crate::Allocator::pin_prefix`]): a block cached
     /// under one is freed at `LEVEL_PINNED`; one cached now moves there now. Returns the
-    /// keys pinned in all.
+    /// keys pinned in all. O(keys).
     ///
     /// # Errors
     /// [`Error::OutOfRange`] when the pinned keys would exceed the pinned share (nothing
     /// changes).
-    pub fn pin_keys(&mut self, mut keys: Vec<HashKey>, p: PoolParts<'_>) -> Result<u32> {
-        keys.retain(|k| !self.pinned_keys.contains(k));
+    pub(crate) fn pin_keys(&mut self, mut keys: Vec<HashKey>) -> Result<u32> {
+        keys.retain(|k| !self.r.pinned_keys.contains(k));
         keys.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()).then(a.1.cmp(&b.1)));
         keys.dedup();
-        let total = self.pinned_keys.len() as u64 + keys.len() as u64;
-        if total > self.pinned_cap as u64 {
+        let total = self.r.pinned_keys.len() as u64 + keys.len() as u64;
+        if total > self.r.pinned_cap as u64 {
             return Err(Error::OutOfRange(format!(
                 "pinning {} more blocks would pin {total}, above the pinned share of {} blocks",
                 keys.len(),
-                self.pinned_cap
+                self.r.pinned_cap
             )));
         }
-        let PoolParts { queue, index, ref_cnt } = p;
         for k in &keys {
-            self.pinned_keys.insert(*k);
-            if let Some(b) = index.get_one(k) {
-                self.set_level(b, LEVEL_PINNED, PoolParts { queue, index, ref_cnt });
+            self.r.pinned_keys.insert(*k);
+            if let Some(b) = self.p.index.get_one(k) {
+                self.set_level(b, LEVEL_PINNED);
             }
         }
         Ok(total as u32)
     }
 
-    /// Sets the pinned share of a pool of `num_blocks` blocks (`0.0..=1.0`): at most that
-    /// fraction of the blocks may be pinned keys, or free at `LEVEL_PINNED` (past it the
-    /// oldest free pinned block is demoted to `LEVEL_NORMAL`).
+    /// Sets the pinned share of the pool (`0.0..=1.0`): at most that fraction of the blocks
+    /// may be pinned keys, or free at `LEVEL_PINNED` (past it the oldest free pinned block
+    /// is demoted to `LEVEL_NORMAL`).
     ///
     /// # Errors
     /// [`Error::OutOfRange`] for a share outside `0.0..=1.0` or below the keys pinned.
-    pub fn set_pinned_share(&mut self, share: f64, num_blocks: u32, p: PoolParts<'_>) -> Result<()> {
-        let cap = Self::pinned_cap_for(share, num_blocks)?;
-        if (self.pinned_keys.len() as u64) > cap as u64 {
+    pub(crate) fn set_pinned_share(&mut self, share: f64) -> Result<()> {
+        let cap = Retention::pinned_cap_for(share, self.p.ref_cnt.len() as u32)?;
+        if (self.r.pinned_keys.len() as u64) > cap as u64 {
             return Err(Error::OutOfRange(format!(
                 "a pinned share of {cap} blocks is below the {} blocks already pinned",
-                self.pinned_keys.len()
+                self.r.pinned_keys.len()
             )));
         }
-        self.pinned_cap = cap;
-        self.enforce_pinned_cap(p.queue, p.index);
+        self.r.pinned_cap = cap;
+        self.enforce_pinned_cap();
         Ok(())
-    }
-
-    /// The pinned share in blocks.
-    pub fn pinned_cap(&self) -> u32 {
-        self.pinned_cap
-    }
-
-    /// Free cached blocks at `LEVEL_PINNED`.
-    pub fn pinned_free(&self) -> u32 {
-        self.pinned_free
     }
 }

@@ -1,30 +1,39 @@
-//! The hit-aware policy's junctions, around vLLM's `find_longest_cache_hit`: where a
-//! request's shared prefix is reported to end (`num_uncached_common_prefix_tokens`, which
-//! vLLM's scheduler turns into `shared_prefix_boundary` and ends a prefill chunk at, so a
-//! Mamba "align" state is cached there). Under `exact` a junction is vLLM's (the shared
-//! prefix the hybrid search found); under `hit-aware` a pinned prefix's end is one too, a
-//! request nothing is shared with yet gets first-sighting stops, and the Mamba groups learn
-//! the junction that makes a state a branch point. With partial hash hits (a Mamba block
-//! larger than the hash block) hit-aware also reports the longest prefix another prompt went
-//! on past (the sightings, [`Sight`]), so a junction may lie inside a block, and keeps the
-//! branch points a hit passes (rule 8 of [`crate::policy`]). The per-request state lives in
-//! [`HitAwareReq`] (one field of the coordinator's `ReqState`).
+//! The hit-aware policy's room per request (rule by rule in [`crate::policy`]): what it
+//! decides for a request across the groups, through the policy's handle (`HitAware`, from
+//! `BlockPool::hit_aware`), with the per-request state it keeps ([`HitAwareReq`], one field
+//! of the coordinator's `ReqState`, all zero under `exact`):
+//! - *junctions*, around vLLM's `find_longest_cache_hit`: where a request's shared prefix is
+//!   reported to end (`num_uncached_common_prefix_tokens`, which vLLM's scheduler turns into
+//!   `shared_prefix_boundary` and ends a prefill chunk at, so a Mamba "align" state is cached
+//!   there). Under `exact` a junction is vLLM's (the shared prefix the hybrid search found);
+//!   under `hit-aware` a pinned prefix's end is one too, a request nothing is shared with yet
+//!   gets first-sighting stops, and the Mamba groups learn the junction that makes a state a
+//!   branch point. With partial hash hits (a Mamba block larger than the hash block) it also
+//!   reports the longest prefix another prompt went on past (the sightings, [`Sight`]), so a
+//!   junction may lie inside a block, and keeps the branch points a hit passes (rule 8);
+//! - the hooks the other rooms call under `hit-aware`: `retain_for_free` (`free`: the levels
+//!   a freed request's blocks go back at and one freeing order across groups) and
+//!   `note_allocation` (`allocate_slots`: an adopted hit's levels and junctions, and the
+//!   probation rule's inputs);
+//! - pinning ([`Allocator::pin_prefix`], [`Allocator::set_pinned_share`]).
 //!
 //! Invariants: `guess_limit` is 0 unless the request's last lookup guessed a first-sighting
 //! stop; `moved_junction` is 0 unless the last allocation moved it and it was not taken.
 //!
-//! Cost: [`Allocator::place_junction`] O(groups) plus O(pinned blocks) with pins and
-//! O(log(max length)) for a first-sighting stop, and with partial hash hits O(log(prompt))
-//! plus O(prompt hashes) at a request's first lookup; [`Allocator::keep_passed_junctions`]
-//! O(hit / hash block x groups) per adopted hit; the rest O(1) or O(log(prompt)).
+//! Cost: `place_junction` O(groups) plus O(pinned blocks) with pins and O(log(max length))
+//! for a first-sighting stop, and with partial hash hits O(log(prompt)) plus O(prompt
+//! hashes) at a request's first lookup; `keep_passed_junctions` O(hit / hash block x groups)
+//! per adopted hit; `retain_for_free` O(table log table); pinning O(prefix blocks); the rest
+//! O(1) or O(log(prompt)).
 #![forbid(unsafe_code)]
 
 use super::{Allocator, Hit};
 
-use crate::error::Result;
-use crate::ids::{ReqHandle, Slot};
-use crate::manager::HashView;
-use crate::policy::{Policy, LEVEL_NORMAL, LEVEL_PINNED};
+use crate::error::{Error, Result};
+use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot};
+use crate::manager::{HashView, SingleTypeManager};
+use crate::policy::retention::HitAware;
+use crate::policy::{Level, Policy, Retention, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_SPECULATIVE};
 
 /// The most hash-block prefixes [`Allocator::record_sighting`] keeps (48 bytes each, about
 /// 14 MiB with the map's overhead: 16M tokens of prompts at a 64-token unit); past it the
@@ -90,28 +99,27 @@ impl Allocator {
                 known = seen;
             }
         }
-        if self.pool.is_leveled() {
+        // The sightings' answer for the hit, read before the policy's handle is taken.
+        let hit_passed = self.partial_hash_hits && res.num_tokens > 0 && self.passed_by_other(s, res.num_tokens);
+        let Self { pool, managers, reqs, cfg, .. } = self;
+        if let Some(ha) = pool.hit_aware() {
+            let ends = |tokens| ends_a_sequence(&ha, managers, &reqs[s as usize].hashes, cfg.hash_block_size, tokens);
             // A junction another request shares (or a pin) is a branch point, unless
             // the shared prefix is where a finished request's sequence ended (a
             // chat's earlier turn, which this request continues).
-            let mut shared =
-                if res.num_uncached_common_prefix_tokens > 0 && !self.ends_a_sequence(s, known) { known } else { 0 };
+            let mut shared = if res.num_uncached_common_prefix_tokens > 0 && !ends(known) { known } else { 0 };
             if shared == 0 && res.num_tokens > 0 {
                 // A hit where another prompt went on (with partial hash hits, as the sightings
                 // tell; otherwise where no finished request's sequence ended) is a shared
                 // prefix (a system prompt), not this conversation's own earlier turn: its
                 // states are branch points, kept when passed, not the running session's
                 // unit that goes first (rule 7).
-                let other = if self.partial_hash_hits {
-                    self.passed_by_other(s, res.num_tokens)
-                } else {
-                    !self.ends_a_sequence(s, res.num_tokens)
-                };
+                let other = if self.partial_hash_hits { hit_passed } else { !ends(res.num_tokens) };
                 if other {
                     shared = res.num_tokens;
                 }
             }
-            for m in self.managers.iter_mut().filter(|m| m.is_mamba_align()) {
+            for m in managers.iter_mut().filter(|m| m.is_mamba_align()) {
                 m.set_align_junction(s, junction.max(shared));
             }
         }
@@ -127,6 +135,115 @@ impl Allocator {
         res
     }
 
+    /// Hit-aware, [`Self::free`]'s hook: sets the retention levels `s`'s blocks are freed at
+    /// (see [`crate::policy`], rules 2, 5 and 6, and `level`) and returns every non-null
+    /// block of its tables as `(token position, group, block)`, tail first; at equal
+    /// positions in group order (vLLM frees group after group), so a hit unit is freed
+    /// together. The tables are left as they are. `None` under `exact` (nothing to decide:
+    /// each group frees its own table). O(table log table).
+    pub(super) fn retain_for_free(&mut self, s: Slot, level: Level) -> Option<Vec<(u64, GroupId, BlockId)>> {
+        let Self { pool, managers, reqs, .. } = self;
+        let mut ha = pool.hit_aware()?;
+        let mut blocks = Vec::new();
+        // State-space hybrids: a request whose hit saved under half its prompt leaves
+        // the blocks it computed on probation (see `LEVEL_PROBATION`).
+        let (hit, prompt) = reqs[s as usize].hit_aware.hit_and_prompt;
+        let mamba = managers.iter().any(|m| m.is_mamba_align());
+        let probation = level <= LEVEL_NORMAL && (hit as u64) * 2 < prompt as u64 && mamba;
+        for m in managers.iter() {
+            if mamba && m.kind().is_full() {
+                // Where a chat's next turn continues: a junction found there later is
+                // no branch point (see `Allocator::place_junction`).
+                let n = m.num_cached(s) as usize;
+                if let Some(&b) = n.checked_sub(1).and_then(|i| m.blocks(s).get(i)) {
+                    ha.mark_tail(b);
+                }
+            }
+            m.promote_for_free(&mut ha, s, level.max(LEVEL_NORMAL), LEVEL_SPECULATIVE);
+            if mamba {
+                m.demote_duplicates(&mut ha, s);
+            }
+            if probation {
+                m.demote_unproven(&mut ha, s, hit);
+            }
+            m.positioned_blocks(s, &mut blocks);
+        }
+        // Tail first; at equal positions, group order (vLLM frees group after group).
+        blocks.sort_unstable_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
+        Some(blocks)
+    }
+
+    /// Hit-aware, `allocate_slots`' hook once the request's hit (if it adopted one, of
+    /// `adopted` tokens) is in its tables: the hit's blocks keep their level
+    /// ([`SingleTypeManager::promote_hit`]), with partial hash hits the junctions the hit
+    /// passed are kept ([`Self::keep_passed_junctions`]), and the probation rule's inputs
+    /// are noted (the hit, `num_prompt_tokens`). O(hit blocks) with a hit, else O(1).
+    pub(super) fn note_allocation(&mut self, s: Slot, adopted: Option<u32>, num_prompt_tokens: u32) {
+        if let Some(hit) = adopted {
+            if let Some(mut ha) = self.pool.hit_aware() {
+                for m in &self.managers {
+                    m.promote_hit(&mut ha, s);
+                }
+            }
+            if self.partial_hash_hits {
+                self.keep_passed_junctions(s, hit);
+            }
+            self.reqs[s as usize].hit_aware.hit_and_prompt.0 = hit;
+        }
+        self.reqs[s as usize].hit_aware.hit_and_prompt.1 = num_prompt_tokens;
+    }
+
+    /// Pins a prefix (e.g. a system prompt) given by its block hashes at `hash_block_size`
+    /// granularity (`hashes[i]` covers tokens `0..(i + 1) * hash_block_size`), under the
+    /// `hit-aware` policy: the blocks a hit on the whole prefix needs (every block of a
+    /// full-attention or chunked group, the window tail at its end in a sliding-window
+    /// group) are freed at [`crate::policy::LEVEL_PINNED`], evicted after every other cached
+    /// block, within the pinned share ([`Self::set_pinned_share`]). Blocks cached now are
+    /// pinned now; the others when they are cached. Returns the hash keys pinned in all.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] under `exact` or with prefix caching off (vLLM has no
+    /// pinning); [`Error::OutOfRange`] when the pinned keys would exceed the pinned share
+    /// (nothing changes).
+    pub fn pin_prefix(&mut self, hashes: &[BlockHash]) -> Result<u32> {
+        if !self.pool.is_leveled() {
+            return Err(Error::Unsupported(
+                "pinning a prefix needs the hit-aware policy with prefix caching on".into(),
+            ));
+        }
+        let mut keys = Vec::new();
+        for m in &self.managers {
+            if m.kind().sized_by_encoder_tokens() {
+                continue;
+            }
+            let view = HashView { hashes, scale: m.block_size() / self.cfg.hash_block_size };
+            let n = view.len();
+            let from = m.hit_tail_blocks().map_or(0, |t| n.saturating_sub(t));
+            keys.extend((from..n).map(|i| (view.get(i), m.group_id())));
+        }
+        match self.pool.hit_aware() {
+            Some(mut ha) => ha.pin_keys(keys),
+            None => {
+                Err(Error::Unsupported("pinning a prefix needs the hit-aware policy with prefix caching on".into()))
+            }
+        }
+    }
+
+    /// Sets the pinned share of the pool (`0.0..=1.0`, default 0.25): at most that fraction
+    /// of the blocks may be pinned keys, or free at the pinned level (past it the oldest
+    /// free pinned block is demoted to the normal LRU).
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] for a share outside `0.0..=1.0` or below the keys pinned.
+    pub fn set_pinned_share(&mut self, share: f64) -> Result<()> {
+        let num_blocks = self.pool.num_blocks();
+        match self.pool.hit_aware() {
+            Some(mut ha) => ha.set_pinned_share(share),
+            // Under exact only the share's range is checked.
+            None => Retention::pinned_cap_for(share, num_blocks).map(|_| ()),
+        }
+    }
+
     /// Hit-aware with partial hash hits: a request that adopted a hit of `hit` tokens keeps
     /// the junctions it passed. A state set (cached in every Mamba group) at the hit's end
     /// where another prompt went on is marked a branch point; every branch point at or
@@ -140,39 +257,47 @@ impl Allocator {
     pub(super) fn keep_passed_junctions(&mut self, s: Slot, hit: u32) {
         let hbs = self.cfg.hash_block_size;
         let n = ((hit / hbs) as usize).min(self.reqs[s as usize].hashes.len());
-        if n == 0 || self.pool.state_groups().is_empty() {
+        let states: Vec<_> = self.pool.retention().map_or(Vec::new(), |r| r.state_groups().to_vec());
+        if n == 0 || states.is_empty() {
             return;
         }
-        let states: Vec<_> = self.pool.state_groups().to_vec();
-        let fulls: Vec<_> = self.managers.iter().filter(|m| m.spec.kind.is_full()).map(|m| m.group_id).collect();
+        let fulls: Vec<_> = self.managers.iter().filter(|m| m.kind().is_full()).map(|m| m.group_id()).collect();
         let shared_end = self.passed_by_other(s, n as u32 * hbs);
-        let (mut found, mut one) = (Vec::new(), Vec::new());
+        // The lookups first (the pool's: second keys count), then the decisions on what they
+        // found (the policy's handle): a decision changes no key, so no lookup. Per position
+        // with a state set: (the hit's end, where its blocks start, its states, whether
+        // every full-attention block is cached too, where its blocks end) in `blocks`.
+        let (mut found, mut one, mut blocks, mut sets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for i in 0..n {
             let h = self.reqs[s as usize].hashes[i];
             if !self.pool.get_cached_block(&h, &states, &mut found) {
                 continue;
             }
-            if i + 1 == n && shared_end {
-                for &b in &found {
-                    self.pool.mark_branch(b);
-                }
-            }
-            if !found.iter().any(|&b| self.pool.is_branch(b)) {
-                continue;
-            }
-            // A state set whose full-attention block is gone serves no hit: it is left to age.
+            let start = blocks.len();
+            blocks.extend_from_slice(&found);
             let mut whole = true;
             for &g in &fulls {
                 whole &= self.pool.get_cached_block(&h, &[g], &mut one);
-                found.extend_from_slice(&one);
+                blocks.extend_from_slice(&one);
             }
-            if !whole {
+            sets.push((i + 1 == n, start, found.len(), whole, blocks.len()));
+        }
+        let Some(mut ha) = self.pool.hit_aware() else { return };
+        for (last, start, k, whole, end) in sets {
+            let st = &blocks[start..start + k];
+            if last && shared_end {
+                for &b in st {
+                    ha.mark_branch(b);
+                }
+            }
+            // A state set whose full-attention block is gone serves no hit: it is left to age.
+            if !st.iter().any(|&b| ha.is_branch(b)) || !whole {
                 continue;
             }
-            for &b in &found {
-                let lvl = self.pool.level(b);
+            for &b in &blocks[start..end] {
+                let lvl = ha.level(b);
                 if lvl < LEVEL_PINNED {
-                    self.pool.set_level(b, lvl.max(LEVEL_NORMAL));
+                    ha.set_level(b, lvl.max(LEVEL_NORMAL));
                 }
             }
         }
@@ -231,20 +356,6 @@ impl Allocator {
         self.sightings.get(&self.reqs[s as usize].hashes[n - 1]).is_some_and(|e| e.passer != 0 && e.passer != me)
     }
 
-    /// Hit-aware: whether the full-attention block of `s` ending at `tokens` ended a
-    /// finished request's cached sequence ([`crate::policy::Retention::is_tail`]). O(groups).
-    fn ends_a_sequence(&self, s: Slot, tokens: u32) -> bool {
-        let hashes = &self.reqs[s as usize].hashes;
-        self.managers.iter().filter(|m| m.spec.kind.is_full()).any(|m| {
-            let bs = m.block_size();
-            let view = HashView { hashes, scale: bs / self.cfg.hash_block_size };
-            let n = tokens / bs;
-            n > 0
-                && n <= view.len()
-                && self.pool.index().get_one(&(view.get(n - 1), m.group_id)).is_some_and(|b| self.pool.is_tail(b))
-        })
-    }
-
     /// Hit-aware, Mamba "align": where a pinned prefix the request starts with ends, at a
     /// state position (0 for none). Reported as the shared prefix's end, so the scheduler
     /// ends a prefill chunk there and its state is cached the first time the prefix is
@@ -252,6 +363,7 @@ impl Allocator {
     /// and a pinned prompt would hit only from its 3rd sighting). O(pinned blocks) per
     /// lookup, nothing without pins.
     fn pinned_junction(&self, s: Slot, max_len: u32) -> u32 {
+        let pins = self.pool.retention();
         let mut best = 0;
         let hashes = &self.reqs[s as usize].hashes;
         for m in self.managers.iter().filter(|m| m.is_mamba_align()) {
@@ -259,7 +371,7 @@ impl Allocator {
             let view = HashView { hashes, scale: bs / self.cfg.hash_block_size };
             let n = (max_len / bs).min(view.len());
             let mut i = 0;
-            while i < n && self.pool.is_pinned_key(&(view.get(i), m.group_id)) {
+            while i < n && pins.is_some_and(|r| r.is_pinned_key(&(view.get(i), m.group_id()))) {
                 i += 1;
             }
             best = best.max(i * bs);
@@ -331,7 +443,7 @@ impl Allocator {
     }
 
     /// The junction the last allocation of `h` moved its `shared_prefix_boundary` to (the
-    /// next first-sighting stop: see [`Self::first_sighting_stop`]), taken: `None` when it
+    /// next first-sighting stop: see `first_sighting_stop`), taken: `None` when it
     /// did not move it, or it was taken already. The vLLM adapter sets
     /// `request.shared_prefix_boundary` to it, so the scheduler ends the next prefill chunk
     /// there. O(1).
@@ -343,4 +455,22 @@ impl Allocator {
         let j = std::mem::take(&mut self.reqs[s as usize].hit_aware.moved_junction);
         Ok((j > 0).then_some(j))
     }
+}
+
+/// Hit-aware: whether the full-attention block ending at `tokens` of a request with these
+/// `hashes` ended a finished request's cached sequence ([`crate::policy::Retention::is_tail`]).
+/// O(groups).
+fn ends_a_sequence(
+    ha: &HitAware<'_>,
+    managers: &[SingleTypeManager],
+    hashes: &[BlockHash],
+    hash_block_size: u32,
+    tokens: u32,
+) -> bool {
+    managers.iter().filter(|m| m.kind().is_full()).any(|m| {
+        let bs = m.block_size();
+        let view = HashView { hashes, scale: bs / hash_block_size };
+        let n = tokens / bs;
+        n > 0 && n <= view.len() && ha.keyed_block(&(view.get(n - 1), m.group_id())).is_some_and(|b| ha.is_tail(b))
+    })
 }
