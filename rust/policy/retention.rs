@@ -44,7 +44,7 @@ const FLAG_REUSED: u8 = 1;
 /// `GroupRetention::demote_passed_state` in `manager/retention.rs`).
 const FLAG_BRANCH: u8 = 2;
 /// Block flag: a full-attention block that ended a finished request's cached sequence (a
-X
+/// chat's next turn continues there; see `Allocator::retain_for_free` in `coordinator/hit_aware.rs`).
 const FLAG_TAIL: u8 = 4;
 
 /// The parts of the pool the policy works on, lent for one hook call or for a [`HitAware`]
