@@ -14,9 +14,12 @@
 # (`import site; site.addsitedir(...)`) puts the vLLM venv's site-packages behind the fresh
 # venv's own, as if vLLM were installed there, and the vLLM venv itself stays untouched.
 # (`--system-site-packages` would not do: it exposes the base interpreter's packages, not a
-# venv's.) PYTHONPATH is cleared, so no checkout's build (target/pysite) can stand in for the wheel.
+# venv's.) PYTHONPATH is cleared for every step (pip too), so no checkout's build (target/pysite) can stand in for the wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Without PYTHONPATH for every step: pip would otherwise see the checkout's own build (test.sh
+# exports target/pysite) as hybrid-alloc 0.1.0 already installed and install nothing.
+unset PYTHONPATH
 VLLM_VENV=$1
 WHEEL=${2:-$(ls target/dist/hybrid_alloc-*-cp311-abi3-*_"$(uname -m)".whl)}
 FRESH=target/dist-venv
@@ -27,6 +30,6 @@ purelib() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])';
 echo "import site; site.addsitedir('$(purelib "$VLLM_VENV/bin/python")')" \
   >"$(purelib "$FRESH/bin/python")/hybrid_alloc_smoke_vllm.pth"
 echo "release-smoke: $(basename "$WHEEL") installed into $FRESH, beside $VLLM_VENV's vLLM"
-env -u PYTHONPATH HYBRID_ALLOC_WHEEL="$(readlink -f "$WHEEL")" HYBRID_ALLOC_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 \
+env HYBRID_ALLOC_WHEEL="$(readlink -f "$WHEEL")" HYBRID_ALLOC_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 \
   "$FRESH/bin/python" -m pytest tests/python/wheel tests/python/core/test_packaging.py -p no:cacheprovider \
   -W ignore::DeprecationWarning -q
