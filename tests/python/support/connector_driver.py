@@ -45,7 +45,11 @@ def nixl_config(role: str, failure_policy: str = "recompute") -> KVTransferConfi
 def _plain(obj: Any, depth: int = 0) -> Any:
     """A comparable form of connector metadata: Requests by id, floats (wall-clock
     deadlines) dropped, tensors and arrays (a transfer job's block ids) as lists, objects by
-    their attributes, sets sorted."""
+    their attributes, sets sorted. NixlConnector's ``heartbeat_by_engine`` is dropped too:
+    the scheduler side packs it only when ``heartbeat_interval`` of wall time passed since it
+    last did (``build_connector_meta``), so which step carries it depends on how long the
+    steps took (on a loaded machine the two runs put it on different steps), not on the
+    manager."""
     if depth > 8:
         return "..."
     if isinstance(obj, Request):
@@ -67,7 +71,14 @@ def _plain(obj: Any, depth: int = 0) -> Any:
         attrs = {s: getattr(obj, s, None) for s in obj.__slots__}
     if attrs is None:
         return type(obj).__name__
-    return {"_type": type(obj).__name__, **{k: _plain(v, depth + 1) for k, v in sorted(attrs.items())}}
+    return {
+        "_type": type(obj).__name__,
+        **{k: _plain(v, depth + 1) for k, v in sorted(attrs.items()) if k not in _WALL_CLOCK_THROTTLED},
+    }
+
+
+#: Metadata fields whose presence on a step is decided by wall time (see :func:`_plain`).
+_WALL_CLOCK_THROTTLED = frozenset({"heartbeat_by_engine"})
 
 
 @dataclass
