@@ -106,9 +106,15 @@ class BlockViews(Sequence[NativeBlock]):
         return (self[i] for i in range(self._num_blocks))
 
     def many(self, ids: Sequence[int]) -> list[NativeBlock]:
-        """The views of ``ids``, in order."""
-        get = self._views.get
-        return [get(b) or self[b] for b in ids]
+        """The views of ``ids`` (block ids the core handed out: not range-checked), in order."""
+        views = self._views
+        out = []
+        for b in ids:
+            view = views.get(b)
+            if view is None:
+                view = views[b] = NativeBlock(self._alloc, b)
+            out.append(view)
+        return out
 
 
 # The views of each live manager's allocator, by ``id(allocator)``: ``NativeKVCacheBlocks``
