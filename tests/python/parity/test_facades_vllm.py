@@ -121,7 +121,8 @@ def test_req_to_blocks_and_views_answer_as_vllms(name: str) -> None:
         table = ours.get_blocks("b").blocks[g]
         for i, block in enumerate(lb):
             assert block is pool.blocks[block.block_id] is table[i]
-            assert block.ref_cnt == ref.block_pool.blocks[block.block_id].ref_cnt
+            if not block.is_null:  # vLLM does not keep the null block's count (0.32's drifts)
+                assert block.ref_cnt == ref.block_pool.blocks[block.block_id].ref_cnt
     assert pool.null_block is pool.blocks[0] and pool.null_block.is_null
     # Live: the lists grow with the request, as vLLM's grows in place.
     before = [len(lb) for lb in held]
