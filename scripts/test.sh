@@ -3,9 +3,10 @@
 # the wheel build, ruff (lint with import sorting, and format --check) over the Python paths, mypy
 # over python/hybrid_alloc and over the tests that use the stub, the stub check, and pytest with the
 # parity tests against the real vLLM, once for each supported release (each in a cached venv built
-# by scripts/test-env.sh; a run whose vLLM tests would be skipped fails instead). The releases'
-# pytest runs go concurrently, each into target/test-logs/pytest-RELEASE.log, printed whole when it
-# ends. The steps it shares with scripts/check.sh (its fast half) live in scripts/steps.sh.
+# by scripts/test-env.sh; a run whose vLLM tests would be skipped fails instead), and each release's
+# own tests of the manager and scheduler against ours (scripts/vllm-tests.sh, the "gate" runs). The
+# releases' pytest runs go concurrently, each into target/test-logs/pytest-RELEASE[-PART].log,
+# printed whole when it ends. The steps it shares with scripts/check.sh (its fast half) live in scripts/steps.sh.
 #
 # HYBRID_ALLOC_VLLM_RELEASES narrows the releases (default: every supported release, read from
 # python/hybrid_alloc/vllm/releases.py; scripts/test-env.sh refuses any other); extra arguments go
@@ -65,11 +66,30 @@ parity_ops() {
   echo "${HYBRID_ALLOC_PARITY_OPS:-20000}"
 }
 
+# vLLM's own tests of the manager and scheduler (tests/v1/core/ of the release's sdist, fetched
+# once into the cache by scripts/vllm-tests.py) against ours: scripts/vllm-tests.sh. CI runs the
+# files whose tests build a KVCacheManager or a Scheduler (the others test vLLM's planner, encoder
+# cache, metrics, outputs and its own single-type managers, never a manager the plugin builds:
+# the gate's summary counts them "built none"), less the six "standard" 20,000-step random soaks
+# of test_priority_scheduler_random.py (their six "preemption" siblings, the same soak under
+# block pressure, run); `bash scripts/vllm-tests.sh RELEASE` runs them all (docs/development.md).
+GATE_CI_ARGS=(-k "not (test_priority_scheduling_blast and standard)")
+for f in test_encoder_cache_manager test_kv_cache_config_builder test_kv_cache_metrics test_kv_cache_planning \
+  test_kv_sharing test_output test_prompt_block_hash_vectors test_repetition_detection \
+  test_single_type_kv_cache_manager prefix_cache/test_partial_prefix_cache_primitives; do
+  GATE_CI_ARGS+=("--ignore=tests/v1/core/$f.py")
+done
+
 # One pytest run of a release: PART "all" (every test, or what the arguments select), "main" (all
-# but tests/python/engine) or "engine" (tests/python/engine, the real-engine tests).
+# but tests/python/engine), "engine" (tests/python/engine, the real-engine tests) or "gate"
+# (vLLM's own tests/v1/core/ against ours, above).
 pytest_release() {
   local release=$1 part=$2 py=$3 rc paths
   shift 3
+  if [ "$part" = gate ]; then
+    PYTHON=$py bash scripts/vllm-tests.sh "$release" "${GATE_CI_ARGS[@]}" --durations=10
+    return
+  fi
   case $part in
     all) paths=(tests/python) ;;
     main) paths=(tests/python --ignore=tests/python/engine) ;;
@@ -123,11 +143,12 @@ for release in $RELEASES; do
   # into its own log, printed whole when it ends; each writes its own duration next to its log.
   # Without arguments the real-engine tests (tests/python/engine: minutes each, where the
   # release's build runs an engine) are a run of their own beside the rest of the release's
-  # tests, so they do not queue behind them (2026-12-03: one run of both took 50 minutes).
-  if [ $# -gt 0 ]; then parts=(all); else parts=(main engine); fi
+  # tests, so they do not queue behind them (2026-12-03: one run of both took 50 minutes), and so
+  # is the release's gate (vLLM's own tests/v1/core/, GATE_CI_ARGS above).
+  if [ $# -gt 0 ]; then parts=(all); else parts=(main engine gate); fi
   for part in "${parts[@]}"; do
     run_name=$release
-    [ "$part" = engine ] && run_name=$release-engine
+    [ "$part" = main ] || [ "$part" = all ] || run_name=$release-$part
     printf '\n== pytest (vLLM %s) started (%s); log %s (progress below every %ss, the whole log when it ends)\n' \
       "$run_name" "$(date +%T)" "$LOGDIR/pytest-$run_name.log" "$PROGRESS_EVERY"
     rm -f "$LOGDIR/pytest-$run_name.secs"

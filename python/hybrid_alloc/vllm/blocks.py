@@ -2,6 +2,10 @@
 
 - :class:`NativeBlock`: one block as ``KVCacheBlocks.blocks`` shows it (``block_id``,
   ``is_null``, ``ref_cnt``, ``block_hash``), made on demand, never on the hot path;
+- :class:`BlockViews`: one manager's views, one per block id, made on first read and then
+  the same object wherever a block is handed out (``KVCacheBlocks.blocks``,
+  ``block_pool.blocks[i]``, ``pop_blocks_for_free``, ``req_to_blocks``...), as vLLM hands out
+  its one ``KVCacheBlock`` per id: ``old is new`` holds;
 - :class:`EmptyKVCacheBlocks`: the manager's shared "no block" result;
 - :class:`NativeKVCacheBlocks`: block ids per group in the core's flat ``BlockIds`` buffer,
   turned into Python ints only when a caller reads them;
@@ -9,13 +13,15 @@
   to reuse the hit the core stored instead of sending its ids back.
 
 Cost: building any of these is O(1) (O(ids) from lists); ``get_block_ids`` is one crossing
-(a builtin method, no Python frame) making fresh lists; ``blocks`` makes one view per block,
-once.
+(a builtin method, no Python frame) making fresh lists; ``blocks`` looks each block's view up
+(a dict read, a view made on a block's first read), once per instance. Nothing here runs on
+the scheduler's hot path, which reads block ids only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -23,7 +29,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from hybrid_alloc._core import Allocator, BlockIds, EmptyBlockIds, GetBlockIds
 
-__all__ = ["EmptyKVCacheBlocks", "HitBlocks", "NativeBlock", "NativeKVCacheBlocks"]
+__all__ = ["BlockViews", "EmptyKVCacheBlocks", "HitBlocks", "NativeBlock", "NativeKVCacheBlocks", "views_of"]
 
 
 class NativeBlock:
@@ -61,6 +67,81 @@ class NativeBlock:
 
     def __repr__(self) -> str:
         return f"NativeBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class BlockViews(Sequence[NativeBlock]):
+    """The views of one allocator's blocks (vLLM's ``BlockPool.blocks``): ``views[i]`` is the
+    same :class:`NativeBlock` at every read. A view is made on its block's first read (the
+    dict holds at most one per block id, ``num_blocks`` in all); nothing is made up front.
+
+    Invariant: ``_views[i].block_id == i``, and every view of this allocator handed out by the
+    adapter comes from here (while its manager lives: see :func:`views_of`)."""
+
+    __slots__ = ("_alloc", "_num_blocks", "_views")
+
+    def __init__(self, alloc: Allocator) -> None:
+        self._alloc = alloc
+        self._num_blocks = alloc.num_blocks
+        self._views: dict[int, NativeBlock] = {}
+
+    def __len__(self) -> int:
+        return self._num_blocks
+
+    def __getitem__(self, block_id: Any) -> Any:
+        if isinstance(block_id, slice):
+            return [self[i] for i in range(*block_id.indices(self._num_blocks))]
+        view = self._views.get(block_id)
+        if view is None:
+            i = block_id.__index__()
+            if i < 0:
+                i += self._num_blocks
+            if not 0 <= i < self._num_blocks:
+                raise IndexError(f"block id {block_id} out of range (num_blocks={self._num_blocks})")
+            view = self._views.get(i)
+            if view is None:
+                view = self._views[i] = NativeBlock(self._alloc, i)
+        return view
+
+    def __iter__(self) -> Iterator[NativeBlock]:
+        return (self[i] for i in range(self._num_blocks))
+
+    def many(self, ids: Sequence[int]) -> list[NativeBlock]:
+        """The views of ``ids`` (block ids the core handed out: not range-checked), in order."""
+        views = self._views
+        out = []
+        for b in ids:
+            view = views.get(b)
+            if view is None:
+                view = views[b] = NativeBlock(self._alloc, b)
+            out.append(view)
+        return out
+
+
+# The views of each live manager's allocator, by ``id(allocator)``: ``NativeKVCacheBlocks``
+# instances carry the allocator only (``FastAllocate`` builds them from Rust), and reach the
+# views through it. An entry goes when its manager is collected (``weakref.finalize``); the
+# allocator outlives the entry (the manager and every view hold it), so its id is not reused
+# while the entry is there.
+_VIEWS: dict[int, BlockViews] = {}
+
+
+def register_views(owner: object, alloc: Allocator) -> BlockViews:
+    """The views of ``alloc``'s blocks for the manager ``owner``, found by :func:`views_of`
+    until ``owner`` is collected."""
+    views = BlockViews(alloc)
+    key = id(alloc)
+    _VIEWS[key] = views
+    weakref.finalize(owner, _VIEWS.pop, key, None)
+    return views
+
+
+def views_of(alloc: Allocator) -> BlockViews:
+    """The registered views of ``alloc``'s blocks; an allocator no manager registered (a test
+    driving the core directly) gets views of its own, for that caller only."""
+    views = _VIEWS.get(id(alloc))
+    if views is None or views._alloc is not alloc:
+        return BlockViews(alloc)
+    return views
 
 
 class EmptyKVCacheBlocks(KVCacheBlocks):
@@ -118,8 +199,8 @@ class NativeKVCacheBlocks(KVCacheBlocks):
         try:
             return self._blocks
         except AttributeError:
-            a = self._alloc
-            self._blocks: tuple[list[NativeBlock], ...] = tuple([NativeBlock(a, b) for b in g] for g in self._ids)
+            views = views_of(self._alloc)
+            self._blocks: tuple[list[NativeBlock], ...] = tuple(views.many(g) for g in self._ids)
             return self._blocks
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:

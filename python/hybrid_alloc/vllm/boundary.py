@@ -4,9 +4,10 @@ Every step the scheduler drains ``KVCacheManager.take_boundary_state_offloads()`
 ``KVConnectorBlockState.boundary_state_offloads``: ``{request_id: [(group_id, block_id,
 boundary_tokens), ...]}``, one entry per boundary state a Mamba "align" group keyed in
 ``cache_blocks`` (the OffloadingConnector stores that block under that boundary's hash, since
-an align table cannot be read positionally). The core records them when the manager is built
-with a KV connector (``Allocator(boundary_offloads=True)``: the scheduler drains them always,
-but only builds ``KVConnectorBlockState`` with a connector) and drops a request's entries when
+an align table cannot be read positionally). The core records them when the configuration has Mamba
+groups (``Allocator(boundary_offloads=True)``), connector or not, as vLLM's manager offers them
+(the scheduler drains them every step, and builds ``KVConnectorBlockState`` only with a
+connector; a direct caller sees the same offers as from vLLM's), and drops a request's entries when
 its blocks go back to the pool, as vLLM's ``MambaManager.pop_blocks_for_free`` does; see
 ``rust/manager/boundary.rs``. :class:`BoundaryOffloads` takes them (one crossing: flat
 ``[handle, group, block, tokens, ...]``) and names each request by its id.

@@ -1,38 +1,94 @@
 """The parts of vLLM's manager that callers reach through it: ``block_pool``,
 ``coordinator`` and ``coordinator.single_type_managers[g]``, each with the attributes and
-methods vLLM's scheduler, connectors and stats read, served by the manager's native core.
+methods vLLM's scheduler, connectors and stats, vLLM's own tests of the manager
+(``scripts/vllm-tests.sh``) and out-of-tree schedulers (Dynamo's instrumented scheduler) read,
+in vLLM's shapes, served by the manager's native core.
 
-Cost: each method is one crossing into the core (`find_longest_cache_hit_per_group`, off the
-scheduler's path, three); construction is O(groups).
+- ``block_pool.blocks[i]``: the block's one view (:class:`~hybrid_alloc.vllm.blocks.BlockViews`);
+  ``block_pool.free_block_queue``: the free queue, read-only (:class:`NativeFreeBlockQueue`);
+- ``single_type_managers[g]``: an instance of a class registered as a virtual subclass of the
+  vLLM manager class vLLM would build for the group (``isinstance(m, MambaManager)`` and
+  ``isinstance(m, CrossAttentionManager)`` hold as with vLLM's), with ``block_size``,
+  ``kv_cache_spec``, ``req_to_blocks`` (:class:`ReqToBlocks`), ``cache_hit_alignment_tokens``,
+  the Mamba ``mamba_cache_mode`` / ``num_speculative_blocks`` and the recycling kinds'
+  ``max_admission_blocks_per_request``;
+- ``coordinator``: likewise registered under vLLM's coordinator class for the configuration,
+  with ``scheduler_block_size``, ``hash_block_size``, ``retention_interval`` and
+  ``find_longest_cache_hit(_per_group)``.
+
+Cost: nothing on the scheduler's hot path. Construction is O(groups); attributes are fixed
+values or properties read on access; ``req_to_blocks`` and the free queue are built when read
+(one crossing, O(blocks) for what is read); each lookup method is one crossing into the core
+(`find_longest_cache_hit(_per_group)`, off the scheduler's path, three).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import KVCacheEvent
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.core import kv_cache_coordinator as _vllm_kvc
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from hybrid_alloc.vllm.blocks import NativeBlock
+from hybrid_alloc.vllm.blocks import BlockViews, NativeBlock
 
 if TYPE_CHECKING:
     from hybrid_alloc.vllm.state import ManagerView
 
-__all__ = ["NativeBlockPool", "NativeCoordinator", "NativeSingleTypeManager"]
+__all__ = [
+    "LiveBlocks",
+    "freeze_live_blocks",
+    "NativeBlockPool",
+    "NativeCoordinator",
+    "NativeFreeBlockQueue",
+    "NativeSingleTypeManager",
+    "ReqToBlocks",
+]
+
+
+class NativeFreeBlockQueue:
+    """``block_pool.free_block_queue`` as callers read it (vLLM's ``FreeKVCacheBlockQueue``;
+    the SimpleCPUOffload connector walks it from the front): the free blocks' views in
+    eviction order (front first), made from the core's queue when read. Read-only."""
+
+    def __init__(self, views: BlockViews) -> None:
+        self._views = views
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._views._alloc.num_free_blocks
+
+    def get_all_free_blocks(self) -> list[NativeBlock]:
+        """The free blocks, front (evicted first) to back. One crossing, O(free blocks)."""
+        return self._views.many(self._views._alloc.free_queue_order())
+
+    def iter_blocks_after(self, block: NativeBlock | None) -> Iterator[NativeBlock]:
+        """The free blocks after ``block`` (from the front when ``None``), front to back."""
+        order = self._views._alloc.free_queue_order()
+        start = 0 if block is None else order.index(block.block_id) + 1
+        views = self._views
+        return (views[b] for b in order[start:])
 
 
 class NativeBlockPool:
-    """The ``block_pool`` attributes and methods the scheduler reaches through."""
+    """The ``block_pool`` attributes and methods the scheduler and connectors reach through."""
 
-    def __init__(self, mgr: ManagerView, hash_block_size: int, num_blocks: int) -> None:
+    def __init__(self, mgr: ManagerView, views: BlockViews, hash_block_size: int, num_blocks: int) -> None:
         self._mgr = mgr
         self._alloc = mgr._alloc
         self.hash_block_size = hash_block_size
         self.num_gpu_blocks = num_blocks
         self.enable_caching = mgr.enable_caching
         self.num_hash_lookahead_tokens = mgr.num_hash_lookahead_tokens
-        self.null_block = NativeBlock(self._alloc, 0)
+        #: vLLM's ``BlockPool.blocks``: ``blocks[i]`` is block ``i``'s one view.
+        self.blocks = views
+        self.null_block = views[0]
+
+    @property
+    def free_block_queue(self) -> NativeFreeBlockQueue:
+        return NativeFreeBlockQueue(self.blocks)
 
     def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
         """vLLM's ``BlockPool.free_blocks``. ``evict_first`` (0.34; its only caller is the
@@ -49,7 +105,7 @@ class NativeBlockPool:
         connector asks it): the first cached block for ``block_hash`` in each group, or
         ``None`` on a miss in any group."""
         ids = self._alloc.get_cached_block(block_hash, list(kv_cache_group_ids))
-        return None if ids is None else [NativeBlock(self._alloc, b) for b in ids]
+        return None if ids is None else self.blocks.many(ids)
 
     def get_num_free_blocks(self) -> int:
         return self._alloc.num_free_blocks
@@ -67,26 +123,203 @@ class NativeBlockPool:
         return self._mgr.take_events()
 
 
-class NativeSingleTypeManager:
-    """What callers read from ``coordinator.single_type_managers[g]``."""
+class LiveBlocks(Sequence[NativeBlock]):
+    """One request's blocks in one group, as vLLM's ``req_to_blocks[request_id]`` list shows
+    them: live while the request holds them (vLLM grows that list in place; each read here
+    asks the core's table, one crossing, O(the request's blocks)), then, once the request's
+    blocks are freed, the blocks it held then (vLLM's list, popped from ``req_to_blocks``,
+    keeps them). As views; compares equal to a list of the same blocks. Read-only.
 
-    def __init__(self, group_id: int, spec: KVCacheSpec, pool: NativeBlockPool, block_size: int, dcp: int) -> None:
+    One instance per request and group while the request lives (``ReqToBlocks`` keeps them in
+    the manager's ``_live_blocks``, which the manager's free empties: an empty-dict test when
+    nobody read ``req_to_blocks``)."""
+
+    __slots__ = ("_frozen", "_group", "_mgr", "_request_id", "_views")
+
+    def __init__(self, mgr: ManagerView, views: BlockViews, group: int, request_id: str) -> None:
+        self._mgr = mgr
+        self._views = views
+        self._group = group
+        self._request_id = request_id
+        #: The block ids once the request's blocks were freed (``None`` while it holds them).
+        self._frozen: list[int] | None = None
+
+    def _ids(self) -> list[int]:
+        if self._frozen is not None:
+            return self._frozen
+        st = self._mgr._reqs.get(self._request_id)
+        return [] if st is None else self._mgr._alloc.block_ids(st.handle)[self._group]
+
+    def __len__(self) -> int:
+        return len(self._ids())
+
+    def __getitem__(self, index: Any) -> Any:
+        ids = self._ids()[index]
+        return self._views.many(ids) if isinstance(index, slice) else self._views[ids]
+
+    def __iter__(self) -> Iterator[NativeBlock]:
+        return iter(self._views.many(self._ids()))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple, LiveBlocks)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # a mutable sequence, as vLLM's list
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+def freeze_live_blocks(live: dict[str, dict[int, LiveBlocks]], request_id: str, groups: tuple[list[int], ...]) -> None:
+    """Called by the manager as ``request_id``'s blocks go back to the pool (``groups``: its
+    table then): the request's :class:`LiveBlocks` keep those blocks from now on."""
+    for g, lb in live.pop(request_id, {}).items():
+        lb._frozen = groups[g]
+
+
+class ReqToBlocks(Mapping[str, Sequence[NativeBlock]]):
+    """A group's ``req_to_blocks`` (vLLM's ``dict[request_id, list[KVCacheBlock]]``; HiSparse's
+    coordinator and Dynamo-style tools read it): each request's blocks in the group
+    (:class:`LiveBlocks`, read from the core's table when read; the same object at each read
+    while the request lives). Keys: the requests holding blocks in the group (vLLM adds a
+    request at its first allocation; a request only looked up is not there). A missing key
+    reads as an empty list (vLLM's is a ``defaultdict(list)``), without being added. Read-only;
+    O(1) to build, nothing kept in sync; membership is one crossing, the keys one per request."""
+
+    def __init__(self, mgr: ManagerView, views: BlockViews, group: int) -> None:
+        self._mgr = mgr
+        self._views = views
+        self._group = group
+
+    def _holds(self, request_id: object) -> bool:
+        st = self._mgr._reqs.get(request_id) if isinstance(request_id, str) else None
+        return st is not None and bool(self._mgr._alloc.block_ids(st.handle)[self._group])
+
+    def __getitem__(self, request_id: str) -> Sequence[NativeBlock]:
+        if request_id not in self._mgr._reqs:
+            return []
+        groups = self._mgr._live_blocks.setdefault(request_id, {})
+        lb = groups.get(self._group)
+        if lb is None:
+            lb = groups[self._group] = LiveBlocks(self._mgr, self._views, self._group, request_id)
+        return lb
+
+    def get(self, request_id: str, default: Any = None) -> Any:
+        """As a dict's (vLLM's ``defaultdict``'s ``get`` does not add the key either)."""
+        return self[request_id] if self._holds(request_id) else default
+
+    def __contains__(self, request_id: object) -> bool:
+        return self._holds(request_id)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([r for r in list(self._mgr._reqs) if self._holds(r)])
+
+    def __len__(self) -> int:
+        return sum(1 for r in list(self._mgr._reqs) if self._holds(r))
+
+
+class NativeSingleTypeManager:
+    """What callers read from ``coordinator.single_type_managers[g]``. Instances are of a
+    subclass per vLLM manager class (:func:`_facade_class`), registered as its virtual
+    subclass."""
+
+    #: The vLLM manager class this facade stands for (set on each subclass).
+    vllm_class: type[Any] | None = None
+
+    def __init__(
+        self,
+        coordinator: NativeCoordinator,
+        group_id: int,
+        spec: KVCacheSpec,
+        pool: NativeBlockPool,
+        block_size: int,
+        dcp: int,
+        max_in_flight_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self._coordinator = coordinator
         self.kv_cache_group_id = group_id
         self.kv_cache_spec = spec
         # vLLM's: ``spec.block_size * dcp_world_size`` for a DCP-sharded group (see ``.dcp``).
         self.block_size = block_size
         self.block_pool = pool
+        self._null_block = pool.null_block
+        self.enable_caching = pool.enable_caching
+        self.scheduler_block_size = coordinator.scheduler_block_size
         self.dcp_world_size = dcp if spec.dcp_sharded else 1
         self.pcp_world_size = 1
         self.use_eagle = False
         self.retains_longer_hit = False
+        #: Sliding-window and chunked-local groups: the recycling-aware cap of a request's
+        #: blocks at admission (vLLM's manager is built with it); ``None`` for other kinds.
+        self.max_admission_blocks_per_request: int | None = None
+        cap = getattr(spec, "max_admission_blocks_per_request", None)
+        if callable(cap):
+            self.max_admission_blocks_per_request = cap(
+                max_in_flight_tokens=max_in_flight_tokens, max_model_len=max_model_len
+            )
+        if isinstance(spec, MambaSpec):
+            self.mamba_cache_mode = spec.mamba_cache_mode
+            self.num_speculative_blocks: int = spec.num_speculative_blocks
+        self.req_to_blocks = ReqToBlocks(coordinator._mgr, pool.blocks, group_id)
+
+    @property
+    def cache_hit_alignment_tokens(self) -> int:
+        """vLLM's: where a cache hit may end (the coordinator's, shared by every group)."""
+        return self._coordinator._cache_hit_alignment_tokens
+
+
+_FACADE_CLASSES: dict[type[Any] | None, type[NativeSingleTypeManager]] = {None: NativeSingleTypeManager}
+
+
+def _facade_class(vllm_class: type[Any] | None) -> type[NativeSingleTypeManager]:
+    """The facade class standing for ``vllm_class`` (made once, and registered as its virtual
+    subclass, so ``isinstance`` checks against vLLM's manager classes answer as for vLLM's
+    own managers; no method of vLLM's class is inherited)."""
+    cls = _FACADE_CLASSES.get(vllm_class)
+    if cls is None:
+        assert vllm_class is not None
+        cls = type(f"Native{vllm_class.__name__}", (NativeSingleTypeManager,), {"vllm_class": vllm_class})
+        vllm_class.register(cls)
+        _FACADE_CLASSES[vllm_class] = cls
+    return cls
+
+
+def _manager_class(spec: KVCacheSpec, role: Any) -> type[Any] | None:
+    try:
+        return KVCacheSpecRegistry.get_manager_class(spec, role)
+    except Exception:  # noqa: BLE001 - a facade without the isinstance answer still serves
+        return None
+
+
+def _coordinator_class(kvc: KVCacheConfig, enable_caching: bool) -> type[Any]:
+    """The vLLM coordinator class ``get_kv_cache_coordinator`` builds for ``kvc``."""
+    if not enable_caching:
+        return _vllm_kvc.KVCacheCoordinatorNoPrefixCache
+    if len(kvc.kv_cache_groups) == 1:
+        return _vllm_kvc.UnitaryKVCacheCoordinator
+    return _vllm_kvc.HybridKVCacheCoordinator
 
 
 class NativeCoordinator:
-    """The ``coordinator`` attributes and methods the scheduler reaches through."""
+    """The ``coordinator`` attributes and methods the scheduler, connectors and tools reach
+    through. Instances are of a subclass per vLLM coordinator class, registered as its
+    virtual subclass (as :func:`_facade_class`)."""
 
     enable_partial_hash_hits = False
     num_reprefillable_tokens = 0
+
+    def __new__(
+        cls, mgr: ManagerView, block_pool: NativeBlockPool, kv_cache_config: KVCacheConfig, *args: Any, **kwargs: Any
+    ) -> Any:
+        vllm_class = _coordinator_class(kv_cache_config, mgr.enable_caching)
+        sub = _COORDINATOR_CLASSES.get(vllm_class)
+        if sub is None:
+            sub = type(f"Native{vllm_class.__name__}", (cls,), {})
+            vllm_class.register(sub)
+            _COORDINATOR_CLASSES[vllm_class] = sub
+        return super().__new__(sub)
 
     def __init__(
         self,
@@ -95,28 +328,56 @@ class NativeCoordinator:
         kv_cache_config: KVCacheConfig,
         block_sizes: list[int],
         dcp_world_size: int,
+        *,
+        scheduler_block_size: int,
+        max_in_flight_tokens: int,
+        max_model_len: int,
     ) -> None:
         self._mgr = mgr
         self.kv_cache_config = kv_cache_config
         self.block_pool = block_pool
+        self.enable_caching = mgr.enable_caching
         self.dcp_world_size = dcp_world_size
         self.pcp_world_size = 1
+        self.use_eagle = False
+        self.scheduler_block_size = scheduler_block_size
+        self.hash_block_size = block_pool.hash_block_size
+        self._retention_interval = kv_cache_config.prefix_cache_retention_interval
+        groups = kv_cache_config.kv_cache_groups
         self.single_type_managers = tuple(
-            NativeSingleTypeManager(i, g.kv_cache_spec, block_pool, bs, dcp_world_size)
-            for i, (g, bs) in enumerate(zip(kv_cache_config.kv_cache_groups, block_sizes, strict=True))
+            _facade_class(_manager_class(g.kv_cache_spec, getattr(g, "role", None)))(
+                self, i, g.kv_cache_spec, block_pool, bs, dcp_world_size, max_in_flight_tokens, max_model_len
+            )
+            for i, (g, bs) in enumerate(zip(groups, block_sizes, strict=True))
         )
+        self.num_single_type_manager = len(self.single_type_managers)
         # Groups holding EAGLE/MTP draft layers; none drops its last block (a drop falls
         # back), so ``drop_eagle_group_ids`` (vLLM 0.33) is empty.
-        self.eagle_group_ids: set[int] = {i for i, g in enumerate(kv_cache_config.kv_cache_groups) if g.is_eagle_group}
+        self.eagle_group_ids: set[int] = {i for i, g in enumerate(groups) if g.is_eagle_group}
         self.drop_eagle_group_ids: set[int] = set()
         self.full_attention_group_id = next(
-            (
-                i
-                for i, g in enumerate(kv_cache_config.kv_cache_groups)
-                if isinstance(g.kv_cache_spec, FullAttentionSpec)
-            ),
-            None,
+            (i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)), None
         )
+
+    @property
+    def retention_interval(self) -> int | None:
+        """vLLM's: ``KVCacheConfig.prefix_cache_retention_interval``, which the core is built
+        with. Fixed at construction: writing another value raises (vLLM's coordinator reads the
+        attribute at each call; writing it is no API, and no caller does but a test)."""
+        return self._retention_interval
+
+    @retention_interval.setter
+    def retention_interval(self, value: int | None) -> None:
+        if value != self._retention_interval:
+            raise AttributeError(
+                f"retention_interval is fixed at construction ({self._retention_interval!r}; "
+                "KVCacheConfig.prefix_cache_retention_interval)"
+            )
+
+    @property
+    def _cache_hit_alignment_tokens(self) -> int:
+        """vLLM's: hits end on a hash block with partial hash hits, else on a scheduler block."""
+        return self.hash_block_size if self.enable_partial_hash_hits else self.scheduler_block_size
 
     def get_num_blocks_to_allocate(
         self,
@@ -161,6 +422,25 @@ class NativeCoordinator:
     def get_blocks(self, request_id: str) -> tuple[list[Any], ...]:
         return self._mgr.get_blocks(request_id).blocks
 
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple[tuple[list[NativeBlock], ...], int, int]:
+        """vLLM's ``KVCacheCoordinator.find_longest_cache_hit``: the longest hit within
+        ``max_cache_hit_length`` reconciled across groups, as ``(each group's blocks, hit
+        tokens, uncached shared-prefix tokens)``; touches nothing, stores nothing. Off the
+        scheduler's path (``get_computed_blocks`` serves the scheduler; out-of-tree schedulers
+        ask it to probe): three crossings, through a handle made for the call."""
+        alloc = self._mgr._alloc
+        if not self.enable_caching:
+            return tuple([] for _ in self.single_type_managers), 0, 0
+        h = alloc.add_request()
+        try:
+            hit, uncached, ids = alloc.get_computed_blocks(h, max_cache_hit_length, block_hashes=list(block_hashes))
+        finally:
+            alloc.free(h)
+        views = self.block_pool.blocks
+        return tuple(views.many(g) for g in ids), hit, uncached
+
     def find_longest_cache_hit_per_group(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> tuple[tuple[list[NativeBlock], ...], tuple[int, ...]]:
@@ -178,4 +458,8 @@ class NativeCoordinator:
         finally:
             alloc.free(h)
         assert hits is not None
-        return tuple([NativeBlock(alloc, b) for b in g] for g in ids), tuple(hits)
+        views = self.block_pool.blocks
+        return tuple(views.many(g) for g in ids), tuple(hits)
+
+
+_COORDINATOR_CLASSES: dict[type[Any], type[NativeCoordinator]] = {}

@@ -45,7 +45,7 @@ from vllm.v1.request import Request, RequestStatus
 from hybrid_alloc._core import Allocator, BlockIds, FastAllocate, Hit, HybridAllocError, UnsupportedConfigError
 from hybrid_alloc.vllm import compat, policy_env
 from hybrid_alloc.vllm.args import KNOWN_ARGS, ManagerArgs
-from hybrid_alloc.vllm.blocks import EmptyKVCacheBlocks, HitBlocks, NativeBlock, NativeKVCacheBlocks
+from hybrid_alloc.vllm.blocks import EmptyKVCacheBlocks, HitBlocks, NativeBlock, NativeKVCacheBlocks, register_views
 from hybrid_alloc.vllm.boundary import BoundaryOffloads
 from hybrid_alloc.vllm.compat import (
     EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE,
@@ -55,7 +55,7 @@ from hybrid_alloc.vllm.compat import (
 )
 from hybrid_alloc.vllm.connector import fold_negative_external
 from hybrid_alloc.vllm.connector_hits import local_hit_for_connector
-from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
+from hybrid_alloc.vllm.facades import LiveBlocks, NativeBlockPool, NativeCoordinator, freeze_live_blocks
 from hybrid_alloc.vllm.kv_events import EventLog
 from hybrid_alloc.vllm.metrics import after_call_hook
 from hybrid_alloc.vllm.plan import native_plan
@@ -204,9 +204,21 @@ class HybridKVCacheManager:
         self._hit_gen = 0
         # With a KV connector and Mamba "align" groups: the boundary states to hand off.
         self._boundary = BoundaryOffloads(self._alloc) if native.get("boundary_offloads") else None
-        self.block_pool = NativeBlockPool(self, a.hash_block_size, kvc.num_blocks)
+        # Each block's one view, made when first handed out (see ``blocks.BlockViews``).
+        self._views = register_views(self, self._alloc)
+        # The ``req_to_blocks`` lists handed out, by request and group, until the request's
+        # blocks are freed (see ``facades.LiveBlocks``); empty unless someone reads them.
+        self._live_blocks: dict[str, dict[int, LiveBlocks]] = {}
+        self.block_pool = NativeBlockPool(self, self._views, a.hash_block_size, kvc.num_blocks)
         self.coordinator = NativeCoordinator(
-            self, self.block_pool, kvc, [g.block_size for g in native["groups"]], a.dcp_world_size
+            self,
+            self.block_pool,
+            kvc,
+            [g.block_size for g in native["groups"]],
+            a.dcp_world_size,
+            scheduler_block_size=a.scheduler_block_size,
+            max_in_flight_tokens=native["max_in_flight_tokens"],
+            max_model_len=a.max_model_len,
         )
         # ``--prefix-match-unit`` on a Mamba hybrid: hits may end inside a block, which is
         # then copied on write (``take_kv_cache_block_copies``).
@@ -257,9 +269,12 @@ class HybridKVCacheManager:
 
     def _forget(self, request: Request) -> RequestState | None:
         """Drops ``request``'s state (``None`` if it has none), undoing what ``_state`` set:
-        the handle tag, ``FastAllocate``'s table entry and the boundary offloads' name."""
+        the handle tag, ``FastAllocate``'s table entry and the boundary offloads' name; the
+        ``req_to_blocks`` lists handed out for it keep the blocks it holds now."""
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
+            if self._live_blocks:
+                freeze_live_blocks(self._live_blocks, request.request_id, self._alloc.block_ids(st.handle))
             request._hybrid_alloc_handle = -1
             self._fast.track(request, -1)
             if self._boundary is not None:
@@ -462,7 +477,7 @@ class HybridKVCacheManager:
                 while n < len(g) and g[n] == 0:
                     n += 1
                 ids.extend(g[n:])
-        return [NativeBlock(self._alloc, b) for b in ids]
+        return self._views.many(ids)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         self._alloc.evict_blocks(list(block_ids))
@@ -578,7 +593,7 @@ class HybridKVCacheManager:
         if not flat:
             return [], []
         copies = [KVCacheBlockCopy(src_block_id=flat[i], dst_block_id=flat[i + 1]) for i in range(0, len(flat), 2)]
-        return copies, [NativeBlock(self._alloc, b) for b in flat]
+        return copies, self._views.many(flat)
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         return {} if self._boundary is None else self._boundary.take()

@@ -73,11 +73,10 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         native["zero_new_blocks"] = True
     if a.metrics_collector:  # vLLM's pool tests it so (see ``metrics``)
         native["residency_log"] = True
-    if getattr(vllm_config, "kv_transfer_config", None) is not None and any(
-        isinstance(g.kv_cache_spec, MambaSpec) for g in kvc.kv_cache_groups
-    ):
-        # The scheduler hands a connector the boundary states Mamba "align" groups key (see
-        # ``.boundary``); without a connector nobody reads them.
+    if any(isinstance(g.kv_cache_spec, MambaSpec) for g in kvc.kv_cache_groups):
+        # The boundary states Mamba "align" groups key, offered as vLLM's manager offers them
+        # (see ``.boundary``): the scheduler drains them every step, and hands them to a KV
+        # connector when there is one. Without Mamba groups there are none to offer.
         native["boundary_offloads"] = True
     if a.num_hash_lookahead_tokens > 0:
         # 0.33 moves the Mamba "align" prefill checkpoint positions by the lookahead tokens.

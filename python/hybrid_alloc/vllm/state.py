@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from hybrid_alloc._core import Allocator, BlockIds
+    from hybrid_alloc.vllm.facades import LiveBlocks
 
 __all__ = ["ManagerView", "RequestState"]
 
@@ -47,6 +48,8 @@ class ManagerView(Protocol):
     def _reqs(self) -> dict[str, RequestState]: ...
     @property
     def _pending_pins(self) -> list[list[int]]: ...
+    @property
+    def _live_blocks(self) -> dict[str, dict[int, LiveBlocks]]: ...
     @property
     def enable_caching(self) -> bool: ...
     @property

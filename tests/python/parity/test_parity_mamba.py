@@ -5,8 +5,8 @@ and for KV cache zeroing: vLLM's own KVCacheManager against ours on seeded rando
 chunked prefill, decode with lookahead, preemption, aborts, resets, explicit
 ``cache_blocks`` / ``remove_skipped_blocks`` / ``record_blocks_for_zeroing``). Block ids,
 hits, free counts, usage, events, the blocks reported for zeroing and, with Mamba "align"
-groups (ours built as with a KV connector), the boundary states ``take_boundary_state_offloads``
-hands over (every 16 calls) must be identical.
+groups, the boundary states ``take_boundary_state_offloads`` hands over (every 16 calls; no
+connector needed, as with vLLM's) must be identical.
 
 ``HYBRID_ALLOC_PARITY_OPS`` sets the operations per configuration (default 100000)."""
 

@@ -279,10 +279,9 @@ MAMBA_SETUPS: list[Setup] = [
 class ZeroingParityRun(ParityRun):
     """``ParityRun`` that also compares the block ids reported for zeroing after every
     operation and sometimes re-records a request's blocks for zeroing. With Mamba "align"
-    groups and prefix caching on, ours is built as with a KV connector (the
-    OffloadingConnector), and the boundary states both managers would hand it
-    (``take_boundary_state_offloads``, recorded always by vLLM's) are compared every 16
-    operations too."""
+    groups and prefix caching on, the boundary states both managers offer
+    (``take_boundary_state_offloads``, recorded always, connector or not) are compared every
+    16 operations too."""
 
     # Compare the boundary states every this many operations.
     boundary_every = 16
@@ -293,18 +292,6 @@ class ZeroingParityRun(ParityRun):
         self.boundary = setup.enable_caching and any(
             isinstance(s, MambaSpec) and s.mamba_cache_mode == "align" for s in setup.specs
         )
-        if self.boundary:
-            from types import SimpleNamespace
-
-            from vllm.config import KVTransferConfig
-
-            from hybrid_alloc.vllm import HybridKVCacheManager
-
-            ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
-            self.ours = HybridKVCacheManager(
-                **setup.manager_kwargs(True), vllm_config=SimpleNamespace(kv_transfer_config=ktc)
-            )
-            assert type(self.ours) is HybridKVCacheManager, f"{setup.name}: fell back with a connector"
 
     def after_op(self) -> None:
         a, b = self.ref.take_new_block_ids(), self.ours.take_new_block_ids()
