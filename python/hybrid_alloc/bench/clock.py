@@ -37,6 +37,9 @@ _TIMED = (
     "estimate_cached_tokens",
     "remove_skipped_blocks",
     "truncate_computed_blocks",
+    # vLLM 0.34's probe: cache-aware admission asks it of the first N waiting requests each
+    # step (``--cache-aware-admission-window``); absent before 0.34, and then not patched.
+    "get_num_cached_tokens",
 )
 # What the scheduler (and connectors) call on the ``KVCacheBlocks`` the manager returns:
 # timed on ``KVCacheBlocks`` and on every subclass that defines them (ours, lazily built).
@@ -240,7 +243,8 @@ def _classifiers(empty: Any) -> dict[str, Classifier]:
       ``crossing`` (one new token and a new block: the step crossed a block boundary),
       ``refused`` (``None``: it did not fit);
     - ``blocks.get_block_ids``: ``empty`` (on the empty result) or ``ids``;
-    - ``get_computed_blocks``, ``get_blocks``, ``free``: one kind, ``all``."""
+    - ``get_computed_blocks``, ``get_blocks``, ``free``, ``get_num_cached_tokens``: one kind,
+      ``all``."""
 
     def allocate(a: tuple[Any, ...], k: dict[str, Any], r: Any) -> str:
         if r is None:
@@ -264,4 +268,5 @@ def _classifiers(empty: Any) -> dict[str, Classifier]:
         "get_computed_blocks": one,
         "get_blocks": one,
         "free": one,
+        "get_num_cached_tokens": one,
     }

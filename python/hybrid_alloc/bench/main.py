@@ -22,6 +22,10 @@ alternate: even steps run with the timing wrappers (their calibrated cost subtra
 call), odd steps run bare and give the whole step's time (``schedule()`` +
 ``update_from_output()``), in wall time and in the thread's CPU time.
 
+``--admission-window N`` (repeatable; vLLM 0.34+, refused with one line before) runs the
+``serve`` workload with vLLM's cache-aware admission window N, paired per window
+(:mod:`.serve`).
+
 The tables fit the terminal (``COLUMNS``, else 80) with their main columns; ``--wide`` prints
 every column, and ``bench.json`` holds every figure.
 """
@@ -131,6 +135,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=200,
         help="serve: steps measured once half the clients have been replaced (half timed, half bare)",
     )
+    p.add_argument(
+        "--admission-window",
+        action="append",
+        type=int,
+        metavar="N",
+        help="serve, repeatable: run the serve workload with vLLM's cache-aware admission window N "
+        "(--cache-aware-admission-window; 0: off, the default; vLLM 0.34+), each window paired against vLLM's manager",
+    )
+    p.add_argument(
+        "--admission-threshold",
+        type=float,
+        metavar="T",
+        help="serve: the usage from which the admission window applies "
+        "(vLLM's cache_aware_admission_threshold; default vLLM's, 0.5)",
+    )
     p.add_argument("--input-len", type=int, default=6144)
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--num-prompts", type=int, default=50)
@@ -185,6 +204,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not vllm_ready():
         return 2
+    windows = args.admission_window or [0]
+    if any(w < 0 for w in windows):
+        print("hybrid-alloc bench: --admission-window takes a window of 0 or more requests", file=sys.stderr)
+        return 2
+    from hybrid_alloc.bench.offline import CACHE_AWARE_ADMISSION
+
+    if (any(windows) or args.admission_threshold is not None) and not CACHE_AWARE_ADMISSION:
+        print(
+            "hybrid-alloc bench: this vLLM has no cache-aware admission "
+            "(SchedulerConfig.cache_aware_admission_window, vLLM 0.34); drop --admission-window/--admission-threshold",
+            file=sys.stderr,
+        )
+        return 2
     from tqdm import tqdm
 
     from hybrid_alloc.bench.shapes import ALIASES, SHAPES, by_name
@@ -200,9 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     plan: list[tuple[str, str, str, Any]] = []
     if "serve" in workloads:
         for m in serve_models:
-            for mg in managers:
-                if mg in ("vllm", "hybrid_alloc", "floor"):
-                    plan.append((m, "serve", mg, args.serve_clients))
+            for w in windows:
+                for mg in managers:
+                    if mg in ("vllm", "hybrid_alloc", "floor"):
+                        plan.append((m, "serve", mg, w))
     managers = [m for m in managers if m != "floor"]  # floor: the serve workload only
     for m in models:
         for w in workloads:
@@ -219,9 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=len(plan), desc="bench", unit="run", file=sys.stderr)
     for model, scen, mg, n in plan:
         shape = by_name(model)
-        bar.set_postfix_str(f"{model} {scen} {mg}")
+        bar.set_postfix_str(f"{model} {scen} {mg}" + (f" window {n}" if scen == "serve" and n else ""))
         if scen == "serve":
-            r = run_serve(shape, mg, args)
+            r = run_serve(shape, mg, args, window=n)
         elif scen in ("throughput", "shared-prefix"):
             if scen == "throughput":
                 reqs = throughput_requests(args.num_prompts, args.input_len, args.output_len)
@@ -308,6 +341,8 @@ def report(results: list[RunResult], args: argparse.Namespace, memory: list[dict
                 "output_len": args.serve_output_len,
                 "output_spread": args.serve_output_spread,
                 "steps": args.serve_steps,
+                "admission_windows": getattr(args, "admission_window", None) or [0],
+                "admission_threshold": getattr(args, "admission_threshold", None),
             },
         },
         "counting": "KV time: every call into the manager (and the coordinator/block_pool methods the "

@@ -1,7 +1,8 @@
 """One bench scenario on vLLM's real scheduler: :func:`run_scenario` builds the scheduler with
 the named manager (``vllm``, ``hybrid_alloc``, ``no_hybrid``, or ``floor``: ours with the
-decode call answered by the probe, :mod:`hybrid_alloc.bench.floor`), feeds it requests
-(optionally as a closed loop), alternates timed and bare steps, and returns a
+decode call answered by the probe, :mod:`hybrid_alloc.bench.floor`), optionally with vLLM
+0.34's cache-aware admission window, feeds it requests (optionally as a closed loop),
+alternates timed and bare steps, and returns a
 :class:`RunResult`. Shared by ``hybrid-alloc bench``'s scenarios (:mod:`.main`) and its
 ``serve`` workload (:mod:`.serve`).
 
@@ -85,6 +86,8 @@ def run_scenario(
     decode_steps: int | None = None,
     refill: Any = None,
     warmup_finished: int = 0,
+    admission_window: int = 0,
+    admission_threshold: float | None = None,
 ) -> RunResult:
     """Runs the scheduler to the end (or for ``decode_steps`` measured steps once
     ``measure_from_running`` requests run with their prompts done). Steps alternate: on even
@@ -94,7 +97,16 @@ def run_scenario(
     A closed loop (``refill``, a function of the request's index returning ``(id, prompt,
     output length)``): after each step, every finished request is replaced at once by the next
     one, so that ``len(requests)`` clients are always in the scheduler; measuring starts once
-    ``warmup_finished`` requests have been replaced."""
+    ``warmup_finished`` requests have been replaced.
+
+    ``admission_window`` / ``admission_threshold``: the scheduler's cache-aware admission
+    (vLLM 0.34's ``--cache-aware-admission-window`` / ``-threshold``; ``ValueError`` on a
+    release without it, :meth:`SchedulerSetup.admission_kwargs`). The result's
+    ``extra["admission_window"]`` / ``["admission_threshold"]`` are what the scheduler applies
+    (its ``cache_aware_window``: 0 unless prefix caching is on and the policy is FCFS; its
+    threshold, None with no window), and
+    ``extra["waiting_mean"]`` / ``["waiting_max"]`` the waiting queue's depth before each
+    measured step's ``schedule()`` (vLLM's docs ask for the smallest window that spans it)."""
     from hybrid_alloc.bench.offline import SchedulerSetup, fabricate_output, make_request
 
     setup = SchedulerSetup(
@@ -104,6 +116,8 @@ def run_scenario(
         kv_budget_bytes=kv_budget,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        admission_window=admission_window,
+        admission_threshold=admission_threshold,
     )
     sched = setup.build()
     mgr = sched.kv_cache_manager
@@ -133,6 +147,7 @@ def run_scenario(
     usage: list[float] = []
     running_timed: list[int] = []  # requests scheduled on each timed step
     step_running: list[int] = []  # and on each bare step
+    waiting: list[int] = []  # the waiting queue's depth before each measured step
     step = 0
     measuring = measure_from_running == 0 and warmup_finished == 0
     measured = 0
@@ -149,6 +164,7 @@ def run_scenario(
             else:
                 clock.off()
             clock.take()
+            n_waiting = len(sched.waiting)
             c0 = tt()
             t0 = pc()
             so = sched.schedule()
@@ -163,6 +179,7 @@ def run_scenario(
             kv = clock.take()
             n_run = len(sched.running)
             if measuring:
+                waiting.append(n_waiting)
                 if timed:
                     kv_ns.append(kv)
                     kv_per_req_ns.append(kv / max(1, len(so.num_scheduled_tokens)))
@@ -199,6 +216,7 @@ def run_scenario(
     finally:
         clock.off()
     n_timed = max(1, len(kv_ns))
+    window = int(getattr(sched, "cache_aware_window", 0) or 0)  # what the scheduler applies
     breakdown = {
         name: {"us_per_step": ns / n_timed / 1e3, "calls_per_step": calls / n_timed}
         for name, (ns, calls) in sorted(clock.by_name.items(), key=lambda kv: -kv[1][0])
@@ -249,6 +267,10 @@ def run_scenario(
             # All timed steps' KV time over all the requests they scheduled.
             "kv_us_per_running_request_mean": sum(kv_ns) / max(1, sum(running_timed)) / 1e3,
             "replaced": replaced,
+            "admission_window": window,
+            "admission_threshold": getattr(sched, "cache_aware_threshold", None) if window else None,
+            "waiting_mean": statistics.fmean(waiting) if waiting else 0.0,
+            "waiting_max": max(waiting) if waiting else 0,
         },
     )
 

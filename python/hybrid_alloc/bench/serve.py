@@ -10,6 +10,14 @@ from ``output_len - output_spread`` to ``output_len + output_spread`` tokens, so
 once half the clients have been replaced (the loop is in its steady state), then runs
 ``steps`` steps: half timed (KV time), half bare (the whole step).
 
+With ``--admission-window N`` (vLLM 0.34's ``--cache-aware-admission-window``; repeatable,
+0 is off) the workload runs once per window, each its own scenario (``serve-1024``,
+``serve-1024-window16``) paired against vLLM's manager under the same window: each step the
+scheduler asks ``get_num_cached_tokens`` of the first N waiting requests once ``usage``
+reaches ``--admission-threshold`` (vLLM's default 0.5), a call the KV time counts. The
+arrivals share one system prompt and nothing else, so the probes find equal prefixes and the
+order stays (ties keep arrival order): what the row shows is what the probes cost.
+
 Every figure says which statistic it is. Means add up (a step's KV mean is the sum of its
 calls' means per step), so the totals, shares and the zero-KV bound are means; medians are
 given beside them where a reader asks "what does one call cost".
@@ -21,6 +29,7 @@ import random
 from typing import Any
 
 from hybrid_alloc.bench.common import render_table, say, say_parts
+from hybrid_alloc.bench.hits_report import window_label
 from hybrid_alloc.bench.runner import RunResult, run_scenario
 
 SERVE_MODELS = ("gemma-2-27b", "qwen3.5-style", "deepseek-v4-style")
@@ -35,6 +44,7 @@ PER_CALL = (
     ("allocate_slots/chunk", "allocate_slots, prefill chunk"),
     ("get_blocks/all", "get_blocks (NewRequestData)"),
     ("free/all", "free"),
+    ("get_num_cached_tokens/all", "get_num_cached_tokens (admission probe)"),
 )
 
 
@@ -71,7 +81,14 @@ def serve_pool_blocks(clients: int, max_tokens: int, block_size: int = 16) -> in
     return clients * per_req * 2 + 64
 
 
-def run_serve(shape: Any, manager: str, args: Any) -> RunResult:
+def serve_scenario(clients: int, window: int) -> str:
+    """The scenario's name: ``serve-N``, and ``-windowW`` with a cache-aware admission window."""
+    return f"serve-{clients}" + (f"-window{window}" if window else "")
+
+
+def run_serve(shape: Any, manager: str, args: Any, window: int = 0) -> RunResult:
+    """The closed loop on ``shape`` under ``manager``; ``window``: the scheduler's cache-aware
+    admission window (0: off), from usage ``args.admission_threshold`` (None or absent: vLLM's)."""
     n = args.serve_clients
     stream = ServeRequests(
         args.serve_prompt_len, args.serve_output_len, args.serve_output_spread, args.serve_prefix_share
@@ -79,7 +96,7 @@ def run_serve(shape: Any, manager: str, args: Any) -> RunResult:
     r = run_scenario(
         shape,
         manager,
-        f"serve-{n}",
+        serve_scenario(n, window),
         [stream(k) for k in range(n)],
         num_blocks=serve_pool_blocks(n, stream.max_tokens()),
         kv_budget=None,
@@ -88,6 +105,8 @@ def run_serve(shape: Any, manager: str, args: Any) -> RunResult:
         decode_steps=args.serve_steps,
         refill=stream,
         warmup_finished=n // 2,
+        admission_window=window,
+        admission_threshold=getattr(args, "admission_threshold", None) if window else None,
     )
     r.extra["clients"] = n
     return r
@@ -105,17 +124,19 @@ def kv_from_medians(row: dict[str, Any]) -> float:
 
 
 def serve_ratios(rows: list[dict[str, Any]]) -> None:
-    """Adds to each ``serve`` row of ours its ratios to vLLM's row of the same model: KV (means
-    per step), whole step (means, wall and CPU), and the zero-KV bound (vLLM's mean step minus
-    vLLM's mean KV time per step)."""
-    base = {r["model"]: r for r in rows if r["scenario"].startswith("serve") and r["manager"] == "vllm"}
+    """Adds to each ``serve`` row of ours its ratios to vLLM's row of the same model and
+    scenario (the same admission window): KV (means per step), whole step (means, wall and
+    CPU), and the zero-KV bound (vLLM's mean step minus vLLM's mean KV time per step)."""
+    base = {
+        (r["model"], r["scenario"]): r for r in rows if r["scenario"].startswith("serve") and r["manager"] == "vllm"
+    }
     for r in rows:
         if not r["scenario"].startswith("serve"):
             continue
         r["kv_share_of_step"] = r["kv_us_mean"] / r["step_us_mean"] if r["step_us_mean"] else 0.0
         r["kv_us_from_medians"] = kv_from_medians(r)
         r["kv_us_per_request_from_medians"] = r["kv_us_from_medians"] / max(1.0, r["running_mean"])
-        b = base.get(r["model"])
+        b = base.get((r["model"], r["scenario"]))
         if b is None or r is b:
             continue
         r["serve_kv_x"] = b["kv_us_mean"] / r["kv_us_mean"] if r["kv_us_mean"] else float("inf")
@@ -130,11 +151,15 @@ def serve_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def print_serve_table(rows: list[dict[str, Any]], release: str | None, wide: bool = False) -> None:
-    """The headline table: one line per model and manager of the ``serve`` workload. By
-    default its main columns, which fit 80 columns; ``wide`` (``--wide``) every column."""
+    """The headline table: one line per model and manager of the ``serve`` workload (and per
+    admission window, in a ``window`` column, when some row ran with one). By default its main
+    columns, which fit 80 columns; ``wide`` (``--wide``) every column."""
     serve = [r for r in rows if r["scenario"].startswith("serve") and r["manager"] != "no_hybrid"]
     if not serve:
         return
+    windows = any(r.get("admission_window") for r in serve)
+    for r in serve:
+        r["window"] = window_label(r)
     cols = [
         ("model", "model", "{}"),
         ("manager", "manager", "{}"),
@@ -153,6 +178,7 @@ def print_serve_table(rows: list[dict[str, Any]], release: str | None, wide: boo
         ("kv_share_of_step", "KV share of step", "{:.1%}"),
         ("zero_kv_bound_us", "vLLM step - vLLM KV", "{:.0f}"),
         ("step_over_bound", "step / that bound", "{:.3f}"),
+        ("waiting_mean", "waiting (mean)", "{:.1f}"),
     ]
     caption = None
     if not wide:
@@ -169,6 +195,8 @@ def print_serve_table(rows: list[dict[str, Any]], release: str | None, wide: boo
             "KV us/req: KV time per running request per step; x: vLLM's / ours; step: schedule() + "
             "update_from_output(), wall; every column (hit rate, CPU time, the zero-KV bound): --wide, or bench.json"
         )
+    if windows:  # the window (N@threshold) beside the manager
+        cols.insert(2, ("window", "window", "{}"))
     title = (
         f"serve: closed loop, vLLM {release} scheduler, prefix caching on; "
         "means per step over the measured steps (KV on timed steps, step on bare ones)"
@@ -187,4 +215,5 @@ def print_serve_table(rows: list[dict[str, Any]], release: str | None, wide: boo
             for key, label in PER_CALL
             if key in pc
         ]
-        say_parts(f"{r['model']} {r['manager']}: ", parts, "; ", wide, indent="  ")
+        head = f"{r['model']} {r['manager']}" + (f" window {r['window']}" if windows else "")
+        say_parts(f"{head}: ", parts, "; ", wide, indent="  ")
