@@ -105,8 +105,11 @@ def run_scenario(
     ``extra["admission_window"]`` / ``["admission_threshold"]`` are what the scheduler applies
     (its ``cache_aware_window``: 0 unless prefix caching is on and the policy is FCFS; its
     threshold, None with no window), and
-    ``extra["waiting_mean"]`` / ``["waiting_max"]`` the waiting queue's depth before each
-    measured step's ``schedule()`` (vLLM's docs ask for the smallest window that spans it)."""
+    ``extra["waiting_mean"]`` / ``["waiting_p90"]`` / ``["waiting_max"]`` the waiting queue's
+    depth before each measured step's ``schedule()`` (vLLM's docs ask for the smallest window
+    that spans it), ``extra["probe_steps"]`` the share of timed steps in which the scheduler
+    probed (``get_num_cached_tokens``: the window engages only once usage reaches the
+    threshold, with two requests waiting)."""
     from hybrid_alloc.bench.offline import SchedulerSetup, fabricate_output, make_request
 
     setup = SchedulerSetup(
@@ -148,6 +151,8 @@ def run_scenario(
     running_timed: list[int] = []  # requests scheduled on each timed step
     step_running: list[int] = []  # and on each bare step
     waiting: list[int] = []  # the waiting queue's depth before each measured step
+    probe_steps = 0  # timed steps in which the scheduler probed (cache-aware admission)
+    probes = clock.by_name.get("get_num_cached_tokens", [0.0, 0])  # [ns, calls], kept by the clock
     step = 0
     measuring = measure_from_running == 0 and warmup_finished == 0
     measured = 0
@@ -165,6 +170,7 @@ def run_scenario(
                 clock.off()
             clock.take()
             n_waiting = len(sched.waiting)
+            n_probes = probes[1]
             c0 = tt()
             t0 = pc()
             so = sched.schedule()
@@ -184,6 +190,7 @@ def run_scenario(
                     kv_ns.append(kv)
                     kv_per_req_ns.append(kv / max(1, len(so.num_scheduled_tokens)))
                     raw_calls.append(clock.last_calls)
+                    probe_steps += probes[1] > n_probes
                     running_timed.append(len(so.num_scheduled_tokens))
                 else:
                     step_ns.append((t1 - t0) + (t3 - t2))
@@ -270,7 +277,9 @@ def run_scenario(
             "admission_window": window,
             "admission_threshold": getattr(sched, "cache_aware_threshold", None) if window else None,
             "waiting_mean": statistics.fmean(waiting) if waiting else 0.0,
+            "waiting_p90": sorted(waiting)[int(0.9 * len(waiting))] if waiting else 0,
             "waiting_max": max(waiting) if waiting else 0,
+            "probe_steps": probe_steps / n_timed,
         },
     )
 

@@ -195,8 +195,10 @@ def print_serve_table(rows: list[dict[str, Any]], release: str | None, wide: boo
             "KV us/req: KV time per running request per step; x: vLLM's / ours; step: schedule() + "
             "update_from_output(), wall; every column (hit rate, CPU time, the zero-KV bound): --wide, or bench.json"
         )
-    if windows:  # the window (N@threshold) beside the manager
+    if windows:  # the window (N@threshold) beside the manager; with --wide, the steps that probed
         cols.insert(2, ("window", "window", "{}"))
+        if wide:
+            cols.append(("probe_steps", "steps that probed", "{:.0%}"))
     title = (
         f"serve: closed loop, vLLM {release} scheduler, prefix caching on; "
         "means per step over the measured steps (KV on timed steps, step on bare ones)"

@@ -5,8 +5,10 @@ block-crossing and no-op decode calls apart, for both managers alike."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -181,3 +183,76 @@ def test_serve_floor_probe_answers_decode_calls_with_the_constant(monkeypatch: p
     # decode call.
     assert seen["answered"] > 0 and seen["not_empty"] == 0
     assert seen["forwarded"] and not any(_is_decode_call(a, k) for a, k in seen["forwarded"])
+
+
+def test_serve_admission_window_probes_under_both_managers() -> None:
+    """``--admission-window`` on the closed loop (vLLM 0.34's cache-aware admission): the
+    scheduler applies the window (its ``cache_aware_window``), and vLLM's scheduler probes each
+    manager's ``get_num_cached_tokens``, which the clock times per call; the arrivals share one
+    prefix, so the order and the scheduling stay the same as without the window, under both
+    managers. Counted, not timed."""
+    from hybrid_alloc.bench.offline import CACHE_AWARE_ADMISSION
+
+    if not CACHE_AWARE_ADMISSION:
+        pytest.skip("this vLLM's SchedulerConfig has no cache_aware_admission_window (vLLM 0.34 added it)")
+    # From usage 0: this small pool stays below vLLM's default threshold (0.5).
+    args = argparse.Namespace(**vars(ARGS), admission_threshold=0.0)
+    runs = {
+        (m, w): serve.run_serve(SHAPES["gpt-oss-120b"], m, args, window=w)
+        for m in ("vllm", "hybrid_alloc")
+        for w in (0, 8)
+    }
+    for (m, w), r in runs.items():
+        assert r.extra["native"] == (m == "hybrid_alloc")
+        assert r.scenario == ("serve-12-window8" if w else "serve-12")
+        assert r.extra["admission_window"] == w and r.extra["admission_threshold"] == (0.0 if w else None)
+        probe = r.extra["per_call"].get("get_num_cached_tokens/all")
+        if not w:
+            assert probe is None and r.extra["probe_steps"] == 0
+            continue
+        # The window is on: the scheduler probed, in some timed steps, at most 8 requests a step.
+        assert probe is not None and probe["calls_per_step"] > 0 and 0 < r.extra["probe_steps"] <= 1
+        assert probe["calls_per_step"] <= 8 * r.extra["probe_steps"]
+        assert r.extra["kv_breakdown"]["get_num_cached_tokens"]["calls_per_step"] == probe["calls_per_step"]
+        off = runs[m, 0]
+        assert (r.running, r.usage, r.hit_rate) == (off.running, off.usage, off.hit_rate)
+    ours, ref = runs["hybrid_alloc", 8], runs["vllm", 8]
+    assert (
+        ours.extra["per_call"]["get_num_cached_tokens/all"]["calls_per_step"]
+        == (ref.extra["per_call"]["get_num_cached_tokens/all"]["calls_per_step"])
+    )
+    rows = [r.summary() for r in runs.values()]
+    serve.serve_ratios(rows)
+    by = {(r["manager"], r["scenario"]): r for r in rows}
+    # Each window's row of ours is paired with vLLM's row under the same window.
+    for scen in ("serve-12", "serve-12-window8"):
+        mine, base = by["hybrid_alloc", scen], by["vllm", scen]
+        assert mine["serve_step_x"] == pytest.approx(base["step_us_mean"] / mine["step_us_mean"])
+
+
+def test_serve_cli_admission_window(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``hybrid-alloc bench --workload serve --admission-window 0 --admission-window 8``: one
+    paired scenario per window in bench.json and a ``window`` column in the table; on a
+    release without cache-aware admission, one line on stderr, exit 2, nothing written."""
+    from hybrid_alloc.bench.offline import CACHE_AWARE_ADMISSION
+    from hybrid_alloc.cli import main as cli
+
+    argv = ["bench", "--workload", "serve", "--model", "gpt-oss-120b", "--managers", "vllm,hybrid_alloc"]
+    argv += ["--serve-clients", "12", "--serve-prompt-len", "80", "--serve-output-len", "24"]
+    argv += ["--serve-output-spread", "8", "--serve-prefix-share", "0.4", "--serve-steps", "24"]
+    argv += ["--max-num-batched-tokens", "256", "--admission-window", "0", "--admission-window", "8"]
+    argv += ["--admission-threshold", "0", "--no-plot", "--out-dir", str(tmp_path)]
+    code = cli(argv)
+    out = capsys.readouterr()
+    if not CACHE_AWARE_ADMISSION:
+        assert code == 2 and not (tmp_path / "bench.json").exists()
+        lines = [ln for ln in out.err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "no cache-aware admission" in lines[0]
+        return
+    assert code == 0, out.err
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["assumptions"]["serve"]["admission_windows"] == [0, 8]
+    rows = {(r["scenario"], r["manager"]): r for r in data["results"]}
+    assert set(rows) == {(s, m) for s in ("serve-12", "serve-12-window8") for m in ("vllm", "hybrid_alloc")}
+    assert rows["serve-12-window8", "hybrid_alloc"]["per_call"]["get_num_cached_tokens/all"]["calls_per_step"] > 0
+    assert "window" in out.out and "8@0" in out.out and "off" in out.out
