@@ -72,8 +72,11 @@ parity_ops() {
 # cache, metrics, outputs and its own single-type managers, never a manager the plugin builds:
 # the gate's summary counts them "built none"), less the six "standard" 20,000-step random soaks
 # of test_priority_scheduler_random.py (their six "preemption" siblings, the same soak under
-# block pressure, run); `bash scripts/vllm-tests.sh RELEASE` runs them all (docs/development.md).
-GATE_CI_ARGS=(-k "not (test_priority_scheduling_blast and standard)")
+# block pressure, run), and test_kv_cache_utils.py's test_is_kv_cache_spec_uniform, which builds
+# no manager and ends in a `python -O` subprocess importing vLLM under a 60-second timeout (with
+# the other lanes beside it on two cores the import took longer: CI failed on it, 2026-12-06);
+# `bash scripts/vllm-tests.sh RELEASE` runs them all (docs/development.md).
+GATE_CI_ARGS=(-k "not (test_priority_scheduling_blast and standard) and not test_is_kv_cache_spec_uniform")
 for f in test_encoder_cache_manager test_kv_cache_config_builder test_kv_cache_metrics test_kv_cache_planning \
   test_kv_sharing test_output test_prompt_block_hash_vectors test_repetition_detection \
   test_single_type_kv_cache_manager prefix_cache/test_partial_prefix_cache_primitives; do

@@ -55,13 +55,13 @@ from hybrid_alloc.vllm.compat import (
 )
 from hybrid_alloc.vllm.connector import fold_negative_external
 from hybrid_alloc.vllm.connector_hits import local_hit_for_connector
-from hybrid_alloc.vllm.facades import LiveBlocks, NativeBlockPool, NativeCoordinator, freeze_live_blocks
+from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
 from hybrid_alloc.vllm.kv_events import EventLog
 from hybrid_alloc.vllm.metrics import after_call_hook
 from hybrid_alloc.vllm.plan import native_plan
 from hybrid_alloc.vllm.policy_env import PIN_PREFIXES_ENV, PIN_SHARE_ENV, POLICY_ENV, RETAIN_PRIORITY_ENV
 from hybrid_alloc.vllm.spec_table import describe
-from hybrid_alloc.vllm.state import RequestState
+from hybrid_alloc.vllm.state import LiveBlocks, RequestState, freeze_live_blocks
 from hybrid_alloc.vllm.unsupported import Unsupported
 
 __all__ = [

@@ -1,17 +1,21 @@
 """What the adapter's rooms share with it, without importing it: :class:`RequestState`, the
-adapter's per-request state, and :class:`ManagerView`, the part of
+adapter's per-request state, :class:`LiveBlocks`, a request's blocks in a group as vLLM's
+``req_to_blocks`` shows them (the facades hand them out, the adapter's free freezes them), and
+:class:`ManagerView`, the part of
 :class:`~hybrid_alloc.vllm.manager.HybridKVCacheManager` that :mod:`.facades` (``block_pool``,
 ``coordinator``) and :mod:`.connector_hits` (the connector's local hit) work through. The
 adapter imports those rooms; they import this module, not the adapter, so the imports run one
 way (mypy checks that the adapter is a ``ManagerView`` where it hands itself over).
 
-Cost: nothing at run time (a dataclass with slots, and a typing protocol).
+Cost: nothing at run time on the scheduler's path (a dataclass with slots, a typing protocol,
+and ``LiveBlocks``, built only when someone reads ``req_to_blocks``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -19,9 +23,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from hybrid_alloc._core import Allocator, BlockIds
-    from hybrid_alloc.vllm.facades import LiveBlocks
+    from hybrid_alloc.vllm.blocks import BlockViews, NativeBlock
 
-__all__ = ["ManagerView", "RequestState"]
+__all__ = ["LiveBlocks", "ManagerView", "RequestState", "freeze_live_blocks"]
 
 
 @dataclass(slots=True)
@@ -68,3 +72,58 @@ class ManagerView(Protocol):
     def reset_prefix_cache(self) -> bool: ...
     def take_events(self) -> list[KVCacheEvent]: ...
     def get_blocks(self, request_id: str) -> KVCacheBlocks: ...
+
+
+class LiveBlocks(Sequence["NativeBlock"]):
+    """One request's blocks in one group, as vLLM's ``req_to_blocks[request_id]`` list shows
+    them: live while the request holds them (vLLM grows that list in place; each read here
+    asks the core's table, one crossing, O(the request's blocks)), then, once the request's
+    blocks are freed, the blocks it held then (vLLM's list, popped from ``req_to_blocks``,
+    keeps them). As views; compares equal to a list of the same blocks. Read-only.
+
+    One instance per request and group while the request lives (``ReqToBlocks`` keeps them in
+    the manager's ``_live_blocks``, which the manager's free empties: an empty-dict test when
+    nobody read ``req_to_blocks``)."""
+
+    __slots__ = ("_frozen", "_group", "_mgr", "_request_id", "_views")
+
+    def __init__(self, mgr: ManagerView, views: BlockViews, group: int, request_id: str) -> None:
+        self._mgr = mgr
+        self._views = views
+        self._group = group
+        self._request_id = request_id
+        #: The block ids once the request's blocks were freed (``None`` while it holds them).
+        self._frozen: list[int] | None = None
+
+    def _ids(self) -> list[int]:
+        if self._frozen is not None:
+            return self._frozen
+        st = self._mgr._reqs.get(self._request_id)
+        return [] if st is None else self._mgr._alloc.block_ids(st.handle)[self._group]
+
+    def __len__(self) -> int:
+        return len(self._ids())
+
+    def __getitem__(self, index: Any) -> Any:
+        ids = self._ids()[index]
+        return self._views.many(ids) if isinstance(index, slice) else self._views[ids]
+
+    def __iter__(self) -> Iterator[NativeBlock]:
+        return iter(self._views.many(self._ids()))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple, LiveBlocks)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # a mutable sequence, as vLLM's list
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+def freeze_live_blocks(live: dict[str, dict[int, LiveBlocks]], request_id: str, groups: tuple[list[int], ...]) -> None:
+    """Called by the manager as ``request_id``'s blocks go back to the pool (``groups``: its
+    table then): the request's :class:`LiveBlocks` keep those blocks from now on."""
+    for g, lb in live.pop(request_id, {}).items():
+        lb._frozen = groups[g]
