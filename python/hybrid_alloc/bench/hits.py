@@ -181,17 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         print("hybrid-alloc hits: --max-num-seqs takes 1 or more", file=sys.stderr)
         return 2
-    if any(w < 0 for w in windows):
-        print("hybrid-alloc hits: --admission-window takes a window of 0 or more requests", file=sys.stderr)
-        return 2
-    from hybrid_alloc.bench.offline import CACHE_AWARE_ADMISSION
+    from hybrid_alloc.bench.offline import admission_options_error
 
-    if (any(windows) or args.admission_threshold is not None) and not CACHE_AWARE_ADMISSION:
-        print(
-            "hybrid-alloc hits: this vLLM has no cache-aware admission "
-            "(SchedulerConfig.cache_aware_admission_window, vLLM 0.34); drop --admission-window/--admission-threshold",
-            file=sys.stderr,
-        )
+    if refused := admission_options_error("hits", windows, args.admission_threshold):
+        print(refused, file=sys.stderr)
         return 2
     units = args.prefix_match_unit or [0]
     if any(u < 0 for u in units):

@@ -205,17 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     if not vllm_ready():
         return 2
     windows = args.admission_window or [0]
-    if any(w < 0 for w in windows):
-        print("hybrid-alloc bench: --admission-window takes a window of 0 or more requests", file=sys.stderr)
-        return 2
-    from hybrid_alloc.bench.offline import CACHE_AWARE_ADMISSION
+    from hybrid_alloc.bench.offline import admission_options_error
 
-    if (any(windows) or args.admission_threshold is not None) and not CACHE_AWARE_ADMISSION:
-        print(
-            "hybrid-alloc bench: this vLLM has no cache-aware admission "
-            "(SchedulerConfig.cache_aware_admission_window, vLLM 0.34); drop --admission-window/--admission-threshold",
-            file=sys.stderr,
-        )
+    if refused := admission_options_error("bench", windows, args.admission_threshold):
+        print(refused, file=sys.stderr)
         return 2
     from tqdm import tqdm
 

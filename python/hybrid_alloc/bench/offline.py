@@ -72,6 +72,20 @@ ManagerName = Literal["vllm", "hybrid_alloc", "no_hybrid"]
 CACHE_AWARE_ADMISSION: bool = "cache_aware_admission_window" in {f.name for f in dataclasses.fields(SchedulerConfig)}
 
 
+def admission_options_error(command: str, windows: list[int], threshold: float | None) -> str | None:
+    """The one line ``hybrid-alloc COMMAND`` refuses its ``--admission-window`` /
+    ``--admission-threshold`` with (a negative window; either option on a vLLM without
+    :data:`CACHE_AWARE_ADMISSION`), or None when they can run. Shared by ``bench`` and ``hits``."""
+    if any(w < 0 for w in windows):
+        return f"hybrid-alloc {command}: --admission-window takes a window of 0 or more requests"
+    if (any(windows) or threshold is not None) and not CACHE_AWARE_ADMISSION:
+        return (
+            f"hybrid-alloc {command}: this vLLM has no cache-aware admission "
+            "(SchedulerConfig.cache_aware_admission_window, vLLM 0.34); drop --admission-window/--admission-threshold"
+        )
+    return None
+
+
 def kv_cache_specs(
     shape: ModelShape,
     block_size: int,
