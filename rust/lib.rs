@@ -146,8 +146,9 @@ mod py;
 pub use block_pool::{Event, ResidencyOp};
 pub use config::{AttentionKind, Config, CoordinatorKind, GroupSpec};
 pub use coordinator::{
-    token_count, AllocateArgs, Allocator, BlockCountArgs, CacheBlocksArgs, ConnectorHit, HashSource, Hit, NewComputed,
-    NoopLimits, PlainStep, StepFields,
+    token_count, AllocateArgs, Allocator, BlockCountArgs, CacheBlocksArgs, ConnectorHit, HashSource, HintOutcome, Hit,
+    NewComputed, NoopLimits, PinHint, PinOutcome, PlainStep, RequestHints, RetainHint, RetainPriority, StepFields,
+    MAX_CHECKPOINTS,
 };
 pub use error::{Error, Result};
 pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, MAX_HASH_LEN, NULL_BLOCK};

@@ -150,6 +150,8 @@ impl Allocator {
                 }
             }
             Some(blocks) => {
+                // KV hints: the request's retain and session release, over the levels set.
+                self.apply_hints_at_free(s);
                 for m in self.managers.iter_mut() {
                     m.forget(s);
                 }
@@ -167,6 +169,9 @@ impl Allocator {
     /// Unknown handle.
     pub fn pop_blocks_for_free(&mut self, h: ReqHandle, out: &mut Vec<BlockId>) -> Result<()> {
         let s = self.slot(h)?;
+        // KV hints: the request's retain and session release (the levels its blocks get
+        // when the caller frees them).
+        self.apply_hints_at_free(s);
         let start = out.len();
         for m in self.managers.iter_mut() {
             m.pop_blocks(s, out);
