@@ -150,12 +150,14 @@ impl Allocator {
                 }
             }
             Some(blocks) => {
-                // KV hints: the request's retain and session release, over the levels set.
-                self.apply_hints_at_free(s);
+                // KV hints: the request's retain over the levels set, and, once its blocks
+                // are back, its session release.
+                let release = self.retain_at_free(s);
                 for m in self.managers.iter_mut() {
                     m.forget(s);
                 }
                 self.pool.free_blocks(blocks.iter().map(|x| x.2));
+                self.release_at_free(release);
             }
         }
         self.release(s);
@@ -171,12 +173,13 @@ impl Allocator {
         let s = self.slot(h)?;
         // KV hints: the request's retain and session release (the levels its blocks get
         // when the caller frees them).
-        self.apply_hints_at_free(s);
+        let release = self.retain_at_free(s);
         let start = out.len();
         for m in self.managers.iter_mut() {
             m.pop_blocks(s, out);
         }
         self.pool.loosen(&out[start..]);
+        self.release_at_free(release);
         self.release(s);
         Ok(())
     }

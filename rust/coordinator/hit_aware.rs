@@ -813,11 +813,13 @@ impl Allocator {
     }
 
     /// KV hints, `free`'s (and `pop_blocks_for_free`'s) hook, once the policy set the levels
-    /// `s`'s blocks are freed at: its retain (the cached blocks of its prefix a hit needs and
-    /// the state at its end, at the retain's level until its TTL, counted from now) and its
-    /// session release. Nothing for a request without hints. O(prefix blocks x groups).
-    pub(super) fn apply_hints_at_free(&mut self, s: Slot) {
-        let Some(hints) = self.reqs[s as usize].hints.take() else { return };
+    /// `s`'s blocks are freed at and before they go back: its retain (the cached blocks of its
+    /// prefix a hit needs and the state at its end, at the retain's level until its TTL,
+    /// counted from now). Returns the session to release once its blocks are back
+    /// ([`Self::release_at_free`]; 0: none). Nothing for a request without hints. O(prefix
+    /// blocks x groups).
+    pub(super) fn retain_at_free(&mut self, s: Slot) -> u64 {
+        let Some(hints) = self.reqs[s as usize].hints.take() else { return 0 };
         self.reqs[s as usize].hit_aware.stops = false;
         if let Some(rt) = hints.retain {
             let blocks = self.retained_blocks(s, rt.tokens);
@@ -829,9 +831,16 @@ impl Allocator {
                 ha.retain(&blocks, rt.priority.level(), hints.session, expiry);
             }
         }
-        if hints.release != 0 {
+        hints.release
+    }
+
+    /// KV hints: the session release a freed request asked for ([`Self::retain_at_free`]),
+    /// once its blocks are back in the pool (so the released ones go to the front of the
+    /// queue). O(keys of the session's holds).
+    pub(super) fn release_at_free(&mut self, session: u64) {
+        if session != 0 {
             if let Some(mut ha) = self.pool.hit_aware() {
-                ha.release_session(hints.release);
+                ha.release_session(session);
             }
         }
     }
