@@ -9,6 +9,8 @@ The vocabulary, version 1 (``docs/hit-aware.md``, "KV hints", documents it for u
   ``kv.pin`` ``{"ttl_s": number, "tokens"?: int}``, ``kv.release`` ``{"session"?: str}``,
   ``kv.checkpoint`` ``{"positions": [int, ...]}``; any action's payload may carry
   ``"session": str`` (the request's session; for ``kv.release``, the session released);
+  without one, a request that asks for something takes vLLM's own ``Request.session_id``
+  (``add_request(session_id=)``; the OpenAI server's ``session_id`` field or header);
 - ``extra_args`` keys (:data:`XARG_KEYS`): ``kv_retain``, ``kv_retain_ttl``,
   ``kv_retain_tokens``, ``kv_pin_ttl``, ``kv_pin_tokens``, ``kv_session``, ``kv_release``
   (true/1: this request's session; a str: that session), ``kv_checkpoint`` (an int or a list).
@@ -142,7 +144,8 @@ class Hints:
     ``retain``: the level its cached prefix (the first ``retain_tokens`` tokens; None: all it
     cached) and its end state are freed at, for ``retain_ttl_s`` seconds. ``pin_ttl_s`` not
     None: a pin lease on its prompt's prefix (the first ``pin_tokens``; None: the whole
-    prompt). ``session``: the session it belongs to; ``release``: the session whose retains
+    prompt). ``session``: the session it belongs to (a hint's, else vLLM's
+    ``Request.session_id``); ``release``: the session whose retains
     and pins end when it finishes. ``checkpoints``: prompt positions where its prefill stops
     and the state is kept. ``errors``: the kinds refused while reading (counter keys of
     :data:`REFUSED_KINDS`, one entry per refusal)."""
@@ -160,7 +163,7 @@ class Hints:
 
 def hints_of(request: Any) -> Hints | None:
     """The hints ``request`` carries (vLLM's ``Request``, or anything with its attributes:
-    ``kv_hints``, ``sampling_params.extra_args``, ``num_prompt_tokens``), or None when it
+    ``kv_hints``, ``sampling_params.extra_args``, ``num_prompt_tokens``, ``session_id``), or None when it
     carries none of this vocabulary. Never raises."""
     try:
         env = getattr(request, "kv_hints", None)
@@ -168,7 +171,7 @@ def hints_of(request: Any) -> Hints | None:
         xargs = None if sp is None else getattr(sp, "extra_args", None)
         if env is None and (type(xargs) is not dict or not xargs or XARG_KEYS.isdisjoint(xargs)):
             return None
-        return _Reader(request).read(env, xargs)
+        return _Reader(request).read(request, env, xargs)
     except Exception:  # noqa: BLE001 - no hint may raise into the engine
         return Hints(errors=("malformed",))
 
@@ -192,11 +195,16 @@ class _Reader:
         self.checkpoints: set[int] = set()
         self.errors: list[str] = []
 
-    def read(self, env: Any, xargs: Any) -> Hints | None:
+    def read(self, request: Any, env: Any, xargs: Any) -> Hints | None:
         if env is not None:
             self._envelope(env)
         if type(xargs) is dict and xargs and not XARG_KEYS.isdisjoint(xargs):
             self._xargs(xargs)
+        if self.session is None and (self.retain or self.pin or self.release_own or self.checkpoints):
+            # No hint named the request's session: vLLM's own, when it has one.
+            own = getattr(request, "session_id", None)
+            if type(own) is str and own:
+                self.session = own
         release = self.release
         if self.release_own:
             if self.session is None:

@@ -159,6 +159,16 @@ def test_xargs_release_bool_or_str(value: Any, release: str | None, errors: tupl
     assert h == Hints(session="s", release=release, errors=errors)
 
 
+def test_vllms_session_id_is_the_default_session() -> None:
+    # vLLM's own session (add_request(session_id=), the OpenAI server's session_id) when no hint names one.
+    assert hints_of(req(None, {"kv_release": True}, session_id="v")) == Hints(session="v", release="v")
+    assert hints_of(req(None, {"kv_session": "k", "kv_release": 1}, session_id="v")) == Hints(session="k", release="k")
+    # A session alone asks for nothing: vLLM's is not taken for a request without a hint.
+    assert hints_of(req(None, {"other": 1}, session_id="v")) is None
+    assert hints_of(req(env(("kv.fetch", {})), session_id="v")) is None
+    assert hints_of(req(None, {"kv_release": True}, session_id="")) == Hints(errors=("missing_field",))
+
+
 def test_xargs_release_own_without_session_is_refused() -> None:
     assert hints_of(req(None, {"kv_release": True})) == Hints(errors=("missing_field",))
 
@@ -381,9 +391,10 @@ def test_fuzz_hints_of_never_raises_and_returns_valid_hints(makers: tuple[Any, A
         xargs=extra_args,
         prompt=st.one_of(st.integers(1, 130), st.none(), st.just("x")),
         plain=st.booleans(),
+        session_id=st.sampled_from([None, "", "v", 3]),
     )
-    def run(envelope: Any, xargs: Any, prompt: Any, plain: bool) -> None:
-        request = Req(envelope, SamplingParams(xargs) if plain else None, prompt)
+    def run(envelope: Any, xargs: Any, prompt: Any, plain: bool, session_id: Any) -> None:
+        request = Req(envelope, SamplingParams(xargs) if plain else None, prompt, session_id)
         h = hints_of(request)
         assert_valid(h, prompt if type(prompt) is int else None)
         assert h is None or "malformed" not in h.errors  # every malformed input is told apart, not caught

@@ -55,10 +55,11 @@ class Req:
     kv_hints: Any = None
     sampling_params: Any = field(default_factory=SamplingParams)
     num_prompt_tokens: Any = 100
+    session_id: Any = None
 
 
-def req(env: Any = None, xargs: Any = None, prompt: Any = 100) -> Req:
-    return Req(env, SamplingParams(xargs), prompt)
+def req(env: Any = None, xargs: Any = None, prompt: Any = 100, session_id: Any = None) -> Req:
+    return Req(env, SamplingParams(xargs), prompt, session_id)
 
 
 def env(*actions: tuple[str, Any] | Action) -> Envelope:
