@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,8 +18,10 @@ from hypothesis import strategies as st
 
 from hint_cases import Action, Envelope, Req, SamplingParams, assert_valid, env, envelopes, extra_args, req
 from hybrid_alloc.vllm.hints import (
+    ACTIONS,
     MAX_ACTIONS,
     MAX_POSITIONS,
+    MAX_TTL_S,
     PIN_OVER_CAP,
     REFUSED_KINDS,
     XARG_KEYS,
@@ -412,3 +415,17 @@ def test_vllms_envelope_reads() -> None:
         actions=[action(action_id="1", action_type="kv.checkpoint", action_version="1.0", payload={"positions": [33]})],
     )
     assert hints_of(req(e)) == Hints(checkpoints=(33,))
+
+
+# ---- the docs ------------------------------------------------------------------------------------
+
+
+def test_docs_name_every_action_key_and_refused_kind() -> None:
+    # docs/hit-aware.md's "KV hints" section documents the vocabulary this module reads.
+    text = (Path(__file__).resolve().parents[3] / "docs" / "hit-aware.md").read_text()
+    section = text[text.index("## KV hints") :]
+    section = section[: section.index("\n## ", 1)]
+    for name in [*ACTIONS, *XARG_KEYS, *REFUSED_KINDS]:
+        assert f"`{name}`" in section, name
+    for limit in (MAX_ACTIONS, MAX_POSITIONS, int(MAX_TTL_S)):
+        assert str(limit) in section, limit

@@ -18,8 +18,12 @@ a field on the way (msgpack, a copy of the sampling params, a renamed argument) 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -92,15 +96,17 @@ class EnginePath:
         engine.get_supported_tasks = lambda: ("generate",)
         self.engine = engine
 
-    def add(self, request_id: str, params: Any, **kwargs: Any) -> Any:
-        """``LLMEngine.add_request`` of ``PROMPT`` with ``params`` and ``kwargs`` (``kv_hints=``,
-        ``session_id=``); returns the scheduler's ``Request``."""
+    def add(self, request_id: str, params: Any, prompt: Any = None, **kwargs: Any) -> Any:
+        """``LLMEngine.add_request`` of ``prompt`` (default: ``PROMPT``'s tokens) with ``params``
+        and ``kwargs`` (``kv_hints=``, ``session_id=``); returns the scheduler's ``Request``."""
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.serial_utils import MsgpackDecoder
 
-        rid = self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=PROMPT), params, **kwargs)
+        if prompt is None:
+            prompt = TokensPrompt(prompt_token_ids=PROMPT)
+        rid = self.engine.add_request(request_id, prompt, params, **kwargs)
         if self.multiprocess:
             # What the engine core's input thread does with the frames (process_input_sockets).
             _identity, type_frame, *frames = self.socket.sent.pop()
@@ -117,6 +123,14 @@ class EnginePath:
         so = self.sched.schedule()
         self.sched.update_from_output(so, fabricate_output(self.sched, so))
         self.sched.kv_cache_manager.check_invariants()
+
+    def run_out(self) -> None:
+        """Steps until every request has finished (each is freed, its hints' end applied)."""
+        for _ in range(1000):
+            if not self.sched.requests:
+                return
+            self.step()
+        raise AssertionError("the requests did not finish")
 
 
 @pytest.fixture(params=["multiprocess", "inproc"])
@@ -205,6 +219,7 @@ def _server_params(kind: str, body: dict[str, Any]) -> tuple[Any, str | None]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as Model
 
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
+    assert "max_tokens" in body
     request = Model.model_validate_json(json.dumps(body))
     return request.to_sampling_params(8, {}), GenerateBaseServing._get_session_id(request, None)
 
@@ -248,3 +263,109 @@ def test_vllm_xargs_bad_values_are_refused(path: EnginePath) -> None:
     req = path.add("r1", params, session_id=session)
     assert hints_of(req) == Hints(checkpoints=(16,), errors=("bad_priority", "bad_ttl", "bad_position", "bad_position"))
     path.step()
+
+
+# ---- the examples of docs/hit-aware.md ("KV hints") ---------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "hit-aware.md"
+
+
+def _doc_block(lang: str, needle: str) -> str:
+    """The fenced ``lang`` block of the KV hints section that contains ``needle``."""
+    text = DOCS.read_text()
+    section = text[text.index("## KV hints") :]
+    section = section[: section.index("\n## ", 1)]
+    blocks = re.findall(rf"```{lang}\n(.*?)```", section, flags=re.S)
+    found = [b for b in blocks if needle in b]
+    assert len(found) == 1, f"one {lang} block with {needle!r} in the KV hints section"
+    return found[0]
+
+
+class _Tokenizer:
+    """A stand-in for the example's Hugging Face tokenizer: one id per character, a BOS first."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [5 + ord(c) % 400 for c in text]
+
+
+class _Engine:
+    """A stand-in ``AsyncLLM``: ``generate`` binds its arguments to the installed
+    ``AsyncLLM.generate``'s signature, then sends them down vLLM's request path (``EnginePath``)
+    and runs the scheduler until the request finishes."""
+
+    def __init__(self, path: EnginePath) -> None:
+        self.path = path
+        self.hints: list[Hints | None] = []
+        self.shut = False
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        import inspect
+
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        bound = inspect.signature(AsyncLLM.generate).bind(self, *args, **kwargs).arguments
+        req = self.path.add(
+            bound["request_id"],
+            bound["sampling_params"],
+            prompt=bound["prompt"],
+            kv_hints=bound.get("kv_hints"),
+            session_id=bound.get("session_id"),
+        )
+        self.hints.append(hints_of(req))
+        tokens = [7] * 3
+        self.path.run_out()
+        yield SimpleNamespace(outputs=[SimpleNamespace(text="ls *.py", token_ids=tokens)])
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+def test_docs_python_example_runs_through_vllms_request_path(path: EnginePath, monkeypatch: pytest.MonkeyPatch) -> None:
+    import inspect
+
+    import transformers
+    import vllm.engine.arg_utils
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    code = _doc_block("python", "AsyncLLM")
+    engine = _Engine(path)
+    real_args = vllm.engine.arg_utils.AsyncEngineArgs
+
+    def engine_args(*args: Any, **kwargs: Any) -> Any:
+        # Its arguments checked against the installed AsyncEngineArgs (which would look the model up).
+        inspect.signature(real_args).bind(*args, **kwargs)
+        return SimpleNamespace(**kwargs)
+
+    def from_engine_args(cls: Any, engine_args: Any, *args: Any, **kwargs: Any) -> _Engine:
+        inspect.signature(AsyncLLM.from_engine_args).bind(engine_args, *args, **kwargs)
+        return engine
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: _Tokenizer())
+    monkeypatch.setattr(vllm.engine.arg_utils, "AsyncEngineArgs", engine_args)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(from_engine_args))
+    for var in ("HYBRID_ALLOC", "HYBRID_ALLOC_POLICY"):  # the example sets them; put them back after
+        monkeypatch.setenv(var, "")
+    exec(compile(code, str(DOCS), "exec"), {"__name__": "__docs__"})
+    system_len = len(_Tokenizer().encode("You are a coding agent. Answer with one shell command per line."))
+    turn = Hints(retain="high", retain_ttl_s=120.0, session="agent-7", checkpoints=(system_len,))
+    assert engine.hints == [turn, dataclasses.replace(turn, release="agent-7")]
+    assert engine.shut
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_docs_curl_example_through_the_servers_request_model(path: EnginePath, last: bool) -> None:
+    code = _doc_block("bash", "curl")
+    assert "/v1/chat/completions" in code
+    body = json.loads(code[code.index("-d '") + 4 : code.rindex("'")])
+    if last:  # "The session's last turn adds "kv_release": true to vllm_xargs."
+        body["vllm_xargs"]["kv_release"] = True
+    params, session = _server_params("chat", body)
+    req = path.add("r1", params, session_id=session)
+    assert hints_of(req) == Hints(
+        retain="high",
+        retain_ttl_s=120.0,
+        session="agent-7",
+        release="agent-7" if last else None,
+        checkpoints=(17,),
+    )
+    path.run_out()
