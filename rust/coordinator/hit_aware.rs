@@ -15,10 +15,17 @@
 //!   a freed request's blocks go back at and one freeing order across groups) and
 //!   `note_allocation` (`allocate_slots`: an adopted hit's levels and junctions, and the
 //!   probation rule's inputs);
-//! - pinning ([`Allocator::pin_prefix`], [`Allocator::set_pinned_share`]).
+//! - pinning ([`Allocator::pin_prefix`], [`Allocator::set_pinned_share`]);
+//! - KV hints (issue 38, [`Allocator::set_hints`]): a request's pin lease (its prefix's keys,
+//!   taken at once), its checkpoints (junctions the lookup reports and each chunk moves on,
+//!   their states marked branch points), its retain and session release (applied when it is
+//!   freed), the clock and the releases; the holds themselves are the policy's
+//!   (`policy/hints.rs`). A request without hints pays one `Option` in its state and one
+//!   flag test after an allocation that is not a no-op.
 //!
 //! Invariants: `guess_limit` is 0 unless the request's last lookup guessed a first-sighting
-//! stop; `moved_junction` is 0 unless the last allocation moved it and it was not taken.
+//! stop; `moved_junction` is 0 unless the last allocation moved it and it was not taken;
+//! `stops` is set only while the request has hints with checkpoints not all passed.
 //!
 //! Cost: `place_junction` O(groups) plus O(pinned blocks) with pins and O(log(max length))
 //! for a first-sighting stop, and with partial hash hits O(log(prompt)) plus O(prompt
@@ -537,16 +544,23 @@ impl Allocator {
     /// Hit-aware: after an allocation of `s` that computes up to `end` tokens with
     /// `boundary` as its `shared_prefix_boundary`, moves a guessed junction the allocation
     /// reached to the next first-sighting stop ([`Self::first_sighting_stop`]), or ends the
-    /// guessing when there is none. O(log(prompt)).
+    /// guessing when there is none; and with KV hints' checkpoints, moves on to the next one
+    /// ([`Self::advance_checkpoints`]). O(log(prompt)).
     pub(super) fn advance_first_sighting(&mut self, s: Slot, end: u64, boundary: u32) {
-        let st = &mut self.reqs[s as usize];
-        let limit = st.hit_aware.guess_limit;
-        if limit == 0 {
-            if st.hit_aware.stops {
-                self.advance_checkpoints(s, end, boundary);
-            }
-            return;
+        let st = &self.reqs[s as usize].hit_aware;
+        let (limit, stops) = (st.guess_limit, st.stops);
+        if limit > 0 {
+            self.advance_guess(s, end, boundary, limit);
         }
+        if stops {
+            self.advance_checkpoints(s, end, boundary);
+        }
+    }
+
+    /// [`Self::advance_first_sighting`]'s first-sighting stops, for a request whose last
+    /// lookup guessed its junction within `limit` tokens. O(log(prompt)).
+    fn advance_guess(&mut self, s: Slot, end: u64, boundary: u32, limit: u32) {
+        let st = &mut self.reqs[s as usize];
         st.hit_aware.moved_junction = 0;
         if boundary == 0 || end < boundary as u64 {
             return;
@@ -805,8 +819,9 @@ impl Allocator {
         }
         if boundary > 0 && end >= boundary as u64 {
             let next = hints.checkpoints[hints.marked..].iter().copied().find(|&c| c as u64 > end).unwrap_or(0);
-            if next > 0 {
-                req.hit_aware.moved_junction = next;
+            let moved = &mut req.hit_aware.moved_junction;
+            if next > 0 && (*moved == 0 || next < *moved) {
+                *moved = next;
             }
         }
         req.hit_aware.stops = hints.marked < hints.checkpoints.len();

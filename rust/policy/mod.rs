@@ -94,7 +94,7 @@
 //! Where the rules live, one room a layer: this folder (the levels here; the per-block
 //! state, the pool's six hooks and the decisions in `retention.rs`, reached through the one
 //! handle the pool lends, `BlockPool::hit_aware`, `None` under `exact`; the hit units in
-//! `units.rs`), `manager/retention.rs` (the rules per group, Mamba "align"'s included) and
+//! `units.rs`; the KV hints' leases, retains and clock in `hints.rs`), `manager/retention.rs` (the rules per group, Mamba "align"'s included) and
 //! `coordinator/hit_aware.rs` (per request: junctions, sightings, a freed request's levels,
 //! pinning).
 //!
