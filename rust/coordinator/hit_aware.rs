@@ -545,8 +545,20 @@ impl Allocator {
     /// `boundary` as its `shared_prefix_boundary`, moves a guessed junction the allocation
     /// reached to the next first-sighting stop ([`Self::first_sighting_stop`]), or ends the
     /// guessing when there is none; and with KV hints' checkpoints, moves on to the next one
-    /// ([`Self::advance_checkpoints`]). O(log(prompt)).
+    /// ([`Self::advance_checkpoints`]). O(log(prompt)); a request with neither (every
+    /// request under `exact`, and a decoding one) pays one test, inlined into the caller.
+    #[inline]
     pub(super) fn advance_first_sighting(&mut self, s: Slot, end: u64, boundary: u32) {
+        let st = &self.reqs[s as usize].hit_aware;
+        if st.guess_limit > 0 || st.stops {
+            self.advance_stops(s, end, boundary);
+        }
+    }
+
+    /// [`Self::advance_first_sighting`] for a request with a guessed junction or
+    /// checkpoints, out of the allocation's line.
+    #[inline(never)]
+    fn advance_stops(&mut self, s: Slot, end: u64, boundary: u32) {
         let st = &self.reqs[s as usize].hit_aware;
         let (limit, stops) = (st.guess_limit, st.stops);
         if limit > 0 {
