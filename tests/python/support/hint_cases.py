@@ -21,6 +21,7 @@ from hybrid_alloc.vllm.hints import (
     REFUSED_KINDS,
     XARG_KEYS,
     Hints,
+    hints_of,
 )
 
 
@@ -147,17 +148,48 @@ def actions_of(make: Any = Action) -> st.SearchStrategy[Any]:
     return one(good, good, good, scalars)
 
 
+# Well-formed hints with random values (a token count or position may still pass the prompt).
+SESSIONS = ("s1", "s2", "s3")
+ttls = one(st.floats(0.5, 300.0), st.integers(1, 300))
+counts = st.integers(1, 2000)
+_session = {"session": st.sampled_from(SESSIONS)}
+good_payloads = {
+    "kv.retain": st.fixed_dictionaries(
+        {"priority": st.sampled_from(PRIORITIES), "ttl_s": ttls}, optional={"tokens": counts, **_session}
+    ),
+    "kv.pin": st.fixed_dictionaries({"ttl_s": ttls}, optional={"tokens": counts, **_session}),
+    "kv.release": st.fixed_dictionaries({}, optional=_session),
+    "kv.checkpoint": st.fixed_dictionaries({"positions": st.lists(counts, min_size=1, max_size=4)}, optional=_session),
+}
+assert set(good_payloads) == set(ACTIONS)
+
+
+def good_actions(make: Any = Action) -> st.SearchStrategy[Any]:
+    """Well-formed actions of this vocabulary, made by ``make`` as in :func:`actions_of`."""
+    return st.sampled_from(ACTIONS).flatmap(
+        lambda t: good_payloads[t].map(lambda p: make(action_id="a", action_type=t, action_version="1", payload=p))
+    )
+
+
 def envelopes(make_action: Any = Action, make_env: Any = Envelope) -> st.SearchStrategy[Any]:
-    """Random envelopes (and non-envelopes), up to 20 actions."""
-    real = st.builds(
-        lambda acts: make_env(protocol_version="0.1", message_id="m", actions=acts),
+    """Random envelopes (and non-envelopes), up to 20 actions; some well-formed."""
+
+    def build(acts: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+        return st.builds(lambda a: make_env(protocol_version="0.1", message_id="m", actions=a), acts)
+
+    real = build(
         one(
             *[st.lists(actions_of(make_action), max_size=6)] * 3,
             st.lists(actions_of(make_action), max_size=20),
             scalars,
-        ),
+        )
     )
-    return one(st.none(), real, real, real, real, real, scalars)
+    good = build(
+        st.lists(
+            one(good_actions(make_action), good_actions(make_action), actions_of(make_action)), min_size=1, max_size=4
+        )
+    )
+    return one(st.none(), real, real, real, good, good, scalars)
 
 
 xarg_values = {
@@ -173,4 +205,55 @@ xarg_values = {
 }
 assert set(xarg_values) - {"other"} == XARG_KEYS
 _dict_xargs = st.fixed_dictionaries({}, optional=xarg_values)
-extra_args = one(st.none(), _dict_xargs, _dict_xargs, values)
+good_xargs = st.fixed_dictionaries(
+    {},
+    optional={
+        "kv_retain": st.sampled_from(PRIORITIES),
+        "kv_retain_ttl": ttls,
+        "kv_retain_tokens": counts,
+        "kv_pin_ttl": ttls,
+        "kv_pin_tokens": counts,
+        "kv_session": st.sampled_from(SESSIONS),
+        "kv_release": st.sampled_from([True, 1, *SESSIONS]),
+        "kv_checkpoint": one(counts, st.lists(counts, min_size=1, max_size=4)),
+    },
+)
+extra_args = one(st.none(), _dict_xargs, _dict_xargs, good_xargs, values)
+
+
+def asks_nothing(h: Hints | None) -> bool:
+    """Whether ``h`` asks the manager for nothing: no hints, or only refused ones (a session alone
+    included)."""
+    return h is None or not (h.retain or h.pin_ttl_s or h.release or h.checkpoints)
+
+
+def spoiled(env: Any, xargs: Any, make_action: Any = Action, make_env: Any = Envelope) -> tuple[Any, Any]:
+    """``(env, xargs)`` made to ask for nothing, whatever the prompt's length, by breaking what
+    would ask for something: every action of the envelope gets an unknown version; the retain and
+    pin TTLs of ``xargs`` become -1, a release 2, a checkpoint 0 (each refused). Unchanged when
+    they already ask for nothing."""
+    if asks_nothing(hints_of(Req(env, SamplingParams(xargs), None))):
+        return env, xargs
+    actions = getattr(env, "actions", None)
+    if isinstance(actions, (list, tuple)):
+        env = make_env(
+            protocol_version="0.1",
+            message_id="m",
+            actions=[
+                make_action(
+                    action_id="a",
+                    action_type=getattr(a, "action_type", None),
+                    action_version="9",
+                    payload=getattr(a, "payload", None),
+                )
+                for a in actions
+            ],
+        )
+    if type(xargs) is dict:
+        bad = {"kv_retain_ttl": -1, "kv_pin_ttl": -1, "kv_release": 2, "kv_checkpoint": 0}
+        xargs = {
+            **xargs,
+            **{k: v for k, v in bad.items() if k in xargs or (k == "kv_retain_ttl" and "kv_retain" in xargs)},
+        }
+    assert asks_nothing(hints_of(Req(env, SamplingParams(xargs), None))), (env, xargs)
+    return env, xargs
