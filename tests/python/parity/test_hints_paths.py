@@ -116,6 +116,10 @@ class EnginePath:
             EngineCore.add_request(self.core, req, wave)
         return self.sched.requests[rid]
 
+    def stats(self) -> dict[str, int]:
+        """The manager's hint counters (``hint_stats``)."""
+        return self.sched.kv_cache_manager.hint_stats()
+
     def step(self) -> None:
         """One scheduler step and its fabricated output (the manager reads the hints there)."""
         from hybrid_alloc.bench.offline import fabricate_output
@@ -187,6 +191,9 @@ def test_envelope_reaches_the_schedulers_request(path: EnginePath) -> None:
         checkpoints=(40, 64),
     )
     path.step()
+    # The manager took them at the request's first lookup, in that step.
+    stats = path.stats()
+    assert (stats["received"], stats["applied"], stats["refused"], stats["requests"]) == (1, 1, 0, 1), stats
 
 
 def test_bad_envelope_reaches_and_is_refused_not_raised(path: EnginePath) -> None:
@@ -194,6 +201,8 @@ def test_bad_envelope_reaches_and_is_refused_not_raised(path: EnginePath) -> Non
     req = path.add("r1", _params(), kv_hints=env)
     assert hints_of(req) == Hints(errors=("unknown_action", "bad_ttl", "bad_position"))
     path.step()
+    stats = path.stats()
+    assert (stats["received"], stats["applied"], stats["refused"], stats["requests"]) == (1, 0, 3, 0), stats
 
 
 def test_no_hint_is_none(path: EnginePath) -> None:
@@ -201,6 +210,7 @@ def test_no_hint_is_none(path: EnginePath) -> None:
     assert req.kv_hints is None
     assert hints_of(req) is None
     path.step()
+    assert path.stats()["received"] == 0
 
 
 # ---- (b) vllm_xargs through the OpenAI server's request conversion ---------------------------
@@ -247,6 +257,8 @@ def test_vllm_xargs_reach_the_schedulers_request(path: EnginePath, kind: str) ->
         checkpoints=(48,),
     )
     path.step()
+    stats = path.stats()
+    assert (stats["received"], stats["applied"], stats["refused"]) == (1, 1, 0), stats
 
 
 def test_vllm_xargs_named_session_list_checkpoint_and_release_by_name(path: EnginePath) -> None:
