@@ -162,6 +162,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="T",
         help="the usage from which the admission window applies (vLLM's cache_aware_admission_threshold; default 0.5)",
     )
+    p.add_argument(
+        "--pin-share",
+        type=float,
+        metavar="F",
+        help="the pinned share of the pool for hit-aware rows (HYBRID_ALLOC_PIN_SHARE: what pins and retains at "
+        "the high level may hold; default the manager's, 0.25)",
+    )
     p.add_argument("--out-dir", default=os.environ.get("HYBRID_ALLOC_BENCH_OUT", "bench-out"))
     p.add_argument("--no-plot", action="store_true")
     p.add_argument(
@@ -258,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                                 admission_threshold=threshold,
                                 max_num_seqs=args.max_num_seqs,
                                 prefix_match_unit=unit or None,
+                                pin_share=args.pin_share,
                             )
                             r.budget = b
                             if b == "pressure":

@@ -170,13 +170,14 @@ class Refusals:
     pool counted fewer free blocks than that while pins or retains held blocks
     (``pins_held()``) is **pin-delayed**: pins may have kept it waiting (counted whether or not
     the blocks withheld would have made room, so the count is an upper bound). ``admissions``
-    and ``running`` split the refusals by the request's state; ``withheld`` counts the refusals
-    with fewer free blocks counted than free, pins or not."""
+    and ``running`` split the refusals by the request's state; ``with_pins`` counts those made
+    while pins or retains held blocks (where the check means something), ``withheld`` those with
+    fewer free blocks counted than free, pins or not."""
 
     def __init__(self, sched: Any, mgr: Any, pins_held: Any) -> None:
         from vllm.v1.request import RequestStatus
 
-        self.admissions = self.running = self.withheld = self.pin_delayed = 0
+        self.admissions = self.running = self.withheld = self.pin_delayed = self.with_pins = 0
         self._sched, self._mgr, self._pins_held = sched, mgr, pins_held
         self._waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         self._num_blocks = mgr.kv_cache_config.num_blocks
@@ -201,15 +202,17 @@ class Refusals:
                 held.update(ids)
         held.discard(0)  # the null block
         free = self._num_blocks - 1 - len(held)
+        pins = self._pins_held() > 0
+        self.with_pins += pins
         if self._mgr.block_pool.get_num_free_blocks() < free:
             self.withheld += 1
-            if self._pins_held() > 0:
-                self.pin_delayed += 1
+            self.pin_delayed += pins
 
     def as_dict(self) -> dict[str, int]:
         return {
             "refused_admissions": self.admissions,
             "refused_running": self.running,
+            "refused_with_pins": self.with_pins,
             "refused_withheld": self.withheld,
             "pin_delayed": self.pin_delayed,
         }

@@ -76,6 +76,7 @@ def rows_of(results: list[Result]) -> list[dict[str, Any]]:
             "whole_sightings",
             "refused_admissions",
             "refused_running",
+            "refused_with_pins",
             "refused_withheld",
             "pin_delayed",
             "hint_counters",
@@ -98,6 +99,8 @@ def policy_label(row: dict[str, Any], units: bool) -> str:
     pol = str(row["policy"])
     if pol in HINT_POLICIES:
         pol = f"hit-aware + {pol}"
+    if row.get("pin_share") is not None:
+        pol = f"{pol} (pinned share {row['pin_share']:g})"
     if row.get("fallback"):
         return f"{pol} (fallback)"
     return f"vLLM {pol}" if units and pol in ("exact", "dense") else pol

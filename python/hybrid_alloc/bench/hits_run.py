@@ -94,6 +94,8 @@ class Result:
     #: back to vLLM's manager (then the row's figures are vLLM's, not ours).
     prefix_match_unit: int | None = None
     fallback: bool = False
+    #: The pinned share a hit-aware row set (``HYBRID_ALLOC_PIN_SHARE``; None: the manager's, 0.25).
+    pin_share: float | None = None
 
 
 def run(
@@ -107,6 +109,7 @@ def run(
     admission_threshold: float | None = None,
     max_num_seqs: int | None = None,
     prefix_match_unit: int | None = None,
+    pin_share: float | None = None,
 ) -> Result:
     """One cell: ``wl`` on ``shape`` under ``policy`` with a pool of ``num_blocks``;
     ``admission_window`` / ``admission_threshold``: the scheduler's cache-aware admission
@@ -118,7 +121,10 @@ def run(
     manager's coordinator has ``enable_partial_hash_hits``. A hit-aware policy whose manager
     fell back to vLLM's (our core refuses a unit it does not serve) raises ``RuntimeError``
     without a unit and, with one, runs on and is marked ``fallback``: its figures are then
-    vLLM's exact retention, not ours."""
+    vLLM's exact retention, not ours.
+
+    ``pin_share``: the pinned share of the pool under a hit-aware policy
+    (``HYBRID_ALLOC_PIN_SHARE``; None: the manager's default)."""
     from hybrid_alloc.bench.offline import (
         SchedulerSetup,
         fabricate_output,
@@ -141,7 +147,12 @@ def run(
     if policy in HINT_POLICIES and policy not in wl.hint_policies:
         raise ValueError(f"policy {policy!r} needs a workload whose requests carry its hints ({wl.name}'s do not)")
     manager = "hybrid_alloc" if aware else "vllm"
-    env = {"HYBRID_ALLOC_POLICY": "hit-aware" if aware else "exact", "HYBRID_ALLOC_PIN_PREFIXES": None}
+    share = pin_share if aware else None
+    env = {
+        "HYBRID_ALLOC_POLICY": "hit-aware" if aware else "exact",
+        "HYBRID_ALLOC_PIN_PREFIXES": None,
+        "HYBRID_ALLOC_PIN_SHARE": None if share is None else repr(share),
+    }
     tmp = None
     if policy == "pinned":
         import tempfile
@@ -404,4 +415,5 @@ def run(
         admission_threshold=admission_threshold,
         prefix_match_unit=prefix_match_unit,
         fallback=fallback,
+        pin_share=share,
     )

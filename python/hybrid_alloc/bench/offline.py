@@ -406,20 +406,20 @@ def fabricate_output(sched: Scheduler, so: Any) -> ModelRunnerOutput:
 
 
 def hint_counters(mgr: Any) -> dict[str, Any] | None:
-    """The manager's hint counters as a dict (received, applied, refused by kind, expired,
-    ignored, and the blocks held by pins and retains now), or None for a manager without
-    them (vLLM's own)."""
-    counters = getattr(mgr, "hint_counters", None)
-    if counters is None:
-        return None
-    return dict(counters() if callable(counters) else counters.as_dict())
+    """Our manager's KV hint counters (``HybridKVCacheManager.hint_stats()``: ``received``,
+    ``applied``, ``refused`` and ``refused.<kind>``, ``expired``, ``ignored``, and the core's
+    counters and gauges: ``leased_free_blocks``, ``retained_blocks``, ...), or None for a
+    manager without them (vLLM's own)."""
+    stats = getattr(mgr, "hint_stats", None)
+    return None if stats is None else dict(stats())
 
 
 def pins_held(counters: dict[str, Any] | None) -> int:
-    """The blocks pins and retains hold, from :func:`hint_counters` (0 without counters)."""
+    """The blocks pins and retains hold now, from :func:`hint_counters`: the free blocks at the
+    leased level and the blocks the running retains hold (0 without counters)."""
     if not counters:
         return 0
-    return int(counters.get("pinned_blocks", 0)) + int(counters.get("retained_blocks", 0))
+    return int(counters.get("leased_free_blocks", 0)) + int(counters.get("retained_blocks", 0))
 
 
 __all__ = [
