@@ -85,6 +85,9 @@ def run_scenario(
     decode_steps: int | None = None,
     refill: Any = None,
     warmup_finished: int = 0,
+    policy: str | None = None,
+    hints: Any = None,
+    label: str | None = None,
 ) -> RunResult:
     """Runs the scheduler to the end (or for ``decode_steps`` measured steps once
     ``measure_from_running`` requests run with their prompts done). Steps alternate: on even
@@ -94,8 +97,16 @@ def run_scenario(
     A closed loop (``refill``, a function of the request's index returning ``(id, prompt,
     output length)``): after each step, every finished request is replaced at once by the next
     one, so that ``len(requests)`` clients are always in the scheduler; measuring starts once
-    ``warmup_finished`` requests have been replaced."""
-    from hybrid_alloc.bench.offline import SchedulerSetup, fabricate_output, make_request
+    ``warmup_finished`` requests have been replaced.
+
+    ``policy``: our manager's retention policy (``HYBRID_ALLOC_POLICY`` while the scheduler is
+    built; None: the environment's). ``hints``: a function of a request's ``(id, prompt)``
+    returning more arguments of ``offline.make_request`` (``kv_hints=`` or ``extra_args=``: the
+    KV hints each request carries). ``label``: the result's ``manager`` (default ``manager``).
+    The result's ``extra["hint_counters"]``: our manager's hint counters at the end."""
+    import os
+
+    from hybrid_alloc.bench.offline import SchedulerSetup, fabricate_output, hint_counters, make_request
 
     setup = SchedulerSetup(
         shape,
@@ -105,8 +116,22 @@ def run_scenario(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
     )
-    sched = setup.build()
+    old_policy = os.environ.get("HYBRID_ALLOC_POLICY")
+    if policy is not None:
+        os.environ["HYBRID_ALLOC_POLICY"] = policy
+    try:
+        sched = setup.build()
+    finally:
+        if policy is not None:
+            if old_policy is None:
+                os.environ.pop("HYBRID_ALLOC_POLICY", None)
+            else:
+                os.environ["HYBRID_ALLOC_POLICY"] = old_policy
     mgr = sched.kv_cache_manager
+
+    def request(rid: str, toks: list[int], out_len: int) -> Any:
+        return make_request(sched, rid, toks, out_len, **(hints(rid, toks) if hints is not None else {}))
+
     if manager == "floor":
         floor.install_floor(mgr)
     kvc = mgr.kv_cache_config
@@ -123,7 +148,7 @@ def run_scenario(
     clock = ManagerClock()
     clock.install(mgr)
     for rid, toks, out_len in requests:
-        sched.add_request(make_request(sched, rid, toks, out_len))
+        sched.add_request(request(rid, toks, out_len))
     kv_ns: list[float] = []
     kv_per_req_ns: list[float] = []
     raw_calls: list[int] = []
@@ -186,7 +211,7 @@ def run_scenario(
                 clock.off()
                 while sched.get_num_unfinished_requests() < clients:
                     rid, toks, out_len = refill(next_id)
-                    sched.add_request(make_request(sched, rid, toks, out_len))
+                    sched.add_request(request(rid, toks, out_len))
                     next_id += 1
                     replaced += 1
             running.append(n_run)
@@ -215,10 +240,11 @@ def run_scenario(
         if xs
     }
     finished = not sched.get_num_unfinished_requests() or decode_steps is not None
+    counters = hint_counters(mgr)
     return RunResult(
         model=shape.name,
         scenario=scenario,
-        manager=manager,
+        manager=label or manager,
         num_blocks=kvc.num_blocks,
         block_size=kvc.kv_cache_groups[0].kv_cache_spec.block_size,
         num_groups=len(kvc.kv_cache_groups),
@@ -249,6 +275,7 @@ def run_scenario(
             # All timed steps' KV time over all the requests they scheduled.
             "kv_us_per_running_request_mean": sum(kv_ns) / max(1, sum(running_timed)) / 1e3,
             "replaced": replaced,
+            **({"hint_counters": counters} if counters is not None else {}),
         },
     )
 
