@@ -68,6 +68,7 @@ __all__ = [
     "HintCounters",
     "Hints",
     "hints_of",
+    "stats_line",
 ]
 
 #: The vocabulary's version (the actions' ``action_version`` may say ``"1"`` or ``"1.0"``).
@@ -402,6 +403,20 @@ class _Reader:
                 self.errors.append("bad_position")
             else:
                 self.checkpoints.add(p)
+
+
+def stats_line(stats: dict[str, int]) -> str:
+    """The plugin's periodic KV hints line (see ``HybridKVCacheManager.new_step_starts``)
+    from ``HybridKVCacheManager.hint_stats()``: the requests whose hints were received,
+    applied, refused (in all), the leases and retains that expired, the requests ignored
+    (exact), and the blocks and states pins and retains hold now."""
+    g = stats.get
+    return (
+        f"hybrid_alloc: KV hints: {g('received', 0)} received, {g('applied', 0)} applied, "
+        f"{g('refused', 0)} refused, {g('expired', 0)} expired, {g('ignored', 0)} ignored; "
+        f"held by pins: {g('leased_free_blocks', 0)} free blocks ({g('leased_keys', 0)} keys leased), "
+        f"by retains: {g('retained_blocks', 0)} blocks, {g('retained_states', 0)} states"
+    )
 
 
 class HintCounters:

@@ -58,7 +58,7 @@ from hybrid_alloc.vllm.compat import (
 from hybrid_alloc.vllm.connector import fold_negative_external
 from hybrid_alloc.vllm.connector_hits import local_hit_for_connector
 from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
-from hybrid_alloc.vllm.hints import PIN_OVER_CAP, HintCounters, Hints, hints_of
+from hybrid_alloc.vllm.hints import PIN_OVER_CAP, HintCounters, Hints, hints_of, stats_line
 from hybrid_alloc.vllm.kv_events import EventLog
 from hybrid_alloc.vllm.metrics import after_call_hook
 from hybrid_alloc.vllm.plan import native_plan
@@ -98,6 +98,17 @@ _RETAIN_LEVEL = {"low": 1, "normal": 2, "high": 3}
 # The parsed hints of a request, kept on it (``Request`` has no slots): a request vLLM preempts
 # is looked up again with a new handle, and takes its hints again without a second pin lease.
 _HINTS_ATTR = "_hybrid_alloc_hints"
+
+
+def _log_stats_interval_s() -> float:
+    """vLLM's stats logging interval (``VLLM_LOG_STATS_INTERVAL``, 10 s by default): the
+    plugin's KV hints line follows it."""
+    try:
+        from vllm import envs
+
+        return float(envs.VLLM_LOG_STATS_INTERVAL)
+    except Exception:  # noqa: BLE001 - a release without it, or a bad value: vLLM's default
+        return 10.0
 
 
 def _ttl_ms(ttl_s: float | None) -> int:
@@ -254,6 +265,13 @@ class HybridKVCacheManager:
         self._hint_counters = HintCounters(logger)
         self._hints_executed = self._alloc.policy == "hit-aware"
         self._clock_on = False
+        # The periodic hints line (``stats_line``), with vLLM's stats (``log_stats``), at
+        # vLLM's stats interval, from the step clock's reading: on once a request carried
+        # hints (``_hints_seen``), at most one per interval, only when a figure changed.
+        self._hints_seen = False
+        self._hint_log_interval_s = _log_stats_interval_s()
+        self._hint_log_at = -math.inf
+        self._hint_logged = ""
         # Session names -> the ints the core takes (from 1; a released session's is dropped).
         self._sessions: dict[str, int] = {}
         self._next_session = 1
@@ -320,6 +338,7 @@ class HybridKVCacheManager:
                     return
                 counters.receive(hints, request.request_id)
                 setattr(request, _HINTS_ATTR, hints)
+                self._hints_seen = True
             if not self._hints_executed:
                 if not again:
                     counters.ignored += 1
@@ -743,12 +762,27 @@ class HybridKVCacheManager:
 
     def new_step_starts(self) -> None:
         self._alloc.new_step_starts()
-        if self._clock_on:
-            # KV hints: the clock, once per step; the leases and retains due end.
+        if self._hints_seen:
+            # KV hints: the clock, once per step; the leases and retains due end; the
+            # periodic hints line when its interval passed.
             try:
-                self._alloc.advance_clock(self._now_ms())
+                now = self._clock()
+                if self._clock_on:
+                    self._alloc.advance_clock(int(now * 1000))
+                if now >= self._hint_log_at and self.log_stats:
+                    self._log_hints(now)
             except Exception:  # noqa: BLE001 - no hint may raise into the engine
                 self._hint_counters.refuse("malformed")
+
+    def _log_hints(self, now: float) -> None:
+        """The plugin's KV hints line (``stats_line``: received, applied, refused, expired,
+        ignored; the blocks and states pins and retains hold) on ``vllm.hybrid_alloc`` at
+        INFO, when it differs from the last one logged; the next is due an interval on."""
+        self._hint_log_at = now + self._hint_log_interval_s
+        line = stats_line(self.hint_stats())
+        if line != self._hint_logged:
+            self._hint_logged = line
+            logger.info("%s", line)
 
     def check_invariants(self) -> None:
         """Checks the native core's invariants (tests)."""

@@ -125,6 +125,47 @@ def test_pin_lease_ends_at_its_ttl_on_the_managers_clock(monkeypatch: pytest.Mon
     assert st["leased_keys"] == 0 and st["leased_free_blocks"] == 0, st
 
 
+def test_the_hints_line_comes_at_vllms_stats_interval_when_a_figure_changed(
+    monkeypatch: pytest.MonkeyPatch, plugin_lines: list[str]
+) -> None:
+    """The plugin's KV hints line (with vLLM's stats on, at ``VLLM_LOG_STATS_INTERVAL``, read
+    from the step's clock): the first step after a request brought hints, then at most once an
+    interval and only when a figure changed; with vLLM's stats off, none."""
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "10")
+    sched = _sched(monkeypatch, "hit-aware", num_blocks=400)
+    mgr = sched.kv_cache_manager
+    now = _clock(mgr)
+
+    def lines() -> list[str]:
+        return [s for s in plugin_lines if s.startswith("hybrid_alloc: KV hints: ")]
+
+    _drive(sched, [_req(sched, "p", _tokens(3, 320), 4, kv_pin_ttl=60)])
+    assert lines() == [
+        "hybrid_alloc: KV hints: 1 received, 1 applied, 0 refused, 0 expired, 0 ignored; "
+        "held by pins: 0 free blocks (28 keys leased), by retains: 0 blocks, 0 states"
+    ], plugin_lines
+    now[0] += 9.99
+    sched.schedule()  # within the interval: nothing, though the pinned blocks are free now
+    assert len(lines()) == 1
+    now[0] += 0.01
+    sched.schedule()
+    assert lines()[-1].endswith("held by pins: 28 free blocks (28 keys leased), by retains: 0 blocks, 0 states")
+    now[0] += 10
+    sched.schedule()  # an interval on, nothing changed: nothing
+    assert len(lines()) == 2
+    now[0] += 40  # past the lease's 60 s
+    sched.schedule()
+    assert lines()[-1] == (
+        "hybrid_alloc: KV hints: 1 received, 1 applied, 0 refused, 1 expired, 0 ignored; "
+        "held by pins: 0 free blocks (0 keys leased), by retains: 0 blocks, 0 states"
+    )
+    sched.log_stats = mgr.log_stats = False  # as vLLM built with --disable-log-stats
+    _drive(sched, [_req(sched, "q", _tokens(4, 100), 4, kv_pin_ttl=-1)])
+    now[0] += 100
+    sched.schedule()
+    assert len(lines()) == 3 and mgr.hint_stats()["received"] == 2
+
+
 def _sysprompt_hits(monkeypatch: pytest.MonkeyPatch, system: int, checkpoint: bool, **setup: Any) -> list[int]:
     """Two requests sharing a ``system``-token prompt on a GDN + full attention hybrid (the
     1st with a checkpoint at its end when asked), each with its own 200 tokens after it:
