@@ -29,11 +29,27 @@ pub fn check(a: &Allocator) -> Result<(), String> {
     if let Some(r) = pool.retention() {
         // Hit-aware: a free cached block sits in the segment of its retention level.
         let levels = pool.queue().iter_levels();
-        let pinned = levels
-            .get(crate::policy::LEVEL_PINNED as usize)
-            .map_or(0, |seg| seg.iter().filter(|&&b| pool.block_hash(b).is_some()).count() as u32);
+        let cached_in = |lvl: crate::policy::Level| {
+            levels
+                .get(lvl as usize)
+                .map_or(0, |seg| seg.iter().filter(|&&b| pool.block_hash(b).is_some()).count() as u32)
+        };
+        let leased = cached_in(crate::policy::LEVEL_LEASED);
+        let pinned = cached_in(crate::policy::LEVEL_PINNED) + leased;
         if pinned != r.pinned_free() {
-            return Err(format!("{pinned} free pinned cached blocks, counted {}", r.pinned_free()));
+            return Err(format!("{pinned} free pinned or leased cached blocks, counted {}", r.pinned_free()));
+        }
+        if leased != r.leased_free() {
+            return Err(format!("{leased} free leased cached blocks, counted {}", r.leased_free()));
+        }
+        // KV hints: a free block at the leased level is the block lookups find under a
+        // running lease's key.
+        for &b in levels.get(crate::policy::LEVEL_LEASED as usize).map_or(&[][..], |v| &v[..]) {
+            if let Some(key) = pool.block_hash(b) {
+                if !r.is_leased_key(key) || pool.index().get_one(key) != Some(b) {
+                    return Err(format!("free block {b} is at the leased level, not under a lease's key"));
+                }
+            }
         }
         if pinned > r.pinned_cap() {
             return Err(format!("{pinned} free pinned blocks above the pinned share {}", r.pinned_cap()));

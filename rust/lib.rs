@@ -61,7 +61,8 @@
 //! - *junctions* (`hit-aware`): a lookup reports the longest prefix another prompt went on
 //!   past as the shared prefix's end, inside a block or not; the scheduler ends a prefill
 //!   chunk there and full attention and the Mamba groups key their blocks there, so a third
-//!   prompt sharing a system prompt hits all of it (see [`policy`], rule 8).
+//!   prompt sharing a system prompt hits all of it (see [`policy`], rule 8). A KV hint's
+//!   checkpoint is a junction the application names ([`Allocator::set_hints`], rule 9).
 //!
 //! ## Invariants (checked by `invariants::check`)
 //! - Block 0 is the null block: never free-queued, hashed or ref-counted.
@@ -77,8 +78,9 @@
 //!   R-SWA table has one null gap between its prompt and its window, all null as far as the
 //!   manager records it).
 //! - Under the `hit-aware` policy (`policy/`): a free cached block sits in the free-queue
-//!   segment of its retention level; the free blocks at the pinned level are counted and
-//!   stay within the pinned share.
+//!   segment of its retention level; the free blocks at the pinned and leased levels are
+//!   counted and stay within the pinned share; a free block at the leased level is the block
+//!   lookups find under a running pin lease's key (KV hints, `policy/hints.rs`).
 //!
 //! ## Complexity
 //! | operation | cost |
@@ -89,6 +91,9 @@
 //! | `free` | O(table) |
 //! | pool pop / touch / free of one block | O(1) |
 //! | `reset_prefix_cache` | O(`num_blocks`) |
+//! | `set_hints` (KV hints) | O(prefix blocks) with a pin lease, else O(checkpoints) |
+//! | `advance_clock` | O(1) when nothing is due, else O(log holds + keys) per hold ended |
+//! | `release_session` | O(keys of the session's holds) |
 //!
 //! ## Performance notes
 //! - Per-request state is dense (handles into a slab, `Vec` tables); the hot decode path
@@ -146,8 +151,9 @@ mod py;
 pub use block_pool::{Event, ResidencyOp};
 pub use config::{AttentionKind, Config, CoordinatorKind, GroupSpec};
 pub use coordinator::{
-    token_count, AllocateArgs, Allocator, BlockCountArgs, CacheBlocksArgs, ConnectorHit, HashSource, Hit, NewComputed,
-    NoopLimits, PlainStep, StepFields,
+    token_count, AllocateArgs, Allocator, BlockCountArgs, CacheBlocksArgs, ConnectorHit, HashSource, HintOutcome, Hit,
+    NewComputed, NoopLimits, PinHint, PinOutcome, PlainStep, RequestHints, RetainHint, RetainPriority, StepFields,
+    MAX_CHECKPOINTS,
 };
 pub use error::{Error, Result};
 pub use ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot, MAX_HASH_LEN, NULL_BLOCK};

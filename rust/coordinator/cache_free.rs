@@ -150,10 +150,14 @@ impl Allocator {
                 }
             }
             Some(blocks) => {
+                // KV hints: the request's retain over the levels set, and, once its blocks
+                // are back, its session release.
+                let release = self.retain_at_free(s);
                 for m in self.managers.iter_mut() {
                     m.forget(s);
                 }
                 self.pool.free_blocks(blocks.iter().map(|x| x.2));
+                self.release_at_free(release);
             }
         }
         self.release(s);
@@ -167,11 +171,15 @@ impl Allocator {
     /// Unknown handle.
     pub fn pop_blocks_for_free(&mut self, h: ReqHandle, out: &mut Vec<BlockId>) -> Result<()> {
         let s = self.slot(h)?;
+        // KV hints: the request's retain and session release (the levels its blocks get
+        // when the caller frees them).
+        let release = self.retain_at_free(s);
         let start = out.len();
         for m in self.managers.iter_mut() {
             m.pop_blocks(s, out);
         }
         self.pool.loosen(&out[start..]);
+        self.release_at_free(release);
         self.release(s);
         Ok(())
     }

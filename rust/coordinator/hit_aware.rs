@@ -15,10 +15,17 @@
 //!   a freed request's blocks go back at and one freeing order across groups) and
 //!   `note_allocation` (`allocate_slots`: an adopted hit's levels and junctions, and the
 //!   probation rule's inputs);
-//! - pinning ([`Allocator::pin_prefix`], [`Allocator::set_pinned_share`]).
+//! - pinning ([`Allocator::pin_prefix`], [`Allocator::set_pinned_share`]);
+//! - KV hints (issue 38, [`Allocator::set_hints`]): a request's pin lease (its prefix's keys,
+//!   taken at once), its checkpoints (junctions the lookup reports and each chunk moves on,
+//!   their states marked branch points), its retain and session release (applied when it is
+//!   freed), the clock and the releases; the holds themselves are the policy's
+//!   (`policy/hints.rs`). A request without hints pays one `Option` in its state and one
+//!   flag test after an allocation that is not a no-op.
 //!
 //! Invariants: `guess_limit` is 0 unless the request's last lookup guessed a first-sighting
-//! stop; `moved_junction` is 0 unless the last allocation moved it and it was not taken.
+//! stop; `moved_junction` is 0 unless the last allocation moved it and it was not taken;
+//! `stops` is set only while the request has hints with checkpoints not all passed.
 //!
 //! Cost: `place_junction` O(groups) plus O(pinned blocks) with pins and O(log(max length))
 //! for a first-sighting stop, and with partial hash hits O(log(prompt)) plus O(prompt
@@ -27,13 +34,14 @@
 //! O(1) or O(log(prompt)).
 #![forbid(unsafe_code)]
 
-use super::{Allocator, Hit};
+use super::{Allocator, HashSource, Hit};
 
 use crate::error::{Error, Result};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot};
 use crate::manager::{HashView, SingleTypeManager};
 use crate::policy::retention::HitAware;
-use crate::policy::{Level, Policy, Retention, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_SPECULATIVE};
+use crate::policy::{HintStats, Level, Policy, Retention, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_SPECULATIVE};
+use crate::prefix_index::HashKey;
 
 /// The most hash-block prefixes [`Allocator::record_sighting`] keeps (48 bytes each, about
 /// 14 MiB with the map's overhead: 16M tokens of prompts at a 64-token unit); past it the
@@ -65,6 +73,115 @@ pub(super) struct HitAwareReq {
     /// Hit-aware with partial hash hits: the request's prompt is recorded in the sightings
     /// (its first lookup did it; a lookup repeated while it waits does not again).
     pub(super) sighted: bool,
+    /// KV hints: the request has checkpoints its allocations have not all passed yet
+    /// ([`ReqHints::checkpoints`]; each allocation checks them, see `advance_checkpoints`).
+    pub(super) stops: bool,
+}
+
+/// A retain hint's priority: the level the request's prefix and its end state are freed at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RetainPriority {
+    /// The pinned level (evicted last; within the pinned share, soft: past it the oldest
+    /// pinned blocks go back to the normal level).
+    High,
+    /// The normal level, kept from the policy's own demotions (probation, a lost hit unit).
+    Normal,
+    /// The speculative level (evicted first).
+    Low,
+}
+
+impl RetainPriority {
+    /// The retention level it frees at.
+    pub fn level(self) -> Level {
+        match self {
+            RetainPriority::High => LEVEL_PINNED,
+            RetainPriority::Normal => LEVEL_NORMAL,
+            RetainPriority::Low => LEVEL_SPECULATIVE,
+        }
+    }
+}
+
+/// A retain hint: when the request is freed, its first `tokens` tokens' cached blocks (0:
+/// all it hashed) and the state at their end go to `priority`'s level for `ttl_ms`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetainHint {
+    /// The level.
+    pub priority: RetainPriority,
+    /// Milliseconds of the manager's clock from the request's free (`1..=MAX_TTL_MS`).
+    pub ttl_ms: u64,
+    /// Tokens of the prefix retained (0: all the request hashed).
+    pub tokens: u32,
+}
+
+/// A pin lease hint: the request's first `tokens` tokens (0: all it hashed), rounded down to
+/// whole blocks, are leased now for `ttl_ms`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PinHint {
+    /// Milliseconds of the manager's clock from now (`1..=MAX_TTL_MS`).
+    pub ttl_ms: u64,
+    /// Tokens of the prefix leased (0: all the request hashed).
+    pub tokens: u32,
+}
+
+/// One request's KV hints, set in one call ([`Allocator::set_hints`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RequestHints<'a> {
+    /// The request's session (0: none): its retains and leases end at the session's release.
+    pub session: u64,
+    /// A retain, applied when the request is freed.
+    pub retain: Option<RetainHint>,
+    /// A pin lease, taken now.
+    pub pin: Option<PinHint>,
+    /// A session to release when the request is freed (0: none).
+    pub release_session: u64,
+    /// Prompt positions (tokens) where the prefill stops and the state is kept; at most
+    /// [`MAX_CHECKPOINTS`].
+    pub checkpoints: &'a [u32],
+}
+
+/// What became of a pin lease hint.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PinOutcome {
+    /// No pin was asked.
+    #[default]
+    NotAsked,
+    /// The lease runs.
+    Applied,
+    /// Refused: its keys would take the pinned keys past the pinned share.
+    RefusedOverCap,
+}
+
+/// What [`Allocator::set_hints`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HintOutcome {
+    /// The pin lease's fate.
+    pub pin: PinOutcome,
+    /// Checkpoint positions taken (on a model without Mamba "align" groups, where they have
+    /// nothing to do, all of them).
+    pub checkpoints_applied: u32,
+    /// Checkpoint positions refused: 0 once rounded down to the hit alignment.
+    pub checkpoints_refused: u32,
+}
+
+/// The most checkpoint positions one request may name.
+pub const MAX_CHECKPOINTS: usize = 64;
+
+/// A request's KV hints kept until it is freed (`ReqState::hints`; `None` for a request
+/// without hints, so the others pay one pointer).
+#[derive(Clone, Debug, Default)]
+pub(super) struct ReqHints {
+    /// The request's session (0: none).
+    session: u64,
+    /// A retain to apply when the request is freed: its level, TTL and tokens (0: all).
+    retain: Option<RetainHint>,
+    /// A session to release when the request is freed (0: none).
+    release: u64,
+    /// Checkpoint positions rounded down to the hit alignment, sorted, distinct, within
+    /// the request's hashes (Mamba "align" models only; empty otherwise).
+    checkpoints: Vec<u32>,
+    /// `checkpoints[..marked]` are done: the state there was found and marked a branch
+    /// point, or the allocations went past it without its state keyed.
+    marked: usize,
 }
 
 impl Allocator {
@@ -81,6 +198,13 @@ impl Allocator {
         guess_limit: &mut u32,
     ) -> Hit {
         let mut junction = self.pinned_junction(s, max_cache_hit_length);
+        // KV hints: the application's next checkpoint past the hit is a junction too (the
+        // nearer of it and a pinned prefix's end), reported even inside a shared prefix
+        // vLLM found (the application knows where its prompt's parts end).
+        let checkpoint = self.next_checkpoint(s, res.num_tokens, max_cache_hit_length);
+        if checkpoint > 0 && (junction <= res.num_tokens || checkpoint < junction) {
+            junction = checkpoint;
+        }
         let mut known = res.num_tokens + res.num_uncached_common_prefix_tokens;
         if self.pool.is_leveled() && self.partial_hash_hits {
             // Where another prompt looked up before branched off this one, to the hash block:
@@ -129,7 +253,7 @@ impl Allocator {
                 *guess_limit = max_cache_hit_length;
             }
         }
-        if junction > known {
+        if junction > known || (checkpoint > 0 && junction == checkpoint) {
             res.num_uncached_common_prefix_tokens = junction - res.num_tokens;
         }
         res
@@ -211,6 +335,19 @@ impl Allocator {
                 "pinning a prefix needs the hit-aware policy with prefix caching on".into(),
             ));
         }
+        let keys = self.prefix_keys(hashes);
+        match self.pool.hit_aware() {
+            Some(mut ha) => ha.pin_keys(keys),
+            None => {
+                Err(Error::Unsupported("pinning a prefix needs the hit-aware policy with prefix caching on".into()))
+            }
+        }
+    }
+
+    /// The hash keys a hit on the whole prefix `hashes` (at `hash_block_size` granularity)
+    /// needs: every block of a full-attention or chunked group, the window tail at its end
+    /// in a sliding-window group, every state block of a Mamba group. O(prefix blocks).
+    fn prefix_keys(&self, hashes: &[BlockHash]) -> Vec<HashKey> {
         let mut keys = Vec::new();
         for m in &self.managers {
             if m.kind().sized_by_encoder_tokens() {
@@ -221,12 +358,7 @@ impl Allocator {
             let from = m.hit_tail_blocks().map_or(0, |t| n.saturating_sub(t));
             keys.extend((from..n).map(|i| (view.get(i), m.group_id())));
         }
-        match self.pool.hit_aware() {
-            Some(mut ha) => ha.pin_keys(keys),
-            None => {
-                Err(Error::Unsupported("pinning a prefix needs the hit-aware policy with prefix caching on".into()))
-            }
-        }
+        keys
     }
 
     /// Sets the pinned share of the pool (`0.0..=1.0`, default 0.25): at most that fraction
@@ -412,13 +544,35 @@ impl Allocator {
     /// Hit-aware: after an allocation of `s` that computes up to `end` tokens with
     /// `boundary` as its `shared_prefix_boundary`, moves a guessed junction the allocation
     /// reached to the next first-sighting stop ([`Self::first_sighting_stop`]), or ends the
-    /// guessing when there is none. O(log(prompt)).
+    /// guessing when there is none; and with KV hints' checkpoints, moves on to the next one
+    /// ([`Self::advance_checkpoints`]). O(log(prompt)); a request with neither (every
+    /// request under `exact`, and a decoding one) pays one test, inlined into the caller.
+    #[inline]
     pub(super) fn advance_first_sighting(&mut self, s: Slot, end: u64, boundary: u32) {
-        let st = &mut self.reqs[s as usize];
-        let limit = st.hit_aware.guess_limit;
-        if limit == 0 {
-            return;
+        let st = &self.reqs[s as usize].hit_aware;
+        if st.guess_limit > 0 || st.stops {
+            self.advance_stops(s, end, boundary);
         }
+    }
+
+    /// [`Self::advance_first_sighting`] for a request with a guessed junction or
+    /// checkpoints, out of the allocation's line.
+    #[inline(never)]
+    fn advance_stops(&mut self, s: Slot, end: u64, boundary: u32) {
+        let st = &self.reqs[s as usize].hit_aware;
+        let (limit, stops) = (st.guess_limit, st.stops);
+        if limit > 0 {
+            self.advance_guess(s, end, boundary, limit);
+        }
+        if stops {
+            self.advance_checkpoints(s, end, boundary);
+        }
+    }
+
+    /// [`Self::advance_first_sighting`]'s first-sighting stops, for a request whose last
+    /// lookup guessed its junction within `limit` tokens. O(log(prompt)).
+    fn advance_guess(&mut self, s: Slot, end: u64, boundary: u32, limit: u32) {
+        let st = &mut self.reqs[s as usize];
         st.hit_aware.moved_junction = 0;
         if boundary == 0 || end < boundary as u64 {
             return;
@@ -432,14 +586,16 @@ impl Allocator {
     }
 
     /// Whether an allocation of `h` may move its junction: its last lookup guessed it (a
-    /// first-sighting stop, hit-aware) and a later stop remains. A caller that writes the
+    /// first-sighting stop, hit-aware) and a later stop remains, or a KV hint's checkpoint
+    /// remains (`advance_checkpoints`). A caller that writes the
     /// moved junction back into an object checks first that it can, so a call that raises
     /// changes nothing. O(1).
     ///
     /// # Errors
     /// Unknown handle.
     pub fn may_move_junction(&self, h: ReqHandle) -> Result<bool> {
-        Ok(self.reqs[self.slot(h)? as usize].hit_aware.guess_limit > 0)
+        let st = &self.reqs[self.slot(h)? as usize].hit_aware;
+        Ok(st.guess_limit > 0 || st.stops)
     }
 
     /// The junction the last allocation of `h` moved its `shared_prefix_boundary` to (the
@@ -473,4 +629,298 @@ fn ends_a_sequence(
         let n = tokens / bs;
         n > 0 && n <= view.len() && ha.keyed_block(&(view.get(n - 1), m.group_id())).is_some_and(|b| ha.is_tail(b))
     })
+}
+
+/// KV hints (issue 38, rule 9 of [`crate::policy`]): a request's hints set in one call, the
+/// checkpoints it stops at, what its free applies, the clock and a session's release. The
+/// holds' state and mechanics are the policy's (`policy/hints.rs`), reached through its
+/// handle; this room decides per request which keys and blocks they name.
+impl Allocator {
+    /// Sets `h`'s KV hints in one call (hit-aware with prefix caching only), after bringing
+    /// its hashes up to `hashes` when given (call it before the request's lookup, which then
+    /// reports its first checkpoint). A pin lease is taken now on its prefix's keys (see
+    /// [`Self::pin_prefix`] for which keys a prefix needs), until the clock
+    /// ([`Self::advance_clock`]) passes its TTL; refused, and counted, when its keys would
+    /// take the pinned keys past the pinned share. Checkpoints are rounded down to the hit
+    /// alignment (the hash block with partial hash hits, else the scheduler block); one that
+    /// rounds to 0 is refused (counted); on a model without Mamba "align" groups they have
+    /// nothing to do and are taken as they are. The retain and the session release are kept
+    /// for the request's free. O(prefix blocks) with a pin, O(checkpoints) otherwise.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] under `exact` or with prefix caching off; unknown handle;
+    /// [`Error::InvalidState`] when the request's hints are set already; [`Error::OutOfRange`]
+    /// for a TTL outside `1..=MAX_TTL_MS`, more than [`MAX_CHECKPOINTS`] checkpoints, or a
+    /// checkpoint past the request's hashed tokens; an invalid hash. Nothing changes then.
+    pub fn set_hints(
+        &mut self,
+        h: ReqHandle,
+        hashes: Option<&dyn HashSource>,
+        hints: &RequestHints<'_>,
+    ) -> Result<HintOutcome> {
+        let s = self.slot(h)?;
+        let Some(r) = self.pool.retention() else {
+            return Err(Error::Unsupported("KV hints need the hit-aware policy with prefix caching on".into()));
+        };
+        if self.reqs[s as usize].hints.is_some() {
+            return Err(Error::InvalidState(format!("the KV hints of request {h} are set already")));
+        }
+        if hints.checkpoints.len() > MAX_CHECKPOINTS {
+            return Err(Error::OutOfRange(format!(
+                "{} checkpoints, more than the {MAX_CHECKPOINTS} a request may name",
+                hints.checkpoints.len()
+            )));
+        }
+        let now = r.holds().now_ms();
+        let pin_expiry = hints.pin.map(|p| r.holds().expiry(now, p.ttl_ms)).transpose()?;
+        if let Some(rt) = hints.retain {
+            r.holds().expiry(now, rt.ttl_ms)?;
+        }
+        let undo = match hashes {
+            Some(src) => Some(self.sync_hashes(s, src)?),
+            None => None,
+        };
+        let hbs = self.cfg.hash_block_size;
+        let hashed = self.reqs[s as usize].hashes.len() as u64 * hbs as u64;
+        let align = self.hit_alignment.max(1);
+        let mut out = HintOutcome::default();
+        let mut checkpoints = Vec::with_capacity(hints.checkpoints.len());
+        for &p in hints.checkpoints {
+            let c = p / align * align;
+            if c as u64 > hashed {
+                if let Some(u) = undo {
+                    self.undo_hashes(s, u);
+                }
+                return Err(Error::OutOfRange(format!("checkpoint {p} is past the request's {hashed} hashed tokens")));
+            }
+            if c == 0 {
+                out.checkpoints_refused += 1;
+            } else {
+                out.checkpoints_applied += 1;
+                checkpoints.push(c);
+            }
+        }
+        checkpoints.sort_unstable();
+        checkpoints.dedup();
+        if !self.managers.iter().any(|m| m.is_mamba_align()) {
+            checkpoints.clear();
+        }
+        // Checked; the changes.
+        if let (Some(pin), Some(expiry)) = (hints.pin, pin_expiry) {
+            let hashes = &self.reqs[s as usize].hashes;
+            let n = if pin.tokens == 0 { hashes.len() } else { ((pin.tokens / hbs) as usize).min(hashes.len()) };
+            let keys = self.prefix_keys(&hashes[..n]);
+            let mut ha = self.pool.hit_aware().expect("hit-aware: checked above");
+            out.pin =
+                if ha.lease(keys, hints.session, expiry) { PinOutcome::Applied } else { PinOutcome::RefusedOverCap };
+        }
+        let mut ha = self.pool.hit_aware().expect("hit-aware: checked above");
+        let st = ha.hint_stats_mut();
+        st.requests += 1;
+        st.checkpoints_applied += out.checkpoints_applied as u64;
+        st.checkpoints_refused += out.checkpoints_refused as u64;
+        let req = &mut self.reqs[s as usize];
+        req.hit_aware.stops = !checkpoints.is_empty();
+        req.hints = Some(Box::new(ReqHints {
+            session: hints.session,
+            retain: hints.retain,
+            release: hints.release_session,
+            checkpoints,
+            marked: 0,
+        }));
+        Ok(out)
+    }
+
+    /// Drops `h`'s KV hints (the checkpoints, the retain and the release it would apply when
+    /// freed; a lease it took runs on): the vLLM adapter's call before it frees a request
+    /// vLLM preempts, which is not finished. O(1).
+    ///
+    /// # Errors
+    /// Unknown handle.
+    pub fn clear_hints(&mut self, h: ReqHandle) -> Result<()> {
+        let s = self.slot(h)?;
+        let req = &mut self.reqs[s as usize];
+        req.hints = None;
+        req.hit_aware.stops = false;
+        Ok(())
+    }
+
+    /// The manager's clock reads `now_ms` (milliseconds of any monotonic clock; the vLLM
+    /// adapter calls it at most once per scheduler step, with `time.monotonic`): the KV
+    /// hints' leases and retains due by then end, and their blocks still under the keys they
+    /// held go back to the normal level. Later hints' TTLs count from this time. Returns the
+    /// holds ended and when the next one ends (`None`: none runs). O(1) when nothing is due,
+    /// else O(log holds + keys) per hold ended.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] under `exact` or with prefix caching off.
+    pub fn advance_clock(&mut self, now_ms: u64) -> Result<(u32, Option<u64>)> {
+        let Some(mut ha) = self.pool.hit_aware() else {
+            return Err(Error::Unsupported("KV hints need the hit-aware policy with prefix caching on".into()));
+        };
+        let ended = ha.advance_clock(now_ms);
+        Ok((ended, ha.holds().next_expiry()))
+    }
+
+    /// Releases `session` now: every lease and retain its requests' hints left ends, and
+    /// their blocks go to the front of the speculative level (evicted first) unless another
+    /// hold, a branch point or a shared prefix needs them. Returns the holds ended.
+    /// O(keys of the session's holds).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] under `exact` or with prefix caching off.
+    pub fn release_session(&mut self, session: u64) -> Result<u32> {
+        match self.pool.hit_aware() {
+            Some(mut ha) => Ok(ha.release_session(session)),
+            None => Err(Error::Unsupported("KV hints need the hit-aware policy with prefix caching on".into())),
+        }
+    }
+
+    /// The KV hints' counters and gauges (all zero under `exact`).
+    pub fn hint_stats(&self) -> HintStats {
+        self.pool.retention().map_or_else(HintStats::default, |r| r.hint_stats())
+    }
+
+    /// The first of `s`'s checkpoints past `hit` tokens, if within `max_len` (0: none). O(1)
+    /// without hints, else O(log checkpoints).
+    fn next_checkpoint(&self, s: Slot, hit: u32, max_len: u32) -> u32 {
+        let Some(hints) = self.reqs[s as usize].hints.as_deref() else { return 0 };
+        let cs = &hints.checkpoints;
+        match cs.get(cs.partition_point(|&c| c <= hit)) {
+            Some(&c) if c <= max_len => c,
+            _ => 0,
+        }
+    }
+
+    /// KV hints, after an allocation of `s` computing up to `end` tokens with `boundary` as
+    /// its `shared_prefix_boundary`: each checkpoint it reached whose state set is cached is
+    /// marked a branch point (kept when passed, at least at the normal level); one passed
+    /// without its state is given up. When the allocation reached the reported boundary the
+    /// junction moves to the next checkpoint ([`Self::take_moved_junction`]). O(checkpoints
+    /// reached x Mamba groups).
+    fn advance_checkpoints(&mut self, s: Slot, end: u64, boundary: u32) {
+        let groups: Vec<GroupId> = self.managers.iter().filter(|m| m.is_mamba_align()).map(|m| m.group_id()).collect();
+        let hbs = self.cfg.hash_block_size;
+        let Self { pool, reqs, .. } = self;
+        let req = &mut reqs[s as usize];
+        let Some(hints) = req.hints.as_deref_mut() else {
+            req.hit_aware.stops = false;
+            return;
+        };
+        let mut found = Vec::new();
+        while let Some(&c) = hints.checkpoints.get(hints.marked) {
+            if c as u64 > end {
+                break;
+            }
+            let hash = req.hashes[(c / hbs) as usize - 1];
+            if !groups.is_empty() && pool.get_cached_block(&hash, &groups, &mut found) {
+                if let Some(mut ha) = pool.hit_aware() {
+                    for &b in &found {
+                        ha.mark_branch(b);
+                        if ha.level(b) < LEVEL_NORMAL {
+                            ha.set_level(b, LEVEL_NORMAL);
+                        }
+                    }
+                    ha.hint_stats_mut().checkpoint_states += 1;
+                }
+            } else if c as u64 == end {
+                // Keyed by a later caching call of this chunk, maybe: looked for again then.
+                break;
+            }
+            hints.marked += 1;
+        }
+        if boundary > 0 && end >= boundary as u64 {
+            let next = hints.checkpoints[hints.marked..].iter().copied().find(|&c| c as u64 > end).unwrap_or(0);
+            let moved = &mut req.hit_aware.moved_junction;
+            if next > 0 && (*moved == 0 || next < *moved) {
+                *moved = next;
+            }
+        }
+        req.hit_aware.stops = hints.marked < hints.checkpoints.len();
+    }
+
+    /// KV hints, `free`'s (and `pop_blocks_for_free`'s) hook, once the policy set the levels
+    /// `s`'s blocks are freed at and before they go back: its retain (the cached blocks of its
+    /// prefix a hit needs and the state at its end, at the retain's level until its TTL,
+    /// counted from now). Returns the session to release once its blocks are back
+    /// ([`Self::release_at_free`]; 0: none). Nothing for a request without hints. O(prefix
+    /// blocks x groups).
+    pub(super) fn retain_at_free(&mut self, s: Slot) -> u64 {
+        let Some(hints) = self.reqs[s as usize].hints.take() else { return 0 };
+        self.reqs[s as usize].hit_aware.stops = false;
+        if let Some(rt) = hints.retain {
+            let blocks = self.retained_blocks(s, rt.tokens);
+            if let Some(mut ha) = self.pool.hit_aware() {
+                let now = ha.holds().now_ms();
+                // The TTL was checked when the hints were set; a clock moved since can only
+                // saturate at the far end of u64.
+                let expiry = now.saturating_add(rt.ttl_ms);
+                ha.retain(&blocks, rt.priority.level(), hints.session, expiry);
+            }
+        }
+        hints.release
+    }
+
+    /// KV hints: the session release a freed request asked for ([`Self::retain_at_free`]),
+    /// once its blocks are back in the pool (so the released ones go to the front of the
+    /// queue). O(keys of the session's holds).
+    pub(super) fn release_at_free(&mut self, session: u64) {
+        if session != 0 {
+            if let Some(mut ha) = self.pool.hit_aware() {
+                ha.release_session(session);
+            }
+        }
+    }
+
+    /// The cached blocks a retain of `s`'s first `tokens` tokens (0: all it hashed) holds,
+    /// each with its own key: the blocks of the prefix a hit there needs in each attention
+    /// group (every block, or a window's tail), and the furthest state set at or before its
+    /// end cached in every Mamba "align" group, with the full-attention block keyed there
+    /// (inside a block, with partial hash hits). The pool's lookups only (second keys
+    /// count). O(prefix blocks x groups).
+    fn retained_blocks(&self, s: Slot, tokens: u32) -> Vec<(BlockId, HashKey)> {
+        let hbs = self.cfg.hash_block_size;
+        let all = &self.reqs[s as usize].hashes;
+        let n = if tokens == 0 { all.len() } else { ((tokens / hbs) as usize).min(all.len()) };
+        let hashes = &all[..n];
+        let (mut out, mut found) = (Vec::new(), Vec::new());
+        let pool = &self.pool;
+        let mut take = |hash: &BlockHash, g: GroupId, out: &mut Vec<(BlockId, HashKey)>| {
+            if pool.get_cached_block(hash, &[g], &mut found) {
+                if let Some(&key) = pool.block_hash(found[0]) {
+                    out.push((found[0], key));
+                }
+            }
+        };
+        let attention = || {
+            self.managers.iter().filter(|m| {
+                m.kind().is_prefix_cacheable() && !m.kind().sized_by_encoder_tokens() && !m.is_mamba_align()
+            })
+        };
+        for m in attention() {
+            let view = HashView { hashes, scale: m.block_size() / hbs };
+            let k = view.len();
+            let from = m.hit_tail_blocks().map_or(0, |t| k.saturating_sub(t));
+            for i in from..k {
+                take(&view.get(i), m.group_id(), &mut out);
+            }
+        }
+        let states: Vec<GroupId> = self.managers.iter().filter(|m| m.is_mamba_align()).map(|m| m.group_id()).collect();
+        if states.is_empty() {
+            return out;
+        }
+        let mut set = Vec::new();
+        for j in (1..=n).rev() {
+            if !pool.get_cached_block(&hashes[j - 1], &states, &mut set) {
+                continue;
+            }
+            out.extend(set.iter().filter_map(|&b| pool.block_hash(b).map(|&k| (b, k))));
+            let end = j as u64 * hbs as u64;
+            for m in attention().filter(|m| end % m.block_size() as u64 != 0) {
+                take(&hashes[j - 1], m.group_id(), &mut out);
+            }
+            break;
+        }
+        out
+    }
 }

@@ -29,6 +29,7 @@ mod requests;
 
 pub use allocate::{AllocateArgs, BlockCountArgs, NewComputed};
 pub use cache_free::CacheBlocksArgs;
+pub use hit_aware::{HintOutcome, PinHint, PinOutcome, RequestHints, RetainHint, RetainPriority, MAX_CHECKPOINTS};
 pub use hits::ConnectorHit;
 pub use noop::{NoopLimits, PlainStep, StepFields};
 pub use requests::HashSource;
@@ -68,6 +69,9 @@ struct ReqState {
     /// Hit-aware: the junctions and the probation input ([`hit_aware::HitAwareReq`]; all
     /// zero under `exact`).
     hit_aware: hit_aware::HitAwareReq,
+    /// KV hints (hit-aware): what the request's free applies and its checkpoints; `None`
+    /// for a request without hints.
+    hints: Option<Box<hit_aware::ReqHints>>,
 }
 
 /// A caller-supplied token count as `u32`.

@@ -125,6 +125,7 @@ impl Allocator {
         }
         st.noop = NoopLimits::default();
         st.hit_aware = Default::default();
+        st.hints = None;
         self.free_slots.push(s);
     }
 

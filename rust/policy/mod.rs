@@ -80,10 +80,21 @@
 //!   priority and blocks of a pinned prefix go to [`LEVEL_PINNED`] (bounded share of the
 //!   pool; see [`crate::Allocator::pin_prefix`]).
 //!
+//!   9. *KV hints (issue 38, `hints.rs`).* An application's per-request hints ride on the
+//!      same levels, each for a TTL of the manager's clock: a *pin lease* holds the
+//!      request's prefix keys at [`LEVEL_LEASED`] (above [`LEVEL_PINNED`]; two leases on a
+//!      key count twice; a lease past the pinned share is refused, never demoting another);
+//!      a *retain* frees the request's prefix and the state at its end at a chosen level
+//!      (high: pinned, normal: kept from the policy's demotions, low: speculative); a
+//!      session's *release* demotes what its requests retained or leased to the speculative
+//!      level; a *checkpoint* is a junction the application names (rule 8's path). At
+//!      its TTL a lease or retain ends and the blocks still under its keys go back to
+//!      [`LEVEL_NORMAL`] (`HitAware::advance_clock`, a heap by expiry).
+//!
 //! Where the rules live, one room a layer: this folder (the levels here; the per-block
 //! state, the pool's six hooks and the decisions in `retention.rs`, reached through the one
 //! handle the pool lends, `BlockPool::hit_aware`, `None` under `exact`; the hit units in
-//! `units.rs`), `manager/retention.rs` (the rules per group, Mamba "align"'s included) and
+//! `units.rs`; the KV hints' leases, retains and clock in `hints.rs`), `manager/retention.rs` (the rules per group, Mamba "align"'s included) and
 //! `coordinator/hit_aware.rs` (per request: junctions, sightings, a freed request's levels,
 //! pinning).
 //!
@@ -99,9 +110,11 @@
 //! (O(members)).
 #![forbid(unsafe_code)]
 
+mod hints;
 pub(crate) mod retention;
 mod units;
 
+pub use hints::{HintStats, MAX_TTL_MS};
 pub use retention::Retention;
 pub(crate) use units::HitUnits;
 
@@ -162,8 +175,11 @@ pub const LEVEL_RESUMED: Level = 2;
 pub const LEVEL_NORMAL: Level = 4;
 /// Blocks of a pinned prefix or of a request with a retention priority.
 pub const LEVEL_PINNED: Level = 5;
+/// Blocks under a running pin lease (a KV hint, see rule 9): evicted after every other
+/// cached block, never demoted by the pinned share's overflow (leases are refused past it).
+pub const LEVEL_LEASED: Level = 6;
 /// Levels of a hit-aware free queue.
-pub const NUM_LEVELS: u32 = 6;
+pub const NUM_LEVELS: u32 = 7;
 
 #[cfg(test)]
 mod tests {

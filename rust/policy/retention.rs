@@ -22,8 +22,11 @@
 //! `BlockPool`.
 //!
 //! Invariants (checked by `invariants::check`): a free cached block sits in the free-queue
-//! segment of its level; `pinned_free` equals the free keyed blocks at [`LEVEL_PINNED`],
-//! and stays within `pinned_cap` after every pool operation.
+//! segment of its level; `pinned_free` equals the free keyed blocks at [`LEVEL_PINNED`] and
+//! [`LEVEL_LEASED`], and stays within `pinned_cap` after every pool operation; the pinned
+//! keys (permanent pins and leased keys together) are at most `pinned_cap`; a block at
+//! [`LEVEL_LEASED`] while free is the block a lookup finds under a leased key, so the free
+//! leased blocks never exceed the pinned share and its overflow never demotes one.
 //!
 //! Cost: every hook O(1) a block (`freed` O(blocks freed), plus O(demoted) when the pinned
 //! share overflows); `unkeying` O(members) when it dissolves a hit unit; `reset`
@@ -31,12 +34,15 @@
 //! `pin_keys` O(keys); memory 2 bytes a block plus the hit units' two words a block.
 #![forbid(unsafe_code)]
 
-use super::{HitUnits, Level, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_RESUMED, LEVEL_SPECULATIVE};
+use super::hints::Holds;
+use super::{
+    HitUnits, Level, LEVEL_LEASED, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_PROBATION, LEVEL_RESUMED, LEVEL_SPECULATIVE,
+};
 use crate::error::{Error, Result};
 use crate::free_queue::{try_filled, FreeQueue};
 use crate::ids::{BlockHash, BlockId, GroupId, NULL_BLOCK};
 use crate::prefix_index::{HashKey, PrefixIndex};
-use rustc_hash::FxHashSet;
+use rustc_hash::FxHashMap;
 
 /// Block flag: served in a cache hit since it was cached.
 const FLAG_REUSED: u8 = 1;
@@ -46,6 +52,20 @@ const FLAG_BRANCH: u8 = 2;
 /// Block flag: a full-attention block that ended a finished request's cached sequence (a
 /// chat's next turn continues there; see `Allocator::retain_for_free` in `coordinator/hit_aware.rs`).
 const FLAG_TAIL: u8 = 4;
+/// Block flag: held by a running retain hint (`hints.rs`): the policy's own demotions of a
+/// lost hit unit's members (`HitAware::evict_first`) pass it by until the retain ends.
+pub(super) const FLAG_HELD: u8 = 8;
+
+/// What pins a hash key: a permanent pin ([`HitAware::pin_keys`]) and the running pin
+/// leases (KV hints, `hints.rs`) on it. An entry exists only while one of them does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Pin {
+    /// Pinned by `pin_prefix` (for the allocator's life).
+    pub(super) permanent: bool,
+    /// Running leases on the key (a block cached under it is freed at [`LEVEL_LEASED`]
+    /// while this is above 0).
+    pub(super) leases: u32,
+}
 
 /// The parts of the pool the policy works on, lent for one hook call or for a [`HitAware`]
 /// handle.
@@ -67,9 +87,9 @@ pub(crate) struct PoolParts<'a> {
 /// never goes back to the pool while it holds the handle.
 pub(crate) struct HitAware<'a> {
     /// The policy's state.
-    r: &'a mut Retention,
+    pub(super) r: &'a mut Retention,
     /// The pool's parts.
-    p: PoolParts<'a>,
+    pub(super) p: PoolParts<'a>,
 }
 
 impl std::ops::Deref for HitAware<'_> {
@@ -88,20 +108,28 @@ pub struct Retention {
     level: Vec<Level>,
     /// What a block proved since it was cached, as bits: [`FLAG_REUSED`] (served in a cache
     /// hit: never put on `LEVEL_PROBATION`), [`FLAG_BRANCH`] (a Mamba state where requests
-    /// branch off: kept when a request passes it) and [`FLAG_TAIL`]. Cleared when the block
-    /// loses its hash.
-    flags: Vec<u8>,
+    /// branch off: kept when a request passes it), [`FLAG_TAIL`] and [`FLAG_HELD`]. Cleared
+    /// when the block loses its hash.
+    pub(super) flags: Vec<u8>,
     /// State-space hybrids: the hit units of the cached blocks (see [`HitUnits`]).
     units: HitUnits,
     /// The Mamba "align" groups that cached a state (a unit holds a state in each).
     state_groups: Vec<GroupId>,
-    /// Hash keys of pinned prefixes: a block cached under one is freed at `LEVEL_PINNED`.
-    pinned_keys: FxHashSet<HashKey>,
-    /// Free cached blocks at `LEVEL_PINNED` (invariant: equals the count in the queue).
+    /// Hash keys of pinned prefixes and of running pin leases: a block cached under a leased
+    /// one (the one a lookup finds) is freed at `LEVEL_LEASED`, under a permanently pinned
+    /// one at `LEVEL_PINNED`. At most `pinned_cap` keys.
+    pub(super) pinned_keys: FxHashMap<HashKey, Pin>,
+    /// Free cached blocks at `LEVEL_PINNED` or `LEVEL_LEASED` (invariant: equals the count
+    /// in the queue).
     pinned_free: u32,
+    /// Free cached blocks at `LEVEL_LEASED` (of `pinned_free`; invariant: equals the count
+    /// in the queue).
+    leased_free: u32,
     /// The most free cached blocks kept at `LEVEL_PINNED`: past it, the oldest is demoted to
     /// `LEVEL_NORMAL` (the pinned share of the pool).
     pinned_cap: u32,
+    /// The KV hints' leases and retains, their clock and counters (`hints.rs`).
+    pub(super) holds: Holds,
 }
 
 impl Retention {
@@ -123,9 +151,11 @@ impl Retention {
             flags: try_filled(n, 0u8).map_err(oom("block flags"))?,
             units: HitUnits::try_new(n).map_err(oom("hit units"))?,
             state_groups: Vec::new(),
-            pinned_keys: FxHashSet::default(),
+            pinned_keys: FxHashMap::default(),
             pinned_free: 0,
+            leased_free: 0,
             pinned_cap: Self::default_pinned_cap(num_blocks),
+            holds: Holds::default(),
         })
     }
 
@@ -151,7 +181,7 @@ impl Retention {
     #[inline]
     pub(crate) fn popped(&mut self, b: BlockId, index: &PrefixIndex) {
         if self.counts_pinned(b, index) {
-            self.pinned_free -= 1;
+            self.count_out(b);
         }
     }
 
@@ -159,7 +189,7 @@ impl Retention {
     #[inline]
     pub(crate) fn touched(&mut self, b: BlockId, was_free: bool, index: &PrefixIndex) {
         if was_free && self.counts_pinned(b, index) {
-            self.pinned_free -= 1;
+            self.count_out(b);
         }
         self.flags[b as usize] |= FLAG_REUSED;
     }
@@ -190,7 +220,7 @@ impl Retention {
     /// cleared.
     pub(crate) fn unkeying(&mut self, b: BlockId, p: PoolParts<'_>) {
         if p.ref_cnt[b as usize] == 0 && b != NULL_BLOCK && self.counts_pinned(b, p.index) && p.queue.contains(b) {
-            self.pinned_free -= 1;
+            self.count_out(b);
         }
         let keyed = p.index.is_keyed(b);
         if self.units.in_unit(b) {
@@ -215,13 +245,24 @@ impl Retention {
         self.flags.fill(0);
         self.units.clear();
         self.pinned_free = 0;
+        self.leased_free = 0;
     }
 
     // --- The reads (of the state; [`HitAware`] dereferences to them) ---
 
-    /// Whether `key` is a pinned prefix's.
+    /// Whether `key` is a pinned prefix's or under a running pin lease.
     pub fn is_pinned_key(&self, key: &HashKey) -> bool {
-        !self.pinned_keys.is_empty() && self.pinned_keys.contains(key)
+        !self.pinned_keys.is_empty() && self.pinned_keys.contains_key(key)
+    }
+
+    /// Whether `key` is under a running pin lease (a KV hint).
+    pub fn is_leased_key(&self, key: &HashKey) -> bool {
+        !self.pinned_keys.is_empty() && self.pinned_keys.get(key).is_some_and(|p| p.leases > 0)
+    }
+
+    /// Whether `b` is held by a running retain hint.
+    pub fn is_held(&self, b: BlockId) -> bool {
+        self.flags.get(b as usize).is_some_and(|f| f & FLAG_HELD != 0)
     }
 
     /// Whether `b` was served in a cache hit since it was cached.
@@ -255,10 +296,17 @@ impl Retention {
         self.level.get(b as usize).copied().unwrap_or(LEVEL_NORMAL)
     }
 
+    /// A free block counted in `pinned_free` (checked by the caller) leaves the queue.
+    #[inline]
+    fn count_out(&mut self, b: BlockId) {
+        self.pinned_free -= 1;
+        self.leased_free -= u32::from(self.level[b as usize] == LEVEL_LEASED);
+    }
+
     /// Whether `b` (free) counts in `pinned_free`.
     #[inline]
     fn counts_pinned(&self, b: BlockId, index: &PrefixIndex) -> bool {
-        self.level[b as usize] == LEVEL_PINNED && index.is_keyed(b)
+        self.level[b as usize] >= LEVEL_PINNED && index.is_keyed(b)
     }
 
     /// The pinned share in blocks.
@@ -266,9 +314,24 @@ impl Retention {
         self.pinned_cap
     }
 
-    /// Free cached blocks at `LEVEL_PINNED`.
+    /// Free cached blocks at `LEVEL_PINNED` or `LEVEL_LEASED`.
     pub fn pinned_free(&self) -> u32 {
         self.pinned_free
+    }
+
+    /// Free cached blocks at `LEVEL_LEASED` (held by pin leases).
+    pub fn leased_free(&self) -> u32 {
+        self.leased_free
+    }
+
+    /// The KV hints' holds (`hints.rs`).
+    pub(crate) fn holds(&self) -> &Holds {
+        &self.holds
+    }
+
+    /// The KV hints' counters and gauges.
+    pub fn hint_stats(&self) -> super::HintStats {
+        self.holds.stats(self.leased_free)
     }
 }
 
@@ -388,19 +451,31 @@ impl<'a> HitAware<'a> {
     // --- Levels ---
 
     /// Cached block `b` serves no hit (a member of a lost unit): it goes to
-    /// [`LEVEL_SPECULATIVE`], at the front of the queue when free. Pinned blocks and branch
-    /// points keep their level.
+    /// [`LEVEL_SPECULATIVE`], at the front of the queue when free. Pinned blocks, branch
+    /// points and blocks a retain hint holds keep their level.
     pub(crate) fn evict_first(&mut self, b: BlockId) {
-        if b == NULL_BLOCK || self.r.level[b as usize] >= LEVEL_PINNED || self.r.is_branch(b) {
+        if b == NULL_BLOCK
+            || self.r.level[b as usize] >= LEVEL_PINNED
+            || self.r.flags[b as usize] & (FLAG_BRANCH | FLAG_HELD) != 0
+        {
+            return;
+        }
+        self.demote_front(b, LEVEL_SPECULATIVE);
+    }
+
+    /// Sets `b`'s level to `lvl` (below [`LEVEL_PINNED`]), at the front of that level when
+    /// free (evicted first in it). No-op for the null block. O(1).
+    pub(super) fn demote_front(&mut self, b: BlockId, lvl: Level) {
+        if b == NULL_BLOCK {
             return;
         }
         let queued = self.p.ref_cnt[b as usize] == 0 && self.p.index.is_keyed(b);
         if queued {
             self.unqueue_cached(b);
         }
-        self.r.level[b as usize] = LEVEL_SPECULATIVE;
+        self.r.level[b as usize] = lvl;
         if queued {
-            self.p.queue.push_front_level(b, LEVEL_SPECULATIVE);
+            self.p.queue.push_front_level(b, lvl);
         }
     }
 
@@ -425,25 +500,30 @@ impl<'a> HitAware<'a> {
     /// Takes a free cached block out of the queue, keeping the count.
     fn unqueue_cached(&mut self, b: BlockId) {
         if self.r.counts_pinned(b, self.p.index) {
-            self.r.pinned_free -= 1;
+            self.r.count_out(b);
         }
         self.p.queue.remove(b);
     }
 
     /// Queues a free cached block at the back of its level (at the front for
-    /// `LEVEL_PROBATION` and `LEVEL_RESUMED`; a pinned key raises it to `LEVEL_PINNED`),
-    /// keeping the count.
+    /// `LEVEL_PROBATION` and `LEVEL_RESUMED`; a pinned key raises it to `LEVEL_PINNED`, a
+    /// leased key the block a lookup finds under it to `LEVEL_LEASED`), keeping the count.
     fn queue_cached(&mut self, b: BlockId) {
         let r = &mut *self.r;
         if !r.pinned_keys.is_empty() {
             if let Some(k) = self.p.index.key_of(b) {
-                if r.pinned_keys.contains(k) {
-                    r.level[b as usize] = LEVEL_PINNED;
+                if let Some(p) = r.pinned_keys.get(k) {
+                    if p.leases > 0 && self.p.index.get_one(k) == Some(b) {
+                        r.level[b as usize] = LEVEL_LEASED;
+                    } else if p.permanent {
+                        r.level[b as usize] = LEVEL_PINNED;
+                    }
                 }
             }
         }
         if r.counts_pinned(b, self.p.index) {
             r.pinned_free += 1;
+            r.leased_free += u32::from(r.level[b as usize] == LEVEL_LEASED);
         }
         let lvl = r.level[b as usize];
         if lvl == LEVEL_PROBATION || lvl == LEVEL_RESUMED {
@@ -456,13 +536,18 @@ impl<'a> HitAware<'a> {
     }
 
     /// Demotes the oldest free pinned blocks to `LEVEL_NORMAL` while more than
-    /// `pinned_cap` are free (a pinned key's block too: the share is a bound).
-    fn enforce_pinned_cap(&mut self) {
+    /// `pinned_cap` are free (a pinned key's block too: the share is a bound). Blocks at
+    /// `LEVEL_LEASED` go last: there are never more of them than leased keys, which are
+    /// within the share, so none is demoted while `LEVEL_PINNED` holds a block.
+    pub(super) fn enforce_pinned_cap(&mut self) {
         let (r, queue, index) = (&mut *self.r, &mut *self.p.queue, self.p.index);
         while r.pinned_free > r.pinned_cap {
-            let b = queue.first_in_level(LEVEL_PINNED).expect("pinned count above the pinned level's length");
+            let b = queue
+                .first_in_level(LEVEL_PINNED)
+                .or_else(|| queue.first_in_level(LEVEL_LEASED))
+                .expect("pinned count above the pinned levels' length");
             if r.counts_pinned(b, index) {
-                r.pinned_free -= 1;
+                r.count_out(b);
             }
             queue.remove(b);
             r.level[b as usize] = LEVEL_NORMAL;
@@ -484,21 +569,24 @@ impl<'a> HitAware<'a> {
     /// [`Error::OutOfRange`] when the pinned keys would exceed the pinned share (nothing
     /// changes).
     pub(crate) fn pin_keys(&mut self, mut keys: Vec<HashKey>) -> Result<u32> {
-        keys.retain(|k| !self.r.pinned_keys.contains(k));
-        keys.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()).then(a.1.cmp(&b.1)));
-        keys.dedup();
-        let total = self.r.pinned_keys.len() as u64 + keys.len() as u64;
+        keys.retain(|k| !self.r.pinned_keys.get(k).is_some_and(|p| p.permanent));
+        sort_keys(&mut keys);
+        let new = keys.iter().filter(|k| !self.r.pinned_keys.contains_key(k)).count();
+        let total = self.r.pinned_keys.len() as u64 + new as u64;
         if total > self.r.pinned_cap as u64 {
             return Err(Error::OutOfRange(format!(
-                "pinning {} more blocks would pin {total}, above the pinned share of {} blocks",
-                keys.len(),
+                "pinning {new} more blocks would pin {total}, above the pinned share of {} blocks",
                 self.r.pinned_cap
             )));
         }
         for k in &keys {
-            self.r.pinned_keys.insert(*k);
+            let p = self.r.pinned_keys.entry(*k).or_default();
+            p.permanent = true;
+            let leased = p.leases > 0;
             if let Some(b) = self.p.index.get_one(k) {
-                self.set_level(b, LEVEL_PINNED);
+                if !leased {
+                    self.set_level(b, LEVEL_PINNED);
+                }
             }
         }
         Ok(total as u32)
@@ -522,4 +610,11 @@ impl<'a> HitAware<'a> {
         self.enforce_pinned_cap();
         Ok(())
     }
+}
+
+/// Sorts hash keys and drops repeats (a deterministic order: the pins' effects do not
+/// depend on a hash map's). O(keys log keys).
+pub(super) fn sort_keys(keys: &mut Vec<HashKey>) {
+    keys.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()).then(a.1.cmp(&b.1)));
+    keys.dedup();
 }

@@ -14,12 +14,16 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::block_ids::{tuple_of_groups, PyBlockIds};
-use super::convert::{handle_arg, hit_arg, u32_arg, PyHashes};
+use super::convert::{handle_arg, hit_arg, u32_arg, u64_arg, PyHashes};
 use super::kwargs::{AllocateOptions, BlockCountOptions, NewOptions};
 use super::pool::PyAllocatorBase;
 use super::results::PyNoopLimits;
 use crate::api::{self, AllocateRequest};
-use crate::coordinator::{Allocator, BlockCountArgs, CacheBlocksArgs, HashSource};
+use crate::coordinator::{
+    Allocator, BlockCountArgs, CacheBlocksArgs, HashSource, PinHint, PinOutcome, RequestHints, RetainHint,
+    RetainPriority,
+};
+use crate::error::Error;
 
 /// `get_computed_blocks_for_connector`'s result: `(hit tokens, uncached shared-prefix tokens,
 /// per-group hit lengths or None, hit block ids per group)`.
@@ -223,6 +227,80 @@ impl PyAllocator {
             r.setattr(intern!(py, "shared_prefix_boundary"), j)?;
         }
         Ok(Some(out))
+    }
+
+    /// Sets the request's KV hints in one call (hit-aware only; call it before the
+    /// request's lookup). `session`: its session (0: none; a positive int the caller
+    /// interns). `retain`: 0 none, 1 low, 2 normal, 3 high, for `retain_ttl_ms` from the
+    /// request's free, over its first `retain_tokens` tokens (0: all). `pin_ttl_ms` > 0: a
+    /// pin lease on its first `pin_tokens` tokens (0: all) from now. `release_session`: a
+    /// session released when the request is freed (0: none). `checkpoints`: prompt
+    /// positions where the prefill stops and the state is kept. TTLs count on the
+    /// allocator's clock (`advance_clock`). Returns `(pin, checkpoints_applied,
+    /// checkpoints_refused)`, `pin` 0 not asked, 1 applied, 2 refused over the pinned share.
+    #[pyo3(signature = (handle, *, block_hashes=None, session=0, retain=0, retain_ttl_ms=0, retain_tokens=0,
+        pin_ttl_ms=0, pin_tokens=0, release_session=0, checkpoints=Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
+    fn set_hints(
+        slf: &Bound<'_, Self>,
+        handle: i64,
+        block_hashes: Option<&Bound<'_, PyList>>,
+        session: i64,
+        retain: i64,
+        retain_ttl_ms: i64,
+        retain_tokens: i64,
+        pin_ttl_ms: i64,
+        pin_tokens: i64,
+        release_session: i64,
+        checkpoints: Vec<i64>,
+    ) -> PyResult<(u8, u32, u32)> {
+        let h = handle_arg(handle)?;
+        let priority = match retain {
+            0 => None,
+            1 => Some(RetainPriority::Low),
+            2 => Some(RetainPriority::Normal),
+            3 => Some(RetainPriority::High),
+            r => {
+                return Err(
+                    Error::OutOfRange(format!("retain={r} is not 0 (none), 1 (low), 2 (normal) or 3 (high)")).into()
+                )
+            }
+        };
+        let retain = match priority {
+            Some(priority) => Some(RetainHint {
+                priority,
+                ttl_ms: u64_arg("retain_ttl_ms", retain_ttl_ms)?,
+                tokens: u32_arg("retain_tokens", retain_tokens)?,
+            }),
+            None => None,
+        };
+        let pin = match pin_ttl_ms {
+            0 => None,
+            t => Some(PinHint { ttl_ms: u64_arg("pin_ttl_ms", t)?, tokens: u32_arg("pin_tokens", pin_tokens)? }),
+        };
+        let checkpoints = checkpoints.iter().map(|&p| u32_arg("checkpoint", p)).collect::<PyResult<Vec<_>>>()?;
+        let hints = RequestHints {
+            session: u64_arg("session", session)?,
+            retain,
+            pin,
+            release_session: u64_arg("release_session", release_session)?,
+            checkpoints: &checkpoints,
+        };
+        let src = block_hashes.map(PyHashes);
+        let out = core(slf)?.set_hints(h, src.as_ref().map(|s| s as &dyn HashSource), &hints)?;
+        let pin = match out.pin {
+            PinOutcome::NotAsked => 0,
+            PinOutcome::Applied => 1,
+            PinOutcome::RefusedOverCap => 2,
+        };
+        Ok((pin, out.checkpoints_applied, out.checkpoints_refused))
+    }
+
+    /// Drops the request's KV hints (its checkpoints, and the retain and release its free
+    /// would apply; a lease it took runs on): before freeing a request that is not finished
+    /// (vLLM preempted it).
+    fn clear_hints(slf: &Bound<'_, Self>, handle: i64) -> PyResult<()> {
+        Ok(core(slf)?.clear_hints(handle_arg(handle)?)?)
     }
 
     /// Whether the next `allocate_slots` of `handle` may move its junction (hit-aware's

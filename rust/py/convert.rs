@@ -17,6 +17,11 @@ pub(super) fn u32_arg(name: &str, v: i64) -> PyResult<u32> {
     Ok(token_count(name, v)?)
 }
 
+/// A non-negative int as `u64` (`OutOfRangeError` for a negative one).
+pub(super) fn u64_arg(name: &str, v: i64) -> PyResult<u64> {
+    Ok(u64::try_from(v).map_err(|_| Error::OutOfRange(format!("{name}={v} is negative")))?)
+}
+
 /// A block id from a Python int; a negative or too large one is an `InvalidBlockError`.
 pub(super) fn block_id_arg(b: i64) -> PyResult<BlockId> {
     u32::try_from(b).map_err(|_| InvalidBlockError::new_err(format!("block id {b}")))

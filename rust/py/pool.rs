@@ -95,6 +95,31 @@ impl PyAllocatorBase {
         Ok(self.core()?.pin_prefix(&hashes)?)
     }
 
+    /// The allocator's clock reads `now_ms` (milliseconds; at most once per scheduler step):
+    /// the KV hints' leases and retains due by then end, and their blocks still cached go back
+    /// to the normal level. Returns `(holds ended, when the next one ends or None)`.
+    fn advance_clock(&self, now_ms: i64) -> PyResult<(u32, Option<u64>)> {
+        let now = super::convert::u64_arg("now_ms", now_ms)?;
+        Ok(self.core()?.advance_clock(now)?)
+    }
+
+    /// Releases a KV hints session now: its leases and retains end, their blocks go to the
+    /// front of the speculative level (evicted first). Returns the holds ended.
+    fn release_session(&self, session: i64) -> PyResult<u32> {
+        let session = super::convert::u64_arg("session", session)?;
+        Ok(self.core()?.release_session(session)?)
+    }
+
+    /// The KV hints' counters and gauges, by name (all 0 under the exact policy).
+    fn hint_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let s = self.core()?.hint_stats();
+        let d = pyo3::types::PyDict::new(py);
+        for (k, v) in s.named() {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
     /// Sets the pinned share of the pool (0.0 to 1.0; default 0.25).
     fn set_pinned_share(&self, share: f64) -> PyResult<()> {
         Ok(self.core()?.set_pinned_share(share)?)

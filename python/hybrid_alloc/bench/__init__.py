@@ -15,6 +15,7 @@ nothing; every module imports vLLM only inside the functions that run it.
 | ``memory.py`` | the ``memory`` workload: construction time and bytes per block, one interpreter each |
 | ``main.py`` | ``hybrid-alloc bench``: the scenarios, the options, the tables, the JSON and the plot |
 | ``hits_workloads.py`` | the hits bench's workloads, the shapes ``--shape`` names, the pool budgets |
+| ``hits_measure.py`` | what a hits cell measures beyond vLLM's stats (shares, refusals, hint counters), the simulated clock |
 | ``hits_run.py`` | one hits cell on vLLM's real scheduler under one retention policy, and its ``Result`` |
 | ``hits_report.py`` | the hits bench's progress lines, tables, ``hits.json`` and ``hits.png`` |
 | ``hits.py`` | ``hybrid-alloc hits``: prefix-cache hits by retention policy, the options and the cells |
@@ -23,7 +24,8 @@ Imports go down the table: ``main`` imports ``serve``, ``memory``, ``runner``, `
 ``common``; ``serve`` imports ``runner`` and ``common``; ``runner`` imports ``clock`` and
 ``floor``; ``hits`` imports ``hits_report``, ``hits_run``, ``hits_workloads`` and ``common``,
 ``hits_report`` imports ``hits_run``, ``hits_workloads`` and ``common``, ``hits_run`` imports
-``hits_workloads``; ``memory`` imports ``common``; ``offline`` imports ``shapes``; both are
-imported inside the functions that build a scheduler or look a shape up (``shapes`` loads
-torch, ``offline`` vLLM). ``tests/python/core/test_imports.py`` checks there is no circle.
+``hits_measure`` and ``hits_workloads``, ``hits_measure`` imports ``hits_workloads``; ``memory``
+imports ``common``; ``offline`` imports ``shapes``; both are imported inside the functions that
+build a scheduler or look a shape up (``shapes`` loads torch, ``offline`` vLLM).
+``tests/python/core/test_imports.py`` checks there is no circle.
 """

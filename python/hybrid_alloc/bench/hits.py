@@ -11,11 +11,13 @@ workload on each shape under each budget, policy, prefix match unit and admissio
 | ``hits.py`` | the command: ``parse_args``, ``main`` (the cells), ``cell_unit``, ``pressure_of`` |
 | ``hits_report.py`` | what it prints and writes: the progress lines, the tables, ``hits.json``, ``hits.png`` |
 | ``hits_run.py`` | one cell on vLLM's real scheduler (``run``), its ``Result``, the policies |
+| ``hits_measure.py`` | what a cell measures beyond vLLM's stats (shares, refusals, hint counters), the simulated clock |
 | ``hits_workloads.py`` | the workloads, the shapes ``--shape`` names, the pool budgets (``ample``, ``pressure``) |
 | ``shapes.py`` | the shapes themselves: the one registry every bench reads |
 
-Imports go down the table (``hits`` imports the three ``hits_*`` modules, ``hits_report``
-imports ``hits_run`` and ``hits_workloads``, ``hits_run`` imports ``hits_workloads``);
+Imports go down the table (``hits`` imports the ``hits_*`` modules, ``hits_report`` imports
+``hits_run`` and ``hits_workloads``, ``hits_run`` imports ``hits_measure`` and ``hits_workloads``,
+``hits_measure`` imports ``hits_workloads``);
 ``shapes`` and ``offline`` are imported inside the functions that need them, so ``--help``
 loads neither torch nor vLLM.
 
@@ -43,6 +45,16 @@ marked "(fallback)", and a unit the shape's block is not a multiple of runs at t
 prompt's 2nd sighting on, and the blocks keyed inside a block at the end and at the peak; a
 second table holds them, with each row's prefill over vLLM's with the unit
 (:mod:`hybrid_alloc.bench.hits_report`).
+
+Issue 38 (asked for by name): the KV hints (docs/hit-aware.md). Workload ``agent`` (sessions
+whose turns are separated by tool pauses of simulated time while other traffic churns the
+cache; ``pressure`` only) with hint policies ``retain`` and ``pin``; workload ``shortsys`` (short
+shared system prompts of 100-2000 tokens off every grid) with hint policy ``checkpoint``: each
+is hit-aware with the workload's hints on its requests (vLLM's ``KvHintsEnvelope``). Their
+tables (:mod:`hybrid_alloc.bench.hits_report`): each resumed turn's share of its previous
+context that hit, the allocations refused and those pins may have delayed; the sightings that
+hit their whole prompt from the 2nd on; and our manager's hint counters. The agent workload
+runs on a simulated clock that our manager reads (:mod:`hybrid_alloc.bench.hits_measure`).
 
 Cache-aware admission (vLLM 0.34's ``--cache-aware-admission-window`` /
 ``--cache-aware-admission-threshold``): ``--admission-window N`` (repeatable; 0 is off, the
@@ -73,8 +85,10 @@ from hybrid_alloc.bench.hits_workloads import (
     DEFAULT_PRESSURE,
     DEFAULT_SHAPES,
     DEFAULT_WORKLOADS,
+    HINT_POLICIES,
     SHAPE_NAMES,
     WORKLOADS,
+    Workload,
     budget_blocks,
     shapes,
     workloads,
@@ -100,7 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         choices=WORKLOADS,
         help=f"repeatable; default {', '.join(DEFAULT_WORKLOADS)} (sysprompt: a few shared system prompts of "
-        "300-2000 tokens)",
+        "300-2000 tokens; agent: sessions with tool pauses of simulated time while other traffic churns the "
+        "cache; shortsys: short shared system prompts of 100-2000 tokens)",
     )
     p.add_argument(
         "--prefix-match-unit",
@@ -116,13 +131,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--policy",
         action="append",
         choices=ALL_POLICIES,
-        help="repeatable; default exact, dense, hit-aware (and pinned on sightings)",
+        help="repeatable; default exact, dense, hit-aware (and pinned on sightings; retain and pin on agent; "
+        "checkpoint on shortsys: hit-aware with those hints on the requests)",
     )
     p.add_argument(
         "--pressure",
         type=float,
-        help="pressure pool = this times the live working set, every shape (default: 3 at --size full; at --size "
-        "small, where a pool of 3x holds everything, "
+        help="pressure pool = this times the live working set, every shape (default: 3 at --size full, and on "
+        "agent at both sizes; at --size small, where a pool of 3x holds everything, "
         + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_PRESSURE["small"].items())
         + ", so that the pool evicts)",
     )
@@ -146,6 +162,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="T",
         help="the usage from which the admission window applies (vLLM's cache_aware_admission_threshold; default 0.5)",
     )
+    p.add_argument(
+        "--pin-share",
+        type=float,
+        metavar="F",
+        help="the pinned share of the pool for hit-aware rows (HYBRID_ALLOC_PIN_SHARE: what pins and retains at "
+        "the high level may hold; default the manager's, 0.25)",
+    )
     p.add_argument("--out-dir", default=os.environ.get("HYBRID_ALLOC_BENCH_OUT", "bench-out"))
     p.add_argument("--no-plot", action="store_true")
     p.add_argument(
@@ -167,10 +190,15 @@ def cell_unit(shape: Any, unit: int) -> int:
     return math.gcd(unit, hopper_block_size(shape)) if unit else 0
 
 
-def pressure_of(args: argparse.Namespace, shape: str) -> float:
-    """The pressure multiple for ``shape``: ``--pressure`` if given, else :data:`DEFAULT_PRESSURE`."""
+def pressure_of(args: argparse.Namespace, shape: str, wl: Workload | None = None) -> float:
+    """The pressure multiple for ``shape``: ``--pressure`` if given, else the workload's own
+    (``Workload.pressure``: the agent workload's 3 at both sizes), else :data:`DEFAULT_PRESSURE`."""
     given = getattr(args, "pressure", None)
-    return float(given) if given is not None else DEFAULT_PRESSURE[args.size][shape]
+    if given is not None:
+        return float(given)
+    if wl is not None and wl.pressure is not None:
+        return wl.pressure
+    return DEFAULT_PRESSURE[args.size][shape]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,11 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     for sn in args.shape or DEFAULT_SHAPES:
         for wn in args.workload or DEFAULT_WORKLOADS:
             for b in args.budget or BUDGETS:
-                if wn == "sightings" and b != "ample":
-                    continue  # one request at a time: nothing to pressure
-                pressure = pressure_of(args, sn)
+                if b not in wls[wn].budgets:
+                    continue  # sightings: one request at a time, nothing to pressure; agent: pressure only
+                pressure = pressure_of(args, sn, wls[wn])
                 nb = budget_blocks(all_shapes[sn], wls[wn], b, pressure)
-                default = (*POLICIES, "pinned") if wls[wn].pins else POLICIES
+                default = (*POLICIES, *(["pinned"] if wls[wn].pins else []), *wls[wn].hint_policies)
                 for asked in units:
                     unit = cell_unit(all_shapes[sn], asked)
                     if unit != asked:
@@ -215,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                     if unit and "exact" not in pols:
                         pols.insert(0, "exact")  # every row with a unit is held against vLLM's with it
                     for pol in pols:
-                        if pol == "pinned" and not wls[wn].pins:
+                        if (pol == "pinned" and not wls[wn].pins) or (
+                            pol in HINT_POLICIES and pol not in wls[wn].hint_policies
+                        ):
                             continue
                         for w in windows:
                             threshold = args.admission_threshold if w else None
@@ -228,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                                 admission_threshold=threshold,
                                 max_num_seqs=args.max_num_seqs,
                                 prefix_match_unit=unit or None,
+                                pin_share=args.pin_share,
                             )
                             r.budget = b
                             if b == "pressure":

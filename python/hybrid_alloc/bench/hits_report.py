@@ -8,13 +8,18 @@ the sightings table, issue 30's unit table, ``hits.json`` and ``hits.png``.
 | ``rows_of`` | the results as the rows of the tables and of ``hits.json`` |
 | ``policy_label`` ... ``window_label``, ``versus_vllm_unit`` | how a row's cells read |
 | ``print_table``, ``print_unit_table`` | the tables |
+| ``print_agent_table``, ``print_shortsys_table``, ``hints_label`` | issue 38's tables, and a row's hint counters |
 | ``report`` | everything after the runs: ``hits.json``, the tables, the plot |
 | ``plot`` | ``hits.png`` (nothing, and one line, without matplotlib) |
 
 Issue 30's table (printed when some row set a prefix match unit or has shared prompts): each
 row with its unit, its prefill over vLLM's exact retention with the unit in the same cell, the
 share of shared-prompt tokens hit from each prompt's 2nd sighting on, and the blocks keyed
-inside a block at the end and at the peak. Nothing here imports vLLM; matplotlib only in
+inside a block at the end and at the peak. Issue 38's tables (printed when an agent or
+shortsys row ran): the agent rows with each resumed turn's share of its previous context that
+hit, the allocations refused and those pins may have delayed, the hint counters and the blocks
+pins and retains held at the peak; the shortsys rows with the sightings that hit their whole
+prompt from the 2nd on and the first such sighting per prompt. Nothing here imports vLLM; matplotlib only in
 :func:`plot`. Cost: O(rows) per table and per panel of the plot.
 """
 
@@ -28,7 +33,7 @@ from typing import Any
 
 from hybrid_alloc.bench.common import pyplot, render_table
 from hybrid_alloc.bench.hits_run import ALL_POLICIES, Result
-from hybrid_alloc.bench.hits_workloads import BUDGETS, DEFAULT_PRESSURE, SHAPE_NAMES, WORKLOADS
+from hybrid_alloc.bench.hits_workloads import BUDGETS, DEFAULT_PRESSURE, HINT_POLICIES, SHAPE_NAMES, WORKLOADS
 
 
 def progress(shape: str, workload: str, budget: str, policy: str, blocks: int, r: Result, wide: bool) -> None:
@@ -68,6 +73,17 @@ def rows_of(results: list[Result]) -> list[dict[str, Any]]:
             "second_sighting_share",
             "partial_tail_blocks",
             "partial_tail_blocks_peak",
+            "whole_sightings",
+            "refused_admissions",
+            "refused_running",
+            "refused_with_pins",
+            "refused_withheld",
+            "pin_delayed",
+            "hint_counters",
+            "hint_held_peak",
+            "resumed",
+            "sim_seconds",
+            "churn_per_pause",
         ):
             if key in extra:  # every run's result has them (a row built by hand may not)
                 r[key] = extra[key]
@@ -81,6 +97,10 @@ def policy_label(row: dict[str, Any], units: bool) -> str:
     vLLM's manager; with ``units`` (some row set a prefix match unit) vLLM's own retentions
     named "vLLM exact" / "vLLM dense"."""
     pol = str(row["policy"])
+    if pol in HINT_POLICIES:
+        pol = f"hit-aware + {pol}"
+    if row.get("pin_share") is not None:
+        pol = f"{pol} (pinned share {row['pin_share']:g})"
     if row.get("fallback"):
         return f"{pol} (fallback)"
     return f"vLLM {pol}" if units and pol in ("exact", "dense") else pol
@@ -183,6 +203,74 @@ def print_table(rows: list[dict[str, Any]], wide: bool = False) -> None:
             print(f"| {r['shape']} | {r['block_size']} | {r['policy']} | {' / '.join(map(str, r['sighting_hits']))} |")
     if units or any(r.get("second_sighting_share") is not None for r in rows):
         print_unit_table(rows)
+    if any(r["workload"] == "agent" for r in rows):
+        print_agent_table([r for r in rows if r["workload"] == "agent"])
+    if any(r["workload"] == "shortsys" for r in rows):
+        print_shortsys_table([r for r in rows if r["workload"] == "shortsys"], versus_vllm_unit(rows), rows)
+
+
+def hints_label(row: dict[str, Any]) -> str:
+    """A row's hint counters: "received / applied / refused / expired" ("-" for vLLM's manager,
+    which has none)."""
+    c = row.get("hint_counters")
+    if not c:
+        return "-"
+    return f"{c.get('received', 0)} / {c.get('applied', 0)} / {c.get('refused', 0)} / {c.get('expired', 0)}"
+
+
+def print_agent_table(rows: list[dict[str, Any]]) -> None:
+    """Issue 38's agent table (markdown): each row's resumed turns (the share of each resumed
+    turn's previous context, on the hash grid, that hit: in all, the least of any turn, and the
+    turns that hit at least 90%), its hit rate and prefill tokens (the other traffic's
+    included), the admissions refused and those pins may have delayed (``Refusals``), the hint
+    counters, the blocks pins and retains held at the peak, and the other traffic's prompt
+    tokens in a mean pause over the live working set."""
+    units = any(r.get("prefix_match_unit") for r in rows)
+    print(
+        "\n| shape | block | unit | policy | resumed turns: context hit | least | turns >= 90% | hit rate | "
+        "prefill tokens | refused admissions (pin-delayed) | hints recv / applied / refused / expired | "
+        "held by pins+retains, peak | churn per pause |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        res = r.get("resumed") or {}
+        share = f"{100 * res['share']:.1f}%" if res else "-"
+        least = f"{100 * res['least']:.0f}%" if res else "-"
+        turns = f"{res['turns_90']}/{res['turns']}" if res else "-"
+        held = r.get("hint_held_peak")
+        churn = r.get("churn_per_pause")
+        print(
+            f"| {r['shape']} | {r.get('block_size', '')} | {unit_label(r)} | {policy_label(r, units)} | {share} | "
+            f"{least} | {turns} | {100 * r['hit_rate']:.1f}% | {r['prefill_tokens']} | "
+            f"{r.get('refused_admissions', 0)} ({r.get('pin_delayed', 0)}) | {hints_label(r)} | "
+            f"{'-' if held is None else held} | {'-' if churn is None else f'{churn:.1f}x'} |"
+        )
+
+
+def print_shortsys_table(rows: list[dict[str, Any]], versus: dict[int, float], all_rows: list[dict[str, Any]]) -> None:
+    """Issue 38's short-system-prompt table (markdown): each row's sightings, from each prompt's
+    2nd on, that hit the whole prompt on the hash grid (prompts shorter than the grid left out),
+    the first sighting from which each prompt (by length) hit whole ("-": never), the 2nd-sighting
+    share, hit rate, prefill tokens and their ratio to vLLM's with the unit, and the hint
+    counters. ``versus`` is :func:`versus_vllm_unit` of ``all_rows``."""
+    units = any(r.get("prefix_match_unit") for r in rows)
+    print(
+        "\n| shape | block | budget | unit | policy | whole from 2nd | first whole sighting, by prompt length | "
+        "2nd-sighting share | hit rate | prefill tokens | vs vLLM+unit | hints recv / applied / refused / expired |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    index = {id(r): i for i, r in enumerate(all_rows)}
+    for r in rows:
+        w = r.get("whole_sightings") or {}
+        whole = f"{w['whole']}/{w['sightings']}" if w and w["sightings"] else "-"
+        first = w.get("first_whole") or {}
+        firsts = " ".join(f"{n}:{'-' if k is None else k}" for n, k in sorted(first.items(), key=lambda kv: int(kv[0])))
+        vs = versus.get(index.get(id(r), -1))
+        print(
+            f"| {r['shape']} | {r.get('block_size', '')} | {r['budget']} | {unit_label(r)} | {policy_label(r, units)} | "
+            f"{whole} | {firsts or '-'} | {share_label(r)} | {100 * r['hit_rate']:.1f}% | {r['prefill_tokens']} | "
+            f"{'-' if vs is None else f'{vs:.3f}x'} | {hints_label(r)} |"
+        )
 
 
 def print_unit_table(rows: list[dict[str, Any]]) -> None:

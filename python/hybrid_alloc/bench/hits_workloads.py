@@ -9,7 +9,9 @@ import the registry (and so torch) when called.
 | ``WORKLOADS``, ``DEFAULT_WORKLOADS``, ``BUDGETS``, ``SHAPE_NAMES``, ``DEFAULT_SHAPES`` | what ``--workload``, ``--budget`` and ``--shape`` take, and their defaults |
 | ``DEFAULT_PRESSURE`` | the pressure multiple per size and shape when ``--pressure`` is not given |
 | ``Job``, ``Workload`` | one request (its prompt's parts, its reply length, what it waits for), a workload |
-| ``chat_workload`` ... ``sysprompt_workload``, ``workloads`` | the five workloads, and each at a size |
+| ``chat_workload`` ... ``shortsys_workload``, ``workloads`` | the seven workloads, and each at a size |
+| ``agent_churn`` | the agent workload's other traffic, one request at a time |
+| ``HINT_POLICIES`` | the hint policies: hit-aware with a workload's hints attached |
 | ``shapes`` | the shapes ``--shape`` names, by those names |
 | ``budget_blocks`` | a cell's pool in blocks: ``ample`` or ``pressure`` times the live working set |
 
@@ -30,6 +32,18 @@ where the pool evicts):
   ``HYBRID_ALLOC_PIN_PREFIXES``.
 - ``sysprompt`` (issue 30; asked for by name): a few shared system prompts of 300-2000 tokens,
   many requests each with a unique suffix, arrivals replacing finished requests.
+- ``agent`` (issue 38; asked for by name; ``pressure`` only): agent sessions whose turns are
+  separated by tool pauses of simulated time (5-120 s at the full size), each turn re-sending the
+  session's context (a shared tool-definition prompt, the task, every earlier reply and tool
+  output) plus the new tool output, while other traffic (unique prompts, :func:`agent_churn`)
+  keeps the cache churning. Hint policies ``retain`` (every turn retains its context at the high
+  level for 300 s; the last one releases the session) and ``pin`` (every turn leases its prompt
+  for 300 s; the last one releases the session). Time is simulated (``Workload.step_s``).
+- ``shortsys`` (issue 38; asked for by name): short shared system prompts of 100-2000 tokens off
+  every grid (none a multiple of 16), each request one of them and a unique suffix, each
+  prompt's sightings one after another (the next waits for the previous to finish), the prompts
+  round-robin. Hint policy ``checkpoint``: every request asks a checkpoint at its system
+  prompt's end.
 
 Cost: a workload is built once per command, O(its tokens); a budget is O(its jobs' parts).
 """
@@ -37,10 +51,15 @@ Cost: a workload is built once per command, O(its tokens); a budget is O(its job
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-WORKLOADS = ("chat", "shared", "resend", "sightings", "sysprompt")
+WORKLOADS = ("chat", "shared", "resend", "sightings", "sysprompt", "agent", "shortsys")
+#: The hint policies (``--policy``): hit-aware with the hints a workload's jobs carry for that
+#: policy (``Job.hints``) attached to their requests as vLLM's ``KvHintsEnvelope``; a workload
+#: says which it has (``Workload.hint_policies``).
+HINT_POLICIES = ("retain", "pin", "checkpoint")
 #: The workloads and shapes a run without ``--workload`` / ``--shape`` takes (issue 30's
 #: ``sysprompt`` workload and Hopper shapes are asked for by name).
 DEFAULT_WORKLOADS = ("chat", "shared", "resend", "sightings")
@@ -84,6 +103,14 @@ class Job:
     #: the "2nd sighting" share counts the hits on them from each prompt's 2nd job on.
     shared_key: int = -1
     shared_len: int = 0
+    #: Simulated seconds after ``after`` finished (or, with no ``after``, after the run's start)
+    #: before the job arrives: an agent's tool pause. Only a workload with ``step_s`` has time.
+    pause_s: float = 0.0
+    #: Whether the job resumes the context of ``after`` (an agent's next turn): its hit is
+    #: reported as a share of that context (``extra["resumed_share"]``).
+    resumes: bool = False
+    #: The hint actions each hint policy attaches: policy -> [(action_type, payload), ...].
+    hints: dict[str, list[tuple[str, dict[str, Any]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,6 +120,25 @@ class Workload:
     in_flight: int
     #: Token-id prefixes policy ``pinned`` pins (``HYBRID_ALLOC_PIN_PREFIXES``).
     pins: list[list[int]] = field(default_factory=list)
+    #: The hint policies its jobs carry hints for (of :data:`HINT_POLICIES`).
+    hint_policies: tuple[str, ...] = ()
+    #: The budgets it runs under (``ample``: nothing is ever evicted).
+    budgets: tuple[str, ...] = ("ample", "pressure")
+    #: Simulated time (None: none): a step lasts ``step_s[0] + step_s[1] * scheduled tokens``
+    #: seconds; jobs arrive by ``Job.pause_s``, in any order their ``after`` allows.
+    step_s: tuple[float, float] | None = None
+    #: Other traffic: ``churn(i)`` is its ``i``-th request; they arrive at ``churn_rate`` prompt
+    #: tokens per simulated second (each one its prompt's length over the rate after the one
+    #: before it), at most ``churn_in_flight`` in flight (an arrival beyond waits), while a job
+    #: is left.
+    churn: Callable[[int], Job] | None = None
+    churn_in_flight: int = 0
+    churn_rate: float = 0.0
+    #: The token lengths live at once, for the pressure budget (None: ``in_flight`` requests of
+    #: the jobs' mean length).
+    live: list[int] | None = None
+    #: The pressure multiple it takes when ``--pressure`` is not given (None: :data:`DEFAULT_PRESSURE`).
+    pressure: float | None = None
 
 
 def _toks(rng: random.Random, n: int) -> list[int]:
@@ -170,7 +216,7 @@ def sightings_workload(
     jobs = [
         Job(f"sighting-{i}", [system, _toks(rng, rng.randint(*suffix))], out_len, after=i - 1) for i in range(sightings)
     ]
-    return Workload("sightings", jobs, 1, pins=[system])
+    return Workload("sightings", jobs, 1, pins=[system], budgets=("ample",))
 
 
 def sysprompt_workload(
@@ -208,6 +254,141 @@ def sysprompt_workload(
     return Workload("sysprompt", jobs, in_flight)
 
 
+def agent_churn(prompt: tuple[int, int], reply: tuple[int, int], seed: int = 31) -> Callable[[int], Job]:
+    """The agent workload's other traffic: request ``i`` is a unique prompt of a length drawn in
+    ``prompt`` and a reply drawn in ``reply``, the same for every run (from ``i`` and the seed)."""
+
+    def churn(i: int) -> Job:
+        rng = random.Random(seed * 1_000_003 + i)
+        return Job(f"churn-{i}", [_toks(rng, rng.randint(*prompt))], rng.randint(*reply))
+
+    return churn
+
+
+def agent_workload(
+    sessions: int,
+    turns: int,
+    tools_len: int,
+    task: tuple[int, int],
+    tool: tuple[int, int],
+    reply: tuple[int, int],
+    pause: tuple[float, float],
+    churn_in_flight: int,
+    churn_prompt: tuple[int, int],
+    churn_reply: tuple[int, int],
+    churn_x: float = 3.0,
+    ttl_s: float = 300.0,
+    step_s: tuple[float, float] = (0.025, 5e-5),
+    seed: int = 23,
+) -> Workload:
+    """Agent sessions with tool pauses, in simulated time, while other traffic churns the cache.
+
+    Session ``s`` opens with a shared tool-definition prompt (``tools_len`` tokens) and its own
+    task (drawn in ``task``); each turn's prompt is the session's context so far (its last
+    prompt and reply) plus a tool output (drawn in ``tool``; none on the first turn), its reply
+    is drawn in ``reply``; the next turn arrives a tool pause (drawn in ``pause``, simulated
+    seconds) after the turn finished. The sessions start spread over the first pause. Every
+    session is live at once (``in_flight`` = ``sessions``). The live working set (the pressure
+    budget's) is every session at its mean context and ``churn_in_flight`` requests of the
+    other traffic at their mean length. The other traffic (:func:`agent_churn`: unique prompts
+    drawn in ``churn_prompt``, replies in ``churn_reply``) arrives at ``churn_x`` times the live
+    working set per mean pause (in prompt tokens), at most ``churn_in_flight`` in flight.
+
+    Hints: policy ``retain`` asks each turn but the last to retain its context at the high
+    level for ``ttl_s``, and the last to release the session; ``pin`` asks each turn but the
+    last for a lease of ``ttl_s`` on its prompt, and the last to release the session. A step
+    lasts ``step_s[0]`` seconds plus ``step_s[1]`` per scheduled token (by default 25 ms plus
+    50 us a token: a decode step of 16 requests 26 ms, a prefill chunk of 8192 tokens 0.43 s)."""
+    rng = random.Random(seed)
+    tools = _toks(rng, tools_len)
+    history: dict[int, list[Any]] = {s: [tools, _toks(rng, rng.randint(*task))] for s in range(sessions)}
+    # Each session's context in tokens, turn by turn (its prompt and reply): the live working set.
+    sizes: dict[int, list[int]] = {s: [] for s in range(sessions)}
+    jobs: list[Job] = []
+    last: dict[int, int] = {}
+    for t in range(turns):
+        for s in range(sessions):
+            parts = history[s] + ([_toks(rng, rng.randint(*tool))] if t else [])
+            session = f"agent-{s}"
+            hints: dict[str, list[tuple[str, dict[str, Any]]]]
+            if t == turns - 1:
+                release: list[tuple[str, dict[str, Any]]] = [("kv.release", {"session": session})]
+                hints = {"retain": release, "pin": release}
+            else:
+                hints = {
+                    "retain": [("kv.retain", {"priority": "high", "ttl_s": ttl_s, "session": session})],
+                    "pin": [("kv.pin", {"ttl_s": ttl_s, "session": session})],
+                }
+            idx = len(jobs)
+            job = Job(
+                f"agent-s{s}-t{t}",
+                parts,
+                rng.randint(*reply),
+                after=last.get(s, -1),
+                pause_s=rng.uniform(*pause) if t else rng.uniform(0.0, pause[1]),
+                resumes=t > 0,
+                hints=hints,
+            )
+            jobs.append(job)
+            prompt = sum(len(p) if isinstance(p, list) else jobs[p[1]].max_tokens for p in parts)
+            sizes[s].append(prompt + job.max_tokens)
+            history[s] = parts + [("reply", idx)]
+            last[s] = idx
+    churn_len = (sum(churn_prompt) + sum(churn_reply)) // 2
+    live = [sum(v) // len(v) for v in sizes.values()] + [churn_len] * churn_in_flight
+    pauses = [j.pause_s for j in jobs if j.resumes]
+    rate = churn_x * sum(live) / (sum(pauses) / len(pauses)) if pauses else 0.0
+    return Workload(
+        "agent",
+        jobs,
+        sessions,
+        hint_policies=("retain", "pin"),
+        budgets=("pressure",),
+        step_s=step_s,
+        churn=agent_churn(churn_prompt, churn_reply),
+        churn_in_flight=churn_in_flight,
+        churn_rate=rate,
+        live=live,
+        pressure=3.0,
+    )
+
+
+def shortsys_workload(
+    lens: list[int], rounds: int, suffix: tuple[int, int], out_len: int = 64, seed: int = 29
+) -> Workload:
+    """Short shared system prompts of the lengths ``lens`` (none a multiple of 16), ``rounds``
+    sightings of each with a unique suffix; round-robin over the prompts, each sighting waits
+    for the prompt's previous one to finish (so the 2nd sighting is the first that can hit), as
+    many in flight as prompts. Hint policy ``checkpoint``: every request asks a checkpoint at its
+    system prompt's end (``kv.checkpoint``)."""
+    if any(n % 16 == 0 for n in lens):
+        raise ValueError(f"shortsys: prompt lengths must be off every grid (not a multiple of 16): {lens}")
+    rng = random.Random(seed)
+    prompts = [_toks(rng, n) for n in lens]
+    jobs: list[Job] = []
+    last: dict[int, int] = {}
+    for r in range(rounds):
+        for k, n in enumerate(lens):
+            last_k = last.get(k, -1)
+            last[k] = len(jobs)
+            jobs.append(
+                Job(
+                    f"shortsys-r{r}-p{k}",
+                    [prompts[k], _toks(rng, rng.randint(*suffix))],
+                    out_len,
+                    after=last_k,
+                    shared_key=k,
+                    shared_len=n,
+                    hints={"checkpoint": [("kv.checkpoint", {"positions": [n]})]},
+                )
+            )
+    return Workload("shortsys", jobs, len(lens), hint_policies=("checkpoint",), budgets=("ample",))
+
+
+#: The short system prompts' lengths (``shortsys``): 100-2000 tokens, none a multiple of 16.
+SHORTSYS_LENS = {"full": [100, 157, 333, 517, 801, 1100, 1433, 1999], "small": [100, 333, 801, 1999]}
+
+
 def workloads(size: str) -> list[Workload]:
     if size == "full":
         return [
@@ -216,6 +397,19 @@ def workloads(size: str) -> list[Workload]:
             resend_workload(16, (5000, 6000), 4, (16, 64), 16),
             sightings_workload(6, 2500, (300, 800), out_len=64),
             sysprompt_workload(6, (300, 2000), 256, (50, 400), 16),
+            agent_workload(
+                16,
+                6,
+                1024,
+                task=(300, 800),
+                tool=(100, 700),
+                reply=(64, 256),
+                pause=(5.0, 120.0),
+                churn_in_flight=8,
+                churn_prompt=(1000, 4000),
+                churn_reply=(64, 256),
+            ),
+            shortsys_workload(SHORTSYS_LENS["full"], 8, (50, 400)),
         ]
     return [
         chat_workload(8, 3, 1024, 4, user=(32, 96), reply=(48, 96)),
@@ -223,6 +417,19 @@ def workloads(size: str) -> list[Workload]:
         resend_workload(4, (1500, 2000), 3, (16, 48), 4, out_len=16),
         sightings_workload(4, 2500, (300, 800), out_len=8),
         sysprompt_workload(3, (300, 2000), 16, (50, 200), 4, out_len=16),
+        agent_workload(
+            4,
+            3,
+            512,
+            task=(200, 600),
+            tool=(100, 400),
+            reply=(16, 48),
+            pause=(5.0, 30.0),
+            churn_in_flight=3,
+            churn_prompt=(400, 1200),
+            churn_reply=(16, 48),
+        ),
+        shortsys_workload(SHORTSYS_LENS["small"], 3, (50, 200), out_len=16),
     ]
 
 
@@ -257,12 +464,15 @@ def budget_blocks(shape: Any, wl: Workload, budget: str, pressure: float, bs: in
     """Pool size in blocks (of the shape's block size,
     :func:`hybrid_alloc.bench.shapes.hopper_block_size`): ``ample`` holds every token of every
     request in every group; ``pressure`` is ``pressure`` times the live working set
-    (``in_flight`` requests of the mean length, window groups capped at their window, Mamba
-    groups at one state)."""
+    (``in_flight`` requests of the mean length, or the lengths ``Workload.live`` gives, window
+    groups capped at their window, Mamba groups at one state). A workload's other traffic
+    (``Workload.churn``) is not in ``ample``: it never hits."""
     from hybrid_alloc.bench.shapes import hopper_block_size
 
     bs = bs or hopper_block_size(shape)
     nf, nw, wblocks = _window_blocks(shape, bs)
+    if wl.live is not None and budget == "pressure":  # what is live at once, given (the agent workload's)
+        return int(pressure * sum(-(-n // bs) * nf + min(-(-n // bs), wblocks) * nw for n in wl.live)) + 1
     lens = [sum(len(p) if isinstance(p, list) else 0 for p in j.parts) + j.max_tokens for j in wl.jobs]
     # Replies re-sent in a later prompt are not counted in ``parts``: add them.
     reply_toks = {i: wl.jobs[i].max_tokens for j in wl.jobs for p in j.parts if isinstance(p, tuple) for i in [p[1]]}

@@ -44,7 +44,7 @@ from hybrid_alloc.bench import floor
 from hybrid_alloc.bench.common import pyplot, render_table, say, say_parts, vllm_ready
 from hybrid_alloc.bench.memory import print_memory, run_memory
 from hybrid_alloc.bench.runner import RunResult, run_scenario
-from hybrid_alloc.bench.serve import SERVE_MODELS, print_serve_table, run_serve, serve_ratios
+from hybrid_alloc.bench.serve import SERVE_MANAGERS, SERVE_MODELS, print_serve_table, run_serve, serve_ratios
 
 DEFAULT_MODELS = ("gemma-2-27b", "llama-3.1-8b")
 
@@ -150,6 +150,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="serve: the usage from which the admission window applies "
         "(vLLM's cache_aware_admission_threshold; default vLLM's, 0.5)",
     )
+    p.add_argument(
+        "--serve-hints-ttl",
+        type=float,
+        default=5.0,
+        help="serve, the +hints managers: the TTL of each request's retain and pin, wall seconds (default 5: "
+        "leases expire during the run)",
+    )
+    p.add_argument(
+        "--serve-hints-via",
+        choices=["envelope", "xargs"],
+        default="envelope",
+        help="serve, the +hints managers: vLLM's KvHintsEnvelope (Request.kv_hints) or SamplingParams.extra_args "
+        "(the OpenAI server's vllm_xargs)",
+    )
     p.add_argument("--input-len", type=int, default=6144)
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--num-prompts", type=int, default=50)
@@ -183,7 +197,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="vllm,hybrid_alloc,no_hybrid",
         help="comma-separated; floor (serve only): ours with the decode call answered by a C-level constant, "
         "the least any manager can cost under vLLM's calls (hybrid_alloc.bench.floor; needs the probe build, "
-        "scripts/install-local.sh's, not the release wheel)",
+        "scripts/install-local.sh's, not the release wheel); hit_aware (serve only): ours under hit-aware; "
+        "hybrid_alloc+hints, hit_aware+hints (serve only): the same with KV hints on every request "
+        "(--serve-hints-*)",
     )
     p.add_argument("--out-dir", default=from_env("HYBRID_ALLOC_BENCH_OUT", "bench-out"))
     p.add_argument("--no-plot", action="store_true")
@@ -199,6 +215,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     managers = [m.strip() for m in args.managers.split(",") if m.strip()]
+    unknown = [m for m in managers if m not in (*SERVE_MANAGERS, "no_hybrid")]
+    if unknown:
+        print(f"unknown manager {unknown[0]!r}; known: {', '.join((*SERVE_MANAGERS, 'no_hybrid'))}", file=sys.stderr)
+        return 2
     if "floor" in managers and not floor.available():
         print(floor.MISSING, file=sys.stderr)
         return 2
@@ -227,9 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         for m in serve_models:
             for w in windows:
                 for mg in managers:
-                    if mg in ("vllm", "hybrid_alloc", "floor"):
+                    if mg in SERVE_MANAGERS:
                         plan.append((m, "serve", mg, w))
-    managers = [m for m in managers if m != "floor"]  # floor: the serve workload only
+    # floor, hit_aware and the +hints managers: the serve workload only.
+    managers = [m for m in managers if m in ("vllm", "hybrid_alloc", "no_hybrid")]
     for m in models:
         for w in workloads:
             if w in ("serve", "memory"):

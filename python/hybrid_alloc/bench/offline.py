@@ -52,6 +52,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
+from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -355,14 +356,38 @@ class SchedulerSetup:
         return sched
 
 
-def make_request(sched: Scheduler, request_id: str, prompt: list[int], max_tokens: int) -> Request:
-    """A vLLM Request hashed with the scheduler's block hasher."""
+def make_request(
+    sched: Scheduler,
+    request_id: str,
+    prompt: list[int],
+    max_tokens: int,
+    kv_hints: KvHintsEnvelope | None = None,
+    extra_args: dict[str, Any] | None = None,
+) -> Request:
+    """A vLLM Request hashed with the scheduler's block hasher; ``kv_hints``: vLLM's envelope
+    (``Request.kv_hints``, as ``LLMEngine.add_request(..., kv_hints=)`` sets it);
+    ``extra_args``: ``SamplingParams.extra_args`` (as the OpenAI server fills it from
+    ``vllm_xargs``)."""
     return Request(
         request_id=request_id,
         prompt_token_ids=list(prompt),
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args),
         pooling_params=None,
         block_hasher=sched._hybrid_alloc_block_hasher,
+        kv_hints=kv_hints,
+    )
+
+
+def hints_envelope(message_id: str, actions: list[tuple[str, dict[str, Any]]]) -> KvHintsEnvelope:
+    """vLLM's ``KvHintsEnvelope`` holding ``actions`` (``(action_type, payload)``, version "1"
+    of hybrid_alloc's vocabulary: docs/hit-aware.md)."""
+    return KvHintsEnvelope(
+        protocol_version="1",
+        message_id=message_id,
+        actions=[
+            KvHintAction(action_id=f"{message_id}-{i}", action_type=t, action_version="1", payload=p)
+            for i, (t, p) in enumerate(actions)
+        ],
     )
 
 
@@ -394,6 +419,23 @@ def fabricate_output(sched: Scheduler, so: Any) -> ModelRunnerOutput:
     )
 
 
+def hint_counters(mgr: Any) -> dict[str, Any] | None:
+    """Our manager's KV hint counters (``HybridKVCacheManager.hint_stats()``: ``received``,
+    ``applied``, ``refused`` and ``refused.<kind>``, ``expired``, ``ignored``, and the core's
+    counters and gauges: ``leased_free_blocks``, ``retained_blocks``, ...), or None for a
+    manager without them (vLLM's own)."""
+    stats = getattr(mgr, "hint_stats", None)
+    return None if stats is None else dict(stats())
+
+
+def pins_held(counters: dict[str, Any] | None) -> int:
+    """The blocks pins and retains hold now, from :func:`hint_counters`: the free blocks at the
+    leased level and the blocks the running retains hold (0 without counters)."""
+    if not counters:
+        return 0
+    return int(counters.get("leased_free_blocks", 0)) + int(counters.get("retained_blocks", 0))
+
+
 __all__ = [
     "CACHE_AWARE_ADMISSION",
     "SHAPES",
@@ -402,6 +444,9 @@ __all__ = [
     "ModelShape",
     "SchedulerSetup",
     "fabricate_output",
+    "hint_counters",
+    "hints_envelope",
+    "pins_held",
     "kv_cache_specs",
     "make_request",
 ]

@@ -88,6 +88,9 @@ def run_scenario(
     warmup_finished: int = 0,
     admission_window: int = 0,
     admission_threshold: float | None = None,
+    policy: str | None = None,
+    hints: Any = None,
+    label: str | None = None,
 ) -> RunResult:
     """Runs the scheduler to the end (or for ``decode_steps`` measured steps once
     ``measure_from_running`` requests run with their prompts done). Steps alternate: on even
@@ -109,8 +112,16 @@ def run_scenario(
     depth before each measured step's ``schedule()`` (vLLM's docs ask for the smallest window
     that spans it), ``extra["probe_steps"]`` the share of timed steps in which the scheduler
     probed (``get_num_cached_tokens``: the window engages only once usage reaches the
-    threshold, with two requests waiting)."""
-    from hybrid_alloc.bench.offline import SchedulerSetup, fabricate_output, make_request
+    threshold, with two requests waiting).
+
+    ``policy``: our manager's retention policy (``HYBRID_ALLOC_POLICY`` while the scheduler is
+    built; None: the environment's). ``hints``: a function of a request's ``(id, prompt)``
+    returning more arguments of ``offline.make_request`` (``kv_hints=`` or ``extra_args=``: the
+    KV hints each request carries). ``label``: the result's ``manager`` (default ``manager``).
+    The result's ``extra["hint_counters"]``: our manager's hint counters at the end."""
+    import os
+
+    from hybrid_alloc.bench.offline import SchedulerSetup, fabricate_output, hint_counters, make_request
 
     setup = SchedulerSetup(
         shape,
@@ -122,8 +133,22 @@ def run_scenario(
         admission_window=admission_window,
         admission_threshold=admission_threshold,
     )
-    sched = setup.build()
+    old_policy = os.environ.get("HYBRID_ALLOC_POLICY")
+    if policy is not None:
+        os.environ["HYBRID_ALLOC_POLICY"] = policy
+    try:
+        sched = setup.build()
+    finally:
+        if policy is not None:
+            if old_policy is None:
+                os.environ.pop("HYBRID_ALLOC_POLICY", None)
+            else:
+                os.environ["HYBRID_ALLOC_POLICY"] = old_policy
     mgr = sched.kv_cache_manager
+
+    def request(rid: str, toks: list[int], out_len: int) -> Any:
+        return make_request(sched, rid, toks, out_len, **(hints(rid, toks) if hints is not None else {}))
+
     if manager == "floor":
         floor.install_floor(mgr)
     kvc = mgr.kv_cache_config
@@ -140,7 +165,7 @@ def run_scenario(
     clock = ManagerClock()
     clock.install(mgr)
     for rid, toks, out_len in requests:
-        sched.add_request(make_request(sched, rid, toks, out_len))
+        sched.add_request(request(rid, toks, out_len))
     kv_ns: list[float] = []
     kv_per_req_ns: list[float] = []
     raw_calls: list[int] = []
@@ -210,7 +235,7 @@ def run_scenario(
                 clock.off()
                 while sched.get_num_unfinished_requests() < clients:
                     rid, toks, out_len = refill(next_id)
-                    sched.add_request(make_request(sched, rid, toks, out_len))
+                    sched.add_request(request(rid, toks, out_len))
                     next_id += 1
                     replaced += 1
             running.append(n_run)
@@ -240,10 +265,11 @@ def run_scenario(
         if xs
     }
     finished = not sched.get_num_unfinished_requests() or decode_steps is not None
+    counters = hint_counters(mgr)
     return RunResult(
         model=shape.name,
         scenario=scenario,
-        manager=manager,
+        manager=label or manager,
         num_blocks=kvc.num_blocks,
         block_size=kvc.kv_cache_groups[0].kv_cache_spec.block_size,
         num_groups=len(kvc.kv_cache_groups),
@@ -280,6 +306,7 @@ def run_scenario(
             "waiting_p90": sorted(waiting)[int(0.9 * len(waiting))] if waiting else 0,
             "waiting_max": max(waiting) if waiting else 0,
             "probe_steps": probe_steps / n_timed,
+            **({"hint_counters": counters} if counters is not None else {}),
         },
     )
 

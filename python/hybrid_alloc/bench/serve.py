@@ -10,6 +10,16 @@ from ``output_len - output_spread`` to ``output_len + output_spread`` tokens, so
 once half the clients have been replaced (the loop is in its steady state), then runs
 ``steps`` steps: half timed (KV time), half bare (the whole step).
 
+Managers (``--managers``): ``vllm`` (vLLM's own), ``hybrid_alloc`` (ours, the policy
+``HYBRID_ALLOC_POLICY`` names: exact by default), ``hit_aware`` (ours under hit-aware),
+``floor`` (the probe), and ``hybrid_alloc+hints`` / ``hit_aware+hints``: the same with KV hints
+on every request (:func:`serve_hints`: a retain at the high level, a pin lease on the shared
+system prompt, a checkpoint at its end, and a session; TTLs of ``--serve-hints-ttl`` wall
+seconds, so leases expire during the run), sent as vLLM's envelope or as ``vllm_xargs``
+(``--serve-hints-via``). A ``+hints`` row gives, besides its ratios to vLLM's row, what the
+hints add to its own row without them (``hints_kv_us_per_request_delta``): the cost target of
+issue 38.
+
 With ``--admission-window N`` (vLLM 0.34's ``--cache-aware-admission-window``; repeatable,
 0 is off) the workload runs once per window, each its own scenario (``serve-1024``,
 ``serve-1024-window16``) paired against vLLM's manager under the same window: each step the
@@ -33,6 +43,9 @@ from hybrid_alloc.bench.hits_report import window_label
 from hybrid_alloc.bench.runner import RunResult, run_scenario
 
 SERVE_MODELS = ("gemma-2-27b", "qwen3.5-style", "deepseek-v4-style")
+#: The managers the serve workload runs (``--managers``): ``+hints`` is the manager before it
+#: with KV hints on every request.
+SERVE_MANAGERS = ("vllm", "hybrid_alloc", "floor", "hit_aware", "hybrid_alloc+hints", "hit_aware+hints")
 # The calls told apart per call (``clock._classifiers``), in the order printed.
 PER_CALL = (
     ("allocate_slots/no-op", "decode allocate_slots, no new block"),
@@ -86,16 +99,54 @@ def serve_scenario(clients: int, window: int) -> str:
     return f"serve-{clients}" + (f"-window{window}" if window else "")
 
 
+def serve_hints(prefix_len: int, ttl_s: float, via: str) -> Any:
+    """The KV hints every request of a ``+hints`` row carries, as more arguments of
+    ``offline.make_request`` for a request ``(id, prompt)``: retain its prefix at the high level
+    for ``ttl_s`` seconds, a pin lease of ``ttl_s`` on the shared system prompt (its
+    ``prefix_len`` tokens) and a checkpoint at its end (both left out without one), in the
+    request's own session (its id). ``via``: "envelope" (vLLM's ``KvHintsEnvelope``,
+    ``Request.kv_hints``) or "xargs" (``SamplingParams.extra_args``, as the OpenAI server fills
+    it from ``vllm_xargs``)."""
+    from hybrid_alloc.bench.offline import hints_envelope
+
+    if via not in ("envelope", "xargs"):
+        raise SystemExit(f"--serve-hints-via takes envelope or xargs, not {via!r}")
+
+    def hints(rid: str, toks: list[int]) -> dict[str, Any]:
+        if via == "xargs":
+            xargs: dict[str, Any] = {"kv_retain": "high", "kv_retain_ttl": ttl_s, "kv_session": rid}
+            if prefix_len:
+                xargs.update(kv_pin_ttl=ttl_s, kv_pin_tokens=prefix_len, kv_checkpoint=prefix_len)
+            return {"extra_args": xargs}
+        actions: list[tuple[str, dict[str, Any]]] = [
+            ("kv.retain", {"priority": "high", "ttl_s": ttl_s, "session": rid})
+        ]
+        if prefix_len:
+            actions += [
+                ("kv.pin", {"ttl_s": ttl_s, "tokens": prefix_len}),
+                ("kv.checkpoint", {"positions": [prefix_len]}),
+            ]
+        return {"kv_hints": hints_envelope(rid, actions)}
+
+    return hints
+
+
 def run_serve(shape: Any, manager: str, args: Any, window: int = 0) -> RunResult:
-    """The closed loop on ``shape`` under ``manager``; ``window``: the scheduler's cache-aware
-    admission window (0: off), from usage ``args.admission_threshold`` (None or absent: vLLM's)."""
+    """One serve row: ``manager`` is one of :data:`SERVE_MANAGERS`; ``window``: the scheduler's
+    cache-aware admission window (0: off), from usage ``args.admission_threshold`` (None or
+    absent: vLLM's)."""
     n = args.serve_clients
     stream = ServeRequests(
         args.serve_prompt_len, args.serve_output_len, args.serve_output_spread, args.serve_prefix_share
     )
+    base = manager.removesuffix("+hints")
+    hints = None
+    if base != manager:
+        ttl = getattr(args, "serve_hints_ttl", 5.0)
+        hints = serve_hints(len(stream.prefix), ttl, getattr(args, "serve_hints_via", "envelope"))
     r = run_scenario(
         shape,
-        manager,
+        "hybrid_alloc" if base == "hit_aware" else base,
         serve_scenario(n, window),
         [stream(k) for k in range(n)],
         num_blocks=serve_pool_blocks(n, stream.max_tokens()),
@@ -107,6 +158,9 @@ def run_serve(shape: Any, manager: str, args: Any, window: int = 0) -> RunResult
         warmup_finished=n // 2,
         admission_window=window,
         admission_threshold=getattr(args, "admission_threshold", None) if window else None,
+        policy="hit-aware" if base == "hit_aware" else None,
+        hints=hints,
+        label=manager,
     )
     r.extra["clients"] = n
     return r
@@ -148,6 +202,25 @@ def serve_ratios(rows: list[dict[str, Any]]) -> None:
         bound = b["step_us_mean"] - b["kv_us_mean"]
         r["zero_kv_bound_us"] = bound
         r["step_over_bound"] = r["step_us_mean"] / bound if bound > 0 else float("inf")
+    hints_deltas(rows)
+
+
+def hints_deltas(rows: list[dict[str, Any]]) -> None:
+    """Adds to each ``+hints`` serve row what the hints add to the same manager's row without
+    them (same model): KV time per running request per step, from the means
+    (``hints_kv_us_per_request_delta``) and from the call medians
+    (``hints_kv_us_per_request_delta_from_medians``)."""
+    serve = [r for r in rows if r["scenario"].startswith("serve")]
+    plain = {(r["model"], r["manager"]): r for r in serve if not r["manager"].endswith("+hints")}
+    for r in serve:
+        b = plain.get((r["model"], r["manager"].removesuffix("+hints")))
+        if b is None or b is r:
+            continue
+        r["hints_kv_us_per_request_delta"] = r["kv_us_per_running_request_mean"] - b["kv_us_per_running_request_mean"]
+        if "kv_us_per_request_from_medians" in r and "kv_us_per_request_from_medians" in b:
+            r["hints_kv_us_per_request_delta_from_medians"] = (
+                r["kv_us_per_request_from_medians"] - b["kv_us_per_request_from_medians"]
+            )
 
 
 def print_serve_table(rows: list[dict[str, Any]], release: str | None, wide: bool = False) -> None:
@@ -209,6 +282,16 @@ def print_serve_table(rows: list[dict[str, Any]], release: str | None, wide: boo
         "apart (robust to a busy machine, which stretches the means)",
         wide,
     )
+    for r in serve:
+        if "hints_kv_us_per_request_delta" in r:
+            c = r.get("hint_counters") or {}
+            say(
+                f"hints, {r['model']} {r['manager']}: {r['hints_kv_us_per_request_delta']:+.3f} us per running request "
+                f"per step (means), {r.get('hints_kv_us_per_request_delta_from_medians', float('nan')):+.3f} (call "
+                f"p50s) against {r['manager'].removesuffix('+hints')}; hints received {c.get('received', '-')}, "
+                f"applied {c.get('applied', '-')}, refused {c.get('refused', '-')}, expired {c.get('expired', '-')}",
+                wide,
+            )
     say("per call, us (median / mean; calls per step):", wide)
     for r in serve:
         pc = r.get("per_call", {})

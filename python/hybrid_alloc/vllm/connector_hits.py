@@ -42,7 +42,7 @@ def local_hit_for_connector(
     if not mgr.prefix_cache_lookup_enabled(request):
         return mgr.empty_kv_cache_blocks, 0, 0, False
     max_cache_hit_length = compat.max_cache_hit_length(request, max_cache_hit_length)
-    st = mgr._state(request)
+    st = mgr._lookup_state(request)
     if mgr._pending_pins:
         mgr._pin_from(request)
     hit, uncached, per_group, groups = mgr._alloc.get_computed_blocks_for_connector(

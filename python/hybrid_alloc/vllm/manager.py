@@ -26,7 +26,9 @@ unchanged (:func:`raised_by_vllm` tells it apart).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent
@@ -56,6 +58,7 @@ from hybrid_alloc.vllm.compat import (
 from hybrid_alloc.vllm.connector import fold_negative_external
 from hybrid_alloc.vllm.connector_hits import local_hit_for_connector
 from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
+from hybrid_alloc.vllm.hints import PIN_OVER_CAP, HintCounters, Hints, hints_of, stats_line
 from hybrid_alloc.vllm.kv_events import EventLog
 from hybrid_alloc.vllm.metrics import after_call_hook
 from hybrid_alloc.vllm.plan import native_plan
@@ -88,6 +91,31 @@ __all__ = [
 logger = init_logger("vllm.hybrid_alloc")
 
 _WAITING_OR_PREEMPTED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+# A retain hint's priority as the core's ``set_hints`` takes it.
+_RETAIN_LEVEL = {"low": 1, "normal": 2, "high": 3}
+
+# The parsed hints of a request, kept on it (``Request`` has no slots): a request vLLM preempts
+# is looked up again with a new handle, and takes its hints again without a second pin lease.
+_HINTS_ATTR = "_hybrid_alloc_hints"
+
+
+def _log_stats_interval_s() -> float:
+    """vLLM's stats logging interval (``VLLM_LOG_STATS_INTERVAL``, 10 s by default): the
+    plugin's KV hints line follows it."""
+    try:
+        from vllm import envs
+
+        return float(envs.VLLM_LOG_STATS_INTERVAL)
+    except Exception:  # noqa: BLE001 - a release without it, or a bad value: vLLM's default
+        return 10.0
+
+
+def _ttl_ms(ttl_s: float | None) -> int:
+    """A checked TTL (``Hints``' invariant: finite, in ``(0, MAX_TTL_S]``) in whole
+    milliseconds, rounded up so that no TTL becomes 0."""
+    return 0 if ttl_s is None else max(1, math.ceil(ttl_s * 1000))
+
 
 # The ``VllmConfig`` a construction reads when it is not passed one (``vllm_config=``): what
 # its constructor arguments do not say (a KV connector, ...). The plugin passes the config
@@ -229,6 +257,24 @@ class HybridKVCacheManager:
         # for EAGLE), where the core keys the state and the full-attention block, so the next
         # request sharing the prefix hits all of it (see the README's state-space hits).
         self.mamba_shared_prefix_checkpoint = self._partial_hash_hits and self._alloc.policy == "hit-aware"
+        # KV hints (issue 38, ``hints``): read at a request's first lookup; under hit-aware
+        # (with prefix caching: no lookup without it) the core executes them, under exact
+        # they are counted as ignored. The clock is read at most once per step, in
+        # ``new_step_starts``, once a hint was taken (the bench replaces ``_clock``).
+        self._clock: Callable[[], float] = time.monotonic
+        self._hint_counters = HintCounters(logger)
+        self._hints_executed = self._alloc.policy == "hit-aware"
+        self._clock_on = False
+        # The periodic hints line (``stats_line``), with vLLM's stats (``log_stats``), at
+        # vLLM's stats interval, from the step clock's reading: on once a request carried
+        # hints (``_hints_seen``), at most one per interval, only when a figure changed.
+        self._hints_seen = False
+        self._hint_log_interval_s = _log_stats_interval_s()
+        self._hint_log_at = -math.inf
+        self._hint_logged = ""
+        # Session names -> the ints the core takes (from 1; a released session's is dropped).
+        self._sessions: dict[str, int] = {}
+        self._next_session = 1
         # The scheduler's hot call goes straight to Rust (see ``allocate_slots``): an instance
         # attribute over the method on purpose, and the stub types the Rust callable loosely.
         alloc = self._alloc
@@ -266,6 +312,105 @@ class HybridKVCacheManager:
             request._hybrid_alloc_handle = st.handle
             self._fast.track(request, st.handle)  # found by address: no attribute read
         return st
+
+    def _lookup_state(self, request: Request) -> RequestState:
+        """``_state`` for a lookup: a request's first lookup also takes its KV hints."""
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._state(request)
+            self._apply_hints(request, st)
+        return st
+
+    def _apply_hints(self, request: Request, st: RequestState) -> None:
+        """A request's KV hints, at its first lookup (its block hashes are known then), in
+        one crossing: under hit-aware the core takes its pin lease now, its checkpoints for
+        the lookup that follows, and its retain and session release for its free; under
+        exact they are counted as ignored. A request vLLM preempted takes them again without
+        a second lease. Nothing here raises into vLLM: an error is counted (``malformed``)
+        and logged once. Cost without hints: :func:`hints_of`'s attribute reads."""
+        hints: Hints | None = getattr(request, _HINTS_ATTR, None)
+        again = hints is not None
+        counters = self._hint_counters
+        try:
+            if hints is None:
+                hints = hints_of(request)
+                if hints is None:
+                    return
+                counters.receive(hints, request.request_id)
+                setattr(request, _HINTS_ATTR, hints)
+                self._hints_seen = True
+            if not self._hints_executed:
+                if not again:
+                    counters.ignored += 1
+                    if counters.ignored == 1:
+                        logger.warning(
+                            "hybrid_alloc: KV hints ignored: the policy is exact (set %s=hit-aware to use them); "
+                            "later ones are only counted",
+                            POLICY_ENV,
+                        )
+                return
+            if hints.retain is None and hints.pin_ttl_s is None and hints.release is None and not hints.checkpoints:
+                return
+            if not self._clock_on:
+                # The clock's first reading: TTLs count from it (then once per step).
+                self._clock_on = True
+                self._alloc.advance_clock(self._now_ms())
+            pin, _, refused = self._alloc.set_hints(
+                st.handle,
+                block_hashes=request.block_hashes,
+                session=self._session_id(hints.session),
+                retain=_RETAIN_LEVEL[hints.retain] if hints.retain is not None else 0,
+                retain_ttl_ms=_ttl_ms(hints.retain_ttl_s),
+                retain_tokens=hints.retain_tokens or 0,
+                pin_ttl_ms=0 if again else _ttl_ms(hints.pin_ttl_s),
+                pin_tokens=hints.pin_tokens or 0,
+                release_session=self._session_id(hints.release),
+                checkpoints=hints.checkpoints,
+            )
+            st.hinted = True
+            if not again:
+                counters.applied += 1
+            if pin == 2:
+                counters.refuse(PIN_OVER_CAP, request.request_id)
+            for _ in range(refused):
+                counters.refuse("bad_position", request.request_id)
+        except Exception:  # noqa: BLE001 - no hint may raise into the engine
+            counters.refuse("malformed", request.request_id)
+
+    def _session_id(self, name: str | None) -> int:
+        """The core's int for a session name (0: none), interned."""
+        if name is None:
+            return 0
+        sid = self._sessions.get(name)
+        if sid is None:
+            sid = self._sessions[name] = self._next_session
+            self._next_session += 1
+        return sid
+
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+    def _hints_at_free(self, request: Request, st: RequestState) -> None:
+        """Before freeing a request whose hints the core took: a request vLLM preempted (not
+        finished) drops them (its next lookup takes them again); a finished one keeps them
+        for the free, and the session it releases is forgotten here."""
+        try:
+            hints: Hints | None = getattr(request, _HINTS_ATTR, None)
+            if not request.is_finished():
+                self._alloc.clear_hints(st.handle)
+            elif hints is not None and hints.release is not None:
+                self._sessions.pop(hints.release, None)
+        except Exception:  # noqa: BLE001 - no hint may raise into the engine
+            self._hint_counters.refuse("malformed", request.request_id)
+
+    def hint_stats(self) -> dict[str, int]:
+        """The KV hints' counters: this manager's (``received``, ``applied``, ``refused``
+        and ``refused.<kind>``, ``ignored``), ``expired`` (leases and retains that ran out) and
+        the core's counters and gauges by their names (``leased_free_blocks``,
+        ``retained_blocks``, ...; 0 under exact)."""
+        core = self._alloc.hint_stats()
+        self._hint_counters.expired = core["leases_expired"] + core["retains_expired"]
+        return {**self._hint_counters.as_dict(), **core}
 
     def _forget(self, request: Request) -> RequestState | None:
         """Drops ``request``'s state (``None`` if it has none), undoing what ``_state`` set:
@@ -329,7 +474,7 @@ class HybridKVCacheManager:
         if not self.enable_caching or not compat.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         max_cache_hit_length = compat.max_cache_hit_length(request, max_cache_hit_length)
-        st = self._state(request)
+        st = self._lookup_state(request)
         if self._pending_pins:
             self._pin_from(request)
         hit, uncached, groups = self._alloc.get_computed_blocks(
@@ -452,6 +597,8 @@ class HybridKVCacheManager:
     def free(self, request: Request) -> None:
         st = self._forget(request)
         if st is not None:
+            if st.hinted:
+                self._hints_at_free(request, st)
             rp = self._retain_priority
             self._alloc.free(st.handle, retain=rp is not None and request.priority <= rp)
 
@@ -466,6 +613,8 @@ class HybridKVCacheManager:
         st = self._forget(request)
         if st is None:
             return []
+        if st.hinted:
+            self._hints_at_free(request, st)
         groups = self._alloc.block_ids(st.handle) if compat.TRIM_NULL_HEAD else None
         ids = self._alloc.pop_blocks_for_free(st.handle)
         if groups is not None:
@@ -613,6 +762,27 @@ class HybridKVCacheManager:
 
     def new_step_starts(self) -> None:
         self._alloc.new_step_starts()
+        if self._hints_seen:
+            # KV hints: the clock, once per step; the leases and retains due end; the
+            # periodic hints line when its interval passed.
+            try:
+                now = self._clock()
+                if self._clock_on:
+                    self._alloc.advance_clock(int(now * 1000))
+                if now >= self._hint_log_at and self.log_stats:
+                    self._log_hints(now)
+            except Exception:  # noqa: BLE001 - no hint may raise into the engine
+                self._hint_counters.refuse("malformed")
+
+    def _log_hints(self, now: float) -> None:
+        """The plugin's KV hints line (``stats_line``: received, applied, refused, expired,
+        ignored; the blocks and states pins and retains hold) on ``vllm.hybrid_alloc`` at
+        INFO, when it differs from the last one logged; the next is due an interval on."""
+        self._hint_log_at = now + self._hint_log_interval_s
+        line = stats_line(self.hint_stats())
+        if line != self._hint_logged:
+            self._hint_logged = line
+            logger.info("%s", line)
 
     def check_invariants(self) -> None:
         """Checks the native core's invariants (tests)."""

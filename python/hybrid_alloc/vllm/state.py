@@ -37,6 +37,9 @@ class RequestState:
 
     handle: int
     hit_gen: int = -1
+    #: The request carries KV hints the core took (its free applies them; see
+    #: :meth:`~hybrid_alloc.vllm.manager.HybridKVCacheManager._apply_hints`).
+    hinted: bool = False
 
     def __getitem__(self, index: int) -> int:
         return (self.handle, self.hit_gen)[index]
@@ -63,6 +66,7 @@ class ManagerView(Protocol):
 
     def prefix_cache_lookup_enabled(self, request: Request) -> bool: ...
     def _state(self, request: Request) -> RequestState: ...
+    def _lookup_state(self, request: Request) -> RequestState: ...
     def _pin_from(self, request: Request) -> None: ...
     def _reconciled_hit(
         self, request: Request, st: RequestState, hit: int, uncached: int, groups: BlockIds

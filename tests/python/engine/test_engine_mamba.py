@@ -48,14 +48,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     import torch
-    from transformers import (
-        Lfm2Config,
-        Lfm2ForCausalLM,
-        NemotronHConfig,
-        NemotronHForCausalLM,
-        Qwen3NextConfig,
-        Qwen3NextForCausalLM,
-    )
+    from transformers import Lfm2Config, Lfm2ForCausalLM, NemotronHConfig, NemotronHForCausalLM
+
+    from engine_run import save_tiny_qwen3next
 
     root = tmp_path_factory.mktemp("tiny_mamba")
     torch.manual_seed(0)
@@ -78,30 +73,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         block_multiple_of=16,
     )
     Lfm2ForCausalLM(lfm2).save_pretrained(root / "lfm2")
-    # vLLM's CPU GDN kernel takes head dims of 128 only.
-    qwen = Qwen3NextConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        max_position_embeddings=2048,
-        linear_num_key_heads=2,
-        linear_num_value_heads=2,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        decoder_sparse_step=1,
-        full_attention_interval=4,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-    )
-    Qwen3NextForCausalLM(qwen).save_pretrained(root / "qwen3next")
+    # Its weights drawn after the LFM2 model's, from the same generator.
+    save_tiny_qwen3next(root / "qwen3next", seed=None)
     nemotron = NemotronHConfig(
         vocab_size=512,
         hidden_size=64,

@@ -86,6 +86,42 @@ def save_tiny_gemma2(path: Path) -> str:
     return str(path)
 
 
+def save_tiny_qwen3next(path: Path, seed: int | None = 0) -> str:
+    """A tiny Qwen3-Next-style model (three Gated DeltaNet layers and one full-attention layer,
+    MoE) with random weights (torch seeded with ``seed`` first; None: torch's generator as it
+    is), saved at ``path``; returns the path as a string. vLLM's CPU GDN kernel takes head dims
+    of 128 only, and bfloat16 (``--dtype bfloat16``)."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    config = Qwen3NextConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        max_position_embeddings=2048,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        decoder_sparse_step=1,
+        full_attention_interval=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    )
+    Qwen3NextForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
 def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(5, vocab) for _ in range(300)]  # several 64-token windows long
@@ -144,9 +180,11 @@ def main() -> None:
     p.add_argument("--mamba-ssm-dtype", default=None)
     p.add_argument("--record", action="store_true")
     p.add_argument("--provenance", action="store_true")
+    p.add_argument("--hints", choices=["on", "off"], default=None)
     args = p.parse_args()
-    if args.record or args.provenance:
-        # The recorder reads the engine core and the model runner: both in this process.
+    if args.record or args.provenance or args.hints:
+        # The recorder reads the engine core and the model runner, the hints workload the
+        # manager's counters: in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -178,6 +216,8 @@ def main() -> None:
         result = {"outputs": chat(llm, chat_params, args.system), **counters(llm)}
     elif args.partial:
         result = partial_hits(llm, params, chat_params, args.system)
+    elif args.hints:
+        result = hints_workload(llm, params, args.hints == "on", recorder)
     else:
         prompts = make_prompts(500)
         # First one request to fill the cache, then the rest, which share its prefix.
@@ -195,6 +235,8 @@ def main() -> None:
         result["steps"] = recorder.phases[0]
         if args.chat_too:
             result["chat"]["steps"] = recorder.phases[1]
+        if args.hints:
+            result["checkpoint"]["steps"] = recorder.phases[1]
         if args.provenance:
             result["provenance"] = recorder.provenance()
     print("RESULT " + json.dumps(result))
@@ -249,6 +291,97 @@ def partial_hits(llm: Any, params: Any, chat_params: Any, system_len: int) -> di
         "steps_with_copies": sum(1 for n in copies if n),
     }
     return {"outputs": outputs, "cached": cached, "scheduler": took, **counters(llm)}
+
+
+#: The ``--hints`` workload's checkpoint: a system prompt of this many tokens (not a multiple
+#: of the unit the engine tests use, 32, nor of the block).
+HINTS_SYSTEM = 150
+
+
+def hints_workload(llm: Any, params: Any, with_hints: bool, recorder: Any) -> dict[str, Any]:
+    """The ``--hints on|off`` workload, the same requests with their KV hints (vLLM's envelope,
+    through ``LLMEngine.add_request(kv_hints=)``) and without.
+
+    Phase 0: three conversations of two turns after a shared 200-token system prompt, run
+    together; every turn retains its conversation (high, 600 s) and pins its first 64 tokens
+    (600 s) in its session, and the first conversation's 2nd turn releases its session. With
+    memory to spare these change what stays cached, not what is computed.
+
+    Phase 1, after a prefix-cache reset (a new recorder phase): three prompts one after the
+    other, sharing a ``HINTS_SYSTEM``-token system prompt and each with its own question, each
+    with a checkpoint at the system prompt's end.
+
+    Returns the outputs, every request's hit length (``"cached"``) and each phase's prefix-cache
+    counters; with the manager's hint counters (``"hint_stats"``) when it has them."""
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    engine = llm.llm_engine
+    counter = [0]
+
+    def envelope(*actions: tuple[str, dict[str, Any]]) -> Any:
+        return KvHintsEnvelope(
+            protocol_version="0.1",
+            message_id=f"m{counter[0]}",
+            actions=[
+                KvHintAction(action_id=str(i), action_type=t, action_version="1", payload=p)
+                for i, (t, p) in enumerate(actions)
+            ],
+        )
+
+    def run(batch: list[tuple[list[int], Any]]) -> tuple[list[list[int]], list[int]]:
+        ids = []
+        for prompt, env in batch:
+            counter[0] += 1
+            rid = f"h{counter[0]}"
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params, kv_hints=env if with_hints else None)
+            ids.append(rid)
+        done: dict[str, Any] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [list(done[r].outputs[0].token_ids) for r in ids], [done[r].num_cached_tokens for r in ids]
+
+    rng = random.Random(3)
+    system = [rng.randrange(5, 500) for _ in range(200)]
+    convs = [system + [rng.randrange(5, 500) for _ in range(rng.randrange(20, 50))] for _ in range(3)]
+    outputs: list[list[int]] = []
+    cached: list[int] = []
+    for turn in range(2):
+        batch = []
+        for i, conv in enumerate(convs):
+            actions = [
+                ("kv.retain", {"priority": "high", "ttl_s": 600, "session": f"chat-{i}"}),
+                ("kv.pin", {"ttl_s": 600, "tokens": 64}),
+            ]
+            if turn == 1 and i == 0:
+                actions.append(("kv.release", {}))
+            batch.append((conv, envelope(*actions)))
+        outs, hits = run(batch)
+        outputs += outs
+        cached += hits
+        convs = [
+            c + o + [rng.randrange(5, 500) for _ in range(rng.randrange(10, 30))]
+            for c, o in zip(convs, outs, strict=True)
+        ]
+    result: dict[str, Any] = {"outputs": outputs, "cached": cached, **counters(llm)}
+    assert llm.reset_prefix_cache()
+    if recorder is not None:
+        recorder.new_phase()
+    system = [rng.randrange(5, 500) for _ in range(HINTS_SYSTEM)]
+    check = envelope(("kv.checkpoint", {"positions": [HINTS_SYSTEM]}))
+    phase: dict[str, Any] = {"outputs": [], "cached": []}
+    for _ in range(3):
+        outs, hits = run([(system + [rng.randrange(5, 500) for _ in range(40)], check)])
+        phase["outputs"] += outs
+        phase["cached"] += hits
+    after = counters(llm)
+    phase.update({k: after[k] - result[k] for k in after})
+    result["checkpoint"] = phase
+    stats = getattr(engine.engine_core.engine_core.scheduler.kv_cache_manager, "hint_stats", None)
+    result["hint_stats"] = stats() if stats is not None else None
+    return result
 
 
 def chat(llm: Any, params: Any, system_len: int, cached: list[int] | None = None) -> list[list[int]]:

@@ -1,0 +1,434 @@
+//! KV hints' state and mechanics (issue 38; rule 9 of [`crate::policy`]): the *holds* an
+//! application's hints leave on the pool, each until its TTL on the manager's clock or its
+//! session's release.
+//!
+//! - A *lease* (a pin lease) holds hash keys: each key counts its running leases in
+//!   `Retention::pinned_keys` (two leases on one prefix hold it twice), and the block a
+//!   lookup finds under a leased key is freed at [`LEVEL_LEASED`]. A lease whose new keys
+//!   would take the pinned keys past the pinned share is refused (counted); it never
+//!   demotes another lease.
+//! - A *retain* holds blocks at a level it chose, each with the key it held: each key counts
+//!   its running retains (`Holds::retained`), and a held block is marked (`FLAG_HELD`) so
+//!   the policy's own demotions of a lost hit unit pass it by.
+//! - The clock ([`HitAware::advance_clock`], at most once per scheduler step) ends the holds
+//!   due, through a min-heap by expiry; a block still under the key a hold recorded, at the
+//!   level the hold set, and held by nothing else, goes back to [`LEVEL_NORMAL`].
+//! - A session's release ([`HitAware::release_session`]) ends its holds at once and moves
+//!   their blocks to the front of [`LEVEL_SPECULATIVE`] (evicted first), except a block
+//!   something else still holds (a lease, a pin, another retain), a branch point, or a
+//!   full-attention block more than one live hit unit needs (a prefix other sessions share).
+//!
+//! Invariants: a live hold is in the heap once under its generation (entries of ended holds
+//! are skipped, and never left at the top); a hold with a session is in that session's list
+//! at `sess_pos`; `retained[k]` counts the live retains naming key `k`; `stats`' gauges equal
+//! what the holds hold.
+//!
+//! Cost: a lease O(keys) (plus O(keys log keys) to sort them); a retain O(blocks); the clock
+//! O(1) when nothing is due, else O(log holds + keys) per hold ended; a release O(keys of the
+//! session's holds). Memory: a hold's keys (40 bytes each) and blocks until it ends.
+#![forbid(unsafe_code)]
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use rustc_hash::FxHashMap;
+
+use super::retention::{sort_keys, HitAware, FLAG_HELD};
+use super::{Level, LEVEL_LEASED, LEVEL_NORMAL, LEVEL_PINNED, LEVEL_SPECULATIVE};
+use crate::error::{Error, Result};
+use crate::ids::BlockId;
+use crate::prefix_index::HashKey;
+
+/// The longest TTL a hint may ask for: 7 days, in milliseconds.
+pub const MAX_TTL_MS: u64 = 7 * 24 * 3600 * 1000;
+
+/// The KV hints' counters (totals since the allocator was built) and gauges (now).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HintStats {
+    /// Requests whose hints were set.
+    pub requests: u64,
+    /// Pin leases taken.
+    pub leases_applied: u64,
+    /// Pin leases refused: their new keys would take the pinned keys past the pinned share.
+    pub leases_refused_over_cap: u64,
+    /// Pin leases ended at their TTL.
+    pub leases_expired: u64,
+    /// Pin leases ended by their session's release.
+    pub leases_released: u64,
+    /// Retains applied (when their request was freed).
+    pub retains_applied: u64,
+    /// Retains ended at their TTL.
+    pub retains_expired: u64,
+    /// Retains ended by their session's release.
+    pub retains_released: u64,
+    /// Session releases made.
+    pub sessions_released: u64,
+    /// Checkpoint positions taken.
+    pub checkpoints_applied: u64,
+    /// Checkpoint positions refused (0 once rounded down to the hit alignment).
+    pub checkpoints_refused: u64,
+    /// States cached at a checkpoint and marked a branch point.
+    pub checkpoint_states: u64,
+    /// Gauge: hash keys under a running lease.
+    pub leased_keys: u64,
+    /// Gauge: free cached blocks at the leased level (what the leases keep).
+    pub leased_free_blocks: u64,
+    /// Gauge: blocks the running retains hold (as recorded when they were applied).
+    pub retained_blocks: u64,
+    /// Gauge: Mamba state blocks among `retained_blocks`.
+    pub retained_states: u64,
+    /// Gauge: leases and retains running.
+    pub live_holds: u64,
+}
+
+impl HintStats {
+    /// Every counter and gauge with its field's name, in declaration order.
+    pub fn named(&self) -> [(&'static str, u64); 17] {
+        [
+            ("requests", self.requests),
+            ("leases_applied", self.leases_applied),
+            ("leases_refused_over_cap", self.leases_refused_over_cap),
+            ("leases_expired", self.leases_expired),
+            ("leases_released", self.leases_released),
+            ("retains_applied", self.retains_applied),
+            ("retains_expired", self.retains_expired),
+            ("retains_released", self.retains_released),
+            ("sessions_released", self.sessions_released),
+            ("checkpoints_applied", self.checkpoints_applied),
+            ("checkpoints_refused", self.checkpoints_refused),
+            ("checkpoint_states", self.checkpoint_states),
+            ("leased_keys", self.leased_keys),
+            ("leased_free_blocks", self.leased_free_blocks),
+            ("retained_blocks", self.retained_blocks),
+            ("retained_states", self.retained_states),
+            ("live_holds", self.live_holds),
+        ]
+    }
+}
+
+/// One lease or retain.
+#[derive(Clone, Debug, Default)]
+struct Hold {
+    /// Generation of the hold in this slot; 0 while the slot is free.
+    gen: u32,
+    /// A lease (else a retain).
+    lease: bool,
+    /// A retain's level ([`LEVEL_LEASED`] for a lease).
+    level: Level,
+    /// Its session (0: none).
+    session: u64,
+    /// Its index in its session's list.
+    sess_pos: u32,
+    /// The keys it holds (a retain: the key each of `blocks` held).
+    keys: Vec<HashKey>,
+    /// A retain's blocks (parallel to `keys`); empty for a lease.
+    blocks: Vec<BlockId>,
+    /// State blocks among `blocks`.
+    states: u32,
+}
+
+/// The holds of a pool (see the module docs), kept in the policy's state.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Holds {
+    /// The latest time [`HitAware::advance_clock`] was given, in milliseconds.
+    now_ms: u64,
+    /// Slab of holds; `free` lists the slots not in use.
+    slots: Vec<Hold>,
+    free: Vec<u32>,
+    /// The last generation handed out (generations start at 1).
+    last_gen: u32,
+    /// `(expiry, slot, generation)` of every live hold, and of ended ones below the top.
+    heap: BinaryHeap<Reverse<(u64, u32, u32)>>,
+    /// Session -> its live holds' slots.
+    sessions: FxHashMap<u64, Vec<u32>>,
+    /// Key -> live retains naming it.
+    retained: FxHashMap<HashKey, u32>,
+    /// The counters and gauges (`leased_free_blocks` is read from the retention state).
+    stats: HintStats,
+}
+
+impl Holds {
+    /// The counters and gauges; `leased_free` is the pool's count of free leased blocks.
+    pub(crate) fn stats(&self, leased_free: u32) -> HintStats {
+        HintStats { leased_free_blocks: leased_free as u64, live_holds: self.num_holds() as u64, ..self.stats }
+    }
+
+    /// The counters, to count what the coordinator decides (requests, checkpoints).
+    pub(crate) fn stats_mut(&mut self) -> &mut HintStats {
+        &mut self.stats
+    }
+
+    /// The clock's latest time, in milliseconds.
+    pub(crate) fn now_ms(&self) -> u64 {
+        self.now_ms
+    }
+
+    /// When the next hold ends (`None`: no hold runs).
+    pub(crate) fn next_expiry(&self) -> Option<u64> {
+        self.heap.peek().map(|Reverse((t, _, _))| *t)
+    }
+
+    /// Live holds.
+    pub(crate) fn num_holds(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    /// The expiry of a hold taken at `now_ms` (or the clock's time, if later) for `ttl_ms`.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] for a TTL of 0 or above [`MAX_TTL_MS`], or an expiry past
+    /// `u64::MAX`.
+    pub(crate) fn expiry(&self, now_ms: u64, ttl_ms: u64) -> Result<u64> {
+        if ttl_ms == 0 || ttl_ms > MAX_TTL_MS {
+            return Err(Error::OutOfRange(format!("a hint's TTL of {ttl_ms} ms is outside 1..={MAX_TTL_MS}")));
+        }
+        now_ms
+            .max(self.now_ms)
+            .checked_add(ttl_ms)
+            .ok_or_else(|| Error::OutOfRange(format!("now_ms={now_ms} + ttl_ms={ttl_ms} overflows")))
+    }
+
+    /// Stores a new hold; returns its slot.
+    fn insert(&mut self, mut hold: Hold, expiry_ms: u64) -> u32 {
+        self.last_gen = self.last_gen.checked_add(1).unwrap_or(1);
+        hold.gen = self.last_gen;
+        let s = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(Hold::default());
+                (self.slots.len() - 1) as u32
+            }
+        };
+        if hold.session != 0 {
+            let list = self.sessions.entry(hold.session).or_default();
+            hold.sess_pos = list.len() as u32;
+            list.push(s);
+        }
+        self.heap.push(Reverse((expiry_ms, s, hold.gen)));
+        self.slots[s as usize] = hold;
+        s
+    }
+
+    /// Takes slot `s`'s hold out of the slab and of its session's list (its heap entry
+    /// becomes stale).
+    fn remove(&mut self, s: u32) -> Hold {
+        let hold = std::mem::take(&mut self.slots[s as usize]);
+        self.free.push(s);
+        if hold.session != 0 {
+            if let Some(list) = self.sessions.get_mut(&hold.session) {
+                let pos = hold.sess_pos as usize;
+                list.swap_remove(pos);
+                if let Some(&moved) = list.get(pos) {
+                    self.slots[moved as usize].sess_pos = pos as u32;
+                }
+                if list.is_empty() {
+                    self.sessions.remove(&hold.session);
+                }
+            }
+        }
+        hold
+    }
+
+    /// Pops the heap's stale entries off its top.
+    fn drop_stale_top(&mut self) {
+        while let Some(&Reverse((_, s, g))) = self.heap.peek() {
+            if self.slots[s as usize].gen == g {
+                break;
+            }
+            self.heap.pop();
+        }
+    }
+}
+
+/// How an ending hold leaves its blocks.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// At its TTL: back to [`LEVEL_NORMAL`].
+    Expired,
+    /// At its session's release: to the front of [`LEVEL_SPECULATIVE`].
+    Released,
+}
+
+/// The hints' decisions on the pool, through the policy's handle.
+impl HitAware<'_> {
+    /// The KV hints' counters, to count what the coordinator decides.
+    pub(crate) fn hint_stats_mut(&mut self) -> &mut HintStats {
+        self.r.holds.stats_mut()
+    }
+
+    /// A pin lease on `keys` (a request's prefix: see `Allocator::set_hints`) for `session`
+    /// (0: none) until `expiry_ms`: each key counts one more lease, and the block a lookup
+    /// finds under it moves to [`LEVEL_LEASED`] now (or when freed). Returns false, changing
+    /// nothing but the counter, when the keys not pinned yet would take the pinned keys past
+    /// the pinned share. O(keys log keys).
+    pub(crate) fn lease(&mut self, mut keys: Vec<HashKey>, session: u64, expiry_ms: u64) -> bool {
+        sort_keys(&mut keys);
+        let new = keys.iter().filter(|k| !self.r.pinned_keys.contains_key(k)).count() as u64;
+        if self.r.pinned_keys.len() as u64 + new > self.r.pinned_cap() as u64 {
+            self.r.holds.stats.leases_refused_over_cap += 1;
+            return false;
+        }
+        for k in &keys {
+            let p = self.r.pinned_keys.entry(*k).or_default();
+            p.leases += 1;
+            if p.leases == 1 {
+                self.r.holds.stats.leased_keys += 1;
+                if let Some(b) = self.p.index.get_one(k) {
+                    self.set_level(b, LEVEL_LEASED);
+                }
+            }
+        }
+        let hold = Hold { lease: true, level: LEVEL_LEASED, session, keys, ..Hold::default() };
+        self.r.holds.insert(hold, expiry_ms);
+        self.r.holds.stats.leases_applied += 1;
+        true
+    }
+
+    /// A retain of `blocks` (each cached under the key given with it) at `level` for
+    /// `session` (0: none) until `expiry_ms`: each block gets `level` (a pinned one within
+    /// the pinned share: past it the oldest pinned blocks are demoted, as for any pinned
+    /// block; a leased key's block stays leased) and is marked held. O(blocks).
+    pub(crate) fn retain(&mut self, blocks: &[(BlockId, HashKey)], level: Level, session: u64, expiry_ms: u64) {
+        let mut hold = Hold { level, session, ..Hold::default() };
+        for &(b, key) in blocks {
+            if self.p.index.key_of(b) != Some(&key) {
+                continue;
+            }
+            self.set_level(b, level);
+            self.r.flags[b as usize] |= FLAG_HELD;
+            *self.r.holds.retained.entry(key).or_default() += 1;
+            hold.states += u32::from(self.r.state_groups().contains(&key.1));
+            hold.keys.push(key);
+            hold.blocks.push(b);
+        }
+        let st = &mut self.r.holds.stats;
+        st.retains_applied += 1;
+        st.retained_blocks += hold.blocks.len() as u64;
+        st.retained_states += hold.states as u64;
+        self.r.holds.insert(hold, expiry_ms);
+    }
+
+    /// The clock reads `now_ms` (a time earlier than the last one is taken as the last):
+    /// every hold due by then ends, and its blocks go back to [`LEVEL_NORMAL`] (see the
+    /// module docs). Returns the holds ended. O(1) when none is due, else O(log holds +
+    /// keys) per hold ended.
+    pub(crate) fn advance_clock(&mut self, now_ms: u64) -> u32 {
+        let holds = &mut self.r.holds;
+        holds.now_ms = holds.now_ms.max(now_ms);
+        let mut ended = 0;
+        loop {
+            let holds = &mut self.r.holds;
+            holds.drop_stale_top();
+            match holds.heap.peek() {
+                Some(&Reverse((t, s, _))) if t <= holds.now_ms => {
+                    holds.heap.pop();
+                    let hold = holds.remove(s);
+                    self.end_hold(hold, End::Expired);
+                    ended += 1;
+                }
+                _ => break,
+            }
+        }
+        ended
+    }
+
+    /// Ends every hold of `session` at once (its release): their blocks go to the front of
+    /// [`LEVEL_SPECULATIVE`] unless something else holds them (see the module docs).
+    /// Returns the holds ended. O(keys of the session's holds).
+    pub(crate) fn release_session(&mut self, session: u64) -> u32 {
+        self.r.holds.stats.sessions_released += 1;
+        let Some(list) = self.r.holds.sessions.remove(&session) else { return 0 };
+        let n = list.len() as u32;
+        for s in list {
+            // Out of its session already: `remove` finds no list to take it from.
+            let hold = self.r.holds.remove(s);
+            self.end_hold(hold, End::Released);
+        }
+        self.r.holds.drop_stale_top();
+        n
+    }
+
+    /// Ends one hold (already out of the slab), leaving its blocks as `end` says.
+    fn end_hold(&mut self, hold: Hold, end: End) {
+        let st = &mut self.r.holds.stats;
+        match (hold.lease, end) {
+            (true, End::Expired) => st.leases_expired += 1,
+            (true, End::Released) => st.leases_released += 1,
+            (false, End::Expired) => st.retains_expired += 1,
+            (false, End::Released) => st.retains_released += 1,
+        }
+        if hold.lease {
+            for key in &hold.keys {
+                let Some(p) = self.r.pinned_keys.get_mut(key) else { continue };
+                p.leases -= 1;
+                if p.leases > 0 {
+                    continue;
+                }
+                self.r.holds.stats.leased_keys -= 1;
+                if !p.permanent {
+                    self.r.pinned_keys.remove(key);
+                }
+                if let Some(b) = self.p.index.get_one(key) {
+                    if self.r.level(b) == LEVEL_LEASED {
+                        self.leave(b, key, end);
+                    }
+                }
+            }
+            return;
+        }
+        let st = &mut self.r.holds.stats;
+        st.retained_blocks -= hold.blocks.len() as u64;
+        st.retained_states -= hold.states as u64;
+        for (key, &b) in hold.keys.iter().zip(&hold.blocks) {
+            let retained = &mut self.r.holds.retained;
+            let Some(n) = retained.get_mut(key) else { continue };
+            *n -= 1;
+            if *n > 0 {
+                continue;
+            }
+            retained.remove(key);
+            if self.p.index.key_of(b) != Some(key) {
+                continue;
+            }
+            self.r.flags[b as usize] &= !FLAG_HELD;
+            if end == End::Released || self.r.level(b) == hold.level {
+                self.leave(b, key, end);
+            }
+        }
+    }
+
+    /// Block `b`, under `key`, held by an ending hold and by no other hold of its kind:
+    /// back to [`LEVEL_NORMAL`] at a TTL; to the front of [`LEVEL_SPECULATIVE`] at a
+    /// release, unless a branch point or a shared prefix (more than one live hit unit)
+    /// still needs it. A block still pinned (a permanent pin, another lease) or held by
+    /// another retain only leaves the leased level. O(1).
+    fn leave(&mut self, b: BlockId, key: &HashKey, end: End) {
+        let lvl = self.r.level(b);
+        if let Some(p) = self.r.pinned_keys.get(key) {
+            if p.leases == 0 && lvl == LEVEL_LEASED {
+                self.set_level(b, LEVEL_PINNED);
+            }
+            return;
+        }
+        if self.r.is_held(b) {
+            if lvl == LEVEL_LEASED {
+                self.set_level(b, LEVEL_NORMAL);
+            }
+            return;
+        }
+        match end {
+            End::Expired => {
+                if lvl != LEVEL_NORMAL {
+                    self.set_level(b, LEVEL_NORMAL);
+                }
+            }
+            End::Released if self.r.is_branch(b) || self.r.unit_support(b) > 1 => {
+                // A shared prefix's block: it leaves the hold's level only.
+                if lvl >= LEVEL_PINNED {
+                    self.set_level(b, LEVEL_NORMAL);
+                }
+            }
+            End::Released => self.demote_front(b, LEVEL_SPECULATIVE),
+        }
+    }
+}
