@@ -705,16 +705,27 @@ impl Allocator {
         if !self.managers.iter().any(|m| m.is_mamba_align()) {
             checkpoints.clear();
         }
+        let pin_keys = match (hints.pin, pin_expiry) {
+            (Some(pin), Some(expiry)) => {
+                let hashes = &self.reqs[s as usize].hashes;
+                let n = if pin.tokens == 0 { hashes.len() } else { ((pin.tokens / hbs) as usize).min(hashes.len()) };
+                Some((self.prefix_keys(&hashes[..n]), expiry))
+            }
+            _ => None,
+        };
+        // `retention()` answered above, so the policy's handle is there; were it not, nothing
+        // has changed but the hashes, which go back.
+        let Some(mut ha) = self.pool.hit_aware() else {
+            if let Some(u) = undo {
+                self.undo_hashes(s, u);
+            }
+            return Err(Error::Unsupported("KV hints need the hit-aware policy with prefix caching on".into()));
+        };
         // Checked; the changes.
-        if let (Some(pin), Some(expiry)) = (hints.pin, pin_expiry) {
-            let hashes = &self.reqs[s as usize].hashes;
-            let n = if pin.tokens == 0 { hashes.len() } else { ((pin.tokens / hbs) as usize).min(hashes.len()) };
-            let keys = self.prefix_keys(&hashes[..n]);
-            let mut ha = self.pool.hit_aware().expect("hit-aware: checked above");
+        if let Some((keys, expiry)) = pin_keys {
             out.pin =
                 if ha.lease(keys, hints.session, expiry) { PinOutcome::Applied } else { PinOutcome::RefusedOverCap };
         }
-        let mut ha = self.pool.hit_aware().expect("hit-aware: checked above");
         let st = ha.hint_stats_mut();
         st.requests += 1;
         st.checkpoints_applied += out.checkpoints_applied as u64;
