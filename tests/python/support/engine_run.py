@@ -97,14 +97,7 @@ def save_tiny_qwen3next(path: Path, seed: int | None = 0) -> str:
     if seed is not None:
         torch.manual_seed(seed)
     config = Qwen3NextConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        max_position_embeddings=2048,
+        **{**TINY_MODEL, "head_dim": 128},
         linear_num_key_heads=2,
         linear_num_value_heads=2,
         linear_key_head_dim=128,
