@@ -452,6 +452,15 @@ impl BlockPool {
         true
     }
 
+    /// Whether [`Self::get_cached_block`] of `key`'s hash in `key`'s group alone would find
+    /// `b`: `b` is the earliest block cached under `key` and no block holds a second key (a
+    /// second key may make an earlier block the one found). O(1), with no hashing; false
+    /// tells the caller to look the key up.
+    #[inline]
+    pub(crate) fn is_first_cached(&self, b: BlockId, key: &HashKey) -> bool {
+        self.second.is_empty() && self.index.is_first_under(b, key)
+    }
+
     /// [`SecondKeys::earliest`], out of the lookup's line (only partial hash hits reach it).
     #[cold]
     #[inline(never)]

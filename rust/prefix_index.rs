@@ -198,6 +198,15 @@ impl PrefixIndex {
         (r.prev != NULL_BLOCK).then_some(&r.key)
     }
 
+    /// Whether `b` is the block [`Self::get_one`] finds under `key`: cached under it and the
+    /// earliest there (its chain's head). O(1), with no hashing: a head's `prev` is its
+    /// chain's tail, whose `next` is 0; any other block is its `prev`'s `next`.
+    #[inline]
+    pub fn is_first_under(&self, b: BlockId, key: &HashKey) -> bool {
+        let Some(r) = self.recs.get(b as usize) else { return false };
+        r.prev != NULL_BLOCK && r.key == *key && self.recs.get(r.prev as usize).is_some_and(|p| p.next != b)
+    }
+
     /// Whether `b` is cached under a key.
     #[inline]
     pub fn is_keyed(&self, b: BlockId) -> bool {
@@ -475,6 +484,32 @@ mod tests {
         assert_eq!(ix.get_one(&key(1)), None);
         assert!(ix.is_empty());
         ix.check().unwrap();
+    }
+
+    #[test]
+    fn is_first_under_is_get_one() {
+        let mut ix = PrefixIndex::new(16);
+        let agrees = |ix: &PrefixIndex| {
+            for b in 0..16 {
+                for k in 1..4 {
+                    assert_eq!(ix.is_first_under(b, &key(k)), ix.get_one(&key(k)) == Some(b), "block {b} key {k}");
+                }
+            }
+        };
+        agrees(&ix);
+        ix.insert(key(1), 5);
+        agrees(&ix);
+        ix.insert(key(1), 7);
+        ix.insert(key(1), 9);
+        ix.insert(key(2), 3);
+        agrees(&ix);
+        assert!(ix.remove(&key(1), 5));
+        agrees(&ix);
+        assert!(ix.remove(&key(1), 9));
+        agrees(&ix);
+        assert!(ix.remove(&key(1), 7));
+        agrees(&ix);
+        assert!(!ix.is_first_under(99, &key(2)));
     }
 
     #[test]

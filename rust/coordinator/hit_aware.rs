@@ -356,6 +356,7 @@ impl Allocator {
             let view = HashView { hashes, scale: m.block_size() / self.cfg.hash_block_size };
             let n = view.len();
             let from = m.hit_tail_blocks().map_or(0, |t| n.saturating_sub(t));
+            keys.reserve((n - from) as usize);
             keys.extend((from..n).map(|i| (view.get(i), m.group_id())));
         }
         keys
@@ -888,13 +889,15 @@ impl Allocator {
     /// group (every block, or a window's tail), and the furthest state set at or before its
     /// end cached in every Mamba "align" group, with the full-attention block keyed there
     /// (inside a block, with partial hash hits). The pool's lookups only (second keys
-    /// count). O(prefix blocks x groups).
+    /// count). An attention group's block is read from `s`'s own table where it is the one
+    /// the lookup would find (the pool's `is_first_cached`, no hashing), else looked up.
+    /// O(prefix blocks x groups).
     fn retained_blocks(&self, s: Slot, tokens: u32) -> Vec<(BlockId, HashKey)> {
         let hbs = self.cfg.hash_block_size;
         let all = &self.reqs[s as usize].hashes;
         let n = if tokens == 0 { all.len() } else { ((tokens / hbs) as usize).min(all.len()) };
         let hashes = &all[..n];
-        let (mut out, mut found) = (Vec::new(), Vec::new());
+        let (mut out, mut found) = (Vec::with_capacity(2 * n + 4), Vec::new());
         let pool = &self.pool;
         let mut take = |hash: &BlockHash, g: GroupId, out: &mut Vec<(BlockId, HashKey)>| {
             if pool.get_cached_block(hash, &[g], &mut found) {
@@ -912,8 +915,13 @@ impl Allocator {
             let view = HashView { hashes, scale: m.block_size() / hbs };
             let k = view.len();
             let from = m.hit_tail_blocks().map_or(0, |t| k.saturating_sub(t));
+            let (g, table) = (m.group_id(), m.blocks(s));
             for i in from..k {
-                take(&view.get(i), m.group_id(), &mut out);
+                let key = (view.get(i), g);
+                match table.get(i as usize) {
+                    Some(&b) if pool.is_first_cached(b, &key) => out.push((b, key)),
+                    _ => take(&key.0, g, &mut out),
+                }
             }
         }
         let states: Vec<GroupId> = self.managers.iter().filter(|m| m.is_mamba_align()).map(|m| m.group_id()).collect();

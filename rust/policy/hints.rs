@@ -29,6 +29,7 @@
 #![forbid(unsafe_code)]
 
 use std::cmp::Reverse;
+use std::collections::hash_map::Entry;
 use std::collections::BinaryHeap;
 
 use rustc_hash::FxHashMap;
@@ -289,7 +290,14 @@ impl HitAware<'_> {
     /// the pinned share: past it the oldest pinned blocks are demoted, as for any pinned
     /// block; a leased key's block stays leased) and is marked held. O(blocks).
     pub(crate) fn retain(&mut self, blocks: &[(BlockId, HashKey)], level: Level, session: u64, expiry_ms: u64) {
-        let mut hold = Hold { level, session, ..Hold::default() };
+        let mut hold = Hold {
+            level,
+            session,
+            keys: Vec::with_capacity(blocks.len()),
+            blocks: Vec::with_capacity(blocks.len()),
+            ..Hold::default()
+        };
+        self.r.holds.retained.reserve(blocks.len());
         for &(b, key) in blocks {
             if self.p.index.key_of(b) != Some(&key) {
                 continue;
@@ -359,18 +367,26 @@ impl HitAware<'_> {
         }
         if hold.lease {
             for key in &hold.keys {
-                let Some(p) = self.r.pinned_keys.get_mut(key) else { continue };
-                p.leases -= 1;
-                if p.leases > 0 {
+                // One hash of the key: the count, its removal, and what `leave` would read.
+                let Entry::Occupied(mut p) = self.r.pinned_keys.entry(*key) else { continue };
+                p.get_mut().leases -= 1;
+                if p.get().leases > 0 {
                     continue;
                 }
                 self.r.holds.stats.leased_keys -= 1;
-                if !p.permanent {
-                    self.r.pinned_keys.remove(key);
+                let permanent = p.get().permanent;
+                if !permanent {
+                    p.remove();
                 }
                 if let Some(b) = self.p.index.get_one(key) {
                     if self.r.level(b) == LEVEL_LEASED {
-                        self.leave(b, key, end);
+                        // `leave`, knowing the key's pin: a permanent one with no lease left
+                        // (back to the pinned level), else none.
+                        if permanent {
+                            self.set_level(b, LEVEL_PINNED);
+                        } else {
+                            self.leave_unpinned(b, end);
+                        }
                     }
                 }
             }
@@ -380,13 +396,13 @@ impl HitAware<'_> {
         st.retained_blocks -= hold.blocks.len() as u64;
         st.retained_states -= hold.states as u64;
         for (key, &b) in hold.keys.iter().zip(&hold.blocks) {
-            let retained = &mut self.r.holds.retained;
-            let Some(n) = retained.get_mut(key) else { continue };
-            *n -= 1;
-            if *n > 0 {
+            // One hash of the key: the count and its removal through one entry.
+            let Entry::Occupied(mut n) = self.r.holds.retained.entry(*key) else { continue };
+            *n.get_mut() -= 1;
+            if *n.get() > 0 {
                 continue;
             }
-            retained.remove(key);
+            n.remove();
             if self.p.index.key_of(b) != Some(key) {
                 continue;
             }
@@ -403,13 +419,18 @@ impl HitAware<'_> {
     /// still needs it. A block still pinned (a permanent pin, another lease) or held by
     /// another retain only leaves the leased level. O(1).
     fn leave(&mut self, b: BlockId, key: &HashKey, end: End) {
-        let lvl = self.r.level(b);
         if let Some(p) = self.r.pinned_keys.get(key) {
-            if p.leases == 0 && lvl == LEVEL_LEASED {
+            if p.leases == 0 && self.r.level(b) == LEVEL_LEASED {
                 self.set_level(b, LEVEL_PINNED);
             }
             return;
         }
+        self.leave_unpinned(b, end);
+    }
+
+    /// [`Self::leave`] of a block whose key no pin or lease names. O(1).
+    fn leave_unpinned(&mut self, b: BlockId, end: End) {
+        let lvl = self.r.level(b);
         if self.r.is_held(b) {
             if lvl == LEVEL_LEASED {
                 self.set_level(b, LEVEL_NORMAL);
