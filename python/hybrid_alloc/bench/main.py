@@ -449,6 +449,9 @@ MANAGER_STYLE = {
     "vllm": ("tab:blue", "vLLM's KVCacheManager"),
     "hybrid_alloc": ("tab:orange", "hybrid_alloc"),
     "floor": ("tab:gray", "floor probe (decode call a constant)"),
+    "hit_aware": ("tab:red", "hybrid_alloc, hit-aware"),
+    "hybrid_alloc+hints": ("tab:brown", "hybrid_alloc + KV hints"),
+    "hit_aware+hints": ("tab:pink", "hybrid_alloc, hit-aware + KV hints"),
 }
 MARKERS = "osD^v<>Px*"
 
@@ -588,7 +591,8 @@ def plot(results: list[RunResult], rows: list[dict[str, Any]], path: str) -> boo
         Line2D([], [], color="black", marker=marker[m], linestyle="none", markerfacecolor="white", label=m)
         for m in models
     ]
-    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=9, frameon=False)
+    if handles:
+        fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=9, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=90)
     return True

@@ -226,10 +226,11 @@ def test_agent_table_reads_each_rows_figures(capsys: pytest.CaptureFixture[str])
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("via", ["envelope", "xargs"])
-def test_serve_rows_with_hints_carry_them_and_report_what_they_add(via: str) -> None:
+def test_serve_rows_with_hints_carry_them_and_report_what_they_add(via: str, tmp_path: Path) -> None:
     """The serve workload's ``+hints`` managers: every request carries the hints (the counters
     say so), and the row reports its KV time per request against the same manager without
-    them. A timing is not asserted."""
+    them; the bench's plot draws such rows (without a vLLM row beside them it raised). A
+    timing is not asserted."""
     from hybrid_alloc.bench import serve
     from hybrid_alloc.bench.offline import SHAPES
 
@@ -256,3 +257,7 @@ def test_serve_rows_with_hints_carry_them_and_report_what_they_add(via: str) -> 
     assert hinted["hints_kv_us_per_request_delta"] == pytest.approx(
         hinted["kv_us_per_running_request_mean"] - plain["kv_us_per_running_request_mean"]
     )
+    from hybrid_alloc.bench import main as bench_main
+
+    png = tmp_path / "bench.png"
+    assert bench_main.plot(runs, rows, str(png)) and png.stat().st_size > 10_000
