@@ -542,10 +542,11 @@ impl<'a> HitAware<'a> {
     pub(super) fn enforce_pinned_cap(&mut self) {
         let (r, queue, index) = (&mut *self.r, &mut *self.p.queue, self.p.index);
         while r.pinned_free > r.pinned_cap {
-            let b = queue
-                .first_in_level(LEVEL_PINNED)
-                .or_else(|| queue.first_in_level(LEVEL_LEASED))
-                .expect("pinned count above the pinned levels' length");
+            // The count never exceeds the two levels' length (the invariants check it); were
+            // it to, demoting stops here rather than panicking inside vLLM's step.
+            let Some(b) = queue.first_in_level(LEVEL_PINNED).or_else(|| queue.first_in_level(LEVEL_LEASED)) else {
+                break;
+            };
             if r.counts_pinned(b, index) {
                 r.count_out(b);
             }
