@@ -781,7 +781,7 @@ fn ops_generator_takes_refuses_expires_and_releases_leases_and_evicts_leased_blo
 }
 
 fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64)
+    common::proptest_cases(64)
 }
 
 proptest! {

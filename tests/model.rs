@@ -1290,7 +1290,7 @@ const BLOCK_SIZES: [u32; 3] = [8, 16, 32];
 /// builds (overflow checks and debug asserts on, about 20 times slower).
 fn cases() -> u32 {
     let default = if cfg!(debug_assertions) { 48 } else { 256 };
-    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+    common::proptest_cases(default)
 }
 
 fn ops() -> impl Strategy<Value = Vec<Op>> {

@@ -463,7 +463,7 @@ fn run_with(kinds: &[AttentionKind], num_blocks: u32, retention: Option<u32>, po
 }
 
 fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64)
+    common::proptest_cases(64)
 }
 
 proptest! {

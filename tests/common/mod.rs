@@ -46,3 +46,9 @@ pub fn chain_hashes(contents: &[u64], num_blocks: u32) -> Vec<BlockHash> {
 pub fn hash_bytes(hashes: &[BlockHash]) -> Vec<u8> {
     hashes.iter().flat_map(|h| h.as_bytes().to_vec()).collect()
 }
+
+/// How many cases a proptest runs: `PROPTEST_CASES` when set (CI and a long soak set it),
+/// else `default`.
+pub fn proptest_cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
