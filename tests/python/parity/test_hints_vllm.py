@@ -40,20 +40,11 @@ def _req(sched: Any, rid: str, prompt: list[int], max_tokens: int = 8, **xargs: 
 
 
 def _drive(sched: Any, reqs: list[Any], trace: list[Any] | None = None) -> None:
-    """Runs ``reqs`` to the end; ``trace`` gets each step's scheduled (request, tokens)."""
-    from hybrid_alloc.bench.offline import fabricate_output
+    """Runs ``reqs`` to the end, our manager's invariants checked after every step; ``trace``
+    gets each step's scheduled (request, tokens)."""
+    from sched_driver import drive_to_end
 
-    for r in reqs:
-        sched.add_request(r)
-    for _ in range(10_000):
-        if not sched.get_num_unfinished_requests():
-            return
-        so = sched.schedule()
-        if trace is not None:
-            trace.append(sorted(so.num_scheduled_tokens.items()))
-        sched.update_from_output(so, fabricate_output(sched, so))
-        sched.kv_cache_manager.check_invariants()
-    raise AssertionError("the scheduler did not finish")
+    drive_to_end(sched, reqs, trace, check_invariants=True)
 
 
 def _spy_hits(mgr: Any) -> dict[str, int]:

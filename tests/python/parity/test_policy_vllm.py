@@ -130,16 +130,9 @@ def test_hits_cli_writes_table_json_and_plot(tmp_path: Path) -> None:
 
 
 def _drive(sched: Any, reqs: list[Any]) -> None:
-    from hybrid_alloc.bench.offline import fabricate_output
+    from sched_driver import drive_to_end
 
-    for r in reqs:
-        sched.add_request(r)
-    for _ in range(10_000):
-        if not sched.get_num_unfinished_requests():
-            return
-        so = sched.schedule()
-        sched.update_from_output(so, fabricate_output(sched, so))
-    raise AssertionError("the scheduler did not finish")
+    drive_to_end(sched, reqs)
 
 
 def test_pin_prefixes_env_pins_on_first_lookup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -150,6 +150,25 @@ def fabricate_drafts(sched: Any, so: Any, k: int) -> DraftTokenIds:
     return DraftTokenIds(ids, drafts)
 
 
+def drive_to_end(sched: Any, reqs: list[Any], trace: list[Any] | None = None, check_invariants: bool = False) -> None:
+    """Adds ``reqs`` to ``sched`` and steps it (the worker faked by ``fabricate_output``) until
+    no request is unfinished; ``trace`` gets each step's scheduled ``(request, tokens)``,
+    sorted; ``check_invariants``: our manager's invariants after every step. Raises when
+    10,000 steps did not finish."""
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(10_000):
+        if not sched.get_num_unfinished_requests():
+            return
+        so = sched.schedule()
+        if trace is not None:
+            trace.append(sorted(so.num_scheduled_tokens.items()))
+        sched.update_from_output(so, fabricate_output(sched, so))
+        if check_invariants:
+            sched.kv_cache_manager.check_invariants()
+    raise AssertionError("the scheduler did not finish")
+
+
 def shared_prefixes(rng: random.Random) -> list[list[int]]:
     """The 4 prefixes ``run_workload`` shares among its requests: its first draws from
     ``random.Random(seed)``, so a test can pin them before the run."""
