@@ -540,6 +540,10 @@ impl SingleTypeManager {
     /// for a group without align state: only another kind's (`new_state` gives an align
     /// group its state at construction, and a manager's kind never changes).
     fn align_req(&mut self, h: Slot) -> Option<(&mut AlignState, AlignReq<'_>)> {
+        if !matches!(self.kind_state, KindState::MambaAlign(_)) {
+            return None; // another kind's group pays this test only
+        }
+        let sizes = self.align_sizes();
         let hs = h as usize;
         let Self {
             kind_state: KindState::MambaAlign(st),
@@ -549,22 +553,10 @@ impl SingleTypeManager {
             pending_cow,
             scratch,
             retention,
-            spec,
-            hash_block_size,
-            hash_lookahead_tokens,
-            cache_hit_alignment_tokens,
-            group_id,
             ..
         } = self
         else {
             return None;
-        };
-        let sizes = Sizes {
-            block_size: spec.block_size,
-            hash_block_size: *hash_block_size,
-            lookahead: *hash_lookahead_tokens,
-            alignment: *cache_hit_alignment_tokens,
-            group: *group_id,
         };
         let req = AlignReq {
             h,
