@@ -15,7 +15,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::block_ids::{tuple_of_groups, PyBlockIds};
 use super::convert::{handle_arg, hit_arg, u32_arg, u64_arg, PyHashes};
-use super::kwargs::{AllocateOptions, BlockCountOptions, NewOptions};
+use super::kwargs::{AllocateOptions, BlockCountOptions, HintOptions, NewOptions};
 use super::pool::PyAllocatorBase;
 use super::results::PyNoopLimits;
 use crate::api::{self, AllocateRequest};
@@ -238,22 +238,18 @@ impl PyAllocator {
     /// positions where the prefill stops and the state is kept. TTLs count on the
     /// allocator's clock (`advance_clock`). Returns `(pin, checkpoints_applied,
     /// checkpoints_refused)`, `pin` 0 not asked, 1 applied, 2 refused over the pinned share.
-    #[pyo3(signature = (handle, *, block_hashes=None, session=0, retain=0, retain_ttl_ms=0, retain_tokens=0,
-        pin_ttl_ms=0, pin_tokens=0, release_session=0, checkpoints=Vec::new()))]
-    #[allow(clippy::too_many_arguments)]
-    fn set_hints(
-        slf: &Bound<'_, Self>,
-        handle: i64,
-        block_hashes: Option<&Bound<'_, PyList>>,
-        session: i64,
-        retain: i64,
-        retain_ttl_ms: i64,
-        retain_tokens: i64,
-        pin_ttl_ms: i64,
-        pin_tokens: i64,
-        release_session: i64,
-        checkpoints: Vec<i64>,
-    ) -> PyResult<(u8, u32, u32)> {
+    #[pyo3(signature = (handle, **keywords))]
+    #[pyo3(text_signature = "($self, handle, *, block_hashes=None, session=0, retain=0, retain_ttl_ms=0, \
+        retain_tokens=0, pin_ttl_ms=0, pin_tokens=0, release_session=0, checkpoints=...)")]
+    fn set_hints(slf: &Bound<'_, Self>, handle: i64, keywords: Option<&Bound<'_, PyDict>>) -> PyResult<(u8, u32, u32)> {
+        let o = HintOptions::parse(None, keywords)?;
+        let block_hashes: Option<Bound<'_, PyList>> = o.block_hashes.opt()?;
+        let retain: i64 = o.retain.given_or(0)?;
+        let retain_ttl_ms: i64 = o.retain_ttl_ms.given_or(0)?;
+        let retain_tokens: i64 = o.retain_tokens.given_or(0)?;
+        let pin_ttl_ms: i64 = o.pin_ttl_ms.given_or(0)?;
+        let pin_tokens: i64 = o.pin_tokens.given_or(0)?;
+        let checkpoints: Vec<i64> = o.checkpoints.given_or(Vec::new())?;
         let h = handle_arg(handle)?;
         let priority = match retain {
             0 => None,
@@ -280,13 +276,13 @@ impl PyAllocator {
         };
         let checkpoints = checkpoints.iter().map(|&p| u32_arg("checkpoint", p)).collect::<PyResult<Vec<_>>>()?;
         let hints = RequestHints {
-            session: u64_arg("session", session)?,
+            session: u64_arg("session", o.session.given_or(0)?)?,
             retain,
             pin,
-            release_session: u64_arg("release_session", release_session)?,
+            release_session: u64_arg("release_session", o.release_session.given_or(0)?)?,
             checkpoints: &checkpoints,
         };
-        let src = block_hashes.map(PyHashes);
+        let src = block_hashes.as_ref().map(PyHashes);
         let out = core(slf)?.set_hints(h, src.as_ref().map(|s| s as &dyn HashSource), &hints)?;
         let pin = match out.pin {
             PinOutcome::NotAsked => 0,

@@ -1,5 +1,6 @@
-//! The optional arguments of the three calls that take more of them than a Rust function
-//! should (`Allocator.__new__`, `allocate_slots`, `get_num_blocks_to_allocate`), and the
+//! The optional arguments of the four calls that take more of them than a Rust function
+//! should (`Allocator.__new__`, `allocate_slots`, `get_num_blocks_to_allocate`, `set_hints`),
+//! and the
 //! configuration the first one builds from them: pyo3 maps each
 //! Python parameter to one Rust parameter, so these calls take their options as `*args` /
 //! `**kwargs` and read them here into a struct with one field per option, with Python's own
@@ -55,6 +56,17 @@ impl<'py> Opt<'py> {
                     e
                 }
             }),
+        }
+    }
+
+    /// As a `T`, or `default` when it was not given; given, it must be a `T` (`None`
+    /// included: a wrong type raises `TypeError` naming the argument), as for a plain
+    /// parameter with a default.
+    pub(super) fn given_or<T: for<'a> FromPyObject<'a, 'py, Error: Into<PyErr>>>(&self, default: T) -> PyResult<T> {
+        if self.value.is_some() {
+            self.required()
+        } else {
+            Ok(default)
         }
     }
 
@@ -150,6 +162,14 @@ options! {
     /// `get_num_blocks_to_allocate`'s keyword-only options.
     BlockCountOptions("get_num_blocks_to_allocate") {
         num_encoder_tokens, total_computed_tokens, apply_admission_cap, num_tokens_main_model, prefill_end,
+    }
+}
+
+options! {
+    /// `set_hints`' keyword-only options.
+    HintOptions("set_hints") {
+        block_hashes, session, retain, retain_ttl_ms, retain_tokens, pin_ttl_ms, pin_tokens, release_session,
+        checkpoints,
     }
 }
 
