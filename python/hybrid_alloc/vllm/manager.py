@@ -304,20 +304,24 @@ class HybridKVCacheManager:
 
     def _state(self, request: Request) -> RequestState:
         st = self._reqs.get(request.request_id)
-        if st is None:
-            st = RequestState(self._alloc.add_request())
-            self._reqs[request.request_id] = st
-            if self._boundary is not None:
-                self._boundary.req_ids[st.handle] = request.request_id
-            request._hybrid_alloc_handle = st.handle
-            self._fast.track(request, st.handle)  # found by address: no attribute read
+        return self._new_state(request) if st is None else st
+
+    def _new_state(self, request: Request) -> RequestState:
+        """The state of a request the manager has none of yet: a core handle, tagged on the
+        request and known to ``FastAllocate`` and the boundary offloads."""
+        st = RequestState(self._alloc.add_request())
+        self._reqs[request.request_id] = st
+        if self._boundary is not None:
+            self._boundary.req_ids[st.handle] = request.request_id
+        request._hybrid_alloc_handle = st.handle
+        self._fast.track(request, st.handle)  # found by address: no attribute read
         return st
 
     def _lookup_state(self, request: Request) -> RequestState:
         """``_state`` for a lookup: a request's first lookup also takes its KV hints."""
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = self._state(request)
+            st = self._new_state(request)
             self._apply_hints(request, st)
         return st
 
