@@ -80,8 +80,12 @@ __all__ = [
     "fold_negative_external",
 ]
 
+_BASE_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+
 # Registered connector names whose scheduler side the native manager serves exactly.
-NATIVE_CONNECTORS: frozenset[str] = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
+NATIVE_CONNECTORS: frozenset[str] = frozenset(
+    {"NixlConnector", "NixlPullConnector", "NixlPushConnector", "MooncakeConnector"}
+)
 # Those without hybrid manager support, served in the one unified group vLLM then makes.
 SINGLE_GROUP_CONNECTORS: frozenset[str] = frozenset({"ExampleConnector", "LMCacheConnectorV1"})
 
@@ -102,7 +106,7 @@ def _unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> st
     """The first connector in this (possibly nested) configuration the manager does not
     serve, or ``None``."""
     if module_path:
-        return f"{name} (from {module_path})"
+        return _module_path_unserved(name, module_path, extra, kvc)
     if name == "MultiConnector":
         children = _children(extra)
         if not children:
@@ -118,15 +122,109 @@ def _unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> st
         return None if _offloads_every_cached_group(kvc) else "OffloadingConnector (with groups it does not offload)"
     if name == "LMCacheConnectorV1" and (extra or {}).get("use_native", False):
         return "LMCacheConnectorV1 (use_native: vLLM's in-tree lmcache_integration copy)"
+    if name == "LMCacheMPConnector":
+        return _lmcache_mp_unserved(extra)
     if name in SINGLE_GROUP_CONNECTORS:
-        groups = kvc.kv_cache_groups
-        if len(groups) > 1:
-            return f"{name} (with {len(groups)} KV cache groups)"
-        if groups and not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-            # ``fold_negative_external`` is exact where no tokens are skipped.
-            return f"{name} (with a {type(groups[0].kv_cache_spec).__name__} group)"
-        return None
+        return _single_group_unserved(str(name), kvc)
     return None if name in NATIVE_CONNECTORS else str(name)
+
+
+def _single_group_unserved(label: str, kvc: KVCacheConfig) -> str | None:
+    """A connector without hybrid manager support: served in the one unified group vLLM makes
+    for it, when that group is full attention."""
+    groups = kvc.kv_cache_groups
+    if len(groups) > 1:
+        return f"{label} (with {len(groups)} KV cache groups)"
+    if groups and not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        # ``fold_negative_external`` is exact where no tokens are skipped.
+        return f"{label} (with a {type(groups[0].kv_cache_spec).__name__} group)"
+    return None
+
+
+def _lmcache_mp_unserved(extra: Any) -> str:
+    """``LMCacheMPConnector`` falls back. vLLM resolves the name to the ``lmcache`` package's
+    connector when that imports (else to its in-tree ``LMCacheMPConnectorUpstream``, which needs
+    vLLM's ``lmcache_integration`` copy). The package's scheduler side reads none of the
+    manager but with ``lmcache.mp.lazy_offload``, whose store queue walks the pool's free list
+    (``free_block_queue.fake_free_list_head``, ``next_free_block``) and pins blocks
+    (``block_pool.touch``); without it, it asks an LMCache multiprocess server, which no test
+    here runs, so it is not served either (the reason says which)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        cls = KVConnectorFactory.get_connector_class_by_name("LMCacheMPConnector")
+    except Exception:  # noqa: BLE001 - vLLM's factory will raise its own error
+        return "LMCacheMPConnector (does not import here)"
+    if not cls.__module__.startswith("lmcache."):
+        return f"LMCacheMPConnector ({cls.__name__}: vLLM's in-tree copy, without the lmcache package's)"
+    if (extra or {}).get("lmcache.mp.lazy_offload", False):
+        return "LMCacheMPConnector (lmcache.mp.lazy_offload: it walks the block pool's free list and pins blocks)"
+    return "LMCacheMPConnector (its LMCache multiprocess server is not tested with hybrid_alloc)"
+
+
+def _registered_name(cls: type) -> str | None:
+    """The name vLLM's connector registry resolves to exactly ``cls``, if any (a module path
+    naming one of vLLM's own connectors, or the ``lmcache`` package's ``LMCacheMPConnector``,
+    which vLLM's registered name resolves to when it imports)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registry = getattr(KVConnectorFactory, "_registry", {})
+    name = cls.__name__
+    if name in registry:
+        try:
+            if registry[name]() is cls:
+                return name
+        except Exception:  # noqa: BLE001 - a registered module that does not import here
+            return None
+    return None
+
+
+def _module_path_unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> str | None:
+    """A connector loaded from ``kv_connector_module_path`` (vLLM's factory imports the module
+    and takes the class named ``kv_connector``; the scheduler has done so before it builds the
+    manager). Served when:
+
+    - it is a class vLLM registers (then its name's rules apply), or one of its classes in the
+      MRO is, and that connector is served (its subclass's own code is then vetted as below);
+      a subclass of another of vLLM's connector classes is not served;
+    - it declares hybrid manager support (``SupportsHMA``), or it does not and vLLM's one
+      unified group is full attention (as for ``ExampleConnector``);
+    - its own code reads nothing of the manager that the manager does not serve
+      (:func:`.connector_reads.unserved_reads`)."""
+    import importlib
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    from hybrid_alloc.vllm.connector_reads import unserved_reads
+
+    label = f"{name} (from {module_path})"
+    try:
+        cls = getattr(importlib.import_module(str(module_path)), str(name))
+    except Exception as e:  # noqa: BLE001 - vLLM's factory will raise its own error
+        return f"{label}, which does not import here ({type(e).__name__}: {e})"
+    registered = _registered_name(cls)
+    if registered is not None:
+        bad = _unserved(registered, None, extra, kvc)
+        return None if bad is None else f"{label}: {bad}"
+    for k in cls.__mro__:
+        if not k.__module__.startswith("vllm.") or k.__module__ == _BASE_MODULE:
+            continue
+        registered = _registered_name(k)
+        if registered is None:
+            what = "" if k is cls else "a subclass of "
+            return f"{label}: {what}vLLM's {k.__name__}, which is no registered connector"
+        bad = _unserved(registered, None, extra, kvc)
+        if bad is not None:
+            return f"{label}: a subclass of {bad}"
+        break  # the rest of the MRO is that served connector's
+    if not (registered or supports_hma(cls)):
+        bad = _single_group_unserved(label, kvc)
+        if bad is not None:
+            return f"{bad[:-1]}; no hybrid manager support)"
+    reads = unserved_reads(cls)
+    if reads:
+        return f"{label}, which {reads[0]}: not served by hybrid_alloc"
+    return None
 
 
 def connector_reason(vllm_config: Any, kv_cache_config: KVCacheConfig) -> str | None:

@@ -205,8 +205,14 @@ def test_kv_connector_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     native, reason = _decide(
         _kwargs(_specs("full")), vllm_config=vc(kv_connector="LMCacheMPConnector", kv_role="kv_both")
     )
-    assert not native and reason == "KV connector LMCacheMPConnector is configured"
+    # Its reason says why (its multiprocess server untested, or vLLM's in-tree copy).
+    assert not native and reason.startswith("KV connector LMCacheMPConnector (") and reason.endswith(") is configured")
     assert '"KV connector <name> is configured"' in _cell("other KV connectors")
+    # MooncakeConnector: served as NixlConnector (its scheduler side reads KVCacheBlocks only).
+    mooncake = vc(kv_connector="MooncakeConnector", kv_role="kv_both")
+    assert _decide(_kwargs(_specs("swa_retained")), vllm_config=mooncake) == (True, "")
+    assert _cell("`MooncakeConnector` as KV producer").startswith("native")
+    assert _cell("a connector loaded from `kv_connector_module_path`").startswith("native when")
     # ExampleConnector: in the one unified group vLLM makes for it, when that is full attention.
     example = vc(kv_connector="ExampleConnector", kv_role="kv_both")
     assert _decide(_kwargs(_specs("full")), vllm_config=example) == (True, "")

@@ -41,6 +41,7 @@ from typing import Any
 
 import pytest
 
+import module_connectors
 from connector_cases import CASES, PREFIX_MATCH_UNIT, QWEN_CASES, WORKLOAD_SEED, setup_case, tiny_shapes
 
 pytestmark = pytest.mark.vllm
@@ -113,6 +114,17 @@ def test_connector_scheduler_identical(case: str) -> None:
             assert calls["alloc_unaligned_external"] > 0
         if policy == "fail":
             assert calls["evict_blocks"] > 0
+    elif conn == "module_hashstore":
+        # Sync external hits from the test connector's store (loads listed in its metadata),
+        # behind local hits too, with preemption; stores of finished requests' hashes.
+        metas = [st["meta"] for st in ref["steps"]]
+        assert sum(1 for m in metas if m["loads"]) > 5, metas
+        assert sum(n for m in metas for n in m["stores"].values()) > 20
+        assert calls["alloc_external"] > 5 and c["preempted"] > 0
+        if CASES[case][0] == "llama":
+            # Behind a local hit too (the Gemma-like model's sliding-window group leaves none
+            # with an external one at these sizes).
+            assert calls["alloc_local_and_external"] > 0
     elif conn == "multi_offload":
         # Both children load: NIXL for the remote prefills, offloading for local prefixes.
         assert c["jobs"] > 20 and c["load_jobs"] > 0 and c["recv"] > 10
@@ -329,12 +341,14 @@ def _fallback_line(
 
 @pytest.mark.parametrize(
     "conn",
-    ["SimpleCPUOffloadConnector", "MultiConnector", "module_path"],
+    ["SimpleCPUOffloadConnector", "MultiConnector", "module_path", "module_pins", "module_hands_off"],
 )
 def test_unserved_connector_falls_back_with_one_line(conn: str, caplog: pytest.LogCaptureFixture) -> None:
     """A connector whose scheduler side is not served (SimpleCPUOffload, which reaches into
-    vLLM's BlockPool; a MultiConnector over it; a connector loaded from a module path) builds
-    vLLM's own manager, with one line naming the connector."""
+    vLLM's BlockPool; a MultiConnector over it; vLLM's own SimpleCPUOffload from its module
+    path; a connector from a module path that pins blocks, ``block_pool.touch``, or hands the
+    pool to code outside its package) builds vLLM's own manager, with one line naming the
+    connector and, for a module path, what it reads."""
     from vllm.config import KVTransferConfig
 
     off = {
@@ -351,16 +365,39 @@ def test_unserved_connector_falls_back_with_one_line(conn: str, caplog: pytest.L
             kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}, off]},
         )
         expect = "KV connector MultiConnector over SimpleCPUOffloadConnector is configured"
+    elif conn == "module_path":
+        path = "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector"
+        ktc = KVTransferConfig(**off, kv_connector_module_path=path)
+        expect = f"KV connector SimpleCPUOffloadConnector (from {path}): SimpleCPUOffloadConnector is configured"
+    elif conn == "module_pins":
+        ktc = KVTransferConfig(
+            kv_connector="PinningConnector", kv_connector_module_path="module_connectors", kv_role="kv_both"
+        )
+        line = _source_line(module_connectors.PinningConnector.request_finished_all_groups, "touch")
+        expect = (
+            "KV connector PinningConnector (from module_connectors), which reads block_pool.touch "
+            f"(module_connectors:{line}): not served by hybrid_alloc is configured"
+        )
     else:
         ktc = KVTransferConfig(
-            kv_connector="NixlConnector",
-            kv_connector_module_path="vllm.distributed.kv_transfer.kv_connector.v1.nixl",
-            kv_role="kv_both",
+            kv_connector="HandOffConnector", kv_connector_module_path="module_connectors", kv_role="kv_both"
         )
-        expect = "KV connector NixlConnector (from vllm.distributed.kv_transfer.kv_connector.v1.nixl) is configured"
+        line = _source_line(module_connectors.HandOffConnector.bind_gpu_block_pool, "finalize(")
+        expect = (
+            "KV connector HandOffConnector (from module_connectors), which hands block_pool to finalize(), "
+            f"whose code is not found (module_connectors:{line}): not served by hybrid_alloc is configured"
+        )
     name, lines = _fallback_line(caplog, ktc)
     assert name == "KVCacheManager"
     assert len(lines) == 1 and lines[0].endswith(expect), lines
+
+
+def _source_line(fn: Any, needle: str) -> int:
+    """The line of ``fn``'s source (in its file) holding ``needle``."""
+    import inspect
+
+    src, start = inspect.getsourcelines(fn)
+    return start + next(i for i, text in enumerate(src) if needle in text)
 
 
 def test_nixl_is_served_natively_without_a_fallback_line(caplog: pytest.LogCaptureFixture) -> None:
@@ -368,6 +405,68 @@ def test_nixl_is_served_natively_without_a_fallback_line(caplog: pytest.LogCaptu
 
     name, lines = _fallback_line(caplog, nixl_config("kv_both"))
     assert name == "HybridKVCacheManager" and not lines
+
+
+@pytest.mark.parametrize(
+    "module_path,cls,shape",
+    [
+        ("module_connectors", "HashStoreConnector", "gemma"),
+        ("vllm.distributed.kv_transfer.kv_connector.v1.nixl", "NixlConnector", "gemma"),
+        ("lmcache.integration.vllm.lmcache_connector_v1", "LMCacheConnectorV1Dynamic", "gemma"),
+    ],
+)
+def test_module_path_connector_served(module_path: str, cls: str, shape: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Connectors from a module path that the vetting passes build the native manager, with no
+    fallback line: one written for the tests (``SupportsHMA``, it binds the pool and reads only
+    served attributes; on a Gemma-like model's two groups), vLLM's own NixlConnector from its
+    module (judged as the registered one), LMCache's own module path (no hybrid manager
+    support: vLLM's one unified group)."""
+    from vllm.config import KVTransferConfig
+
+    if module_path.startswith("lmcache") and importlib.util.find_spec("lmcache") is None:
+        pytest.skip("the lmcache package is not installed")
+    ktc = KVTransferConfig(kv_connector=cls, kv_connector_module_path=module_path, kv_role="kv_both")
+    name, lines = _fallback_line(caplog, ktc, shape)
+    assert name == "HybridKVCacheManager" and not lines, lines
+
+
+def test_module_path_vetting_reads() -> None:
+    """The vetting's findings on the test connectors and LMCache's: the test store reads only
+    what is served; the pinning one's ``touch`` and the hand-off are found where they are;
+    LMCache's ``LMCacheConnectorV1Dynamic`` reads nothing of the manager, and its
+    ``LMCacheMPConnector``'s lazy offload (behind ``lmcache.mp.lazy_offload``) walks the free
+    list and pins blocks. Every name the vetting counts as served is one a built manager has."""
+    from hybrid_alloc.vllm.connector_reads import SERVED, unserved_reads
+
+    assert unserved_reads(module_connectors.HashStoreConnector) == ()
+    (pins,) = unserved_reads(module_connectors.PinningConnector)
+    assert pins.startswith("reads block_pool.touch (module_connectors:")
+    (hands,) = unserved_reads(module_connectors.HandOffConnector)
+    assert hands.startswith("hands block_pool to finalize(), whose code is not found")
+    if importlib.util.find_spec("lmcache") is not None:
+        from lmcache.integration.vllm import lmcache_connector_v1, lmcache_mp_connector
+
+        assert unserved_reads(lmcache_connector_v1.LMCacheConnectorV1Dynamic) == ()
+        mp = " ".join(unserved_reads(lmcache_mp_connector.LMCacheMPConnector))
+        assert "free_block_queue.fake_free_list_head" in mp and "block_pool.touch" in mp, mp
+    # SERVED against a built manager's objects.
+    setup, _, _ = setup_case("qwen_offload")
+    sched = dataclasses.replace(setup, manager="hybrid_alloc").build()
+    mgr = sched.kv_cache_manager
+    objs = {
+        "manager": mgr,
+        "block_pool": mgr.block_pool,
+        "coordinator": mgr.coordinator,
+        "free_block_queue": mgr.block_pool.free_block_queue,
+        "block": mgr.block_pool.blocks[1],
+    }
+    objs["single_type_manager"] = next(
+        m for m in mgr.coordinator.single_type_managers if hasattr(m, "mamba_cache_mode")
+    )
+    for kind, obj in objs.items():
+        missing = sorted(n for n in SERVED[kind] if not hasattr(obj, n))
+        assert not missing, (kind, missing)
+    sched.shutdown()
 
 
 def test_mamba_divergent_hit_planted_bug_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -552,3 +651,17 @@ def test_boundary_state_offloads_dropped_with_freed_blocks() -> None:
     assert [r for r, _ in got[2]] == ["r0", "r3"], "the freed and the popped request's entries are dropped"
     assert all(sorted((g, n) for g, _, n in e) == [(0, 192), (1, 192), (2, 192)] for _, e in got[2]), got[2]
     assert out["vllm"][1] == out["hybrid_alloc"][1]
+
+
+def test_lmcache_mp_connector_falls_back_with_its_reason() -> None:
+    """``LMCacheMPConnector`` is not served: with ``lmcache.mp.lazy_offload`` it walks the pool's
+    free list, and without it its multiprocess server is untested here (or vLLM's in-tree copy is
+    what the name resolves to, without the lmcache package)."""
+    from hybrid_alloc.vllm.connector import _unserved
+
+    plain = _unserved("LMCacheMPConnector", None, {}, None)
+    lazy = _unserved("LMCacheMPConnector", None, {"lmcache.mp.lazy_offload": True}, None)
+    assert plain is not None and plain.startswith("LMCacheMPConnector ("), plain
+    if importlib.util.find_spec("lmcache") is not None and "in-tree" not in plain:
+        assert "multiprocess server" in plain, plain
+        assert lazy is not None and "lazy_offload" in lazy, lazy

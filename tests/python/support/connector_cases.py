@@ -101,6 +101,21 @@ CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
     "llama_lmcache_unfull": ("llama", "kv_both", 80, False, "fail", "lmcache_unfull"),
     # A MultiConnector over NixlConnector and LMCacheConnectorV1: one unified group too.
     "gemma_multi_lmcache": ("gemma", "kv_both", 80, False, "recompute", "multi_lmcache"),
+    # LMCache's own module path (``lmcache.integration.vllm.lmcache_connector_v1``,
+    # ``LMCacheConnectorV1Dynamic``: the same scheduler side, no hybrid manager support).
+    "llama_lmcache_module": ("llama", "kv_both", 80, False, "fail", "lmcache_module"),
+    "gemma_lmcache_module_async": ("gemma", "kv_both", 80, True, "recompute", "lmcache_module"),
+    # A connector written for the tests, loaded from its module path
+    # (``module_connectors.HashStoreConnector``, ``SupportsHMA``): sync external hits from
+    # its store of finished requests' block hashes, read through the bound block pool.
+    "llama_module": ("llama", "kv_both", 60, False, "recompute", "module_hashstore"),
+    "gemma_module": ("gemma", "kv_both", 64, False, "recompute", "module_hashstore"),
+    "gemma_module_async": ("gemma", "kv_both", 70, True, "recompute", "module_hashstore"),
+    # MooncakeConnector (P/D over Mooncake's transfer engine; its scheduler side needs none
+    # of it): remote prefills and decodes as NixlConnector's.
+    "llama_mooncake_consumer": ("llama", "kv_consumer", 120, False, "fail", "mooncake"),
+    "gemma_mooncake_consumer_async": ("gemma", "kv_consumer", 100, True, "recompute", "mooncake"),
+    "gemma_mooncake_producer": ("gemma", "kv_producer", 80, False, "recompute", "mooncake"),
 }
 # The workload's seed and share of remote requests, where a case needs others than the
 # default to show what it claims (the Gemma-like consumers: local hits joined with remote ones).
@@ -253,6 +268,9 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
         # A lookup that timed out would count as a miss in one run only.
         lmc["lmcache.lookup_timeout_ms"] = 120_000
         child = {"kv_connector": "LMCacheConnectorV1", "kv_role": role, "kv_connector_extra_config": lmc}
+        if conn == "lmcache_module":
+            child["kv_connector"] = "LMCacheConnectorV1Dynamic"
+            child["kv_connector_module_path"] = "lmcache.integration.vllm.lmcache_connector_v1"
         if conn == "multi_lmcache":
             ktc = KVTransferConfig(
                 kv_connector="MultiConnector",
@@ -264,6 +282,12 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             ktc = KVTransferConfig(**child, kv_load_failure_policy=policy)
     elif conn == "push":
         ktc = KVTransferConfig(kv_connector="NixlPushConnector", kv_role=role, kv_load_failure_policy=policy)
+    elif conn == "mooncake":
+        ktc = KVTransferConfig(kv_connector="MooncakeConnector", kv_role=role, kv_load_failure_policy=policy)
+    elif conn == "module_hashstore":
+        ktc = KVTransferConfig(
+            kv_connector="HashStoreConnector", kv_connector_module_path="module_connectors", kv_role=role
+        )
     else:
         ktc = nixl_config(role, policy)
     setup = SchedulerSetup(
@@ -285,6 +309,9 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             num_children=1,
             abort_running={"req2", "req13"},
             batch_queue=2 if overlap else 1,
+            # Shorter outputs on the Gemma-like model, so its 30 requests finish in the
+            # driver's steps with preemptions at these pool sizes.
+            max_tokens=(1, 40) if shape == "gemma" else (1, 60),
         )
         return setup, w, role
     if conn in ("example", "multi_example") or "lmcache" in conn:
@@ -301,6 +328,20 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             batch_queue=2 if overlap else 1,
         )
         return setup, w, "kv_consumer"
+    if conn == "module_hashstore":
+        # Local requests only, repeating earlier prompts: the store's hits come back as sync
+        # loads once the pool evicted the local copies.
+        w = PDWorkload(
+            num_requests=30,
+            remote_share=0.0,
+            repeat_share=0.5,
+            abort_running={"req2", "req13"},
+            batch_queue=2 if overlap else 1,
+            # Shorter outputs on the Gemma-like model, so its 30 requests finish in the
+            # driver's steps with preemptions at these pool sizes.
+            max_tokens=(1, 40) if shape == "gemma" else (1, 60),
+        )
+        return setup, w, role
     if conn == "multi_offload":
         w = PDWorkload(
             num_requests=30,
@@ -326,5 +367,7 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
         batch_queue=2 if overlap else 1,
     )
     w = dataclasses.replace(w, **over)
+    if conn == "mooncake":
+        w = dataclasses.replace(w, params="mooncake")
     w.abort_prefilling -= w.fail | w.abort_waiting | w.abort_running
     return setup, w, role

@@ -139,6 +139,10 @@ class PDWorkload:
     # outputs carry the accepted share of the scheduled drafts, and in sync scheduling the
     # proposer's drafts are handed to the scheduler after each step, as ``sched_driver`` does.
     spec_tokens: int = 0
+    # The remote requests' ``kv_transfer_params`` as this connector reads them: "nixl"
+    # (NixlConnector's) or "mooncake" (MooncakeConnector's: a bootstrap address and a
+    # transfer id instead of remote block ids).
+    params: str = "nixl"
 
 
 def _make_request(sched: Any, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
@@ -155,7 +159,17 @@ def _make_request(sched: Any, rid: str, prompt: list[int], max_tokens: int, para
     )
 
 
-def _remote_params(role: str, rid: str) -> dict[str, Any]:
+def _remote_params(role: str, rid: str, kind: str = "nixl") -> dict[str, Any]:
+    if kind == "mooncake":
+        if role == "kv_consumer":
+            return dict(
+                do_remote_prefill=True,
+                do_remote_decode=False,
+                remote_engine_id="remote-engine",
+                remote_bootstrap_addr="127.0.0.1:5998",
+                transfer_id=f"xfer-{rid}",
+            )
+        return dict(do_remote_decode=True, do_remote_prefill=False, transfer_id=f"xfer-{rid}")
     common = dict(
         remote_engine_id="remote-engine",
         remote_request_id=f"remote-{rid}",
@@ -363,7 +377,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         if w.repeat_share and pending and rng.random() < w.repeat_share:
             toks = list(pending[rng.randrange(len(pending))][2])
         is_remote = rng.random() < w.remote_share or rid in w.fail | w.abort_waiting | w.fail_running
-        params = _remote_params(role, rid) if is_remote else None
+        params = _remote_params(role, rid, w.params) if is_remote else None
         if is_remote:
             remote.add(rid)
         mt = 1 if (is_remote and role == "kv_producer") else rng.randrange(*w.max_tokens)
