@@ -51,6 +51,7 @@ pub fn check(a: &Allocator) -> Result<(), String> {
                 }
             }
         }
+        r.check_holds().map_err(|e| format!("KV hints' retains: {e}"))?;
         if pinned > r.pinned_cap() {
             return Err(format!("{pinned} free pinned blocks above the pinned share {}", r.pinned_cap()));
         }

@@ -7,12 +7,15 @@
 //!   lookup finds under a leased key is freed at [`LEVEL_LEASED`]. A lease whose new keys
 //!   would take the pinned keys past the pinned share is refused (counted); it never
 //!   demotes another lease.
-//! - A *retain* holds blocks at a level it chose, each with the key it held: each key counts
-//!   its running retains (`Holds::retained`), and a held block is marked (`FLAG_HELD`) so
-//!   the policy's own demotions of a lost hit unit pass it by.
+//! - A *retain* holds blocks at a level it chose, each in the key life it found it in
+//!   (`Retention::keygen`, which the block's loss of its key moves on): each block counts
+//!   the running retains holding it (`Retention::held`, reset when it loses its key), and a
+//!   held block is marked (`FLAG_HELD`) so the policy's own demotions of a lost hit unit pass
+//!   it by. Counting by block, not by key, costs no hash per block at a free or an expiry.
 //! - The clock ([`HitAware::advance_clock`], at most once per scheduler step) ends the holds
 //!   due, through a min-heap by expiry; a block still under the key a hold recorded, at the
-//!   level the hold set, and held by nothing else, goes back to [`LEVEL_NORMAL`].
+//!   level the hold set, and held by nothing else, goes back to [`LEVEL_NORMAL`]; a block
+//!   that lost its key since the hold took it is no longer the hold's.
 //! - A session's release ([`HitAware::release_session`]) ends its holds at once and moves
 //!   their blocks to the front of [`LEVEL_SPECULATIVE`] (evicted first), except a block
 //!   something else still holds (a lease, a pin, another retain), a branch point, or a
@@ -20,8 +23,9 @@
 //!
 //! Invariants: a live hold is in the heap once under its generation (entries of ended holds
 //! are skipped, and never left at the top); a hold with a session is in that session's list
-//! at `sess_pos`; `retained[k]` counts the live retains naming key `k`; `stats`' gauges equal
-//! what the holds hold.
+//! at `sess_pos`; `held[b]` counts the live retains whose recorded key life of `b` is its
+//! current one, and `FLAG_HELD` is set exactly where it is not 0; `stats`' gauges equal what
+//! the holds hold.
 //!
 //! Cost: a lease O(keys) (plus O(keys log keys) to sort them); a retain O(blocks); the clock
 //! O(1) when nothing is due, else O(log holds + keys) per hold ended; a release O(keys of the
@@ -120,10 +124,12 @@ struct Hold {
     session: u64,
     /// Its index in its session's list.
     sess_pos: u32,
-    /// The keys it holds (a retain: the key each of `blocks` held).
+    /// A lease's keys; empty for a retain.
     keys: Vec<HashKey>,
-    /// A retain's blocks (parallel to `keys`); empty for a lease.
+    /// A retain's blocks; empty for a lease.
     blocks: Vec<BlockId>,
+    /// The key life of each of `blocks` when the retain took it (`Retention::keygen`).
+    gens: Vec<u32>,
     /// State blocks among `blocks`.
     states: u32,
 }
@@ -142,8 +148,6 @@ pub(crate) struct Holds {
     heap: BinaryHeap<Reverse<(u64, u32, u32)>>,
     /// Session -> its live holds' slots.
     sessions: FxHashMap<u64, Vec<u32>>,
-    /// Key -> live retains naming it.
-    retained: FxHashMap<HashKey, u32>,
     /// The counters and gauges (`leased_free_blocks` is read from the retention state).
     stats: HintStats,
 }
@@ -251,6 +255,34 @@ enum End {
 }
 
 /// The hints' decisions on the pool, through the policy's handle.
+impl super::retention::Retention {
+    /// Invariant checks of the retains' per-block counts (see the module docs): `held[b]`
+    /// is the number of live retains whose recorded key life of `b` is its current one, and
+    /// `FLAG_HELD` is set exactly where it is not 0. O(blocks + held blocks).
+    pub(crate) fn check_holds(&self) -> std::result::Result<(), String> {
+        let mut want = vec![0u32; self.held.len()];
+        for hold in &self.holds.slots {
+            if hold.gen == 0 || hold.lease {
+                continue;
+            }
+            for (&b, &gen) in hold.blocks.iter().zip(&hold.gens) {
+                if self.keygen[b as usize] == gen {
+                    want[b as usize] += 1;
+                }
+            }
+        }
+        for (b, (&w, &h)) in want.iter().zip(&self.held).enumerate() {
+            if w != h {
+                return Err(format!("block {b}: held by {w} live retains, counted {h}"));
+            }
+            if (self.flags[b] & FLAG_HELD != 0) != (h > 0) {
+                return Err(format!("block {b}: held {h} times, flag {}", self.flags[b] & FLAG_HELD != 0));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl HitAware<'_> {
     /// The KV hints' counters, to count what the coordinator decides.
     pub(crate) fn hint_stats_mut(&mut self) -> &mut HintStats {
@@ -293,21 +325,21 @@ impl HitAware<'_> {
         let mut hold = Hold {
             level,
             session,
-            keys: Vec::with_capacity(blocks.len()),
             blocks: Vec::with_capacity(blocks.len()),
+            gens: Vec::with_capacity(blocks.len()),
             ..Hold::default()
         };
-        self.r.holds.retained.reserve(blocks.len());
         for &(b, key) in blocks {
             if self.p.index.key_of(b) != Some(&key) {
                 continue;
             }
             self.set_level(b, level);
-            self.r.flags[b as usize] |= FLAG_HELD;
-            *self.r.holds.retained.entry(key).or_default() += 1;
+            let i = b as usize;
+            self.r.flags[i] |= FLAG_HELD;
+            self.r.held[i] += 1;
             hold.states += u32::from(self.r.state_groups().contains(&key.1));
-            hold.keys.push(key);
             hold.blocks.push(b);
+            hold.gens.push(self.r.keygen[i]);
         }
         let st = &mut self.r.holds.stats;
         st.retains_applied += 1;
@@ -395,20 +427,20 @@ impl HitAware<'_> {
         let st = &mut self.r.holds.stats;
         st.retained_blocks -= hold.blocks.len() as u64;
         st.retained_states -= hold.states as u64;
-        for (key, &b) in hold.keys.iter().zip(&hold.blocks) {
-            // One hash of the key: the count and its removal through one entry.
-            let Entry::Occupied(mut n) = self.r.holds.retained.entry(*key) else { continue };
-            *n.get_mut() -= 1;
-            if *n.get() > 0 {
+        for (&b, &gen) in hold.blocks.iter().zip(&hold.gens) {
+            let i = b as usize;
+            if self.r.keygen[i] != gen {
+                continue; // it lost the key it was held under: its count was reset then
+            }
+            self.r.held[i] -= 1;
+            if self.r.held[i] > 0 {
                 continue;
             }
-            n.remove();
-            if self.p.index.key_of(b) != Some(key) {
-                continue;
-            }
-            self.r.flags[b as usize] &= !FLAG_HELD;
+            self.r.flags[i] &= !FLAG_HELD;
             if end == End::Released || self.r.level(b) == hold.level {
-                self.leave(b, key, end);
+                // Same key life: the key it was held under.
+                let Some(&key) = self.p.index.key_of(b) else { continue };
+                self.leave(b, &key, end);
             }
         }
     }

@@ -130,6 +130,12 @@ pub struct Retention {
     pinned_cap: u32,
     /// The KV hints' leases and retains, their clock and counters (`hints.rs`).
     pub(super) holds: Holds,
+    /// `held[b]`: the live retains holding block `b` in its current key life (`hints.rs`);
+    /// 0 when it loses its key.
+    pub(super) held: Vec<u32>,
+    /// `keygen[b]`: how many times block `b` lost its key (wrapping), so a retain that
+    /// recorded an older value knows the block it held is gone from under it.
+    pub(super) keygen: Vec<u32>,
 }
 
 impl Retention {
@@ -156,6 +162,8 @@ impl Retention {
             leased_free: 0,
             pinned_cap: Self::default_pinned_cap(num_blocks),
             holds: Holds::default(),
+            held: try_filled(n, 0u32).map_err(oom("block holds"))?,
+            keygen: try_filled(n, 0u32).map_err(oom("block holds"))?,
         })
     }
 
@@ -228,6 +236,8 @@ impl Retention {
         }
         if keyed {
             self.flags[b as usize] = 0;
+            self.held[b as usize] = 0;
+            self.keygen[b as usize] = self.keygen[b as usize].wrapping_add(1);
         }
     }
 
@@ -243,6 +253,11 @@ impl Retention {
     /// levels and pinned keys stay).
     pub(crate) fn reset(&mut self) {
         self.flags.fill(0);
+        // Every key is gone: no retain holds a block any more (each one's hold skips it).
+        self.held.fill(0);
+        for g in &mut self.keygen {
+            *g = g.wrapping_add(1);
+        }
         self.units.clear();
         self.pinned_free = 0;
         self.leased_free = 0;
