@@ -217,9 +217,6 @@ impl Config {
         if self.zero_new_blocks {
             return refuse("KV cache zeroing (zero_new_blocks)");
         }
-        if self.partial_hash_hits() {
-            return refuse("partial hash hits (prefix_match_unit below the Mamba block)");
-        }
         Ok(())
     }
 
@@ -243,9 +240,14 @@ impl Config {
     /// other prefix-cacheable group either looked up at hash granularity (full attention,
     /// Mamba) or one hash block large. Hits may then end inside a block (the hash block
     /// is the hit alignment), and the prompt's last hash boundary is cached inside its block.
+    /// Never with two-level pages ([`Self::slots_per_page`] > 1): there the hash block is the
+    /// small attention block by construction, below the Mamba block without any
+    /// `prefix_match_unit`; hits end at state blocks (`scheduler_block_size`), and a
+    /// `prefix_match_unit` (hits inside a state block) is not served (the plugin falls back).
     pub fn partial_hash_hits(&self) -> bool {
         let hbs = self.hash_block_size;
-        self.coordinator_kind() == CoordinatorKind::Hybrid
+        self.slots_per_page <= 1
+            && self.coordinator_kind() == CoordinatorKind::Hybrid
             && self.groups.iter().any(|g| g.kind.is_mamba_align() && g.block_size > hbs)
             && self
                 .groups
