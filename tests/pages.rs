@@ -84,7 +84,11 @@ fn new_slots_per_page_refuses_what_it_cannot_serve() {
         block_size: BS,
         spec_key: 2,
     };
-    let cfg = |groups: Vec<GroupSpec>| Config { slots_per_page: 4, scheduler_block_size: 32, ..common::config(64, groups, BS) };
+    let cfg = |groups: Vec<GroupSpec>| Config {
+        slots_per_page: 4,
+        scheduler_block_size: 32,
+        ..common::config(64, groups, BS)
+    };
     refused(Config { slots_per_page: 0, ..cfg(vec![full, state]) }, Policy::Exact, "slots_per_page must be at least 1");
     refused(cfg(vec![full]), Policy::Exact, "needs a state group");
     refused(cfg(vec![state]), Policy::Exact, "needs a slot group");
@@ -287,14 +291,28 @@ impl Req {
 #[derive(Clone, Debug)]
 enum Op {
     /// A new request: a shared prefix of family `f` (`shared` blocks) and its own blocks.
-    Add { f: u8, shared: u8, own: u8 },
+    Add {
+        f: u8,
+        shared: u8,
+        own: u8,
+    },
     /// One scheduler step for request `pick` (admission or the next chunk / decode token),
     /// with a chunk budget of `budget` state blocks.
-    Step { pick: u16, budget: u8 },
-    Finish { pick: u16, pop: bool },
-    Preempt { pick: u16 },
+    Step {
+        pick: u16,
+        budget: u8,
+    },
+    Finish {
+        pick: u16,
+        pop: bool,
+    },
+    Preempt {
+        pick: u16,
+    },
     FreePopped,
-    Evict { ids: Vec<u16> },
+    Evict {
+        ids: Vec<u16>,
+    },
     Reset,
 }
 
@@ -427,7 +445,8 @@ impl World {
                 self.check_hit(i, hit);
                 let k = self.k;
                 let hit_slots = self.a.stored_hit(h, 0).unwrap();
-                self.stats.reopened += hit_slots.iter().filter(|&&s| self.a.pool().page_used(s / k) == 0).count() as u32;
+                self.stats.reopened +=
+                    hit_slots.iter().filter(|&&s| self.a.pool().page_used(s / k) == 0).count() as u32;
             }
             let n = self.chunk(hit, prompt, budget);
             let got = self.a.allocate_slots(h, &args(n, 0, hit, prompt, prompt), NewComputed::Stored, None).unwrap();

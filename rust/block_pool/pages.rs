@@ -354,9 +354,12 @@ mod tests {
     }
 
     fn key(p: &mut BlockPool, blocks: &[BlockId], base: u64) {
-        p.cache_full_blocks(&TableRef { req: 0, group: 0, block_size: 16, blocks }, 0..blocks.len() as u32, None, |i| {
-            BlockHash::from_u64(base + i as u64)
-        });
+        p.cache_full_blocks(
+            &TableRef { req: 0, group: 0, block_size: 16, blocks },
+            0..blocks.len() as u32,
+            None,
+            |i| BlockHash::from_u64(base + i as u64),
+        );
     }
 
     #[test]
@@ -451,8 +454,8 @@ mod tests {
         p.get_new_blocks(3, &mut got); // page 1 full, page 2 one slot (5 free in A)
         key(&mut p, &got[..2], 400);
         p.free_blocks([3, 2]); // page 1 free, keyed
-        // Touching slots 2 and 3: page 1 leaves the page queue (1 page), no slot left over;
-        // 2 more slots: A's free slot 5, then one page.
+                               // Touching slots 2 and 3: page 1 leaves the page queue (1 page), no slot left over;
+                               // 2 more slots: A's free slot 5, then one page.
         assert_eq!(p.pages_needed(2, 0, &[2, 3]), 2);
         assert_eq!(p.pages_needed(1, 1, &[2]), 2, "touched page's other slot serves the new one");
         assert_eq!(p.pages_needed(0, 0, &[]), 0);

@@ -271,6 +271,19 @@ impl Allocator {
         &self.managers
     }
 
+    /// The pool and id of a flat block id as the id lists of `pop_blocks_for_free`,
+    /// `free_block_ids` and `evict_blocks` write it: with two-level pages a slot id is
+    /// itself and page `p` is `num_slots + p`; without, every id is the pool's. `None` when
+    /// out of range.
+    pub fn locate_block(&self, id: BlockId) -> Option<(&BlockPool, BlockId)> {
+        let n = self.pool.num_blocks();
+        match self.pool.page_pool() {
+            _ if id < n => Some((&self.pool, id)),
+            Some(s) if id - n < s.num_blocks() => Some((s, id - n)),
+            _ => None,
+        }
+    }
+
     /// Number of groups.
     pub fn num_groups(&self) -> usize {
         self.managers.len()
