@@ -143,7 +143,7 @@ options! {
     /// `Allocator(...)`'s options after its five required arguments.
     NewOptions("Allocator") {
         max_in_flight_tokens, enable_caching, enable_events, watermark_blocks, retention_interval, policy,
-        zero_new_blocks, hash_lookahead_tokens, residency_log, boundary_offloads,
+        zero_new_blocks, hash_lookahead_tokens, residency_log, boundary_offloads, slots_per_page,
     }
 }
 
@@ -210,6 +210,7 @@ impl NewOptions<'_> {
             hash_lookahead_tokens: u32_arg("hash_lookahead_tokens", self.hash_lookahead_tokens.get(0)?)?,
             residency_log: self.residency_log.get(false)?,
             boundary_offloads: self.boundary_offloads.get(false)?,
+            slots_per_page: u32_arg("slots_per_page", self.slots_per_page.get(1)?)?,
             ..base
         };
         Ok((cfg, policy))
