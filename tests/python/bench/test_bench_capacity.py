@@ -1,7 +1,8 @@
 """The capacity bench (``hybrid-alloc capacity``, issue 37) at a tiny size on vLLM's real
 Scheduler: ours schedules a trace exactly as vLLM's manager does; a trace that fits computes
-every prompt once; two-level pages hold a request in fewer pages than vLLM's layout and compute
-no more prefill; the command writes its table, JSON and plot. A few seconds a run."""
+every prompt once (under two-level pages too); where the pool binds, two-level pages hold a
+request in fewer pages than vLLM's layout and run more requests; the command writes its table,
+JSON and plot. A few seconds a run."""
 
 from __future__ import annotations
 
@@ -66,17 +67,29 @@ def test_a_trace_that_fits_computes_every_prompt_once() -> None:
 
 @pytest.mark.skipif(not _two_level_available(), reason="the core has no slots_per_page (two-level pages) yet")
 @pytest.mark.parametrize("shape", ["falconh1", "qwen36"])
-def test_two_level_holds_a_request_in_fewer_pages_and_computes_no_more_prefill(shape: str) -> None:
+def test_two_level_holds_a_request_in_fewer_pages_and_runs_more(shape: str) -> None:
+    """A pool that binds: fewer pages per running request, more running requests."""
     from hybrid_alloc.bench.capacity_run import Trace, run
     from hybrid_alloc.bench.shapes import SHAPES
 
     t = Trace("chat", clients=24, per_client=3, prompt=(100, 1500), output=(50, 400))
     ref, two = (run(SHAPES[shape], t, m, GiB) for m in ("vllm", "two-level"))
     assert two.slots_per_page > 1 and two.block_size == 64 and two.finished
+    assert two.extra["hash_block_size"] == 64 and two.pool_pages <= ref.pool_pages
     assert two.pages_per_request < ref.pages_per_request
-    assert two.mean_running >= ref.mean_running
-    assert two.prefill_tokens <= ref.prefill_tokens
-    assert two.extra["hash_block_size"] == 64
+    assert two.mean_running > ref.mean_running
+    assert 0 <= two.trapped_pages < two.pool_pages
+
+
+@pytest.mark.skipif(not _two_level_available(), reason="the core has no slots_per_page (two-level pages) yet")
+def test_two_level_computes_the_same_prefill_as_vllm_without_preemption() -> None:
+    from hybrid_alloc.bench.capacity_run import Trace, run, trace_requests
+    from hybrid_alloc.bench.shapes import SHAPES
+
+    t = Trace("chat", clients=8, per_client=2, prompt=(100, 1500), output=(50, 100), seed=3)
+    ref, two = (run(SHAPES["falconh1"], t, m, 4 * GiB) for m in ("vllm", "two-level"))
+    assert ref.preemptions == two.preemptions == 0
+    assert two.prefill_tokens == ref.prefill_tokens == sum(len(p) for c in trace_requests(t) for p, _ in c)
 
 
 def test_capacity_command_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
