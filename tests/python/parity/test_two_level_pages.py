@@ -245,3 +245,32 @@ def test_native_plan_refuses_a_kv_connector_under_two_level(
     vc = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="NixlConnector", kv_role="kv_both"))
     with pytest.raises(Unsupported, match="two-level with a KV connector \\(NixlConnector"):
         native_plan(_args(t), vc)
+
+
+def test_the_core_builds_the_two_level_plan_or_names_why(
+    planned: dict[str, tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``native_plan`` asks for under the option, built by the core: served on 0.32 and
+    0.33; on 0.34, whose ``KVCacheConfig`` marks every Mamba hybrid for zeroing new attention
+    blocks, the core refuses (the plugin falls back with that reason)."""
+    import inspect
+
+    from hybrid_alloc import Allocator
+    from hybrid_alloc.errors import UnsupportedConfigError
+    from hybrid_alloc.vllm import pages
+    from hybrid_alloc.vllm.plan import native_plan
+
+    if "slots_per_page" not in inspect.signature(Allocator).parameters:
+        pytest.skip("the core has no slots_per_page (two-level pages) yet")
+    monkeypatch.delenv("HYBRID_ALLOC_POLICY", raising=False)
+    monkeypatch.delenv(pages.SMALL_BLOCK_ENV, raising=False)
+    monkeypatch.setenv(pages.PAGES_ENV, "two-level")
+    t = pages.two_level_kv_cache_config(planned["qwen36"][1], 64)
+    native = native_plan(_args(t), None)
+    if getattr(t, "needs_kv_cache_zeroing", False):
+        with pytest.raises(UnsupportedConfigError, match="zeroing"):
+            Allocator(**native)
+        return
+    alloc = Allocator(**native)
+    assert alloc.slots_per_page == 17 and alloc.num_blocks == t.num_blocks == 1927
+    assert alloc.num_free_blocks == 1926 and alloc.usage == 0.0
