@@ -27,8 +27,9 @@ Imports go down the table: ``main`` imports ``serve``, ``memory``, ``runner``, `
 ``common``; ``serve`` imports ``runner`` and ``common``; ``runner`` imports ``clock`` and
 ``floor``; ``hits`` imports ``hits_report``, ``hits_run``, ``hits_workloads`` and ``common``,
 ``hits_report`` imports ``hits_run``, ``hits_workloads`` and ``common``, ``hits_run`` imports
-``hits_measure`` and ``hits_workloads``, ``hits_measure`` imports ``hits_workloads``; ``capacity``
-imports ``capacity_run`` and ``common``; ``memory`` imports ``common``; ``offline`` imports ``shapes``; both are imported inside the functions that
-build a scheduler or look a shape up (``shapes`` loads torch, ``offline`` vLLM).
+``hits_measure``, ``hits_workloads`` and ``common``, ``hits_measure`` imports ``hits_workloads``;
+``capacity`` imports ``capacity_run`` and ``common``, ``capacity_run`` imports ``common``;
+``memory`` imports ``common``; ``offline`` imports ``shapes``; both are imported inside the
+functions that build a scheduler or look a shape up (``shapes`` loads torch, ``offline`` vLLM).
 ``tests/python/core/test_imports.py`` checks there is no circle.
 """

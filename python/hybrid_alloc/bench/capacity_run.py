@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+from hybrid_alloc.bench.common import env_set
 
 MANAGERS = ("vllm", "ours", "two-level")
 
@@ -103,24 +102,6 @@ class Result:
         return d
 
 
-@contextmanager
-def _env(values: dict[str, str | None]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    for k, v in values.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class _Capture(logging.Handler):
     """Keeps the adapter's warning lines (its fallback reason) while a scheduler is built."""
 
@@ -169,7 +150,7 @@ def build(shape: Any, manager: str, budget_bytes: int, max_num_seqs: int, small:
     log.addHandler(cap)
     log.setLevel(logging.WARNING)
     try:
-        with _env(env):
+        with env_set(env):
             sched = setup.build()
     finally:
         log.removeHandler(cap)
