@@ -210,22 +210,26 @@ def plot(results: list[Result], path: str) -> str | None:
     for i, tn in enumerate(traces):
         for j, sn in enumerate(shapes):
             ax = axes[i][j]
-            for r in results:
-                if r.shape != sn or r.trace != tn:
-                    continue
-                style = "--" if r.manager == "ours" else "-"
+            panel = [r for r in results if r.shape == sn and r.trace == tn]
+            base = next((r for r in panel if r.manager == "vllm"), None)
+            for r in panel:
+                gain = ""
+                if base is not None and r is not base and base.mean_running:
+                    gain = f" ({r.mean_running / base.mean_running - 1:+.0%})"
+                vllm = r.manager == "vllm"  # wide and pale: ours (exact) runs on top of it
                 ax.plot(
                     r.running,
-                    style,
+                    "--" if r.manager == "ours" else "-",
                     color=colors.get(r.manager, "black"),
-                    linewidth=1.2,
-                    label=f"{LABELS.get(r.manager, r.manager)}: {r.mean_running:.0f} running, "
+                    linewidth=3.5 if vllm else 1.2,
+                    alpha=0.45 if vllm else 1.0,
+                    label=f"{LABELS.get(r.manager, r.manager)}: {r.mean_running:.0f} running{gain}, "
                     f"{r.pages_per_request:.2f} pages/req",
                 )
                 # What the pool holds at this manager's pages per request (above the line where
                 # the clients, not the pool, bind).
                 ax.axhline(r.capacity, linestyle=":", color=colors.get(r.manager, "black"), linewidth=1)
-                if r.manager == "vllm":
+                if vllm:
                     ax.axvspan(*r.window, color="#eeeeee", zorder=0)
             ax.set_title(f"{sn}, {tn}", fontsize=10)
             ax.set_xlabel("scheduler step")
