@@ -111,7 +111,9 @@ def two_level_kv_cache_config(kv_cache_config: Any, small: int) -> Any:
     - the same tensors (size, layers, ``layer_stride``, offset): a state tensor's
       ``block_stride`` is the new state page, an attention tensor's the small page;
     - ``num_blocks``: the pages that fit every tensor's layer region at the new state page
-      (vLLM's count where the state page did not grow).
+      (vLLM's count where the state page did not grow);
+    - ``hash_block_size`` and ``cache_hit_alignment_tokens`` unset (None): resolved from the
+      new groups, as the engine does after planning.
 
     # Errors
     ``ValueError`` naming what the layout cannot take: no state group, no attention group,
@@ -174,8 +176,11 @@ def two_level_kv_cache_config(kv_cache_config: Any, small: int) -> Any:
     budget = kv_cache_config.num_blocks * old_pages[state[0]] // page
     num_blocks = budget if num_blocks is None else min(num_blocks, budget)
     new_groups = [dataclasses.replace(g, kv_cache_spec=specs[i]) for i, g in enumerate(groups)]
+    # What the engine resolves from the groups after planning (``resolve_kv_cache_block_sizes``):
+    # a value resolved for vLLM's blocks would be stale, so it is resolved again.
+    stale = {f: None for f in ("hash_block_size", "cache_hit_alignment_tokens") if hasattr(kv_cache_config, f)}
     return dataclasses.replace(
-        kv_cache_config, num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=new_groups
+        kv_cache_config, num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=new_groups, **stale
     )
 
 

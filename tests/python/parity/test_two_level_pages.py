@@ -63,6 +63,12 @@ def test_two_level_config_keeps_the_tensors_and_puts_k_small_blocks_in_a_page(
     assert {s.block_size for s in states} == {state_block} and state_block % 64 == 0
     assert slots_per_page(t) == k and slots_per_page(kvc) is None
     assert t.num_blocks == pages
+    # Block sizes the engine resolved for vLLM's plan are unset, to be resolved again.
+    bs = kvc.kv_cache_groups[0].kv_cache_spec.block_size
+    resolved = two_level_kv_cache_config(
+        dataclasses.replace(kvc, hash_block_size=bs, cache_hit_alignment_tokens=bs), 64
+    )
+    assert (resolved.hash_block_size, resolved.cache_hit_alignment_tokens) == (None, None)
     # Equal memory: the pages fit vLLM's bytes, and fewer only where the state page grew.
     old_page = _groups(kvc)[0][0].page_size_bytes
     assert t.num_blocks * page <= kvc.num_blocks * old_page
