@@ -253,15 +253,17 @@ def test_native_plan_refuses_a_kv_connector_under_two_level(
         native_plan(_args(t), vc)
 
 
-def test_the_core_builds_the_two_level_plan_or_names_why(
+def test_the_core_refuses_zeroing_under_two_level_and_builds_the_plan_without_it(
     planned: dict[str, tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What ``native_plan`` asks for under the option, built by the core: served on 0.32 and
-    0.33; on 0.34, whose ``KVCacheConfig`` marks every Mamba hybrid for zeroing new attention
-    blocks, the core refuses (the plugin falls back with that reason)."""
+    """Every supported release marks a Mamba hybrid's configuration for zeroing new blocks
+    (``needs_kv_cache_zeroing``: ``has_mamba_layers``), which the core refuses with two-level
+    pages (the plugin falls back with that reason); without it the core builds
+    ``native_plan``'s arguments."""
     import inspect
 
     from hybrid_alloc import Allocator
+    from hybrid_alloc.bench.capacity_run import without_zeroing
     from hybrid_alloc.errors import UnsupportedConfigError
     from hybrid_alloc.vllm import pages
     from hybrid_alloc.vllm.plan import native_plan
@@ -272,11 +274,11 @@ def test_the_core_builds_the_two_level_plan_or_names_why(
     monkeypatch.delenv(pages.SMALL_BLOCK_ENV, raising=False)
     monkeypatch.setenv(pages.PAGES_ENV, "two-level")
     t = pages.two_level_kv_cache_config(planned["qwen36"][1], 64)
-    native = native_plan(_args(t), None)
-    if getattr(t, "needs_kv_cache_zeroing", False):
-        with pytest.raises(UnsupportedConfigError, match="zeroing"):
-            Allocator(**native)
-        return
+    assert t.needs_kv_cache_zeroing
+    with pytest.raises(UnsupportedConfigError, match="zeroing"):
+        Allocator(**native_plan(_args(t), None))
+    native = native_plan(_args(without_zeroing(t)), None)
+    assert "zero_new_blocks" not in native
     alloc = Allocator(**native)
     assert alloc.slots_per_page == 17 and alloc.num_blocks == t.num_blocks == 1927
     assert alloc.num_free_blocks == 1926 and alloc.usage == 0.0
