@@ -90,10 +90,14 @@ impl BlockPool {
     /// this one.
     #[inline]
     pub(crate) fn side(&mut self, page_side: bool) -> &mut BlockPool {
-        if page_side && self.pages.is_some() {
-            &mut self.pages.as_mut().expect("checked").s
-        } else {
-            self
+        if !page_side || self.pages.is_none() {
+            return self;
+        }
+        // (A borrow of `self.pages` returned from one arm and `self` from the other is
+        // refused by the borrow checker, so the check comes first.)
+        match self.pages.as_deref_mut() {
+            Some(p) => &mut p.s,
+            None => unreachable!("checked above"),
         }
     }
 

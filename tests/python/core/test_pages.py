@@ -58,13 +58,29 @@ def test_slots_per_page_ids_free_pages_and_usage() -> None:
         ([FullAttention(block_size=16)], {}, InvalidConfigError),
         ([MambaAlign(block_size=32)], {}, InvalidConfigError),
         (
-            [FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1), SlidingWindow(block_size=16, spec_key=2, window=64)],
+            [
+                FullAttention(block_size=16),
+                MambaAlign(block_size=32, spec_key=1),
+                SlidingWindow(block_size=16, spec_key=2, window=64),
+            ],
             {},
             UnsupportedConfigError,
         ),
-        ([FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1)], {"policy": "hit-aware"}, UnsupportedConfigError),
-        ([FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1)], {"zero_new_blocks": True}, UnsupportedConfigError),
-        ([FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1)], {"slots_per_page": 0}, InvalidConfigError),
+        (
+            [FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1)],
+            {"policy": "hit-aware"},
+            UnsupportedConfigError,
+        ),
+        (
+            [FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1)],
+            {"zero_new_blocks": True},
+            UnsupportedConfigError,
+        ),
+        (
+            [FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1)],
+            {"slots_per_page": 0},
+            InvalidConfigError,
+        ),
     ],
 )
 def test_slots_per_page_refusals(groups: list[object], kw: dict[str, object], error: type[Exception]) -> None:
