@@ -203,8 +203,9 @@ impl BlockPool {
     /// (empty) queue.
     fn open_page(&mut self, p: &mut Pages) {
         let page = p.s.queue.pop_front().expect("a free page (the count checked it)");
-        if !p.slot_page[page as usize] && p.s.enable_caching {
-            // A state page's key goes; a free slot page's slots keep theirs.
+        if p.s.index.is_keyed(page) {
+            // A free state page's key goes (reported evicted to the residency log); a free
+            // slot page holds no key in S, and its slots keep theirs.
             p.s.maybe_evict_cached_block(page);
         }
         debug_assert_eq!(p.s.ref_cnt[page as usize], 0);

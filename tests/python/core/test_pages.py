@@ -4,6 +4,8 @@ after the slots in the flat id lists, and the refusals (a config error, never a 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from api_helpers import allocate, hashes
@@ -95,3 +97,7 @@ def test_slots_per_page_one_is_todays_layout() -> None:
     assert (a.slots_per_page, a.num_blocks, a.num_free_blocks) == (1, PAGES, PAGES - 1)
     with pytest.raises(OutOfRangeError):
         Allocator(PAGES, groups, 16, 16, 4096, slots_per_page=-1)
+    with pytest.raises(TypeError, match="argument 'slots_per_page'"):
+        Allocator(PAGES, groups, 16, 16, 4096, slots_per_page=None)  # type: ignore[arg-type]
+    sig = inspect.signature(Allocator)
+    assert sig.parameters["slots_per_page"].kind is inspect.Parameter.KEYWORD_ONLY
