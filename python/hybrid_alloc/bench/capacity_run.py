@@ -175,6 +175,11 @@ def build(shape: Any, manager: str, budget_bytes: int, max_num_seqs: int, small:
     mgr = sched.kv_cache_manager
     if manager != "vllm" and getattr(mgr, "_alloc", None) is None:
         raise RuntimeError(f"{manager}: the plugin fell back to vLLM's manager: {'; '.join(cap.lines) or '?'}")
+    kvc = mgr.kv_cache_config
+    if (align := pages.cache_hit_alignment_tokens(kvc, sched.block_size)) is not None:
+        # What the workers would read (vLLM's resolver gave the hash block): the manager's.
+        assert not mgr.coordinator.enable_partial_hash_hits, "two-level pages with partial hash hits"
+        kvc.cache_hit_alignment_tokens = align
     return sched
 
 
@@ -275,5 +280,9 @@ def run(
         finished=not live,
         seconds=time.perf_counter() - t0,
         running=running_series,
-        extra={"hash_block_size": sched.hash_block_size, "scheduler_block_size": sched.block_size},
+        extra={
+            "hash_block_size": sched.hash_block_size,
+            "scheduler_block_size": sched.block_size,
+            "cache_hit_alignment_tokens": kvc.cache_hit_alignment_tokens,
+        },
     )

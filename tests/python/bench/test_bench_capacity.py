@@ -76,6 +76,7 @@ def test_two_level_holds_a_request_in_fewer_pages_and_runs_more(shape: str) -> N
     ref, two = (run(SHAPES[shape], t, m, GiB) for m in ("vllm", "two-level"))
     assert two.slots_per_page > 1 and two.block_size == 64 and two.finished
     assert two.extra["hash_block_size"] == 64 and two.pool_pages <= ref.pool_pages
+    assert two.extra["cache_hit_alignment_tokens"] == two.extra["scheduler_block_size"] > 64
     assert two.pages_per_request < ref.pages_per_request
     assert two.mean_running > ref.mean_running
     assert 0 <= two.trapped_pages < two.pool_pages

@@ -111,9 +111,9 @@ def test_scheduler_resolves_the_state_block_and_hashes_at_the_small_block(
 ) -> None:
     """The align split reads ``cache_config.block_size`` as the Mamba block; the scheduler
     block is the groups' LCM (the state block), the hash block their GCD (the small block)."""
-    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
 
-    from hybrid_alloc.vllm.pages import scheduler_cache_config, two_level_kv_cache_config
+    from hybrid_alloc.vllm.pages import cache_hit_alignment_tokens, scheduler_cache_config, two_level_kv_cache_config
 
     vc, kvc = planned[name]
     t = two_level_kv_cache_config(kvc, 64)
@@ -122,6 +122,11 @@ def test_scheduler_resolves_the_state_block_and_hashes_at_the_small_block(
         scheduler_cache_config(vc.cache_config, t)
         assert (vc.cache_config.block_size, vc.cache_config.mamba_block_size) == (state_block, state_block)
         assert resolve_kv_cache_block_sizes(t, vc) == (state_block, 64)
+        # vLLM's resolver would align hits to the hash block (its managers' partial hits); the
+        # core serves none with two-level pages: the state block.
+        assert resolve_cache_hit_alignment_tokens(t, vc, state_block, 64) == 64
+        assert cache_hit_alignment_tokens(t, state_block) == state_block
+        assert cache_hit_alignment_tokens(kvc, old[0]) is None
     finally:
         vc.cache_config.block_size, vc.cache_config.mamba_block_size = old
 
