@@ -179,16 +179,26 @@ def _args(kvc: Any, **over: Any) -> Any:
     return ManagerArgs(**kw)
 
 
+@pytest.fixture
+def qwen36(planned: dict[str, tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """(vLLM's plan, its two-level form at 64) of qwen36, with ``HYBRID_ALLOC_PAGES=two-level``,
+    the exact policy and the default small block in the environment."""
+    from hybrid_alloc.vllm import pages
+
+    monkeypatch.delenv("HYBRID_ALLOC_POLICY", raising=False)
+    monkeypatch.delenv(pages.SMALL_BLOCK_ENV, raising=False)
+    monkeypatch.setenv(pages.PAGES_ENV, "two-level")
+    vllm_plan = planned["qwen36"][1]
+    return vllm_plan, pages.two_level_kv_cache_config(vllm_plan, 64)
+
+
 def test_native_plan_passes_slots_per_page_only_with_the_option_on(
-    planned: dict[str, tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
+    qwen36: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hybrid_alloc.vllm import pages
     from hybrid_alloc.vllm.plan import native_plan
 
-    monkeypatch.delenv("HYBRID_ALLOC_POLICY", raising=False)
-    monkeypatch.delenv(pages.SMALL_BLOCK_ENV, raising=False)
-    vllm_plan = planned["qwen36"][1]
-    t = pages.two_level_kv_cache_config(vllm_plan, 64)
+    vllm_plan, t = qwen36
     monkeypatch.delenv(pages.PAGES_ENV, raising=False)
     assert "slots_per_page" not in native_plan(_args(vllm_plan, hash_block_size=1088), None)
     monkeypatch.setenv(pages.PAGES_ENV, "off")
@@ -198,16 +208,13 @@ def test_native_plan_passes_slots_per_page_only_with_the_option_on(
 
 
 def test_native_plan_refuses_what_two_level_does_not_serve(
-    planned: dict[str, tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
+    planned: dict[str, tuple[Any, Any]], qwen36: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hybrid_alloc.vllm import pages
     from hybrid_alloc.vllm.plan import native_plan
     from hybrid_alloc.vllm.unsupported import Unsupported
 
-    monkeypatch.delenv("HYBRID_ALLOC_POLICY", raising=False)
-    monkeypatch.delenv(pages.SMALL_BLOCK_ENV, raising=False)
-    vllm_plan = planned["qwen36"][1]
-    t = pages.two_level_kv_cache_config(vllm_plan, 64)
+    vllm_plan, t = qwen36
     monkeypatch.setenv(pages.PAGES_ENV, "two-lvl")
     with pytest.raises(Unsupported, match="HYBRID_ALLOC_PAGES='two-lvl' is not one of"):
         native_plan(_args(t), None)
@@ -240,27 +247,20 @@ def test_native_plan_refuses_what_two_level_does_not_serve(
         native_plan(_args(t), None)
 
 
-def test_native_plan_refuses_a_kv_connector_under_two_level(
-    planned: dict[str, tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_native_plan_refuses_a_kv_connector_under_two_level(qwen36: tuple[Any, Any]) -> None:
     """NixlConnector is served with Mamba layers today; under two-level pages it is refused."""
     from types import SimpleNamespace
 
-    from hybrid_alloc.vllm import pages
     from hybrid_alloc.vllm.plan import native_plan
     from hybrid_alloc.vllm.unsupported import Unsupported
 
-    monkeypatch.delenv("HYBRID_ALLOC_POLICY", raising=False)
-    monkeypatch.setenv(pages.PAGES_ENV, "two-level")
-    t = pages.two_level_kv_cache_config(planned["qwen36"][1], 64)
+    _, t = qwen36
     vc = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="NixlConnector", kv_role="kv_both"))
     with pytest.raises(Unsupported, match="two-level with a KV connector \\(NixlConnector"):
         native_plan(_args(t), vc)
 
 
-def test_the_core_refuses_zeroing_under_two_level_and_builds_the_plan_without_it(
-    planned: dict[str, tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_core_refuses_zeroing_under_two_level_and_builds_the_plan_without_it(qwen36: tuple[Any, Any]) -> None:
     """Every supported release marks a Mamba hybrid's configuration for zeroing new blocks
     (``needs_kv_cache_zeroing``: ``has_mamba_layers``), which the core refuses with two-level
     pages (the plugin falls back with that reason); without it the core builds
@@ -270,15 +270,11 @@ def test_the_core_refuses_zeroing_under_two_level_and_builds_the_plan_without_it
     from hybrid_alloc import Allocator
     from hybrid_alloc.bench.capacity_run import without_zeroing
     from hybrid_alloc.errors import UnsupportedConfigError
-    from hybrid_alloc.vllm import pages
     from hybrid_alloc.vllm.plan import native_plan
 
     if "slots_per_page" not in inspect.signature(Allocator).parameters:
         pytest.skip("the core has no slots_per_page (two-level pages) yet")
-    monkeypatch.delenv("HYBRID_ALLOC_POLICY", raising=False)
-    monkeypatch.delenv(pages.SMALL_BLOCK_ENV, raising=False)
-    monkeypatch.setenv(pages.PAGES_ENV, "two-level")
-    t = pages.two_level_kv_cache_config(planned["qwen36"][1], 64)
+    _, t = qwen36
     assert t.needs_kv_cache_zeroing
     with pytest.raises(UnsupportedConfigError, match="zeroing"):
         Allocator(**native_plan(_args(t), None))
