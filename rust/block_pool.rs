@@ -36,6 +36,9 @@ use crate::policy::retention::{HitAware, PoolParts};
 use crate::policy::{Retention, NUM_LEVELS};
 use crate::prefix_index::{HashKey, PrefixIndex};
 
+mod pages;
+pub(crate) use pages::Pages;
+
 /// The pool's parts the policy works on ([`PoolParts`]), lent for one hook call; borrows
 /// the fields apart from `retention`.
 macro_rules! parts {
@@ -230,6 +233,14 @@ pub struct BlockPool {
     /// Scratch buffers for `free_blocks` (kept to avoid allocating per call).
     scratch_first: Vec<BlockId>,
     scratch_last: Vec<BlockId>,
+    /// Two-level pages (`pages.rs`), on the slot pool only: the page pool and each page's
+    /// state, called at the hooks where a slot is handed out, touched or freed. `None`
+    /// (one untaken branch per operation) for every other pool.
+    pages: Option<Box<Pages>>,
+    /// The page pool of two-level pages only: the pages `get_new_blocks` handed out since
+    /// the slot pool last settled them (`Pages::settle`: a page that held slots loses
+    /// their keys). `None` for every other pool.
+    taken: Option<Vec<BlockId>>,
 }
 
 impl BlockPool {
@@ -253,6 +264,12 @@ impl BlockPool {
         enable_events: bool,
         leveled: bool,
     ) -> Result<Self> {
+        Self::build(num_blocks, enable_caching, enable_events, leveled, false)
+    }
+
+    /// The pool's arrays; `empty`: the free queue starts empty (the slot pool of two-level
+    /// pages, whose slots join the queue as their pages open).
+    fn build(num_blocks: u32, enable_caching: bool, enable_events: bool, leveled: bool, empty: bool) -> Result<Self> {
         let oom = |what: &str| {
             let what = what.to_string();
             move |e: std::collections::TryReserveError| {
@@ -265,15 +282,19 @@ impl BlockPool {
         // caching stays empty).
         let index = PrefixIndex::try_with_capacity(n).map_err(oom("the prefix index"))?;
         let hash_tokens = try_filled(n, 0).map_err(oom("block hashes"))?;
-        let mut queue = if leveled {
+        let mut queue = if empty {
+            FreeQueue::try_new_empty(num_blocks)
+        } else if leveled {
             FreeQueue::try_new_with_levels(num_blocks, NUM_LEVELS)
         } else {
             FreeQueue::try_new(num_blocks)
         }
         .map_err(oom("the free queue"))?;
         let retention = if leveled { Some(Retention::try_new(num_blocks)?) } else { None };
-        let null = queue.pop_front();
-        debug_assert_eq!(null, Some(NULL_BLOCK));
+        if !empty {
+            let null = queue.pop_front();
+            debug_assert_eq!(null, Some(NULL_BLOCK));
+        }
         Ok(Self {
             num_blocks,
             ref_cnt: try_filled(n, 0).map_err(oom("reference counts"))?,
@@ -293,6 +314,8 @@ impl BlockPool {
             residency: Vec::new(),
             scratch_first: Vec::new(),
             scratch_last: Vec::new(),
+            pages: None,
+            taken: None,
         })
     }
 
@@ -304,6 +327,9 @@ impl BlockPool {
     /// Turns the residency log on or off (see [`ResidencyOp`]); entries not taken stay.
     pub(crate) fn set_residency_log(&mut self, on: bool) {
         self.record_residency = on;
+        if let Some(p) = &mut self.pages {
+            p.s.set_residency_log(on);
+        }
     }
 
     /// Appends to the residency log when it is on.
@@ -316,13 +342,21 @@ impl BlockPool {
 
     /// Whether residency log entries wait.
     pub fn has_residency_log(&self) -> bool {
-        !self.residency.is_empty()
+        !self.residency.is_empty() || self.pages.as_ref().is_some_and(|p| p.s.has_residency_log())
     }
 
     /// Takes the residency log: the collector calls vLLM's pool would have made since the
     /// last take, in its order. Empty unless the log is on (`set_residency_log`).
+    /// With two-level pages the slot pool's entries come first, then the page pool's, each
+    /// page `p` written `num_blocks + p` (after every slot id), so a collector keyed by id
+    /// never mixes a slot with a page.
     pub fn take_residency_log(&mut self) -> Vec<(ResidencyOp, BlockId)> {
-        std::mem::take(&mut self.residency)
+        let mut log = std::mem::take(&mut self.residency);
+        if let Some(p) = &mut self.pages {
+            let n = self.num_blocks;
+            log.extend(p.s.take_residency_log().into_iter().map(|(op, b)| (op, n + b)));
+        }
+        log
     }
 
     /// Blocks in the pool, the null block included.
@@ -381,6 +415,14 @@ impl BlockPool {
     /// front of the speculative level instead (pinned blocks and branch points keep theirs).
     /// O(blocks).
     pub(crate) fn free_loose_evict_first(&mut self, ordered: &[BlockId]) {
+        if self.pages.is_some() {
+            for &b in ordered {
+                if b != NULL_BLOCK {
+                    self.loose[b as usize] -= 1;
+                }
+            }
+            return self.free_slots(ordered.iter().copied(), true);
+        }
         let mut first = std::mem::take(&mut self.scratch_first);
         let mut cached = std::mem::take(&mut self.scratch_last);
         let leveled = self.retention.is_some() && self.enable_caching;
@@ -518,6 +560,9 @@ impl BlockPool {
     /// and gives each a reference; appends them to `out`. The caller has checked
     /// `n <= num_free_blocks()`.
     pub fn get_new_blocks(&mut self, n: u32, out: &mut Vec<BlockId>) {
+        if self.pages.is_some() {
+            return self.get_new_slots(n, out);
+        }
         assert!(n <= self.num_free_blocks(), "get_new_blocks: {n} blocks asked, fewer free");
         for _ in 0..n {
             let b = self.queue.pop_front().expect("free queue shorter than its count");
@@ -530,6 +575,9 @@ impl BlockPool {
             assert_eq!(self.ref_cnt[b as usize], 0, "free block {b} had references");
             self.ref_cnt[b as usize] = 1;
             self.note(ResidencyOp::Allocated, b);
+            if let Some(t) = &mut self.taken {
+                t.push(b);
+            }
             out.push(b);
         }
     }
@@ -566,6 +614,9 @@ impl BlockPool {
     /// Takes a reference on each block (a cache hit), pulling free ones out of the queue.
     /// Each block, the null block included, is reported accessed to the residency log.
     pub fn touch(&mut self, blocks: &[BlockId]) {
+        if self.pages.is_some() {
+            return self.touch_slots(blocks);
+        }
         for &b in blocks {
             self.note(ResidencyOp::Accessed, b);
             if b == NULL_BLOCK {
@@ -587,6 +638,9 @@ impl BlockPool {
     /// hashed (vLLM's `free_blocks`). The caller guarantees each non-null block has a
     /// reference to drop.
     pub fn free_blocks<I: IntoIterator<Item = BlockId>>(&mut self, ordered: I) {
+        if self.pages.is_some() {
+            return self.free_slots(ordered, false);
+        }
         let mut first = std::mem::take(&mut self.scratch_first);
         let mut last = std::mem::take(&mut self.scratch_last);
         for b in ordered {
@@ -788,6 +842,9 @@ impl BlockPool {
     /// Clears the prefix cache if every block but the null block is free; returns whether
     /// it did (vLLM's `reset_prefix_cache`).
     pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.pages.is_some() {
+            return self.reset_pages();
+        }
         let used = self.num_blocks - self.num_free_blocks();
         if used != 1 {
             return false;
@@ -809,12 +866,17 @@ impl BlockPool {
 
     /// Whether any event waits.
     pub fn has_events(&self) -> bool {
-        !self.events.is_empty()
+        !self.events.is_empty() || self.pages.as_ref().is_some_and(|p| p.s.has_events())
     }
 
-    /// Takes every queued event.
+    /// Takes every queued event (with two-level pages the slot pool's, then the page
+    /// pool's: a group lives in one pool, so each key's events keep their order).
     pub fn take_events(&mut self) -> Vec<Event> {
-        std::mem::take(&mut self.events)
+        let mut ev = std::mem::take(&mut self.events);
+        if let Some(p) = &mut self.pages {
+            ev.extend(p.s.take_events());
+        }
+        ev
     }
 
     /// Whether the free queue has retention levels (the `hit-aware` policy).

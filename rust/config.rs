@@ -119,6 +119,13 @@ pub struct Config {
     /// ([`crate::Allocator::take_boundary_state_offloads`], vLLM's
     /// `take_boundary_state_offloads`). Off: one untaken branch per newly cached align block.
     pub boundary_offloads: bool,
+    /// Two-level pages (`k`, see `block_pool/pages.rs`): 1 is today's layout (one pool,
+    /// unchanged code paths). With `k > 1`, `num_blocks` counts **pages**; the state groups
+    /// (Mamba) take whole pages (ids in `0..num_blocks`), every other group takes **slots**,
+    /// `k` per page (slot `s` is slot `s % k` of page `s / k`, ids in `0..num_blocks * k`).
+    /// Served with the exact policy, full-attention slot groups and no zeroing or partial
+    /// hash hits ([`Self::validate`] names what it refuses).
+    pub slots_per_page: u32,
 }
 
 /// The largest pool: block ids and the free queue's two sentinel slots fit a `u32`.
@@ -159,7 +166,58 @@ impl Config {
             hash_lookahead_tokens: 0,
             residency_log: false,
             boundary_offloads: false,
+            slots_per_page: 1,
         }
+    }
+
+    /// Whether group `g` takes whole pages under two-level pages (a state group: Mamba).
+    pub fn is_state_group(g: &GroupSpec) -> bool {
+        matches!(g.kind, AttentionKind::Mamba { .. })
+    }
+
+    /// The two-level page checks ([`Self::slots_per_page`] > 1); nothing with `k == 1`.
+    fn validate_pages(&self) -> Result<()> {
+        let k = self.slots_per_page;
+        if k == 0 {
+            return Err(Error::InvalidConfig("slots_per_page must be at least 1".into()));
+        }
+        if k == 1 {
+            return Ok(());
+        }
+        let refuse = |what: &str| Err(Error::Unsupported(format!("{what} is not served with slots_per_page={k} > 1")));
+        if (self.num_blocks as u64) * (k as u64) > MAX_NUM_BLOCKS as u64 {
+            return Err(Error::InvalidConfig(format!(
+                "num_blocks {} pages x slots_per_page {k} = {} slots is above the largest pool served ({MAX_NUM_BLOCKS})",
+                self.num_blocks,
+                self.num_blocks as u64 * k as u64
+            )));
+        }
+        if !self.groups.iter().any(Self::is_state_group) {
+            return Err(Error::InvalidConfig(format!(
+                "slots_per_page={k} needs a state group (mamba or mamba_align) to size the pages"
+            )));
+        }
+        if self.groups.iter().all(Self::is_state_group) {
+            return Err(Error::InvalidConfig(format!(
+                "slots_per_page={k} needs a slot group (an attention group) to take the slots"
+            )));
+        }
+        for (i, g) in self.groups.iter().enumerate() {
+            if !Self::is_state_group(g) && g.kind != AttentionKind::Full {
+                let name = match g.kind {
+                    AttentionKind::Rswa { .. } => "an R-SWA group",
+                    AttentionKind::SlidingWindow { .. } => "a sliding-window group",
+                    AttentionKind::ChunkedLocal { .. } => "a chunked local attention group",
+                    AttentionKind::Cross => "cross attention",
+                    _ => "a circular buffer group",
+                };
+                return refuse(&format!("{name} (group {i}; only full attention takes slots)"));
+            }
+        }
+        if self.zero_new_blocks {
+            return refuse("KV cache zeroing (zero_new_blocks)");
+        }
+        Ok(())
     }
 
     /// `max_model_len` (and `max_in_flight_tokens`) of [`Self::new`].
@@ -182,9 +240,14 @@ impl Config {
     /// other prefix-cacheable group either looked up at hash granularity (full attention,
     /// Mamba) or one hash block large. Hits may then end inside a block (the hash block
     /// is the hit alignment), and the prompt's last hash boundary is cached inside its block.
+    /// Never with two-level pages ([`Self::slots_per_page`] > 1): there the hash block is the
+    /// small attention block by construction, below the Mamba block without any
+    /// `prefix_match_unit`; hits end at state blocks (`scheduler_block_size`), and a
+    /// `prefix_match_unit` (hits inside a state block) is not served (the plugin falls back).
     pub fn partial_hash_hits(&self) -> bool {
         let hbs = self.hash_block_size;
-        self.coordinator_kind() == CoordinatorKind::Hybrid
+        self.slots_per_page <= 1
+            && self.coordinator_kind() == CoordinatorKind::Hybrid
             && self.groups.iter().any(|g| g.kind.is_mamba_align() && g.block_size > hbs)
             && self
                 .groups
@@ -225,6 +288,7 @@ impl Config {
         if self.groups.is_empty() {
             return bad("at least one KV cache group is required".into());
         }
+        self.validate_pages()?;
         if self.groups.len() > 64 {
             return bad(format!("{} groups; at most 64 are supported", self.groups.len()));
         }

@@ -69,6 +69,20 @@ impl FreeQueue {
         Ok(Self { next, prev, len: n, head, tail, ends: Vec::new(), n })
     }
 
+    /// An empty queue over block ids `0..n` (`n <= u32::MAX - 2`): the slot pool of
+    /// two-level pages starts with no free slot (its slots join as pages open).
+    ///
+    /// # Errors
+    /// The two link arrays cannot be allocated.
+    pub fn try_new_empty(n: u32) -> Result<Self, std::collections::TryReserveError> {
+        let (head, tail) = (n, n + 1);
+        let mut next = try_filled(n as usize + 2, DETACHED)?;
+        let mut prev = try_filled(n as usize + 2, DETACHED)?;
+        next[head as usize] = tail;
+        prev[tail as usize] = head;
+        Ok(Self { next, prev, len: 0, head, tail, ends: Vec::new(), n })
+    }
+
     /// A queue holding every block `0..n` in id order (all at level 0), split into
     /// `levels` (`1..=8`) retention levels (see the module docs).
     ///

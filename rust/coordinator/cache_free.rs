@@ -6,7 +6,7 @@
 //! Cost: caching O(blocks cached); `free` O(table) (O(table log table) under hit-aware).
 #![forbid(unsafe_code)]
 
-use super::{Allocator, HashSource};
+use super::{page_side, Allocator, HashSource};
 
 use crate::config::CoordinatorKind;
 use crate::error::{Error, Result};
@@ -70,7 +70,7 @@ impl Allocator {
             shared_prefix_boundary,
         };
         for m in self.managers.iter_mut() {
-            m.cache_blocks(&mut self.pool, s, &c);
+            m.cache_blocks(self.pool.side(page_side(self.state_groups, m.group_id())), s, &c);
         }
     }
 
@@ -124,7 +124,8 @@ impl Allocator {
     ) -> Result<()> {
         let s = self.slot(h)?;
         for m in self.managers.iter_mut() {
-            m.remove_skipped_blocks(&mut self.pool, s, processed_computed_tokens, num_prompt_tokens);
+            let pool = self.pool.side(page_side(self.state_groups, m.group_id()));
+            m.remove_skipped_blocks(pool, s, processed_computed_tokens, num_prompt_tokens);
         }
         self.refresh_noop(s);
         Ok(())
@@ -146,7 +147,7 @@ impl Allocator {
         match self.retain_for_free(s, level) {
             None => {
                 for m in self.managers.iter_mut() {
-                    m.free(&mut self.pool, s);
+                    m.free(self.pool.side(page_side(self.state_groups, m.group_id())), s);
                 }
             }
             Some(blocks) => {
@@ -175,10 +176,25 @@ impl Allocator {
         // when the caller frees them).
         let release = self.retain_at_free(s);
         let start = out.len();
-        for m in self.managers.iter_mut() {
-            m.pop_blocks(s, out);
+        if self.state_groups == 0 {
+            for m in self.managers.iter_mut() {
+                m.pop_blocks(s, out);
+            }
+            self.pool.loosen(&out[start..]);
+        } else {
+            // Two-level pages: each group's blocks loosen in its pool; pages are written
+            // after the slots (`num_slots + page`, see `free_block_ids`).
+            let num_slots = self.pool.num_blocks();
+            for m in self.managers.iter_mut() {
+                let before = out.len();
+                m.pop_blocks(s, out);
+                let state = page_side(self.state_groups, m.group_id());
+                self.pool.side(state).loosen(&out[before..]);
+                if state {
+                    out[before..].iter_mut().filter(|b| **b != NULL_BLOCK).for_each(|b| *b += num_slots);
+                }
+            }
         }
-        self.pool.loosen(&out[start..]);
         self.release_at_free(release);
         self.release(s);
         Ok(())
@@ -201,6 +217,9 @@ impl Allocator {
     /// # Errors
     /// As [`Self::free_block_ids`]; nothing changes.
     pub fn free_block_ids_ordered(&mut self, ids: &[BlockId], evict_first: bool) -> Result<()> {
+        if self.state_groups != 0 {
+            return self.free_paged_ids(ids, evict_first);
+        }
         let mut counts: rustc_hash::FxHashMap<BlockId, u32> = Default::default();
         for &b in ids {
             if b >= self.pool.num_blocks() {
@@ -230,6 +249,12 @@ impl Allocator {
     /// # Errors
     /// A block id out of range; checked before any change.
     pub fn evict_blocks(&mut self, ids: &[BlockId]) -> Result<()> {
+        if self.state_groups != 0 {
+            let (slots, pages) = self.split_paged_ids(ids)?;
+            self.pool.evict_blocks(&slots);
+            self.pool.side(true).evict_blocks(&pages);
+            return Ok(());
+        }
         if let Some(&b) = ids.iter().find(|&&b| b >= self.pool.num_blocks()) {
             return Err(Error::InvalidBlock(format!("block id {b} >= num_blocks {}", self.pool.num_blocks())));
         }
@@ -244,6 +269,59 @@ impl Allocator {
                 if self.slot_is_live(s) {
                     self.refresh_noop(s);
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Two-level pages: the flat ids of `free_block_ids` and `evict_blocks` split by pool
+    /// (slot ids `0..num_slots`, page `p` written `num_slots + p`), each range-checked
+    /// against its pool, in their order.
+    ///
+    /// # Errors
+    /// An id in neither range.
+    fn split_paged_ids(&self, ids: &[BlockId]) -> Result<(Vec<BlockId>, Vec<BlockId>)> {
+        let num_slots = self.pool.num_blocks();
+        let num_pages = self.pool.side_ref(true).num_blocks();
+        let (mut slots, mut pages) = (Vec::new(), Vec::new());
+        for &b in ids {
+            if b < num_slots {
+                slots.push(b);
+            } else if (b - num_slots) < num_pages {
+                pages.push(b - num_slots);
+            } else {
+                return Err(Error::InvalidBlock(format!(
+                    "block id {b}: neither a slot (< {num_slots}) nor a page ({num_slots} + page, page < {num_pages})"
+                )));
+            }
+        }
+        Ok((slots, pages))
+    }
+
+    /// [`Self::free_block_ids_ordered`] with two-level pages: each pool's loose references
+    /// checked, then freed (slots first).
+    fn free_paged_ids(&mut self, ids: &[BlockId], evict_first: bool) -> Result<()> {
+        let (slots, pages) = self.split_paged_ids(ids)?;
+        for (state, list) in [(false, &slots), (true, &pages)] {
+            let pool = self.pool.side_ref(state);
+            let mut counts: rustc_hash::FxHashMap<BlockId, u32> = Default::default();
+            for &b in list.iter().filter(|&&b| b != NULL_BLOCK) {
+                let c = counts.entry(b).or_insert(0);
+                *c += 1;
+                if *c > pool.loose_refs(b) {
+                    let what = if state { "page" } else { "slot" };
+                    return Err(Error::InvalidBlock(format!(
+                        "{what} {b} freed more times than it was popped (pop_blocks_for_free) and not yet freed"
+                    )));
+                }
+            }
+        }
+        for (state, list) in [(false, &slots), (true, &pages)] {
+            let pool = self.pool.side(state);
+            if evict_first {
+                pool.free_loose_evict_first(list);
+            } else {
+                pool.free_loose(list);
             }
         }
         Ok(())

@@ -8,7 +8,7 @@
 //! Cost: the search is O(blocks scanned); validation O(hit blocks).
 #![forbid(unsafe_code)]
 
-use super::{Allocator, HashSource, Hit};
+use super::{page_side, Allocator, HashSource, Hit};
 
 use crate::config::CoordinatorKind;
 use crate::error::{Error, Result};
@@ -139,7 +139,7 @@ impl Allocator {
             let mut tmp = std::mem::take(&mut self.scratch_spec);
             for sg in &self.spec_groups {
                 let q = HitQuery {
-                    pool: &self.pool,
+                    pool: self.pool.side_ref(page_side(self.state_groups, sg.group_ids[0])),
                     view: HashView { hashes, scale: sg.block_size / self.cfg.hash_block_size },
                     max_length: max_len,
                     group_ids: &sg.group_ids,
@@ -233,7 +233,7 @@ impl Allocator {
                 let view = HashView { hashes, scale: sg.block_size / self.cfg.hash_block_size };
                 let k = sg.group_ids.len();
                 let q = HitQuery {
-                    pool: &self.pool,
+                    pool: self.pool.side_ref(page_side(self.state_groups, sg.group_ids[0])),
                     view,
                     max_length: curr,
                     group_ids: &sg.group_ids,
@@ -339,11 +339,13 @@ impl Allocator {
             return Err(Error::OutOfRange(format!("{} hit groups given, the config has {ng}", hit_blocks.len())));
         }
         let hashes = &self.reqs[s as usize].hashes;
-        let nb = self.pool.num_blocks();
-        if let Some(&b) = hit_blocks.iter().flatten().find(|&&b| b >= nb) {
-            return Err(Error::InvalidBlock(format!("block id {b} >= num_blocks {nb}")));
+        for (g, v) in hit_blocks.iter().enumerate() {
+            let nb = self.pool_for(g as GroupId).num_blocks();
+            if let Some(&b) = v.iter().find(|&&b| b >= nb) {
+                return Err(Error::InvalidBlock(format!("block id {b} >= num_blocks {nb} (group {g})")));
+            }
         }
-        let mut seen: rustc_hash::FxHashSet<BlockId> = Default::default();
+        let mut seen: rustc_hash::FxHashSet<u64> = Default::default();
         for (g, (m, v)) in self.managers.iter().zip(hit_blocks).enumerate() {
             if !m.kind().takes_hits() {
                 if !v.is_empty() {
@@ -392,6 +394,7 @@ impl Allocator {
                 )));
             }
             let nulls_allowed = !m.kind().is_full();
+            let pool = self.pool_for(g as GroupId);
             let mut leading = true;
             for (i, &b) in v.iter().enumerate() {
                 if b == NULL_BLOCK {
@@ -404,7 +407,9 @@ impl Allocator {
                     continue;
                 }
                 leading = false;
-                if explicit && !seen.insert(b) {
+                // Ids of two pools may be equal: only a repeat within one pool is a repeat.
+                let tagged = if page_side(self.state_groups, g as GroupId) { b as u64 | 1 << 32 } else { b as u64 };
+                if explicit && !seen.insert(tagged) {
                     return Err(Error::InvalidBlock(format!("block {b} appears twice in the hit")));
                 }
                 let held = match partial_tail {
@@ -413,9 +418,9 @@ impl Allocator {
                     // block found further on, its hit then cut back by another group).
                     Some(nh) if i + 1 == v.len() => {
                         let end = ((i as u64 + 1) * view.scale as u64).min(hashes.len() as u64) as usize;
-                        (nh as usize..=end).any(|k| k > 0 && self.pool.holds_key(b, &(hashes[k - 1], g as GroupId)))
+                        (nh as usize..=end).any(|k| k > 0 && pool.holds_key(b, &(hashes[k - 1], g as GroupId)))
                     }
-                    _ => self.pool.holds_key(b, &(view.get(i as u32), g as GroupId)),
+                    _ => pool.holds_key(b, &(view.get(i as u32), g as GroupId)),
                 };
                 if !held {
                     return Err(Error::InvalidBlock(format!(
@@ -441,7 +446,8 @@ impl Allocator {
             if !m.kind().takes_hits() {
                 continue;
             }
-            let t = m.blocks(s).iter().map(|&b| self.pool.block_hash_num_tokens(b)).max().unwrap_or(0);
+            let pool = self.pool_for(m.group_id());
+            let t = m.blocks(s).iter().map(|&b| pool.block_hash_num_tokens(b)).max().unwrap_or(0);
             best = Some(best.map_or(t, |x| x.min(t)));
         }
         Ok(best.unwrap_or(0))

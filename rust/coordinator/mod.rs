@@ -137,6 +137,15 @@ pub struct Allocator {
     partial_hash_hits: bool,
     /// [`Config::cache_hit_alignment_tokens`], computed once.
     hit_alignment: u32,
+    /// Two-level pages: bit `g` set when group `g` is a state group, whose blocks are
+    /// pages of the page pool (`pool.side(true)`); 0 without pages (one pool).
+    state_groups: u64,
+}
+
+/// Whether group `g` takes pages (a state group under two-level pages) in `state_groups`.
+#[inline]
+pub(crate) fn page_side(state_groups: u64, g: GroupId) -> bool {
+    state_groups >> g & 1 != 0
 }
 
 impl Allocator {
@@ -150,7 +159,22 @@ impl Allocator {
         let kind = cfg.coordinator_kind();
         let caching = cfg.enable_caching;
         let leveled = policy == Policy::HitAware && caching;
-        let mut pool = BlockPool::try_new_leveled(cfg.num_blocks, caching, cfg.enable_events, leveled)?;
+        let k = cfg.slots_per_page;
+        if k > 1 && policy != Policy::Exact {
+            return Err(Error::Unsupported(format!(
+                "the {policy:?} policy is not served with slots_per_page={k} > 1 (exact only)"
+            )));
+        }
+        let mut pool = if k > 1 {
+            BlockPool::try_new_paged(cfg.num_blocks, k, caching, cfg.enable_events)?
+        } else {
+            BlockPool::try_new_leveled(cfg.num_blocks, caching, cfg.enable_events, leveled)?
+        };
+        let state_groups = if k > 1 {
+            cfg.groups.iter().enumerate().filter(|(_, g)| Config::is_state_group(g)).fold(0u64, |m, (i, _)| m | 1 << i)
+        } else {
+            0
+        };
         pool.set_residency_log(cfg.residency_log);
         pool.set_stamp_keys(cfg.partial_hash_hits());
         let align = cfg.cache_hit_alignment_tokens();
@@ -210,6 +234,7 @@ impl Allocator {
             sightings: Default::default(),
             partial_hash_hits: cfg.partial_hash_hits(),
             hit_alignment: align,
+            state_groups,
             cfg,
         })
     }
@@ -224,14 +249,39 @@ impl Allocator {
         self.policy
     }
 
-    /// The block pool (read-only).
+    /// The block pool (read-only); with two-level pages the slot pool, which holds the
+    /// page pool ([`Self::page_pool`]).
     pub fn pool(&self) -> &BlockPool {
         &self.pool
+    }
+
+    /// The page pool of two-level pages (`None` with `slots_per_page == 1`).
+    pub fn page_pool(&self) -> Option<&BlockPool> {
+        self.pool.page_pool()
+    }
+
+    /// The pool group `g`'s block ids index: the page pool for a state group under
+    /// two-level pages, else [`Self::pool`].
+    pub fn pool_for(&self, g: GroupId) -> &BlockPool {
+        self.pool.side_ref(page_side(self.state_groups, g))
     }
 
     /// The managers, one per group.
     pub fn managers(&self) -> &[SingleTypeManager] {
         &self.managers
+    }
+
+    /// The pool and id of a flat block id as the id lists of `pop_blocks_for_free`,
+    /// `free_block_ids` and `evict_blocks` write it: with two-level pages a slot id is
+    /// itself and page `p` is `num_slots + p`; without, every id is the pool's. `None` when
+    /// out of range.
+    pub fn locate_block(&self, id: BlockId) -> Option<(&BlockPool, BlockId)> {
+        let n = self.pool.num_blocks();
+        match self.pool.page_pool() {
+            _ if id < n => Some((&self.pool, id)),
+            Some(s) if id - n < s.num_blocks() => Some((s, id - n)),
+            _ => None,
+        }
     }
 
     /// Number of groups.
@@ -335,14 +385,15 @@ impl Allocator {
         Ok(())
     }
 
-    /// Free blocks.
+    /// Free blocks; with two-level pages, whole free pages (the page queue).
     pub fn num_free_blocks(&self) -> u32 {
-        self.pool.num_free_blocks()
+        self.pool.free_pages()
     }
 
-    /// Usage in `[0, 1]`.
+    /// Usage in `[0, 1]`; with two-level pages, `1 - (free pages + free slots of open
+    /// pages / k) / (pages - 1)`.
     pub fn usage(&self) -> f64 {
-        self.pool.usage()
+        self.pool.page_usage()
     }
 
     /// Takes the queued KV cache events.

@@ -185,7 +185,9 @@ impl KindRules for MambaAlign {
                 g.block_size, cfg.scheduler_block_size
             )));
         }
-        if g.block_size != cfg.hash_block_size && !cfg.partial_hash_hits() {
+        // Two-level pages: the hash block is the slot, below the Mamba block by construction;
+        // hits end at state blocks (see `Config::partial_hash_hits`).
+        if g.block_size != cfg.hash_block_size && !cfg.partial_hash_hits() && cfg.slots_per_page <= 1 {
             return Err(Error::Unsupported(format!(
                 "group {i}: Mamba block size {} over hash block size {} in cache mode \"align\" \
                  with partial hash hits off (another group's block is over the hash block and is \

@@ -430,7 +430,7 @@ impl SingleTypeManager {
         }
     }
 
-    fn count_evictable(pool: &BlockPool, blocks: &[BlockId]) -> u32 {
+    pub(crate) fn count_evictable(pool: &BlockPool, blocks: &[BlockId]) -> u32 {
         blocks.iter().filter(|&&b| b != NULL_BLOCK && pool.ref_cnt(b) == 0).count() as u32
     }
 

@@ -63,11 +63,13 @@ impl PyAllocatorBase {
     }
 
     /// A block id of the pool.
-    fn block(core: &Allocator, block_id: i64) -> PyResult<u32> {
-        let n = core.pool().num_blocks();
-        match u32::try_from(block_id) {
-            Ok(b) if b < n => Ok(b),
-            _ => Err(InvalidBlockError::new_err(format!("block id {block_id} outside 0..{n}"))),
+    /// The pool and id of a block id from Python (with two-level pages, page `p` is written
+    /// `num_slots + p`: see `Allocator::locate_block`).
+    fn block(core: &Allocator, block_id: i64) -> PyResult<(&crate::block_pool::BlockPool, u32)> {
+        let n = core.pool().num_blocks() + core.page_pool().map_or(0, |s| s.num_blocks());
+        match u32::try_from(block_id).ok().and_then(|b| core.locate_block(b)) {
+            Some(x) => Ok(x),
+            None => Err(InvalidBlockError::new_err(format!("block id {block_id} outside 0..{n}"))),
         }
     }
 }
@@ -164,10 +166,17 @@ impl PyAllocatorBase {
         Ok(self.core()?.num_free_blocks())
     }
 
-    /// Blocks in the pool, the null block included.
+    /// Blocks in the pool, the null block included (with two-level pages: pages, the
+    /// config's `num_blocks`).
     #[getter]
     fn num_blocks(&self) -> PyResult<u32> {
-        Ok(self.core()?.pool().num_blocks())
+        Ok(self.core()?.config().num_blocks)
+    }
+
+    /// Slots per page (two-level pages; 1: one pool, today's layout).
+    #[getter]
+    fn slots_per_page(&self) -> PyResult<u32> {
+        Ok(self.core()?.config().slots_per_page)
     }
 
     /// Number of KV cache groups.
@@ -221,14 +230,15 @@ impl PyAllocatorBase {
     /// Reference count of a block.
     fn ref_cnt(&self, block_id: i64) -> PyResult<u32> {
         let core = self.core()?;
-        Ok(core.pool().ref_cnt(Self::block(&core, block_id)?))
+        let (pool, b) = Self::block(&core, block_id)?;
+        Ok(pool.ref_cnt(b))
     }
 
     /// `(hash bytes, group)` of a cached block, or None.
     fn block_hash<'py>(&self, py: Python<'py>, block_id: i64) -> PyResult<Option<(Bound<'py, PyBytes>, u32)>> {
         let core = self.core()?;
-        let b = Self::block(&core, block_id)?;
-        Ok(core.pool().block_hash(b).map(|(h, g)| (PyBytes::new(py, h.as_bytes()), *g)))
+        let (pool, b) = Self::block(&core, block_id)?;
+        Ok(pool.block_hash(b).map(|(h, g)| (PyBytes::new(py, h.as_bytes()), *g)))
     }
 
     /// vLLM's `BlockPool.get_cached_block`: the first cached block for `block_hash` in each
@@ -239,13 +249,24 @@ impl PyAllocatorBase {
         let hash = hash_arg(block_hash.as_bytes())?;
         let groups = api::cached_block_groups(&group_ids, core.num_groups())?;
         let mut out = Vec::with_capacity(groups.len());
-        Ok(core.pool().get_cached_block(&hash, &groups, &mut out).then_some(out))
+        if core.page_pool().is_none() {
+            return Ok(core.pool().get_cached_block(&hash, &groups, &mut out).then_some(out));
+        }
+        // Two-level pages: each group in its own pool (a state group's block is a page id).
+        let mut one = Vec::with_capacity(1);
+        for g in groups {
+            if !core.pool_for(g).get_cached_block(&hash, &[g], &mut one) {
+                return Ok(None);
+            }
+            out.push(one[0]);
+        }
+        Ok(Some(out))
     }
 
     /// Prefix tokens covered by a block's hash, or None when unhashed.
     fn block_hash_num_tokens(&self, block_id: i64) -> PyResult<Option<u32>> {
         let core = self.core()?;
-        let (b, pool) = (Self::block(&core, block_id)?, core.pool());
+        let (pool, b) = Self::block(&core, block_id)?;
         Ok(pool.block_hash(b).map(|_| pool.block_hash_num_tokens(b)))
     }
 

@@ -1,7 +1,8 @@
-"""The bench: ``hybrid-alloc bench`` and ``hybrid-alloc hits`` (``hybrid_alloc.cli``), and the
-offline scheduler the tests build too. Nothing outside this folder imports it: ``import
-hybrid_alloc`` and ``import hybrid_alloc.vllm`` load none of it. Importing this package imports
-nothing; every module imports vLLM only inside the functions that run it.
+"""The bench: ``hybrid-alloc bench``, ``hybrid-alloc hits`` and ``hybrid-alloc capacity``
+(``hybrid_alloc.cli``), and the offline scheduler the tests build too. Nothing outside this
+folder imports it: ``import hybrid_alloc`` and ``import hybrid_alloc.vllm`` load none of it.
+Importing this package imports nothing; every module imports vLLM only inside the functions
+that run it.
 
 | module | holds |
 |---|---|
@@ -19,13 +20,16 @@ nothing; every module imports vLLM only inside the functions that run it.
 | ``hits_run.py`` | one hits cell on vLLM's real scheduler under one retention policy, and its ``Result`` |
 | ``hits_report.py`` | the hits bench's progress lines, tables, ``hits.json`` and ``hits.png`` |
 | ``hits.py`` | ``hybrid-alloc hits``: prefix-cache hits by retention policy, the options and the cells |
+| ``capacity_run.py`` | one capacity run: a closed-loop trace under vLLM's manager, ours or ours with two-level pages, and its ``Result`` |
+| ``capacity.py`` | ``hybrid-alloc capacity``: requests that fit at equal memory on state-space hybrids, the table, ``capacity.json``, ``capacity.png`` |
 
 Imports go down the table: ``main`` imports ``serve``, ``memory``, ``runner``, ``floor`` and
 ``common``; ``serve`` imports ``runner`` and ``common``; ``runner`` imports ``clock`` and
 ``floor``; ``hits`` imports ``hits_report``, ``hits_run``, ``hits_workloads`` and ``common``,
 ``hits_report`` imports ``hits_run``, ``hits_workloads`` and ``common``, ``hits_run`` imports
-``hits_measure`` and ``hits_workloads``, ``hits_measure`` imports ``hits_workloads``; ``memory``
-imports ``common``; ``offline`` imports ``shapes``; both are imported inside the functions that
-build a scheduler or look a shape up (``shapes`` loads torch, ``offline`` vLLM).
+``hits_measure``, ``hits_workloads`` and ``common``, ``hits_measure`` imports ``hits_workloads``;
+``capacity`` imports ``capacity_run`` and ``common``, ``capacity_run`` imports ``common``;
+``memory`` imports ``common``; ``offline`` imports ``shapes``; both are imported inside the
+functions that build a scheduler or look a shape up (``shapes`` loads torch, ``offline`` vLLM).
 ``tests/python/core/test_imports.py`` checks there is no circle.
 """

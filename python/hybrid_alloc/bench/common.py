@@ -1,12 +1,16 @@
 """What every bench command shares at its edges: the vLLM check with its install hint, the
-table renderer (rich if installed, sized to the terminal) and the plot backend.
+table renderer (rich if installed, sized to the terminal), the plot backend, and setting the
+plugin's environment controls around a scheduler's construction.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from hybrid_alloc.vllm.releases import ENGINE_RELEASE, SUPPORTED_RELEASES, vllm_requirement
@@ -34,6 +38,26 @@ def vllm_ready() -> bool:
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
     return True
+
+
+@contextmanager
+def env_set(values: dict[str, str | None]) -> Iterator[None]:
+    """The environment with ``values`` set (None: unset) while the block runs, then as it was:
+    how a bench builds a scheduler under the plugin's environment controls."""
+    old = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def pyplot() -> Any | None:

@@ -55,6 +55,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybrid_alloc.bench.common import env_set
 from hybrid_alloc.bench.hits_measure import (
     PartialTails,
     Refusals,
@@ -161,30 +162,20 @@ def run(
         json.dump(wl.pins, tmp)
         tmp.close()
         env["HYBRID_ALLOC_PIN_PREFIXES"] = tmp.name
-    old = {k: os.environ.get(k) for k in env}
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
     try:
-        setup = Setup(
-            shape,
-            manager=manager,  # type: ignore[arg-type]
-            num_blocks=num_blocks,
-            max_num_seqs=max(min(wl.in_flight, max_num_seqs or wl.in_flight), 1) + wl.churn_in_flight,
-            max_num_batched_tokens=8192,
-            admission_window=admission_window,
-            admission_threshold=admission_threshold,
-            prefix_match_unit=prefix_match_unit,
-        )
-        sched = setup.build()
+        with env_set(env):
+            setup = Setup(
+                shape,
+                manager=manager,  # type: ignore[arg-type]
+                num_blocks=num_blocks,
+                max_num_seqs=max(min(wl.in_flight, max_num_seqs or wl.in_flight), 1) + wl.churn_in_flight,
+                max_num_batched_tokens=8192,
+                admission_window=admission_window,
+                admission_threshold=admission_threshold,
+                prefix_match_unit=prefix_match_unit,
+            )
+            sched = setup.build()
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         if tmp is not None:
             os.unlink(tmp.name)
     mgr = sched.kv_cache_manager

@@ -102,8 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="model shape (repeatable); default: gemma-2-27b and llama-3.1-8b. "
         "Built in (hybrid_alloc/bench/shapes.py, every bench's): gemma-2-27b, llama-3.1-8b, gpt-oss-120b, "
         "llama-4-scout, mistral-sw, qwen3.5-style, nemotron-h-style, jamba-style, lfm2-style, deepseek-v4-style, "
-        "and the hits bench's gemma3, qwen35, nemotronh, qwen3next, qwen36, nemotron3nano (no weights: the whole "
-        "GPU goes to the KV cache); gptoss is gpt-oss-120b",
+        "and the hits bench's gemma3, qwen35, nemotronh, qwen3next, qwen36, nemotron3nano and the capacity bench's "
+        "falconh1 (no weights: the whole GPU goes to the KV cache); gptoss is gpt-oss-120b",
     )
     p.add_argument(
         "--workload",

@@ -16,7 +16,8 @@ layer specs.
 Names. The shapes ``hybrid-alloc bench`` runs are named after a model (``gemma-2-27b``) or a
 family (``qwen3.5-style``); those of ``hybrid-alloc hits`` keep the short names its command
 line, its tables and the docs use (``gemma3``, ``qwen35``, ``nemotronh``, ``qwen3next``,
-``qwen36``, ``nemotron3nano``): a row is labelled with its shape's ``name``. Two of them are near
+``qwen36``, ``nemotron3nano``; ``falconh1`` is ``hybrid-alloc capacity``'s): a row is labelled
+with its shape's ``name``. Two of them are near
 a ``bench`` shape without being it: ``qwen35`` holds its Gated DeltaNet SSM state in bfloat16
 (544-token blocks on a Hopper GPU) where ``qwen3.5-style`` holds float32 (1048), and
 ``nemotronh`` is ``nemotron-h-style`` under the name its hits rows carry. ``gptoss`` is an alias
@@ -294,6 +295,21 @@ SHAPES.update(
             max_model_len=32768,
             mamba_state=MambaState(shapes=((3, 6144), (64, 64, 128)), dtypes=(torch.bfloat16, torch.float32)),
             description="23 Mamba2 + 6 attention layers (Nemotron-3-Nano-30B-A3B), 2 KV heads of 128, 2096-token blocks",
+        ),
+        # Falcon-H1-7B (issue 37's capacity bench): 44 decoder layers, each an attention and a
+        # Mamba2 mixer side by side (listed here as 88 cache layers: one attention group of 44
+        # and one Mamba2 group of 44); 2 KV heads of 128; Mamba2 conv state 3 x 3584 and SSM
+        # state 24 heads x 128 x 256, both bfloat16: 1,594,368 bytes a state, 1,024 a token
+        # -> 1557 -> 1568-token blocks.
+        "falconh1": ModelShape(
+            "falconh1",
+            tuple(LayerKind("mamba") if i % 2 == 0 else LayerKind("full") for i in range(88)),
+            num_kv_heads=2,
+            head_size=128,
+            weight_bytes=0,
+            max_model_len=32768,
+            mamba_state=MambaState(shapes=((3, 3584), (24, 128, 256)), dtypes=(torch.bfloat16, torch.bfloat16)),
+            description="44 layers, each attention and Mamba2 side by side (Falcon-H1-7B), 2 KV heads of 128, 1568-token blocks",
         ),
     }
 )

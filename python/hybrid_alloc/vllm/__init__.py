@@ -7,6 +7,8 @@
 - :mod:`hybrid_alloc.vllm.manager`: the ``KVCacheManager``-compatible adapter over the
   native core, and the fallback to vLLM's own manager for configurations the core does
   not serve.
+- :mod:`hybrid_alloc.vllm.pages`: two-level pages for state-space hybrids
+  (``HYBRID_ALLOC_PAGES=two-level``): the switch, and the KV cache configuration it schedules.
 
 vLLM's real ``Scheduler`` built without a GPU, for the bench and the tests, is
 :mod:`hybrid_alloc.bench.offline`.

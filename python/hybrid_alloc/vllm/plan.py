@@ -11,7 +11,7 @@ from typing import Any
 from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheGroupRole, KVCacheSpec, MambaSpec
 
 from hybrid_alloc.specs import GroupSpec
-from hybrid_alloc.vllm import compat, policy_env
+from hybrid_alloc.vllm import compat, pages, policy_env
 from hybrid_alloc.vllm.args import ManagerArgs
 from hybrid_alloc.vllm.connector import connector_reason
 from hybrid_alloc.vllm.dcp import group_block_sizes
@@ -85,4 +85,43 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
     if policy != "exact":
         native["policy"] = policy
         policy_env.policy_controls()  # validated here, so a bad control falls back at construction
+    if pages.pages_from_env() == "two-level":  # raises Unsupported on a bad value
+        native["slots_per_page"] = two_level_slots(a, vllm_config, policy)
     return native
+
+
+def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str) -> int:
+    """``slots_per_page`` for the core under ``HYBRID_ALLOC_PAGES=two-level``
+    (:mod:`.pages`): ``k`` of a two-level configuration. Raises ``Unsupported`` naming what
+    two-level pages do not serve (this first version): a model without a state group, a KV
+    connector (it moves whole blocks: a page's slots belong to other requests), decode or
+    prefill context parallelism, speculative decoding (lookahead hashes or blocks, Mamba
+    speculative blocks), the hit-aware policy, an attention block other than
+    ``HYBRID_ALLOC_SMALL_BLOCK``, and a configuration that is not two-level (the plugin's
+    planning did not run)."""
+    kvc = a.kv_cache_config
+    small = pages.small_block_from_env()  # raises Unsupported on a bad value
+    on = f"{pages.PAGES_ENV}=two-level"
+    specs = [g.kv_cache_spec for g in kvc.kv_cache_groups]
+    if not any(isinstance(s, MambaSpec) for s in specs):
+        raise Unsupported(f"{on} needs a state-space hybrid (no Mamba / linear-attention group)")
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if ktc is not None and getattr(ktc, "kv_connector", None):
+        raise Unsupported(f"{on} with a KV connector ({ktc.kv_connector}: it moves whole blocks)")
+    if a.dcp_world_size != 1 or a.pcp_world_size != 1:
+        raise Unsupported(f"{on} with context parallelism (dcp {a.dcp_world_size}, pcp {a.pcp_world_size})")
+    lookahead = a.num_hash_lookahead_tokens or a.num_prefill_lookahead
+    mamba_spec_blocks = max((s.num_speculative_blocks for s in specs if isinstance(s, MambaSpec)), default=0)
+    spec_config = getattr(vllm_config, "speculative_config", None)
+    if a.use_eagle or lookahead or mamba_spec_blocks or spec_config is not None:
+        raise Unsupported(f"{on} with speculative decoding (lookahead tokens or blocks)")
+    if policy != "exact":
+        raise Unsupported(f"{on} with {policy_env.POLICY_ENV}={policy} (two-level pages serve the exact policy only)")
+    k = pages.slots_per_page(kvc)
+    if k is None:
+        sizes = ", ".join(f"{type(s).__name__} {s.block_size} tokens / {s.page_size_bytes} bytes" for s in specs)
+        raise Unsupported(f"{on} but the KV cache configuration is not two-level ({sizes})")
+    blocks = {s.block_size for s in specs if not isinstance(s, MambaSpec)}
+    if blocks != {small}:
+        raise Unsupported(f"{on}: attention blocks of {sorted(blocks)} tokens, {pages.SMALL_BLOCK_ENV} is {small}")
+    return k
