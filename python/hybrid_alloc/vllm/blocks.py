@@ -34,13 +34,16 @@ __all__ = ["BlockViews", "EmptyKVCacheBlocks", "HitBlocks", "NativeBlock", "Nati
 
 class NativeBlock:
     """A block handed to a caller that reads ``KVCacheBlocks.blocks``: an id-backed view
-    of the pool, made on demand (never on the hot path)."""
+    of the pool, made on demand (never on the hot path). ``block_id`` is the id its group's
+    table holds; ``_key`` the pool-wide id the core reads it by (the same, except a state
+    page under two-level pages: ``num_slots + page``, see :class:`BlockViews`)."""
 
-    __slots__ = ("_alloc", "block_id")
+    __slots__ = ("_alloc", "_key", "block_id")
 
-    def __init__(self, alloc: Allocator, block_id: int) -> None:
+    def __init__(self, alloc: Allocator, block_id: int, key: int | None = None) -> None:
         self._alloc = alloc
         self.block_id = block_id
+        self._key = block_id if key is None else key
 
     @property
     def is_null(self) -> bool:
@@ -48,22 +51,22 @@ class NativeBlock:
 
     @property
     def ref_cnt(self) -> int:
-        return self._alloc.ref_cnt(self.block_id)
+        return self._alloc.ref_cnt(self._key)
 
     @property
     def block_hash(self) -> bytes | None:
-        h = self._alloc.block_hash(self.block_id)
+        h = self._alloc.block_hash(self._key)
         return None if h is None else make_block_hash_with_group_id(h[0], h[1])
 
     @property
     def block_hash_num_tokens(self) -> int | None:
-        return self._alloc.block_hash_num_tokens(self.block_id)
+        return self._alloc.block_hash_num_tokens(self._key)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, NativeBlock) and other.block_id == self.block_id
+        return isinstance(other, NativeBlock) and other._key == self._key
 
     def __hash__(self) -> int:
-        return hash(self.block_id)
+        return hash(self._key)
 
     def __repr__(self) -> str:
         return f"NativeBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
@@ -72,20 +75,41 @@ class NativeBlock:
 class BlockViews(Sequence[NativeBlock]):
     """The views of one allocator's blocks (vLLM's ``BlockPool.blocks``): ``views[i]`` is the
     same :class:`NativeBlock` at every read. A view is made on its block's first read (the
-    dict holds at most one per block id, ``num_blocks`` in all); nothing is made up front.
+    dict holds at most one per pool-wide id); nothing is made up front.
 
-    Invariant: ``_views[i].block_id == i``, and every view of this allocator handed out by the
+    Ids are pool-wide, as the core's flat id lists (``pop_blocks_for_free``,
+    ``free_block_ids``, the residency log) write them. Under two-level pages
+    (``slots_per_page`` k > 1) a slot is its own id and page ``p`` of a state group is
+    ``num_slots + p`` (``num_slots`` = pages x k): ``views[num_slots + p].block_id == p``, as
+    the state group's table holds it. A group's own ids become pool-wide through
+    :meth:`many_in_group`.
+
+    Invariant: ``_views[key]._key == key``, and every view of this allocator handed out by the
     adapter comes from here (while its manager lives: see :func:`views_of`)."""
 
-    __slots__ = ("_alloc", "_num_blocks", "_views")
+    __slots__ = ("_alloc", "_num_blocks", "_num_slots", "_offsets", "_views")
 
-    def __init__(self, alloc: Allocator) -> None:
+    def __init__(self, alloc: Allocator, state_groups: Sequence[int] = ()) -> None:
         self._alloc = alloc
-        self._num_blocks = alloc.num_blocks
+        k = alloc.slots_per_page
+        # Ids below ``_num_slots`` are the pool's own (slots under two-level pages).
+        self._num_slots = alloc.num_blocks * k if k > 1 else alloc.num_blocks
+        self._num_blocks = self._num_slots + (alloc.num_blocks if k > 1 else 0)
+        # Each group's offset from its table's ids to pool-wide ones (``None``: all 0).
+        self._offsets: tuple[int, ...] | None = None
+        if k > 1 and state_groups:
+            n = max(state_groups) + 1
+            self._offsets = tuple(self._num_slots if g in state_groups else 0 for g in range(n))
         self._views: dict[int, NativeBlock] = {}
 
     def __len__(self) -> int:
         return self._num_blocks
+
+    def _view(self, key: int) -> NativeBlock:
+        view = self._views[key] = NativeBlock(
+            self._alloc, key - self._num_slots if key >= self._num_slots else key, key
+        )
+        return view
 
     def __getitem__(self, block_id: Any) -> Any:
         if isinstance(block_id, slice):
@@ -99,22 +123,37 @@ class BlockViews(Sequence[NativeBlock]):
                 raise IndexError(f"block id {block_id} out of range (num_blocks={self._num_blocks})")
             view = self._views.get(i)
             if view is None:
-                view = self._views[i] = NativeBlock(self._alloc, i)
+                view = self._view(i)
         return view
 
     def __iter__(self) -> Iterator[NativeBlock]:
         return (self[i] for i in range(self._num_blocks))
 
     def many(self, ids: Sequence[int]) -> list[NativeBlock]:
-        """The views of ``ids`` (block ids the core handed out: not range-checked), in order."""
+        """The views of ``ids`` (pool-wide block ids the core handed out: not range-checked),
+        in order."""
         views = self._views
         out = []
         for b in ids:
             view = views.get(b)
             if view is None:
-                view = views[b] = NativeBlock(self._alloc, b)
+                view = self._view(b)
             out.append(view)
         return out
+
+    def offset(self, group: int) -> int:
+        """What group ``group``'s table ids add to become pool-wide (0 but for a state group
+        under two-level pages)."""
+        offsets = self._offsets
+        return 0 if offsets is None or group >= len(offsets) else offsets[group]
+
+    def many_in_group(self, ids: Sequence[int], group: int) -> list[NativeBlock]:
+        """The views of group ``group``'s table ids ``ids``, in order (the null block stays
+        the null block)."""
+        off = self.offset(group)
+        if off == 0:
+            return self.many(ids)
+        return self.many([b + off if b else 0 for b in ids])
 
 
 # The views of each live manager's allocator, by ``id(allocator)``: ``NativeKVCacheBlocks``
@@ -125,10 +164,11 @@ class BlockViews(Sequence[NativeBlock]):
 _VIEWS: dict[int, BlockViews] = {}
 
 
-def register_views(owner: object, alloc: Allocator) -> BlockViews:
-    """The views of ``alloc``'s blocks for the manager ``owner``, found by :func:`views_of`
-    until ``owner`` is collected."""
-    views = BlockViews(alloc)
+def register_views(owner: object, alloc: Allocator, state_groups: Sequence[int] = ()) -> BlockViews:
+    """The views of ``alloc``'s blocks for the manager ``owner`` (``state_groups``: the groups
+    whose blocks are pages under two-level pages), found by :func:`views_of` until ``owner``
+    is collected."""
+    views = BlockViews(alloc, state_groups)
     key = id(alloc)
     _VIEWS[key] = views
     weakref.finalize(owner, _VIEWS.pop, key, None)
@@ -200,7 +240,9 @@ class NativeKVCacheBlocks(KVCacheBlocks):
             return self._blocks
         except AttributeError:
             views = views_of(self._alloc)
-            self._blocks: tuple[list[NativeBlock], ...] = tuple(views.many(g) for g in self._ids)
+            self._blocks: tuple[list[NativeBlock], ...] = tuple(
+                views.many_in_group(g, i) for i, g in enumerate(self._ids)
+            )
             return self._blocks
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
@@ -215,7 +257,12 @@ class NativeKVCacheBlocks(KVCacheBlocks):
 
     def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
         a = self._alloc
-        return [[b for b in g if b != 0 and a.block_hash(b) is None] for g in self._ids]
+        views = views_of(a)
+        out = []
+        for i, g in enumerate(self._ids):
+            off = views.offset(i)
+            out.append([b for b in g if b != 0 and a.block_hash(b + off) is None])
+        return out
 
     def new_empty(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in range(len(self._src))))

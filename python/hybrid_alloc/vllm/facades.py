@@ -66,7 +66,7 @@ class NativeFreeBlockQueue:
     def iter_blocks_after(self, block: NativeBlock | None) -> Iterator[NativeBlock]:
         """The free blocks after ``block`` (from the front when ``None``), front to back."""
         order = self._views._alloc.free_queue_order()
-        start = 0 if block is None else order.index(block.block_id) + 1
+        start = 0 if block is None else order.index(block._key) + 1
         views = self._views
         return (views[b] for b in order[start:])
 
@@ -93,7 +93,7 @@ class NativeBlockPool:
         """vLLM's ``BlockPool.free_blocks``. ``evict_first`` (0.34; its only caller is the
         SimpleCPUOffload connector's manager, which falls back) queues the freed blocks at the
         front of the free queue instead of the back, as vLLM's."""
-        ids = [b.block_id for b in ordered_blocks]
+        ids = [b._key for b in ordered_blocks]
         if evict_first:
             self._alloc.free_block_ids(ids, evict_first=True)
         else:
@@ -383,7 +383,7 @@ class NativeCoordinator:
         finally:
             alloc.free(h)
         views = self.block_pool.blocks
-        return tuple(views.many(g) for g in ids), hit, uncached
+        return tuple(views.many_in_group(g, i) for i, g in enumerate(ids)), hit, uncached
 
     def find_longest_cache_hit_per_group(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
@@ -403,7 +403,7 @@ class NativeCoordinator:
             alloc.free(h)
         assert hits is not None
         views = self.block_pool.blocks
-        return tuple(views.many(g) for g in ids), tuple(hits)
+        return tuple(views.many_in_group(g, i) for i, g in enumerate(ids)), tuple(hits)
 
 
 _COORDINATOR_CLASSES: dict[type[Any], type[NativeCoordinator]] = {}

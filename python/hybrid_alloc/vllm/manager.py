@@ -233,7 +233,9 @@ class HybridKVCacheManager:
         # With a KV connector and Mamba "align" groups: the boundary states to hand off.
         self._boundary = BoundaryOffloads(self._alloc) if native.get("boundary_offloads") else None
         # Each block's one view, made when first handed out (see ``blocks.BlockViews``).
-        self._views = register_views(self, self._alloc)
+        self._views = register_views(
+            self, self._alloc, [i for i, g in enumerate(native["groups"]) if g.kind in ("mamba", "mamba_align")]
+        )
         # The ``req_to_blocks`` lists handed out, by request and group, until the request's
         # blocks are freed (see ``facades.LiveBlocks``); empty unless someone reads them.
         self._live_blocks: dict[str, dict[int, LiveBlocks]] = {}
@@ -625,11 +627,13 @@ class HybridKVCacheManager:
             # vLLM 0.33 drops each group's leading null blocks (``trim_null_head``); a
             # Mamba "align" table also has null gaps after its first state block, kept.
             ids = []
-            for g in groups:
+            for i, g in enumerate(groups):
                 n = 0
                 while n < len(g) and g[n] == 0:
                     n += 1
-                ids.extend(g[n:])
+                # Pool-wide ids, as the core's list (a state page under two-level pages).
+                off = self._views.offset(i)
+                ids.extend(g[n:] if off == 0 else [b + off if b else 0 for b in g[n:]])
         return self._views.many(ids)
 
     def evict_blocks(self, block_ids: set[int]) -> None:

@@ -110,10 +110,12 @@ class LiveBlocks(Sequence["NativeBlock"]):
 
     def __getitem__(self, index: Any) -> Any:
         ids = self._ids()[index]
-        return self._views.many(ids) if isinstance(index, slice) else self._views[ids]
+        if isinstance(index, slice):
+            return self._views.many_in_group(ids, self._group)
+        return self._views.many_in_group([ids], self._group)[0]
 
     def __iter__(self) -> Iterator[NativeBlock]:
-        return iter(self._views.many(self._ids()))
+        return iter(self._views.many_in_group(self._ids(), self._group))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (list, tuple, LiveBlocks)):
