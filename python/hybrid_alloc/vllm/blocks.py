@@ -87,11 +87,12 @@ class BlockViews(Sequence[NativeBlock]):
     Invariant: ``_views[key]._key == key``, and every view of this allocator handed out by the
     adapter comes from here (while its manager lives: see :func:`views_of`)."""
 
-    __slots__ = ("_alloc", "_num_blocks", "_num_slots", "_offsets", "_views")
+    __slots__ = ("_alloc", "_num_blocks", "_num_slots", "_offsets", "_paged", "_views")
 
     def __init__(self, alloc: Allocator, state_groups: Sequence[int] = ()) -> None:
         self._alloc = alloc
         k = alloc.slots_per_page
+        self._paged = k > 1
         # Ids below ``_num_slots`` are the pool's own (slots under two-level pages).
         self._num_slots = alloc.num_blocks * k if k > 1 else alloc.num_blocks
         self._num_blocks = self._num_slots + (alloc.num_blocks if k > 1 else 0)
@@ -106,9 +107,10 @@ class BlockViews(Sequence[NativeBlock]):
         return self._num_blocks
 
     def _view(self, key: int) -> NativeBlock:
-        view = self._views[key] = NativeBlock(
-            self._alloc, key - self._num_slots if key >= self._num_slots else key, key
-        )
+        # Past the slots, under two-level pages: a state page. (With one page size an id past
+        # the pool, which ``many`` does not check, stays itself.)
+        page = self._paged and key >= self._num_slots
+        view = self._views[key] = NativeBlock(self._alloc, key - self._num_slots if page else key, key)
         return view
 
     def __getitem__(self, block_id: Any) -> Any:
