@@ -81,7 +81,9 @@ def decide(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[list[Any] | N
     """The two-level form of every worker's plan, or None and the reason vLLM's plan stays.
     Reshaped only when our manager will serve the scheduler's configuration: the plugin's flag
     is on, and ``plan.native_plan`` and the core accept the configuration the scheduler will
-    be given. Never raises."""
+    be given; and the state block (``mamba_block_size``, which the workers read from their own
+    copy of the config, made before planning) is not rounded: ``small`` divides it. Never
+    raises."""
     try:
         from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 
@@ -93,6 +95,10 @@ def decide(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[list[Any] | N
             return None, "the plugin's manager is not installed"
         small = pages.small_block_from_env()
         reshaped = [pages.two_level_kv_cache_config(c, small) for c in kv_cache_configs]
+        before, after = pages.state_block_size(kv_cache_configs[0]), pages.state_block_size(reshaped[0])
+        if before != after:
+            # The workers (started before planning) keep vLLM's ``mamba_block_size``.
+            return None, f"the state block of {before} tokens is not a multiple of {pages.SMALL_BLOCK_ENV}={small}"
         sched = generate_scheduler_kv_cache_config(reshaped)
         try:
             native = native_plan(_scheduler_args(vllm_config, sched), vllm_config)
@@ -105,6 +111,8 @@ def decide(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[list[Any] | N
 
 
 def _num_blocks_of(original: Any) -> Any:
+    told: list[bool] = []  # one log line per process
+
     def num_blocks_of(self: Any, tensor: Any) -> int:
         """``num_blocks`` times ``k`` for an attention tensor of a two-level configuration
         (hybrid_alloc: its views hold ``k`` small blocks per page), vLLM's answer otherwise."""
@@ -120,6 +128,9 @@ def _num_blocks_of(original: Any) -> Any:
         group = next((g for g in self.kv_cache_groups if layer in g.layer_names), None)
         if group is None or isinstance(group.kv_cache_spec, MambaSpec):
             return n
+        if not told:
+            told.append(True)
+            logger.info("hybrid_alloc: two-level pages: attention tensors viewed as %d blocks (%d pages x %d)", n * k, n, k)
         return n * k
 
     num_blocks_of._hybrid_alloc_wrapped = True  # type: ignore[attr-defined]
