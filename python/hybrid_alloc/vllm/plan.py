@@ -11,7 +11,7 @@ from typing import Any
 from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheGroupRole, KVCacheSpec, MambaSpec
 
 from hybrid_alloc.specs import GroupSpec
-from hybrid_alloc.vllm import compat, engine_pages, pages, policy_env
+from hybrid_alloc.vllm import compat, pages, policy_env
 from hybrid_alloc.vllm.args import ManagerArgs
 from hybrid_alloc.vllm.connector import connector_reason
 from hybrid_alloc.vllm.dcp import group_block_sizes
@@ -97,9 +97,10 @@ def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str) -> int:
     connector (it moves whole blocks: a page's slots belong to other requests), decode or
     prefill context parallelism, speculative decoding (lookahead hashes or blocks, Mamba
     speculative blocks), the hit-aware policy, an attention block other than
-    ``HYBRID_ALLOC_SMALL_BLOCK``, a configuration that is not two-level (the plugin's
-    planning did not run), and KV cache zeroing where the plugin's engine side is not
-    installed (:mod:`.engine_pages`: only its workers zero slots)."""
+    ``HYBRID_ALLOC_SMALL_BLOCK``, and a configuration that is not two-level (the plugin's
+    planning, :mod:`.engine_pages`, did not run). KV cache zeroing is served: the core
+    records the new slots, which the workers of the engine side zero in their small-block
+    views (only that planning hands real workers a two-level configuration)."""
     kvc = a.kv_cache_config
     small = pages.small_block_from_env()  # raises Unsupported on a bad value
     on = f"{pages.PAGES_ENV}=two-level"
@@ -125,7 +126,4 @@ def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str) -> int:
     blocks = {s.block_size for s in specs if not isinstance(s, MambaSpec)}
     if blocks != {small}:
         raise Unsupported(f"{on}: attention blocks of {sorted(blocks)} tokens, {pages.SMALL_BLOCK_ENV} is {small}")
-    if getattr(kvc, "needs_kv_cache_zeroing", False) and not engine_pages.installed():
-        # The core records new slots; only the engine side's workers zero slots (see there).
-        raise Unsupported(f"{on} with KV cache zeroing (served where the plugin's engine side is installed)")
     return k

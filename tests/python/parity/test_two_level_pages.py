@@ -256,13 +256,12 @@ def test_native_plan_refuses_a_kv_connector_under_two_level(
 def test_the_core_builds_the_two_level_plan_or_names_why(
     planned: dict[str, tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What ``native_plan`` asks for under the option, built by the core: served on 0.32 and
-    0.33; on 0.34, whose ``KVCacheConfig`` marks every Mamba hybrid for zeroing new attention
-    blocks, the core refuses (the plugin falls back with that reason)."""
+    """What ``native_plan`` asks for under the option, built by the core, on every release;
+    where the ``KVCacheConfig`` marks the Mamba hybrid for zeroing new attention blocks (0.32's
+    property, 0.34's field) with ``zero_new_blocks``: the core records the new slots."""
     import inspect
 
     from hybrid_alloc import Allocator
-    from hybrid_alloc.errors import UnsupportedConfigError
     from hybrid_alloc.vllm import pages
     from hybrid_alloc.vllm.plan import native_plan
 
@@ -273,10 +272,7 @@ def test_the_core_builds_the_two_level_plan_or_names_why(
     monkeypatch.setenv(pages.PAGES_ENV, "two-level")
     t = pages.two_level_kv_cache_config(planned["qwen36"][1], 64)
     native = native_plan(_args(t), None)
-    if getattr(t, "needs_kv_cache_zeroing", False):
-        with pytest.raises(UnsupportedConfigError, match="zeroing"):
-            Allocator(**native)
-        return
+    assert native.get("zero_new_blocks", False) == bool(getattr(t, "needs_kv_cache_zeroing", False))
     alloc = Allocator(**native)
     assert alloc.slots_per_page == 17 and alloc.num_blocks == t.num_blocks == 1927
     assert alloc.num_free_blocks == 1926 and alloc.usage == 0.0
