@@ -136,6 +136,9 @@ fn check_pages(a: &Allocator) -> Result<(), String> {
             if keyed && !pool.is_slot_page(p) {
                 return Err(format!("free page {p} keeps slot keys but the slot side did not own it"));
             }
+            if pool.is_slot_page(p) && s.block_hash(p).is_some() {
+                return Err(format!("free page {p} holds a state key and the slot side owned it last"));
+            }
         } else if in_use > 0 {
             open += 1;
             if !pool.is_slot_page(p) || s.ref_cnt(p) != 1 || s.loose_refs(p) != 0 || s.block_hash(p).is_some() {

@@ -29,6 +29,10 @@
 //!        |                                  for a longer prefix (vLLM's
 //!        |                                  cached_block_hashes_by_block)
 //!        |- events                         BlockStored / BlockRemoved / AllBlocksCleared
+//!        |- pages: Option<Box<Pages>>     two-level pages only (`block_pool/pages.rs`,
+//!        |                                  `Config::slots_per_page > 1`): this pool holds
+//!        |                                  slots, `k` a page; the page pool and each page's
+//!        |                                  state sit here, called at the slot hooks
 //!        '- retention: Option<Retention>  `hit-aware` only (policy/): levels, flags, hit
 //!                                           units, pins; called at the pool's hooks
 //!                                           (popped, touched, freed, unkeying, keyed,
@@ -77,6 +81,10 @@
 //!   "align" table is null except for its last state blocks, with null gaps between them; an
 //!   R-SWA table has one null gap between its prompt and its window, all null as far as the
 //!   manager records it).
+//! - Two-level pages (`slots_per_page = k > 1`): every page is exactly one of free (in the
+//!   page queue), a state page, or an open slot page (a slot in use); the slot pool's free
+//!   queue holds exactly the free slots of open pages; no slot of a state page is used or
+//!   keyed; a state group's ids are pages, every other group's are slots of open pages.
 //! - Under the `hit-aware` policy (`policy/`): a free cached block sits in the free-queue
 //!   segment of its retention level; the free blocks at the pinned and leased levels are
 //!   counted and stay within the pinned share; a free block at the leased level is the block

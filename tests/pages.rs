@@ -247,6 +247,29 @@ fn pop_blocks_for_free_writes_pages_after_the_slots_and_free_block_ids_checks_ea
     assert!(a.reset_prefix_cache());
 }
 
+#[test]
+fn events_and_residency_log_cover_both_pools() {
+    let mut a = Allocator::new(Config { residency_log: true, ..config(8, 4, 32) }, Policy::Exact).unwrap();
+    let h = add(&mut a, &[1, 2, 3]);
+    a.allocate_slots(h, &args(32, 0, 0, 48, 48), NewComputed::Empty, None).unwrap().unwrap();
+    let (slots, state) = (a.blocks(h, 0).unwrap().to_vec(), a.blocks(h, 1).unwrap()[0]);
+    // Stored events: the slot group's at its (small) block size, then the state group's.
+    let stored: Vec<(u32, u32)> = a
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            hybrid_alloc::Event::Stored { group, block_size, .. } => Some((group, block_size)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stored, vec![(0, 16), (1, 32)]);
+    // The log: slots as themselves, the page as num_slots + page.
+    let log = a.take_residency_log();
+    let allocated: Vec<BlockId> =
+        log.iter().filter(|(op, _)| *op == hybrid_alloc::ResidencyOp::Allocated).map(|&(_, b)| b).collect();
+    assert_eq!(allocated, vec![slots[0], slots[1], 8 * 4 + state]);
+}
+
 // ---------------------------------------------------------------------------------------
 // The property test with the content oracle
 

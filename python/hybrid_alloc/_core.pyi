@@ -199,6 +199,7 @@ class Allocator(AllocatorBase):
         hash_lookahead_tokens: int = 0,
         residency_log: bool = False,
         boundary_offloads: bool = False,
+        *,
         slots_per_page: int = 1,
     ) -> Allocator: ...
     def add_request(self) -> int: ...

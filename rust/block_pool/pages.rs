@@ -86,23 +86,32 @@ impl BlockPool {
         self.pages.as_ref().map(|p| &p.s)
     }
 
-    /// The pool a group uses: the page pool for a state group under two-level pages, else
-    /// this one.
-    #[inline]
+    /// The pool a group uses: the page pool for a state group under two-level pages
+    /// (`page_side`, which only a state group of an allocator with pages has), else this
+    /// one: a branch on `page_side`, nothing more, for every other group.
+    #[inline(always)]
     pub(crate) fn side(&mut self, page_side: bool) -> &mut BlockPool {
-        if page_side && self.pages.is_some() {
-            &mut self.pages.as_mut().expect("checked").s
+        if page_side {
+            self.page_pool_mut()
         } else {
             self
         }
     }
 
+    /// The page pool, out of the one-pool line.
+    #[cold]
+    #[inline(never)]
+    fn page_pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pages.as_deref_mut().expect("a state group's pool under two-level pages").s
+    }
+
     /// [`Self::side`], to read.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn side_ref(&self, page_side: bool) -> &BlockPool {
-        match &self.pages {
-            Some(p) if page_side => &p.s,
-            _ => self,
+        if page_side {
+            &self.pages.as_deref().expect("a state group's pool under two-level pages").s
+        } else {
+            self
         }
     }
 
@@ -110,8 +119,8 @@ impl BlockPool {
     #[inline]
     pub fn free_pages(&self) -> u32 {
         match &self.pages {
-            Some(p) => p.s.num_free_blocks(),
             None => self.num_free_blocks(),
+            Some(p) => p.s.num_free_blocks(),
         }
     }
 
@@ -199,8 +208,9 @@ impl BlockPool {
     /// (empty) queue.
     fn open_page(&mut self, p: &mut Pages) {
         let page = p.s.queue.pop_front().expect("a free page (the count checked it)");
-        if !p.slot_page[page as usize] && p.s.enable_caching {
-            // A state page's key goes; a free slot page's slots keep theirs.
+        if p.s.index.is_keyed(page) {
+            // A free state page's key goes (reported evicted to the residency log); a free
+            // slot page holds no key in S, and its slots keep theirs.
             p.s.maybe_evict_cached_block(page);
         }
         debug_assert_eq!(p.s.ref_cnt[page as usize], 0);
@@ -307,11 +317,19 @@ impl BlockPool {
     /// Rule 2, deferred to here: the pages state groups took since the last call lose their
     /// slots' keys (a page that held slots, taken from the page queue by a state group).
     /// The allocator calls it once its managers have allocated; O(k) per page taken.
+    #[inline]
     pub(crate) fn settle_pages(&mut self) {
-        let Some(p) = &mut self.pages else { return };
-        if p.s.taken.as_ref().is_none_or(Vec::is_empty) {
-            return;
+        if let Some(p) = &self.pages {
+            if p.s.taken.as_ref().is_some_and(|t| !t.is_empty()) {
+                self.settle_taken();
+            }
         }
+    }
+
+    /// [`Self::settle_pages`] when a state group took pages, out of the allocation's line.
+    #[cold]
+    #[inline(never)]
+    fn settle_taken(&mut self) {
         let mut p = self.pages.take().expect("checked");
         let mut taken = p.s.taken.take().expect("the page pool records its pops");
         for &page in &taken {

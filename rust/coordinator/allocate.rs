@@ -121,7 +121,10 @@ impl Allocator {
     /// [`Self::num_blocks_to_allocate`] with two-level pages: the pages the request needs
     /// (`BlockPool::pages_needed`): the state groups' counts, plus the slot groups' new
     /// slots after their hit's free slots are taken. Slot groups are full attention (the
-    /// config checks it), so a hit's blocks are all touched when adopted.
+    /// config checks it), so a hit's blocks are all touched when adopted. Out of line, so the
+    /// one-pool count stays as it was (inlined into `allocate_slots`).
+    #[cold]
+    #[inline(never)]
     fn pages_to_allocate(&self, s: Slot, c: CountArgs<'_>, new_computed: &[Vec<BlockId>], _enc: u32) -> i64 {
         let (mut slots, mut pages) = (0i64, 0i64);
         let mut touched: Vec<BlockId> = Vec::new();

@@ -87,13 +87,15 @@ impl<'py> Opt<'py> {
     }
 }
 
-/// Declares the struct of one call's options (fields in positional order) and its `parse`.
+/// Declares the struct of one call's options (fields in positional order, then after a `;`
+/// the keyword-only ones) and its `parse`.
 macro_rules! options {
-    ($(#[$doc:meta])* $ty:ident($call:literal) { $($field:ident),+ $(,)? }) => {
+    ($(#[$doc:meta])* $ty:ident($call:literal) { $($field:ident),+ $(,)? $(; $($kw:ident),+ $(,)?)? }) => {
         $(#[$doc])*
         #[derive(Default)]
         pub(super) struct $ty<'py> {
             $(pub(super) $field: Opt<'py>,)+
+            $($(pub(super) $kw: Opt<'py>,)+)?
         }
 
         impl<'py> $ty<'py> {
@@ -106,6 +108,7 @@ macro_rules! options {
             ) -> PyResult<Self> {
                 let mut o = Self::default();
                 $(o.$field.call = $call; o.$field.name = stringify!($field);)+
+                $($(o.$kw.call = $call; o.$kw.name = stringify!($kw);)+)?
                 if let Some(args) = positional {
                     let mut slots = [$(&mut o.$field),+];
                     if args.len() > slots.len() {
@@ -122,6 +125,7 @@ macro_rules! options {
                     let key = k.cast::<PyString>()?.to_cow()?;
                     let slot = match &*key {
                         $(stringify!($field) => &mut o.$field,)+
+                        $($(stringify!($kw) => &mut o.$kw,)+)?
                         _ => return Err(PyTypeError::new_err(format!(
                             "{}() got an unexpected keyword argument '{key}'", $call
                         ))),
@@ -140,10 +144,11 @@ macro_rules! options {
 }
 
 options! {
-    /// `Allocator(...)`'s options after its five required arguments.
+    /// `Allocator(...)`'s options after its five required arguments (`slots_per_page`
+    /// keyword-only).
     NewOptions("Allocator") {
         max_in_flight_tokens, enable_caching, enable_events, watermark_blocks, retention_interval, policy,
-        zero_new_blocks, hash_lookahead_tokens, residency_log, boundary_offloads, slots_per_page,
+        zero_new_blocks, hash_lookahead_tokens, residency_log, boundary_offloads; slots_per_page,
     }
 }
 
@@ -210,7 +215,7 @@ impl NewOptions<'_> {
             hash_lookahead_tokens: u32_arg("hash_lookahead_tokens", self.hash_lookahead_tokens.get(0)?)?,
             residency_log: self.residency_log.get(false)?,
             boundary_offloads: self.boundary_offloads.get(false)?,
-            slots_per_page: u32_arg("slots_per_page", self.slots_per_page.get(1)?)?,
+            slots_per_page: u32_arg("slots_per_page", self.slots_per_page.given_or(1)?)?,
             ..base
         };
         Ok((cfg, policy))

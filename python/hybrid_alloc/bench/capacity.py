@@ -167,7 +167,8 @@ def report(results: list[Result], args: argparse.Namespace, pool: int, traces: t
         f"Capacity at equal memory ({pool / GiB:g} GiB pool, vLLM's planner; vLLM's real scheduler)",
         cols,
         rows,
-        caption="running: mean running requests while every client has a request in flight (after the first wave); "
+        caption="running, waiting: means over the steady state (from the step at which half as many requests "
+        "finished as there are clients to the step at which a client first has none left); "
         "pages/req: used pages over running requests; trapped: free slots inside used pages, as pages "
         "(two-level's fragmentation)",
         wide=args.wide,

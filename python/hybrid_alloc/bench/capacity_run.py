@@ -11,10 +11,10 @@ KV cache manager, on vLLM's real ``Scheduler`` (offline, fabricated model output
 
 Equal memory: vLLM's own planner sizes the pool from the same byte budget for every column;
 the ``two-level`` column reshapes that plan (:func:`hybrid_alloc.vllm.pages.two_level_kv_cache_config`:
-the same tensors, the same pages, fewer where the state page is padded). On vLLM 0.34 (every
-Mamba hybrid's ``needs_kv_cache_zeroing``) that column turns the recording of new attention
-blocks for the workers' zeroing off, which the core does not serve with two-level pages yet and
-which nothing the scheduler decides reads.
+the same tensors, the same pages, fewer where the state page is padded). That column turns
+the recording of new blocks for the workers' zeroing off (:func:`without_zeroing`: every
+release marks Mamba hybrids for it; the core does not serve it with two-level pages yet, and
+nothing the scheduler decides reads it).
 
 What a run measures (the window: from the step at which half as many requests have finished
 as there are clients to the step at which the first client has none left to send, so neither
@@ -113,6 +113,29 @@ class _Capture(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+class _NoZeroing:
+    """Mixed in over a ``KVCacheConfig`` class whose ``needs_kv_cache_zeroing`` is a property
+    (vLLM 0.32, 0.33): reads False."""
+
+    needs_kv_cache_zeroing = False
+
+
+def without_zeroing(kvc: Any) -> Any:
+    """``kvc`` with ``needs_kv_cache_zeroing`` off. Every supported vLLM marks a Mamba hybrid's
+    configuration for zeroing new blocks (``has_mamba_layers``: a field set after construction
+    on 0.34, a property on 0.32/0.33), and the core does not record slots for it yet (it refuses
+    zeroing with two-level pages). The scheduler only forwards those ids to the workers
+    (``_get_new_block_ids_to_zero``, and a connector's failed load): nothing it schedules
+    depends on them, so the bench's two-level column turns the recording off."""
+    if not getattr(kvc, "needs_kv_cache_zeroing", False):
+        return kvc
+    if isinstance(getattr(type(kvc), "needs_kv_cache_zeroing", None), property):
+        kvc.__class__ = type(f"{type(kvc).__name__}WithoutZeroing", (_NoZeroing, type(kvc)), {})
+    else:
+        kvc.needs_kv_cache_zeroing = False
+    return kvc
+
+
 def build(shape: Any, manager: str, budget_bytes: int, max_num_seqs: int, small: int) -> Any:
     """vLLM's Scheduler for ``shape`` over a pool of ``budget_bytes`` planned by vLLM's
     planner, with the column's manager. ``RuntimeError`` when ours is asked for and the
@@ -124,13 +147,7 @@ def build(shape: Any, manager: str, budget_bytes: int, max_num_seqs: int, small:
         def kv_cache_config(self, vc: Any) -> Any:
             kvc = pages.two_level_kv_cache_config(super().kv_cache_config(vc), small)
             pages.scheduler_cache_config(vc.cache_config, kvc)
-            if getattr(kvc, "needs_kv_cache_zeroing", False):
-                # vLLM 0.34 zeroes new attention blocks of every Mamba hybrid; the core does not
-                # record slots for it yet (it refuses zeroing with k > 1). The scheduler only
-                # forwards those ids to the workers (``_get_new_block_ids_to_zero``): nothing it
-                # schedules depends on them, so the bench turns the recording off.
-                kvc.needs_kv_cache_zeroing = False
-            return kvc
+            return without_zeroing(kvc)
 
     cls = TwoLevelSetup if manager == "two-level" else SchedulerSetup
     setup = cls(
@@ -158,6 +175,11 @@ def build(shape: Any, manager: str, budget_bytes: int, max_num_seqs: int, small:
     mgr = sched.kv_cache_manager
     if manager != "vllm" and getattr(mgr, "_alloc", None) is None:
         raise RuntimeError(f"{manager}: the plugin fell back to vLLM's manager: {'; '.join(cap.lines) or '?'}")
+    kvc = mgr.kv_cache_config
+    if (align := pages.cache_hit_alignment_tokens(kvc, sched.block_size)) is not None:
+        # What the workers would read (vLLM's resolver gave the hash block): the manager's.
+        assert not mgr.coordinator.enable_partial_hash_hits, "two-level pages with partial hash hits"
+        kvc.cache_hit_alignment_tokens = align
     return sched
 
 
@@ -258,5 +280,9 @@ def run(
         finished=not live,
         seconds=time.perf_counter() - t0,
         running=running_series,
-        extra={"hash_block_size": sched.hash_block_size, "scheduler_block_size": sched.block_size},
+        extra={
+            "hash_block_size": sched.hash_block_size,
+            "scheduler_block_size": sched.block_size,
+            "cache_hit_alignment_tokens": kvc.cache_hit_alignment_tokens,
+        },
     )

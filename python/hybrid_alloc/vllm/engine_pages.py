@@ -15,6 +15,10 @@ What it patches (vLLM 0.32.0, docs/two-level-pages.md "Engine side"):
   ``cache_config.block_size`` to the smallest group block (the small block): for a two-level
   configuration :func:`pages.scheduler_cache_config` sets it back to the state block first
   (the Mamba block the scheduler's align split and the workers read).
+- ``vllm.v1.engine.core.resolve_cache_hit_alignment_tokens``: for a two-level configuration the
+  state block (:func:`pages.cache_hit_alignment_tokens`; vLLM's resolver answers the small block,
+  as its managers would serve partial hits there; the core does not, and the engine writes the
+  value into every worker's configuration, where Mamba prefill checkpoints are placed by it).
 - ``KVCacheConfig.num_blocks_of``: vLLM's workers (``allocate_kv_cache``) view every tensor with
   ``num_blocks`` blocks; an attention tensor of a two-level configuration has ``num_blocks * k``
   small blocks (``block_stride`` the small page). vLLM's own configurations (one page for every
@@ -47,8 +51,8 @@ logger = logging.getLogger("vllm.hybrid_alloc")
 ENGINE_RELEASES = ("0.32.0",)
 
 # What install() replaced: (core module, get_kv_cache_configs, resolve_kv_cache_block_sizes,
-# KVCacheConfig class, num_blocks_of); None while not installed.
-_saved: tuple[Any, Any, Any, Any, Any] | None = None
+# resolve_cache_hit_alignment_tokens, KVCacheConfig class, num_blocks_of); None while not installed.
+_saved: tuple[Any, Any, Any, Any, Any, Any] | None = None
 
 
 def _scheduler_args(vllm_config: Any, kvc: Any) -> Any:
@@ -163,6 +167,7 @@ def install(release: str | None) -> bool:
 
         original_plan = core_mod.get_kv_cache_configs
         original_resolve = core_mod.resolve_kv_cache_block_sizes
+        original_alignment = core_mod.resolve_cache_hit_alignment_tokens
         original_num_blocks_of = KVCacheConfig.num_blocks_of
     except Exception as e:  # noqa: BLE001
         logger.warning("hybrid_alloc: two-level pages not installed, vLLM's layout stays: %s: %s", type(e).__name__, e)
@@ -182,10 +187,16 @@ def install(release: str | None) -> bool:
             pages.scheduler_cache_config(vllm_config.cache_config, kvc)
         return original_resolve(kvc, vllm_config, *args, **kwargs)
 
+    def resolve_cache_hit_alignment_tokens(kvc: Any, vllm_config: Any, scheduler_block_size: int, *args: Any) -> Any:
+        aligned = original_alignment(kvc, vllm_config, scheduler_block_size, *args)
+        ours = pages.cache_hit_alignment_tokens(kvc, scheduler_block_size)
+        return aligned if ours is None else ours
+
     core_mod.get_kv_cache_configs = get_kv_cache_configs
     core_mod.resolve_kv_cache_block_sizes = resolve_kv_cache_block_sizes
+    core_mod.resolve_cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens
     KVCacheConfig.num_blocks_of = _num_blocks_of(original_num_blocks_of)
-    _saved = (core_mod, original_plan, original_resolve, KVCacheConfig, original_num_blocks_of)
+    _saved = (core_mod, original_plan, original_resolve, original_alignment, KVCacheConfig, original_num_blocks_of)
     return True
 
 
@@ -199,8 +210,9 @@ def remove() -> None:
     global _saved
     if _saved is None:
         return
-    core_mod, original_plan, original_resolve, cls, original_num_blocks_of = _saved
+    core_mod, original_plan, original_resolve, original_alignment, cls, original_num_blocks_of = _saved
     core_mod.get_kv_cache_configs = original_plan
     core_mod.resolve_kv_cache_block_sizes = original_resolve
+    core_mod.resolve_cache_hit_alignment_tokens = original_alignment
     cls.num_blocks_of = original_num_blocks_of
     _saved = None

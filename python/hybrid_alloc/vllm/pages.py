@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_SMALL_BLOCK",
     "PAGES_ENV",
     "SMALL_BLOCK_ENV",
+    "cache_hit_alignment_tokens",
     "pages_from_env",
     "scheduler_cache_config",
     "slots_per_page",
@@ -215,3 +216,13 @@ def scheduler_cache_config(cache_config: Any, kv_cache_config: Any) -> None:
     cache_config.block_size = bs
     if getattr(cache_config, "mamba_cache_mode", None) == "align":
         cache_config.mamba_block_size = bs
+
+
+def cache_hit_alignment_tokens(kv_cache_config: Any, scheduler_block_size: int) -> int | None:
+    """The hit alignment of a two-level ``kv_cache_config`` (the state block: the core serves
+    no sub-block ("partial") hash hits with two-level pages), or None for any other
+    configuration (vLLM's ``resolve_cache_hit_alignment_tokens`` holds). vLLM's resolver gives
+    the hash block (``small``) for a two-level configuration, because its own managers would
+    serve partial hits there; the workers read that value (``cache_config.cache_hit_alignment_tokens``)
+    to place Mamba prefill checkpoints, so it must be the manager's alignment instead."""
+    return scheduler_block_size if slots_per_page(kv_cache_config) is not None else None

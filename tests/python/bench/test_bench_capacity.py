@@ -76,6 +76,7 @@ def test_two_level_holds_a_request_in_fewer_pages_and_runs_more(shape: str) -> N
     ref, two = (run(SHAPES[shape], t, m, GiB) for m in ("vllm", "two-level"))
     assert two.slots_per_page > 1 and two.block_size == 64 and two.finished
     assert two.extra["hash_block_size"] == 64 and two.pool_pages <= ref.pool_pages
+    assert two.extra["cache_hit_alignment_tokens"] == two.extra["scheduler_block_size"] > 64
     assert two.pages_per_request < ref.pages_per_request
     assert two.mean_running > ref.mean_running
     assert 0 <= two.trapped_pages < two.pool_pages
@@ -105,3 +106,24 @@ def test_capacity_command_writes_table_json_and_plot(tmp_path: Path, capsys: pyt
     assert [(r["manager"], r["mean_running_vs_vllm"]) for r in data["rows"]] == [("vllm", 0.0), ("ours", 0.0)]
     assert (tmp_path / "capacity.png").stat().st_size > 0
     assert "Capacity at equal memory" in capsys.readouterr().out
+
+
+def test_capacity_report_without_matplotlib_writes_json_and_skips_the_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    from hybrid_alloc.bench import capacity
+    from hybrid_alloc.bench.capacity_run import Result, Trace
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    row = dict(pool_pages=10, block_size=64, slots_per_page=4, mean_running=3.0, mean_waiting=0.0, preemptions=0)
+    row |= dict(prefill_tokens=100, pages_per_request=2.0, capacity=4.5, trapped_pages=0.5, steps=5)
+    r = Result("falconh1", "chat", "vllm", window=(1, 4), finished=True, seconds=0.1, running=[1, 3, 3, 3, 1], **row)
+    args = capacity.parse_args(["--out-dir", str(tmp_path)])
+    capacity.report([r], args, 1 << 30, (Trace("chat", 2, 1, (100, 200), (50, 60)),))
+    assert json.loads((tmp_path / "capacity.json").read_text())["rows"][0]["mean_running"] == 3.0
+    assert not (tmp_path / "capacity.png").exists()
+    assert "pip install '.[bench]'" in capsys.readouterr().err

@@ -4,6 +4,8 @@ after the slots in the flat id lists, and the refusals (a config error, never a 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from api_helpers import allocate, hashes
@@ -58,12 +60,24 @@ def test_slots_per_page_ids_free_pages_and_usage() -> None:
         ([FullAttention(block_size=16)], {}, InvalidConfigError),
         ([MambaAlign(block_size=32)], {}, InvalidConfigError),
         (
-            [FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1), SlidingWindow(block_size=16, spec_key=2, window=64)],
+            [
+                FullAttention(block_size=16),
+                MambaAlign(block_size=32, spec_key=1),
+                SlidingWindow(block_size=16, spec_key=2, window=64),
+            ],
             {},
             UnsupportedConfigError,
         ),
-        ([FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1)], {"policy": "hit-aware"}, UnsupportedConfigError),
-        ([FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1)], {"slots_per_page": 0}, InvalidConfigError),
+        (
+            [FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1)],
+            {"policy": "hit-aware"},
+            UnsupportedConfigError,
+        ),
+        (
+            [FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1)],
+            {"slots_per_page": 0},
+            InvalidConfigError,
+        ),
     ],
 )
 def test_slots_per_page_refusals(groups: list[object], kw: dict[str, object], error: type[Exception]) -> None:
@@ -78,3 +92,7 @@ def test_slots_per_page_one_is_todays_layout() -> None:
     assert (a.slots_per_page, a.num_blocks, a.num_free_blocks) == (1, PAGES, PAGES - 1)
     with pytest.raises(OutOfRangeError):
         Allocator(PAGES, groups, 16, 16, 4096, slots_per_page=-1)
+    with pytest.raises(TypeError, match="argument 'slots_per_page'"):
+        Allocator(PAGES, groups, 16, 16, 4096, slots_per_page=None)  # type: ignore[arg-type]
+    sig = inspect.signature(Allocator)
+    assert sig.parameters["slots_per_page"].kind is inspect.Parameter.KEYWORD_ONLY

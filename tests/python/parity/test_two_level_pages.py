@@ -111,9 +111,9 @@ def test_scheduler_resolves_the_state_block_and_hashes_at_the_small_block(
 ) -> None:
     """The align split reads ``cache_config.block_size`` as the Mamba block; the scheduler
     block is the groups' LCM (the state block), the hash block their GCD (the small block)."""
-    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
 
-    from hybrid_alloc.vllm.pages import scheduler_cache_config, two_level_kv_cache_config
+    from hybrid_alloc.vllm.pages import cache_hit_alignment_tokens, scheduler_cache_config, two_level_kv_cache_config
 
     vc, kvc = planned[name]
     t = two_level_kv_cache_config(kvc, 64)
@@ -122,6 +122,11 @@ def test_scheduler_resolves_the_state_block_and_hashes_at_the_small_block(
         scheduler_cache_config(vc.cache_config, t)
         assert (vc.cache_config.block_size, vc.cache_config.mamba_block_size) == (state_block, state_block)
         assert resolve_kv_cache_block_sizes(t, vc) == (state_block, 64)
+        # vLLM's resolver would align hits to the hash block (its managers' partial hits); the
+        # core serves none with two-level pages: the state block.
+        assert resolve_cache_hit_alignment_tokens(t, vc, state_block, 64) == 64
+        assert cache_hit_alignment_tokens(t, state_block) == state_block
+        assert cache_hit_alignment_tokens(kvc, old[0]) is None
     finally:
         vc.cache_config.block_size, vc.cache_config.mamba_block_size = old
 
@@ -174,16 +179,26 @@ def _args(kvc: Any, **over: Any) -> Any:
     return ManagerArgs(**kw)
 
 
+@pytest.fixture
+def qwen36(planned: dict[str, tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """(vLLM's plan, its two-level form at 64) of qwen36, with ``HYBRID_ALLOC_PAGES=two-level``,
+    the exact policy and the default small block in the environment."""
+    from hybrid_alloc.vllm import pages
+
+    monkeypatch.delenv("HYBRID_ALLOC_POLICY", raising=False)
+    monkeypatch.delenv(pages.SMALL_BLOCK_ENV, raising=False)
+    monkeypatch.setenv(pages.PAGES_ENV, "two-level")
+    vllm_plan = planned["qwen36"][1]
+    return vllm_plan, pages.two_level_kv_cache_config(vllm_plan, 64)
+
+
 def test_native_plan_passes_slots_per_page_only_with_the_option_on(
-    planned: dict[str, tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
+    qwen36: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hybrid_alloc.vllm import pages
     from hybrid_alloc.vllm.plan import native_plan
 
-    monkeypatch.delenv("HYBRID_ALLOC_POLICY", raising=False)
-    monkeypatch.delenv(pages.SMALL_BLOCK_ENV, raising=False)
-    vllm_plan = planned["qwen36"][1]
-    t = pages.two_level_kv_cache_config(vllm_plan, 64)
+    vllm_plan, t = qwen36
     monkeypatch.delenv(pages.PAGES_ENV, raising=False)
     assert "slots_per_page" not in native_plan(_args(vllm_plan, hash_block_size=1088), None)
     monkeypatch.setenv(pages.PAGES_ENV, "off")
@@ -193,16 +208,13 @@ def test_native_plan_passes_slots_per_page_only_with_the_option_on(
 
 
 def test_native_plan_refuses_what_two_level_does_not_serve(
-    planned: dict[str, tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
+    planned: dict[str, tuple[Any, Any]], qwen36: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hybrid_alloc.vllm import pages
     from hybrid_alloc.vllm.plan import native_plan
     from hybrid_alloc.vllm.unsupported import Unsupported
 
-    monkeypatch.delenv("HYBRID_ALLOC_POLICY", raising=False)
-    monkeypatch.delenv(pages.SMALL_BLOCK_ENV, raising=False)
-    vllm_plan = planned["qwen36"][1]
-    t = pages.two_level_kv_cache_config(vllm_plan, 64)
+    vllm_plan, t = qwen36
     monkeypatch.setenv(pages.PAGES_ENV, "two-lvl")
     with pytest.raises(Unsupported, match="HYBRID_ALLOC_PAGES='two-lvl' is not one of"):
         native_plan(_args(t), None)
@@ -235,44 +247,40 @@ def test_native_plan_refuses_what_two_level_does_not_serve(
         native_plan(_args(t), None)
 
 
-def test_native_plan_refuses_a_kv_connector_under_two_level(
-    planned: dict[str, tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_native_plan_refuses_a_kv_connector_under_two_level(qwen36: tuple[Any, Any]) -> None:
     """NixlConnector is served with Mamba layers today; under two-level pages it is refused."""
     from types import SimpleNamespace
 
-    from hybrid_alloc.vllm import pages
     from hybrid_alloc.vllm.plan import native_plan
     from hybrid_alloc.vllm.unsupported import Unsupported
 
-    monkeypatch.delenv("HYBRID_ALLOC_POLICY", raising=False)
-    monkeypatch.setenv(pages.PAGES_ENV, "two-level")
-    t = pages.two_level_kv_cache_config(planned["qwen36"][1], 64)
+    _, t = qwen36
     vc = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="NixlConnector", kv_role="kv_both"))
     with pytest.raises(Unsupported, match="two-level with a KV connector \\(NixlConnector"):
         native_plan(_args(t), vc)
 
 
-def test_the_core_builds_the_two_level_plan_or_names_why(
-    planned: dict[str, tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What ``native_plan`` asks for under the option, built by the core, on every release;
-    where the ``KVCacheConfig`` marks the Mamba hybrid for zeroing new attention blocks (0.32's
-    property, 0.34's field) with ``zero_new_blocks``: the core records the new slots."""
+def test_the_core_builds_the_two_level_plan_with_zeroing_and_without(qwen36: tuple[Any, Any]) -> None:
+    """Every supported release marks a Mamba hybrid's configuration for zeroing new blocks
+    (``needs_kv_cache_zeroing``: ``has_mamba_layers``): the core builds ``native_plan``'s
+    arguments with ``zero_new_blocks`` (it records the new slots, which the engine side's
+    workers zero in their small-block views), and without it (the capacity bench's
+    ``without_zeroing``)."""
     import inspect
 
     from hybrid_alloc import Allocator
-    from hybrid_alloc.vllm import pages
+    from hybrid_alloc.bench.capacity_run import without_zeroing
     from hybrid_alloc.vllm.plan import native_plan
 
     if "slots_per_page" not in inspect.signature(Allocator).parameters:
         pytest.skip("the core has no slots_per_page (two-level pages) yet")
-    monkeypatch.delenv("HYBRID_ALLOC_POLICY", raising=False)
-    monkeypatch.delenv(pages.SMALL_BLOCK_ENV, raising=False)
-    monkeypatch.setenv(pages.PAGES_ENV, "two-level")
-    t = pages.two_level_kv_cache_config(planned["qwen36"][1], 64)
+    _, t = qwen36
+    assert t.needs_kv_cache_zeroing
     native = native_plan(_args(t), None)
-    assert native.get("zero_new_blocks", False) == bool(getattr(t, "needs_kv_cache_zeroing", False))
+    assert native["zero_new_blocks"] is True
+    Allocator(**native)
+    native = native_plan(_args(without_zeroing(t)), None)
+    assert "zero_new_blocks" not in native
     alloc = Allocator(**native)
     assert alloc.slots_per_page == 17 and alloc.num_blocks == t.num_blocks == 1927
     assert alloc.num_free_blocks == 1926 and alloc.usage == 0.0
