@@ -109,7 +109,10 @@ def decide(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[list[Any] | N
             manager._allocator(native)  # the core's own refusals
         except (Unsupported, manager.UnsupportedConfigError) as e:
             return None, str(e)
-        return reshaped, f"attention at {small}-token blocks, {native['slots_per_page']} per page, {sched.num_blocks} pages"
+        return (
+            reshaped,
+            f"attention at {small}-token blocks, {native['slots_per_page']} per page, {sched.num_blocks} pages",
+        )
     except Exception as e:  # noqa: BLE001 - vLLM's plan is always a valid answer
         return None, f"{type(e).__name__}: {e}"
 
@@ -134,7 +137,9 @@ def _num_blocks_of(original: Any) -> Any:
             return n
         if not told:
             told.append(True)
-            logger.info("hybrid_alloc: two-level pages: attention tensors viewed as %d blocks (%d pages x %d)", n * k, n, k)
+            logger.info(
+                "hybrid_alloc: two-level pages: attention tensors viewed as %d blocks (%d pages x %d)", n * k, n, k
+            )
         return n * k
 
     num_blocks_of._hybrid_alloc_wrapped = True  # type: ignore[attr-defined]

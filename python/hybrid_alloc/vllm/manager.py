@@ -197,7 +197,9 @@ class HybridKVCacheManager:
         if kvc is not None and pages.slots_per_page(kvc) is not None:
             # Planned for two-level pages (``engine_pages`` decided our manager serves it):
             # vLLM's manager would hand one id space to pages and slots, and corrupt the cache.
-            err = RuntimeError(f"hybrid_alloc: a two-level KV cache configuration that the native manager refused: {reason}")
+            err = RuntimeError(
+                f"hybrid_alloc: a two-level KV cache configuration that the native manager refused: {reason}"
+            )
             setattr(err, _RAISED_BY_VLLM, True)  # no fallback serves it: to the engine unchanged
             raise err
         logger.warning("hybrid_alloc: falling back to vLLM's KVCacheManager: %s", reason)

@@ -73,6 +73,20 @@ def test_two_level_pages_run_and_match_vllm_without_prefix_caching(qwen3next: st
     assert planted["outputs"] != ours["outputs"]
 
 
+def test_two_level_pages_take_vllm_hits_with_prefix_caching(qwen3next: str) -> None:
+    """Prefix caching on (Mamba "align"): every request hits what it hits under vLLM's manager
+    (at the state block), the workers receive the state block as the hit alignment (vLLM's
+    resolver would answer the small block), and the greedy outputs are vLLM's."""
+    vllm, _ = _pages_run(qwen3next, flag=False)
+    ours, log = _pages_run(qwen3next, flag=True, **TWO_LEVEL)
+    assert "hybrid_alloc: two-level pages: attention at 32-token blocks" in log
+    e = ours["engine"]
+    (state_block,) = {g["block_size"] for g in e["groups"] if g["state"]}
+    assert e["cache_hit_alignment_tokens"] == state_block == vllm["engine"]["cache_hit_alignment_tokens"]
+    assert ours["cached"] == vllm["cached"] and sum(ours["cached"]) > 0
+    assert ours["outputs"] == vllm["outputs"]
+
+
 def test_two_level_pages_match_vllm_with_prefix_caching_in_a_multiprocess_engine(qwen3next: str) -> None:
     from engine_run import run_engine
 

@@ -68,7 +68,10 @@ def main() -> None:
             kv = ctx[name].kv_cache
             t = kv[0] if isinstance(kv, (list, tuple)) else kv
             if isinstance(t, (list, tuple)):  # a state layer: its tensors (conv, ssm)
-                out[name] = {"blocks": [int(x.shape[0]) for x in t], "stride": [x.stride(0) * x.element_size() for x in t]}
+                out[name] = {
+                    "blocks": [int(x.shape[0]) for x in t],
+                    "stride": [x.stride(0) * x.element_size() for x in t],
+                }
             else:
                 out[name] = {"blocks": int(t.shape[0]), "stride": t.stride(0) * t.element_size()}
         return out
@@ -76,14 +79,19 @@ def main() -> None:
     if args.plant:
         # A wrong mapping: every attention layer's view starts one page later, so slot s is
         # read and written at slot s + k (the next page's), which may hold a state.
-        page = next(g.kv_cache_spec.page_size_bytes for g in kvc.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec))
+        page = next(
+            g.kv_cache_spec.page_size_bytes for g in kvc.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)
+        )
         for name, gi in group_of.items():
             if isinstance(kvc.kv_cache_groups[gi].kv_cache_spec, MambaSpec):
                 continue
             t = ctx[name].kv_cache
             k = page // (t.stride(0) * t.element_size())
             ctx[name].kv_cache = torch.as_strided(
-                t, size=(t.shape[0] - k, *t.shape[1:]), stride=t.stride(), storage_offset=t.storage_offset() + k * t.stride(0)
+                t,
+                size=(t.shape[0] - k, *t.shape[1:]),
+                stride=t.stride(),
+                storage_offset=t.storage_offset() + k * t.stride(0),
             )
 
     largest = [0] * len(kvc.kv_cache_groups)
@@ -126,6 +134,7 @@ def main() -> None:
         "scheduler_block_size": sched.block_size,
         "hash_block_size": sched.hash_block_size,
         "cache_block_size": runner.vllm_config.cache_config.block_size,
+        "cache_hit_alignment_tokens": runner.kv_cache_config.cache_hit_alignment_tokens,
         "views": views(),
         "largest_block_id": largest,
     }
