@@ -104,3 +104,15 @@ def test_two_level_pages_match_vllm_with_prefix_caching_in_a_multiprocess_engine
         vllm["prefix_cache_hits"],
         vllm["prefix_cache_queries"],
     )
+
+
+def test_two_level_pages_fall_back_to_vllm_when_the_small_block_does_not_divide_the_state_block(
+    qwen3next: str,
+) -> None:
+    """With prefix caching on (Mamba "align"), a small block of 64 does not divide the tiny
+    model's state block (160 or 288 tokens): the plan stays vLLM's, with one line, and vLLM's
+    manager serves the engine."""
+    ours, log = _pages_run(qwen3next, flag=True, HYBRID_ALLOC_PAGES="two-level", HYBRID_ALLOC_SMALL_BLOCK="64")
+    assert "two-level pages fall back to vLLM's layout: the state block of" in log
+    assert ours["engine"]["manager"] == "KVCacheManager"
+    assert len({g["page"] for g in ours["engine"]["groups"]}) == 1
