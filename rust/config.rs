@@ -123,8 +123,9 @@ pub struct Config {
     /// unchanged code paths). With `k > 1`, `num_blocks` counts **pages**; the state groups
     /// (Mamba) take whole pages (ids in `0..num_blocks`), every other group takes **slots**,
     /// `k` per page (slot `s` is slot `s % k` of page `s / k`, ids in `0..num_blocks * k`).
-    /// Served with the exact policy, full-attention slot groups and no zeroing or partial
-    /// hash hits ([`Self::validate`] names what it refuses).
+    /// Served with the exact policy, full-attention slot groups and no partial hash hits
+    /// ([`Self::validate`] names what it refuses); with `zero_new_blocks` the ids recorded for
+    /// zeroing are slot ids (only attention groups record).
     pub slots_per_page: u32,
 }
 
@@ -214,9 +215,8 @@ impl Config {
                 return refuse(&format!("{name} (group {i}; only full attention takes slots)"));
             }
         }
-        if self.zero_new_blocks {
-            return refuse("KV cache zeroing (zero_new_blocks)");
-        }
+        // Zeroing (`zero_new_blocks`) is served: only attention groups record new blocks, so
+        // the ids recorded are slots, which the workers' small-block views address.
         Ok(())
     }
 

@@ -94,7 +94,6 @@ fn new_slots_per_page_refuses_what_it_cannot_serve() {
     refused(cfg(vec![state]), Policy::Exact, "needs a slot group");
     refused(cfg(vec![full, state, swa]), Policy::Exact, "sliding-window");
     refused(cfg(vec![full, state]), Policy::HitAware, "HitAware policy");
-    refused(Config { zero_new_blocks: true, ..cfg(vec![full, state]) }, Policy::Exact, "zeroing");
     refused(Config { num_blocks: u32::MAX / 2, ..cfg(vec![full, state]) }, Policy::Exact, "largest pool");
     // The hash block (the slot) below the Mamba block is the layout itself, not partial hash
     // hits: hits end at state blocks.
@@ -142,6 +141,19 @@ fn allocate_slots_attention_takes_slots_of_one_page_state_takes_a_page() {
     a.free(h, LEVEL_NORMAL).unwrap();
     a.free(h2, LEVEL_NORMAL).unwrap();
     assert_eq!(a.num_free_blocks(), 7);
+    invariants::check(&a).unwrap();
+}
+
+#[test]
+fn zeroing_records_the_new_slots_only() {
+    // The workers zero the ids recorded (vLLM's `take_new_block_ids`) in the attention views,
+    // which address slots: the ids are the slot group's new slots, never a state page.
+    let mut a = Allocator::new(Config { zero_new_blocks: true, ..config(8, 4, 32) }, Policy::Exact).unwrap();
+    let h = add(&mut a, &[1, 2, 3]);
+    a.allocate_slots(h, &args(48, 0, 0, 48, 48), NewComputed::Empty, None).unwrap().unwrap();
+    let slots = a.blocks(h, 0).unwrap().to_vec();
+    assert_eq!(a.take_new_block_ids(), slots);
+    assert!(a.take_new_block_ids().is_empty());
     invariants::check(&a).unwrap();
 }
 

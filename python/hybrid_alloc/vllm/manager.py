@@ -45,7 +45,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc._core import Allocator, BlockIds, FastAllocate, Hit, HybridAllocError, UnsupportedConfigError
-from hybrid_alloc.vllm import compat, policy_env
+from hybrid_alloc.vllm import compat, pages, policy_env
 from hybrid_alloc.vllm.args import KNOWN_ARGS, ManagerArgs
 from hybrid_alloc.vllm.blocks import EmptyKVCacheBlocks, HitBlocks, NativeBlock, NativeKVCacheBlocks, register_views
 from hybrid_alloc.vllm.boundary import BoundaryOffloads
@@ -130,7 +130,8 @@ _RAISED_BY_VLLM = "_hybrid_alloc_raised_by_vllm"
 def raised_by_vllm(error: BaseException) -> bool:
     """Whether ``error`` was raised by vLLM's own ``KVCacheManager`` after the adapter fell
     back to it: it is vLLM's answer, to reach the engine unchanged (not an adapter failure
-    to fall back from)."""
+    to fall back from). Also set on the adapter's refusal of a two-level configuration
+    (:mod:`.engine_pages` planned it for our manager: vLLM's manager cannot serve it either)."""
     return getattr(error, _RAISED_BY_VLLM, False) is True
 
 
@@ -192,6 +193,15 @@ class HybridKVCacheManager:
             reason = str(e)
         except Exception as e:  # noqa: BLE001 - no exception of ours may reach the engine
             reason = f"{type(e).__name__} while building the native manager: {e}"
+        kvc = kwargs.get("kv_cache_config", args[0] if args else None)
+        if kvc is not None and pages.slots_per_page(kvc) is not None:
+            # Planned for two-level pages (``engine_pages`` decided our manager serves it):
+            # vLLM's manager would hand one id space to pages and slots, and corrupt the cache.
+            err = RuntimeError(
+                f"hybrid_alloc: a two-level KV cache configuration that the native manager refused: {reason}"
+            )
+            setattr(err, _RAISED_BY_VLLM, True)  # no fallback serves it: to the engine unchanged
+            raise err
         logger.warning("hybrid_alloc: falling back to vLLM's KVCacheManager: %s", reason)
         return _build_vllm_manager(args, kwargs)
 

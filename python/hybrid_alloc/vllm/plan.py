@@ -98,7 +98,9 @@ def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str) -> int:
     prefill context parallelism, speculative decoding (lookahead hashes or blocks, Mamba
     speculative blocks), the hit-aware policy, an attention block other than
     ``HYBRID_ALLOC_SMALL_BLOCK``, and a configuration that is not two-level (the plugin's
-    planning did not run)."""
+    planning, :mod:`.engine_pages`, did not run). KV cache zeroing is served: the core
+    records the new slots, which the workers of the engine side zero in their small-block
+    views (only that planning hands real workers a two-level configuration)."""
     kvc = a.kv_cache_config
     small = pages.small_block_from_env()  # raises Unsupported on a bad value
     on = f"{pages.PAGES_ENV}=two-level"

@@ -185,7 +185,21 @@ def apply() -> bool:
     sched_mod.KVCacheManager = KVCacheManager
     sched_mod.Scheduler.__init__ = __init__
     _saved = (sched_mod, original_manager, original_init)
+    _install_pages()
     return True
+
+
+def _install_pages() -> None:
+    """Under ``HYBRID_ALLOC_PAGES=two-level``, the engine side of two-level pages
+    (:mod:`hybrid_alloc.vllm.engine_pages`: the engine's planning and the workers' views).
+    Off (or anything it cannot install): vLLM's layout, and the scheduler side falls back."""
+    try:
+        from hybrid_alloc.vllm import engine_pages, pages
+
+        if pages.pages_from_env() == "two-level":
+            engine_pages.install(vllm_release())
+    except Exception as e:  # a bad value: the scheduler side names it in its fallback line
+        logger.debug("hybrid_alloc: two-level pages not installed: %s: %s", type(e).__name__, e)
 
 
 def applied() -> bool:
@@ -202,3 +216,5 @@ def remove() -> None:
     sched_mod.KVCacheManager = original_manager
     sched_mod.Scheduler.__init__ = original_init
     _saved = None
+    if "hybrid_alloc.vllm.engine_pages" in sys.modules:
+        sys.modules["hybrid_alloc.vllm.engine_pages"].remove()

@@ -75,11 +75,6 @@ def test_slots_per_page_ids_free_pages_and_usage() -> None:
         ),
         (
             [FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1)],
-            {"zero_new_blocks": True},
-            UnsupportedConfigError,
-        ),
-        (
-            [FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1)],
             {"slots_per_page": 0},
             InvalidConfigError,
         ),

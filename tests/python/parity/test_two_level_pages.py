@@ -260,24 +260,25 @@ def test_native_plan_refuses_a_kv_connector_under_two_level(qwen36: tuple[Any, A
         native_plan(_args(t), vc)
 
 
-def test_the_core_refuses_zeroing_under_two_level_and_builds_the_plan_without_it(qwen36: tuple[Any, Any]) -> None:
+def test_the_core_builds_the_two_level_plan_with_zeroing_and_without(qwen36: tuple[Any, Any]) -> None:
     """Every supported release marks a Mamba hybrid's configuration for zeroing new blocks
-    (``needs_kv_cache_zeroing``: ``has_mamba_layers``), which the core refuses with two-level
-    pages (the plugin falls back with that reason); without it the core builds
-    ``native_plan``'s arguments."""
+    (``needs_kv_cache_zeroing``: ``has_mamba_layers``): the core builds ``native_plan``'s
+    arguments with ``zero_new_blocks`` (it records the new slots, which the engine side's
+    workers zero in their small-block views), and without it (the capacity bench's
+    ``without_zeroing``)."""
     import inspect
 
     from hybrid_alloc import Allocator
     from hybrid_alloc.bench.capacity_run import without_zeroing
-    from hybrid_alloc.errors import UnsupportedConfigError
     from hybrid_alloc.vllm.plan import native_plan
 
     if "slots_per_page" not in inspect.signature(Allocator).parameters:
         pytest.skip("the core has no slots_per_page (two-level pages) yet")
     _, t = qwen36
     assert t.needs_kv_cache_zeroing
-    with pytest.raises(UnsupportedConfigError, match="zeroing"):
-        Allocator(**native_plan(_args(t), None))
+    native = native_plan(_args(t), None)
+    assert native["zero_new_blocks"] is True
+    Allocator(**native)
     native = native_plan(_args(without_zeroing(t)), None)
     assert "zero_new_blocks" not in native
     alloc = Allocator(**native)
