@@ -9,8 +9,15 @@
 
 use super::{token_count, AllocateArgs, Allocator, HashSource, NewComputed};
 
+use crate::config::{AttentionKind, CoordinatorKind};
 use crate::error::{Error, Result};
 use crate::ids::{ReqHandle, Slot};
+
+/// `x` capped at `u32::MAX`.
+#[inline]
+fn clamp(x: u64) -> u32 {
+    x.min(u32::MAX as u64) as u32
+}
 
 /// `(slots, processed, cached)`: a plain step of a request (no new hit, no external or
 /// encoder tokens, no admission gate, reserve or watermark) with `num_computed_tokens +
@@ -91,11 +98,22 @@ impl Allocator {
     }
 
     /// The component-wise minimum of every group's [`SingleTypeManager::noop_limits`] (the
-    /// largest of their prompt bounds).
+    /// largest of their prompt bounds). Where the coordinator caches only up to a multiple
+    /// of the scheduler block ([`Self::cache_target`]: hybrid, no partial hash hits), an
+    /// attention group's `cached` limit is rounded up to that multiple: a step below it
+    /// caches nothing there. (It matters where an attention block is smaller than the
+    /// scheduler block, as under two-level pages: 64-token blocks, 1088-token scheduler
+    /// blocks; elsewhere the two are equal and the rounding changes nothing.)
     pub(super) fn compute_noop(&self, s: Slot) -> NoopLimits {
+        let sbs = self.cfg.scheduler_block_size as u64;
+        let round = matches!(self.kind, CoordinatorKind::Hybrid) && !self.partial_hash_hits && sbs > 1;
         let mut lim = NoopLimits::ANY;
         for m in &self.managers {
-            lim = lim.min(m.noop_limits(s));
+            let (slots, processed, mut cached, new_tokens) = m.noop_limits(s);
+            if round && cached != u32::MAX && !matches!(m.kind(), AttentionKind::Mamba { .. }) {
+                cached = clamp((cached as u64).div_ceil(sbs) * sbs);
+            }
+            lim = lim.min((slots, processed, cached, new_tokens));
             lim.prompt = lim.prompt.max(m.noop_min_prompt(s));
         }
         lim
