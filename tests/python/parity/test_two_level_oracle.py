@@ -1,0 +1,306 @@
+"""Two-level pages (issue 37), the content oracle at the scheduler level: vLLM's real Scheduler
+with our manager over a two-level configuration (``capacity_run.build``, the ``qwen36`` shape:
+one full-attention group of 64-token slots, three GDN state groups of 1088-token pages, 17
+slots a page), a pool small enough that requests are preempted and cached blocks evicted,
+prefix caching on, prompts sharing prefixes so hits happen, fabricated model outputs.
+
+After every step the test models what the workers would write into the KV memory and read
+from it, page by page (:class:`Memory`), from the tables the manager hands out:
+
+- attention: the step's tokens ``c .. t-1`` of a request (``c`` computed before the step, ``t``
+  after) are written to slot ``table[pos // small]``, offset ``pos % small``, as the pair
+  (hash of the token ids ``0 .. pos``, ``pos``); then every position ``0 .. t-1`` the step reads
+  must hold that pair for the request's own tokens (by token ids, not by request: a hit reads
+  what another request with the same prefix wrote);
+- state (vLLM's align mode, the workers' ``preprocess_mamba_align``: the running state moves to
+  block ``cdiv(t, B) - 1`` and is read from block ``cdiv(c, B) - 1``): before the step the block
+  ``cdiv(c, B) - 1`` of each state group must hold the state of exactly ``tokens[:c]`` (for a
+  request admitted with a hit, the state the hit hands over); after it the block ``cdiv(t, B) -
+  1`` holds the state of ``tokens[:t]``;
+- a page's bytes are either one state or ``k`` slots: writing a state destroys the page's
+  slots' content, writing a slot destroys the page's state, so a page handed to a state and an
+  attention slot at once shows up as a wrong read; and, from the manager's tables, no page of a
+  live request's state table is the page of a slot in any live request's attention table.
+
+Each run also counts what it exercised (hits, preemptions, content overwritten by another
+prefix) and asserts the workload reached each. ``test_oracle_catches_a_planted_bug`` checks
+that the oracle fails when one table entry is wrong. The same oracle runs with two-level
+pages off (our manager over vLLM's layout: ``k = 1``, 1088-token attention blocks)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+SMALL = 64
+#: Pages of the pool: six clients with 1.1k-3.1k-token prompts and three state groups need more.
+PAGES = 16
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class Memory:
+    """The KV memory as the workers see it. ``slots[s] = (group, [key per offset])``,
+    ``states[p] = (group, key)``; a key is ``(prefix hash, position)``."""
+
+    k: int
+    small: int
+    slots: dict[int, tuple[int, list[Any]]] = field(default_factory=dict)
+    states: dict[int, tuple[int, Any]] = field(default_factory=dict)
+    #: Writes over content of another prefix (a slot or page reused after eviction or free).
+    overwrites: int = 0
+
+    def write_token(self, group: int, slot: int, off: int, key: Any) -> None:
+        assert slot != 0 and slot // self.k != 0, f"attention write into the null page (slot {slot})"
+        self.states.pop(slot // self.k, None)
+        cur = self.slots.get(slot)
+        if cur is None or cur[0] != group:
+            cur = (group, [None] * self.small)
+            self.slots[slot] = cur
+        if cur[1][off] is not None and cur[1][off] != key:
+            self.overwrites += 1
+        cur[1][off] = key
+
+    def write_state(self, group: int, page: int, key: Any) -> None:
+        assert page != 0, "state write into the null page"
+        for s in range(page * self.k, page * self.k + self.k):
+            self.slots.pop(s, None)
+        old = self.states.get(page)
+        if old is not None and old != (group, key):
+            self.overwrites += 1
+        self.states[page] = (group, key)
+
+    def block(self, group: int, slot: int, n: int) -> list[Any] | None:
+        """The keys at offsets ``0 .. n-1`` of ``slot`` as ``group`` wrote them."""
+        cur = self.slots.get(slot)
+        return None if cur is None or cur[0] != group else cur[1][:n]
+
+
+class Oracle:
+    """Checks one scheduler run step by step (see the module doc)."""
+
+    def __init__(self, sched: Any, tables: Any = None) -> None:
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        from hybrid_alloc.vllm.pages import slots_per_page
+
+        self.sched = sched
+        mgr = sched.kv_cache_manager
+        kvc = mgr.kv_cache_config
+        self.k = slots_per_page(kvc) or 1
+        self.pages = kvc.num_blocks
+        specs = [g.kv_cache_spec for g in kvc.kv_cache_groups]
+        self.state_groups = [i for i, s in enumerate(specs) if isinstance(s, MambaSpec)]
+        self.attn_groups = [i for i, s in enumerate(specs) if not isinstance(s, MambaSpec)]
+        (self.small,) = {specs[g].block_size for g in self.attn_groups}
+        (self.state_block,) = {specs[g].block_size for g in self.state_groups}
+        assert all(getattr(specs[g], "mamba_cache_mode", "align") == "align" for g in self.state_groups)
+        # Where the tables come from: the manager's (a planted bug swaps it).
+        self.tables = tables or mgr.get_block_ids
+        self.mem = Memory(self.k, self.small)
+        self.keys: dict[str, list[Any]] = {}  # request -> prefix key per position
+        self.progress: dict[str, int] = {}  # request -> tokens computed after its last step
+        self.hits = 0  # admissions with computed tokens (a hit)
+        self.hit_tokens = 0
+        #: This step's admissions with a hit: request -> hit tokens.
+        self.admitted: dict[str, int] = {}
+        self.steps = 0
+
+    def _keys(self, req: Any, n: int) -> list[Any]:
+        ks = self.keys.setdefault(req.request_id, [])
+        toks = req.all_token_ids
+        h = ks[-1][0] if ks else 0
+        for pos in range(len(ks), n):
+            h = hash((h, toks[pos]))
+            ks.append((h, pos))
+        return ks
+
+    def check_layout(self) -> None:
+        """No page is a live request's state page and holds a live request's slot."""
+        state_pages: set[int] = set()
+        slot_pages: set[int] = set()
+        for rid in self.sched.requests:
+            ids = self.tables(rid)
+            for g in self.state_groups:
+                for p in ids[g]:
+                    assert 0 <= p < self.pages, f"{rid}: state page {p} out of the pool"
+                    if p:
+                        state_pages.add(p)
+            for g in self.attn_groups:
+                for s in ids[g]:
+                    assert 0 <= s < self.pages * self.k, f"{rid}: slot {s} out of the pool"
+                    if s:
+                        assert s // self.k, f"{rid}: slot {s} in the null page"
+                        slot_pages.add(s // self.k)
+        both = state_pages & slot_pages
+        assert not both, f"pages both a state and holding slots: {sorted(both)[:8]}"
+
+    def step(self, so: Any) -> None:
+        """The step the scheduler just planned (``so``), as the workers would run it."""
+        self.steps += 1
+        mem, bs = self.mem, self.state_block
+        # (request, computed before the step, after it); the scheduler already advanced it.
+        spans = [(rid, self.sched.requests[rid].num_computed_tokens) for rid in so.num_scheduled_tokens]
+        spans3 = [(rid, t - so.num_scheduled_tokens[rid], t) for rid, t in spans]
+        self.admitted = {rid: c for rid, c, _ in spans3 if c > 0 and self.progress.get(rid) != c}
+        self.hits += len(self.admitted)
+        self.hit_tokens += sum(self.admitted.values())
+        self.check_layout()
+        work = []
+        for rid, c, t in spans3:
+            work.append((rid, c, t, self._keys(self.sched.requests[rid], t), self.tables(rid)))
+        # Reads before the step: the state each request continues from.
+        for rid, c, _, keys, ids in work:
+            if c == 0:
+                continue
+            for g in self.state_groups:
+                page = ids[g][_cdiv(c, bs) - 1]
+                got = mem.states.get(page)
+                assert got == (g, keys[c - 1]), (
+                    f"step {self.steps}: {rid} continues from {c} tokens; group {g}'s state page {page} "
+                    f"holds {'nothing' if got is None else 'another state'}"
+                )
+        # Writes: every request's tokens, then its new running state.
+        for _, c, t, keys, ids in work:
+            for g in self.attn_groups:
+                table = ids[g]
+                for pos in range(c, t):
+                    mem.write_token(g, table[pos // self.small], pos % self.small, keys[pos])
+            for g in self.state_groups:
+                mem.write_state(g, ids[g][_cdiv(t, bs) - 1], keys[t - 1])
+        # Reads of the step: every position attention reads, and the state just written.
+        for rid, _, t, keys, ids in work:
+            for g in self.attn_groups:
+                for b in range(_cdiv(t, self.small)):
+                    lo, hi = b * self.small, min(t, (b + 1) * self.small)
+                    got = mem.block(g, ids[g][b], hi - lo)
+                    assert got == keys[lo:hi], (
+                        f"step {self.steps}: {rid} reads positions {lo}..{hi - 1} of {t} from slot "
+                        f"{ids[g][b]}: {'nothing' if got is None else 'other tokens'}"
+                    )
+            for g in self.state_groups:
+                assert mem.states.get(ids[g][_cdiv(t, bs) - 1]) == (g, keys[t - 1]), (
+                    f"step {self.steps}: {rid}'s state of {t} tokens was overwritten in the step"
+                )
+            self.progress[rid] = t
+
+
+def _prompts(seed: int) -> list[list[tuple[list[int], int]]]:
+    """Six clients, three requests each: prompts that start with one of three 2176-token
+    prefixes (cut at one or two state blocks) and end with 40-900 tokens of their own; some
+    repeat an earlier prompt exactly. Outputs 30-250 tokens (decodes that grow into new pages)."""
+    rng = random.Random(seed)
+    bases = [[rng.randrange(1, 30000) for _ in range(2176)] for _ in range(3)]
+    made: list[list[int]] = []
+    out = []
+    for _ in range(6):
+        reqs = []
+        for _ in range(3):
+            if made and rng.random() < 0.25:
+                prompt = list(rng.choice(made))
+            else:
+                cut = rng.choice((1088, 2176))
+                prompt = rng.choice(bases)[:cut] + [rng.randrange(1, 30000) for _ in range(rng.randint(40, 900))]
+                made.append(prompt)
+            reqs.append((prompt, rng.randint(30, 250)))
+        out.append(reqs)
+    return out
+
+
+def _build(two_level: bool) -> Any:
+    from hybrid_alloc.bench.capacity_run import build
+    from hybrid_alloc.bench.offline import SHAPES, SchedulerSetup
+
+    shape = SHAPES["qwen36"]
+    # The bytes of PAGES of vLLM's pages (the two-level plan keeps qwen36's page: 17 x 64 tokens).
+    setup = SchedulerSetup(shape, kv_budget_bytes=1 << 30)
+    kvc = setup.kv_cache_config(setup.vllm_config())
+    # Groups share the tensors: a page is one layer of each tensor, the layers of one group.
+    per_page = max(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kvc.kv_cache_groups)
+    return build(shape, "two-level" if two_level else "ours", PAGES * per_page, 8, SMALL)
+
+
+def _run(sched: Any, oracle: Oracle, seed: int = 0) -> Any:
+    from hybrid_alloc.bench.offline import fabricate_output, make_request
+
+    todo = _prompts(seed)
+    nxt = [0] * len(todo)
+    live: dict[str, tuple[int, Any]] = {}
+    reqs = []
+
+    def submit(c: int) -> None:
+        if nxt[c] < len(todo[c]):
+            prompt, out = todo[c][nxt[c]]
+            r = make_request(sched, f"c{c}-{nxt[c]}", prompt, out)
+            nxt[c] += 1
+            reqs.append(r)
+            live[r.request_id] = (c, r)
+            sched.add_request(r)
+
+    for c in range(len(todo)):
+        submit(c)
+    while live:
+        assert oracle.steps < 5000, "the run does not finish"
+        so = sched.schedule()
+        oracle.step(so)
+        sched.update_from_output(so, fabricate_output(sched, so))
+        for rid, (c, r) in list(live.items()):
+            if r.is_finished():
+                del live[rid]
+                submit(c)
+    return reqs
+
+
+@pytest.mark.parametrize("two_level", [True, False], ids=["two-level", "off"])
+def test_content_oracle_under_pressure(two_level: bool) -> None:
+    sched = _build(two_level)
+    oracle = Oracle(sched)
+    assert (oracle.k, oracle.small, oracle.state_block) == ((17, 64, 1088) if two_level else (1, 1088, 1088))
+    reqs = _run(sched, oracle)
+    preemptions = sum(getattr(r, "num_preemptions", 0) for r in reqs)
+    # What the run exercised: hits (some after a preemption), preemptions, reused memory.
+    assert oracle.hits >= 5 and oracle.hit_tokens >= 5 * 1088, (oracle.hits, oracle.hit_tokens)
+    assert preemptions >= 2, preemptions
+    assert oracle.mem.overwrites > 0
+    assert all(len(r.output_token_ids) == r.max_tokens for r in reqs)
+
+
+@pytest.mark.parametrize("plant", ["slot", "state"])
+def test_oracle_catches_a_planted_bug(plant: str) -> None:
+    """The oracle fails on one wrong table entry: ``slot``, from one step on, a request's
+    second attention slot is another live request's slot (a double allocation); ``state``,
+    a request admitted with a hit is handed another page for the hit's state."""
+    sched = _build(True)
+    mgr = sched.kv_cache_manager
+    planted: dict[tuple[str, int, int], int] = {}
+    oracle: Oracle
+
+    def tables(rid: str) -> Any:
+        ids = tuple(list(x) for x in mgr.get_block_ids(rid))
+        if not planted and oracle.steps >= 2:
+            g = oracle.attn_groups[0] if plant == "slot" else oracle.state_groups[0]
+            others = [r for r in sched.running if r.request_id != rid]
+            other_ids = [x for r in others for x in mgr.get_block_ids(r.request_id)[g] if x]
+            if plant == "slot" and len(ids[g]) >= 2 and other_ids:
+                planted[(rid, g, 1)] = other_ids[0]
+            hit = oracle.admitted.get(rid, 0)
+            if plant == "state" and hit >= oracle.state_block and other_ids:
+                i = hit // oracle.state_block - 1
+                planted[(rid, g, i)] = next(x for x in other_ids if x != ids[g][i])
+        for (r, g, i), x in planted.items():
+            if r == rid and i < len(ids[g]):
+                ids[g][i] = x
+        return ids
+
+    oracle = Oracle(sched, tables)
+    with pytest.raises(AssertionError, match="holds|reads positions"):
+        _run(sched, oracle)
+    assert planted
