@@ -102,7 +102,15 @@ class Oracle:
         self.attn_groups = [i for i, s in enumerate(specs) if not isinstance(s, MambaSpec)]
         (self.small,) = {specs[g].block_size for g in self.attn_groups}
         (self.state_block,) = {specs[g].block_size for g in self.state_groups}
-        assert all(getattr(specs[g], "mamba_cache_mode", "align") == "align" for g in self.state_groups)
+        assert all(specs[g].mamba_cache_mode == "align" for g in self.state_groups)
+        # State groups whose layers write a prefill checkpoint (MambaMixer2): group -> alignment.
+        self.checkpoints = {
+            g: specs[g].prefill_checkpoint_alignment
+            for g in self.state_groups
+            if getattr(specs[g], "num_prefill_checkpoint_blocks", 0) > 0
+        }
+        self.hash_block = sched.hash_block_size
+        self.hit_alignment = kvc.cache_hit_alignment_tokens
         # Where the tables come from: the manager's (a planted bug swaps it).
         self.tables = tables or mgr.get_block_ids
         self.mem = Memory(self.k, self.small)
@@ -110,6 +118,7 @@ class Oracle:
         self.progress: dict[str, int] = {}  # request -> tokens computed after its last step
         self.hits = 0  # admissions with computed tokens (a hit)
         self.hit_tokens = 0
+        self.checkpoint_writes = 0
         #: This step's admissions with a hit: request -> hit tokens.
         self.admitted: dict[str, int] = {}
         self.steps = 0
@@ -146,6 +155,8 @@ class Oracle:
     def step(self, so: Any) -> None:
         """The step the scheduler just planned (``so``), as the workers would run it."""
         self.steps += 1
+        from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
+
         mem, bs = self.mem, self.state_block
         # (request, computed before the step, after it); the scheduler already advanced it.
         spans = []
@@ -180,6 +191,15 @@ class Oracle:
                     mem.write_token(g, table[pos // self.small], pos % self.small, keys[pos])
             for g in self.state_groups:
                 mem.write_state(g, ids[g][_cdiv(t, bs) - 1], keys[t - 1])
+            for g, align in self.checkpoints.items():
+                # The workers' rule, vLLM's own function: the state at the chunk's last aligned
+                # boundary, into column cdiv(t, B) - 2 (the null block, not kept, if unreserved).
+                (off,), (col,) = compute_mamba_prefill_checkpoints(
+                    [t], [t - c], self.hash_block, bs, align, False, self.hit_alignment
+                )
+                if col >= 0 and ids[g][col]:
+                    self.checkpoint_writes += 1
+                    mem.write_state(g, ids[g][col], keys[c + off - 1])
         # Reads of the step: every position attention reads, and the state just written.
         for rid, _, t, keys, ids in work:
             for g in self.attn_groups:
@@ -197,12 +217,13 @@ class Oracle:
             self.progress[rid] = t
 
 
-def _prompts(seed: int) -> list[list[tuple[list[int], int]]]:
-    """Six clients, three requests each: prompts that start with one of three 2176-token
-    prefixes (cut at one or two state blocks) and end with 40-900 tokens of their own; some
-    repeat an earlier prompt exactly. Outputs 30-250 tokens (decodes that grow into new pages)."""
+def _prompts(seed: int, block: int) -> list[list[tuple[list[int], int]]]:
+    """Six clients, three requests each: prompts that start with one of three prefixes of two
+    state blocks (``block`` tokens each), cut at one or two blocks, and end with 40-900 tokens
+    of their own; some repeat an earlier prompt exactly. Outputs 30-250 tokens (decodes that
+    grow into new pages)."""
     rng = random.Random(seed)
-    bases = [[rng.randrange(1, 30000) for _ in range(2176)] for _ in range(3)]
+    bases = [[rng.randrange(1, 30000) for _ in range(2 * block)] for _ in range(3)]
     made: list[list[int]] = []
     out = []
     for _ in range(6):
@@ -211,7 +232,7 @@ def _prompts(seed: int) -> list[list[tuple[list[int], int]]]:
             if made and rng.random() < 0.25:
                 prompt = list(rng.choice(made))
             else:
-                cut = rng.choice((1088, 2176))
+                cut = rng.choice((block, 2 * block))
                 prompt = rng.choice(bases)[:cut] + [rng.randrange(1, 30000) for _ in range(rng.randint(40, 900))]
                 made.append(prompt)
             reqs.append((prompt, rng.randint(30, 250)))
@@ -219,12 +240,13 @@ def _prompts(seed: int) -> list[list[tuple[list[int], int]]]:
     return out
 
 
-def _build(two_level: bool) -> Any:
+def _build(name: str, two_level: bool) -> Any:
     from hybrid_alloc.bench.capacity_run import build
     from hybrid_alloc.bench.offline import SHAPES, SchedulerSetup
 
-    shape = SHAPES["qwen36"]
-    # The bytes of PAGES of vLLM's pages (the two-level plan keeps qwen36's page: 17 x 64 tokens).
+    shape = SHAPES[name]
+    # The bytes of about PAGES of vLLM's pages (the two-level plan keeps qwen36's page, 17 x 64
+    # tokens, and grows Falcon-H1's by 2%: 25 x 64 tokens).
     setup = SchedulerSetup(shape, kv_budget_bytes=1 << 30)
     kvc = setup.kv_cache_config(setup.vllm_config())
     # Groups share the tensors: a page is one layer of each tensor, the layers of one group.
@@ -235,7 +257,7 @@ def _build(two_level: bool) -> Any:
 def _run(sched: Any, oracle: Oracle, seed: int = 0) -> Any:
     from hybrid_alloc.bench.offline import fabricate_output, make_request
 
-    todo = _prompts(seed)
+    todo = _prompts(seed, oracle.state_block)
     nxt = [0] * len(todo)
     live: dict[str, tuple[int, Any]] = {}
     reqs = []
@@ -263,15 +285,27 @@ def _run(sched: Any, oracle: Oracle, seed: int = 0) -> Any:
     return reqs
 
 
-@pytest.mark.parametrize("two_level", [True, False], ids=["two-level", "off"])
-def test_content_oracle_under_pressure(two_level: bool) -> None:
-    sched = _build(two_level)
+@pytest.mark.parametrize(
+    "name, two_level, layout",
+    [
+        # (k, small block, state block); Falcon-H1's Mamba2 layers write prefill checkpoints.
+        ("qwen36", True, (17, 64, 1088)),
+        ("qwen36", False, (1, 1088, 1088)),
+        ("falconh1", True, (25, 64, 1600)),
+        ("falconh1", False, (1, 1568, 1568)),
+    ],
+    ids=["qwen36-two-level", "qwen36-off", "falconh1-two-level", "falconh1-off"],
+)
+def test_content_oracle_under_pressure(name: str, two_level: bool, layout: tuple[int, int, int]) -> None:
+    sched = _build(name, two_level)
     oracle = Oracle(sched)
-    assert (oracle.k, oracle.small, oracle.state_block) == ((17, 64, 1088) if two_level else (1, 1088, 1088))
+    assert (oracle.k, oracle.small, oracle.state_block) == layout
+    assert bool(oracle.checkpoints) == (name == "falconh1")
     reqs = _run(sched, oracle)
     preemptions = sum(getattr(r, "num_preemptions", 0) for r in reqs)
-    # What the run exercised: hits, preemptions, memory reused by other prefixes.
-    assert oracle.hits >= 5 and oracle.hit_tokens >= 5 * 1088, (oracle.hits, oracle.hit_tokens)
+    # What the run exercised: hits, preemptions, memory reused by other prefixes, checkpoints.
+    assert oracle.hits >= 5 and oracle.hit_tokens >= 5 * oracle.state_block, (oracle.hits, oracle.hit_tokens)
+    assert not oracle.checkpoints or oracle.checkpoint_writes > 0
     assert preemptions >= 2, preemptions
     assert oracle.mem.overwrites > 0
     assert all(len(r.output_token_ids) == r.max_tokens for r in reqs)
@@ -283,7 +317,7 @@ def test_oracle_catches_a_planted_bug(plant: str, message: str) -> None:
     second attention slot is another running request's first (a double allocation); ``state``:
     the first request admitted with a hit is handed, for the hit's state, a page holding
     another state (of another prefix) instead of the hit's page."""
-    sched = _build(True)
+    sched = _build("qwen36", True)
     mgr = sched.kv_cache_manager
     planted: dict[tuple[str, int, int], int] = {}
     oracle: Oracle
