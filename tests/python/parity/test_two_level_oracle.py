@@ -1,8 +1,10 @@
 """Two-level pages (issue 37), the content oracle at the scheduler level: vLLM's real Scheduler
-with our manager over a two-level configuration (``capacity_run.build``, the ``qwen36`` shape:
-one full-attention group of 64-token slots, three GDN state groups of 1088-token pages, 17
-slots a page), a pool small enough that requests are preempted and cached blocks evicted,
-prefix caching on, prompts sharing prefixes so hits happen, fabricated model outputs.
+with our manager over a two-level configuration (``capacity_run.build``: the ``qwen36`` shape,
+one full-attention group of 64-token slots and three GDN state groups of 1088-token pages, 17
+slots a page; and ``falconh1``, one attention group and one Mamba2 group of 1600-token pages,
+25 slots a page, whose layers write prefill checkpoints), a pool of about 16 pages, small
+enough that requests are preempted and cached blocks evicted, prefix caching on, prompts
+sharing prefixes so hits happen, fabricated model outputs.
 
 After every step the test models what the workers would write into the KV memory and read
 from it, page by page (:class:`Memory`), from the tables the manager hands out:
@@ -15,17 +17,19 @@ from it, page by page (:class:`Memory`), from the tables the manager hands out:
 - state (vLLM's align mode, the workers' ``preprocess_mamba_align``: the running state moves to
   block ``cdiv(t, B) - 1`` and is read from block ``cdiv(c, B) - 1``): before the step the block
   ``cdiv(c, B) - 1`` of each state group must hold the state of exactly ``tokens[:c]`` (for a
-  request admitted with a hit, the state the hit hands over); after it the block ``cdiv(t, B) -
-  1`` holds the state of ``tokens[:t]``;
+  request admitted with a hit, the state the hit hands over, and a hit ends at a state block);
+  after it the block ``cdiv(t, B) - 1`` holds the state of ``tokens[:t]``, and a Mamba2 group's
+  prefill checkpoint the state of the chunk's last aligned boundary where vLLM's
+  ``compute_mamba_prefill_checkpoints`` puts it;
 - a page's bytes are either one state or ``k`` slots: writing a state destroys the page's
   slots' content, writing a slot destroys the page's state, so a page handed to a state and an
   attention slot at once shows up as a wrong read; and, from the manager's tables, no page of a
   live request's state table is the page of a slot in any live request's attention table.
 
 Each run also counts what it exercised (hits, preemptions, content overwritten by another
-prefix) and asserts the workload reached each. ``test_oracle_catches_a_planted_bug`` checks
-that the oracle fails when one table entry is wrong. The same oracle runs with two-level
-pages off (our manager over vLLM's layout: ``k = 1``, 1088-token attention blocks)."""
+prefix, checkpoints) and asserts the workload reached each. ``test_oracle_catches_a_planted_bug``
+checks that the oracle fails when one table entry is wrong. The same oracle runs with two-level
+pages off (our manager over vLLM's layout: ``k = 1``, attention blocks of the state block)."""
 
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 SMALL = 64
-#: Pages of the pool: six clients with 1.1k-3.1k-token prompts and three state groups need more.
+#: Pages of the pool (about): six clients, each request one or two state pages and its slots, need more.
 PAGES = 16
 
 
@@ -205,10 +209,10 @@ class Oracle:
             for g in self.attn_groups:
                 for b in range(_cdiv(t, self.small)):
                     lo, hi = b * self.small, min(t, (b + 1) * self.small)
-                    got = mem.block(g, ids[g][b], hi - lo)
-                    assert got == keys[lo:hi], (
+                    held = mem.block(g, ids[g][b], hi - lo)
+                    assert held == keys[lo:hi], (
                         f"step {self.steps}: {rid} reads positions {lo}..{hi - 1} of {t} from slot "
-                        f"{ids[g][b]}: {'nothing' if got is None else 'other tokens'}"
+                        f"{ids[g][b]}: {'nothing' if held is None else 'other tokens'}"
                     )
             for g in self.state_groups:
                 assert mem.states.get(ids[g][_cdiv(t, bs) - 1]) == (g, keys[t - 1]), (
