@@ -315,12 +315,16 @@ def test_content_oracle_under_pressure(name: str, two_level: bool, layout: tuple
     assert all(len(r.output_token_ids) == r.max_tokens for r in reqs)
 
 
-@pytest.mark.parametrize("plant, message", [("slot", "other tokens"), ("state", "another state")])
+@pytest.mark.parametrize(
+    "plant, message",
+    [("slot", "other tokens"), ("state", "another state"), ("overlap", "both a state and holding slots")],
+)
 def test_oracle_catches_a_planted_bug(plant: str, message: str) -> None:
     """The oracle fails on one wrong table entry. ``slot``: from the second step on, a request's
     second attention slot is another running request's first (a double allocation); ``state``:
     the first request admitted with a hit is handed, for the hit's state, a page holding
-    another state (of another prefix) instead of the hit's page."""
+    another state (of another prefix) instead of the hit's page; ``overlap``: from the second
+    step on, a request's first state page is the page of another running request's slot."""
     sched = _build("qwen36", True)
     mgr = sched.kv_cache_manager
     planted: dict[tuple[str, int, int], int] = {}
@@ -333,6 +337,13 @@ def test_oracle_catches_a_planted_bug(plant: str, message: str) -> None:
                 others = [x for r in sched.running if r.request_id != rid for x in mgr.get_block_ids(r.request_id)[g]]
                 if others:
                     planted[(rid, g, 1)] = others[0]
+            if plant == "overlap" and any(ids[g := oracle.state_groups[0]]):
+                a = oracle.attn_groups[0]
+                slots = [
+                    x for r in sched.running if r.request_id != rid for x in mgr.get_block_ids(r.request_id)[a] if x
+                ]
+                if slots:
+                    planted[(rid, g, next(i for i, p in enumerate(ids[g]) if p))] = slots[0] // oracle.k
             hit = oracle.admitted.get(rid, 0)
             if plant == "state" and hit:
                 g, i = oracle.state_groups[0], _cdiv(hit, oracle.state_block) - 1
