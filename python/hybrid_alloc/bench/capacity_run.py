@@ -33,6 +33,7 @@ every step with requests running):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -141,26 +142,43 @@ def build(shape: Any, manager: str, budget_bytes: int, max_num_seqs: int, small:
     planner, with the column's manager. ``RuntimeError`` when ours is asked for and the
     plugin fell back to vLLM's (the adapter's reason in the message)."""
     from hybrid_alloc.bench.offline import SchedulerSetup
-    from hybrid_alloc.vllm import pages
 
-    class TwoLevelSetup(SchedulerSetup):
-        def kv_cache_config(self, vc: Any) -> Any:
-            kvc = pages.two_level_kv_cache_config(super().kv_cache_config(vc), small)
-            pages.scheduler_cache_config(vc.cache_config, kvc)
-            return without_zeroing(kvc)
-
-    cls = TwoLevelSetup if manager == "two-level" else SchedulerSetup
-    setup = cls(
+    setup = SchedulerSetup(
         shape,
         manager="vllm" if manager == "vllm" else "hybrid_alloc",
         kv_budget_bytes=budget_bytes,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=8192,
     )
+    return build_setup(setup, small if manager == "two-level" else None, manager)
+
+
+def build_setup(setup: Any, small: int | None, label: str = "two-level") -> Any:
+    """The Scheduler of ``setup`` (an ``offline.SchedulerSetup``) under the exact policy; with
+    ``small``, ours over the two-level form of vLLM's plan at ``small``-token attention blocks
+    (:func:`hybrid_alloc.vllm.pages.two_level_kv_cache_config` on the plan ``setup`` makes,
+    the same bytes: ``num_blocks`` or ``kv_budget_bytes`` size vLLM's plan first), the
+    scheduler's cache config and hit alignment as the engine side would set them, and
+    :func:`without_zeroing`. Shared by the capacity bench and the serve bench's ``two_level``
+    row. ``RuntimeError`` (naming ``label``) when ours is asked for and the plugin fell back to
+    vLLM's (the adapter's reason in the message)."""
+    from hybrid_alloc.bench.offline import SchedulerSetup
+    from hybrid_alloc.vllm import pages
+
+    if small is not None:
+        size = small  # an int in the method below
+
+        class TwoLevelSetup(SchedulerSetup):
+            def kv_cache_config(self, vc: Any) -> Any:
+                kvc = pages.two_level_kv_cache_config(super().kv_cache_config(vc), size)
+                pages.scheduler_cache_config(vc.cache_config, kvc)
+                return without_zeroing(kvc)
+
+        setup = TwoLevelSetup(**{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
     env = {
         "HYBRID_ALLOC_POLICY": "exact",
-        pages.PAGES_ENV: "two-level" if manager == "two-level" else None,
-        pages.SMALL_BLOCK_ENV: str(small) if manager == "two-level" else None,
+        pages.PAGES_ENV: "two-level" if small is not None else None,
+        pages.SMALL_BLOCK_ENV: str(small) if small is not None else None,
     }
     log = logging.getLogger("vllm.hybrid_alloc")
     cap, level = _Capture(), log.level
@@ -173,8 +191,8 @@ def build(shape: Any, manager: str, budget_bytes: int, max_num_seqs: int, small:
         log.removeHandler(cap)
         log.setLevel(level)
     mgr = sched.kv_cache_manager
-    if manager != "vllm" and getattr(mgr, "_alloc", None) is None:
-        raise RuntimeError(f"{manager}: the plugin fell back to vLLM's manager: {'; '.join(cap.lines) or '?'}")
+    if setup.manager != "vllm" and getattr(mgr, "_alloc", None) is None:
+        raise RuntimeError(f"{label}: the plugin fell back to vLLM's manager: {'; '.join(cap.lines) or '?'}")
     kvc = mgr.kv_cache_config
     if (align := pages.cache_hit_alignment_tokens(kvc, sched.block_size)) is not None:
         # What the workers would read (vLLM's resolver gave the hash block): the manager's.

@@ -44,7 +44,14 @@ from hybrid_alloc.bench import floor
 from hybrid_alloc.bench.common import pyplot, render_table, say, say_parts, vllm_ready
 from hybrid_alloc.bench.memory import print_memory, run_memory
 from hybrid_alloc.bench.runner import RunResult, run_scenario
-from hybrid_alloc.bench.serve import SERVE_MANAGERS, SERVE_MODELS, print_serve_table, run_serve, serve_ratios
+from hybrid_alloc.bench.serve import (
+    SERVE_MANAGERS,
+    SERVE_MODELS,
+    SERVE_SMALL_BLOCK,
+    print_serve_table,
+    run_serve,
+    serve_ratios,
+)
 
 DEFAULT_MODELS = ("gemma-2-27b", "llama-3.1-8b")
 
@@ -164,6 +171,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="serve, the +hints managers: vLLM's KvHintsEnvelope (Request.kv_hints) or SamplingParams.extra_args "
         "(the OpenAI server's vllm_xargs)",
     )
+    p.add_argument(
+        "--serve-small-block",
+        type=int,
+        default=SERVE_SMALL_BLOCK,
+        help=f"serve, the two_level manager: the attention block inside a page, tokens (default {SERVE_SMALL_BLOCK})",
+    )
     p.add_argument("--input-len", type=int, default=6144)
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--num-prompts", type=int, default=50)
@@ -199,7 +212,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the least any manager can cost under vLLM's calls (hybrid_alloc.bench.floor; needs the probe build, "
         "scripts/install-local.sh's, not the release wheel); hit_aware (serve only): ours under hit-aware; "
         "hybrid_alloc+hints, hit_aware+hints (serve only): the same with KV hints on every request "
-        "(--serve-hints-*)",
+        "(--serve-hints-*); two_level (serve only, state-space shapes: qwen3.5-style, qwen36, falconh1, ...): ours "
+        "over two-level pages of the same pool (--serve-small-block), against hybrid_alloc",
     )
     p.add_argument("--out-dir", default=from_env("HYBRID_ALLOC_BENCH_OUT", "bench-out"))
     p.add_argument("--no-plot", action="store_true")
@@ -245,9 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     plan: list[tuple[str, str, str, Any]] = []
     if "serve" in workloads:
         for m in serve_models:
+            if "two_level" in managers and by_name(m).mamba_state is None:
+                print(
+                    f"two_level: skipped on {m} (no state group: two-level pages are for state-space shapes)",
+                    file=sys.stderr,
+                )
             for w in windows:
                 for mg in managers:
-                    if mg in SERVE_MANAGERS:
+                    if mg in SERVE_MANAGERS and (mg != "two_level" or by_name(m).mamba_state is not None):
                         plan.append((m, "serve", mg, w))
     # floor, hit_aware and the +hints managers: the serve workload only.
     managers = [m for m in managers if m in ("vllm", "hybrid_alloc", "no_hybrid")]

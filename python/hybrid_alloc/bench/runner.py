@@ -18,6 +18,7 @@ from typing import Any
 
 from hybrid_alloc.bench import floor
 from hybrid_alloc.bench.clock import ManagerClock
+from hybrid_alloc.bench.common import env_set
 
 
 @dataclasses.dataclass
@@ -91,6 +92,7 @@ def run_scenario(
     policy: str | None = None,
     hints: Any = None,
     label: str | None = None,
+    two_level_small: int | None = None,
 ) -> RunResult:
     """Runs the scheduler to the end (or for ``decode_steps`` measured steps once
     ``measure_from_running`` requests run with their prompts done). Steps alternate: on even
@@ -118,10 +120,15 @@ def run_scenario(
     built; None: the environment's). ``hints``: a function of a request's ``(id, prompt)``
     returning more arguments of ``offline.make_request`` (``kv_hints=`` or ``extra_args=``: the
     KV hints each request carries). ``label``: the result's ``manager`` (default ``manager``).
-    The result's ``extra["hint_counters"]``: our manager's hint counters at the end."""
-    import os
+    The result's ``extra["hint_counters"]``: our manager's hint counters at the end.
 
+    ``two_level_small``: ours (``manager`` "hybrid_alloc", the exact policy) over the two-level
+    form of the same pool at attention blocks of that many tokens
+    (:func:`hybrid_alloc.bench.capacity_run.build_setup`: the capacity bench's construction;
+    ``RuntimeError`` if the plugin falls back, ``ValueError`` for a shape without a state
+    group). The result's ``extra["slots_per_page"]`` and ``["hash_block_size"]`` say what ran."""
     from hybrid_alloc.bench.offline import SchedulerSetup, fabricate_output, hint_counters, make_request
+    from hybrid_alloc.vllm.pages import slots_per_page
 
     setup = SchedulerSetup(
         shape,
@@ -133,17 +140,13 @@ def run_scenario(
         admission_window=admission_window,
         admission_threshold=admission_threshold,
     )
-    old_policy = os.environ.get("HYBRID_ALLOC_POLICY")
-    if policy is not None:
-        os.environ["HYBRID_ALLOC_POLICY"] = policy
-    try:
-        sched = setup.build()
-    finally:
-        if policy is not None:
-            if old_policy is None:
-                os.environ.pop("HYBRID_ALLOC_POLICY", None)
-            else:
-                os.environ["HYBRID_ALLOC_POLICY"] = old_policy
+    if two_level_small is not None:
+        from hybrid_alloc.bench.capacity_run import build_setup
+
+        assert manager == "hybrid_alloc" and policy in (None, "exact"), "two-level pages: ours, exact"
+        sched = build_setup(setup, two_level_small, label or manager)
+    else:
+        sched = _build(setup, policy)
     mgr = sched.kv_cache_manager
 
     def request(rid: str, toks: list[int], out_len: int) -> Any:
@@ -286,6 +289,8 @@ def run_scenario(
         step_running=step_running,
         extra={
             "native": type(mgr).__name__ == "HybridKVCacheManager",
+            "slots_per_page": slots_per_page(kvc) or 1,
+            "hash_block_size": sched.hash_block_size,
             "timer_overhead_ns_per_call": clock.overhead_ns,
             "timer_overhead_ns_per_method_call": clock.overhead_method_ns,
             "manager_calls_per_step_median": sorted(raw_calls)[len(raw_calls) // 2] if raw_calls else 0,
@@ -309,6 +314,12 @@ def run_scenario(
             **({"hint_counters": counters} if counters is not None else {}),
         },
     )
+
+
+def _build(setup: Any, policy: str | None) -> Any:
+    """``setup``'s scheduler, built under ``HYBRID_ALLOC_POLICY=policy`` (None: the environment's)."""
+    with env_set({"HYBRID_ALLOC_POLICY": policy} if policy is not None else {}):
+        return setup.build()
 
 
 def _median(xs: list[float]) -> float:

@@ -18,7 +18,11 @@ system prompt, a checkpoint at its end, and a session; TTLs of ``--serve-hints-t
 seconds, so leases expire during the run), sent as vLLM's envelope or as ``vllm_xargs``
 (``--serve-hints-via``). A ``+hints`` row gives, besides its ratios to vLLM's row, what the
 hints add to its own row without them (``hints_kv_us_per_request_delta``): the cost target of
-issue 38.
+issue 38. ``two_level`` is ours (exact) over the two-level form of the same pool (issue 37:
+attention blocks of ``--serve-small-block`` tokens, default 64, inside state-sized pages; the
+capacity bench's construction, :func:`hybrid_alloc.bench.capacity_run.build_setup`), on a
+state-space shape only; its row gives its KV time per running request over ``hybrid_alloc``'s
+(``two_level_kv_per_request_x``, means and call p50s): issue 37's CPU target.
 
 With ``--admission-window N`` (vLLM 0.34's ``--cache-aware-admission-window``; repeatable,
 0 is off) the workload runs once per window, each its own scenario (``serve-1024``,
@@ -45,7 +49,17 @@ from hybrid_alloc.bench.runner import RunResult, run_scenario
 SERVE_MODELS = ("gemma-2-27b", "qwen3.5-style", "deepseek-v4-style")
 #: The managers the serve workload runs (``--managers``): ``+hints`` is the manager before it
 #: with KV hints on every request.
-SERVE_MANAGERS = ("vllm", "hybrid_alloc", "floor", "hit_aware", "hybrid_alloc+hints", "hit_aware+hints")
+SERVE_MANAGERS = (
+    "vllm",
+    "hybrid_alloc",
+    "floor",
+    "hit_aware",
+    "hybrid_alloc+hints",
+    "hit_aware+hints",
+    "two_level",
+)
+#: The small attention block of the ``two_level`` row when ``--serve-small-block`` is not given.
+SERVE_SMALL_BLOCK = 64
 # The calls told apart per call (``clock._classifiers``), in the order printed.
 PER_CALL = (
     ("allocate_slots/no-op", "decode allocate_slots, no new block"),
@@ -140,13 +154,14 @@ def run_serve(shape: Any, manager: str, args: Any, window: int = 0) -> RunResult
         args.serve_prompt_len, args.serve_output_len, args.serve_output_spread, args.serve_prefix_share
     )
     base = manager.removesuffix("+hints")
+    small = (getattr(args, "serve_small_block", None) or SERVE_SMALL_BLOCK) if base == "two_level" else None
     hints = None
     if base != manager:
         ttl = getattr(args, "serve_hints_ttl", 5.0)
         hints = serve_hints(len(stream.prefix), ttl, getattr(args, "serve_hints_via", "envelope"))
     r = run_scenario(
         shape,
-        "hybrid_alloc" if base == "hit_aware" else base,
+        "hybrid_alloc" if base in ("hit_aware", "two_level") else base,
         serve_scenario(n, window),
         [stream(k) for k in range(n)],
         num_blocks=serve_pool_blocks(n, stream.max_tokens()),
@@ -161,8 +176,11 @@ def run_serve(shape: Any, manager: str, args: Any, window: int = 0) -> RunResult
         policy="hit-aware" if base == "hit_aware" else None,
         hints=hints,
         label=manager,
+        two_level_small=small,
     )
     r.extra["clients"] = n
+    if small is not None:
+        r.extra["small_block"] = small
     return r
 
 
@@ -203,6 +221,26 @@ def serve_ratios(rows: list[dict[str, Any]]) -> None:
         r["zero_kv_bound_us"] = bound
         r["step_over_bound"] = r["step_us_mean"] / bound if bound > 0 else float("inf")
     hints_deltas(rows)
+    two_level_ratios(rows)
+
+
+def two_level_ratios(rows: list[dict[str, Any]]) -> None:
+    """Adds to each ``two_level`` serve row its KV time per running request per step over the
+    ``hybrid_alloc`` row's (same model and scenario: ours, today's layout): from the means
+    (``two_level_kv_per_request_x``) and from the call medians
+    (``two_level_kv_per_request_x_from_medians``). Issue 37's target: at most 1.10."""
+    serve = [r for r in rows if r["scenario"].startswith("serve")]
+    ours = {(r["model"], r["scenario"]): r for r in serve if r["manager"] == "hybrid_alloc"}
+    for r in serve:
+        b = ours.get((r["model"], r["scenario"]))
+        if r["manager"] != "two_level" or b is None:
+            continue
+        if b["kv_us_per_running_request_mean"]:
+            r["two_level_kv_per_request_x"] = r["kv_us_per_running_request_mean"] / b["kv_us_per_running_request_mean"]
+        if b.get("kv_us_per_request_from_medians"):
+            r["two_level_kv_per_request_x_from_medians"] = (
+                r.get("kv_us_per_request_from_medians", 0.0) / b["kv_us_per_request_from_medians"]
+            )
 
 
 def hints_deltas(rows: list[dict[str, Any]]) -> None:
@@ -290,6 +328,16 @@ def print_serve_table(rows: list[dict[str, Any]], release: str | None, wide: boo
                 f"per step (means), {r.get('hints_kv_us_per_request_delta_from_medians', float('nan')):+.3f} (call "
                 f"p50s) against {r['manager'].removesuffix('+hints')}; hints received {c.get('received', '-')}, "
                 f"applied {c.get('applied', '-')}, refused {c.get('refused', '-')}, expired {c.get('expired', '-')}",
+                wide,
+            )
+    for r in serve:
+        if "two_level_kv_per_request_x" in r:
+            say(
+                f"two-level pages, {r['model']}: KV us per running request per step {r['kv_us_per_running_request_mean']:.3f}"
+                f" (means) / {r.get('kv_us_per_request_from_medians', float('nan')):.3f} (call p50s), "
+                f"{r['two_level_kv_per_request_x']:.3f}x / {r.get('two_level_kv_per_request_x_from_medians', float('nan')):.3f}x"
+                f" hybrid_alloc's ({r.get('slots_per_page', '?')} small blocks of {r.get('small_block', '?')} tokens "
+                f"a page; {r['num_blocks']} pages)",
                 wide,
             )
     say("per call, us (median / mean; calls per step):", wide)

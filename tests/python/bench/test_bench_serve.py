@@ -256,3 +256,32 @@ def test_serve_cli_admission_window(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert set(rows) == {(s, m) for s in ("serve-12", "serve-12-window8") for m in ("vllm", "hybrid_alloc")}
     assert rows["serve-12-window8", "hybrid_alloc"]["per_call"]["get_num_cached_tokens/all"]["calls_per_step"] > 0
     assert "window" in out.out and "8@0" in out.out and "off" in out.out
+
+
+def test_serve_two_level_row_runs_and_reports_its_ratio_to_ours(capsys: pytest.CaptureFixture[str]) -> None:
+    """The ``two_level`` row (issue 37): ours over two-level pages of the same pool on a
+    state-space shape (17 slots of 64 tokens a page on qwen3.5-style), paired with ours on
+    today's layout; its KV time per running request over ours, from the means and from the call
+    medians, and the line that prints them. No timed assertion: only that the figures exist."""
+    shape = SHAPES["qwen3.5-style"]
+    ours, two = (serve.run_serve(shape, m, ARGS) for m in ("hybrid_alloc", "two_level"))
+    assert two.extra["native"] and two.manager == "two_level"
+    assert ours.extra["slots_per_page"] == 1 and ours.extra["hash_block_size"] == ours.block_size
+    assert two.extra["slots_per_page"] == 17 and two.extra["small_block"] == serve.SERVE_SMALL_BLOCK
+    assert two.extra["hash_block_size"] == serve.SERVE_SMALL_BLOCK
+    # The same pool in bytes: vLLM's 1056-token pages, one state page padded to 17 x 64 tokens.
+    assert two.num_blocks == ours.num_blocks * 1056 // 1088
+    assert two.running == ours.running  # the pool holds every client either way
+    assert len(two.kv_ns) == ARGS.serve_steps // 2 and two.extra["replaced"] > ARGS.serve_clients // 2
+    assert two.extra["per_call"]["allocate_slots/admission"]["calls_per_step"] > 0
+    rows = [r.summary() for r in (ours, two)]
+    serve.serve_ratios(rows)
+    assert rows[1]["two_level_kv_per_request_x"] == pytest.approx(
+        rows[1]["kv_us_per_running_request_mean"] / rows[0]["kv_us_per_running_request_mean"]
+    )
+    assert rows[1]["two_level_kv_per_request_x_from_medians"] > 0
+    serve.print_serve_table(rows, "test")
+    out = " ".join(capsys.readouterr().out.split())  # the lines wrap at 80 columns
+    assert "two-level pages, qwen3.5-style" in out and "17 small blocks of 64 tokens" in out
+    with pytest.raises(ValueError, match="no state"):
+        serve.run_serve(SHAPES["gpt-oss-120b"], "two_level", ARGS)
