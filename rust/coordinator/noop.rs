@@ -9,7 +9,7 @@
 
 use super::{token_count, AllocateArgs, Allocator, HashSource, NewComputed};
 
-use crate::config::{AttentionKind, CoordinatorKind};
+use crate::config::CoordinatorKind;
 use crate::error::{Error, Result};
 use crate::ids::{ReqHandle, Slot};
 
@@ -99,18 +99,19 @@ impl Allocator {
 
     /// The component-wise minimum of every group's [`SingleTypeManager::noop_limits`] (the
     /// largest of their prompt bounds). Where the coordinator caches only up to a multiple
-    /// of the scheduler block ([`Self::cache_target`]: hybrid, no partial hash hits), an
-    /// attention group's `cached` limit is rounded up to that multiple: a step below it
-    /// caches nothing there. (It matters where an attention block is smaller than the
-    /// scheduler block, as under two-level pages: 64-token blocks, 1088-token scheduler
-    /// blocks; elsewhere the two are equal and the rounding changes nothing.)
+    /// of the scheduler block ([`Self::cache_target`]: hybrid, no partial hash hits), each
+    /// group's `cached` limit is rounded up to that multiple: a plain step caches only at
+    /// its cache target, which stays below a limit `t` while the step stays below `t`
+    /// rounded up. (It matters where a group keys below the scheduler block, as under
+    /// two-level pages: 64-token slots, a Mamba "align" prompt checkpoint on the 64-token
+    /// hash grid, 1088-token scheduler blocks; elsewhere the limits are multiples already.)
     pub(super) fn compute_noop(&self, s: Slot) -> NoopLimits {
         let sbs = self.cfg.scheduler_block_size as u64;
         let round = matches!(self.kind, CoordinatorKind::Hybrid) && !self.partial_hash_hits && sbs > 1;
         let mut lim = NoopLimits::ANY;
         for m in &self.managers {
             let (slots, processed, mut cached, new_tokens) = m.noop_limits(s);
-            if round && cached != u32::MAX && !matches!(m.kind(), AttentionKind::Mamba { .. }) {
+            if round && cached != u32::MAX {
                 cached = clamp((cached as u64).div_ceil(sbs) * sbs);
             }
             lim = lim.min((slots, processed, cached, new_tokens));
