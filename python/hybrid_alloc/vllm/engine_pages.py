@@ -35,6 +35,7 @@ back (``plan.two_level_slots``: "not two-level"); nothing here raises into vLLM.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from hybrid_alloc.vllm import pages
@@ -91,11 +92,15 @@ def decide(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[list[Any] | N
     try:
         from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 
-        from hybrid_alloc.vllm import manager, plugin
+        from hybrid_alloc.vllm import manager
         from hybrid_alloc.vllm.plan import native_plan
         from hybrid_alloc.vllm.unsupported import Unsupported
 
-        if not plugin.applied():
+        # The plugin (which installed this module's patches, so it is loaded) has put our
+        # manager in vLLM's scheduler. Read through sys.modules: the plugin imports this
+        # module, and an import back would close a circle.
+        plugin = sys.modules.get("hybrid_alloc.vllm.plugin")
+        if plugin is None or not plugin.applied():
             return None, "the plugin's manager is not installed"
         small = pages.small_block_from_env()
         reshaped = [pages.two_level_kv_cache_config(c, small) for c in kv_cache_configs]
