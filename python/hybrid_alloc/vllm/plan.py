@@ -126,8 +126,4 @@ def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str) -> int:
     blocks = {s.block_size for s in specs if not isinstance(s, MambaSpec)}
     if blocks != {small}:
         raise Unsupported(f"{on}: attention blocks of {sorted(blocks)} tokens, {pages.SMALL_BLOCK_ENV} is {small}")
-    if a.hash_block_size != small:
-        # A prefix match unit below the small block: hits end at state blocks with two-level
-        # pages (the core serves no partial hash hits there), and this path is untested.
-        raise Unsupported(f"{on} with a hash block of {a.hash_block_size} tokens (prefix_match_unit), not {small}")
     return k

@@ -238,8 +238,6 @@ def test_native_plan_refuses_what_two_level_does_not_serve(
         native_plan(_args(spec_blocks), None)
     with pytest.raises(Unsupported):  # Mamba under DCP: refused before two-level is looked at
         native_plan(_args(t, dcp_world_size=2), None)
-    with pytest.raises(Unsupported, match="with a hash block of 32 tokens \\(prefix_match_unit\\), not 64"):
-        native_plan(_args(t, hash_block_size=32), None)
     monkeypatch.setenv(pages.SMALL_BLOCK_ENV, "32")
     with pytest.raises(Unsupported, match="attention blocks of \\[64\\] tokens, HYBRID_ALLOC_SMALL_BLOCK is 32"):
         native_plan(_args(t), None)
