@@ -345,7 +345,9 @@ def test_content_oracle_under_pressure(name: str, two_level: bool, layout: tuple
     sched = _build(name, two_level)
     oracle = Oracle(sched)
     assert (oracle.k, oracle.small, oracle.state_block) == layout
-    assert oracle.hit_alignment == oracle.state_block and not sched.kv_cache_manager.coordinator.enable_partial_hash_hits
+    assert (
+        oracle.hit_alignment == oracle.state_block and not sched.kv_cache_manager.coordinator.enable_partial_hash_hits
+    )
     assert bool(oracle.checkpoints) == (name == "falconh1")
     reqs = _run(sched, oracle)
     preemptions = sum(getattr(r, "num_preemptions", 0) for r in reqs)

@@ -310,7 +310,9 @@ def test_prefix_match_unit_is_read_from_the_users_setting_and_defaults_the_small
     assert pages.small_block(_with_unit(None, 32)) == 64  # the variable wins
     assert pages.unit_refusal(_with_unit(None, 64), 64) is None
     assert pages.unit_refusal(_with_unit(None, None), 64) is None
-    assert "prefix_match_unit=32: served only equal to the small block" in str(pages.unit_refusal(_with_unit(None, 32), 64))
+    assert "prefix_match_unit=32: served only equal to the small block" in str(
+        pages.unit_refusal(_with_unit(None, 32), 64)
+    )
     assert "prefix_match_unit=128" in str(pages.unit_refusal(_with_unit(None, 128), 64))
 
 
