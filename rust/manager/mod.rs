@@ -81,6 +81,7 @@ mod noop;
 mod retention;
 pub mod rswa;
 pub mod sliding_window;
+pub mod swa_replay;
 mod zeroing;
 
 pub use hit::{find_longest_cache_hit, HashView, HitQuery};

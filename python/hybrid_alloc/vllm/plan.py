@@ -8,7 +8,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheGroupRole, KVCacheSpec, MambaSpec
+from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
+    KVCacheGroupRole,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowMLASpec,
+)
 
 from hybrid_alloc.specs import GroupSpec
 from hybrid_alloc.vllm import compat, pages, policy_env
@@ -19,6 +25,14 @@ from hybrid_alloc.vllm.spec_table import group_spec
 from hybrid_alloc.vllm.unsupported import Unsupported
 
 __all__ = ["native_plan"]
+
+
+def _served_uncacheable(spec: KVCacheSpec) -> bool:
+    """A spec that opts out of prefix caching which the core serves: the compressor's
+    circular buffer, and a sliding window with a bounded replay (DeepSeek-V4.1)."""
+    return type(spec) is CircularBufferSpec or (
+        type(spec) is SlidingWindowMLASpec and bool(getattr(spec, "bounded_replay", False))
+    )
 
 
 def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
@@ -47,7 +61,7 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         # On 0.33 a flagged group drops its last block only with use_eagle (refused above).
         if g.is_eagle_group and not compat.EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE:
             raise Unsupported(f"group {i} holds EAGLE/MTP draft layers (prefix-cache block drop)")
-        if not spec.prefix_cacheable and type(spec) is not CircularBufferSpec:
+        if not spec.prefix_cacheable and not _served_uncacheable(spec):
             raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
         key = next((k for k, s in enumerate(seen_specs) if s == spec), None)
         if key is None:
