@@ -110,7 +110,7 @@ def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str) -> int:
     two-level pages do not serve (this first version): a model without a state group, a KV
     connector (it moves whole blocks: a page's slots belong to other requests), decode or
     prefill context parallelism, speculative decoding (lookahead hashes or blocks, Mamba
-    speculative blocks), the hit-aware policy, an attention block other than
+    speculative blocks), the hit-aware policy with prefix caching on, an attention block other than
     ``HYBRID_ALLOC_SMALL_BLOCK``, and a configuration that is not two-level (the plugin's
     planning, :mod:`.engine_pages`, did not run). KV cache zeroing is served: the core
     records the new slots, which the workers of the engine side zero in their small-block
@@ -131,8 +131,12 @@ def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str) -> int:
     spec_config = getattr(vllm_config, "speculative_config", None)
     if a.use_eagle or lookahead or mamba_spec_blocks or spec_config is not None:
         raise Unsupported(f"{on} with speculative decoding (lookahead tokens or blocks)")
-    if policy != "exact":
-        raise Unsupported(f"{on} with {policy_env.POLICY_ENV}={policy} (two-level pages serve the exact policy only)")
+    if policy != "exact" and a.enable_caching:
+        # With prefix caching off hit-aware caches nothing and decides as exact: served.
+        raise Unsupported(
+            f"{on} with {policy_env.POLICY_ENV}={policy} and prefix caching on (two-level pages serve the exact "
+            "policy only: hit-aware's levels, pins and hit units would span the slot pool and the page pool)"
+        )
     k = pages.slots_per_page(kvc)
     if k is None:
         sizes = ", ".join(f"{type(s).__name__} {s.block_size} tokens / {s.page_size_bytes} bytes" for s in specs)
