@@ -28,7 +28,12 @@ from vllm_harness import SETUPS, Setup  # noqa: E402
 ATTENTION = {s.name: s for s in SETUPS if s.available}
 MAMBA = {s.name: s for s in MAMBA_SETUPS if s.available}
 NAMES = ["full_bs16", "full_swa_bs16", "swa_only_bs16", "full_chunked_bs16", "full_swa_nocache_bs16"]
-MAMBA_NAMES = ["qwen35_gdn_3to1_align", "mamba2_only_align", "nemotron_h_mamba2_nocache", "deepseek_v41_swa_replay_ring"]
+MAMBA_NAMES = [
+    "qwen35_gdn_3to1_align",
+    "mamba2_only_align",
+    "nemotron_h_mamba2_nocache",
+    "deepseek_v41_swa_replay_ring",
+]
 KINDS = [
     vstm.FullAttentionManager,
     vstm.SlidingWindowManager,
