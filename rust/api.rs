@@ -120,6 +120,11 @@ pub const KINDS: &[KindEntry] = &[
         },
     },
     KindEntry { name: "circular_buffer", params: &[], build: |_| AttentionKind::CircularBuffer },
+    KindEntry {
+        name: "sliding_window_replay",
+        params: &[KindParam::Window, KindParam::ExtraRetainedTokens],
+        build: |p| AttentionKind::SlidingWindowReplay { window: p[0], extra_retained_tokens: p[1] },
+    },
 ];
 
 /// The registry entry of `kind`.

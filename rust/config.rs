@@ -29,6 +29,19 @@ pub enum AttentionKind {
         /// Tokens kept past the window (vLLM's `extra_retained_tokens`).
         extra_retained_tokens: u32,
     },
+    /// Sliding-window attention kept out of prefix caching with a bounded replay (vLLM's
+    /// `SlidingWindowMLASpec` with `bounded_replay`, DeepSeek-V4.1's `--swa-bounded-replay`,
+    /// on by default): allocated and recycled as [`Self::SlidingWindow`], but never cached
+    /// and never searched for hits (`prefix_cacheable` is false). After a hit of the other
+    /// groups, the scheduler recomputes the hit's last window (its `prefix_replay_tokens`);
+    /// the manager sees ordinary calls, and this group's table starts with the nulls of the
+    /// skipped blocks and no hit blocks.
+    SlidingWindowReplay {
+        /// Tokens a token attends to (itself included).
+        window: u32,
+        /// Tokens kept past the window (vLLM's `extra_retained_tokens`).
+        extra_retained_tokens: u32,
+    },
     /// Chunked local attention (Llama 4): blocks of earlier chunks are recycled.
     ChunkedLocal {
         /// Tokens per chunk (vLLM's `attention_chunk_size`).
@@ -217,7 +230,9 @@ impl Config {
             if !Self::is_state_group(g) && g.kind != AttentionKind::Full {
                 let name = match g.kind {
                     AttentionKind::Rswa { .. } => "an R-SWA group",
-                    AttentionKind::SlidingWindow { .. } => "a sliding-window group",
+                    AttentionKind::SlidingWindow { .. } | AttentionKind::SlidingWindowReplay { .. } => {
+                        "a sliding-window group"
+                    }
                     AttentionKind::ChunkedLocal { .. } => "a chunked local attention group",
                     AttentionKind::Cross => "cross attention",
                     _ => "a circular buffer group",

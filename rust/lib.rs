@@ -2,7 +2,7 @@
 //!
 //! The KV cache block allocator of vLLM V1 (every supported release, 0.32 to 0.34 as of this
 //! writing: `docs/compatibility.md`), in Rust, for models whose layers mix attention types:
-//! full attention, R-SWA, sliding window, chunked local, cross attention, Mamba /
+//! full attention, R-SWA, sliding window (with a bounded replay too), chunked local, cross attention, Mamba /
 //! linear-attention state (cache modes "none" and "align"), circular buffers. Same
 //! semantics as vLLM's Python `KVCacheManager` (same block ids, hits, free counts, events),
 //! at a fraction of its cost. `rust/py` (feature `python`) exposes it to Python; the vLLM
@@ -16,7 +16,7 @@
 //!   |- managers[g] (manager/)        one per KV cache group: block tables, num_cached,
 //!   |                                  pending copy-on-write, zeroing records; attention-type
 //!   |                                  rules, each kind in its file with its per-request state
-//!   |                                  (full: partial tails | R-SWA | SWA | chunked | cross |
+//!   |                                  (full: partial tails | R-SWA | SWA | SWA replay | chunked | cross |
 //!   |                                  Mamba none/align | circular buffer); hit-aware's
 //!   |                                  per-group rules (manager/retention.rs)
 //!   '- BlockPool (block_pool.rs)     shared by all groups; vLLM's BlockPool, no policy

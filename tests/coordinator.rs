@@ -237,6 +237,49 @@ fn find_longest_cache_hit_hybrid_full_swa_is_min_and_swa_starts_with_nulls() {
 }
 
 #[test]
+fn swa_bounded_replay_takes_no_hit_caches_nothing_and_starts_with_nulls() {
+    // DeepSeek-V4.1: full attention + a sliding window kept out of prefix caching.
+    let replay = AttentionKind::SlidingWindowReplay { window: 32, extra_retained_tokens: 0 };
+    let mut a = alloc(Config { enable_events: true, ..config(&[full(), replay], 64) });
+    let contents: Vec<u64> = (1..=11).collect();
+    let r1 = add(&mut a, &contents, 161);
+    prefill(&mut a, r1, 161);
+    let f1 = table(&a, r1, 0);
+    assert_eq!(table(&a, r1, 1).len(), 11);
+    a.free(r1, LEVEL_NORMAL).unwrap();
+    // Only full attention's blocks were stored (one event per stored run, its group's blocks).
+    let stored: usize = a
+        .take_events()
+        .iter()
+        .map(|e| match e {
+            Event::Stored { group, hashes, .. } => {
+                assert_eq!(*group, 0, "a stored event of the replay window");
+                hashes.len()
+            }
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(stored, 10, "the replay window caches nothing");
+
+    // The hit is full attention's alone; the window's group takes none, however long.
+    let r2 = add(&mut a, &contents, 161);
+    let hit = a.find_longest_cache_hit(r2, 160).unwrap();
+    assert_eq!(hit.num_tokens, 160);
+    assert_eq!(a.stored_hit(r2, 0).unwrap(), &f1[..10]);
+    assert!(a.stored_hit(r2, 1).unwrap().is_empty());
+    let mut x = args(1, 0, 161, 161);
+    x.num_new_computed_tokens = 160;
+    // New blocks: full attention's for token 160, and the window's three (tokens 128..160,
+    // recomputed by the replay, and the new token's), none from the hit.
+    assert_eq!(a.allocate_slots(r2, &x, NewComputed::Stored, None).unwrap(), Some(1 + 3));
+    let t = table(&a, r2, 1);
+    assert_eq!(&t[..8], &[NULL_BLOCK; 8], "the blocks before the window are null");
+    assert!(t[8..].iter().all(|&b| b != NULL_BLOCK && !f1.contains(&b)));
+    assert_eq!(t.len(), 11);
+    ok(&a);
+}
+
+#[test]
 fn cache_blocks_swa_retention_zero_caches_only_replay_tail() {
     let mut cfg = config(&[full(), swa(32)], 64);
     cfg.retention_interval = Some(0);

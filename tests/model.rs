@@ -128,7 +128,8 @@ fn cdiv(a: u32, b: u32) -> u32 {
 fn num_skipped_tokens(kind: AttentionKind, n: u32) -> u32 {
     match kind {
         AttentionKind::Full | AttentionKind::Rswa { .. } | AttentionKind::Cross | AttentionKind::CircularBuffer => 0,
-        AttentionKind::SlidingWindow { window, extra_retained_tokens } => {
+        AttentionKind::SlidingWindow { window, extra_retained_tokens }
+        | AttentionKind::SlidingWindowReplay { window, extra_retained_tokens } => {
             (n as i64 - window as i64 + 1 - extra_retained_tokens as i64).max(0) as u32
         }
         AttentionKind::ChunkedLocal { chunk } => n / chunk * chunk,
@@ -595,7 +596,10 @@ impl Harness {
             AttentionKind::SlidingWindow { window, .. } => sliding(max_tokens, g, window),
             AttentionKind::ChunkedLocal { chunk } => chunked(max_tokens, g, chunk),
             AttentionKind::Full | AttentionKind::Rswa { .. } => full(max_tokens, g),
-            AttentionKind::Cross | AttentionKind::Mamba { .. } | AttentionKind::CircularBuffer => unreachable!(),
+            AttentionKind::Cross
+            | AttentionKind::Mamba { .. }
+            | AttentionKind::CircularBuffer
+            | AttentionKind::SlidingWindowReplay { .. } => unreachable!("the model draws no such group"),
         };
         if self.ng() == 1 {
             (other(max_len, 0), 0)

@@ -127,6 +127,91 @@ fn new_slots_per_page_refuses_what_it_cannot_serve() {
     refused(Config { prefix_match_unit: Some(32), ..unit }, Policy::Exact, "is not the hash block size 16");
     // k == 1 is today's layout, whatever the groups.
     assert!(Allocator::new(Config { slots_per_page: 1, ..cfg(vec![full, swa]) }, Policy::HitAware).is_ok());
+    // Hit-aware with prefix caching: its levels, pins and hit units span both pools.
+    refused(cfg(vec![full, state]), Policy::HitAware, "would span the slot pool and the page pool");
+}
+
+/// Hit-aware with prefix caching off is served over two-level pages: nothing is cached, so
+/// it has nothing to decide and makes `exact`'s decisions (as with one pool). Both policies
+/// run the same admissions, chunks, decodes and frees in lockstep: the same answers, the
+/// same blocks, the same free pages and usage after every call.
+#[test]
+fn hit_aware_with_caching_off_over_two_level_pages_decides_as_exact() {
+    let groups = vec![
+        GroupSpec { kind: AttentionKind::Full, block_size: BS, spec_key: 0 },
+        GroupSpec {
+            kind: AttentionKind::Mamba {
+                speculative_blocks: 0,
+                align: false,
+                rekey_cached_tail: false,
+                checkpoint_alignment: 0,
+            },
+            block_size: 32,
+            spec_key: 1,
+        },
+    ];
+    let cfg =
+        Config { slots_per_page: 3, scheduler_block_size: 32, enable_caching: false, ..common::config(6, groups, BS) };
+    let mut both =
+        [Allocator::new(cfg.clone(), Policy::Exact).unwrap(), Allocator::new(cfg, Policy::HitAware).unwrap()];
+    assert!(!both[1].pool().is_leveled() && both[1].policy() == Policy::HitAware);
+    // (prompt, tokens decoded) of each request; admitted in order, one chunk of up to 48
+    // tokens per step, one decode token per step, freed when done or when the pool is full.
+    let work = [(40u32, 5u32), (17, 20), (70, 3), (5, 30), (33, 9), (96, 2), (12, 12)];
+    let mut live: Vec<([ReqHandle; 2], u32, u32, u32)> = Vec::new(); // handles, computed, prompt, total
+    let mut next = 0;
+    let mut ran = (0, 0);
+    for step in 0..120 {
+        if next < work.len() && live.len() < 3 {
+            let (p, d) = work[next];
+            live.push(([both[0].add_request(), both[1].add_request()], 0, p, p + d));
+            next += 1;
+        }
+        let mut done = Vec::new();
+        for (i, (h, computed, prompt, total)) in live.iter_mut().enumerate() {
+            let new = if *computed < *prompt { (*prompt - *computed).min(48) } else { 1 };
+            let to = *computed + new;
+            let got: Vec<_> = (0..2)
+                .map(|j| {
+                    both[j]
+                        .allocate_slots(h[j], &args(new, *computed, 0, *prompt, to), NewComputed::Empty, None)
+                        .unwrap()
+                })
+                .collect();
+            assert_eq!(got[0], got[1], "step {step}: allocate_slots");
+            if got[0].is_none() {
+                ran.1 += 1;
+                done.push(i); // preempted: freed below
+                continue;
+            }
+            ran.0 += 1;
+            *computed = to;
+            for g in 0..2 {
+                assert_eq!(
+                    both[0].blocks(h[0], g).unwrap(),
+                    both[1].blocks(h[1], g).unwrap(),
+                    "step {step}: group {g}"
+                );
+            }
+            if *computed >= *total {
+                done.push(i);
+            }
+        }
+        for i in done.into_iter().rev() {
+            let (h, ..) = live.remove(i);
+            for j in 0..2 {
+                both[j].free(h[j], LEVEL_NORMAL).unwrap();
+            }
+        }
+        for a in &both {
+            invariants::check(a).unwrap();
+        }
+        assert_eq!(both[0].num_free_blocks(), both[1].num_free_blocks(), "step {step}");
+        assert_eq!(both[0].usage(), both[1].usage(), "step {step}");
+        assert_eq!(both[0].pool().free_queue_order(), both[1].pool().free_queue_order(), "step {step}");
+    }
+    assert!(live.is_empty() && next == work.len(), "the workload finished");
+    assert!(ran.0 > 50 && ran.1 > 0, "allocations and refusals both exercised: {ran:?}");
 }
 
 // ---------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ __all__ = [
     "MambaAlign",
     "Rswa",
     "SlidingWindow",
+    "SlidingWindowReplay",
 ]
 
 
@@ -45,6 +46,19 @@ class SlidingWindow:
     more before the window (vLLM's ``SlidingWindowSpec``, ``SlidingWindowMLASpec``)."""
 
     kind: ClassVar[str] = "sliding_window"
+    block_size: int
+    spec_key: int = 0
+    window: int
+    extra_retained_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlidingWindowReplay:
+    """A sliding window kept out of prefix caching, which the scheduler replays after a hit
+    (vLLM's ``SlidingWindowMLASpec`` with ``bounded_replay``, DeepSeek-V4.1): allocated and
+    recycled as ``SlidingWindow``, never cached, never searched for hits."""
+
+    kind: ClassVar[str] = "sliding_window_replay"
     block_size: int
     spec_key: int = 0
     window: int
@@ -117,5 +131,13 @@ class MambaAlign:
 
 
 GroupSpec: TypeAlias = (
-    FullAttention | SlidingWindow | Rswa | ChunkedLocal | CrossAttention | CircularBuffer | Mamba | MambaAlign
+    FullAttention
+    | SlidingWindow
+    | SlidingWindowReplay
+    | Rswa
+    | ChunkedLocal
+    | CrossAttention
+    | CircularBuffer
+    | Mamba
+    | MambaAlign
 )

@@ -160,9 +160,15 @@ impl Allocator {
         let caching = cfg.enable_caching;
         let leveled = policy == Policy::HitAware && caching;
         let k = cfg.slots_per_page;
-        if k > 1 && policy != Policy::Exact {
+        // Hit-aware over two-level pages with prefix caching off decides as `exact` (nothing
+        // is cached: no level, pin or hint applies), as with one pool. With caching on it is
+        // refused: its per-block state (levels, flags, pins, leases) lives in one pool's
+        // `Retention` and its hit units join a state to the full-attention blocks before it,
+        // which two-level pages put in two pools (docs/two-level-pages.md, "Hit-aware").
+        if k > 1 && leveled {
             return Err(Error::Unsupported(format!(
-                "the {policy:?} policy is not served with slots_per_page={k} > 1 (exact only)"
+                "the {policy:?} policy with prefix caching is not served with slots_per_page={k} > 1 \
+                 (exact only: its levels, pins and hit units would span the slot pool and the page pool)"
             )));
         }
         let mut pool = if k > 1 {

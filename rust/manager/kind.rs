@@ -42,6 +42,12 @@ macro_rules! with_rules {
                 let $r = &$crate::manager::sliding_window::SlidingWindow { window, extra_retained_tokens };
                 $body
             }
+            K::SlidingWindowReplay { window, extra_retained_tokens } => {
+                let $r = &$crate::manager::swa_replay::SlidingWindowReplay {
+                    swa: $crate::manager::sliding_window::SlidingWindow { window, extra_retained_tokens },
+                };
+                $body
+            }
             K::ChunkedLocal { chunk } => {
                 let $r = &$crate::manager::chunked_local::ChunkedLocal { chunk };
                 $body

@@ -14,6 +14,7 @@
 //! | [`full`] | full attention, MLA | [`full::Full`] (the defaults) | [`full::FullState`] (partial tails, partial hash hits) |
 //! | [`rswa`] | R-SWA (full attention plus a gap freed between prompt and window) | [`rswa::Rswa`] | [`rswa::RswaState`] |
 //! | [`sliding_window`] | sliding window | [`sliding_window::SlidingWindow`] | none (the null prefix) |
+//! | [`swa_replay`] | sliding window kept out of prefix caching (DeepSeek-V4.1's bounded replay) | [`swa_replay::SlidingWindowReplay`] | none (the null prefix) |
 //! | [`chunked_local`] | chunked local attention | [`chunked_local::ChunkedLocal`] | none (the null prefix) |
 //! | [`cross`] | cross attention (static, from the encoder length; never cached) | [`cross::Cross`] | none |
 //! | [`mamba`] | Mamba "none" and "align" | [`mamba::MambaNone`], [`mamba::MambaAlign`] | [`mamba::AlignState`] ("align") |
@@ -81,6 +82,7 @@ mod noop;
 mod retention;
 pub mod rswa;
 pub mod sliding_window;
+pub mod swa_replay;
 mod zeroing;
 
 pub use hit::{find_longest_cache_hit, HashView, HitQuery};

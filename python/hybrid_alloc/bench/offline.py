@@ -133,7 +133,8 @@ def kv_cache_specs(
             if layer.kind == "mla" or (no_hybrid and layer.kind == "swa_mla"):
                 spec = MLAAttentionSpec(**mla)
             elif layer.kind == "swa_mla":
-                spec = SlidingWindowMLASpec(**mla, sliding_window=layer.window)
+                replay = {"bounded_replay": True} if layer.bounded_replay else {}
+                spec = SlidingWindowMLASpec(**mla, sliding_window=layer.window, **replay)
             else:
                 spec = CircularBufferSpec(**{**mla, "block_size": 8})
             specs[f"model.layers.{i}.{layer.kind}"] = spec

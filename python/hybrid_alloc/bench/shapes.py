@@ -46,10 +46,12 @@ class LayerKind:
     (reference sliding window attention, ``window`` its ``rswa_window``), "mamba" (a Mamba /
     linear-attention state layer, shaped by ``ModelShape.mamba_state``), or one of
     DeepSeek-V4's: "mla" (compressed MLA, full attention), "swa_mla" (sliding-window MLA,
-    ``window`` tokens) and "ring" (the compressor's circular buffer, one block per request)."""
+    ``window`` tokens; with ``bounded_replay``, DeepSeek-V4.1's, kept out of prefix caching and
+    replayed after a hit) and "ring" (the compressor's circular buffer, one block per request)."""
 
     kind: str
     window: int = 0
+    bounded_replay: bool = False
 
 
 @dataclass(frozen=True)

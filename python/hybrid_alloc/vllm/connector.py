@@ -124,6 +124,13 @@ def _unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> st
         return "LMCacheConnectorV1 (use_native: vLLM's in-tree lmcache_integration copy)"
     if name == "LMCacheMPConnector":
         return _lmcache_mp_unserved(extra)
+    if name == "SimpleCPUOffloadConnector":
+        # Its scheduler side (vllm/v1/simple_kv_offload/manager.py) is bound to the scheduler's
+        # BlockPool and works on it as its owner would.
+        return (
+            "SimpleCPUOffloadConnector (it reads and changes the scheduler's block pool: blocks[i], "
+            "touch, free_blocks, get_cached_block, free_block_queue, cached_block_hashes_by_block)"
+        )
     if name in SINGLE_GROUP_CONNECTORS:
         return _single_group_unserved(str(name), kvc)
     return None if name in NATIVE_CONNECTORS else str(name)

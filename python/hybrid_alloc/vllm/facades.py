@@ -304,6 +304,32 @@ class NativeCoordinator:
         )
 
     @property
+    def attention_groups(self) -> list[Any]:
+        """vLLM's ``HybridKVCacheCoordinator.attention_groups``: the prefix-cacheable groups
+        batched by equal spec and manager class (``SpecGroup(spec, group_ids, manager_cls,
+        use_eagle)``, vLLM's own named tuple), full attention first. Built on access (nothing
+        on the hot path reads it); only a hybrid coordinator has it, as in vLLM."""
+        if not isinstance(self, _vllm_kvc.HybridKVCacheCoordinator):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute 'attention_groups'")
+        out: list[Any] = []
+        for i, g in enumerate(self.kv_cache_config.kv_cache_groups):
+            spec = g.kv_cache_spec
+            if not spec.prefix_cacheable:
+                continue
+            cls = _manager_class(spec, getattr(g, "role", None))
+            use_eagle = i in self.drop_eagle_group_ids
+            for idx, sg in enumerate(out):
+                if sg.spec == spec and sg.manager_cls is cls:
+                    sg.group_ids.append(i)
+                    if use_eagle and not sg.use_eagle:
+                        out[idx] = sg._replace(use_eagle=True)
+                    break
+            else:
+                out.append(_vllm_kvc.SpecGroup(spec, [i], cls, use_eagle))
+        out.sort(key=lambda sg: not isinstance(sg.spec, FullAttentionSpec))
+        return out
+
+    @property
     def retention_interval(self) -> int | None:
         """vLLM's: ``KVCacheConfig.prefix_cache_retention_interval``, which the core is built
         with. Fixed at construction: writing another value raises (vLLM's coordinator reads the

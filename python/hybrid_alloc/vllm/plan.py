@@ -8,7 +8,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheGroupRole, KVCacheSpec, MambaSpec
+from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
+    KVCacheGroupRole,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowMLASpec,
+)
 
 from hybrid_alloc.specs import GroupSpec
 from hybrid_alloc.vllm import compat, pages, policy_env
@@ -19,6 +25,14 @@ from hybrid_alloc.vllm.spec_table import group_spec
 from hybrid_alloc.vllm.unsupported import Unsupported
 
 __all__ = ["native_plan"]
+
+
+def _served_uncacheable(spec: KVCacheSpec) -> bool:
+    """A spec that opts out of prefix caching which the core serves: the compressor's
+    circular buffer, and a sliding window with a bounded replay (DeepSeek-V4.1)."""
+    return type(spec) is CircularBufferSpec or (
+        type(spec) is SlidingWindowMLASpec and bool(getattr(spec, "bounded_replay", False))
+    )
 
 
 def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
@@ -47,7 +61,7 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         # On 0.33 a flagged group drops its last block only with use_eagle (refused above).
         if g.is_eagle_group and not compat.EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE:
             raise Unsupported(f"group {i} holds EAGLE/MTP draft layers (prefix-cache block drop)")
-        if not spec.prefix_cacheable and type(spec) is not CircularBufferSpec:
+        if not spec.prefix_cacheable and not _served_uncacheable(spec):
             raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
         key = next((k for k, s in enumerate(seen_specs) if s == spec), None)
         if key is None:
@@ -96,7 +110,7 @@ def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str, native: dict[
     two-level pages do not serve (this first version): a model without a state group, a KV
     connector (it moves whole blocks: a page's slots belong to other requests), decode or
     prefill context parallelism, speculative decoding (lookahead hashes or blocks, Mamba
-    speculative blocks), the hit-aware policy, an attention block other than
+    speculative blocks), the hit-aware policy with prefix caching on, an attention block other than
     ``HYBRID_ALLOC_SMALL_BLOCK``, a configuration that is not two-level (the plugin's
     planning, :mod:`.engine_pages`, did not run), and a ``prefix_match_unit`` other than the
     small block (prefix caching on). KV cache zeroing is served: the core records the new
@@ -121,8 +135,12 @@ def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str, native: dict[
     spec_config = getattr(vllm_config, "speculative_config", None)
     if a.use_eagle or lookahead or mamba_spec_blocks or spec_config is not None:
         raise Unsupported(f"{on} with speculative decoding (lookahead tokens or blocks)")
-    if policy != "exact":
-        raise Unsupported(f"{on} with {policy_env.POLICY_ENV}={policy} (two-level pages serve the exact policy only)")
+    if policy != "exact" and a.enable_caching:
+        # With prefix caching off hit-aware caches nothing and decides as exact: served.
+        raise Unsupported(
+            f"{on} with {policy_env.POLICY_ENV}={policy} and prefix caching on (two-level pages serve the exact "
+            "policy only: hit-aware's levels, pins and hit units would span the slot pool and the page pool)"
+        )
     if (why := pages.unit_refusal(vllm_config, small)) is not None:
         # Before "not two-level": the engine side kept vLLM's plan for this same reason.
         raise Unsupported(why)

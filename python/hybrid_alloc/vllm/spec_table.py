@@ -39,6 +39,7 @@ from hybrid_alloc.specs import (
     MambaAlign,
     Rswa,
     SlidingWindow,
+    SlidingWindowReplay,
 )
 from hybrid_alloc.vllm import compat
 from hybrid_alloc.vllm.unsupported import Unsupported
@@ -62,9 +63,17 @@ def _sliding_window(spec: Any, key: int) -> GroupSpec:
 
 
 def _sliding_window_mla(spec: Any, key: int) -> GroupSpec:
-    # vLLM serves it with the SlidingWindowManager (DeepSeek-V4's sliding-window MLA).
-    if spec.bounded_replay:
-        raise Unsupported("SlidingWindowMLASpec with bounded replay (prefix replay window)")
+    # vLLM serves it with the SlidingWindowManager (DeepSeek-V4's sliding-window MLA). With
+    # ``bounded_replay`` (DeepSeek-V4.1, ``--swa-bounded-replay``, on by default) the spec is
+    # not prefix-cacheable: the same manager, its hits and caching off; the scheduler replays
+    # the hit's last window.
+    if getattr(spec, "bounded_replay", False):
+        return SlidingWindowReplay(
+            block_size=spec.block_size,
+            spec_key=key,
+            window=spec.sliding_window,
+            extra_retained_tokens=spec.extra_retained_tokens,
+        )
     return _sliding_window(spec, key)
 
 
@@ -153,7 +162,7 @@ def group_spec(spec: KVCacheSpec, key: int) -> GroupSpec:
 def describe(spec: GroupSpec) -> str:
     """The group as the serving log line names it, e.g. ``sliding_window(window=64)/bs=16``."""
     match spec:
-        case SlidingWindow():
+        case SlidingWindow() | SlidingWindowReplay():
             params = f"(window={spec.window})"
         case ChunkedLocal():
             params = f"(chunk={spec.chunk})"

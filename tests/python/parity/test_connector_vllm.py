@@ -356,19 +356,23 @@ def test_unserved_connector_falls_back_with_one_line(conn: str, caplog: pytest.L
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 24},
     }
+    simple = (
+        "SimpleCPUOffloadConnector (it reads and changes the scheduler's block pool: blocks[i], touch, "
+        "free_blocks, get_cached_block, free_block_queue, cached_block_hashes_by_block)"
+    )
     if conn == "SimpleCPUOffloadConnector":
-        ktc, expect = KVTransferConfig(**off), "KV connector SimpleCPUOffloadConnector is configured"
+        ktc, expect = KVTransferConfig(**off), f"KV connector {simple} is configured"
     elif conn == "MultiConnector":
         ktc = KVTransferConfig(
             kv_connector="MultiConnector",
             kv_role="kv_both",
             kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}, off]},
         )
-        expect = "KV connector MultiConnector over SimpleCPUOffloadConnector is configured"
+        expect = f"KV connector MultiConnector over {simple} is configured"
     elif conn == "module_path":
         path = "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector"
         ktc = KVTransferConfig(**off, kv_connector_module_path=path)
-        expect = f"KV connector SimpleCPUOffloadConnector (from {path}): SimpleCPUOffloadConnector is configured"
+        expect = f"KV connector SimpleCPUOffloadConnector (from {path}): {simple} is configured"
     elif conn == "module_pins":
         ktc = KVTransferConfig(
             kv_connector="PinningConnector", kv_connector_module_path="module_connectors", kv_role="kv_both"

@@ -28,7 +28,12 @@ from vllm_harness import SETUPS, Setup  # noqa: E402
 ATTENTION = {s.name: s for s in SETUPS if s.available}
 MAMBA = {s.name: s for s in MAMBA_SETUPS if s.available}
 NAMES = ["full_bs16", "full_swa_bs16", "swa_only_bs16", "full_chunked_bs16", "full_swa_nocache_bs16"]
-MAMBA_NAMES = ["qwen35_gdn_3to1_align", "mamba2_only_align", "nemotron_h_mamba2_nocache"]
+MAMBA_NAMES = [
+    "qwen35_gdn_3to1_align",
+    "mamba2_only_align",
+    "nemotron_h_mamba2_nocache",
+    "deepseek_v41_swa_replay_ring",
+]
 KINDS = [
     vstm.FullAttentionManager,
     vstm.SlidingWindowManager,
@@ -80,6 +85,12 @@ def test_kinds_and_fixed_attributes_answer_as_vllms(name: str) -> None:
             assert getattr(oc, attr) == getattr(rc, attr), attr
     if hasattr(rc, "_cache_hit_alignment_tokens"):
         assert oc._cache_hit_alignment_tokens == rc._cache_hit_alignment_tokens
+    # The hybrid coordinator's spec groups (vLLM's own tests read them; groups kept out of
+    # prefix caching, a compressor ring or a bounded-replay window, are left out).
+    assert hasattr(oc, "attention_groups") == hasattr(rc, "attention_groups")
+    if hasattr(rc, "attention_groups"):
+        assert oc.attention_groups == rc.attention_groups
+        assert all(type(g) is vkc.SpecGroup for g in oc.attention_groups)
     assert len(oc.single_type_managers) == len(rc.single_type_managers) == ours.num_kv_cache_groups
     for r, o in zip(rc.single_type_managers, oc.single_type_managers, strict=True):
         for cls in KINDS:

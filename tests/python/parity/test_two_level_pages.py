@@ -247,6 +247,22 @@ def test_native_plan_refuses_what_two_level_does_not_serve(
         native_plan(_args(t), None)
 
 
+def test_native_plan_serves_hit_aware_with_caching_off_under_two_level(
+    qwen36: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hit-aware with prefix caching on is refused under two-level pages, naming why; with
+    caching off it caches nothing, decides as exact, and two-level pages are served."""
+    from hybrid_alloc.vllm.plan import native_plan
+    from hybrid_alloc.vllm.unsupported import Unsupported
+
+    _, t = qwen36
+    monkeypatch.setenv("HYBRID_ALLOC_POLICY", "hit-aware")
+    with pytest.raises(Unsupported, match="prefix caching on .* span the slot pool and the page pool"):
+        native_plan(_args(t), None)
+    plan = native_plan(_args(t, enable_caching=False), None)
+    assert (plan["slots_per_page"], plan["policy"], plan["enable_caching"]) == (17, "hit-aware", False)
+
+
 def test_native_plan_refuses_a_kv_connector_under_two_level(qwen36: tuple[Any, Any]) -> None:
     """NixlConnector is served with Mamba layers today; under two-level pages it is refused."""
     from types import SimpleNamespace

@@ -93,10 +93,16 @@ def swa_bf16(window: int, bs: int = 16) -> SlidingWindowSpec:
     return SlidingWindowSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, sliding_window=window)
 
 
-def swa_mla(window: int, bs: int = 16) -> SlidingWindowMLASpec:
-    """DeepSeek-V4's sliding-window MLA layer."""
+def swa_mla(window: int, bs: int = 16, bounded_replay: bool = False) -> SlidingWindowMLASpec:
+    """DeepSeek-V4's sliding-window MLA layer (DeepSeek-V4.1's with ``bounded_replay``: kept
+    out of prefix caching, its window replayed after a hit)."""
     return SlidingWindowMLASpec(
-        block_size=bs, num_kv_heads=1, head_size=512, dtype=torch.bfloat16, sliding_window=window
+        block_size=bs,
+        num_kv_heads=1,
+        head_size=512,
+        dtype=torch.bfloat16,
+        sliding_window=window,
+        bounded_replay=bounded_replay,
     )
 
 
@@ -267,6 +273,9 @@ MAMBA_SETUPS: list[Setup] = [
     ),
     # DeepSeek-V4-shaped: compressed MLA (full), sliding-window MLA and the compressor ring.
     Setup("deepseek_v4_swa_mla_ring", [mla_c(16), swa_mla(128, 16), ring(8)], num_blocks=300),
+    # DeepSeek-V4.1 (``--swa-bounded-replay``, its default): the sliding-window group is not
+    # prefix-cacheable; hits come from the compressed MLA group alone.
+    Setup("deepseek_v41_swa_replay_ring", [mla_c(16), swa_mla(128, 16, True), ring(8)], num_blocks=300),
     Setup(
         "deepseek_v4_swa_mla_ring_nocache", [mla_c(16), swa_mla(128, 16), ring(8)], num_blocks=300, enable_caching=False
     ),
