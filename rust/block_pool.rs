@@ -551,9 +551,13 @@ impl BlockPool {
     }
 
     /// Stamps every key's insertion order (the allocator turns it on with partial hash hits,
-    /// where a block's own key and other blocks' second keys share keys).
+    /// where a block's own key and other blocks' second keys share keys); with two-level
+    /// pages in the page pool too (the state groups' keys).
     pub(crate) fn set_stamp_keys(&mut self, on: bool) {
         self.stamp_keys = on;
+        if let Some(p) = self.pages.as_deref_mut() {
+            p.s.stamp_keys = on;
+        }
     }
 
     /// Pops `n` blocks from the front of the free queue, evicting their cached hashes,

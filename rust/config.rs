@@ -136,10 +136,19 @@ pub struct Config {
     /// unchanged code paths). With `k > 1`, `num_blocks` counts **pages**; the state groups
     /// (Mamba) take whole pages (ids in `0..num_blocks`), every other group takes **slots**,
     /// `k` per page (slot `s` is slot `s % k` of page `s / k`, ids in `0..num_blocks * k`).
-    /// Served with the exact policy, full-attention slot groups and no partial hash hits
-    /// ([`Self::validate`] names what it refuses); with `zero_new_blocks` the ids recorded for
-    /// zeroing are slot ids (only attention groups record).
+    /// Served with the exact policy and full-attention slot groups ([`Self::validate`] names
+    /// what it refuses), partial hash hits only with [`Self::prefix_match_unit`]; with
+    /// `zero_new_blocks` the ids recorded for zeroing are slot ids (only attention groups
+    /// record).
     pub slots_per_page: u32,
+    /// vLLM's `cache_config.prefix_match_unit` (`--prefix-match-unit`) where the user set one,
+    /// read only with two-level pages ([`Self::slots_per_page`] > 1): there the hash block is
+    /// the slot block whether or not a unit is set, so only this tells them apart. A unit
+    /// equal to the hash block and to every slot group's block turns partial hash hits on
+    /// (states keyed and hit at unit boundaries inside a state block, as vLLM's with one page
+    /// size; a slot is one hash block, so no slot is ever copied on write); any other unit
+    /// is refused. Ignored with `slots_per_page == 1`, where the hash block is the unit.
+    pub prefix_match_unit: Option<u32>,
 }
 
 /// The largest pool: block ids and the free queue's two sentinel slots fit a `u32`.
@@ -181,6 +190,7 @@ impl Config {
             residency_log: false,
             boundary_offloads: false,
             slots_per_page: 1,
+            prefix_match_unit: None,
         }
     }
 
@@ -232,6 +242,27 @@ impl Config {
         }
         // Zeroing (`zero_new_blocks`) is served: only attention groups record new blocks, so
         // the ids recorded are slots, which the workers' small-block views address.
+        self.validate_unit()
+    }
+
+    /// A `prefix_match_unit` with two-level pages (caching on): the hash block, and every slot
+    /// group's block. A unit below the slot would make a hit end inside a slot, copied on
+    /// write by vLLM's workers at the scheduler's block, a page, not a slot.
+    fn validate_unit(&self) -> Result<()> {
+        let Some(u) = self.prefix_match_unit.filter(|_| self.enable_caching) else { return Ok(()) };
+        if u != self.hash_block_size {
+            return Err(Error::InvalidConfig(format!(
+                "prefix_match_unit {u} is not the hash block size {} (vLLM hashes at the unit)",
+                self.hash_block_size
+            )));
+        }
+        if let Some(g) = self.groups.iter().find(|g| !Self::is_state_group(g) && g.block_size != u) {
+            return Err(Error::Unsupported(format!(
+                "prefix_match_unit {u} with {}-token slots is not served with slots_per_page={} > 1 \
+                 (only a unit equal to the slot block: a hit inside a slot would be copied on write)",
+                g.block_size, self.slots_per_page
+            )));
+        }
         Ok(())
     }
 
@@ -255,13 +286,14 @@ impl Config {
     /// other prefix-cacheable group either looked up at hash granularity (full attention,
     /// Mamba) or one hash block large. Hits may then end inside a block (the hash block
     /// is the hit alignment), and the prompt's last hash boundary is cached inside its block.
-    /// Never with two-level pages ([`Self::slots_per_page`] > 1): there the hash block is the
-    /// small attention block by construction, below the Mamba block without any
-    /// `prefix_match_unit`; hits end at state blocks (`scheduler_block_size`), and a
-    /// `prefix_match_unit` (hits inside a state block) is not served (the plugin falls back).
+    /// With two-level pages ([`Self::slots_per_page`] > 1) only with a
+    /// [`Self::prefix_match_unit`]: there the hash block is the small attention block by
+    /// construction, below the Mamba block without any unit, and hits then end at state blocks
+    /// (`scheduler_block_size`). With a unit (the slot block, see its checks) hits end at any
+    /// unit boundary, as with one page size.
     pub fn partial_hash_hits(&self) -> bool {
         let hbs = self.hash_block_size;
-        self.slots_per_page <= 1
+        (self.slots_per_page <= 1 || self.prefix_match_unit.is_some())
             && self.coordinator_kind() == CoordinatorKind::Hybrid
             && self.groups.iter().any(|g| g.kind.is_mamba_align() && g.block_size > hbs)
             && self

@@ -19,6 +19,13 @@
 //!   a hit's blocks are checked before adoption (they hold exactly the hit's tokens);
 //! - no page is held by a live state and a live attention slot at once.
 //!
+//! With a `prefix_match_unit` (the slot block, [`Config::prefix_match_unit`]) hits may end
+//! at any slot boundary inside a state block (partial hash hits): the workload's prefill
+//! chunks also stop at the prompt's last unit boundary (vLLM's `_mamba_block_aligned_split`
+//! with `mamba_partial_cache_hit`), where the state is keyed inside its block, and the oracle
+//! runs the copies of `take_kv_cache_block_copies` (page to page) before the step's forward,
+//! as vLLM's workers do; a hit's state page must hold the state of exactly the hit's tokens.
+//!
 //! `PROPTEST_CASES` overrides the number of cases (default 64).
 
 mod common;
@@ -48,6 +55,11 @@ fn config(pages: u32, k: u32, mbs: u32) -> Config {
         GroupSpec { kind: align(), block_size: mbs, spec_key: 1 },
     ];
     Config { slots_per_page: k, scheduler_block_size: mbs, enable_events: true, ..common::config(pages, groups, BS) }
+}
+
+/// [`config`] with a `prefix_match_unit` of one slot when `unit`.
+fn config_unit(pages: u32, k: u32, mbs: u32, unit: bool) -> Config {
+    Config { prefix_match_unit: unit.then_some(BS), ..config(pages, k, mbs) }
 }
 
 fn hashes(contents: &[u64]) -> Vec<BlockHash> {
@@ -99,7 +111,20 @@ fn new_slots_per_page_refuses_what_it_cannot_serve() {
     // hits: hits end at state blocks.
     let two_level = Config { hash_block_size: 16, scheduler_block_size: 32, ..cfg(vec![full, state]) };
     assert!(!two_level.partial_hash_hits());
-    assert!(Config { slots_per_page: 1, ..two_level }.partial_hash_hits());
+    assert_eq!(two_level.cache_hit_alignment_tokens(), 32);
+    assert!(Config { slots_per_page: 1, ..two_level.clone() }.partial_hash_hits());
+    // A prefix_match_unit equal to the slot block: partial hash hits at the unit.
+    let unit = Config { prefix_match_unit: Some(16), ..two_level.clone() };
+    assert!(unit.partial_hash_hits());
+    assert_eq!(unit.cache_hit_alignment_tokens(), 16);
+    assert!(Allocator::new(unit.clone(), Policy::Exact).is_ok());
+    assert!(!Config { enable_caching: false, ..unit.clone() }.partial_hash_hits());
+    // Any other unit is refused: below the slot (a hit would end inside a slot), or not the
+    // hash block (vLLM hashes at the unit).
+    let slots32 = GroupSpec { block_size: 32, ..full };
+    let below = Config { prefix_match_unit: Some(16), ..cfg(vec![slots32, state]) };
+    refused(below, Policy::Exact, "prefix_match_unit 16 with 32-token slots");
+    refused(Config { prefix_match_unit: Some(32), ..unit }, Policy::Exact, "is not the hash block size 16");
     // k == 1 is today's layout, whatever the groups.
     assert!(Allocator::new(Config { slots_per_page: 1, ..cfg(vec![full, swa]) }, Policy::HitAware).is_ok());
     // Hit-aware with prefix caching: its levels, pins and hit units span both pools.
@@ -452,6 +477,8 @@ struct World {
     a: Allocator,
     k: u32,
     mbs: u32,
+    /// A `prefix_match_unit` of one slot: partial hash hits.
+    unit: bool,
     mem: Vec<Mem>,
     reqs: Vec<Req>,
     popped: Vec<Vec<BlockId>>,
@@ -469,15 +496,19 @@ struct Stats {
     /// States written over a page that held slots (rule 2), and slots over a state page (rule 1).
     slots_to_state: u32,
     state_to_slots: u32,
+    /// Hits ending inside a state block, and copies run (partial hash hits only).
+    inside: u32,
+    copies: u32,
 }
 
 impl World {
-    fn new(pages: u32, k: u32, mbs: u32) -> Self {
-        let a = Allocator::new(config(pages, k, mbs), Policy::Exact).unwrap();
+    fn new(pages: u32, k: u32, mbs: u32, unit: bool) -> Self {
+        let a = Allocator::new(config_unit(pages, k, mbs, unit), Policy::Exact).unwrap();
         Self {
             a,
             k,
             mbs,
+            unit,
             mem: vec![Mem::Empty; pages as usize],
             reqs: Vec::new(),
             popped: Vec::new(),
@@ -576,6 +607,8 @@ impl World {
                 return;
             }
             self.stats.hits += hit;
+            self.stats.inside += u32::from(hit % mbs != 0);
+            self.copy_on_write();
             self.run(i, hit, hit + n);
             self.reqs[i].computed = hit + n;
             return;
@@ -592,19 +625,49 @@ impl World {
             // vLLM preempts; here the request itself goes back to waiting.
             return self.preempt(i);
         }
+        self.copy_on_write();
         self.run(i, c, c + n);
         self.reqs[i].computed = c + n;
         let _ = mbs;
     }
 
     /// vLLM's chunk for Mamba "align": ends at a state block boundary unless it ends the prompt.
+    /// With a unit it also stops, as vLLM's `_mamba_block_aligned_split` does with partial
+    /// hash hits, at the last state block boundary before the prompt's end and then at the
+    /// prompt's last unit boundary (its checkpoint position), where the state is keyed inside
+    /// its block, and a chunk starting inside a block stops at that block's end.
     fn chunk(&self, from: u32, prompt: u32, budget: u8) -> u32 {
         let end = (from + budget as u32 * self.mbs).min(prompt);
-        if end == prompt {
-            prompt - from
-        } else {
-            end / self.mbs * self.mbs - from
+        let end = if end == prompt { prompt } else { end / self.mbs * self.mbs };
+        if !self.unit {
+            return end - from;
         }
+        // A chunk starting inside a block (after a hit or the tail there) stops at its end.
+        let next_block = if from % self.mbs != 0 { (from / self.mbs + 1) * self.mbs } else { 0 };
+        let last_block = (prompt - 1) / self.mbs * self.mbs;
+        let tail = (prompt - 1) / BS * BS;
+        let stops = [next_block, last_block, if last_block < tail && tail < prompt { tail } else { 0 }];
+        stops.into_iter().filter(|&s| from < s && s < end).min().unwrap_or(end) - from
+    }
+
+    /// The copies the step's allocations queued (partial hash hits: a hit or a prompt tail
+    /// inside a state block moves to a private page), run page to page as vLLM's workers run
+    /// them before the forward; then their references go back (vLLM's retained blocks).
+    fn copy_on_write(&mut self) {
+        let flat = self.a.take_kv_cache_block_copies();
+        if flat.is_empty() {
+            return;
+        }
+        assert!(self.unit, "copies without partial hash hits");
+        let num_slots = self.a.pool().num_blocks();
+        for pair in flat.chunks(2) {
+            let (src, dst) = (pair[0] - num_slots, pair[1] - num_slots);
+            assert!(matches!(self.mem[src as usize], Mem::State(_)), "copy of page {src}, which holds no state");
+            self.stats.slots_to_state += u32::from(matches!(self.mem[dst as usize], Mem::Slots(_)));
+            self.mem[dst as usize] = self.mem[src as usize].clone();
+            self.stats.copies += 1;
+        }
+        self.a.free_block_ids(&flat).unwrap();
     }
 
     /// A hit's blocks hold exactly the hit's tokens and the state after them.
@@ -707,7 +770,12 @@ impl World {
         for p in 0..pages.num_blocks() {
             if let Some(key) = pages.block_hash(p) {
                 let want = Content::Prefix(u64::from_be_bytes(key.0.as_bytes()[..8].try_into().unwrap()));
-                assert_eq!(self.state(p), Some(want), "keyed page {p} does not hold its key's state");
+                assert_eq!(
+                    self.state(p),
+                    Some(want),
+                    "keyed page {p} does not hold its key's state (key of {} tokens)",
+                    pages.block_hash_num_tokens(p)
+                );
             }
         }
     }
@@ -727,8 +795,8 @@ impl World {
     }
 }
 
-fn run_case(pages: u32, k: u32, mbs: u32, ops: &[Op]) -> Stats {
-    let mut w = World::new(pages, k, mbs);
+fn run_case(pages: u32, k: u32, mbs: u32, unit: bool, ops: &[Op]) -> Stats {
+    let mut w = World::new(pages, k, mbs, unit);
     for op in ops {
         w.apply(op);
         w.check();
@@ -745,10 +813,32 @@ proptest! {
         k in prop::sample::select(vec![2u32, 3, 8]),
         mbs in prop::sample::select(vec![32u32, 64]),
         pages in 6u32..24,
+        unit in any::<bool>(),
         ops in prop::collection::vec(op(), 1..160),
     ) {
-        run_case(pages, k, mbs, &ops);
+        run_case(pages, k, mbs, unit, &ops);
     }
+}
+
+/// 32 deterministic workloads of 120-160 operations over 12 pages of 3 slots, state blocks
+/// of 32 tokens; what they exercised, summed.
+fn guard_workloads(unit: bool) -> Stats {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+    let mut runner = TestRunner::deterministic();
+    let mut total = Stats::default();
+    for _ in 0..32 {
+        let ops = prop::collection::vec(op(), 120..160).new_tree(&mut runner).unwrap().current();
+        let s = run_case(12, 3, 32, unit, &ops);
+        total.hits += s.hits;
+        total.reopened += s.reopened;
+        total.slots_to_state += s.slots_to_state;
+        total.state_to_slots += s.state_to_slots;
+        total.inside += s.inside;
+        total.copies += s.copies;
+    }
+    eprintln!("{total:?}");
+    total
 }
 
 /// The workload does exercise the rules over many seeds: hits, hits reopening free pages,
@@ -756,21 +846,20 @@ proptest! {
 /// against an oracle that checks nothing).
 #[test]
 fn ops_two_level_pages_take_hits() {
-    use proptest::strategy::ValueTree;
-    use proptest::test_runner::TestRunner;
-    let mut runner = TestRunner::deterministic();
-    let mut total = Stats::default();
-    for _ in 0..32 {
-        let ops = prop::collection::vec(op(), 120..160).new_tree(&mut runner).unwrap().current();
-        let s = run_case(12, 3, 32, &ops);
-        total.hits += s.hits;
-        total.reopened += s.reopened;
-        total.slots_to_state += s.slots_to_state;
-        total.state_to_slots += s.state_to_slots;
-    }
-    eprintln!("{total:?}");
+    let total = guard_workloads(false);
     assert!(
         total.hits > 0 && total.reopened > 0 && total.slots_to_state > 0 && total.state_to_slots > 0,
+        "a rule never exercised in 32 workloads: {total:?}"
+    );
+    assert_eq!((total.inside, total.copies), (0, 0), "no unit: hits end at state blocks, nothing is copied");
+}
+
+/// With a unit the same workloads also hit inside state blocks and copy states on write.
+#[test]
+fn ops_two_level_pages_with_a_unit_take_hits_inside_state_blocks() {
+    let total = guard_workloads(true);
+    assert!(
+        total.hits > 0 && total.reopened > 0 && total.inside > 0 && total.copies > 0 && total.state_to_slots > 0,
         "a rule never exercised in 32 workloads: {total:?}"
     );
 }

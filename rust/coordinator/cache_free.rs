@@ -253,12 +253,12 @@ impl Allocator {
             let (slots, pages) = self.split_paged_ids(ids)?;
             self.pool.evict_blocks(&slots);
             self.pool.side(true).evict_blocks(&pages);
-            return Ok(());
+        } else {
+            if let Some(&b) = ids.iter().find(|&&b| b >= self.pool.num_blocks()) {
+                return Err(Error::InvalidBlock(format!("block id {b} >= num_blocks {}", self.pool.num_blocks())));
+            }
+            self.pool.evict_blocks(ids);
         }
-        if let Some(&b) = ids.iter().find(|&&b| b >= self.pool.num_blocks()) {
-            return Err(Error::InvalidBlock(format!("block id {b} >= num_blocks {}", self.pool.num_blocks())));
-        }
-        self.pool.evict_blocks(ids);
         if self.partial_hash_hits {
             // A prompt's partial tail key may have gone with its block's: vLLM keys it again
             // on the request's next caching call, which the no-op limits must not skip.

@@ -355,11 +355,18 @@ impl Allocator {
     /// `KVCacheManager.take_kv_cache_block_copies`), as flat `[source, copy, ...]` pairs,
     /// group by group. Both blocks of each pair hold one extra reference, which the caller
     /// gives back (`free_block_ids`, source then copy, pair by pair: vLLM's retained
-    /// blocks) once the copy has run. Empty unless [`Config::partial_hash_hits`].
+    /// blocks) once the copy has run. Empty unless [`Config::partial_hash_hits`]. With
+    /// two-level pages the ids are pool-wide, as `free_block_ids` takes them: a state
+    /// group's page `p` is `num_slots + p` (only state groups copy: a slot is one hash block).
     pub fn take_kv_cache_block_copies(&mut self) -> Vec<BlockId> {
         let mut pairs = Vec::new();
+        let num_slots = self.pool.num_blocks();
         for m in self.managers.iter_mut() {
+            let before = pairs.len();
             m.take_pending_cow_copies(&mut pairs);
+            if page_side(self.state_groups, m.group_id()) {
+                pairs[before..].iter_mut().for_each(|(s, d)| (*s, *d) = (*s + num_slots, *d + num_slots));
+            }
         }
         pairs.into_iter().flat_map(|(s, d)| [s, d]).collect()
     }

@@ -144,11 +144,11 @@ macro_rules! options {
 }
 
 options! {
-    /// `Allocator(...)`'s options after its five required arguments (`slots_per_page`
-    /// keyword-only).
+    /// `Allocator(...)`'s options after its five required arguments (`slots_per_page` and
+    /// `prefix_match_unit` keyword-only).
     NewOptions("Allocator") {
         max_in_flight_tokens, enable_caching, enable_events, watermark_blocks, retention_interval, policy,
-        zero_new_blocks, hash_lookahead_tokens, residency_log, boundary_offloads; slots_per_page,
+        zero_new_blocks, hash_lookahead_tokens, residency_log, boundary_offloads; slots_per_page, prefix_match_unit,
     }
 }
 
@@ -216,6 +216,11 @@ impl NewOptions<'_> {
             residency_log: self.residency_log.get(false)?,
             boundary_offloads: self.boundary_offloads.get(false)?,
             slots_per_page: u32_arg("slots_per_page", self.slots_per_page.given_or(1)?)?,
+            prefix_match_unit: self
+                .prefix_match_unit
+                .opt::<i64>()?
+                .map(|u| u32_arg("prefix_match_unit", u))
+                .transpose()?,
             ..base
         };
         Ok((cfg, policy))

@@ -194,7 +194,8 @@ def build_setup(setup: Any, small: int | None, label: str = "two-level") -> Any:
     if setup.manager != "vllm" and getattr(mgr, "_alloc", None) is None:
         raise RuntimeError(f"{label}: the plugin fell back to vLLM's manager: {'; '.join(cap.lines) or '?'}")
     kvc = mgr.kv_cache_config
-    if (align := pages.cache_hit_alignment_tokens(kvc, sched.block_size)) is not None:
+    unit = pages.prefix_match_unit(sched.vllm_config)
+    if (align := pages.cache_hit_alignment_tokens(kvc, sched.block_size, unit)) is not None:
         # What the workers would read (vLLM's resolver gave the hash block): the manager's.
         assert not mgr.coordinator.enable_partial_hash_hits, "two-level pages with partial hash hits"
         kvc.cache_hit_alignment_tokens = align

@@ -19,6 +19,8 @@ What it patches (vLLM 0.32.0, docs/two-level-pages.md "Engine side"):
   state block (:func:`pages.cache_hit_alignment_tokens`; vLLM's resolver answers the small block,
   as its managers would serve partial hits there; the core does not, and the engine writes the
   value into every worker's configuration, where Mamba prefill checkpoints are placed by it).
+  With a ``prefix_match_unit`` (equal to the small block, else the plan falls back) the core
+  serves partial hits at the unit: vLLM's answer stands.
 - ``KVCacheConfig.num_blocks_of``: vLLM's workers (``allocate_kv_cache``) view every tensor with
   ``num_blocks`` blocks; an attention tensor of a two-level configuration has ``num_blocks * k``
   small blocks (``block_stride`` the small page). vLLM's own configurations (one page for every
@@ -102,7 +104,9 @@ def decide(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[list[Any] | N
         plugin = sys.modules.get("hybrid_alloc.vllm.plugin")
         if plugin is None or not plugin.applied():
             return None, "the plugin's manager is not installed"
-        small = pages.small_block_from_env()
+        small = pages.small_block(vllm_config)
+        if (why := pages.unit_refusal(vllm_config, small)) is not None:
+            return None, why  # before vLLM's resolver, which refuses a unit above the small block
         reshaped = [pages.two_level_kv_cache_config(c, small) for c in kv_cache_configs]
         before, after = pages.state_block_size(kv_cache_configs[0]), pages.state_block_size(reshaped[0])
         if before != after:
@@ -199,7 +203,7 @@ def install(release: str | None) -> bool:
 
     def resolve_cache_hit_alignment_tokens(kvc: Any, vllm_config: Any, scheduler_block_size: int, *args: Any) -> Any:
         aligned = original_alignment(kvc, vllm_config, scheduler_block_size, *args)
-        ours = pages.cache_hit_alignment_tokens(kvc, scheduler_block_size)
+        ours = pages.cache_hit_alignment_tokens(kvc, scheduler_block_size, pages.prefix_match_unit(vllm_config))
         return aligned if ours is None else ours
 
     core_mod.get_kv_cache_configs = get_kv_cache_configs

@@ -759,8 +759,14 @@ class HybridKVCacheManager:
         flat = self._alloc.take_kv_cache_block_copies()
         if not flat:
             return [], []
-        copies = [KVCacheBlockCopy(src_block_id=flat[i], dst_block_id=flat[i + 1]) for i in range(0, len(flat), 2)]
-        return copies, self._views.many(flat)
+        # Pool-wide ids (a state page under two-level pages is ``num_slots + page``); the
+        # workers copy the group's own ids, the views' ``block_id``.
+        views = self._views.many(flat)
+        copies = [
+            KVCacheBlockCopy(src_block_id=views[i].block_id, dst_block_id=views[i + 1].block_id)
+            for i in range(0, len(views), 2)
+        ]
+        return copies, views
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         return {} if self._boundary is None else self._boundary.take()

@@ -4,7 +4,13 @@ and the KV cache configuration it asks vLLM to schedule with.
 - ``HYBRID_ALLOC_PAGES``: ``two-level`` turns the layout on; unset, empty or ``off``: vLLM's
   layout (nothing changes). Any other value raises ``Unsupported`` naming the variable (the
   adapter falls back to vLLM's manager with one line, as ``policy_env`` does).
-- ``HYBRID_ALLOC_SMALL_BLOCK``: the attention block inside a page, in tokens (default 64).
+- ``HYBRID_ALLOC_SMALL_BLOCK``: the attention block inside a page, in tokens (default 64, or
+  vLLM's ``prefix_match_unit`` where the user set one: :func:`small_block`).
+
+Prefix caching (docs/two-level-pages.md): attention slots are cached and hit at the small block;
+states at state blocks, or, with a ``prefix_match_unit`` equal to the small block, at every unit
+(vLLM's partial hash hits, :func:`prefix_match_unit`); any other unit falls back
+(``plan.two_level_slots``).
 
 The layout (docs/two-level-pages.md): vLLM's planner gives every group one page size, so a
 state-space hybrid's attention block grows until one attention page holds one layer's state
@@ -44,9 +50,12 @@ __all__ = [
     "SMALL_BLOCK_ENV",
     "cache_hit_alignment_tokens",
     "pages_from_env",
+    "prefix_match_unit",
     "scheduler_cache_config",
     "slots_per_page",
+    "small_block",
     "small_block_from_env",
+    "unit_refusal",
     "state_block_size",
     "two_level_kv_cache_config",
 ]
@@ -70,12 +79,12 @@ def pages_from_env() -> Layout:
     raise Unsupported(f"{PAGES_ENV}={os.environ.get(PAGES_ENV)!r} is not one of {', '.join(LAYOUTS)}")
 
 
-def small_block_from_env() -> int:
-    """``HYBRID_ALLOC_SMALL_BLOCK`` (unset or empty: :data:`DEFAULT_SMALL_BLOCK`). Raises
-    ``Unsupported`` naming the variable unless it is a positive whole number of tokens."""
+def small_block_from_env(default: int = DEFAULT_SMALL_BLOCK) -> int:
+    """``HYBRID_ALLOC_SMALL_BLOCK`` (unset or empty: ``default``). Raises ``Unsupported``
+    naming the variable unless it is a positive whole number of tokens."""
     raw = os.environ.get(SMALL_BLOCK_ENV, "").strip()
     if not raw:
-        return DEFAULT_SMALL_BLOCK
+        return default
     try:
         small = int(raw)
     except ValueError:
@@ -83,6 +92,40 @@ def small_block_from_env() -> int:
     if small < 1:
         raise Unsupported(f"{SMALL_BLOCK_ENV}={os.environ.get(SMALL_BLOCK_ENV)!r} is not a positive number of tokens")
     return small
+
+
+def prefix_match_unit(vllm_config: Any) -> int | None:
+    """The user's ``cache_config.prefix_match_unit`` (``--prefix-match-unit``), or None: unset,
+    prefix caching off (no hits to serve), or no ``vllm_config``. Read from the user's setting,
+    never from the hash block: with two-level pages the hash block is the small block with or
+    without a unit (and, caching off, vLLM's scheduler block)."""
+    cache = getattr(vllm_config, "cache_config", None)
+    unit = getattr(cache, "prefix_match_unit", None)
+    if unit is None or not getattr(cache, "enable_prefix_caching", False):
+        return None
+    return int(unit)
+
+
+def small_block(vllm_config: Any) -> int:
+    """The small block two-level pages use: ``HYBRID_ALLOC_SMALL_BLOCK``, else the user's
+    :func:`prefix_match_unit` (the unit two-level pages serve is the small block), else
+    :data:`DEFAULT_SMALL_BLOCK`. Raises ``Unsupported`` as :func:`small_block_from_env`."""
+    return small_block_from_env(prefix_match_unit(vllm_config) or DEFAULT_SMALL_BLOCK)
+
+
+def unit_refusal(vllm_config: Any, small: int) -> str | None:
+    """Why two-level pages at ``small``-token attention blocks do not serve the user's
+    :func:`prefix_match_unit`, or None (no unit, or the unit is ``small``). Below the small
+    block a hit would end inside a slot, which vLLM's workers would copy on write at their
+    block (a page, ``copy_kv_cache_blocks_inplace``); above it no slot is a whole unit (vLLM's
+    ``resolve_kv_cache_block_sizes`` refuses it)."""
+    unit = prefix_match_unit(vllm_config)
+    if unit is None or unit == small:
+        return None
+    return (
+        f"{PAGES_ENV}=two-level with prefix_match_unit={unit}: served only equal to the small block "
+        f"({SMALL_BLOCK_ENV}={small}, its default when unset), hits inside a slot are not"
+    )
 
 
 def _state_bytes(spec: Any) -> int:
@@ -218,11 +261,15 @@ def scheduler_cache_config(cache_config: Any, kv_cache_config: Any) -> None:
         cache_config.mamba_block_size = bs
 
 
-def cache_hit_alignment_tokens(kv_cache_config: Any, scheduler_block_size: int) -> int | None:
-    """The hit alignment of a two-level ``kv_cache_config`` (the state block: the core serves
-    no sub-block ("partial") hash hits with two-level pages), or None for any other
-    configuration (vLLM's ``resolve_cache_hit_alignment_tokens`` holds). vLLM's resolver gives
-    the hash block (``small``) for a two-level configuration, because its own managers would
-    serve partial hits there; the workers read that value (``cache_config.cache_hit_alignment_tokens``)
-    to place Mamba prefill checkpoints, so it must be the manager's alignment instead."""
-    return scheduler_block_size if slots_per_page(kv_cache_config) is not None else None
+def cache_hit_alignment_tokens(kv_cache_config: Any, scheduler_block_size: int, unit: int | None = None) -> int | None:
+    """The hit alignment of a two-level ``kv_cache_config`` without a ``prefix_match_unit``
+    (``unit``, :func:`prefix_match_unit`): the state block, as the core serves no sub-block
+    ("partial") hash hits there; None for any other configuration (vLLM's
+    ``resolve_cache_hit_alignment_tokens`` holds). vLLM's resolver gives the hash block
+    (``small``) for a two-level configuration, because its own managers would serve partial
+    hits there; the workers read that value (``cache_config.cache_hit_alignment_tokens``) to
+    place Mamba prefill checkpoints, so it must be the manager's alignment instead. With a
+    unit the core serves partial hits at the hash block (the unit), vLLM's answer."""
+    if unit is not None or slots_per_page(kv_cache_config) is None:
+        return None
+    return scheduler_block_size

@@ -100,23 +100,27 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         native["policy"] = policy
         policy_env.policy_controls()  # validated here, so a bad control falls back at construction
     if pages.pages_from_env() == "two-level":  # raises Unsupported on a bad value
-        native["slots_per_page"] = two_level_slots(a, vllm_config, policy)
+        native["slots_per_page"] = two_level_slots(a, vllm_config, policy, native)
     return native
 
 
-def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str) -> int:
+def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str, native: dict[str, Any]) -> int:
     """``slots_per_page`` for the core under ``HYBRID_ALLOC_PAGES=two-level``
     (:mod:`.pages`): ``k`` of a two-level configuration. Raises ``Unsupported`` naming what
     two-level pages do not serve (this first version): a model without a state group, a KV
     connector (it moves whole blocks: a page's slots belong to other requests), decode or
     prefill context parallelism, speculative decoding (lookahead hashes or blocks, Mamba
     speculative blocks), the hit-aware policy with prefix caching on, an attention block other than
-    ``HYBRID_ALLOC_SMALL_BLOCK``, and a configuration that is not two-level (the plugin's
-    planning, :mod:`.engine_pages`, did not run). KV cache zeroing is served: the core
-    records the new slots, which the workers of the engine side zero in their small-block
-    views (only that planning hands real workers a two-level configuration)."""
+    ``HYBRID_ALLOC_SMALL_BLOCK``, a configuration that is not two-level (the plugin's
+    planning, :mod:`.engine_pages`, did not run), and a ``prefix_match_unit`` other than the
+    small block (prefix caching on). KV cache zeroing is served: the core records the new
+    slots, which the workers of the engine side zero in their small-block views (only that
+    planning hands real workers a two-level configuration). A unit equal to the small block
+    (the small block's default when the variable is unset) is passed to the core as
+    ``prefix_match_unit`` in ``native``: states are then keyed and hit at every unit, as
+    vLLM's partial hash hits do."""
     kvc = a.kv_cache_config
-    small = pages.small_block_from_env()  # raises Unsupported on a bad value
+    small = pages.small_block(vllm_config)  # raises Unsupported on a bad value
     on = f"{pages.PAGES_ENV}=two-level"
     specs = [g.kv_cache_spec for g in kvc.kv_cache_groups]
     if not any(isinstance(s, MambaSpec) for s in specs):
@@ -137,6 +141,9 @@ def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str) -> int:
             f"{on} with {policy_env.POLICY_ENV}={policy} and prefix caching on (two-level pages serve the exact "
             "policy only: hit-aware's levels, pins and hit units would span the slot pool and the page pool)"
         )
+    if (why := pages.unit_refusal(vllm_config, small)) is not None:
+        # Before "not two-level": the engine side kept vLLM's plan for this same reason.
+        raise Unsupported(why)
     k = pages.slots_per_page(kvc)
     if k is None:
         sizes = ", ".join(f"{type(s).__name__} {s.block_size} tokens / {s.page_size_bytes} bytes" for s in specs)
@@ -144,4 +151,6 @@ def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str) -> int:
     blocks = {s.block_size for s in specs if not isinstance(s, MambaSpec)}
     if blocks != {small}:
         raise Unsupported(f"{on}: attention blocks of {sorted(blocks)} tokens, {pages.SMALL_BLOCK_ENV} is {small}")
+    if (unit := pages.prefix_match_unit(vllm_config)) is not None:
+        native["prefix_match_unit"] = unit
     return k

@@ -106,6 +106,27 @@ def test_two_level_pages_match_vllm_with_prefix_caching_in_a_multiprocess_engine
     )
 
 
+def test_two_level_pages_with_a_prefix_match_unit_take_vllms_sub_block_hits_and_outputs(qwen3next: str) -> None:
+    """``--prefix-match-unit 32`` (``HYBRID_ALLOC_SMALL_BLOCK`` unset: the small block defaults
+    to the unit) against vLLM's own manager with the same unit: both serve partial hash hits,
+    every request's hit length is vLLM's (the repeated prompt hits inside a state block, at its
+    last unit boundary), the workers receive the unit as the hit alignment, and, like with like,
+    the greedy outputs are vLLM's."""
+    vllm, _ = _pages_run(qwen3next, "--prefix-match-unit", "32", flag=False)
+    ours, log = _pages_run(qwen3next, "--prefix-match-unit", "32", flag=True, HYBRID_ALLOC_PAGES="two-level")
+    assert "hybrid_alloc: two-level pages: attention at 32-token blocks" in log
+    assert "falling back" not in log and "fall back" not in log
+    e, v = ours["engine"], vllm["engine"]
+    assert e["manager"] == "HybridKVCacheManager" and v["manager"] == "KVCacheManager"
+    assert e["partial_hash_hits"] and v["partial_hash_hits"]
+    (state_block,) = {g["block_size"] for g in e["groups"] if g["state"]}
+    assert e["cache_hit_alignment_tokens"] == v["cache_hit_alignment_tokens"] == 32
+    assert e["hash_block_size"] == v["hash_block_size"] == 32
+    assert ours["cached"] == vllm["cached"], (ours["cached"], vllm["cached"])
+    assert any(c % state_block for c in ours["cached"]), "no hit inside a state block"
+    assert ours["outputs"] == vllm["outputs"]
+
+
 def test_two_level_pages_fall_back_to_vllm_when_the_small_block_does_not_divide_the_state_block(
     qwen3next: str,
 ) -> None:

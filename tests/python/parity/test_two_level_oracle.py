@@ -26,6 +26,12 @@ from it, page by page (:class:`Memory`), from the tables the manager hands out:
   attention slot at once shows up as a wrong read; and, from the manager's tables, no page of a
   live request's state table is the page of a slot in any live request's attention table.
 
+With a ``prefix_match_unit`` (vLLM's ``--prefix-match-unit``, equal to the small block: the unit
+two-level pages serve) hits may end at any unit boundary inside a state block: the workers first
+run the step's copies (``SchedulerOutput.kv_cache_block_copies``, page to page as vLLM's
+``copy_kv_cache_blocks_inplace`` copies a block of every view), and the state a hit hands over
+must still be the state of exactly the hit's tokens, read from the table's block ``cdiv(c, B) - 1``.
+
 Each run also counts what it exercised (hits, preemptions, content overwritten by another
 prefix, checkpoints) and asserts the workload reached each. ``test_oracle_catches_a_planted_bug``
 checks that the oracle fails when one table entry is wrong. The same oracle runs with two-level
@@ -82,6 +88,18 @@ class Memory:
             self.overwrites += 1
         self.states[page] = (group, key)
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """The workers' copy of block ``src`` to ``dst`` (a page: every view, attention slots
+        included, is copied at the scheduler's block, ``num_blocks`` pages)."""
+        assert dst != 0, "a copy into the null page"
+        self.states.pop(dst, None)
+        if src in self.states:
+            self.states[dst] = self.states[src]
+        for j in range(self.k):
+            self.slots.pop(dst * self.k + j, None)
+            if (cur := self.slots.get(src * self.k + j)) is not None:
+                self.slots[dst * self.k + j] = (cur[0], list(cur[1]))
+
     def block(self, group: int, slot: int, n: int) -> list[Any] | None:
         """The keys at offsets ``0 .. n-1`` of ``slot`` as ``group`` wrote them."""
         cur = self.slots.get(slot)
@@ -123,6 +141,8 @@ class Oracle:
         self.hits = 0  # admissions with computed tokens (a hit)
         self.hit_tokens = 0
         self.checkpoint_writes = 0
+        self.copies = 0  # copies run (partial hash hits only)
+        self.inside = 0  # hits ending inside a state block
         #: This step's admissions with a hit: request -> hit tokens.
         self.admitted: dict[str, int] = {}
         self.steps = 0
@@ -169,10 +189,17 @@ class Oracle:
             spans.append((rid, t - n, t))
         # A request that starts from computed tokens it did not compute in its last step: a hit.
         self.admitted = {rid: c for rid, c, _ in spans if c > 0 and self.progress.get(rid) != c}
-        assert all(c % self.state_block == 0 for c in self.admitted.values()), (
-            f"a hit off a state block: {self.admitted}"
+        # The hit alignment: the state block, or the unit with partial hash hits.
+        assert all(c % self.hit_alignment == 0 for c in self.admitted.values()), (
+            f"a hit off the {self.hit_alignment}-token grid: {self.admitted}"
         )
+        self.inside += sum(c % self.state_block != 0 for c in self.admitted.values())
         self.hits += len(self.admitted)
+        # The step's copies (a hit or a prompt tail inside a state block, made private), run by
+        # the workers before the forward.
+        for cp in so.kv_cache_block_copies or ():
+            self.copies += 1
+            mem.copy_page(cp.src_block_id, cp.dst_block_id)
         self.hit_tokens += sum(self.admitted.values())
         self.check_layout()
         work = [(rid, c, t, self._keys(self.sched.requests[rid], t), self.tables(rid)) for rid, c, t in spans]
@@ -221,11 +248,13 @@ class Oracle:
             self.progress[rid] = t
 
 
-def _prompts(seed: int, block: int) -> list[list[tuple[list[int], int]]]:
+def _prompts(seed: int, block: int, turns: bool = False) -> list[list[tuple[list[int], int]]]:
     """Six clients, three requests each: prompts that start with one of three prefixes of two
     state blocks (``block`` tokens each), cut at one or two blocks, and end with 40-900 tokens
     of their own; some repeat an earlier prompt exactly. Outputs 30-250 tokens (decodes that
-    grow into new pages)."""
+    grow into new pages). With ``turns`` half the prompts are instead an earlier prompt
+    followed by 40-400 tokens of its own (a chat's next turn: a hit at the earlier prompt's
+    last unit, inside a state block)."""
     rng = random.Random(seed)
     bases = [[rng.randrange(1, 30000) for _ in range(2 * block)] for _ in range(3)]
     made: list[list[int]] = []
@@ -233,7 +262,10 @@ def _prompts(seed: int, block: int) -> list[list[tuple[list[int], int]]]:
     for _ in range(6):
         reqs = []
         for _ in range(3):
-            if made and rng.random() < 0.25:
+            if turns and made and rng.random() < 0.5:
+                prompt = list(rng.choice(made)) + [rng.randrange(1, 30000) for _ in range(rng.randint(40, 400))]
+                made.append(prompt)
+            elif made and rng.random() < 0.25:
                 prompt = list(rng.choice(made))
             else:
                 cut = rng.choice((block, 2 * block))
@@ -244,8 +276,8 @@ def _prompts(seed: int, block: int) -> list[list[tuple[list[int], int]]]:
     return out
 
 
-def _build(name: str, two_level: bool) -> Any:
-    from hybrid_alloc.bench.capacity_run import build
+def _build(name: str, two_level: bool, unit: int | None = None, pages: int = PAGES) -> Any:
+    from hybrid_alloc.bench.capacity_run import build_setup
     from hybrid_alloc.bench.offline import SHAPES, SchedulerSetup
 
     shape = SHAPES[name]
@@ -255,13 +287,22 @@ def _build(name: str, two_level: bool) -> Any:
     kvc = setup.kv_cache_config(setup.vllm_config())
     # Groups share the tensors: a page is one layer of each tensor, the layers of one group.
     per_page = max(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kvc.kv_cache_groups)
-    return build(shape, "two-level" if two_level else "ours", PAGES * per_page, 8, SMALL)
+    # ``capacity_run.build``'s setup, with the unit.
+    run_setup = SchedulerSetup(
+        shape,
+        manager="hybrid_alloc",
+        kv_budget_bytes=pages * per_page,
+        max_num_seqs=8,
+        max_num_batched_tokens=8192,
+        prefix_match_unit=unit,
+    )
+    return build_setup(run_setup, SMALL if two_level else None, "two-level" if two_level else "ours")
 
 
-def _run(sched: Any, oracle: Oracle, seed: int = 0) -> Any:
+def _run(sched: Any, oracle: Oracle, seed: int = 0, turns: bool = False) -> Any:
     from hybrid_alloc.bench.offline import fabricate_output, make_request
 
-    todo = _prompts(seed, oracle.state_block)
+    todo = _prompts(seed, oracle.state_block, turns)
     nxt = [0] * len(todo)
     live: dict[str, tuple[int, Any]] = {}
     reqs = []
@@ -304,6 +345,9 @@ def test_content_oracle_under_pressure(name: str, two_level: bool, layout: tuple
     sched = _build(name, two_level)
     oracle = Oracle(sched)
     assert (oracle.k, oracle.small, oracle.state_block) == layout
+    assert (
+        oracle.hit_alignment == oracle.state_block and not sched.kv_cache_manager.coordinator.enable_partial_hash_hits
+    )
     assert bool(oracle.checkpoints) == (name == "falconh1")
     reqs = _run(sched, oracle)
     preemptions = sum(getattr(r, "num_preemptions", 0) for r in reqs)
@@ -311,6 +355,40 @@ def test_content_oracle_under_pressure(name: str, two_level: bool, layout: tuple
     assert oracle.hits >= 5 and oracle.hit_tokens >= 5 * oracle.state_block, (oracle.hits, oracle.hit_tokens)
     assert not oracle.checkpoints or oracle.checkpoint_writes > 0
     assert preemptions >= 2, preemptions
+    assert oracle.mem.overwrites > 0
+    assert all(len(r.output_token_ids) == r.max_tokens for r in reqs)
+    assert oracle.copies == oracle.inside == 0
+
+
+@pytest.mark.parametrize(
+    "name, two_level, layout, pages, seed",
+    [
+        # Pool and seed where the run hits inside state blocks (qwen36's three state groups
+        # leave few cached states in 16 pages).
+        ("qwen36", True, (17, 64, 1088), 24, 2),
+        ("qwen36", False, (1, 1088, 1088), 24, 2),
+        ("falconh1", True, (25, 64, 1600), PAGES, 0),
+    ],
+    ids=["qwen36-two-level", "qwen36-off", "falconh1-two-level"],
+)
+def test_content_oracle_with_a_prefix_match_unit(
+    name: str, two_level: bool, layout: tuple[int, int, int], pages: int, seed: int
+) -> None:
+    """``prefix_match_unit`` = the small block (64): partial hash hits, under two-level pages as
+    with vLLM's layout (``off``; Falcon-H1's vLLM block, 1568, is no multiple of 64, so vLLM
+    refuses that unit there). Hits end inside state blocks, their states are copied on write
+    (and prompt tails keyed inside their block are), and every state a hit hands over is the
+    state of exactly the hit's tokens."""
+    sched = _build(name, two_level, unit=SMALL, pages=pages)
+    oracle = Oracle(sched)
+    assert (oracle.k, oracle.small, oracle.state_block) == layout
+    assert sched.kv_cache_manager.coordinator.enable_partial_hash_hits
+    assert oracle.hash_block == oracle.hit_alignment == SMALL
+    reqs = _run(sched, oracle, seed, turns=True)
+    preemptions = sum(getattr(r, "num_preemptions", 0) for r in reqs)
+    assert oracle.hits >= 4 and oracle.inside >= 2 and oracle.copies >= 3, (oracle.hits, oracle.inside, oracle.copies)
+    assert not oracle.checkpoints or oracle.checkpoint_writes > 0
+    assert preemptions >= 1, preemptions
     assert oracle.mem.overwrites > 0
     assert all(len(r.output_token_ids) == r.max_tokens for r in reqs)
 
@@ -360,3 +438,12 @@ def test_oracle_catches_a_planted_bug(plant: str, message: str) -> None:
     with pytest.raises(AssertionError, match=message):
         _run(sched, oracle)
     assert planted
+
+
+def test_oracle_with_a_unit_catches_copies_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a unit, workers that skip the step's copies leave a hit (or a request continuing
+    past its prompt tail) reading a page that holds no state: the oracle fails."""
+    monkeypatch.setattr(Memory, "copy_page", lambda self, src, dst: None)
+    sched = _build("qwen36", True, unit=SMALL, pages=24)
+    with pytest.raises(AssertionError, match="holds nothing|another state"):
+        _run(sched, Oracle(sched), 2, turns=True)

@@ -300,3 +300,106 @@ def test_the_core_builds_the_two_level_plan_with_zeroing_and_without(qwen36: tup
     alloc = Allocator(**native)
     assert alloc.slots_per_page == 17 and alloc.num_blocks == t.num_blocks == 1927
     assert alloc.num_free_blocks == 1926 and alloc.usage == 0.0
+
+
+def _with_unit(vc: Any, unit: int | None, caching: bool = True) -> Any:
+    """A copy of ``vc`` whose ``cache_config`` has ``prefix_match_unit=unit``."""
+    from types import SimpleNamespace
+
+    cache = SimpleNamespace(prefix_match_unit=unit, enable_prefix_caching=caching)
+    return SimpleNamespace(cache_config=cache, kv_transfer_config=None, speculative_config=None)
+
+
+def test_prefix_match_unit_is_read_from_the_users_setting_and_defaults_the_small_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hybrid_alloc.vllm import pages
+
+    monkeypatch.delenv(pages.SMALL_BLOCK_ENV, raising=False)
+    assert pages.prefix_match_unit(None) is None
+    assert pages.prefix_match_unit(_with_unit(None, None)) is None
+    assert pages.prefix_match_unit(_with_unit(None, 32, caching=False)) is None  # no hits to serve
+    assert pages.prefix_match_unit(_with_unit(None, 32)) == 32
+    assert pages.small_block(_with_unit(None, 32)) == 32  # the unit, where the variable is unset
+    assert pages.small_block(_with_unit(None, None)) == pages.small_block(None) == 64
+    monkeypatch.setenv(pages.SMALL_BLOCK_ENV, "64")
+    assert pages.small_block(_with_unit(None, 32)) == 64  # the variable wins
+    assert pages.unit_refusal(_with_unit(None, 64), 64) is None
+    assert pages.unit_refusal(_with_unit(None, None), 64) is None
+    assert "prefix_match_unit=32: served only equal to the small block" in str(
+        pages.unit_refusal(_with_unit(None, 32), 64)
+    )
+    assert "prefix_match_unit=128" in str(pages.unit_refusal(_with_unit(None, 128), 64))
+
+
+def test_native_plan_serves_a_unit_equal_to_the_small_block_and_refuses_any_other(
+    qwen36: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``prefix_match_unit`` equal to the small block goes to the core as
+    ``prefix_match_unit`` (partial hash hits: hits at every unit, the hit alignment the unit);
+    another unit is refused with the reason; with prefix caching off the unit serves nothing
+    and is not passed. Read from ``cache_config``, never from the hash block (caching off, the
+    adapter's hash block is the scheduler block)."""
+    from hybrid_alloc import Allocator
+    from hybrid_alloc.bench.capacity_run import without_zeroing
+    from hybrid_alloc.vllm import pages
+    from hybrid_alloc.vllm.plan import native_plan
+    from hybrid_alloc.vllm.unsupported import Unsupported
+
+    _, t = qwen36
+    t = without_zeroing(t)
+    native = native_plan(_args(t), _with_unit(None, 64))
+    assert native["prefix_match_unit"] == 64 and native["slots_per_page"] == 17
+    alloc = Allocator(**native)
+    assert alloc.partial_hash_hits
+    assert not Allocator(**native_plan(_args(t), None)).partial_hash_hits  # no unit: hits end at state blocks
+    off = native_plan(_args(t, enable_caching=False, hash_block_size=1088), _with_unit(None, 64, caching=False))
+    assert "prefix_match_unit" not in off
+    # Unset, the small block would be the unit (32), and the 64-token plan is then refused as
+    # not at the small block; set to 64, the unit itself is refused.
+    with pytest.raises(Unsupported, match="attention blocks of \\[64\\] tokens, HYBRID_ALLOC_SMALL_BLOCK is 32"):
+        native_plan(_args(t, hash_block_size=32), _with_unit(None, 32))
+    monkeypatch.setenv(pages.SMALL_BLOCK_ENV, "64")
+    for unit in (32, 128):
+        with pytest.raises(Unsupported, match=f"prefix_match_unit={unit}: served only equal to the small block"):
+            native_plan(_args(t, hash_block_size=unit), _with_unit(None, unit))
+    # The core refuses what the plugin would not pass: a unit other than the hash block and slots.
+    with pytest.raises(Exception, match="with 64-token slots is not served"):
+        Allocator(**{**native, "hash_block_size": 32, "prefix_match_unit": 32})
+
+
+def test_a_unit_below_the_small_block_keeps_vllms_plan_and_manager_with_one_line(
+    plugin_lines: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--prefix-match-unit 32`` with 64-token slots (vLLM would hash at 32 and hit inside
+    slots). The engine side (``engine_pages.decide``, the plugin applied) keeps vLLM's plan,
+    naming the unit, before vLLM's resolver is asked; the same unit with the small block at
+    32 (``HYBRID_ALLOC_SMALL_BLOCK`` unset: the unit) is planned two-level. Then vLLM's real
+    Scheduler over vLLM's plan: the plugin falls back to vLLM's manager at construction, with
+    one line naming the unit."""
+    from hybrid_alloc.bench.offline import SHAPES, SchedulerSetup
+    from hybrid_alloc.vllm import engine_pages, pages, plugin
+
+    monkeypatch.delenv("HYBRID_ALLOC_POLICY", raising=False)
+    monkeypatch.setenv(pages.PAGES_ENV, "two-level")
+    monkeypatch.setenv(pages.SMALL_BLOCK_ENV, "64")
+    setup = SchedulerSetup(
+        SHAPES["qwen36"], manager="hybrid_alloc", kv_budget_bytes=GiB, max_num_seqs=8, prefix_match_unit=32
+    )
+    vc = setup.vllm_config()
+    kvc = setup.kv_cache_config(vc)
+    assert plugin.apply()
+    try:
+        reshaped, why = engine_pages.decide(vc, [kvc])
+        assert reshaped is None and "prefix_match_unit=32: served only equal to the small block" in why, why
+        monkeypatch.delenv(pages.SMALL_BLOCK_ENV)
+        reshaped, why = engine_pages.decide(vc, [kvc])
+        assert reshaped is not None and "attention at 32-token blocks" in why, why
+        monkeypatch.setenv(pages.SMALL_BLOCK_ENV, "64")
+    finally:
+        plugin.remove()
+    plugin_lines.clear()
+    sched = setup.build()
+    assert getattr(sched.kv_cache_manager, "_alloc", None) is None  # vLLM's manager
+    lines = [ln for ln in plugin_lines if "fall" in ln]
+    assert len(lines) == 1 and "prefix_match_unit=32: served only equal to the small block" in lines[0], plugin_lines

@@ -3,7 +3,7 @@ one JSON line: the greedy outputs, every request's hit length, and what the engi
 the workers viewed (issue 37, two-level pages' engine side). The engine test runs it in a
 subprocess, once with ``HYBRID_ALLOC_PAGES=two-level`` and once with vLLM's own manager.
 
-    python pages_run.py MODEL_DIR [--no-cache] [--blocks N] [--plant]
+    python pages_run.py MODEL_DIR [--no-cache] [--blocks N] [--plant] [--prefix-match-unit U]
 
 The workload: one 300-token prefix, one request to fill the cache, then five sharing the prefix
 and one that does not, then the first prompt again (24 greedy tokens each).
@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--no-cache", action="store_true")
     p.add_argument("--plant", action="store_true")
     p.add_argument("--blocks", type=int, default=None, help="vLLM's num_gpu_blocks_override (the pages)")
+    p.add_argument("--prefix-match-unit", type=int, default=None, help="vLLM's --prefix-match-unit")
     args = p.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     import torch
@@ -54,6 +55,7 @@ def main() -> None:
         seed=0,
         dtype="bfloat16",
         **({"num_gpu_blocks_override": args.blocks} if args.blocks else {}),
+        **({"prefix_match_unit": args.prefix_match_unit} if args.prefix_match_unit else {}),
     )
     core = llm.llm_engine.engine_core.engine_core
     sched = core.scheduler
@@ -135,6 +137,7 @@ def main() -> None:
         "hash_block_size": sched.hash_block_size,
         "cache_block_size": runner.vllm_config.cache_config.block_size,
         "cache_hit_alignment_tokens": runner.kv_cache_config.cache_hit_alignment_tokens,
+        "partial_hash_hits": bool(getattr(sched.kv_cache_manager.coordinator, "enable_partial_hash_hits", False)),
         "views": views(),
         "largest_block_id": largest,
     }
