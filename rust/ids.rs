@@ -62,4 +62,51 @@ impl BlockHash {
         b[..8].copy_from_slice(&x.to_be_bytes());
         Self { bytes: b, len: 8 }
     }
+
+    /// The order of [`Self::as_bytes`] (lexicographic: a proper prefix first), without a
+    /// byte-wise compare: the bytes past `len` are zero, so the padded arrays compared as
+    /// four big-endian words and then the lengths order two hashes as their bytes do
+    /// (sorting hash keys, `policy/retention.rs`' `sort_keys`). O(1).
+    #[inline]
+    pub fn cmp_bytes(&self, other: &Self) -> std::cmp::Ordering {
+        let word = |b: &[u8; MAX_HASH_LEN], i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[8 * i..8 * i + 8]);
+            u64::from_be_bytes(w)
+        };
+        (0..MAX_HASH_LEN / 8)
+            .map(|i| word(&self.bytes, i).cmp(&word(&other.bytes, i)))
+            .find(|o| o.is_ne())
+            .unwrap_or_else(|| self.len.cmp(&other.len))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cmp_bytes_any_lengths_orders_as_the_bytes() {
+        // Lengths 1..=32 with trailing zeros, shared prefixes and bytes at every position.
+        let mut hashes = Vec::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for len in 1..=MAX_HASH_LEN {
+            for k in 0..12 {
+                let mut b = vec![0u8; len];
+                for (i, byte) in b.iter_mut().enumerate() {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    // Mostly small values, so that prefixes and zero tails repeat.
+                    *byte = if (k + i) % 3 == 0 { 0 } else { (x % 3) as u8 };
+                }
+                hashes.push(BlockHash::from_bytes(&b).unwrap());
+            }
+        }
+        for a in &hashes {
+            for b in &hashes {
+                assert_eq!(a.cmp_bytes(b), a.as_bytes().cmp(b.as_bytes()), "{a:?} vs {b:?}");
+            }
+        }
+    }
 }

@@ -27,9 +27,11 @@
 //! current one, and `FLAG_HELD` is set exactly where it is not 0; `stats`' gauges equal what
 //! the holds hold.
 //!
-//! Cost: a lease O(keys) (plus O(keys log keys) to sort them); a retain O(blocks); the clock
+//! Cost: a lease O(keys) (plus O(keys log keys) to sort them, unless they are the last
+//! lease's); a retain O(blocks); the clock
 //! O(1) when nothing is due, else O(log holds + keys) per hold ended; a release O(keys of the
-//! session's holds). Memory: a hold's keys (40 bytes each) and blocks until it ends.
+//! session's holds). Memory: a hold's keys (40 bytes each) and blocks until it ends, and the
+//! last lease's keys twice.
 #![forbid(unsafe_code)]
 
 use std::cmp::Reverse;
@@ -150,6 +152,9 @@ pub(crate) struct Holds {
     sessions: FxHashMap<u64, Vec<u32>>,
     /// The counters and gauges (`leased_free_blocks` is read from the retention state).
     stats: HintStats,
+    /// The last lease's keys as given, and sorted (`sort_keys`): a lease on the same keys
+    /// (a shared prompt every request pins) takes the sorted ones without sorting again.
+    last_lease: (Vec<HashKey>, Vec<HashKey>),
 }
 
 impl Holds {
@@ -234,6 +239,19 @@ impl Holds {
         hold
     }
 
+    /// `keys` sorted and without repeats (`sort_keys`); the last lease's answer when its
+    /// keys were the same. O(keys) then, else O(keys log keys).
+    fn sorted_keys(&mut self, mut keys: Vec<HashKey>) -> Vec<HashKey> {
+        let (given, sorted) = &mut self.last_lease;
+        if keys == *given {
+            return sorted.clone();
+        }
+        given.clone_from(&keys);
+        sort_keys(&mut keys);
+        sorted.clone_from(&keys);
+        keys
+    }
+
     /// Pops the heap's stale entries off its top.
     fn drop_stale_top(&mut self) {
         while let Some(&Reverse((_, s, g))) = self.heap.peek() {
@@ -293,9 +311,9 @@ impl HitAware<'_> {
     /// (0: none) until `expiry_ms`: each key counts one more lease, and the block a lookup
     /// finds under it moves to [`LEVEL_LEASED`] now (or when freed). Returns false, changing
     /// nothing but the counter, when the keys not pinned yet would take the pinned keys past
-    /// the pinned share. O(keys log keys).
-    pub(crate) fn lease(&mut self, mut keys: Vec<HashKey>, session: u64, expiry_ms: u64) -> bool {
-        sort_keys(&mut keys);
+    /// the pinned share. O(keys log keys); O(keys) for the last lease's keys again.
+    pub(crate) fn lease(&mut self, keys: Vec<HashKey>, session: u64, expiry_ms: u64) -> bool {
+        let keys = self.r.holds.sorted_keys(keys);
         let new = keys.iter().filter(|k| !self.r.pinned_keys.contains_key(k)).count() as u64;
         if self.r.pinned_keys.len() as u64 + new > self.r.pinned_cap() as u64 {
             self.r.holds.stats.leases_refused_over_cap += 1;
@@ -482,6 +500,26 @@ impl HitAware<'_> {
                 }
             }
             End::Released => self.demote_front(b, LEVEL_SPECULATIVE),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::BlockHash;
+
+    #[test]
+    fn sorted_keys_same_keys_again_gives_the_same_sort() {
+        let keys =
+            |xs: &[u64]| -> Vec<HashKey> { xs.iter().map(|&x| (BlockHash::from_u64(x), (x % 2) as u32)).collect() };
+        let sorted = |mut k: Vec<HashKey>| {
+            sort_keys(&mut k);
+            k
+        };
+        let mut holds = Holds::default();
+        for xs in [&[5, 3, 9, 3, 1][..], &[5, 3, 9, 3, 1], &[2, 8], &[5, 3, 9, 3, 1], &[], &[]] {
+            assert_eq!(holds.sorted_keys(keys(xs)), sorted(keys(xs)), "{xs:?}");
         }
     }
 }

@@ -628,9 +628,10 @@ impl<'a> HitAware<'a> {
     }
 }
 
-/// Sorts hash keys and drops repeats (a deterministic order: the pins' effects do not
-/// depend on a hash map's). O(keys log keys).
+/// Sorts hash keys by their bytes, then group, and drops repeats (a deterministic order:
+/// the pins' effects do not depend on a hash map's). The bytes compared a word at a time
+/// (`BlockHash::cmp_bytes`, the order of `as_bytes`). O(keys log keys).
 pub(super) fn sort_keys(keys: &mut Vec<HashKey>) {
-    keys.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()).then(a.1.cmp(&b.1)));
+    keys.sort_unstable_by(|a, b| a.0.cmp_bytes(&b.0).then(a.1.cmp(&b.1)));
     keys.dedup();
 }

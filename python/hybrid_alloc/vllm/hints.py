@@ -32,11 +32,15 @@ distinct, in ``[1, num_prompt_tokens]``, at most :data:`MAX_POSITIONS`; ``sessio
 ``release`` non-empty strings or None; ``errors`` holds only keys of :data:`REFUSED_KINDS`;
 and the ``Hints`` asks for something or refused something (never all empty: that is None).
 
-Cost: without hints, :func:`hints_of` reads three attributes (``kv_hints``,
-``sampling_params``, ``extra_args``) and, when ``extra_args`` is a non-empty dict, checks its
-keys against :data:`XARG_KEYS` (one set operation); it is called once per request. With
-hints, parsing is linear in the envelope's actions (at most :data:`MAX_ACTIONS`) and positions
-(at most :data:`MAX_POSITIONS` per action). vLLM is not imported: the envelope is read by its
+Cost: without hints, :func:`read_hints` (the manager's call; :func:`hints_of` is it, as a
+:class:`Hints`) reads three attributes (``kv_hints``, ``sampling_params``, ``extra_args``) and,
+when ``extra_args`` is a non-empty dict, checks its keys against :data:`XARG_KEYS` (one set
+operation); it is called once per request. With hints, parsing is linear in the envelope's
+actions (at most :data:`MAX_ACTIONS`) and positions (at most :data:`MAX_POSITIONS` per
+action). Good hints (the common case) take a fast path, one function over locals that builds
+no object but the answer's tuple (2.9 us for a retain, a pin and a checkpoint in vLLM's
+envelope, against 6.3 us through the full reader and a :class:`Hints`, 2026-12-06); a refusal
+of any kind sends the request to the full reader, which decides alone. vLLM is not imported: the envelope is read by its
 attributes (``actions``; each action's ``action_type``, ``action_version``, ``payload``), so
 the module works on every release and refuses look-alikes that do not fit.
 """
@@ -165,16 +169,215 @@ class Hints:
 def hints_of(request: Any) -> Hints | None:
     """The hints ``request`` carries (vLLM's ``Request``, or anything with its attributes:
     ``kv_hints``, ``sampling_params.extra_args``, ``num_prompt_tokens``, ``session_id``), or None when it
-    carries none of this vocabulary. Never raises."""
+    carries none of this vocabulary. Never raises. :func:`read_hints`, as a :class:`Hints`."""
+    fields = read_hints(request)
+    return None if fields is None else Hints(*fields)
+
+
+#: :class:`Hints`' fields in their order, as :func:`read_hints` returns them: ``retain``,
+#: ``retain_ttl_s``, ``retain_tokens``, ``pin_ttl_s``, ``pin_tokens``, ``session``, ``release``,
+#: ``checkpoints``, ``errors`` (``Hints(*fields)`` is :func:`hints_of`'s answer).
+HintFields = tuple[
+    Priority | None,
+    float | None,
+    int | None,
+    float | None,
+    int | None,
+    str | None,
+    str | None,
+    tuple[int, ...],
+    tuple[str, ...],
+]
+
+_MALFORMED: HintFields = (None, None, None, None, None, None, None, (), ("malformed",))
+
+
+class _Slow(Exception):
+    """The fast path met something other than a good hint: the full reader decides."""
+
+
+def read_hints(request: Any) -> HintFields | None:
+    """:func:`hints_of`'s answer as a flat tuple (:data:`HintFields`), without building a
+    :class:`Hints`: what the manager reads at a request's first lookup. Never raises.
+
+    Hints that are all good (the common case: each action's fields of the right type and in
+    range, no repeat, no conflict) are read by one function over locals (``_fast``); anything
+    else, a refusal of any kind, a look-alike of another type, or an object that raises, sends
+    the request to the full reader (``_Reader``), which decides as if the fast path were not
+    there (the fast path changes nothing on its way: it only returns)."""
     try:
         env = getattr(request, "kv_hints", None)
         sp = getattr(request, "sampling_params", None)
         xargs = None if sp is None else getattr(sp, "extra_args", None)
         if env is None and (type(xargs) is not dict or not xargs or XARG_KEYS.isdisjoint(xargs)):
             return None
+        try:
+            return _fast(request, env, xargs)
+        except Exception:  # noqa: BLE001 - _Slow, or an object that raised: the full reader's case
+            pass
         return _Reader(request).read(request, env, xargs)
     except Exception:  # noqa: BLE001 - no hint may raise into the engine
-        return Hints(errors=("malformed",))
+        return _MALFORMED
+
+
+def _fast_ttl(value: Any) -> float:
+    """A good TTL as a float (``_Reader._ttl``'s accepted values), else :class:`_Slow`."""
+    t = type(value)
+    if t is float:
+        # NaN fails both comparisons and infinity the second: ``math.isfinite`` is implied.
+        if 0.0 < value <= MAX_TTL_S:
+            return value
+    elif t is int and 0 < value <= MAX_TTL_S:  # compared as an int: a huge one would overflow float()
+        return float(value)
+    raise _Slow
+
+
+def _fast(request: Any, env: Any, xargs: Any) -> HintFields | None:
+    """The fast path of :func:`read_hints`: good hints only, read as ``_Reader`` reads them
+    (the same order, the same first-stands rules, the same defaults); raises :class:`_Slow`
+    (or whatever a look-alike raises) at the first thing ``_Reader`` would refuse or treat
+    otherwise, so that ``_Reader`` reads the request instead. Exact types only (a subclass of
+    list or dict goes to ``_Reader``)."""
+    n = getattr(request, "num_prompt_tokens", None)
+    limit = n if type(n) is int else None
+    retain: Priority | None = None
+    retain_ttl: float | None = None
+    pin_ttl: float | None = None
+    retain_tokens: int | None = None
+    pin_tokens: int | None = None
+    pinned = release_own = False
+    session: str | None = None
+    release: str | None = None
+    checkpoints: set[int] | None = None
+    if env is not None:
+        actions = env.actions
+        if type(actions) is not list or len(actions) > MAX_ACTIONS:
+            raise _Slow
+        for action in actions:
+            kind = action.action_type
+            version = action.action_version
+            payload = action.payload
+            if type(kind) is not str or type(version) is not str or type(payload) is not dict:
+                raise _Slow
+            if kind in FOREIGN_ACTIONS:
+                continue
+            if version not in ACTION_VERSIONS:
+                raise _Slow
+            s = payload.get("session")
+            if kind == RELEASE:
+                if release is not None or release_own:
+                    raise _Slow
+                if s is None:
+                    release_own = True
+                elif type(s) is str and s:
+                    release = s
+                else:
+                    raise _Slow
+                continue
+            if s is not None:
+                if type(s) is not str or not s or (session is not None and s != session):
+                    raise _Slow
+                session = s
+            if kind == RETAIN:
+                p = payload.get("priority")
+                if retain is not None or type(p) is not str:
+                    raise _Slow
+                retain = _PRIORITY[p]  # KeyError: a bad priority, the full reader's case
+                retain_ttl = _fast_ttl(payload.get("ttl_s"))
+                t = payload.get("tokens")
+                if t is not None and (type(t) is not int or not 1 <= t <= MAX_TOKENS):
+                    raise _Slow
+                retain_tokens = t
+            elif kind == PIN:
+                if pinned:
+                    raise _Slow
+                pinned = True
+                pin_ttl = _fast_ttl(payload.get("ttl_s"))
+                t = payload.get("tokens")
+                if t is not None and (
+                    type(t) is not int or not 1 <= t <= MAX_TOKENS or (limit is not None and t > limit)
+                ):
+                    raise _Slow
+                pin_tokens = t
+            elif kind == CHECKPOINT:
+                checkpoints = _fast_positions(payload.get("positions"), checkpoints, limit)
+            else:
+                raise _Slow
+    if type(xargs) is dict and xargs and not XARG_KEYS.isdisjoint(xargs):
+        get = xargs.get
+        s = get("kv_session")
+        if s is not None:
+            if type(s) is not str or not s or (session is not None and s != session):
+                raise _Slow
+            session = s
+        if "kv_retain" in xargs or "kv_retain_ttl" in xargs or "kv_retain_tokens" in xargs:
+            p = get("kv_retain")
+            if retain is not None or type(p) is not str:
+                raise _Slow
+            retain = _PRIORITY[p]
+            retain_ttl = _fast_ttl(get("kv_retain_ttl"))
+            t = get("kv_retain_tokens")
+            if t is not None and (type(t) is not int or not 1 <= t <= MAX_TOKENS):
+                raise _Slow
+            retain_tokens = t
+        if "kv_pin_ttl" in xargs or "kv_pin_tokens" in xargs:
+            if pinned:
+                raise _Slow
+            pinned = True
+            pin_ttl = _fast_ttl(get("kv_pin_ttl"))
+            t = get("kv_pin_tokens")
+            if t is not None and (type(t) is not int or not 1 <= t <= MAX_TOKENS or (limit is not None and t > limit)):
+                raise _Slow
+            pin_tokens = t
+        r = get("kv_release")
+        if r is not None and r is not False and not (type(r) is int and r == 0):
+            if release is not None or release_own:
+                raise _Slow
+            if type(r) is str and r:
+                release = r
+            elif r is True or (type(r) is int and r == 1):
+                release_own = True
+            else:
+                raise _Slow
+        if "kv_checkpoint" in xargs:
+            c = xargs["kv_checkpoint"]
+            checkpoints = _fast_positions([c] if type(c) is int else c, checkpoints, limit)
+    if session is None and (retain is not None or pinned or release_own or checkpoints):
+        own = getattr(request, "session_id", None)
+        if type(own) is str and own:
+            session = own
+    if release_own:
+        if session is None:
+            raise _Slow
+        release = session
+    if retain is None and not pinned and release is None and session is None and not checkpoints:
+        return None
+    return (
+        retain,
+        retain_ttl,
+        retain_tokens,
+        pin_ttl,
+        pin_tokens,
+        session,
+        release,
+        () if not checkpoints else tuple(sorted(checkpoints)),
+        (),
+    )
+
+
+def _fast_positions(positions: Any, taken: set[int] | None, limit: int | None) -> set[int]:
+    """``_Reader._checkpoint`` of good positions: ``taken`` with ``positions`` added, else
+    :class:`_Slow`."""
+    if (type(positions) is not list and type(positions) is not tuple) or not positions:
+        raise _Slow
+    out = set() if taken is None else taken
+    if len(positions) + len(out) > MAX_POSITIONS:
+        raise _Slow
+    for p in positions:
+        if type(p) is not int or p <= 0 or (limit is not None and p > limit):
+            raise _Slow
+        out.add(p)
+    return out
 
 
 class _Reader:
@@ -196,7 +399,7 @@ class _Reader:
         self.checkpoints: set[int] = set()
         self.errors: list[str] = []
 
-    def read(self, request: Any, env: Any, xargs: Any) -> Hints | None:
+    def read(self, request: Any, env: Any, xargs: Any) -> HintFields | None:
         if env is not None:
             self._envelope(env)
         if type(xargs) is dict and xargs and not XARG_KEYS.isdisjoint(xargs):
@@ -216,17 +419,17 @@ class _Reader:
         if retain is None and pin is None and release is None and self.session is None and not self.checkpoints:
             if not self.errors:
                 return None
-            return Hints(errors=tuple(self.errors))
-        return Hints(
-            retain=None if retain is None else retain[0],
-            retain_ttl_s=None if retain is None else retain[1],
-            retain_tokens=None if retain is None else retain[2],
-            pin_ttl_s=None if pin is None else pin[0],
-            pin_tokens=None if pin is None else pin[1],
-            session=self.session,
-            release=release,
-            checkpoints=tuple(sorted(self.checkpoints)),
-            errors=tuple(self.errors),
+            return (None, None, None, None, None, None, None, (), tuple(self.errors))
+        return (
+            None if retain is None else retain[0],
+            None if retain is None else retain[1],
+            None if retain is None else retain[2],
+            None if pin is None else pin[0],
+            None if pin is None else pin[1],
+            self.session,
+            release,
+            tuple(sorted(self.checkpoints)),
+            tuple(self.errors),
         )
 
     # ---- the envelope ---------------------------------------------------------------

@@ -58,7 +58,7 @@ from hybrid_alloc.vllm.compat import (
 from hybrid_alloc.vllm.connector import fold_negative_external
 from hybrid_alloc.vllm.connector_hits import local_hit_for_connector
 from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
-from hybrid_alloc.vllm.hints import PIN_OVER_CAP, HintCounters, Hints, hints_of, stats_line
+from hybrid_alloc.vllm.hints import PIN_OVER_CAP, HintCounters, HintFields, read_hints, stats_line
 from hybrid_alloc.vllm.kv_events import EventLog
 from hybrid_alloc.vllm.metrics import after_call_hook
 from hybrid_alloc.vllm.plan import native_plan
@@ -95,8 +95,9 @@ _WAITING_OR_PREEMPTED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 # A retain hint's priority as the core's ``set_hints`` takes it.
 _RETAIN_LEVEL = {"low": 1, "normal": 2, "high": 3}
 
-# The parsed hints of a request, kept on it (``Request`` has no slots): a request vLLM preempts
-# is looked up again with a new handle, and takes its hints again without a second pin lease.
+# The parsed hints of a request (``_HintPlan``), kept on it (``Request`` has no slots): a request
+# vLLM preempts is looked up again with a new handle, and takes its hints again without a second
+# pin lease.
 _HINTS_ATTR = "_hybrid_alloc_hints"
 
 
@@ -115,6 +116,30 @@ def _ttl_ms(ttl_s: float | None) -> int:
     """A checked TTL (``Hints``' invariant: finite, in ``(0, MAX_TTL_S]``) in whole
     milliseconds, rounded up so that no TTL becomes 0."""
     return 0 if ttl_s is None else max(1, math.ceil(ttl_s * 1000))
+
+
+# What a request's hints ask of the core, as ``set_hints`` takes it (session names still to
+# intern): ``(session, retain, retain_ttl_ms, retain_tokens, pin_ttl_ms, pin_tokens, release,
+# checkpoints)``; ``()`` when they ask nothing of it (refused, or a session alone).
+_HintPlan = tuple[()] | tuple[str | None, int, int, int, int, int, str | None, tuple[int, ...]]
+
+
+def _hint_plan(fields: HintFields) -> _HintPlan:
+    """``set_hints``' arguments from :func:`read_hints`' fields (``Hints``' order): computed
+    once per request, at its first sighting."""
+    retain, retain_ttl_s, retain_tokens, pin_ttl_s, pin_tokens, session, release, checkpoints, _ = fields
+    if retain is None and pin_ttl_s is None and release is None and not checkpoints:
+        return ()
+    return (
+        session,
+        0 if retain is None else _RETAIN_LEVEL[retain],
+        _ttl_ms(retain_ttl_s),
+        retain_tokens or 0,
+        _ttl_ms(pin_ttl_s),
+        pin_tokens or 0,
+        release,
+        checkpoints,
+    )
 
 
 # The ``VllmConfig`` a construction reads when it is not passed one (``vllm_config=``): what
@@ -343,17 +368,22 @@ class HybridKVCacheManager:
         the lookup that follows, and its retain and session release for its free; under
         exact they are counted as ignored. A request vLLM preempted takes them again without
         a second lease. Nothing here raises into vLLM: an error is counted (``malformed``)
-        and logged once. Cost without hints: :func:`hints_of`'s attribute reads."""
-        hints: Hints | None = getattr(request, _HINTS_ATTR, None)
-        again = hints is not None
+        and logged once. Cost without hints: :func:`read_hints`' attribute reads. The hints
+        are read once (:func:`read_hints`, no :class:`Hints` built) into what the core's
+        ``set_hints`` takes (``_hint_plan``), kept on the request for a later sighting."""
+        plan: _HintPlan | None = getattr(request, _HINTS_ATTR, None)
+        again = plan is not None
         counters = self._hint_counters
         try:
-            if hints is None:
-                hints = hints_of(request)
-                if hints is None:
+            if plan is None:
+                fields = read_hints(request)
+                if fields is None:
                     return
-                counters.receive(hints, request.request_id)
-                setattr(request, _HINTS_ATTR, hints)
+                counters.received += 1
+                for kind in fields[8]:
+                    counters.refuse(kind, request.request_id)
+                plan = _hint_plan(fields)
+                setattr(request, _HINTS_ATTR, plan)
                 self._hints_seen = True
             if not self._hints_executed:
                 if not again:
@@ -365,23 +395,25 @@ class HybridKVCacheManager:
                             POLICY_ENV,
                         )
                 return
-            if hints.retain is None and hints.pin_ttl_s is None and hints.release is None and not hints.checkpoints:
+            if not plan:
                 return
             if not self._clock_on:
                 # The clock's first reading: TTLs count from it (then once per step).
                 self._clock_on = True
                 self._alloc.advance_clock(self._now_ms())
+            session, retain, retain_ttl_ms, retain_tokens, pin_ttl_ms, pin_tokens, release, checkpoints = plan
+            sessions = self._sessions
             pin, _, refused = self._alloc.set_hints(
                 st.handle,
                 block_hashes=request.block_hashes,
-                session=self._session_id(hints.session),
-                retain=_RETAIN_LEVEL[hints.retain] if hints.retain is not None else 0,
-                retain_ttl_ms=_ttl_ms(hints.retain_ttl_s),
-                retain_tokens=hints.retain_tokens or 0,
-                pin_ttl_ms=0 if again else _ttl_ms(hints.pin_ttl_s),
-                pin_tokens=hints.pin_tokens or 0,
-                release_session=self._session_id(hints.release),
-                checkpoints=hints.checkpoints,
+                session=0 if session is None else sessions.get(session) or self._session_id(session),
+                retain=retain,
+                retain_ttl_ms=retain_ttl_ms,
+                retain_tokens=retain_tokens,
+                pin_ttl_ms=0 if again else pin_ttl_ms,
+                pin_tokens=pin_tokens,
+                release_session=0 if release is None else sessions.get(release) or self._session_id(release),
+                checkpoints=checkpoints,
             )
             st.hinted = True
             if not again:
@@ -411,11 +443,12 @@ class HybridKVCacheManager:
         finished) drops them (its next lookup takes them again); a finished one keeps them
         for the free, and the session it releases is forgotten here."""
         try:
-            hints: Hints | None = getattr(request, _HINTS_ATTR, None)
             if not request.is_finished():
                 self._alloc.clear_hints(st.handle)
-            elif hints is not None and hints.release is not None:
-                self._sessions.pop(hints.release, None)
+            else:
+                plan: _HintPlan | None = getattr(request, _HINTS_ATTR, None)
+                if plan and plan[6] is not None:
+                    self._sessions.pop(plan[6], None)
         except Exception:  # noqa: BLE001 - no hint may raise into the engine
             self._hint_counters.refuse("malformed", request.request_id)
 

@@ -16,7 +16,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hint_cases import Action, Envelope, Req, SamplingParams, assert_valid, env, envelopes, extra_args, req
+from hint_cases import (
+    Action,
+    Envelope,
+    Req,
+    SamplingParams,
+    assert_valid,
+    env,
+    envelopes,
+    extra_args,
+    good_actions,
+    good_xargs,
+    req,
+)
 from hybrid_alloc.vllm.hints import (
     ACTIONS,
     MAX_ACTIONS,
@@ -403,6 +415,49 @@ def test_fuzz_hints_of_never_raises_and_returns_valid_hints(makers: tuple[Any, A
         assert h is None or "malformed" not in h.errors  # every malformed input is told apart, not caught
 
     run()
+
+
+@pytest.mark.parametrize("makers", MAKERS, ids=["look-alike", "vllm"][: len(MAKERS)])
+def test_fast_path_reads_as_the_full_reader(makers: tuple[Any, Any]) -> None:
+    # ``read_hints`` reads good hints on a fast path; whatever it answers, the full reader alone
+    # (the fast path turned off) answers the same, on random hints good and bad.
+    from hybrid_alloc.vllm import hints as mod
+
+    make_action, make_env = makers
+    good_envelopes = st.builds(
+        lambda a: make_env(protocol_version="0.1", message_id="m", actions=a),
+        st.lists(good_actions(make_action), max_size=5),
+    )
+    fast = mod._fast
+    answered = [0]
+
+    def counted(request: Any, env: Any, xargs: Any) -> Any:
+        out = fast(request, env, xargs)
+        answered[0] += 1
+        return out
+
+    def slow(request: Any, env: Any, xargs: Any) -> Any:
+        raise mod._Slow
+
+    @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        envelope=st.one_of(envelopes(*makers), good_envelopes, st.none()),
+        xargs=st.one_of(extra_args, good_xargs),
+        prompt=st.one_of(st.integers(0, 3000), st.none()),
+        session_id=st.sampled_from([None, "", "v", "s1", 3]),
+    )
+    def run(envelope: Any, xargs: Any, prompt: Any, session_id: Any) -> None:
+        request = Req(envelope, SamplingParams(xargs), prompt, session_id)
+        try:
+            mod._fast = counted
+            got = mod.read_hints(request)
+            mod._fast = slow
+            assert got == mod.read_hints(request), (envelope, xargs, prompt, session_id)
+        finally:
+            mod._fast = fast
+
+    run()
+    assert answered[0] >= 100, answered  # the fast path answered a good share of the examples
 
 
 @pytest.mark.skipif(STRUCTS is None, reason="vLLM is not installed")
