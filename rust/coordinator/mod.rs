@@ -47,6 +47,9 @@ struct SpecGroup {
     kind: AttentionKind,
     block_size: u32,
     group_ids: Vec<GroupId>,
+    /// vLLM's `SpecGroup.use_eagle`: the group's hits drop the EAGLE block
+    /// ([`Config::drops_eagle_block`], decided for the whole spec group).
+    eagle: bool,
 }
 
 /// Per-request state kept by the coordinator.
@@ -160,6 +163,11 @@ impl Allocator {
         let caching = cfg.enable_caching;
         let leveled = policy == Policy::HitAware && caching;
         let k = cfg.slots_per_page;
+        if cfg.eagle_drop() && policy != Policy::Exact {
+            return Err(Error::Unsupported(format!(
+                "the {policy:?} policy is not served with the EAGLE/MTP block drop (exact only)"
+            )));
+        }
         if k > 1 && policy != Policy::Exact {
             return Err(Error::Unsupported(format!(
                 "the {policy:?} policy is not served with slots_per_page={k} > 1 (exact only)"
@@ -194,6 +202,7 @@ impl Allocator {
                 );
                 m.set_records_new_block_ids(cfg.zero_new_blocks && g.kind.is_attention());
                 m.set_boundary_offloads(cfg.boundary_offloads);
+                m.set_eagle(cfg.drops_eagle_block(i));
                 m
             })
             .collect();
@@ -212,6 +221,7 @@ impl Allocator {
                     kind: g.kind,
                     block_size: g.block_size,
                     group_ids: vec![i as GroupId],
+                    eagle: cfg.drops_eagle_block(i),
                 }),
             }
         }
