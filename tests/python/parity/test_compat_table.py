@@ -177,7 +177,7 @@ def test_eagle_block_drop_row() -> None:
     without Mamba layers, prefix caching on or off; with Mamba layers it falls back."""
     release = _release()
     row = "EAGLE / MTP with `disable_lookahead_block_hashes`" if release != "0.32.0" else "EAGLE / EAGLE3 / MTP"
-    for specs in ("full", "mla", "swa", "swa_retained", "swa_bs32_over_full_bs16"):
+    for specs in ("full", "mla", "swa", "swa_retained"):
         for caching in (True, False):
             native, reason = _decide(_kwargs(_specs(specs), use_eagle=True, enable_caching=caching))
             assert native, (specs, caching, reason)
