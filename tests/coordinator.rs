@@ -1004,6 +1004,8 @@ fn eagle_drop_full_hit_loses_its_last_block() {
     // A resend matches 4 cached blocks within 79 tokens, then drops the last one.
     let second = add(&mut a, &contents, 80);
     assert_eq!(a.find_longest_cache_hit(second, 79).unwrap().num_tokens, 48);
+    // One group: no margin, in the probe too.
+    assert_eq!(a.num_cached_tokens(&chain(&contents, 80), 79).unwrap(), 48);
     ok(&a);
 }
 
@@ -1032,6 +1034,9 @@ fn eagle_drop_sliding_window_matches_one_block_further_then_drops_it() {
     let hit = a.find_longest_cache_hit(second, 95).unwrap().num_tokens;
     assert_eq!(hit % BS, 0);
     assert!(hit < 96 && hit > 0, "{hit}");
+    // vLLM 0.34's probe reads the request's hashes past the bound (the drop's margin), as
+    // `get_computed_blocks` does: the same hit.
+    assert_eq!(a.num_cached_tokens(&chain(&contents, 96), 95).unwrap(), hit);
     ok(&a);
 }
 

@@ -305,7 +305,8 @@ impl Allocator {
     /// `hashes` within `max_cache_hit_length`, as `get_computed_blocks` would find it, without
     /// a request: nothing is stored, touched, queued or counted, under either policy (the
     /// hit-aware junctions and first-sighting stops are `get_computed_blocks`' own, not the
-    /// hit's). Reads only the hashes a hit that long can use. O(blocks scanned).
+    /// hit's). Reads only the hashes a hit that long can use (with the EAGLE drop, one drop
+    /// unit longer: a dropping group matches that much further). O(blocks scanned).
     ///
     /// # Errors
     /// An invalid hash (nothing changes).
@@ -313,7 +314,11 @@ impl Allocator {
         if self.kind == CoordinatorKind::NoPrefixCache {
             return Ok(0);
         }
-        let usable = (max_cache_hit_length / self.cfg.hash_block_size) as usize;
+        let reach = match self.spec_groups.iter().filter(|sg| sg.eagle).map(|sg| sg.block_size).max() {
+            Some(margin) => max_cache_hit_length.saturating_add(margin),
+            None => max_cache_hit_length,
+        };
+        let usable = (reach / self.cfg.hash_block_size) as usize;
         let mut staged = std::mem::take(&mut self.scratch_hashes);
         staged.clear();
         for i in 0..usable.min(hashes.len()) {
