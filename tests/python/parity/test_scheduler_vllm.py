@@ -55,7 +55,7 @@ def _cases():
         weight_bytes=0,
         max_model_len=2048,
     )
-    return {
+    cases: dict[str, dict[str, Any]] = {
         "gemma2_sync": dict(shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512),
         "gemma2_async": dict(
             shape=gemma, num_blocks=300, max_num_seqs=24, max_num_batched_tokens=512, async_scheduling=True
@@ -107,36 +107,15 @@ def _cases():
             async_scheduling=True,
             batch_queue=2,
         ),
-        # The EAGLE last-block drop (``use_eagle``) on every release: lookahead block hashes
-        # turned off (0.33 on; 0.32 drops anyway), prefix caching on or off.
-        "gemma2_eagle_drop_sync": dict(
-            shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512, spec=3, method="eagle", drop=True
-        ),
-        "gemma2_eagle_drop_async": dict(
-            shape=gemma,
-            num_blocks=250,
-            max_num_seqs=24,
-            max_num_batched_tokens=512,
-            spec=3,
-            method="eagle",
-            drop=True,
-            async_scheduling=True,
-            batch_queue=2,
-        ),
-        "llama_eagle_drop_sync": dict(
-            shape=llama, num_blocks=150, max_num_seqs=16, max_num_batched_tokens=384, spec=2, method="eagle", drop=True
-        ),
-        "gemma2_eagle_nocache": dict(
-            shape=gemma,
-            num_blocks=250,
-            max_num_seqs=24,
-            max_num_batched_tokens=512,
-            spec=3,
-            method="eagle",
-            drop=True,
-            enable_prefix_caching=False,
-        ),
     }
+    # The EAGLE last-block drop (``use_eagle``) on every release: lookahead block hashes
+    # turned off (0.33 on; 0.32 drops anyway), prefix caching on or off.
+    eagle = cases["gemma2_eagle_sync"]
+    cases["gemma2_eagle_drop_sync"] = {**eagle, "drop": True}
+    cases["gemma2_eagle_drop_async"] = {**cases["gemma2_eagle_async"], "drop": True}
+    cases["llama_eagle_drop_sync"] = {**cases["llama_ngram_sync"], "method": "eagle", "drop": True}
+    cases["gemma2_eagle_nocache"] = {**eagle, "drop": True, "enable_prefix_caching": False}
+    return cases
 
 
 EXPECT_PREEMPTION = {"swa_only_bs32": False}
