@@ -149,6 +149,21 @@ pub struct Config {
     /// size; a slot is one hash block, so no slot is ever copied on write); any other unit
     /// is refused. Ignored with `slots_per_page == 1`, where the hash block is the unit.
     pub prefix_match_unit: Option<u32>,
+    /// vLLM's EAGLE/MTP prefix-cache block drop (`use_eagle` without lookahead block hashes;
+    /// vLLM 0.32 also for a group flagged `is_eagle_group`): bit `g` set for each group in
+    /// the coordinator's drop set (0.33's `drop_eagle_group_ids`, 0.32's `eagle_group_ids`).
+    /// A group looked up together with one of them (an equal spec) drops too, as vLLM
+    /// decides the drop per `SpecGroup` ([`Self::drops_eagle_block`]). The hits of such a
+    /// group match one block (or hash unit) further and drop it, so the draft's KV there is
+    /// recomputed; caching goes one block past the aligned boundary and the retention masks
+    /// keep the block matched past each boundary. Ignored with prefix caching off (vLLM's
+    /// no-prefix-cache coordinator reads none of it). 0: no drop.
+    pub eagle_drop_groups: u64,
+    /// vLLM 0.33's rule (0.32 has none): with the block drop, a group's retention mask also
+    /// keeps the tail ending one block below the request's junction
+    /// (`shared_prefix_boundary - block_size`: a sibling diverging right after the junction
+    /// cannot use the block past it as the EAGLE peek).
+    pub eagle_junction_tail: bool,
 }
 
 /// The largest pool: block ids and the free queue's two sentinel slots fit a `u32`.
@@ -169,7 +184,7 @@ impl Config {
     /// A config of `num_blocks` blocks (the null block included) over `groups`, hashed and
     /// scheduled at `block_size` tokens, with the defaults: prefix caching on, events off,
     /// no watermark, dense retention (`retention_interval: None`), no zeroing, no lookahead
-    /// hashes, no residency log, no boundary offloads, and `max_model_len` and
+    /// hashes, no residency log, no boundary offloads, no EAGLE/MTP block drop, and `max_model_len` and
     /// `max_in_flight_tokens` of [`Self::DEFAULT_MAX_MODEL_LEN`] tokens. Override a field
     /// with struct update syntax: `Config { enable_events: true, ..Config::new(..) }`.
     /// Nothing is checked here ([`Self::validate`] is, by `Allocator::new`).
@@ -191,6 +206,8 @@ impl Config {
             boundary_offloads: false,
             slots_per_page: 1,
             prefix_match_unit: None,
+            eagle_drop_groups: 0,
+            eagle_junction_tail: false,
         }
     }
 
@@ -313,6 +330,74 @@ impl Config {
         }
     }
 
+    /// Whether group `g`'s cache hits drop their last matched block (vLLM's EAGLE/MTP drop,
+    /// decided per spec group: `g` or a group with an equal spec is in
+    /// [`Self::eagle_drop_groups`]); the group's manager is then vLLM's `use_eagle` one.
+    /// Always false with prefix caching off (vLLM's no-prefix-cache coordinator sets no
+    /// manager's flag) and for a group that takes no hits.
+    pub fn drops_eagle_block(&self, g: usize) -> bool {
+        if self.eagle_drop_groups == 0 {
+            return false;
+        }
+        let me = &self.groups[g];
+        match self.coordinator_kind() {
+            CoordinatorKind::NoPrefixCache => false,
+            CoordinatorKind::Unitary => self.eagle_drop_groups & 1 != 0,
+            CoordinatorKind::Hybrid => {
+                me.kind.is_prefix_cacheable()
+                    && me.kind.takes_hits()
+                    && self.groups.iter().enumerate().any(|(i, o)| {
+                        self.eagle_drop_groups >> i & 1 != 0
+                            && o.kind == me.kind
+                            && o.block_size == me.block_size
+                            && o.spec_key == me.spec_key
+                    })
+            }
+        }
+    }
+
+    /// Whether any group drops the EAGLE block (vLLM's `bool(drop_eagle_group_ids)`, which
+    /// sets the replay boundaries every group's retention mask keeps).
+    pub fn eagle_drop(&self) -> bool {
+        self.enable_caching && self.eagle_drop_groups != 0
+    }
+
+    /// The EAGLE block drop checks ([`Self::eagle_drop`]): what vLLM cannot run and what
+    /// the core does not serve with it (yet).
+    fn validate_eagle(&self) -> Result<()> {
+        let n = self.groups.len();
+        if n < 64 && self.eagle_drop_groups >> n != 0 {
+            return Err(Error::InvalidConfig(format!(
+                "eagle_drop_groups {:#x} names a group past the {n} groups",
+                self.eagle_drop_groups
+            )));
+        }
+        if !self.eagle_drop() {
+            return Ok(());
+        }
+        let refuse = |what: String| Err(Error::Unsupported(format!("the EAGLE/MTP block drop with {what}")));
+        if self.slots_per_page > 1 {
+            return refuse(format!("slots_per_page={}", self.slots_per_page));
+        }
+        for (i, g) in self.groups.iter().enumerate() {
+            match g.kind {
+                // vLLM's Mamba checkpoints move with the drop (`drop_eagle_checkpoint_block`,
+                // the scheduler's split positions): not served yet.
+                AttentionKind::Mamba { .. } => return refuse(format!("a Mamba group (group {i})")),
+                // vLLM asserts (`Hybrid KV cache is not supported for eagle + chunked local
+                // attention`) at the first lookup of a dropping chunked group.
+                AttentionKind::ChunkedLocal { .. } if self.drops_eagle_block(i) => {
+                    return Err(Error::InvalidConfig(format!(
+                        "group {i}: vLLM does not run the EAGLE/MTP block drop with chunked local attention"
+                    )));
+                }
+                AttentionKind::Rswa { .. } => return refuse(format!("an R-SWA group (group {i})")),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
     /// The recycling-aware per-request admission cap of a group, in blocks
     /// (`SlidingWindowSpec` / `ChunkedLocalAttentionSpec.max_admission_blocks_per_request`).
     pub fn max_admission_blocks(&self, g: &GroupSpec) -> Option<u32> {
@@ -339,6 +424,7 @@ impl Config {
         if self.groups.len() > 64 {
             return bad(format!("{} groups; at most 64 are supported", self.groups.len()));
         }
+        self.validate_eagle()?;
         if self.hash_block_size == 0 || self.scheduler_block_size == 0 {
             return bad("hash_block_size and scheduler_block_size must be positive".into());
         }

@@ -68,6 +68,16 @@
 //!   prompt sharing a system prompt hits all of it (see [`policy`], rule 8). A KV hint's
 //!   checkpoint is a junction the application names ([`Allocator::set_hints`], rule 9).
 //!
+//! ## The EAGLE/MTP block drop
+//! With vLLM's `use_eagle` ([`Config::eagle_drop_groups`]: EAGLE/MTP on vLLM 0.32 with prefix
+//! caching, or with `disable_lookahead_block_hashes`), the hits of a dropping spec group
+//! match one block further and drop it (full attention in `manager/full.rs`, sliding windows
+//! in `manager/sliding_window.rs`), the hybrid fixed point verifies each drop once per
+//! candidate length (`coordinator/hits.rs`), a dropping group caches one of its blocks past
+//! the aligned boundary and the retention masks keep the block past each replay boundary
+//! (`coordinator/cache_free.rs`). Not with Mamba groups, chunked local attention, R-SWA,
+//! `hit-aware` or two-level pages ([`Config::validate`] refuses them).
+//!
 //! ## Invariants (checked by `invariants::check`)
 //! - Block 0 is the null block: never free-queued, hashed or ref-counted.
 //! - A non-null block is in the free queue iff its ref count is 0; its ref count equals the

@@ -1030,3 +1030,110 @@ fn free_block_ids_evict_first_queues_freed_blocks_at_the_front_in_order() {
     assert_eq!(q.last(), Some(&out[1]), "the last cached block freed is last");
     ok(&a);
 }
+
+// ---- the EAGLE/MTP prefix-cache block drop (`eagle_drop_groups`) ---------------------------
+
+/// `config` with the EAGLE drop on the groups of `drop` (a bitset).
+fn eagle_config(kinds: &[AttentionKind], num_blocks: u32, drop: u64) -> Config {
+    Config { eagle_drop_groups: drop, ..config(kinds, num_blocks) }
+}
+
+#[test]
+fn eagle_drop_full_hit_loses_its_last_block() {
+    let mut a = alloc(eagle_config(&[full()], 64, 1));
+    let contents = [1, 2, 3, 4, 5];
+    let first = add(&mut a, &contents, 80);
+    assert_eq!(admit(&mut a, first, 80), (0, Some(5)));
+    // A resend matches 4 cached blocks within 79 tokens, then drops the last one.
+    let second = add(&mut a, &contents, 80);
+    assert_eq!(a.find_longest_cache_hit(second, 79).unwrap().num_tokens, 48);
+    // One group: no margin, in the probe too.
+    assert_eq!(a.num_cached_tokens(&chain(&contents, 80), 79).unwrap(), 48);
+    ok(&a);
+}
+
+#[test]
+fn eagle_drop_of_the_draft_group_spreads_to_equal_specs_only() {
+    let mut cfg = eagle_config(&[full(), swa(64), full()], 64, 0b100);
+    // Distinct specs: only the flagged group drops.
+    assert!(!cfg.drops_eagle_block(0) && !cfg.drops_eagle_block(1) && cfg.drops_eagle_block(2));
+    // The draft group's spec equals the target's (one spec group): both drop.
+    cfg.groups[2].spec_key = 0;
+    assert!(cfg.drops_eagle_block(0) && !cfg.drops_eagle_block(1) && cfg.drops_eagle_block(2));
+    // With prefix caching off nothing drops.
+    assert!(!Config { enable_caching: false, ..cfg }.drops_eagle_block(2));
+}
+
+#[test]
+fn eagle_drop_sliding_window_matches_one_block_further_then_drops_it() {
+    // Window 33 needs 2 contiguous blocks; with the drop 3, the last dropped.
+    let mut a = alloc(eagle_config(&[full(), swa(33)], 128, 0b11));
+    let contents = [1, 2, 3, 4, 5, 6];
+    let first = add(&mut a, &contents, 96);
+    admit(&mut a, first, 96);
+    let second = add(&mut a, &contents, 96);
+    // Full attention: 5 blocks within 95 tokens, margin 16 more (6 hashed), dropped to 80;
+    // the window then finds blocks 2..5 and drops block 4: 64... until both agree.
+    let hit = a.find_longest_cache_hit(second, 95).unwrap().num_tokens;
+    assert_eq!(hit % BS, 0);
+    assert!(hit < 96 && hit > 0, "{hit}");
+    // vLLM 0.34's probe reads the request's hashes past the bound (the drop's margin), as
+    // `get_computed_blocks` does: the same hit.
+    assert_eq!(a.num_cached_tokens(&chain(&contents, 96), 95).unwrap(), hit);
+    ok(&a);
+}
+
+#[test]
+fn eagle_drop_hybrid_caches_one_block_past_the_scheduler_block() {
+    // Scheduler blocks of 32 over groups of 16: a dropping group caches up to one of its
+    // blocks past the aligned boundary (vLLM's `get_num_cacheable_tokens`).
+    let groups = vec![
+        hybrid_alloc::GroupSpec { kind: full(), block_size: 16, spec_key: 0 },
+        hybrid_alloc::GroupSpec { kind: swa(64), block_size: 16, spec_key: 1 },
+    ];
+    let base = common::config(128, groups, 16);
+    let cfg = Config { scheduler_block_size: 32, eagle_drop_groups: 0b01, ..base.clone() };
+    let mut a = alloc(cfg);
+    let mut plain = alloc(Config { scheduler_block_size: 32, ..base });
+    let contents = [1, 2, 3, 4];
+    for x in [&mut a, &mut plain] {
+        let h = add(x, &contents, 64);
+        let mut y = args(48, 0, 64, 48);
+        y.num_tokens = 48;
+        x.allocate_slots(h, &y, NewComputed::Empty, None).unwrap();
+    }
+    // 48 computed tokens: the plain hybrid caches 32 (one scheduler block); the dropping
+    // full-attention group 48, the window (not dropping) 32.
+    let probe = |x: &mut Allocator| {
+        let h = add(x, &contents, 64);
+        let hit = x.find_longest_cache_hit(h, 63).unwrap().num_tokens;
+        x.free(h, LEVEL_NORMAL).unwrap();
+        hit
+    };
+    assert_eq!(probe(&mut plain), 32);
+    // Full attention finds 3 blocks (48, margin capped by the hashes), drops one: 32.
+    assert_eq!(probe(&mut a), 32);
+    ok(&a);
+    ok(&plain);
+}
+
+#[test]
+fn eagle_drop_refuses_what_is_not_served() {
+    let mamba =
+        AttentionKind::Mamba { speculative_blocks: 0, align: true, rekey_cached_tail: false, checkpoint_alignment: 0 };
+    let e = Allocator::new(eagle_config(&[full(), mamba], 64, 0b11), Policy::Exact).unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    let e = Allocator::new(eagle_config(&[full(), chunked(64)], 64, 0b11), Policy::Exact).unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e}");
+    let e = Allocator::new(eagle_config(&[full()], 64, 1), Policy::HitAware).unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    let e = Allocator::new(eagle_config(&[full()], 64, 0b10), Policy::Exact).unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e}");
+    // Only the chunked group dropping is refused: a non-dropping one is served.
+    assert!(Allocator::new(eagle_config(&[full(), chunked(64)], 64, 0b01), Policy::Exact).is_ok());
+    // With prefix caching off nothing of the drop is read.
+    let none =
+        AttentionKind::Mamba { speculative_blocks: 0, align: false, rekey_cached_tail: false, checkpoint_alignment: 0 };
+    let off = Config { enable_caching: false, ..eagle_config(&[full(), none], 64, 0b11) };
+    assert!(Allocator::new(off, Policy::Exact).is_ok());
+}

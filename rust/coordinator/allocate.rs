@@ -382,13 +382,14 @@ impl Allocator {
         let mml = self.cfg.max_model_len;
         let total = (a.num_computed_tokens + a.num_new_computed_tokens + a.num_external_computed_tokens).min(mml);
         let main = total + a.num_new_tokens;
-        let to_cache = self.cache_target(main.min(a.num_tokens).min((main + a.num_lookahead_tokens).min(mml)));
+        let cache_tokens = main.min(a.num_tokens).min((main + a.num_lookahead_tokens).min(mml));
         let num_hashes = self.reqs[s as usize].hashes.len();
         for (g, m) in self.managers.iter().enumerate() {
             let slots = m.blocks(s).len() as u64 * m.block_size() as u64;
             if !m.kind().covers_sequence() || a.num_computed_tokens as u64 <= slots {
                 continue;
             }
+            let to_cache = self.group_cache_target(g, cache_tokens);
             let (full, held) = m.blocks_to_cache(s, num_hashes, to_cache);
             if full > held {
                 return Err(Error::InvalidState(format!(

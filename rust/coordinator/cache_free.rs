@@ -39,10 +39,22 @@ impl Allocator {
         }
     }
 
-    /// [`Self::cache_target`] for request `s`, never past its first never-written token
-    /// (`ReqState::unwritten_from`, direct API only).
-    fn request_cache_target(&self, s: Slot, num_tokens: u32) -> u32 {
-        self.cache_target(num_tokens.min(self.reqs[s as usize].unwritten_from.unwrap_or(u32::MAX)))
+    /// Tokens group `g` caches for `num_tokens` (vLLM's `get_num_cacheable_tokens`): the
+    /// [`Self::cache_target`], except that a hybrid coordinator's group dropping the EAGLE
+    /// block caches one of its blocks past the aligned boundary (it matches that block, then
+    /// drops it), once that boundary is past 0.
+    pub(super) fn group_cache_target(&self, g: usize, num_tokens: u32) -> u32 {
+        let aligned = self.cache_target(num_tokens);
+        if self.kind == CoordinatorKind::Hybrid && aligned > 0 && self.managers[g].eagle() {
+            return num_tokens.min(aligned.saturating_add(self.managers[g].block_size()));
+        }
+        aligned
+    }
+
+    /// [`Self::group_cache_target`] for request `s`, never past its first never-written
+    /// token (`ReqState::unwritten_from`, direct API only).
+    fn request_cache_target(&self, s: Slot, g: usize, num_tokens: u32) -> u32 {
+        self.group_cache_target(g, num_tokens.min(self.reqs[s as usize].unwritten_from.unwrap_or(u32::MAX)))
     }
 
     pub(super) fn cache_blocks_inner(
@@ -56,20 +68,51 @@ impl Allocator {
             return;
         }
         let handle = self.handle_of(s);
-        let boundaries_buf = [num_prompt_tokens.saturating_sub(1), shared_prefix_boundary];
-        let boundaries = if shared_prefix_boundary != 0 { &boundaries_buf[..] } else { &boundaries_buf[..1] };
-        let n = self.request_cache_target(s, num_tokens);
-        let hashes = &self.reqs[s as usize].hashes;
-        let c = CacheArgs {
-            req: handle,
-            hashes,
-            num_tokens: n,
-            retention_interval: self.cfg.retention_interval,
-            reachable_boundaries: boundaries,
-            num_prompt_tokens,
-            shared_prefix_boundary,
-        };
-        for m in self.managers.iter_mut() {
+        // vLLM's `replay_boundaries`, then the junction: without the EAGLE drop a resend's
+        // `num_prompt_tokens - 1`; with it (any group dropping) the scheduler blocks below
+        // a resend's and a longer sibling's hit, where the dropping groups match one block
+        // further. vLLM 0.33 adds, for a dropping group, the junction one of its blocks lower.
+        let mut buf = [0u32; 4];
+        let mut nb;
+        if self.cfg.eagle_drop() {
+            let sbs = self.cfg.scheduler_block_size;
+            let resend = (num_prompt_tokens.saturating_sub(1) / sbs * sbs).saturating_sub(sbs);
+            let extension = (num_prompt_tokens / sbs * sbs).saturating_sub(sbs);
+            buf[0] = resend;
+            nb = 1;
+            if extension != resend {
+                buf[1] = extension;
+                nb = 2;
+            }
+        } else {
+            buf[0] = num_prompt_tokens.saturating_sub(1);
+            nb = 1;
+        }
+        if shared_prefix_boundary != 0 {
+            buf[nb] = shared_prefix_boundary;
+            nb += 1;
+        }
+        for g in 0..self.managers.len() {
+            let n = self.request_cache_target(s, g, num_tokens);
+            let m = &self.managers[g];
+            let eagle = m.eagle();
+            let mut nbg = nb;
+            if eagle && self.cfg.eagle_junction_tail && shared_prefix_boundary >= m.block_size() {
+                // Below one block the tail would end before 0: vLLM's mask keeps nothing there.
+                buf[nbg] = shared_prefix_boundary - m.block_size();
+                nbg += 1;
+            }
+            let c = CacheArgs {
+                req: handle,
+                hashes: &self.reqs[s as usize].hashes,
+                num_tokens: n,
+                retention_interval: self.cfg.retention_interval,
+                reachable_boundaries: &buf[..nbg],
+                num_prompt_tokens,
+                shared_prefix_boundary,
+                eagle,
+            };
+            let m = &mut self.managers[g];
             m.cache_blocks(self.pool.side(page_side(self.state_groups, m.group_id())), s, &c);
         }
     }
@@ -89,9 +132,9 @@ impl Allocator {
             None => None,
         };
         if self.cfg.enable_caching {
-            let n = self.request_cache_target(s, num_computed_tokens);
             let num_hashes = self.reqs[s as usize].hashes.len();
             for (g, m) in self.managers.iter().enumerate() {
+                let n = self.request_cache_target(s, g, num_computed_tokens);
                 let (full, held) = m.blocks_to_cache(s, num_hashes, n);
                 if full > m.num_cached(s) && full > held {
                     if let Some(u) = undo {

@@ -8,7 +8,7 @@
 //! Cost: the search is O(blocks scanned); validation O(hit blocks).
 #![forbid(unsafe_code)]
 
-use super::{page_side, Allocator, HashSource, Hit};
+use super::{page_side, Allocator, HashSource, Hit, SpecGroup};
 
 use crate::config::CoordinatorKind;
 use crate::error::{Error, Result};
@@ -138,13 +138,15 @@ impl Allocator {
             let hashes = &self.reqs[s as usize].hashes;
             let mut tmp = std::mem::take(&mut self.scratch_spec);
             for sg in &self.spec_groups {
+                let max_length = if sg.eagle { self.eagle_lookup_length(sg, max_len, hashes.len()) } else { max_len };
                 let q = HitQuery {
                     pool: self.pool.side_ref(page_side(self.state_groups, sg.group_ids[0])),
                     view: HashView { hashes, scale: sg.block_size / self.cfg.hash_block_size },
-                    max_length: max_len,
+                    max_length,
                     group_ids: &sg.group_ids,
                     block_size: sg.block_size,
                     alignment_tokens: align,
+                    drop_eagle: sg.eagle,
                 };
                 let n = find_longest_cache_hit(sg.kind, &q, &mut tmp[..sg.group_ids.len()]);
                 for (j, &gid) in sg.group_ids.iter().enumerate() {
@@ -201,6 +203,7 @@ impl Allocator {
             group_ids: &[0],
             block_size: bs,
             alignment_tokens: bs,
+            drop_eagle: m.eagle(),
         };
         find_longest_cache_hit(m.kind(), &q, out)
     }
@@ -222,25 +225,37 @@ impl Allocator {
         let mut computed = 0u64; // bitset of groups with a result
         let mut len_by_group = [0u32; 64];
         let simple = self.spec_groups.len() == 2 && self.spec_groups[0].kind.is_full();
+        // vLLM's `eagle_verified`: the spec groups (by index) whose EAGLE drop is verified at
+        // the current candidate length; each drops at most once per candidate length.
+        let mut eagle_verified = 0u64;
         loop {
             let mut curr = hit_length;
-            for sg in &self.spec_groups {
+            for (idx, sg) in self.spec_groups.iter().enumerate() {
                 let first = sg.group_ids[0] as usize;
                 if sg.kind.is_full() && computed & (1 << first) != 0 {
                     curr = curr.min(len_by_group[first]);
                     continue;
                 }
+                let drop_eagle = sg.eagle && eagle_verified & (1 << idx) == 0;
+                let max_length = if drop_eagle { self.eagle_lookup_length(sg, curr, hashes.len()) } else { curr };
                 let view = HashView { hashes, scale: sg.block_size / self.cfg.hash_block_size };
                 let k = sg.group_ids.len();
                 let q = HitQuery {
                     pool: self.pool.side_ref(page_side(self.state_groups, sg.group_ids[0])),
                     view,
-                    max_length: curr,
+                    max_length,
                     group_ids: &sg.group_ids,
                     block_size: sg.block_size,
                     alignment_tokens: align,
+                    drop_eagle,
                 };
                 let new_len = find_longest_cache_hit(sg.kind, &q, &mut tmp[..k]);
+                if drop_eagle {
+                    eagle_verified |= 1 << idx;
+                } else if new_len < curr {
+                    // The length shrank: every earlier drop is verified again.
+                    eagle_verified = 0;
+                }
                 curr = new_len;
                 for (j, &gid) in sg.group_ids.iter().enumerate() {
                     std::mem::swap(&mut out[gid as usize], &mut tmp[j]);
@@ -270,12 +285,28 @@ impl Allocator {
         Hit { num_tokens: hit_length, num_uncached_common_prefix_tokens: longest - hit_length }
     }
 
+    /// How far a dropping spec group `sg` looks for a hit of `len` tokens (vLLM's
+    /// `eagle_proof_margin`): one drop unit further (one hash unit where the group looks up
+    /// at hash granularity with partial hash hits, else one of its blocks), at most the
+    /// `num_hashes` hashes; no margin for Mamba, whose finder never drops. O(1).
+    fn eagle_lookup_length(&self, sg: &SpecGroup, len: u32, num_hashes: usize) -> u32 {
+        if matches!(sg.kind, crate::config::AttentionKind::Mamba { .. }) {
+            return len;
+        }
+        let hbs = self.cfg.hash_block_size;
+        let fine = self.partial_hash_hits && sg.kind.fine_grained_lookup() && sg.block_size > hbs;
+        let margin = if fine { hbs } else { sg.block_size };
+        let hashed = (num_hashes as u64 * hbs as u64).min(u32::MAX as u64) as u32;
+        len.saturating_add(margin).min(hashed)
+    }
+
     /// vLLM 0.34's `KVCacheManager.get_num_cached_tokens` (the probe cache-aware admission
     /// asks of every waiting request it may reorder): the tokens of the longest cache hit of
     /// `hashes` within `max_cache_hit_length`, as `get_computed_blocks` would find it, without
     /// a request: nothing is stored, touched, queued or counted, under either policy (the
     /// hit-aware junctions and first-sighting stops are `get_computed_blocks`' own, not the
-    /// hit's). Reads only the hashes a hit that long can use. O(blocks scanned).
+    /// hit's). Reads only the hashes a hit that long can use (with the EAGLE drop, one drop
+    /// unit longer: a dropping group matches that much further). O(blocks scanned).
     ///
     /// # Errors
     /// An invalid hash (nothing changes).
@@ -283,7 +314,11 @@ impl Allocator {
         if self.kind == CoordinatorKind::NoPrefixCache {
             return Ok(0);
         }
-        let usable = (max_cache_hit_length / self.cfg.hash_block_size) as usize;
+        let reach = match self.spec_groups.iter().filter(|sg| sg.eagle).map(|sg| sg.block_size).max() {
+            Some(margin) => max_cache_hit_length.saturating_add(margin),
+            None => max_cache_hit_length,
+        };
+        let usable = (reach / self.cfg.hash_block_size) as usize;
         let mut staged = std::mem::take(&mut self.scratch_hashes);
         staged.clear();
         for i in 0..usable.min(hashes.len()) {

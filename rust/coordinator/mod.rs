@@ -47,6 +47,9 @@ struct SpecGroup {
     kind: AttentionKind,
     block_size: u32,
     group_ids: Vec<GroupId>,
+    /// vLLM's `SpecGroup.use_eagle`: the group's hits drop the EAGLE block
+    /// ([`Config::drops_eagle_block`], decided for the whole spec group).
+    eagle: bool,
 }
 
 /// Per-request state kept by the coordinator.
@@ -160,6 +163,11 @@ impl Allocator {
         let caching = cfg.enable_caching;
         let leveled = policy == Policy::HitAware && caching;
         let k = cfg.slots_per_page;
+        if cfg.eagle_drop() && policy != Policy::Exact {
+            return Err(Error::Unsupported(format!(
+                "the {policy:?} policy is not served with the EAGLE/MTP block drop (exact only)"
+            )));
+        }
         // Hit-aware over two-level pages with prefix caching off decides as `exact` (nothing
         // is cached: no level, pin or hint applies), as with one pool. With caching on it is
         // refused: its per-block state (levels, flags, pins, leases) lives in one pool's
@@ -200,6 +208,7 @@ impl Allocator {
                 );
                 m.set_records_new_block_ids(cfg.zero_new_blocks && g.kind.is_attention());
                 m.set_boundary_offloads(cfg.boundary_offloads);
+                m.set_eagle(cfg.drops_eagle_block(i));
                 m
             })
             .collect();
@@ -218,6 +227,7 @@ impl Allocator {
                     kind: g.kind,
                     block_size: g.block_size,
                     group_ids: vec![i as GroupId],
+                    eagle: cfg.drops_eagle_block(i),
                 }),
             }
         }

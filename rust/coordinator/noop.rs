@@ -111,7 +111,9 @@ impl Allocator {
         let mut lim = NoopLimits::ANY;
         for m in &self.managers {
             let (slots, processed, mut cached, new_tokens) = m.noop_limits(s);
-            if round && cached != u32::MAX {
+            // A group dropping the EAGLE block caches past the scheduler block
+            // ([`Self::group_cache_target`]): its limit stays as it is.
+            if round && cached != u32::MAX && !m.eagle() {
                 cached = clamp((cached as u64).div_ceil(sbs) * sbs);
             }
             lim = lim.min((slots, processed, cached, new_tokens));

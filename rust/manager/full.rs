@@ -131,11 +131,12 @@ impl FullState {
 
     /// vLLM's `FullAttentionManager._cache_partial_tail_block`: when the prompt's last hash
     /// boundary a resend could hit (`num_prompt_tokens - 1`, floored to the hash block, at
-    /// most the hashes) lies inside a block and within the tokens cached, `h`'s block
-    /// holding it (in `table`) is keyed there too.
+    /// most the hashes; with the EAGLE drop `num_prompt_tokens`, as an EAGLE lookup reads
+    /// the whole prompt before dropping a hash unit) lies inside a block and within the
+    /// tokens cached, `h`'s block holding it (in `table`) is keyed there too.
     fn cache_partial_tail(&mut self, pool: &mut BlockPool, h: Slot, table: &[BlockId], z: Inside, c: &CacheArgs<'_>) {
         let (hbs, bs) = (z.hash_block_size, z.block_size);
-        let limit = c.num_prompt_tokens.saturating_sub(1);
+        let limit = if c.eagle { c.num_prompt_tokens } else { c.num_prompt_tokens.saturating_sub(1) };
         let boundary = (limit / hbs).min(c.hashes.len() as u32) * hbs;
         self.pending[h as usize] = 0;
         if boundary == 0 || boundary % bs == 0 {
@@ -206,12 +207,14 @@ pub fn check_block_size(cfg: &Config, i: usize, g: &GroupSpec) -> Result<()> {
     Ok(())
 }
 
-/// vLLM's `FullAttentionManager.find_longest_cache_hit` (no EAGLE drop): the longest run
-/// of cached blocks from the start; with partial hash hits (`alignment_tokens` a proper
-/// divisor of the block size), then the longest cached hash boundary inside the next block
-/// (probed high to low), whose block ends the hit.
+/// vLLM's `FullAttentionManager.find_longest_cache_hit`: the longest run of cached blocks
+/// from the start; with partial hash hits (`alignment_tokens` a proper divisor of the block
+/// size), then the longest cached hash boundary inside the next block (probed high to low),
+/// whose block ends the hit. With the EAGLE drop (`q.drop_eagle`) a non-empty hit then loses
+/// one block, or one hash unit with partial hash hits (the tail block's KV is append-only,
+/// so it still covers the shorter hit), before it is rounded down to the alignment.
 pub fn find_longest_cache_hit(q: &HitQuery<'_>, out: &mut [Vec<BlockId>]) -> u32 {
-    let HitQuery { pool, view, max_length, group_ids, block_size, alignment_tokens } = *q;
+    let HitQuery { pool, view, max_length, group_ids, block_size, alignment_tokens, drop_eagle } = *q;
     let n = (max_length / block_size).min(view.len());
     let mut hit = Vec::with_capacity(group_ids.len());
     for i in 0..n {
@@ -238,6 +241,9 @@ pub fn find_longest_cache_hit(q: &HitQuery<'_>, out: &mut [Vec<BlockId>]) -> u32
             hit_length = (fine + 1) * alignment_tokens;
             break;
         }
+    }
+    if drop_eagle && hit_length > 0 {
+        hit_length -= alignment_tokens.min(block_size);
     }
     hit_length -= hit_length % alignment_tokens;
     let keep = cdiv(hit_length as u64, block_size as u64) as usize;

@@ -49,6 +49,11 @@ pub struct HitQuery<'a> {
     pub block_size: u32,
     /// Hit lengths are multiples of this many tokens.
     pub alignment_tokens: u32,
+    /// Drop the last matched block (vLLM's `drop_eagle_block`, EAGLE/MTP): the kind matches
+    /// one block further (full attention: one hash unit with partial hash hits) and drops
+    /// it, so the draft's KV there is recomputed. Only full attention and sliding windows
+    /// read it (the config refuses the drop for the other kinds that take hits).
+    pub drop_eagle: bool,
 }
 
 /// Finds the longest cache hit for one spec group, as the attention type's

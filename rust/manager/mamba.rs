@@ -277,7 +277,7 @@ pub const NONE: u32 = u32::MAX;
 /// block (below `max_length`) cached in every group of `group_ids` whose end is a multiple of
 /// `alignment_tokens`; `out[k] = [null] * i + [block]`.
 pub fn find_longest_cache_hit(q: &HitQuery<'_>, out: &mut [Vec<BlockId>]) -> u32 {
-    let HitQuery { pool, view, max_length, group_ids, block_size, alignment_tokens } = *q;
+    let HitQuery { pool, view, max_length, group_ids, block_size, alignment_tokens, .. } = *q;
     if alignment_tokens < block_size && block_size % alignment_tokens == 0 {
         // Partial hash hits: the rightmost cached hash boundary, inside its block or not.
         let scale = block_size / alignment_tokens;

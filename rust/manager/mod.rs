@@ -210,6 +210,10 @@ pub struct CacheArgs<'a> {
     pub num_prompt_tokens: u32,
     /// `request.shared_prefix_boundary`.
     pub shared_prefix_boundary: u32,
+    /// The group's manager is vLLM's `use_eagle` one ([`SingleTypeManager::eagle`]): its
+    /// retention mask keeps the block matched past each boundary, and full attention keys
+    /// the prompt's partial tail at the whole prompt.
+    pub eagle: bool,
 }
 
 /// The bookkeeping of one KV cache group.
@@ -256,6 +260,10 @@ pub struct SingleTypeManager {
     /// The hit-aware policy's per-request state of this group (Mamba "align" only; see
     /// [`retention`]).
     retention: retention::GroupRetention,
+    /// vLLM's `use_eagle` of this group's manager ([`crate::Config::drops_eagle_block`]):
+    /// its hits drop the EAGLE block, the coordinator caches one block past the aligned
+    /// boundary, and the retention mask keeps the block past each boundary.
+    eagle: bool,
 }
 
 /// Marker for "no partial hit" in [`SingleTypeManager`]'s `partial_hit`.
@@ -290,7 +298,19 @@ impl SingleTypeManager {
             partial_hit: Vec::new(),
             pending_cow: Vec::new(),
             retention: retention::GroupRetention::new(spec.kind.is_mamba_align()),
+            eagle: false,
         }
+    }
+
+    /// Gives this group vLLM's `use_eagle` (at construction; see [`Self::eagle`]).
+    pub(crate) fn set_eagle(&mut self, use_eagle: bool) {
+        self.eagle = use_eagle;
+    }
+
+    /// Whether this group's manager is vLLM's `use_eagle` one (its hits drop the EAGLE block).
+    #[inline]
+    pub fn eagle(&self) -> bool {
+        self.eagle
     }
 
     /// vLLM's `_has_partial_local_hit`: the local hit ends inside one of this group's blocks.

@@ -57,13 +57,15 @@ impl KindRules for SlidingWindow {
             alignment_tokens,
             block_size,
             self.window,
+            c.eagle,
             c.retention_interval,
             c.reachable_boundaries,
         )
     }
 
     fn hit_tail_blocks(&self, block_size: u32) -> Option<u32> {
-        Some(contiguous_blocks_for_hit(self.window, block_size))
+        // The hit-aware policy's (the EAGLE drop is refused under it).
+        Some(contiguous_blocks_for_hit(self.window, block_size, false))
     }
 
     /// Nothing frees while the window still reaches the first non-null block.
@@ -94,16 +96,29 @@ pub fn num_skipped_tokens(num_computed_tokens: u32, window: u32, extra_retained_
     (num_computed_tokens as i64 - window as i64 + 1 - extra_retained_tokens as i64).max(0) as u32
 }
 
-/// Contiguous cached blocks a hit needs (no EAGLE).
+/// Contiguous cached blocks a hit needs (`_contiguous_blocks_for_hit`): those the window
+/// reaches, and with the EAGLE drop one more (matched, then dropped).
 #[inline]
-pub fn contiguous_blocks_for_hit(window: u32, block_size: u32) -> u32 {
-    cdiv(window as u64 - 1, block_size as u64) as u32
+pub fn contiguous_blocks_for_hit(window: u32, block_size: u32, eagle: bool) -> u32 {
+    cdiv(window as u64 - 1, block_size as u64) as u32 + eagle as u32
 }
 
-/// vLLM's `SlidingWindowManager.find_longest_cache_hit` (no EAGLE drop).
+/// Pops blocks off every group's hit until its length is a multiple of `alignment_tokens`.
+fn realign(out: &mut [Vec<BlockId>], block_size: u32, alignment_tokens: u32) {
+    while block_size != alignment_tokens && (out[0].len() as u32 * block_size) % alignment_tokens != 0 {
+        for o in out.iter_mut() {
+            o.pop();
+        }
+    }
+}
+
+/// vLLM's `SlidingWindowManager.find_longest_cache_hit`: the rightmost run of
+/// [`contiguous_blocks_for_hit`] cached blocks, searched right to left (blocks before it
+/// are null); with the EAGLE drop (`q.drop_eagle`) the run is one block longer and its last
+/// block is dropped (then the hit realigned).
 pub fn find_longest_cache_hit(q: &HitQuery<'_>, window: u32, out: &mut [Vec<BlockId>]) -> u32 {
-    let HitQuery { pool, view, max_length, group_ids, block_size, alignment_tokens } = *q;
-    let need = contiguous_blocks_for_hit(window, block_size);
+    let HitQuery { pool, view, max_length, group_ids, block_size, alignment_tokens, drop_eagle } = *q;
+    let need = contiguous_blocks_for_hit(window, block_size, drop_eagle);
     // `max_length` may reach past the hashes the caller sent: only hashed blocks can hit.
     let max_num_blocks = (max_length / block_size).min(view.len());
     for o in out.iter_mut() {
@@ -114,7 +129,9 @@ pub fn find_longest_cache_hit(q: &HitQuery<'_>, window: u32, out: &mut [Vec<Bloc
     let mut hit = Vec::with_capacity(group_ids.len());
     for i in (0..max_num_blocks).rev() {
         if pool.get_cached_block(&view.get(i), group_ids, &mut hit) {
-            if contiguous == 0 && block_size != alignment_tokens && ((i + 1) * block_size) % alignment_tokens != 0 {
+            // The hit's end after the drop must be aligned (the run's last block is checked).
+            let post_pop = if drop_eagle { i } else { i + 1 };
+            if contiguous == 0 && block_size != alignment_tokens && (post_pop * block_size) % alignment_tokens != 0 {
                 continue;
             }
             for (o, &b) in out.iter_mut().zip(hit.iter()) {
@@ -136,31 +153,38 @@ pub fn find_longest_cache_hit(q: &HitQuery<'_>, window: u32, out: &mut [Vec<Bloc
         for o in out.iter_mut() {
             o.truncate(contiguous as usize);
         }
-        while block_size != alignment_tokens && (out[0].len() as u32 * block_size) % alignment_tokens != 0 {
-            for o in out.iter_mut() {
-                o.pop();
-            }
+        realign(out, block_size, alignment_tokens);
+    }
+    if drop_eagle && !out[0].is_empty() {
+        for o in out.iter_mut() {
+            o.pop();
         }
+        realign(out, block_size, alignment_tokens);
     }
     out[0].len() as u32 * block_size
 }
 
-/// Which blocks in `start..end` are worth caching (`SlidingWindowManager.reachable_block_mask`
-/// without EAGLE): `None` means all of them. With `retention_interval` `Some(0)` (vLLM's
-/// default) only the `need` blocks ending at each reachable boundary are cached.
+/// Which blocks in `start..end` are worth caching (`SlidingWindowManager.reachable_block_mask`):
+/// `None` means all of them. With `retention_interval` `Some(0)` (vLLM's default) only the
+/// `need` blocks ending at each reachable boundary are cached. With the EAGLE drop (`eagle`)
+/// a hit needs one block more, matched past the boundary (the kept tails end one block
+/// later).
+#[allow(clippy::too_many_arguments)]
 pub fn reachable_block_mask(
     start: u32,
     end: u32,
     alignment_tokens: u32,
     block_size: u32,
     window: u32,
+    eagle: bool,
     retention_interval: Option<u32>,
     reachable_boundaries: &[u32],
 ) -> Option<Vec<bool>> {
     if alignment_tokens % block_size != 0 {
         return None;
     }
-    let need = contiguous_blocks_for_hit(window, block_size) as i64;
+    let need = contiguous_blocks_for_hit(window, block_size, eagle) as i64;
+    let shift = eagle as i64;
     let mut mask = vec![false; (end - start) as usize];
     let segment_tokens = match retention_interval {
         None => Some(alignment_tokens),
@@ -173,15 +197,16 @@ pub fn reachable_block_mask(
             return None;
         }
         for i in start..end {
-            if (i as i64) % per_segment >= per_segment - need {
-                mask[(i - start) as usize] = true;
+            let i = i as i64;
+            if i >= shift && (i - shift) % per_segment >= per_segment - need {
+                mask[(i - start as i64) as usize] = true;
             }
         }
     }
     if retention_interval.is_some() {
         for &boundary in reachable_boundaries {
             let aligned = boundary / alignment_tokens * alignment_tokens;
-            let e = (aligned / block_size) as i64;
+            let e = (aligned / block_size) as i64 + shift;
             let lo = (start as i64).max(e - need);
             let hi = (end as i64).min(e);
             for j in lo..hi {
@@ -206,12 +231,20 @@ mod tests {
     #[test]
     fn reachable_block_mask_retention_zero_keeps_replay_tail() {
         // window 33 at block 16 needs 2 blocks; boundary 99 -> aligned 96 -> blocks 4, 5.
-        let m = reachable_block_mask(0, 7, 16, 16, 33, Some(0), &[99]).unwrap();
+        let m = reachable_block_mask(0, 7, 16, 16, 33, false, Some(0), &[99]).unwrap();
         assert_eq!(m, vec![false, false, false, false, true, true, false]);
     }
 
     #[test]
+    fn reachable_block_mask_with_eagle_keeps_the_block_past_the_boundary() {
+        // With the drop a hit needs 3 blocks, the last matched past the boundary: 4, 5, 6.
+        let m = reachable_block_mask(0, 8, 16, 16, 33, true, Some(0), &[99]).unwrap();
+        assert_eq!(m, vec![false, false, false, false, true, true, true, false]);
+        assert_eq!(contiguous_blocks_for_hit(33, 16, true), 3);
+    }
+
+    #[test]
     fn reachable_block_mask_dense_is_none_when_window_spans_segment() {
-        assert_eq!(reachable_block_mask(0, 7, 16, 16, 33, None, &[99]), None);
+        assert_eq!(reachable_block_mask(0, 7, 16, 16, 33, false, None, &[99]), None);
     }
 }

@@ -149,6 +149,7 @@ options! {
     NewOptions("Allocator") {
         max_in_flight_tokens, enable_caching, enable_events, watermark_blocks, retention_interval, policy,
         zero_new_blocks, hash_lookahead_tokens, residency_log, boundary_offloads; slots_per_page, prefix_match_unit,
+        eagle_drop_groups, eagle_junction_tail,
     }
 }
 
@@ -176,6 +177,21 @@ options! {
         block_hashes, session, retain, retain_ttl_ms, retain_tokens, pin_ttl_ms, pin_tokens, release_session,
         checkpoints,
     }
+}
+
+/// `eagle_drop_groups` (group indices) as the core's bitset; an index outside the groups
+/// raises `ValueError`.
+fn eagle_groups(ids: &[i64], num_groups: usize) -> PyResult<u64> {
+    let mut bits = 0u64;
+    for &i in ids {
+        if i < 0 || i as u64 >= num_groups.min(64) as u64 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "eagle_drop_groups: group {i} is not one of the {num_groups} groups"
+            )));
+        }
+        bits |= 1 << i;
+    }
+    Ok(bits)
 }
 
 impl NewOptions<'_> {
@@ -221,6 +237,8 @@ impl NewOptions<'_> {
                 .opt::<i64>()?
                 .map(|u| u32_arg("prefix_match_unit", u))
                 .transpose()?,
+            eagle_drop_groups: eagle_groups(&self.eagle_drop_groups.given_or(Vec::<i64>::new())?, groups.len())?,
+            eagle_junction_tail: self.eagle_junction_tail.given_or(false)?,
             ..base
         };
         Ok((cfg, policy))

@@ -295,13 +295,26 @@ class NativeCoordinator:
             for i, (g, bs) in enumerate(zip(groups, block_sizes, strict=True))
         )
         self.num_single_type_manager = len(self.single_type_managers)
-        # Groups holding EAGLE/MTP draft layers; none drops its last block (a drop falls
-        # back), so ``drop_eagle_group_ids`` (vLLM 0.33) is empty.
+        # Groups holding EAGLE/MTP draft layers, and those whose hits drop the EAGLE block
+        # (vLLM 0.33's ``drop_eagle_group_ids``): set by ``set_eagle``.
         self.eagle_group_ids: set[int] = {i for i, g in enumerate(groups) if g.is_eagle_group}
         self.drop_eagle_group_ids: set[int] = set()
         self.full_attention_group_id = next(
             (i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)), None
         )
+
+    def set_eagle(self, use_eagle: bool, drop_groups: Any, groups: list[Any]) -> None:
+        """vLLM's EAGLE/MTP sets: ``eagle_group_ids`` (the flagged groups, or every group
+        when ``use_eagle`` flags none), ``drop_eagle_group_ids`` (vLLM 0.33's: those with
+        ``use_eagle``; ``drop_groups`` is the core's drop set, empty with prefix caching off)
+        and each single-type manager's ``use_eagle`` (a group that takes hits dropping with
+        an equal spec's group, as vLLM decides it per spec group; with one group, group 0)."""
+        if use_eagle and not self.eagle_group_ids:
+            self.eagle_group_ids = set(range(len(self.single_type_managers)))
+        self.drop_eagle_group_ids = set(self.eagle_group_ids) if use_eagle else set()
+        drop = [groups[j] for j in drop_groups]
+        for g, m in zip(groups, self.single_type_managers, strict=True):
+            m.use_eagle = g.kind not in ("cross", "circular_buffer") and any(o == g for o in drop)
 
     @property
     def attention_groups(self) -> list[Any]:

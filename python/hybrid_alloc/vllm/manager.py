@@ -285,6 +285,7 @@ class HybridKVCacheManager:
             max_in_flight_tokens=native["max_in_flight_tokens"],
             max_model_len=a.max_model_len,
         )
+        self.coordinator.set_eagle(a.use_eagle, native.get("eagle_drop_groups", ()), native["groups"])
         # ``--prefix-match-unit`` on a Mamba hybrid: hits may end inside a block, which is
         # then copied on write (``take_kv_cache_block_copies``).
         self._partial_hash_hits = bool(self._alloc.partial_hash_hits)

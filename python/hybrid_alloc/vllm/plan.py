@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     CircularBufferSpec,
     KVCacheGroupRole,
     KVCacheSpec,
@@ -44,8 +45,6 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         raise Unsupported(f"the installed vLLM lacks {', '.join(missing)} (read by the adapter)")
     if (reason := connector_reason(vllm_config, a.kv_cache_config)) is not None:
         raise Unsupported(reason)
-    if a.use_eagle:
-        raise Unsupported("EAGLE/MTP prefix-cache block drop")
     if not isinstance(a.num_hash_lookahead_tokens, int) or a.num_hash_lookahead_tokens < 0:
         raise Unsupported(f"num_hash_lookahead_tokens={a.num_hash_lookahead_tokens!r}")
     if a.num_prefill_lookahead > 1:
@@ -58,9 +57,6 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         spec = g.kv_cache_spec
         if g.role != KVCacheGroupRole.DEFAULT or g.host_resident:
             raise Unsupported(f"group {i} has role {g.role.name} (HiSparse)")
-        # On 0.33 a flagged group drops its last block only with use_eagle (refused above).
-        if g.is_eagle_group and not compat.EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE:
-            raise Unsupported(f"group {i} holds EAGLE/MTP draft layers (prefix-cache block drop)")
         if not spec.prefix_cacheable and not _served_uncacheable(spec):
             raise Unsupported(f"group {i} ({type(spec).__name__}) is not prefix-cacheable")
         key = next((k for k, s in enumerate(seen_specs) if s == spec), None)
@@ -92,6 +88,11 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         # (see ``.boundary``): the scheduler drains them every step, and hands them to a KV
         # connector when there is one. Without Mamba groups there are none to offer.
         native["boundary_offloads"] = True
+    drop = eagle_drop_groups(a)
+    if drop:
+        native["eagle_drop_groups"] = drop
+        # 0.33's retention masks also keep a dropping group's tail one block below the junction.
+        native["eagle_junction_tail"] = compat.EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE
     if a.num_hash_lookahead_tokens > 0:
         # 0.33 moves the Mamba "align" prefill checkpoint positions by the lookahead tokens.
         native["hash_lookahead_tokens"] = a.num_hash_lookahead_tokens
@@ -102,6 +103,33 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
     if pages.pages_from_env() == "two-level":  # raises Unsupported on a bad value
         native["slots_per_page"] = two_level_slots(a, vllm_config, policy, native)
     return native
+
+
+def eagle_drop_groups(a: ManagerArgs) -> list[int]:
+    """The groups in vLLM's coordinator's EAGLE/MTP drop set (0.33's
+    ``drop_eagle_group_ids``, 0.32's ``eagle_group_ids``): the groups flagged
+    ``is_eagle_group``, or every group when ``use_eagle`` flags none; on 0.33 only with
+    ``use_eagle`` (lookahead block hashes clear it), on 0.32 always. Empty with prefix caching
+    off, where vLLM's coordinator reads none of it. Raises ``Unsupported`` for a drop the core
+    does not serve: with Mamba layers (their checkpoints move with it, and the scheduler's
+    split positions), with chunked local attention (vLLM asserts on it)."""
+    groups = a.kv_cache_config.kv_cache_groups
+    flagged = [i for i, g in enumerate(groups) if g.is_eagle_group]
+    if a.use_eagle and not flagged:
+        flagged = list(range(len(groups)))
+    drops = a.use_eagle or not compat.EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE
+    specs = [g.kv_cache_spec for g in groups]
+    if a.use_eagle and any(isinstance(s, MambaSpec) and s.mamba_cache_mode == "align" for s in specs):
+        # vLLM moves the "align" prefill checkpoints back one block with ``use_eagle``,
+        # prefix caching on or off.
+        raise Unsupported("EAGLE/MTP prefix-cache block drop with Mamba layers")
+    if not (a.enable_caching and drops and flagged):
+        return []
+    if any(isinstance(s, MambaSpec) for s in specs):
+        raise Unsupported("EAGLE/MTP prefix-cache block drop with Mamba layers")
+    if any(isinstance(s, ChunkedLocalAttentionSpec) for s in specs):
+        raise Unsupported("EAGLE/MTP prefix-cache block drop with chunked local attention (vLLM asserts on it)")
+    return flagged
 
 
 def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str, native: dict[str, Any]) -> int:

@@ -215,6 +215,10 @@ PROBE_SETUPS = [
     "qwen35_gdn_3to1_align",
     "nemotron_h_mamba2_align",
     "full_swa_mamba_align",
+    # The EAGLE drop (``use_eagle``): a hybrid lookup matches one block past the bound.
+    "eagle_drop_full_bs16",
+    "eagle_drop_full_swa_bs16",
+    "eagle_drop_swa_bs32_over_full_bs16",
 ]
 
 

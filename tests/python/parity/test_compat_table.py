@@ -173,12 +173,22 @@ def test_row_matches_the_adapter(row: str, specs: str, over: dict[str, Any], fra
 
 def test_eagle_block_drop_row() -> None:
     """The Scheduler passes ``use_eagle=True`` where vLLM drops the last block for EAGLE: on
-    0.32 for every EAGLE/MTP/DFlash/DSpark run, on 0.33 when lookahead hashes are off."""
+    0.32 for every EAGLE/MTP/DFlash/DSpark run, on 0.33 when lookahead hashes are off. Served
+    without Mamba layers, prefix caching on or off; with Mamba layers it falls back."""
     release = _release()
-    native, reason = _decide(_kwargs(_specs("full"), use_eagle=True))
-    assert not native and reason == "EAGLE/MTP prefix-cache block drop"
     row = "EAGLE / MTP with `disable_lookahead_block_hashes`" if release != "0.32.0" else "EAGLE / EAGLE3 / MTP"
-    assert '"EAGLE/MTP prefix-cache block drop"' in _cell(row)
+    for specs in ("full", "mla", "swa", "swa_retained"):
+        for caching in (True, False):
+            native, reason = _decide(_kwargs(_specs(specs), use_eagle=True, enable_caching=caching))
+            assert native, (specs, caching, reason)
+    assert _cell(row).startswith("native"), _cell(row)
+    # vLLM asserts at the first lookup of a dropping chunked local attention group.
+    native, reason = _decide(_kwargs(_specs("chunked"), use_eagle=True))
+    assert not native and "with chunked local attention" in reason, reason
+    assert _decide(_kwargs(_specs("chunked"), use_eagle=True, enable_caching=False))[0]
+    native, reason = _decide(_kwargs(_specs("mamba2_align"), use_eagle=True))
+    assert not native and reason == "EAGLE/MTP prefix-cache block drop with Mamba layers", reason
+    assert '"EAGLE/MTP prefix-cache block drop with Mamba layers"' in _cell(row)
 
 
 def test_kv_connector_rows(monkeypatch: pytest.MonkeyPatch) -> None:

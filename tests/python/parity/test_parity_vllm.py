@@ -134,10 +134,11 @@ def _scheduler_manager_flags(method: str) -> dict[str, int | bool]:
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark", "eagle"])
-def test_drafter_flags_served_natively_on_033(method: str) -> None:
+def test_drafter_flags_served_natively(method: str) -> None:
     """DFlash/DSpark (no block drop on 0.33) and EAGLE (lookahead hashes on 0.33, with prefix
     caching) are served natively on 0.33 with the flags vLLM's own config code produces, the
-    draft layers' group flagged; on 0.32 they drop the last block, which falls back."""
+    draft layers' group flagged; on 0.32 they drop the last block, served natively too, with
+    the coordinator's EAGLE sets and each manager's ``use_eagle`` as vLLM's manager has them."""
     import dataclasses
 
     from hybrid_alloc.vllm.manager import HybridKVCacheManager, native_config_or_reason
@@ -159,6 +160,13 @@ def test_drafter_flags_served_natively_on_033(method: str) -> None:
         assert type(mgr) is HybridKVCacheManager
         assert mgr.coordinator.eagle_group_ids == {0} and not mgr.coordinator.drop_eagle_group_ids
     else:
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+
         assert flags["use_eagle"]
-        assert native is None and "EAGLE" in reason
-        assert type(mgr) is not HybridKVCacheManager
+        assert native is not None, reason
+        assert native["eagle_drop_groups"] == [0]
+        assert type(mgr) is HybridKVCacheManager
+        ref = KVCacheManager(**kw)
+        assert mgr.coordinator.eagle_group_ids == ref.coordinator.eagle_group_ids == {0}
+        uses = [m.use_eagle for m in ref.coordinator.single_type_managers]
+        assert [m.use_eagle for m in mgr.coordinator.single_type_managers] == uses == [True, False]

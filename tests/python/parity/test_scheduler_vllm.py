@@ -55,7 +55,7 @@ def _cases():
         weight_bytes=0,
         max_model_len=2048,
     )
-    return {
+    cases: dict[str, dict[str, Any]] = {
         "gemma2_sync": dict(shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512),
         "gemma2_async": dict(
             shape=gemma, num_blocks=300, max_num_seqs=24, max_num_batched_tokens=512, async_scheduling=True
@@ -92,8 +92,8 @@ def _cases():
             batch_queue=2,
         ),
         "llama_ngram_sync": dict(shape=llama, num_blocks=150, max_num_seqs=16, max_num_batched_tokens=384, spec=2),
-        # EAGLE with prefix caching: lookahead block hashes on vLLM 0.33 (on 0.32 the
-        # last-block drop falls back, so these run on 0.33 only).
+        # EAGLE with prefix caching: lookahead block hashes from vLLM 0.33 on, the last-block
+        # drop on 0.32.
         "gemma2_eagle_sync": dict(
             shape=gemma, num_blocks=250, max_num_seqs=24, max_num_batched_tokens=512, spec=3, method="eagle"
         ),
@@ -108,6 +108,14 @@ def _cases():
             batch_queue=2,
         ),
     }
+    # The EAGLE last-block drop (``use_eagle``) on every release: lookahead block hashes
+    # turned off (0.33 on; 0.32 drops anyway), prefix caching on or off.
+    eagle = cases["gemma2_eagle_sync"]
+    cases["gemma2_eagle_drop_sync"] = {**eagle, "drop": True}
+    cases["gemma2_eagle_drop_async"] = {**cases["gemma2_eagle_async"], "drop": True}
+    cases["llama_eagle_drop_sync"] = {**cases["llama_ngram_sync"], "method": "eagle", "drop": True}
+    cases["gemma2_eagle_nocache"] = {**eagle, "drop": True, "enable_prefix_caching": False}
+    return cases
 
 
 EXPECT_PREEMPTION = {"swa_only_bs32": False}
@@ -126,6 +134,10 @@ CASES = [
     "llama_ngram_sync",
     "gemma2_eagle_sync",
     "gemma2_eagle_async",
+    "gemma2_eagle_drop_sync",
+    "gemma2_eagle_drop_async",
+    "llama_eagle_drop_sync",
+    "gemma2_eagle_nocache",
 ]
 
 
@@ -138,8 +150,9 @@ def test_real_scheduler_identical(case: str) -> None:
     kw = dict(_cases()[case])
     batch_queue = kw.pop("batch_queue", 1)
     spec = kw.pop("spec", 0)
-    if kw.get("method") == "eagle" and not HAVE_LOOKAHEAD_HASHES:
-        pytest.skip("EAGLE with prefix caching drops the last block on vLLM 0.32, which falls back")
+    drop = kw.pop("drop", False)
+    if drop and HAVE_LOOKAHEAD_HASHES:
+        kw["disable_lookahead_block_hashes"] = True
     if spec:
         base: SchedulerSetup = SpecSchedulerSetup(kv_events=True, num_spec_tokens=spec, **kw)
     else:
@@ -166,7 +179,10 @@ def test_real_scheduler_identical(case: str) -> None:
         if HAVE_LOOKAHEAD_HASHES and not base.async_scheduling:
             # vLLM 0.33 caches from update_from_output in sync scheduling with drafts too.
             assert ref["cache_blocks"] > 0
-    if kw.get("method") == "eagle":
+    if kw.get("method") == "eagle" and (drop or not HAVE_LOOKAHEAD_HASHES):
+        # The last-block drop: no lookahead hashes, vLLM's manager built with ``use_eagle``.
+        assert ref["lookahead"] == 0 and ref["use_eagle"] is True
+    elif kw.get("method") == "eagle":
         assert ref["lookahead"] == 1
         assert any(getattr(e, "lookahead_token_ids", None) for e in ref["events"])
 

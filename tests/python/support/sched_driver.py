@@ -65,10 +65,12 @@ class SpecSchedulerSetup(SchedulerSetup):
     method vLLM allows with async scheduling) in async; the scheduler and the KV cache
     manager see the same from both (drafts, no draft model, no lookahead).
     ``method="eagle"``: an EAGLE drafter (a stub draft config); with prefix caching, vLLM
-    0.33 hashes blocks with one lookahead token instead of dropping the last block."""
+    0.33 hashes blocks with one lookahead token instead of dropping the last block, unless
+    ``disable_lookahead_block_hashes`` (0.33 on; vLLM 0.32 has no such option, and drops)."""
 
     num_spec_tokens: int = 3
     method: str = "ngram"
+    disable_lookahead_block_hashes: bool = False
 
     def vllm_config(self) -> VllmConfig:
         mml = self.shape.max_model_len
@@ -84,6 +86,8 @@ class SpecSchedulerSetup(SchedulerSetup):
         pc = ParallelConfig()
         if self.method == "eagle":
             method: dict[str, Any] = dict(method="eagle", model=eagle_draft_dir())
+            if self.disable_lookahead_block_hashes:
+                method["disable_lookahead_block_hashes"] = True
         else:
             method = dict(
                 method="ngram_gpu" if self.async_scheduling else "ngram", prompt_lookup_max=3, prompt_lookup_min=2
@@ -270,6 +274,7 @@ def run_workload(
         **cache_calls,
         "cache_blocks_calls": cache_args,
         "lookahead": lookahead,
+        "use_eagle": getattr(sched.kv_cache_manager, "use_eagle", None),
         "steps": steps,
         "events": events,
         "usage": usage,

@@ -80,6 +80,9 @@ class Setup:
     eagle_groups: tuple[int, ...] = ()
     # What vLLM's Scheduler passes as num_prefill_lookahead (1 for EAGLE-family drafters).
     prefill_lookahead: int = 0
+    # What vLLM's Scheduler passes as ``use_eagle``: the EAGLE/MTP prefix-cache block drop
+    # (0.32 with prefix caching; 0.33 with ``disable_lookahead_block_hashes`` too).
+    use_eagle: bool = False
     # Decode context parallelism: what the Scheduler passes as ``dcp_world_size``
     # (``hash_block_size`` / ``scheduler_block_size`` then come from the DCP-scaled sizes).
     dcp: int = 1
@@ -90,9 +93,8 @@ class Setup:
 
     @property
     def available(self) -> bool:
-        """Whether the installed vLLM serves this setup natively: lookahead hashes exist only
-        on 0.33, and a flagged draft group drops its last block on 0.32 (a fallback)."""
-        return not (self.lookahead or self.eagle_groups) or HAVE_LOOKAHEAD_HASHES
+        """Whether the installed vLLM has this setup: lookahead hashes exist from 0.33 on."""
+        return not self.lookahead or HAVE_LOOKAHEAD_HASHES
 
     def kv_cache_config(self) -> KVCacheConfig:
         groups = [
@@ -115,7 +117,7 @@ class Setup:
             hash_block_size=self.hash_block_size,
             max_in_flight_tokens=self.max_in_flight_tokens,
             enable_caching=self.enable_caching,
-            use_eagle=False,
+            use_eagle=self.use_eagle,
             **la,
             num_prefill_lookahead=self.prefill_lookahead,
             log_stats=True,
@@ -188,6 +190,56 @@ SETUPS: list[Setup] = [
         eagle_groups=(2,),
         prefill_lookahead=1,
     ),
-    # DFlash/DSpark on vLLM 0.33: draft layers flagged, no block drop, no lookahead hashes.
+    # DFlash/DSpark on vLLM 0.33: draft layers flagged, no block drop, no lookahead hashes
+    # (on 0.32 the flagged group drops its last hit block: the EAGLE drop below).
     Setup("dflash_full_swa_bs16", [full(16), swa(64, 16)], num_blocks=400, eagle_groups=(0,), prefill_lookahead=1),
+    # The EAGLE/MTP prefix-cache block drop (``use_eagle``): EAGLE/MTP with prefix caching on
+    # 0.32, with ``disable_lookahead_block_hashes`` on 0.33 and 0.34.
+    Setup("eagle_drop_full_bs16", [full(16)], num_blocks=300, use_eagle=True, prefill_lookahead=1),
+    # The draft layers' group has the target's full-attention spec: both drop (one spec group).
+    Setup(
+        "eagle_drop_full_swa_draft_bs16",
+        [full(16), swa(64, 16), full(16)],
+        num_blocks=500,
+        eagle_groups=(2,),
+        use_eagle=True,
+        prefill_lookahead=1,
+    ),
+    # No group flagged: every group drops, the sliding window matching one block further.
+    Setup("eagle_drop_full_swa_bs16", [full(16), swa(64, 16)], num_blocks=400, use_eagle=True, prefill_lookahead=1),
+    Setup(
+        "eagle_drop_swa_bs32_over_full_bs16",
+        [full(16), swa(64, 32)],
+        num_blocks=500,
+        hash_block_size=16,
+        scheduler_block_size=32,
+        use_eagle=True,
+        prefill_lookahead=1,
+    ),
+    Setup(
+        "eagle_drop_full_swa_dense_retention",
+        [full(16), swa(40, 16)],
+        num_blocks=400,
+        retention_interval=None,
+        use_eagle=True,
+        prefill_lookahead=1,
+    ),
+    Setup(
+        "eagle_drop_full_swa_retention_64",
+        [full(16), swa(40, 16)],
+        num_blocks=400,
+        retention_interval=64,
+        use_eagle=True,
+        prefill_lookahead=1,
+    ),
+    Setup("eagle_drop_swa_only_bs16", [swa(48, 16)], num_blocks=200, use_eagle=True, prefill_lookahead=1),
+    # Prefix caching off: vLLM's no-prefix-cache coordinator reads none of the drop.
+    Setup(
+        "eagle_nocache_full_swa_bs16",
+        [full(16), swa(64, 16)],
+        num_blocks=400,
+        enable_caching=False,
+        use_eagle=True,
+        prefill_lookahead=1,
+    ),
 ]
