@@ -319,6 +319,20 @@ impl Config {
                 .all(|g| !g.kind.is_prefix_cacheable() || g.kind.fine_grained_lookup() || g.block_size == hbs)
     }
 
+    /// Whether some group keys blocks at hash boundaries inside them (vLLM's
+    /// `FullAttentionManager._cache_partial_tail_block`, "partial-block prefix entries"): with
+    /// partial hash hits, or where a hybrid's full-attention group has a block larger than
+    /// the hash block (a full group of 32 beside a sliding-window group of 16: hash block 16).
+    /// vLLM keys the prompt's last hash boundary inside its block there even without partial
+    /// hits (hits never reach those keys then, but they are stored, evicted and reported).
+    pub fn partial_block_entries(&self) -> bool {
+        self.partial_hash_hits()
+            || (self.enable_caching
+                && self.slots_per_page <= 1
+                && self.coordinator_kind() == CoordinatorKind::Hybrid
+                && self.groups.iter().any(|g| g.kind == AttentionKind::Full && g.block_size > self.hash_block_size))
+    }
+
     /// The alignment (in tokens) of cache-hit lengths (the coordinator's
     /// `_cache_hit_alignment_tokens`): the hash block size with partial hash hits, else the
     /// scheduler block size.

@@ -311,6 +311,55 @@ fn cache_blocks_swa_retention_zero_caches_only_replay_tail() {
     ok(&a);
 }
 
+// ---- a full-attention block over the hash block (partial-block prefix entries) ------------
+
+/// Full attention of block 32 beside a sliding window of 16: hash block 16, scheduler block 32.
+fn wide_full_config() -> Config {
+    let g = vec![
+        hybrid_alloc::GroupSpec { kind: full(), block_size: 32, spec_key: 0 },
+        hybrid_alloc::GroupSpec { kind: swa(64), block_size: BS, spec_key: 1 },
+    ];
+    Config {
+        max_model_len: 8192,
+        max_in_flight_tokens: 8192,
+        scheduler_block_size: 32,
+        enable_events: true,
+        ..common::config(64, g, BS)
+    }
+}
+
+#[test]
+fn cache_blocks_full_block_over_hash_block_keys_prompt_tail_inside_its_block() {
+    let cfg = wide_full_config();
+    assert!(cfg.partial_block_entries() && !cfg.partial_hash_hits());
+    let mut a = alloc(cfg);
+    let contents: Vec<u64> = (1..=4).collect();
+    let hashes = chain(&contents, 64);
+    // A 50-token prompt: its last hash boundary a resend could hit is 48, inside block 1.
+    let r = add(&mut a, &contents, 48);
+    prefill(&mut a, r, 50);
+    let is_tail = |e: &Event| matches!(e, Event::Stored { group: 0, hashes: h, .. } if h == &[hashes[2]]);
+    assert!(!a.take_events().iter().any(is_tail), "the cache target (32) is below the boundary");
+    // Decode to 64 tokens: block 1 is full and keyed, then keyed at 48 as well.
+    a.append_hashes(r, &hash_bytes(&hashes[3..4]), 8).unwrap();
+    let x = args(14, 50, 50, 64);
+    assert_eq!(a.allocate_slots(r, &x, NewComputed::Empty, None).unwrap(), Some(0));
+    let ev = a.take_events();
+    assert_eq!(ev.iter().filter(|e| is_tail(e)).count(), 1, "{ev:?}");
+    ok(&a);
+}
+
+#[test]
+fn new_full_block_over_hash_block_single_group_or_rswa_is_refused() {
+    let mut one = wide_full_config();
+    one.groups.truncate(1);
+    // vLLM's unitary coordinator asserts hash_block_size == block_size with caching on.
+    assert!(matches!(Allocator::new(one, Policy::Exact), Err(Error::Unsupported(m)) if m.contains("partial-block")));
+    let mut rswa = wide_full_config();
+    rswa.groups[0].kind = AttentionKind::Rswa { window: 128 };
+    assert!(matches!(Allocator::new(rswa, Policy::Exact), Err(Error::Unsupported(m)) if m.contains("partial-block")));
+}
+
 // ---- chunked local attention ----------------------------------------------------------
 
 #[test]

@@ -302,7 +302,7 @@ impl Allocator {
             }
             self.pool.evict_blocks(ids);
         }
-        if self.partial_hash_hits {
+        if self.cfg.partial_block_entries() {
             // A prompt's partial tail key may have gone with its block's: vLLM keys it again
             // on the request's next caching call, which the no-op limits must not skip.
             for m in self.managers.iter_mut() {

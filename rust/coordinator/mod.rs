@@ -190,7 +190,7 @@ impl Allocator {
             0
         };
         pool.set_residency_log(cfg.residency_log);
-        pool.set_stamp_keys(cfg.partial_hash_hits());
+        pool.set_stamp_keys(cfg.partial_block_entries());
         let align = cfg.cache_hit_alignment_tokens();
         let managers = cfg
             .groups

@@ -3,12 +3,15 @@
 //! blocks from the start. Its rules ([`Full`]) are [`KindRules`]' defaults, but for being
 //! full attention in the hybrid hit search and its block size check.
 //!
+//! In a hybrid the block may be larger than the hash block (a full-attention group of 32
+//! beside a sliding-window group of 16, hash block 16: [`crate::Config::partial_block_entries`]):
+//! the prompt's last hash boundary is then keyed inside its block (its *partial tail*, vLLM's
+//! `_cache_partial_tail_block`, which keys it even without partial hash hits; hits, aligned to
+//! the scheduler block, never reach it there, but it is stored, reported and evicted).
 //! With partial hash hits (vLLM's `--prefix-match-unit` on a Mamba hybrid, see
-//! [`crate::Config::partial_hash_hits`]) the block may be larger than the hash block: a hit
-//! may end inside a block (the block is then copied on write, see
-//! [`SingleTypeManager::take_partial_hit`]) and the prompt's last hash boundary is keyed
-//! inside its block (its *partial tail*, vLLM's `_cache_partial_tail_block`), as is, under
-//! `hit-aware`, the junction a lookup reported there (a shared prefix's end inside a
+//! [`crate::Config::partial_hash_hits`]) a hit may also end inside a block (the block is then
+//! copied on write, see [`SingleTypeManager::take_partial_hit`]), and, under `hit-aware`, the
+//! junction a lookup reported there (a shared prefix's end inside a
 //! block). A block keyed for a longer prefix takes such a key as a second key (the pool's
 //! `cache_partial_block`).
 //!
@@ -43,9 +46,9 @@ impl KindRules for Full {
     }
 
     fn check_with_caching(&self, cfg: &Config, i: usize, g: &GroupSpec) -> Result<()> {
-        if cfg.partial_hash_hits() {
-            // Partial hash hits: a block larger than the hash block is looked up at hash
-            // granularity, and the prompt's last hash boundary is cached inside its block.
+        if cfg.partial_block_entries() {
+            // A block larger than the hash block: the prompt's last hash boundary is cached
+            // inside its block (and, with partial hash hits, looked up at hash granularity).
             return Ok(());
         }
         check_block_size(cfg, i, g)
@@ -191,8 +194,8 @@ fn key_inside_block(pool: &mut BlockPool, table: &[BlockId], z: Inside, c: &Cach
     pool.cache_partial_block(&o, false);
 }
 
-/// Full attention (and R-SWA) with caching on: the block is the hash block (no
-/// partial-block prefix entries).
+/// R-SWA (and full attention outside [`Config::partial_block_entries`]) with caching on: the
+/// block is the hash block (no partial-block prefix entries).
 ///
 /// # Errors
 /// [`Error::Unsupported`] for a block size over the hash block size.

@@ -295,6 +295,8 @@ class NativeCoordinator:
             for i, (g, bs) in enumerate(zip(groups, block_sizes, strict=True))
         )
         self.num_single_type_manager = len(self.single_type_managers)
+        # vLLM's: each group's block size as its manager sees it (DCP-scaled where sharded).
+        self.group_block_sizes = tuple(m.block_size for m in self.single_type_managers)
         # Groups holding EAGLE/MTP draft layers, and those whose hits drop the EAGLE block
         # (vLLM 0.33's ``drop_eagle_group_ids``): set by ``set_eagle``.
         self.eagle_group_ids: set[int] = {i for i, g in enumerate(groups) if g.is_eagle_group}

@@ -85,6 +85,7 @@ def _specs(name: str) -> list[Any]:
     import torch
     from vllm.v1.kv_cache_interface import CrossAttentionSpec, MambaSpec
 
+    from rswa_harness import rswa
     from vllm_harness import chunked, full, mla, swa
 
     return {
@@ -95,7 +96,8 @@ def _specs(name: str) -> list[Any]:
         "chunked": [full(16), chunked(64, 16)],
         "mix": [full(16), swa(64, 16), chunked(128, 16)],
         "swa_bs32_over_full_bs16": [full(16), swa(64, 32)],
-        "full_bs32": [full(32)],
+        "full_bs32_over_swa_bs16": [full(32), swa(64, 16)],
+        "rswa_bs32_over_swa_bs16": [rswa(128, 32), swa(64, 16)],
         "cross": [full(16), CrossAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)],
         "mamba": [full(16), MambaSpec(block_size=16, shapes=((16, 16),), dtypes=(torch.float32,))],
         # MambaMixer2's spec with prefix caching on: one prefill checkpoint block, alignment 1.
@@ -134,7 +136,13 @@ CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("KV cache events", "swa_retained", {"enable_kv_cache_events": True}, None),
     ("sync and async scheduling", "swa_retained", {"watermark": 0.02, "max_in_flight_tokens": 4096}, None),
     ("groups of different block sizes", "swa_bs32_over_full_bs16", {"scheduler_block_size": 32}, None),
-    ("groups of different block sizes", "full_bs32", {"scheduler_block_size": 32}, "(partial-block prefix entries)"),
+    ("groups of different block sizes", "full_bs32_over_swa_bs16", {"scheduler_block_size": 32}, None),
+    (
+        "groups of different block sizes",
+        "rswa_bs32_over_swa_bs16",
+        {"scheduler_block_size": 32},
+        "(partial-block prefix entries)",
+    ),
     ("cross attention", "cross", {"enable_caching": False}, None),
     ("cross attention", "cross", {}, "cross attention with prefix caching on"),
     ("Mamba / linear attention", "mamba", {"enable_caching": False}, None),

@@ -33,10 +33,16 @@ def _replicated(spec: Any) -> Any:
 def _setups() -> dict[str, Any]:
     from vllm_harness import Setup, full, mla, swa
 
-    def dcp(name: str, specs: list[Any], d: int, hbs: int, num_blocks: int) -> Any:
+    def dcp(name: str, specs: list[Any], d: int, hbs: int, num_blocks: int, sbs: int | None = None) -> Any:
         # hash / scheduler block sizes as resolve_kv_cache_block_sizes gives them under DCP.
         return Setup(
-            name, specs, num_blocks=num_blocks, hash_block_size=hbs, scheduler_block_size=hbs, dcp=d, report_full=False
+            name,
+            specs,
+            num_blocks=num_blocks,
+            hash_block_size=hbs,
+            scheduler_block_size=sbs or hbs,
+            dcp=d,
+            report_full=False,
         )
 
     return {
@@ -50,6 +56,11 @@ def _setups() -> dict[str, Any]:
             dcp("dcp2_full_replicated_swa", [full(16), _replicated(swa(64, 32))], 2, 32, 250),
             # Sharded MLA (16 x 4) beside a replicated full-attention group (block 64).
             dcp("dcp4_mla_replicated_full", [mla(16), _replicated(full(64))], 4, 64, 160),
+            # A replicated group below the sharded one's block: hash block 16, the sharded
+            # group's block (16 x 2, and MLA's 16 x 4 beside a replicated draft) exceeds it, so
+            # vLLM keys its prompts' partial-block prefix entries.
+            dcp("dcp2_full_replicated_full_below", [full(16), _replicated(full(16))], 2, 16, 250, sbs=32),
+            dcp("dcp4_mla_replicated_draft_below", [mla(16), _replicated(full(16))], 4, 16, 250, sbs=64),
             # Prefix caching off (vLLM's no-prefix-cache coordinator).
             dataclasses.replace(
                 dcp("dcp2_full_swa_nocache", [full(16), _replicated(swa(64, 32))], 2, 32, 250), enable_caching=False
@@ -79,6 +90,8 @@ def test_dcp_parity_random_trace(name: str) -> None:
     if setup.enable_caching:
         assert total["hits"] > 0 and total["cached_block_hits"] > 0, total
         assert total["removed_events"] > 0, f"{name}: no cached block was evicted; the pool is too large"
+        if max(want) > setup.hash_block_size:
+            assert total["partial_entries"] > 0, f"{name}: no partial-block prefix entry was stored"
     assert total["preempt"] > 0 and total["finish"] > 0 and total["reset_ok"] > 0, total
 
 
@@ -149,14 +162,11 @@ def _fallback_cases() -> list[tuple[str, Any, dict[str, Any], str]]:
         ("sharded_swa_hybrid", [full(16), swa(64, 16)], dict(dcp_world_size=2), "sharded SlidingWindowSpec"),
         ("sharded_swa_alone", [swa(64, 16)], dict(dcp_world_size=2), "sharded SlidingWindowSpec"),
         ("mamba", [full(16), mamba], dict(dcp_world_size=2), "with a Mamba group"),
-        # Replicated at block 16 beside sharded 16 x 2: hash block 16, the sharded full group's
-        # block exceeds it (the core's partial-block limit, as without DCP).
-        ("replicated_below", [full(16), _replicated(full(16))], dict(dcp_world_size=2), "partial-block prefix"),
         ("pcp", [full(16)], dict(pcp_world_size=2), "prefill context parallelism"),
     ]
 
 
-@pytest.mark.parametrize("case", ["sharded_swa_hybrid", "sharded_swa_alone", "mamba", "replicated_below", "pcp"])
+@pytest.mark.parametrize("case", ["sharded_swa_hybrid", "sharded_swa_alone", "mamba", "pcp"])
 def test_dcp_fallback_names_why(case: str, plugin_lines: list[str]) -> None:
     """Configurations DCP is not served natively with: the adapter's decision names why, and
     the constructor logs exactly one line with that reason and hands over to vLLM's own

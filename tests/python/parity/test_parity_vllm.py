@@ -33,6 +33,8 @@ def _names() -> list[str]:
 
 @pytest.mark.parametrize("name", _names())
 def test_parity_random_trace(name: str) -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
     from parity_driver import ParityRun, run_seeds
     from vllm_harness import HAVE_MAX_CACHE_HIT_LENGTH, SETUPS
 
@@ -50,6 +52,9 @@ def test_parity_random_trace(name: str) -> None:
         assert total["cached_block_hits"] > 0, f"{name}: get_cached_block never found a block"
         if HAVE_MAX_CACHE_HIT_LENGTH:
             assert total["bounded_lookups"] > 0
+        entries = any(s.block_size > setup.hash_block_size for s in setup.specs if isinstance(s, FullAttentionSpec))
+        if entries and len(setup.specs) > 1:
+            assert total["partial_entries"] > 0, f"{name}: no partial-block prefix entry was stored"
         if setup.lookahead:
             assert total["lookahead_events"] > 0, f"{name}: no BlockStored event with lookahead tokens"
 

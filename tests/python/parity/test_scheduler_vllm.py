@@ -355,3 +355,52 @@ def test_aux_outputs_served_natively(monkeypatch: pytest.MonkeyPatch) -> None:
             m.free(r)
     assert hits > 0, "no lookup found cached blocks: the test exercised nothing"
     assert conns[0]._kv_cached.keys() == conns[1]._kv_cached.keys()
+
+
+# ---- a full-attention block over the hash block (partial-block prefix entries) -----------
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_real_scheduler_identical_full_block_over_hash_block(async_scheduling: bool) -> None:
+    """A Gemma-2-like hybrid whose sliding-window layers hold twice the KV per token of its
+    global layers (twice the KV heads): vLLM's planner (``unify_kv_cache_spec_page_size``)
+    doubles the global layers' block to 32 beside the window's 16, so requests are hashed
+    every 16 tokens, the scheduler block is 32, and full attention keys each prompt's last
+    hash boundary inside its block (``_cache_partial_tail_block``) without partial hits.
+    Ours serves it natively and runs identically; the entries are stored and evicted."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from hybrid_alloc.bench.offline import SchedulerSetup, kv_cache_specs
+    from hybrid_alloc.vllm.compat import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from sched_driver import assert_same_run, run_workload
+
+    @dataclasses.dataclass
+    class WideWindowSetup(SchedulerSetup):
+        def kv_cache_config(self, vc: Any) -> Any:
+            specs = kv_cache_specs(self.shape, self.block_size)
+            wide = {
+                k: dataclasses.replace(s, num_kv_heads=2 * s.num_kv_heads) if isinstance(s, SlidingWindowSpec) else s
+                for k, s in specs.items()
+            }
+            groups = get_kv_cache_groups(vc, wide)
+            probe = get_kv_cache_config_from_groups(vc, groups, 1 << 40)
+            budget = (1 << 40) // probe.num_blocks * (self.num_blocks or 0)
+            return get_kv_cache_config_from_groups(vc, groups, budget)
+
+    kw = dict(_cases()["gemma2_sync"])
+    base = WideWindowSetup(kv_events=True, **{**kw, "num_blocks": 200}, async_scheduling=async_scheduling)
+    run = dict(seed=11, num_requests=60, max_tokens_hi=600, batch_queue=2 if async_scheduling else 1)
+    ref = run_workload(dataclasses.replace(base, manager="vllm"), **run)
+    ours = run_workload(dataclasses.replace(base, manager="hybrid_alloc"), **run)
+    assert_same_run("full_bs32_over_swa_bs16", ref, ours)
+    sched = dataclasses.replace(base, manager="vllm").build()
+    sizes = {type(g.kv_cache_spec): g.kv_cache_spec.block_size for g in sched.kv_cache_config.kv_cache_groups}
+    assert sizes == {FullAttentionSpec: 32, SlidingWindowSpec: 16}, sizes
+    assert (sched.hash_block_size, sched.block_size) == (16, 32)
+    assert ref["preemptions"] > 0 and ref["aborted"] and ref["hits"] > 0
+    evs = [ev for e in ref["events"] for ev in getattr(e, "events", [e])]
+    entries = [ev for ev in evs if type(ev).__name__ == "BlockStored" and ev.block_size < 32 and ev.group_idx == 0]
+    assert entries, "no partial-block prefix entry was stored"
+    entry_hashes = {h for ev in entries for h in ev.block_hashes}
+    removed = {h for ev in evs if type(ev).__name__ == "BlockRemoved" for h in ev.block_hashes}
+    assert entry_hashes & removed, "no partial-block prefix entry was evicted"

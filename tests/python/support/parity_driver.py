@@ -50,6 +50,7 @@ class ParityRun:
             "lookahead_events": 0,
             "cached_block_hits": 0,
             "removed_events": 0,
+            "partial_entries": 0,
         }
 
     # Chunk sizes drawn for an admission's first chunk and for a running request's step.
@@ -91,6 +92,12 @@ class ParityRun:
         self.on_events(events)
         self.stats["lookahead_events"] += sum(1 for e in events if getattr(e, "lookahead_token_ids", None))
         self.stats["removed_events"] += sum(1 for e in events if type(e).__name__ == "BlockRemoved")
+        # Partial-block prefix entries: BlockStored events shorter than their group's block
+        # (the manager's: DCP-scaled where sharded).
+        managers = self.ref.coordinator.single_type_managers
+        self.stats["partial_entries"] += sum(
+            1 for e in events if type(e).__name__ == "BlockStored" and e.block_size < managers[e.group_idx].block_size
+        )
         if self.ops % self.full_check_every == 0:
             self.full_check()
 

@@ -50,8 +50,10 @@ def mla(bs: int = 16) -> MLAAttentionSpec:
     return MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
 
 
-def swa(window: int, bs: int = 16) -> SlidingWindowSpec:
-    return SlidingWindowSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, sliding_window=window)
+def swa(window: int, bs: int = 16, num_kv_heads: int = 8) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=bs, num_kv_heads=num_kv_heads, head_size=128, dtype=torch.bfloat16, sliding_window=window
+    )
 
 
 def chunked(chunk: int, bs: int = 16) -> ChunkedLocalAttentionSpec:
@@ -179,6 +181,16 @@ SETUPS: list[Setup] = [
     Setup("full_swa_retention_64", [full(16), swa(40, 16)], num_blocks=400, retention_interval=64),
     Setup(
         "swa_bs32_over_full_bs16", [full(16), swa(64, 32)], num_blocks=500, hash_block_size=16, scheduler_block_size=32
+    ),
+    # Full attention's block over the hash block (vLLM's planner doubles the block of the
+    # layers with half the page: here global layers with half the KV heads of the window's):
+    # the prompt's last hash boundary inside its block is keyed (partial-block prefix entries).
+    Setup(
+        "full_bs32_over_swa_bs16",
+        [full(32), swa(64, 16, num_kv_heads=16)],
+        num_blocks=400,
+        hash_block_size=16,
+        scheduler_block_size=32,
     ),
     # EAGLE with prefix caching on vLLM 0.33: lookahead block hashes (one token), the draft
     # layers' group flagged, nothing dropped; events carry lookahead_token_ids.
