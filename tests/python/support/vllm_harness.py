@@ -228,6 +228,17 @@ SETUPS: list[Setup] = [
         use_eagle=True,
         prefill_lookahead=1,
     ),
+    # The drop over partial-block prefix entries: a dropping full-attention group keys the
+    # prompt's last hash boundary up to the whole prompt (vLLM's ``use_eagle`` token limit).
+    Setup(
+        "eagle_drop_full_bs32_over_swa_bs16",
+        [full(32), swa(64, 16, num_kv_heads=16)],
+        num_blocks=400,
+        hash_block_size=16,
+        scheduler_block_size=32,
+        use_eagle=True,
+        prefill_lookahead=1,
+    ),
     Setup(
         "eagle_drop_full_swa_dense_retention",
         [full(16), swa(40, 16)],
