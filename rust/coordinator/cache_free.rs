@@ -426,7 +426,7 @@ mod tests {
     }
 
     /// `cache_blocks` as it was before its no-op answer: sync, cache, refresh the limits.
-    fn cache_blocks_in_full(a: &mut Allocator, h: ReqHandle, c: &CacheBlocksArgs, hs: &Vec<BlockHash>) {
+    fn cache_blocks_in_full(a: &mut Allocator, h: ReqHandle, c: &CacheBlocksArgs, hs: &dyn HashSource) {
         let s = a.slot(h).unwrap();
         a.sync_hashes(s, hs).unwrap();
         a.cache_blocks_inner(s, c.num_computed_tokens, c.num_prompt_tokens, c.shared_prefix_boundary);
