@@ -131,6 +131,12 @@ impl Allocator {
             Some(src) => Some(self.sync_hashes(s, src)?),
             None => None,
         };
+        if self.cfg.enable_caching && self.caches_nothing(s, c) {
+            // Provably a no-op (see `caches_nothing`): the tables, keys and the no-op
+            // limits stay as they are (the limits read no hash, so the sync above leaves
+            // them right).
+            return Ok(());
+        }
         if self.cfg.enable_caching {
             let num_hashes = self.reqs[s as usize].hashes.len();
             for (g, m) in self.managers.iter().enumerate() {
@@ -150,6 +156,35 @@ impl Allocator {
         self.cache_blocks_inner(s, num_computed_tokens, num_prompt_tokens, shared_prefix_boundary);
         self.refresh_noop(s);
         Ok(())
+    }
+
+    /// Whether `cache_blocks` up to `c.num_computed_tokens` provably caches and changes
+    /// nothing: the request's no-op limits ([`super::NoopLimits`]) prove a plain step of one
+    /// token ending there a no-op, and such a step's `allocate_slots` would run the same
+    /// `cache_blocks_inner` (to `min(computed + new, num_tokens)` tokens, with the request's
+    /// prompt and shared-prefix boundary, which the proof does not depend on), and no Mamba
+    /// "align" group's prompt boundary would move (the one thing such a call writes when it
+    /// caches nothing; only the no-op limits read it). Exact policy without partial hash hits
+    /// only (hit-aware keys junction states at the shared-prefix boundary, which the limits
+    /// do not watch). The scheduler calls `cache_blocks` for every running request of a Mamba
+    /// hybrid every step: most calls are this. O(groups).
+    #[inline]
+    fn caches_nothing(&self, s: Slot, c: &CacheBlocksArgs) -> bool {
+        let t = c.num_computed_tokens;
+        let lim = self.reqs[s as usize].noop;
+        if !(t > 0
+            && t < lim.cached
+            && t <= lim.slots
+            && lim.new_tokens > 0
+            && lim.processed > 0
+            && c.num_prompt_tokens >= lim.prompt
+            && !self.partial_hash_hits
+            && !self.pool.is_leveled())
+        {
+            return false;
+        }
+        let n = self.request_cache_target(s, t);
+        self.managers.iter().all(|m| m.keeps_prompt_boundary(s, n, c.num_prompt_tokens))
     }
 
     /// Frees out-of-window blocks of `h` (vLLM's `remove_skipped_blocks`). With vLLM's
@@ -373,5 +408,129 @@ impl Allocator {
     /// Clears the prefix cache when no block is in use (vLLM's `reset_prefix_cache`).
     pub fn reset_prefix_cache(&mut self) -> bool {
         self.pool.reset_prefix_cache()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{AttentionKind, Config, GroupSpec};
+    use crate::ids::BlockHash;
+    use crate::policy::Policy;
+    use crate::AllocateArgs;
+    use crate::NewComputed;
+
+    /// Full attention at 16 tokens + Mamba "align" at 32, over `k` slots a page (1: one
+    /// pool of 32-token blocks for both).
+    fn allocator(k: u32) -> Allocator {
+        let (attn, state) = if k == 1 { (32, 32) } else { (16, 32) };
+        let groups = vec![
+            GroupSpec { kind: AttentionKind::Full, block_size: attn, spec_key: 0 },
+            GroupSpec {
+                kind: AttentionKind::Mamba {
+                    speculative_blocks: 0,
+                    align: true,
+                    rekey_cached_tail: false,
+                    checkpoint_alignment: 0,
+                },
+                block_size: state,
+                spec_key: 1,
+            },
+        ];
+        let cfg = Config {
+            slots_per_page: k,
+            scheduler_block_size: state,
+            enable_events: true,
+            ..Config::new(64, groups, attn)
+        };
+        Allocator::new(cfg, Policy::Exact).unwrap()
+    }
+
+    /// Chained hashes of `n` hash blocks of request `seed`.
+    fn hashes(seed: u64, n: usize) -> Vec<BlockHash> {
+        let mut prev = seed;
+        (0..n as u64)
+            .map(|i| {
+                prev = prev.rotate_left(5) ^ (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                BlockHash::from_u64(prev)
+            })
+            .collect()
+    }
+
+    /// The events, the request handles left out (the two allocators number them apart).
+    fn events(a: &mut Allocator) -> Vec<crate::Event> {
+        let mut ev = a.take_events();
+        for e in &mut ev {
+            if let crate::Event::Stored { req, .. } = e {
+                *req = 0;
+            }
+        }
+        ev
+    }
+
+    /// `cache_blocks` as it was before its no-op answer: sync, cache, refresh the limits.
+    fn cache_blocks_in_full(a: &mut Allocator, h: ReqHandle, c: &CacheBlocksArgs, hs: &dyn HashSource) {
+        let s = a.slot(h).unwrap();
+        a.sync_hashes(s, hs).unwrap();
+        a.cache_blocks_inner(s, c.num_computed_tokens, c.num_prompt_tokens, c.shared_prefix_boundary);
+        a.refresh_noop(s);
+    }
+
+    #[test]
+    fn cache_blocks_answered_as_a_no_op_changes_nothing_the_full_call_would() {
+        // Two allocators in lockstep through the scheduler's calls of a decode (the step's
+        // `allocate_slots`, then `cache_blocks` at the computed tokens): one answers
+        // `cache_blocks` through its no-op test, the other always runs it in full. Tables,
+        // keys (events), free counts and the no-op limits must not differ.
+        for k in [1u32, 4] {
+            let hash_block = if k == 1 { 32 } else { 16 };
+            let (mut fast, mut full) = (allocator(k), allocator(k));
+            let (mut answered, mut calls) = (0, 0);
+            for (seed, prompt) in [(7u64, 40u32), (9, 56), (11, 64)] {
+                let (hf, hl) = (fast.add_request(), full.add_request());
+                for computed in std::iter::once(0).chain(prompt..200) {
+                    let new = if computed == 0 { prompt } else { 1 };
+                    let tokens = computed + new;
+                    let hs = hashes(seed, (tokens / hash_block) as usize);
+                    let a = AllocateArgs {
+                        num_new_tokens: new,
+                        num_computed_tokens: computed,
+                        num_prompt_tokens: prompt,
+                        num_tokens: tokens,
+                        ..Default::default()
+                    };
+                    for (x, h) in [(&mut fast, hf), (&mut full, hl)] {
+                        x.allocate_slots(h, &a, NewComputed::Empty, Some(&hs)).unwrap().unwrap();
+                    }
+                    let c = CacheBlocksArgs {
+                        num_computed_tokens: tokens,
+                        num_prompt_tokens: prompt,
+                        shared_prefix_boundary: 0,
+                    };
+                    calls += 1;
+                    if fast.caches_nothing(fast.slot(hf).unwrap(), &c) {
+                        answered += 1;
+                    }
+                    fast.cache_blocks(hf, &c, Some(&hs)).unwrap();
+                    cache_blocks_in_full(&mut full, hl, &c, &hs);
+                    for g in 0..2 {
+                        assert_eq!(
+                            fast.blocks(hf, g).unwrap(),
+                            full.blocks(hl, g).unwrap(),
+                            "k={k} group {g} at {tokens}"
+                        );
+                    }
+                    assert_eq!(fast.num_free_blocks(), full.num_free_blocks(), "k={k} at {tokens}");
+                    assert_eq!(fast.noop_limits(hf).unwrap(), full.noop_limits(hl).unwrap(), "k={k} at {tokens}");
+                    assert_eq!(events(&mut fast), events(&mut full), "k={k} at {tokens}");
+                    crate::invariants::check(&fast).unwrap();
+                }
+                fast.free(hf, crate::policy::LEVEL_NORMAL).unwrap();
+                full.free(hl, crate::policy::LEVEL_NORMAL).unwrap();
+            }
+            // Every call but those at a new state block's end (every 32 tokens) and the
+            // prompt's: most of them.
+            assert!(answered * 10 >= calls * 8, "k={k}: {answered} of {calls} answered as no-ops");
+        }
     }
 }

@@ -326,6 +326,17 @@ pub fn prefill_checkpoint_position(num_tokens: u32, block: u32, lookahead: u32) 
     }
 }
 
+/// The prompt boundary `cache_blocks` to `num_tokens` records (`AlignState::prompt_boundary`):
+/// 0 once the prompt is computed, else its prefill checkpoint position.
+#[inline]
+fn prompt_boundary_for(num_tokens: u32, num_prompt_tokens: u32, hash_block_size: u32, lookahead: u32) -> u32 {
+    if num_tokens >= num_prompt_tokens {
+        0
+    } else {
+        prefill_checkpoint_position(num_prompt_tokens, hash_block_size, lookahead)
+    }
+}
+
 /// vLLM's `MambaManager.reachable_block_mask` (sparse state retention): `None` caches every
 /// block; otherwise only segment-boundary states (every `retention_interval` tokens) and the
 /// states ending on a reachable boundary are kept.
@@ -584,6 +595,15 @@ impl SingleTypeManager {
             sizes: self.align_sizes(),
         };
         Some((st, view))
+    }
+
+    /// Whether `cache_blocks` to `num_tokens` (the cache target) of a `num_prompt_tokens`
+    /// prompt leaves the align state's prompt boundary (what the no-op limits read) as it is;
+    /// true for a group without align state. O(1).
+    pub(crate) fn keeps_prompt_boundary(&self, h: Slot, num_tokens: u32, num_prompt_tokens: u32) -> bool {
+        let KindState::MambaAlign(st) = &self.kind_state else { return true };
+        let b = prompt_boundary_for(num_tokens, num_prompt_tokens, self.hash_block_size, self.hash_lookahead_tokens);
+        st.prompt_boundary[h as usize] == b
     }
 
     /// vLLM's `MambaManager.finalize_partial_tail_offload` when `h` finishes (see
@@ -917,11 +937,7 @@ impl AlignState {
         // Once the prompt is computed, the tokens to cache never come back down to its
         // checkpoint position (below the prompt's end), so the no-op limits stop watching it
         // (0: no position to watch).
-        self.prompt_boundary[hs] = if c.num_tokens >= c.num_prompt_tokens {
-            0
-        } else {
-            prefill_checkpoint_position(c.num_prompt_tokens, hash_block_size, lookahead)
-        };
+        self.prompt_boundary[hs] = prompt_boundary_for(c.num_tokens, c.num_prompt_tokens, hash_block_size, lookahead);
         if self.checkpoint[hs].0 > 0 {
             self.cache_checkpoint(pool, q, c);
         } else {
