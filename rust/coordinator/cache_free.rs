@@ -166,7 +166,8 @@ impl Allocator {
     /// "align" group's prompt boundary would move (the one thing such a call writes when it
     /// caches nothing; only the no-op limits read it). Exact policy without partial hash hits
     /// only (hit-aware keys junction states at the shared-prefix boundary, which the limits
-    /// do not watch). The scheduler calls `cache_blocks` for every running request of a Mamba
+    /// do not watch), and without the EAGLE/MTP block drop (its groups cache past the
+    /// boundary the proof was made for). The scheduler calls `cache_blocks` for every running request of a Mamba
     /// hybrid every step: most calls are this. O(groups).
     #[inline]
     fn caches_nothing(&self, s: Slot, c: &CacheBlocksArgs) -> bool {
@@ -179,12 +180,15 @@ impl Allocator {
             && lim.processed > 0
             && c.num_prompt_tokens >= lim.prompt
             && !self.partial_hash_hits
-            && !self.pool.is_leveled())
+            && !self.pool.is_leveled()
+            && !self.cfg.eagle_drop())
         {
             return false;
         }
-        let n = self.request_cache_target(s, t);
-        self.managers.iter().all(|m| m.keeps_prompt_boundary(s, n, c.num_prompt_tokens))
+        self.managers
+            .iter()
+            .enumerate()
+            .all(|(g, m)| m.keeps_prompt_boundary(s, self.request_cache_target(s, g, t), c.num_prompt_tokens))
     }
 
     /// Frees out-of-window blocks of `h` (vLLM's `remove_skipped_blocks`). With vLLM's
