@@ -447,9 +447,14 @@ def test_invalid_config_raises(groups: list, err: type) -> None:  # type: ignore
         Allocator(16, groups, 16, 16, 4096)
 
 
-def test_full_attention_over_a_smaller_hash_block_is_refused_by_the_core() -> None:
+def test_full_attention_over_a_smaller_hash_block_is_served_in_a_hybrid_only() -> None:
+    # A hybrid keys vLLM's partial-block prefix entries (served); one group of that shape, or
+    # R-SWA over the hash block, is refused by the core (vLLM's unitary coordinator asserts).
+    Allocator(16, [("full", 32, 0, 0, 0), ("sliding_window", 32, 1, 64, 0)], 16, 32, 4096)
     with pytest.raises(ha.UnsupportedConfigError, match="full attention with block size 32"):
-        Allocator(16, [("full", 32, 0, 0, 0), ("sliding_window", 32, 1, 64, 0)], 16, 32, 4096)
+        Allocator(16, [("full", 32, 0, 0, 0)], 16, 32, 4096)
+    with pytest.raises(ha.UnsupportedConfigError, match="block size 32 over hash block size 16"):
+        Allocator(16, [("rswa", 32, 0, 64, 0), ("sliding_window", 32, 1, 64, 0)], 16, 32, 4096)
     Allocator(16, [("full", 32, 0, 0, 0)], 16, 32, 4096, enable_caching=False)  # served without caching
 
 
