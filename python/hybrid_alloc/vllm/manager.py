@@ -196,6 +196,16 @@ def native_config_or_reason(*args: Any, vllm_config: Any = None, **kwargs: Any) 
         return None, f"{type(e).__name__} while reading the configuration: {e}"
 
 
+def _planned_two_level(kvc: Any) -> bool:
+    """Whether ``kvc`` is a two-level configuration (``pages.slots_per_page``). A spec whose
+    page size cannot be read (a test's mock state shapes) is no configuration the plugin
+    planned: the reason the native manager was refused then stands, not a ``TypeError``."""
+    try:
+        return kvc is not None and pages.slots_per_page(kvc) is not None
+    except Exception:  # noqa: BLE001 - the fallback's own reason is the one to log
+        return False
+
+
 class HybridKVCacheManager:
     """vLLM's ``KVCacheManager`` (of whichever supported release is installed), served by the
     native core.
@@ -218,8 +228,7 @@ class HybridKVCacheManager:
             reason = str(e)
         except Exception as e:  # noqa: BLE001 - no exception of ours may reach the engine
             reason = f"{type(e).__name__} while building the native manager: {e}"
-        kvc = kwargs.get("kv_cache_config", args[0] if args else None)
-        if kvc is not None and pages.slots_per_page(kvc) is not None:
+        if _planned_two_level(kwargs.get("kv_cache_config", args[0] if args else None)):
             # Planned for two-level pages (``engine_pages`` decided our manager serves it):
             # vLLM's manager would hand one id space to pages and slots, and corrupt the cache.
             err = RuntimeError(

@@ -192,6 +192,39 @@ def test_adapter_raising_in_scheduler_falls_back_with_one_line(plugin_lines, mon
     ]
 
 
+def test_fallback_reason_survives_an_unreadable_page_size(plugin_lines, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A refused configuration whose page size cannot be read (vLLM's own tests build Mamba
+    specs with mock state shapes, whose ``page_size_bytes`` raises ``TypeError``) falls back
+    with the refusal's reason, not the error of the two-level check after it."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from hybrid_alloc.bench.offline import LayerKind, ModelShape, SchedulerSetup
+    from hybrid_alloc.vllm import pages, plugin
+
+    def unreadable(kvc):  # type: ignore[no-untyped-def]
+        raise TypeError("'int' object is not iterable")
+
+    monkeypatch.setattr(pages, "slots_per_page", unreadable)
+    monkeypatch.setenv("HYBRID_ALLOC_POLICY", "no-such-policy")
+    shape = ModelShape(
+        "tiny",
+        (LayerKind("sliding_window", 64), LayerKind("full")),
+        num_kv_heads=2,
+        head_size=64,
+        weight_bytes=0,
+        max_model_len=512,
+    )
+    assert plugin.apply()
+    try:
+        sched = SchedulerSetup(shape, num_blocks=100, max_num_seqs=4).build_with_installed_manager()
+    finally:
+        plugin.remove()
+    assert type(sched.kv_cache_manager) is KVCacheManager
+    lines = [ln for ln in plugin_lines if ln.startswith("hybrid_alloc:")]
+    assert len(lines) == 1, lines
+    assert "no-such-policy" in lines[0] and "TypeError" not in lines[0], lines
+
+
 def test_remove_restores_vllm() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched import scheduler
