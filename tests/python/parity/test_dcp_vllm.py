@@ -287,7 +287,9 @@ def _shape(name: str) -> Any:
         from hybrid_alloc.bench.offline import MambaState
 
         # Qwen3.5-like, tiny: GDN and full attention 3:1, a state that fits a 16-token page.
-        state = MambaState(shapes=((3, 256), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32), mamba_type="GDN_ATTN")
+        state = MambaState(
+            shapes=((3, 256), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32), mamba_type="GDN_ATTN"
+        )
         layers = tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(8))
         return ModelShape(
             "tiny-qwen3.5", layers, num_kv_heads=2, head_size=64, weight_bytes=0, max_model_len=2048, mamba_state=state
