@@ -164,6 +164,12 @@ pub struct Config {
     /// (`shared_prefix_boundary - block_size`: a sibling diverging right after the junction
     /// cannot use the block past it as the EAGLE peek).
     pub eagle_junction_tail: bool,
+    /// vLLM's `dcp_world_size` (decode context parallelism; 1 without it). Group block sizes
+    /// come already scaled ([`GroupSpec::block_size`] is what vLLM's manager for the group
+    /// uses); the core reads it only where vLLM's coordinator does: partial hash hits under
+    /// DCP accept a Mamba "align" block equal to the hash block
+    /// ([`Self::partial_hash_hits`]).
+    pub dcp_world_size: u32,
 }
 
 /// The largest pool: block ids and the free queue's two sentinel slots fit a `u32`.
@@ -208,6 +214,7 @@ impl Config {
             prefix_match_unit: None,
             eagle_drop_groups: 0,
             eagle_junction_tail: false,
+            dcp_world_size: 1,
         }
     }
 
@@ -299,7 +306,9 @@ impl Config {
 
     /// Whether vLLM's coordinator enables fine-grained ("partial") hash hits
     /// (`partial_hash_hits_enabled`, the `--prefix-match-unit` machinery): caching on, several
-    /// groups, a Mamba "align" group whose block is larger than the hash block, and every
+    /// groups, a Mamba "align" group whose block is larger than the hash block (at least the
+    /// hash block under DCP, [`Self::dcp_world_size`] > 1: the scaled full-attention block then
+    /// exceeds the hash block, so its hits end inside blocks), and every
     /// other prefix-cacheable group either looked up at hash granularity (full attention,
     /// Mamba) or one hash block large. Hits may then end inside a block (the hash block
     /// is the hit alignment), and the prompt's last hash boundary is cached inside its block.
@@ -312,7 +321,9 @@ impl Config {
         let hbs = self.hash_block_size;
         (self.slots_per_page <= 1 || self.prefix_match_unit.is_some())
             && self.coordinator_kind() == CoordinatorKind::Hybrid
-            && self.groups.iter().any(|g| g.kind.is_mamba_align() && g.block_size > hbs)
+            && self.groups.iter().any(|g| {
+                g.kind.is_mamba_align() && (g.block_size > hbs || (self.dcp_world_size > 1 && g.block_size >= hbs))
+            })
             && self
                 .groups
                 .iter()
@@ -444,6 +455,9 @@ impl Config {
         }
         if self.max_model_len == 0 {
             return bad("max_model_len must be positive".into());
+        }
+        if self.dcp_world_size == 0 {
+            return bad("dcp_world_size must be at least 1".into());
         }
         if self.scheduler_block_size % self.hash_block_size != 0 {
             return bad(format!(

@@ -282,6 +282,38 @@ fn allocate_slots_circular_buffer_claims_one_block_for_life() {
 }
 
 #[test]
+fn dcp_turns_partial_hits_on_with_a_mamba_block_equal_to_the_hash_block() {
+    // Decode context parallelism 2: full attention's block scaled to 2 x BS beside a replicated
+    // Mamba "align" group of BS, hashed at BS. vLLM's coordinator accepts the equal Mamba block
+    // under DCP (`partial_hash_hits_enabled`): hits end at hash boundaries inside the scaled
+    // full-attention block, which is copied on write.
+    let base = config(&[(AttentionKind::Full, 2 * BS), (mamba(true, 0), BS)], 64, true, false);
+    assert!(!base.partial_hash_hits(), "without DCP an equal Mamba block turns nothing on");
+    let c = Config { dcp_world_size: 2, ..base.clone() };
+    assert!(c.partial_hash_hits());
+    assert_eq!(c.cache_hit_alignment_tokens(), BS);
+    let mut a = Allocator::new(c, Policy::Exact).unwrap();
+    // A prompt of 3 x BS + 1 tokens, its prefill stopping at 3 x BS (the scheduler's split at
+    // the prompt's last hash boundary), then a second request with the same prompt: the hit
+    // ends at 3 x BS, inside the second full-attention block (tokens 2 x BS .. 4 x BS).
+    let h = add(&mut a, 3 * BS + 1, 1);
+    a.allocate_slots(h, &args(3 * BS, 0, 3 * BS + 1, 3 * BS + 1), NewComputed::Empty, None).unwrap().unwrap();
+    a.new_step_starts();
+    a.allocate_slots(h, &args(1, 3 * BS, 3 * BS + 1, 3 * BS + 1), NewComputed::Empty, None).unwrap().unwrap();
+    a.free(h, LEVEL_NORMAL).unwrap();
+    a.new_step_starts();
+    let g = add(&mut a, 3 * BS + 1, 1);
+    let hit = a.get_computed_blocks(g, None, 3 * BS).unwrap();
+    assert_eq!(hit.num_tokens, 3 * BS, "the hit ends at a hash boundary inside a full-attention block");
+    let mut x = args(1, 0, 3 * BS + 1, 3 * BS + 1);
+    x.num_new_computed_tokens = 3 * BS;
+    a.allocate_slots(g, &x, NewComputed::Stored, None).unwrap().unwrap();
+    assert_eq!(a.take_kv_cache_block_copies().len(), 2, "the partial full-attention block is copied on write");
+    ok(&a);
+    assert!(Allocator::new(Config { dcp_world_size: 0, ..base }, Policy::Exact).is_err());
+}
+
+#[test]
 fn config_mamba_align_with_partial_hits_or_checkpoints_inside_a_block_is_unsupported() {
     // A Mamba block over the hash block turns on vLLM's partial hash hits: served.
     let c = config(&[(AttentionKind::Full, BS), (mamba(true, 0), 2 * BS)], 64, true, false);

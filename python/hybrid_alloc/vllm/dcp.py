@@ -14,13 +14,18 @@ events of a ``kv_cache_report_mode="full"`` hit, ``get_block_ids_for_computed_to
 adapter reads it too, as vLLM does.
 
 Served: sharded ``FullAttentionSpec`` / ``MLAAttentionSpec`` groups, and replicated groups
-(``dcp_sharded=False``) other than Mamba. Everything else falls back, naming why:
-- a sharded group of any other kind: vLLM's hybrid coordinator asserts ("DCP with hybrid KV
-  cache layouts only supports full-attention, Mamba, and replicated draft groups"), and with
-  one group its sliding-window / chunked-local lookups assert on the scaled hash size;
-- a Mamba group: vLLM's own ``MambaManager.find_longest_cache_hit`` asserts
-  ``dcp_world_size == 1`` (0.32-0.34: "DCP not support mamba now."), so its first prefix-cache
-  lookup would fail; vLLM's manager keeps that behaviour;
+(``dcp_sharded=False``), Mamba among them. A ``MambaSpec`` is replicated by default (the base
+spec's ``dcp_sharded=False``): vLLM's ``MambaManager`` then keeps ``dcp_world_size`` 1, so its
+``find_longest_cache_hit`` assert (``dcp_world_size == 1``, "DCP not support mamba now.") never
+fires, and vLLM's coordinator turns partial hash hits on with a Mamba "align" block equal to the
+hash block ("DCP accepts equality because it scales the effective full-attention block
+instead"): hits end at hash boundaries inside the scaled full-attention block, which is copied
+on write. The core gets ``dcp_world_size`` for that one decision. Everything else falls back,
+naming why:
+- a sharded group of any other kind (a sharded Mamba group too): vLLM's hybrid coordinator
+  asserts ("DCP with hybrid KV cache layouts only supports full-attention, Mamba, and
+  replicated draft groups"), and with one group its sliding-window / chunked-local / Mamba
+  lookups assert on the scaled size;
 - ``pcp_world_size > 1``: the scheduler of these releases passes 1 (prefill context
   parallelism never reaches the manager); the guard names it rather than guess.
 
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from hybrid_alloc.vllm.unsupported import Unsupported
 
@@ -55,11 +60,6 @@ def group_block_sizes(kv_cache_config: Any, dcp_world_size: Any, pcp_world_size:
         spec = g.kv_cache_spec
         if dcp_world_size == 1:
             sizes.append(spec.block_size)
-        elif isinstance(spec, MambaSpec):
-            raise Unsupported(
-                f"decode context parallelism {dcp_world_size} with a Mamba group (group {i}: vLLM's Mamba "
-                "manager asserts DCP 1 on a prefix-cache lookup)"
-            )
         elif not spec.dcp_sharded:
             sizes.append(spec.block_size)  # replicated: vLLM's manager keeps the spec's size
         elif type(spec) in SHARDED_KINDS:

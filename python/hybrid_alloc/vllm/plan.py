@@ -81,6 +81,10 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
     )
     if kvc.needs_kv_cache_zeroing:
         native["zero_new_blocks"] = True
+    if a.dcp_world_size > 1:
+        # Read by the core only where vLLM's coordinator reads it: partial hash hits under DCP
+        # (a replicated Mamba "align" block equal to the hash block, see ``.dcp``).
+        native["dcp_world_size"] = a.dcp_world_size
     if a.metrics_collector:  # vLLM's pool tests it so (see ``metrics``)
         native["residency_log"] = True
     if any(isinstance(g.kv_cache_spec, MambaSpec) for g in kvc.kv_cache_groups):

@@ -7,8 +7,13 @@
 - the scheduler: vLLM's real ``Scheduler`` built offline with
   ``decode_context_parallel_size`` 2 and 4 (its ``resolve_kv_cache_block_sizes`` gives the
   scaled block sizes), the same workload with vLLM's manager and ours, step by step;
+- a replicated Mamba "align" group beside sharded full attention (Qwen3.5-like GDN): vLLM turns
+  partial hash hits on there (its Mamba block equals the hash block, the scaled full-attention
+  block exceeds it), so hits end inside full-attention blocks, which are copied on write: the
+  partial-hit traces (``partial_harness``, with the copies, partial tails and a connector's
+  hand-offs compared too), and vLLM's real ``Scheduler`` on a Qwen3.5-like shape;
 - what vLLM asserts against falls back with one line naming why (a sharded sliding-window
-  group, a Mamba group, prefill context parallelism), and the one per-request case where
+  group, prefill context parallelism), and the one per-request case where
   vLLM's own code asserts under DCP (a ``kv_cache_report_mode="full"`` hit) asserts alike."""
 
 from __future__ import annotations
@@ -157,16 +162,19 @@ def _fallback_cases() -> list[tuple[str, Any, dict[str, Any], str]]:
 
     from vllm_harness import full, swa
 
-    mamba = MambaSpec(block_size=32, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    # A Mamba group sharded (vLLM's default keeps it replicated): vLLM's coordinator asserts.
+    mamba = MambaSpec(
+        block_size=32, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align", dcp_sharded=True
+    )
     return [
         ("sharded_swa_hybrid", [full(16), swa(64, 16)], dict(dcp_world_size=2), "sharded SlidingWindowSpec"),
         ("sharded_swa_alone", [swa(64, 16)], dict(dcp_world_size=2), "sharded SlidingWindowSpec"),
-        ("mamba", [full(16), mamba], dict(dcp_world_size=2), "with a Mamba group"),
+        ("sharded_mamba", [full(16), mamba], dict(dcp_world_size=2), "sharded MambaSpec"),
         ("pcp", [full(16)], dict(pcp_world_size=2), "prefill context parallelism"),
     ]
 
 
-@pytest.mark.parametrize("case", ["sharded_swa_hybrid", "sharded_swa_alone", "mamba", "pcp"])
+@pytest.mark.parametrize("case", ["sharded_swa_hybrid", "sharded_swa_alone", "sharded_mamba", "pcp"])
 def test_dcp_fallback_names_why(case: str, plugin_lines: list[str]) -> None:
     """Configurations DCP is not served natively with: the adapter's decision names why, and
     the constructor logs exactly one line with that reason and hands over to vLLM's own
@@ -191,6 +199,60 @@ def test_dcp_fallback_names_why(case: str, plugin_lines: list[str]) -> None:
         assert manager.raised_by_vllm(e)
     lines = [ln for ln in plugin_lines if "falling back" in ln]
     assert len(lines) == 1 and fragment in lines[0], lines
+
+
+# ---- a replicated Mamba group: partial hash hits inside the scaled full-attention block ---
+
+
+def _mamba_setups() -> list[Any]:
+    from mamba_harness import gdn
+    from partial_harness import PartialSetup
+    from vllm_harness import full
+
+    def qwen(d: int, num_blocks: int) -> Any:
+        # Qwen3.5 / Qwen3-Next: one full-attention group (16-token spec block, 16 x d under DCP),
+        # three GDN groups, replicated (the Mamba block is the hash block, 16).
+        return PartialSetup(
+            f"dcp{d}_qwen35_gdn_b16",
+            [full(16)] + [gdn(16, "align") for _ in range(3)],
+            num_blocks=num_blocks,
+            hash_block_size=16,
+            scheduler_block_size=16 * d,
+            dcp=d,
+            report_full=False,
+            extra={"block": 16, "unit": 16},
+        )
+
+    return [qwen(2, 160), qwen(4, 160)]
+
+
+def _mamba_names() -> list[str]:
+    try:
+        return [s.name for s in _mamba_setups()]
+    except ImportError:
+        return ["(vllm missing)"]
+
+
+@pytest.mark.parametrize("name", _mamba_names())
+def test_dcp_mamba_partial_hit_parity(name: str) -> None:
+    from parity_driver import run_seeds
+    from partial_harness import PartialParityRun
+
+    setup = next(s for s in _mamba_setups() if s.name == name)
+    ref, ours = setup.build(events=False)
+    assert type(ours).__name__ == "HybridKVCacheManager", name
+    assert [m.block_size for m in ours.coordinator.single_type_managers] == [
+        m.block_size for m in ref.coordinator.single_type_managers
+    ]
+    assert ref.coordinator.enable_partial_hash_hits and ours.coordinator.enable_partial_hash_hits
+    total = run_seeds(PartialParityRun, setup, 3000, NUM_OPS)
+    print(f"{name}: {total}")
+    assert total["hits"] > 0 and total["preempt"] > 0 and total["finish"] > 0, total
+    # Hits ending inside a full-attention block (16 x dcp): its copy-on-write copy.
+    assert total["cow_copies"] > 0 and total["cow_retained"] == 2 * total["cow_copies"], total
+    # The prompt's last hash boundary keyed inside its full-attention block.
+    assert total["partial_entries"] > 0, total
+    assert total["boundary_states"] > 0, total
 
 
 # ---- the real Scheduler ----------------------------------------------------------------
@@ -219,6 +281,19 @@ def _shape(name: str) -> Any:
 
     if name == "llama":
         return SHAPES["llama-3.1-8b"]
+    if name == "qwen35":
+        import torch
+
+        from hybrid_alloc.bench.offline import MambaState
+
+        # Qwen3.5-like, tiny: GDN and full attention 3:1, a state that fits a 16-token page.
+        state = MambaState(
+            shapes=((3, 256), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32), mamba_type="GDN_ATTN"
+        )
+        layers = tuple(LayerKind("full") if i % 4 == 3 else LayerKind("mamba") for i in range(8))
+        return ModelShape(
+            "tiny-qwen3.5", layers, num_kv_heads=2, head_size=64, weight_bytes=0, max_model_len=2048, mamba_state=state
+        )
     return ModelShape(
         "mla-only", tuple(LayerKind("mla") for _ in range(8)), num_kv_heads=1, head_size=576, weight_bytes=1 << 30
     )
@@ -238,7 +313,8 @@ def _engine_core_view(sched: Any) -> tuple[Any, Any]:
 
 
 @pytest.mark.parametrize(
-    "shape, dcp, num_blocks", [("llama", 2, 120), ("llama", 4, 60), ("mla", 2, 120), ("mla", 4, 60)]
+    "shape, dcp, num_blocks",
+    [("llama", 2, 120), ("llama", 4, 60), ("mla", 2, 120), ("mla", 4, 60), ("qwen35", 2, 160), ("qwen35", 4, 160)],
 )
 def test_dcp_real_scheduler_identical(shape: str, dcp: int, num_blocks: int) -> None:
     from sched_driver import assert_same_run, run_workload
@@ -246,7 +322,9 @@ def test_dcp_real_scheduler_identical(shape: str, dcp: int, num_blocks: int) -> 
     base = _dcp_scheduler_setup(_shape(shape), dcp, num_blocks)
     sched = dataclasses.replace(base, manager="hybrid_alloc").build()
     spec_bs = sched.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-    assert sched.dcp_world_size == dcp and sched.block_size == sched.hash_block_size == spec_bs * dcp
+    assert sched.dcp_world_size == dcp and sched.block_size == spec_bs * dcp
+    # The hash block: the scaled block, or with a (replicated) Mamba group its unscaled block.
+    assert sched.hash_block_size == (spec_bs if shape == "qwen35" else spec_bs * dcp)
     assert type(sched.kv_cache_manager).__name__ == "HybridKVCacheManager"
     # vLLM's engine core reads the managers' (scaled) block sizes: the same from both.
     ref_sched = dataclasses.replace(base, manager="vllm").build()

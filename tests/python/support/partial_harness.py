@@ -133,7 +133,9 @@ class PartialParityRun(ZeroingParityRun):
             cache_config=SimpleNamespace(block_size=self.block),
             hash_block_size=self.unit,
             mamba_has_prefill_checkpoint_blocks=all(s.num_prefill_checkpoint_blocks > 0 for s in mamba),
-            mamba_partial_cache_hit=self.ref.coordinator.enable_partial_hash_hits and self.unit < self.block,
+            # The scheduler's block: the Mamba block, or under DCP the scaled full-attention one.
+            mamba_partial_cache_hit=self.ref.coordinator.enable_partial_hash_hits
+            and self.unit < setup.scheduler_block_size,
             mamba_prefill_checkpoint_alignment=ckpt,
             mamba_shared_prefix_checkpoint=False,
             max_num_scheduled_tokens=setup.max_in_flight_tokens,
