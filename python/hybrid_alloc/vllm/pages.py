@@ -90,35 +90,32 @@ def pages_from_env() -> Layout:
     raise Unsupported(f"{PAGES_ENV}={os.environ.get(PAGES_ENV)!r} is not one of {', '.join(LAYOUTS)}")
 
 
-def small_block_from_env(default: int = DEFAULT_SMALL_BLOCK) -> int:
-    """``HYBRID_ALLOC_SMALL_BLOCK`` (unset or empty: ``default``). Raises ``Unsupported``
-    naming the variable unless it is a positive whole number of tokens."""
-    raw = os.environ.get(SMALL_BLOCK_ENV, "").strip()
+def _whole_env(name: str, default: int, least: int, what: str) -> int:
+    """The whole number in variable ``name`` (unset or empty: ``default``). Raises
+    ``Unsupported`` naming the variable and ``what`` it must be unless it is at least ``least``."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        small = int(raw)
+        value = int(raw)
     except ValueError:
-        small = 0
-    if small < 1:
-        raise Unsupported(f"{SMALL_BLOCK_ENV}={os.environ.get(SMALL_BLOCK_ENV)!r} is not a positive number of tokens")
-    return small
+        value = least - 1
+    if value < least:
+        raise Unsupported(f"{name}={os.environ.get(name)!r} is not {what}")
+    return value
+
+
+def small_block_from_env(default: int = DEFAULT_SMALL_BLOCK) -> int:
+    """``HYBRID_ALLOC_SMALL_BLOCK`` (unset or empty: ``default``). Raises ``Unsupported``
+    naming the variable unless it is a positive whole number of tokens."""
+    return _whole_env(SMALL_BLOCK_ENV, default, 1, "a positive number of tokens")
 
 
 def headroom_from_env() -> int:
     """``HYBRID_ALLOC_PAGES_HEADROOM`` (unset or empty: :data:`DEFAULT_HEADROOM`): slots per
     running request kept free when a waiting or preempted request is admitted while others run.
     Raises ``Unsupported`` naming the variable unless it is a whole number >= 0."""
-    raw = os.environ.get(HEADROOM_ENV, "").strip()
-    if not raw:
-        return DEFAULT_HEADROOM
-    try:
-        slots = int(raw)
-    except ValueError:
-        slots = -1
-    if slots < 0:
-        raise Unsupported(f"{HEADROOM_ENV}={os.environ.get(HEADROOM_ENV)!r} is not a whole number of slots (0 or more)")
-    return slots
+    return _whole_env(HEADROOM_ENV, DEFAULT_HEADROOM, 0, "a whole number of slots (0 or more)")
 
 
 def prefix_match_unit(vllm_config: Any) -> int | None:
