@@ -141,6 +141,16 @@ pub struct Config {
     /// `zero_new_blocks` the ids recorded for zeroing are slot ids (only attention groups
     /// record).
     pub slots_per_page: u32,
+    /// Two-level pages only ([`Self::slots_per_page`] `k > 1`): the admission headroom, in
+    /// slots per running request. Where the watermark applies (a waiting or preempted
+    /// request admitted while others run: `AllocateArgs::apply_watermark`), the allocation
+    /// also keeps `ceil(running x this / k)` pages free, `running` being the requests that
+    /// hold slots. Under vLLM's layout each running request carries up to a state-sized
+    /// block of growth room inside its last block; under two-level pages it carries less
+    /// than one slot, so without a headroom admissions fill the pool to its last page and the
+    /// running requests' next slots preempt (docs/two-level-pages.md, "Admission headroom").
+    /// 0: none (what `k == 1` requires).
+    pub admission_headroom_slots: u32,
     /// vLLM's `cache_config.prefix_match_unit` (`--prefix-match-unit`) where the user set one,
     /// read only with two-level pages ([`Self::slots_per_page`] > 1): there the hash block is
     /// the slot block whether or not a unit is set, so only this tells them apart. A unit
@@ -211,6 +221,7 @@ impl Config {
             residency_log: false,
             boundary_offloads: false,
             slots_per_page: 1,
+            admission_headroom_slots: 0,
             prefix_match_unit: None,
             eagle_drop_groups: 0,
             eagle_junction_tail: false,
@@ -230,6 +241,12 @@ impl Config {
             return Err(Error::InvalidConfig("slots_per_page must be at least 1".into()));
         }
         if k == 1 {
+            if self.admission_headroom_slots > 0 {
+                return Err(Error::InvalidConfig(format!(
+                    "admission_headroom_slots={} needs two-level pages (slots_per_page > 1)",
+                    self.admission_headroom_slots
+                )));
+            }
             return Ok(());
         }
         let refuse = |what: &str| Err(Error::Unsupported(format!("{what} is not served with slots_per_page={k} > 1")));

@@ -293,6 +293,53 @@ fn allocate_slots_refuses_what_does_not_fit_and_changes_nothing() {
 }
 
 #[test]
+fn allocate_slots_admission_keeps_the_headroom_free_while_others_hold_slots() {
+    // 8 pages of 4 slots; a headroom of 2 slots per request holding slots. Running: three
+    // requests of one slot (in one page) and a state page each: 4 pages used, 3 free.
+    let cfg = Config { admission_headroom_slots: 2, ..config(8, 4, 32) };
+    let mut a = Allocator::new(cfg, Policy::Exact).unwrap();
+    for c in 1..=3 {
+        let h = add(&mut a, &[c]);
+        a.allocate_slots(h, &args(16, 0, 0, 16, 16), NewComputed::Empty, None).unwrap().unwrap();
+    }
+    assert_eq!(a.num_free_blocks(), 3);
+    // A waiting request needing 2 pages (4 slots: one fills the open page, three open one,
+    // and its state page): ceil(3 x 2 / 4) = 2 pages of headroom do not fit with it.
+    let w = add(&mut a, &[7, 8, 9, 10]);
+    let admit = AllocateArgs { apply_watermark: true, ..args(64, 0, 0, 64, 64) };
+    assert_eq!(a.allocate_slots(w, &admit, NewComputed::Empty, None).unwrap(), None);
+    assert_eq!((a.num_free_blocks(), a.blocks(w, 0).unwrap().len()), (3, 0), "nothing changed");
+    // Without the watermark's condition (a running request's step, or nothing else running)
+    // it fits.
+    assert!(a.allocate_slots(w, &args(64, 0, 0, 64, 64), NewComputed::Empty, None).unwrap().is_some());
+    invariants::check(&a).unwrap();
+    // One slot page fits beside the headroom (1 page needed + 2 kept <= 3 free) ...
+    let mut b = Allocator::new(Config { admission_headroom_slots: 2, ..config(8, 4, 32) }, Policy::Exact).unwrap();
+    for c in 1..=3 {
+        let h = add(&mut b, &[c]);
+        b.allocate_slots(h, &args(16, 0, 0, 16, 16), NewComputed::Empty, None).unwrap().unwrap();
+    }
+    let w = add(&mut b, &[7]);
+    assert!(b
+        .allocate_slots(w, &AllocateArgs { apply_watermark: true, ..args(16, 0, 0, 16, 16) }, NewComputed::Empty, None)
+        .unwrap()
+        .is_some());
+    // ... and with no request holding slots there is no headroom (nothing waits on a running
+    // request's growth): a lone request may take every page.
+    let mut c = Allocator::new(Config { admission_headroom_slots: 2, ..config(8, 4, 32) }, Policy::Exact).unwrap();
+    let h = add(&mut c, &[1; 24]);
+    let all = AllocateArgs { apply_watermark: true, ..args(384, 0, 0, 384, 384) };
+    assert!(c.allocate_slots(h, &all, NewComputed::Empty, None).unwrap().is_some());
+    assert_eq!(c.num_free_blocks(), 0);
+}
+
+#[test]
+fn new_admission_headroom_without_two_level_pages_is_refused() {
+    let cfg = Config { slots_per_page: 1, admission_headroom_slots: 1, ..config(8, 4, 32) };
+    refused(cfg, Policy::Exact, "admission_headroom_slots=1 needs two-level pages");
+}
+
+#[test]
 fn free_keyed_slots_keep_their_page_cached_and_a_hit_reopens_it() {
     let mut a = small();
     let contents = [1, 2, 3, 4];

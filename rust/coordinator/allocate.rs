@@ -174,6 +174,32 @@ impl Allocator {
         Ok(n)
     }
 
+    /// Two-level pages: the pages kept free when a waiting or preempted request is admitted
+    /// while others run ([`crate::Config::admission_headroom_slots`] per request holding
+    /// slots, rounded up to pages); 0 without a headroom (every `k == 1` config). O(live
+    /// requests), paid only by such an admission.
+    #[cold]
+    #[inline(never)]
+    fn headroom_pages(&self) -> u64 {
+        let k = self.cfg.slots_per_page as u64;
+        let holds_slots = |s: Slot| {
+            self.managers.iter().any(|m| !page_side(self.state_groups, m.group_id()) && !m.blocks(s).is_empty())
+        };
+        let running =
+            self.reqs.iter().enumerate().filter(|(s, r)| r.generation != 0 && holds_slots(*s as Slot)).count() as u64;
+        (running * self.cfg.admission_headroom_slots as u64).div_ceil(k)
+    }
+
+    /// [`Self::headroom_pages`] when a headroom is configured, else 0 (one untaken branch).
+    #[inline]
+    fn admission_headroom(&self) -> u64 {
+        if self.cfg.admission_headroom_slots == 0 {
+            0
+        } else {
+            self.headroom_pages()
+        }
+    }
+
     /// vLLM's coordinator passes `prefill_end` on only under retention interval 0 (under
     /// dense or segment retention every chunk publishes a state).
     pub(super) fn effective_prefill_end(&self, prefill_end: u32) -> u32 {
@@ -417,7 +443,8 @@ impl Allocator {
         let num_local = a.num_computed_tokens + a.num_new_computed_tokens;
         let unclamped_total = num_local + a.num_external_computed_tokens;
         let total_computed = unclamped_total.min(mml);
-        let watermark = if a.apply_watermark { self.cfg.watermark_blocks as u64 } else { 0 };
+        let watermark =
+            if a.apply_watermark { self.cfg.watermark_blocks as u64 + self.admission_headroom() } else { 0 };
         // vLLM: `max(num_prompt_tokens, num_tokens - 1)`, the scheduler's prefill boundary.
         let prefill_end = self.effective_prefill_end(a.num_prompt_tokens.max(a.num_tokens.saturating_sub(1)));
         if a.full_sequence_must_fit {

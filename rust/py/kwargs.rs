@@ -149,7 +149,7 @@ options! {
     NewOptions("Allocator") {
         max_in_flight_tokens, enable_caching, enable_events, watermark_blocks, retention_interval, policy,
         zero_new_blocks, hash_lookahead_tokens, residency_log, boundary_offloads; slots_per_page, prefix_match_unit,
-        eagle_drop_groups, eagle_junction_tail, dcp_world_size,
+        eagle_drop_groups, eagle_junction_tail, dcp_world_size, admission_headroom_slots,
     }
 }
 
@@ -232,6 +232,7 @@ impl NewOptions<'_> {
             residency_log: self.residency_log.get(false)?,
             boundary_offloads: self.boundary_offloads.get(false)?,
             slots_per_page: u32_arg("slots_per_page", self.slots_per_page.given_or(1)?)?,
+            admission_headroom_slots: u32_arg("admission_headroom_slots", self.admission_headroom_slots.given_or(0)?)?,
             prefix_match_unit: self
                 .prefix_match_unit
                 .opt::<i64>()?

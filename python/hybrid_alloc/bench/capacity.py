@@ -79,6 +79,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=64,
         help="two-level: the attention block inside a page, tokens (HYBRID_ALLOC_SMALL_BLOCK; default 64)",
     )
+    p.add_argument(
+        "--headroom",
+        type=int,
+        help="two-level: the admission headroom, slots per running request (HYBRID_ALLOC_PAGES_HEADROOM; "
+        "default: the layout's, 1; 0 turns it off)",
+    )
     p.add_argument("--pool-gib", type=float, help="the pool, GiB (default: the size's)")
     p.add_argument("--clients", type=float, help="scale every trace's clients by this (default 1)")
     p.add_argument("--out-dir", default=os.environ.get("HYBRID_ALLOC_BENCH_OUT", "bench-out"))
@@ -91,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.small_block < 1:
         print("hybrid-alloc capacity: --small-block takes a positive number of tokens", file=sys.stderr)
+        return 2
+    if args.headroom is not None and args.headroom < 0:
+        print("hybrid-alloc capacity: --headroom takes a whole number of slots (0 or more)", file=sys.stderr)
         return 2
     if not vllm_ready():
         return 2
@@ -111,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 if m in skipped:
                     continue
                 try:
-                    r = run(SHAPES[sn], t, m, pool, small=args.small_block)
+                    r = run(SHAPES[sn], t, m, pool, small=args.small_block, headroom=args.headroom)
                 except RuntimeError as e:
                     if m != "two-level":
                         raise
@@ -178,6 +187,7 @@ def report(results: list[Result], args: argparse.Namespace, pool: int, traces: t
         "size": args.size,
         "pool_bytes": pool,
         "small_block": args.small_block,
+        "headroom": args.headroom,
         "traces": [t.__dict__ for t in traces],
         "rows": rows,
         "running_series": [

@@ -137,10 +137,13 @@ def without_zeroing(kvc: Any) -> Any:
     return kvc
 
 
-def build(shape: Any, manager: str, budget_bytes: int, max_num_seqs: int, small: int) -> Any:
+def build(
+    shape: Any, manager: str, budget_bytes: int, max_num_seqs: int, small: int, headroom: int | None = None
+) -> Any:
     """vLLM's Scheduler for ``shape`` over a pool of ``budget_bytes`` planned by vLLM's
-    planner, with the column's manager. ``RuntimeError`` when ours is asked for and the
-    plugin fell back to vLLM's (the adapter's reason in the message)."""
+    planner, with the column's manager (two-level: ``headroom`` slots per running request
+    kept free at admission, None for the layout's default). ``RuntimeError`` when ours is
+    asked for and the plugin fell back to vLLM's (the adapter's reason in the message)."""
     from hybrid_alloc.bench.offline import SchedulerSetup
 
     setup = SchedulerSetup(
@@ -150,10 +153,10 @@ def build(shape: Any, manager: str, budget_bytes: int, max_num_seqs: int, small:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=8192,
     )
-    return build_setup(setup, small if manager == "two-level" else None, manager)
+    return build_setup(setup, small if manager == "two-level" else None, manager, headroom)
 
 
-def build_setup(setup: Any, small: int | None, label: str = "two-level") -> Any:
+def build_setup(setup: Any, small: int | None, label: str = "two-level", headroom: int | None = None) -> Any:
     """The Scheduler of ``setup`` (an ``offline.SchedulerSetup``) under the exact policy; with
     ``small``, ours over the two-level form of vLLM's plan at ``small``-token attention blocks
     (:func:`hybrid_alloc.vllm.pages.two_level_kv_cache_config` on the plan ``setup`` makes,
@@ -179,6 +182,7 @@ def build_setup(setup: Any, small: int | None, label: str = "two-level") -> Any:
         "HYBRID_ALLOC_POLICY": "exact",
         pages.PAGES_ENV: "two-level" if small is not None else None,
         pages.SMALL_BLOCK_ENV: str(small) if small is not None else None,
+        pages.HEADROOM_ENV: str(headroom) if small is not None and headroom is not None else None,
     }
     log = logging.getLogger("vllm.hybrid_alloc")
     cap, level = _Capture(), log.level
@@ -203,17 +207,25 @@ def build_setup(setup: Any, small: int | None, label: str = "two-level") -> Any:
 
 
 def run(
-    shape: Any, trace: Trace, manager: str, budget_bytes: int, *, small: int = 64, max_steps: int = 200000
+    shape: Any,
+    trace: Trace,
+    manager: str,
+    budget_bytes: int,
+    *,
+    small: int = 64,
+    headroom: int | None = None,
+    max_steps: int = 200000,
 ) -> Result:
     """``trace`` on ``shape`` under ``manager`` (one of :data:`MANAGERS`) with a pool of
     ``budget_bytes`` (planned by vLLM's planner; the two-level column reshapes that plan at
-    ``small``-token attention blocks)."""
+    ``small``-token attention blocks, with ``headroom`` slots per running request kept free
+    at admission, None for the layout's default)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     from hybrid_alloc.bench.offline import fabricate_output, make_request
     from hybrid_alloc.vllm.pages import slots_per_page
 
-    sched = build(shape, manager, budget_bytes, trace.clients, small)
+    sched = build(shape, manager, budget_bytes, trace.clients, small, headroom)
     mgr = sched.kv_cache_manager
     kvc = mgr.kv_cache_config
     pool = kvc.num_blocks - 1  # the null page is never handed out

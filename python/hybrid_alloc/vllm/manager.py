@@ -267,6 +267,8 @@ class HybridKVCacheManager:
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.watermark_blocks: int = native["watermark_blocks"]
+        # Two-level pages' admission headroom (the core adds it where the watermark applies).
+        self._headroom = native.get("admission_headroom_slots", 0) > 0
         self._event_log = EventLog(kvc, a.hash_block_size, a.num_hash_lookahead_tokens)
         self.kv_cache_event_metadata = self._event_log.metadata
         self.empty_kv_cache_blocks = EmptyKVCacheBlocks(self.num_kv_cache_groups)
@@ -619,7 +621,11 @@ class HybridKVCacheManager:
                 groups = new_computed_blocks.get_block_ids()
                 if any(groups):
                     hit = groups
-        watermark = self.watermark_blocks > 0 and has_scheduled_reqs and request.status in _WAITING_OR_PREEMPTED
+        watermark = (
+            (self.watermark_blocks > 0 or self._headroom)
+            and has_scheduled_reqs
+            and request.status in _WAITING_OR_PREEMPTED
+        )
         n, ext, la = num_new_tokens, num_external_computed_tokens, num_lookahead_tokens
         if ext < 0:
             n, ext, la = fold_negative_external(n, ext, la)

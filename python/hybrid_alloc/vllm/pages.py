@@ -6,6 +6,10 @@ and the KV cache configuration it asks vLLM to schedule with.
   adapter falls back to vLLM's manager with one line, as ``policy_env`` does).
 - ``HYBRID_ALLOC_SMALL_BLOCK``: the attention block inside a page, in tokens (default 64, or
   vLLM's ``prefix_match_unit`` where the user set one: :func:`small_block`).
+- ``HYBRID_ALLOC_PAGES_HEADROOM``: the admission headroom, in slots per running request
+  (default 1; 0 turns it off): a waiting or preempted request is admitted while others run only
+  if ``ceil(running x headroom / k)`` pages stay free (:func:`headroom_from_env`; the core's
+  ``admission_headroom_slots``).
 
 Prefix caching (docs/two-level-pages.md): attention slots are cached and hit at the small block;
 states at state blocks, or, with a ``prefix_match_unit`` equal to the small block, at every unit
@@ -45,10 +49,13 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from hybrid_alloc.vllm.unsupported import Unsupported
 
 __all__ = [
+    "DEFAULT_HEADROOM",
     "DEFAULT_SMALL_BLOCK",
+    "HEADROOM_ENV",
     "PAGES_ENV",
     "SMALL_BLOCK_ENV",
     "cache_hit_alignment_tokens",
+    "headroom_from_env",
     "pages_from_env",
     "prefix_match_unit",
     "scheduler_cache_config",
@@ -63,6 +70,10 @@ __all__ = [
 PAGES_ENV = "HYBRID_ALLOC_PAGES"
 SMALL_BLOCK_ENV = "HYBRID_ALLOC_SMALL_BLOCK"
 DEFAULT_SMALL_BLOCK = 64
+HEADROOM_ENV = "HYBRID_ALLOC_PAGES_HEADROOM"
+#: Slots of growth room per running request kept free at admission (docs/two-level-pages.md,
+#: "Admission headroom").
+DEFAULT_HEADROOM = 1
 LAYOUTS = ("off", "two-level")
 
 Layout = Literal["off", "two-level"]
@@ -79,19 +90,32 @@ def pages_from_env() -> Layout:
     raise Unsupported(f"{PAGES_ENV}={os.environ.get(PAGES_ENV)!r} is not one of {', '.join(LAYOUTS)}")
 
 
-def small_block_from_env(default: int = DEFAULT_SMALL_BLOCK) -> int:
-    """``HYBRID_ALLOC_SMALL_BLOCK`` (unset or empty: ``default``). Raises ``Unsupported``
-    naming the variable unless it is a positive whole number of tokens."""
-    raw = os.environ.get(SMALL_BLOCK_ENV, "").strip()
+def _whole_env(name: str, default: int, least: int, what: str) -> int:
+    """The whole number in variable ``name`` (unset or empty: ``default``). Raises
+    ``Unsupported`` naming the variable and ``what`` it must be unless it is at least ``least``."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        small = int(raw)
+        value = int(raw)
     except ValueError:
-        small = 0
-    if small < 1:
-        raise Unsupported(f"{SMALL_BLOCK_ENV}={os.environ.get(SMALL_BLOCK_ENV)!r} is not a positive number of tokens")
-    return small
+        value = least - 1
+    if value < least:
+        raise Unsupported(f"{name}={os.environ.get(name)!r} is not {what}")
+    return value
+
+
+def small_block_from_env(default: int = DEFAULT_SMALL_BLOCK) -> int:
+    """``HYBRID_ALLOC_SMALL_BLOCK`` (unset or empty: ``default``). Raises ``Unsupported``
+    naming the variable unless it is a positive whole number of tokens."""
+    return _whole_env(SMALL_BLOCK_ENV, default, 1, "a positive number of tokens")
+
+
+def headroom_from_env() -> int:
+    """``HYBRID_ALLOC_PAGES_HEADROOM`` (unset or empty: :data:`DEFAULT_HEADROOM`): slots per
+    running request kept free when a waiting or preempted request is admitted while others run.
+    Raises ``Unsupported`` naming the variable unless it is a whole number >= 0."""
+    return _whole_env(HEADROOM_ENV, DEFAULT_HEADROOM, 0, "a whole number of slots (0 or more)")
 
 
 def prefix_match_unit(vllm_config: Any) -> int | None:

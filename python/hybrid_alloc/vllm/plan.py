@@ -150,7 +150,8 @@ def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str, native: dict[
     planning hands real workers a two-level configuration). A unit equal to the small block
     (the small block's default when the variable is unset) is passed to the core as
     ``prefix_match_unit`` in ``native``: states are then keyed and hit at every unit, as
-    vLLM's partial hash hits do."""
+    vLLM's partial hash hits do. The admission headroom (``HYBRID_ALLOC_PAGES_HEADROOM``,
+    default 1 slot per running request) goes in as ``admission_headroom_slots``."""
     kvc = a.kv_cache_config
     small = pages.small_block(vllm_config)  # raises Unsupported on a bad value
     on = f"{pages.PAGES_ENV}=two-level"
@@ -185,4 +186,6 @@ def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str, native: dict[
         raise Unsupported(f"{on}: attention blocks of {sorted(blocks)} tokens, {pages.SMALL_BLOCK_ENV} is {small}")
     if (unit := pages.prefix_match_unit(vllm_config)) is not None:
         native["prefix_match_unit"] = unit
+    if headroom := pages.headroom_from_env():  # raises Unsupported on a bad value
+        native["admission_headroom_slots"] = headroom
     return k

@@ -93,6 +93,24 @@ def test_two_level_computes_the_same_prefill_as_vllm_without_preemption() -> Non
     assert two.prefill_tokens == ref.prefill_tokens == sum(len(p) for c in trace_requests(t) for p, _ in c)
 
 
+@pytest.mark.skipif(not _two_level_available(), reason="the core has no slots_per_page (two-level pages) yet")
+def test_two_level_headroom_preempts_less_and_computes_no_more_prefill_than_vllm() -> None:
+    """A pool that binds: without the admission headroom two-level pages admit to the last page
+    and the running requests' next slots preempt; with the default (1 slot per running
+    request) fewer preemptions, prefill no more than vLLM's, and still more running."""
+    from hybrid_alloc.bench.capacity_run import Trace, run
+    from hybrid_alloc.bench.shapes import SHAPES
+
+    t = Trace("chat", clients=24, per_client=3, prompt=(100, 1500), output=(50, 400))
+    ref = run(SHAPES["falconh1"], t, "vllm", GiB)
+    bare = run(SHAPES["falconh1"], t, "two-level", GiB, headroom=0)
+    two = run(SHAPES["falconh1"], t, "two-level", GiB)
+    assert two.finished and bare.finished
+    assert two.preemptions <= bare.preemptions and two.preemptions <= ref.preemptions
+    assert two.prefill_tokens <= ref.prefill_tokens
+    assert two.mean_running > ref.mean_running
+
+
 def test_capacity_command_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     from hybrid_alloc.cli import main

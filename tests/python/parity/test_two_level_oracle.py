@@ -276,7 +276,11 @@ def _prompts(seed: int, block: int, turns: bool = False) -> list[list[tuple[list
     return out
 
 
-def _build(name: str, two_level: bool, unit: int | None = None, pages: int = PAGES) -> Any:
+def _build(name: str, two_level: bool, unit: int | None = None, pages: int = PAGES, headroom: int | None = 0) -> Any:
+    """vLLM's Scheduler over about ``pages`` pages of ``name``; two-level with the admission
+    headroom ``headroom`` (slots per running request; 0, the default here, keeps the pressure
+    these workloads were sized for: admissions to the last page, then preemptions; None: the
+    layout's default)."""
     from hybrid_alloc.bench.capacity_run import build_setup
     from hybrid_alloc.bench.offline import SHAPES, SchedulerSetup
 
@@ -296,7 +300,7 @@ def _build(name: str, two_level: bool, unit: int | None = None, pages: int = PAG
         max_num_batched_tokens=8192,
         prefix_match_unit=unit,
     )
-    return build_setup(run_setup, SMALL if two_level else None, "two-level" if two_level else "ours")
+    return build_setup(run_setup, SMALL if two_level else None, "two-level" if two_level else "ours", headroom)
 
 
 def _run(sched: Any, oracle: Oracle, seed: int = 0, turns: bool = False) -> Any:
@@ -358,6 +362,23 @@ def test_content_oracle_under_pressure(name: str, two_level: bool, layout: tuple
     assert oracle.mem.overwrites > 0
     assert all(len(r.output_token_ids) == r.max_tokens for r in reqs)
     assert oracle.copies == oracle.inside == 0
+
+
+@pytest.mark.parametrize("name", ["qwen36", "falconh1"])
+def test_content_oracle_with_the_admission_headroom(name: str) -> None:
+    """The same workload with the layout's default admission headroom (1 slot per running
+    request): every slot and state still reads back right, and it preempts no more than
+    without the headroom."""
+    bare = _build(name, True)
+    bare_reqs = _run(bare, Oracle(bare))
+    sched = _build(name, True, headroom=None)
+    assert sched.kv_cache_manager._headroom
+    oracle = Oracle(sched)
+    reqs = _run(sched, oracle)
+    assert oracle.hits >= 5, oracle.hits
+    assert all(len(r.output_token_ids) == r.max_tokens for r in reqs)
+    preempted = [sum(getattr(r, "num_preemptions", 0) for r in rs) for rs in (reqs, bare_reqs)]
+    assert preempted[0] <= preempted[1], preempted
 
 
 @pytest.mark.parametrize(

@@ -169,6 +169,21 @@ def test_small_block_env(monkeypatch: pytest.MonkeyPatch) -> None:
             pages.small_block_from_env()
 
 
+def test_headroom_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybrid_alloc.vllm import pages
+    from hybrid_alloc.vllm.unsupported import Unsupported
+
+    monkeypatch.delenv(pages.HEADROOM_ENV, raising=False)
+    assert pages.headroom_from_env() == pages.DEFAULT_HEADROOM == 1
+    for raw, slots in (("0", 0), ("3", 3), (" 2 ", 2)):
+        monkeypatch.setenv(pages.HEADROOM_ENV, raw)
+        assert pages.headroom_from_env() == slots
+    for bad in ("-1", "one", "1.5"):
+        monkeypatch.setenv(pages.HEADROOM_ENV, bad)
+        with pytest.raises(Unsupported, match=pages.HEADROOM_ENV):
+            pages.headroom_from_env()
+
+
 def _args(kvc: Any, **over: Any) -> Any:
     from hybrid_alloc.vllm.args import ManagerArgs
 
@@ -197,6 +212,7 @@ def test_native_plan_passes_slots_per_page_only_with_the_option_on(
 ) -> None:
     from hybrid_alloc.vllm import pages
     from hybrid_alloc.vllm.plan import native_plan
+    from hybrid_alloc.vllm.unsupported import Unsupported
 
     vllm_plan, t = qwen36
     monkeypatch.delenv(pages.PAGES_ENV, raising=False)
@@ -204,7 +220,17 @@ def test_native_plan_passes_slots_per_page_only_with_the_option_on(
     monkeypatch.setenv(pages.PAGES_ENV, "off")
     assert "slots_per_page" not in native_plan(_args(vllm_plan, hash_block_size=1088), None)
     monkeypatch.setenv(pages.PAGES_ENV, "two-level")
-    assert native_plan(_args(t), None)["slots_per_page"] == 17
+    monkeypatch.delenv(pages.HEADROOM_ENV, raising=False)
+    native = native_plan(_args(t), None)
+    assert (native["slots_per_page"], native["admission_headroom_slots"]) == (17, 1)
+    monkeypatch.setenv(pages.HEADROOM_ENV, "0")
+    assert "admission_headroom_slots" not in native_plan(_args(t), None)
+    monkeypatch.setenv(pages.HEADROOM_ENV, "-1")
+    with pytest.raises(Unsupported, match=pages.HEADROOM_ENV):
+        native_plan(_args(t), None)
+    monkeypatch.delenv(pages.PAGES_ENV)
+    monkeypatch.setenv(pages.HEADROOM_ENV, "2")  # read only under two-level pages
+    assert "admission_headroom_slots" not in native_plan(_args(vllm_plan, hash_block_size=1088), None)
 
 
 def test_native_plan_refuses_what_two_level_does_not_serve(
