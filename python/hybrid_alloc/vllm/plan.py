@@ -125,6 +125,14 @@ def reprefillable_tokens(a: ManagerArgs) -> int:
             f"multi-token prefill lookahead of {la} tokens over a scheduler block of {a.scheduler_block_size} "
             "with prefix caching (vLLM's manager raises ValueError)"
         )
+    specs = [g.kv_cache_spec for g in groups]
+    if a.enable_caching and a.num_hash_lookahead_tokens > 1 and len(specs) == 1 and isinstance(specs[0], MambaSpec):
+        # vLLM's single-group Mamba lookup reads hashes up to the prompt's last token, which
+        # lookahead hashes over more than one token do not reach: it raises IndexError.
+        raise Unsupported(
+            f"a single Mamba group with lookahead block hashes over {a.num_hash_lookahead_tokens} tokens "
+            "(vLLM's own lookup indexes past the request's hashes there)"
+        )
     return max(0, la - 1)
 
 
