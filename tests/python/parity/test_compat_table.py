@@ -168,7 +168,12 @@ CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("KV cache residency metrics", "mix", {"metrics_collector": object(), "enable_kv_cache_events": True}, None),
     ("multi-module MTP", "full", {"num_prefill_lookahead": 2}, None),
     ("multi-module MTP", "swa_retained", {"num_prefill_lookahead": 3, "use_eagle": True}, None),
-    ("multi-module MTP", "swa_retained", {"num_prefill_lookahead": 3, "use_eagle": True, "enable_caching": False}, None),
+    (
+        "multi-module MTP",
+        "swa_retained",
+        {"num_prefill_lookahead": 3, "use_eagle": True, "enable_caching": False},
+        None,
+    ),
     # vLLM's own manager raises ValueError: a lookahead over the scheduler block.
     ("multi-module MTP", "full", {"num_prefill_lookahead": 17, "use_eagle": True}, "over a scheduler block"),
 ]

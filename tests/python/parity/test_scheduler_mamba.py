@@ -162,7 +162,6 @@ def _sync_mamba_cache_blocks() -> bool:
 @pytest.mark.parametrize("case", CASES)
 def test_real_scheduler_identical_with_mamba(case: str) -> None:
     from sched_driver import assert_same_run
-
     from vllm_harness import HAVE_LOOKAHEAD_HASHES
 
     base = _setup(case)

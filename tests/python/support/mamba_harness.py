@@ -7,7 +7,6 @@ told to zero (``take_new_block_ids``) and re-records blocks for zeroing after a 
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any
 
 import torch

@@ -270,9 +270,7 @@ SETUPS: list[Setup] = [
     # 0.33/0.34: lookahead block hashes over as many tokens, nothing dropped; one group leaves
     # the re-prefillable tokens out of its cache target, a hybrid's groups do not. vLLM's
     # planner keeps ``- 1`` more tokens in each sliding window (``extra_retained_tokens``).
-    Setup(
-        "mtp3_lookahead_full_bs16", [full(16)], num_blocks=300, lookahead=3, eagle_groups=(0,), prefill_lookahead=3
-    ),
+    Setup("mtp3_lookahead_full_bs16", [full(16)], num_blocks=300, lookahead=3, eagle_groups=(0,), prefill_lookahead=3),
     Setup(
         "mtp3_lookahead_full_swa_bs16",
         [full(16), swa(64, 16, extra_retained_tokens=2), full(16)],
