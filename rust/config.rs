@@ -180,6 +180,14 @@ pub struct Config {
     /// DCP accept a Mamba "align" block equal to the hash block
     /// ([`Self::partial_hash_hits`]).
     pub dcp_world_size: u32,
+    /// vLLM's `num_reprefillable_tokens`, `max(0, num_prefill_lookahead - 1)`: multi-module
+    /// MTP (DeepSeek-V3-style heads drafting several tokens) reads that many prefill tokens
+    /// past a chunk's end, so the last ones of a chunk may be prefilled again and their KV is
+    /// not final. vLLM's coordinator caches only up to `num_computed_tokens` minus these:
+    /// a single group (and the no-prefix-cache coordinator, which caches nothing) always,
+    /// a hybrid coordinator only in the groups dropping the EAGLE block (the others cache the
+    /// aligned `num_computed_tokens`, as without it). 0: every computed token is final.
+    pub reprefillable_tokens: u32,
 }
 
 /// The largest pool: block ids and the free queue's two sentinel slots fit a `u32`.
@@ -200,8 +208,9 @@ impl Config {
     /// A config of `num_blocks` blocks (the null block included) over `groups`, hashed and
     /// scheduled at `block_size` tokens, with the defaults: prefix caching on, events off,
     /// no watermark, dense retention (`retention_interval: None`), no zeroing, no lookahead
-    /// hashes, no residency log, no boundary offloads, no EAGLE/MTP block drop, and `max_model_len` and
-    /// `max_in_flight_tokens` of [`Self::DEFAULT_MAX_MODEL_LEN`] tokens. Override a field
+    /// hashes, no residency log, no boundary offloads, no EAGLE/MTP block drop, no
+    /// re-prefillable tokens, and `max_model_len` and `max_in_flight_tokens` of
+    /// [`Self::DEFAULT_MAX_MODEL_LEN`] tokens. Override a field
     /// with struct update syntax: `Config { enable_events: true, ..Config::new(..) }`.
     /// Nothing is checked here ([`Self::validate`] is, by `Allocator::new`).
     pub fn new(num_blocks: u32, groups: Vec<GroupSpec>, block_size: u32) -> Self {
@@ -226,6 +235,7 @@ impl Config {
             eagle_drop_groups: 0,
             eagle_junction_tail: false,
             dcp_world_size: 1,
+            reprefillable_tokens: 0,
         }
     }
 

@@ -78,6 +78,12 @@
 //! (`coordinator/cache_free.rs`). Not with Mamba groups, chunked local attention, R-SWA,
 //! `hit-aware` or two-level pages ([`Config::validate`] refuses them).
 //!
+//! Multi-module MTP's re-prefillable tokens ([`Config::reprefillable_tokens`], vLLM's
+//! `num_prefill_lookahead - 1`) are left out of the cache target where vLLM's coordinator leaves
+//! them out: by a single group, and by a hybrid's dropping groups (`coordinator/cache_free.rs`).
+//! The cache target only shrinks, so the no-op limits (`coordinator/noop.rs`) still prove what
+//! they prove. Not with `hit-aware` and prefix caching ([`Allocator::new`] refuses it).
+//!
 //! ## Invariants (checked by `invariants::check`)
 //! - Block 0 is the null block: never free-queued, hashed or ref-counted.
 //! - A non-null block is in the free queue iff its ref count is 0; its ref count equals the

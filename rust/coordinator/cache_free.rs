@@ -42,11 +42,19 @@ impl Allocator {
     /// Tokens group `g` caches for `num_tokens` (vLLM's `get_num_cacheable_tokens`): the
     /// [`Self::cache_target`], except that a hybrid coordinator's group dropping the EAGLE
     /// block caches one of its blocks past the aligned boundary (it matches that block, then
-    /// drops it), once that boundary is past 0.
+    /// drops it), once that boundary is past 0. The re-prefillable tokens
+    /// ([`crate::Config::reprefillable_tokens`]) are left out where vLLM leaves them out: by a
+    /// single group (vLLM's base coordinator) and, in a hybrid, by a dropping group (whose
+    /// limit is then taken from the finalized tokens, the aligned boundary still from all).
     pub(super) fn group_cache_target(&self, g: usize, num_tokens: u32) -> u32 {
+        let r = self.cfg.reprefillable_tokens;
+        if self.kind != CoordinatorKind::Hybrid {
+            return num_tokens.saturating_sub(r);
+        }
         let aligned = self.cache_target(num_tokens);
-        if self.kind == CoordinatorKind::Hybrid && aligned > 0 && self.managers[g].eagle() {
-            return num_tokens.min(aligned.saturating_add(self.managers[g].block_size()));
+        if aligned > 0 && self.managers[g].eagle() {
+            let finalized = num_tokens.saturating_sub(r);
+            return finalized.min(self.cache_target(finalized).saturating_add(self.managers[g].block_size()));
         }
         aligned
     }
@@ -536,5 +544,137 @@ mod tests {
             // prompt's: most of them.
             assert!(answered * 10 >= calls * 8, "k={k}: {answered} of {calls} answered as no-ops");
         }
+    }
+
+    fn full(block_size: u32, spec_key: u32) -> GroupSpec {
+        GroupSpec { kind: AttentionKind::Full, block_size, spec_key }
+    }
+
+    #[test]
+    fn group_cache_target_with_reprefillable_tokens_leaves_them_out_where_vllm_does() {
+        let swa = GroupSpec {
+            kind: AttentionKind::SlidingWindow { window: 64, extra_retained_tokens: 0 },
+            block_size: 16,
+            spec_key: 1,
+        };
+        // One group (vLLM's base coordinator): always `num_computed - reprefillable`.
+        let one = |r| {
+            let cfg = Config { reprefillable_tokens: r, ..Config::new(64, vec![full(16, 0)], 16) };
+            Allocator::new(cfg, Policy::Exact).unwrap()
+        };
+        let (a0, a2) = (one(0), one(2));
+        for (n, want) in [(0, 0), (1, 0), (2, 0), (3, 1), (33, 31), (34, 32)] {
+            assert_eq!(a2.group_cache_target(0, n), want, "unitary, {n} tokens");
+            assert_eq!(a0.group_cache_target(0, n), n);
+        }
+        // Prefix caching off: the same arithmetic (vLLM's base class), nothing is cached.
+        let cfg = Config { reprefillable_tokens: 2, enable_caching: false, ..Config::new(64, vec![full(16, 0)], 16) };
+        assert_eq!(Allocator::new(cfg, Policy::Exact).unwrap().group_cache_target(0, 34), 32);
+        // A hybrid: the group dropping the EAGLE block takes its limit from the finalized
+        // tokens (aligned boundary still from all of them); the others cache the aligned
+        // computed tokens as without re-prefillable tokens.
+        let cfg = Config {
+            reprefillable_tokens: 2,
+            eagle_drop_groups: 0b01,
+            retention_interval: Some(0),
+            ..Config::new(64, vec![full(16, 0), swa], 16)
+        };
+        let h = Allocator::new(cfg, Policy::Exact).unwrap();
+        for (n, drop_want, swa_want) in
+            [(15, 0, 0), (16, 14, 16), (17, 15, 16), (33, 31, 32), (50, 48, 48), (63, 61, 48)]
+        {
+            assert_eq!(h.group_cache_target(0, n), drop_want, "dropping group, {n} tokens");
+            assert_eq!(h.group_cache_target(1, n), swa_want, "sliding window, {n} tokens");
+        }
+    }
+
+    #[test]
+    fn new_with_reprefillable_tokens_refuses_hit_aware_with_caching_only() {
+        let cfg = |caching| Config {
+            reprefillable_tokens: 1,
+            enable_caching: caching,
+            ..Config::new(64, vec![full(16, 0)], 16)
+        };
+        let err = Allocator::new(cfg(true), Policy::HitAware).unwrap_err();
+        assert!(matches!(err, Error::Unsupported(_)), "{err}");
+        assert!(Allocator::new(cfg(false), Policy::HitAware).is_ok());
+        assert!(Allocator::new(cfg(true), Policy::Exact).is_ok());
+    }
+
+    #[test]
+    fn no_op_answers_with_reprefillable_tokens_change_nothing_the_full_calls_would() {
+        // One full-attention group whose last two computed tokens are not final: a prefill,
+        // then decode steps through `plain_step` and `cache_blocks`, against an allocator
+        // that runs every call in full. Tables, events, free counts and limits agree.
+        struct Step<'a>(&'a AllocateArgs, &'a Vec<BlockHash>);
+        impl super::super::noop::StepFields for Step<'_> {
+            type Error = Error;
+            fn num_computed_tokens(&self) -> Result<i64> {
+                Ok(self.0.num_computed_tokens as i64)
+            }
+            fn num_in_flight_tokens(&self) -> Result<i64> {
+                Ok(0)
+            }
+            fn num_tokens(&self) -> Result<i64> {
+                Ok(self.0.num_tokens as i64)
+            }
+            fn num_prompt_tokens(&self) -> Result<i64> {
+                Ok(self.0.num_prompt_tokens as i64)
+            }
+            fn shared_prefix_boundary(&self) -> Result<i64> {
+                Ok(0)
+            }
+            fn with_block_hashes<T>(&self, f: impl FnOnce(&dyn HashSource) -> Result<T>) -> Result<T> {
+                f(self.1)
+            }
+        }
+        let new = || {
+            let cfg = Config { reprefillable_tokens: 2, enable_events: true, ..Config::new(64, vec![full(16, 0)], 16) };
+            Allocator::new(cfg, Policy::Exact).unwrap()
+        };
+        let (mut fast, mut full) = (new(), new());
+        let (mut noops, mut cached) = (0, 0);
+        for (seed, prompt) in [(3u64, 30u32), (5, 47), (8, 64)] {
+            let (hf, hl) = (fast.add_request(), full.add_request());
+            for computed in std::iter::once(0).chain(prompt..160) {
+                let n = if computed == 0 { prompt } else { 1 };
+                let tokens = computed + n;
+                let hs = hashes(seed, (tokens / 16) as usize);
+                let a = AllocateArgs {
+                    num_new_tokens: n,
+                    num_computed_tokens: computed,
+                    num_prompt_tokens: prompt,
+                    num_tokens: tokens,
+                    trust_computed_tokens: true,
+                    ..Default::default()
+                };
+                if computed == 0 {
+                    fast.allocate_slots(hf, &a, NewComputed::Empty, Some(&hs)).unwrap().unwrap();
+                } else if fast.plain_step(hf, n as i64, 0, &Step(&a, &hs)).unwrap() == super::super::PlainStep::NoOp {
+                    noops += 1;
+                }
+                full.allocate_slots(hl, &a, NewComputed::Empty, Some(&hs)).unwrap().unwrap();
+                let c = CacheBlocksArgs {
+                    num_computed_tokens: tokens,
+                    num_prompt_tokens: prompt,
+                    shared_prefix_boundary: 0,
+                };
+                fast.cache_blocks(hf, &c, Some(&hs)).unwrap();
+                cache_blocks_in_full(&mut full, hl, &c, &hs);
+                assert_eq!(fast.blocks(hf, 0).unwrap(), full.blocks(hl, 0).unwrap(), "at {tokens}");
+                let ev = events(&mut full);
+                assert_eq!(events(&mut fast), ev, "at {tokens}");
+                cached += ev.len();
+                assert_eq!(fast.num_free_blocks(), full.num_free_blocks(), "at {tokens}");
+                assert_eq!(fast.noop_limits(hf).unwrap(), full.noop_limits(hl).unwrap(), "at {tokens}");
+                // Only the blocks wholly below the finalized tokens are cached.
+                let s = full.slot(hl).unwrap();
+                assert_eq!(full.managers[0].num_cached(s), (tokens - 2) / 16, "at {tokens}");
+                crate::invariants::check(&fast).unwrap();
+            }
+            fast.free(hf, crate::policy::LEVEL_NORMAL).unwrap();
+            full.free(hl, crate::policy::LEVEL_NORMAL).unwrap();
+        }
+        assert!(noops > 100 && cached > 0, "{noops} no-op steps, {cached} events");
     }
 }

@@ -168,6 +168,15 @@ impl Allocator {
                 "the {policy:?} policy is not served with the EAGLE/MTP block drop (exact only)"
             )));
         }
+        if cfg.reprefillable_tokens > 0 && leveled {
+            // Hit-aware keys junction states where a chunk ends, which multi-module MTP may
+            // prefill again (vLLM turns its shared-prefix checkpoint off there too).
+            return Err(Error::Unsupported(format!(
+                "the {policy:?} policy with prefix caching is not served with {} re-prefillable tokens \
+                 (multi-token prefill lookahead; exact only)",
+                cfg.reprefillable_tokens
+            )));
+        }
         // Hit-aware over two-level pages with prefix caching off decides as `exact` (nothing
         // is cached: no level, pin or hint applies), as with one pool. With caching on it is
         // refused: its per-block state (levels, flags, pins, leases) lives in one pool's

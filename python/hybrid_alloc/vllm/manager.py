@@ -297,6 +297,8 @@ class HybridKVCacheManager:
             max_model_len=a.max_model_len,
         )
         self.coordinator.set_eagle(a.use_eagle, native.get("eagle_drop_groups", ()), native["groups"])
+        # Multi-module MTP: the trailing tokens of a chunk the core does not cache (vLLM's).
+        self.coordinator.num_reprefillable_tokens = native.get("reprefillable_tokens", 0)
         # ``--prefix-match-unit`` on a Mamba hybrid: hits may end inside a block, which is
         # then copied on write (``take_kv_cache_block_copies``).
         self._partial_hash_hits = bool(self._alloc.partial_hash_hits)

@@ -47,8 +47,7 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         raise Unsupported(reason)
     if not isinstance(a.num_hash_lookahead_tokens, int) or a.num_hash_lookahead_tokens < 0:
         raise Unsupported(f"num_hash_lookahead_tokens={a.num_hash_lookahead_tokens!r}")
-    if a.num_prefill_lookahead > 1:
-        raise Unsupported("multi-token prefill lookahead")
+    reprefillable = reprefillable_tokens(a)
     kvc = a.kv_cache_config
     sizes = group_block_sizes(kvc, a.dcp_world_size, a.pcp_world_size)  # DCP-scaled (see .dcp)
     groups: list[GroupSpec] = []
@@ -97,6 +96,8 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         native["eagle_drop_groups"] = drop
         # 0.33's retention masks also keep a dropping group's tail one block below the junction.
         native["eagle_junction_tail"] = compat.EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE
+    if reprefillable:
+        native["reprefillable_tokens"] = reprefillable
     if a.num_hash_lookahead_tokens > 0:
         # 0.33 moves the Mamba "align" prefill checkpoint positions by the lookahead tokens.
         native["hash_lookahead_tokens"] = a.num_hash_lookahead_tokens
@@ -107,6 +108,36 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
     if pages.pages_from_env() == "two-level":  # raises Unsupported on a bad value
         native["slots_per_page"] = two_level_slots(a, vllm_config, policy, native)
     return native
+
+
+def reprefillable_tokens(a: ManagerArgs) -> int:
+    """vLLM's ``num_reprefillable_tokens``, ``max(0, num_prefill_lookahead - 1)``: with
+    multi-module MTP the last tokens of a prefill chunk are not final (the drafter reads
+    that far past the chunk, which may be prefilled again), so vLLM's coordinator caches
+    only up to ``num_computed_tokens`` minus these (a single group always, a hybrid's
+    dropping groups; see ``Config::reprefillable_tokens`` in the core). Raises
+    ``Unsupported`` for what vLLM's own manager refuses: a lookahead over the scheduler block
+    with prefix caching and an EAGLE/MTP group (vLLM raises ``ValueError`` then, as it does
+    once the adapter falls back)."""
+    la = a.num_prefill_lookahead
+    if not isinstance(la, int) or isinstance(la, bool) or la < 0:
+        raise Unsupported(f"num_prefill_lookahead={la!r}")
+    groups = a.kv_cache_config.kv_cache_groups
+    eagle_groups = a.use_eagle or any(g.is_eagle_group for g in groups)
+    if a.enable_caching and eagle_groups and a.scheduler_block_size < la:
+        raise Unsupported(
+            f"multi-token prefill lookahead of {la} tokens over a scheduler block of {a.scheduler_block_size} "
+            "with prefix caching (vLLM's manager raises ValueError)"
+        )
+    specs = [g.kv_cache_spec for g in groups]
+    if a.enable_caching and a.num_hash_lookahead_tokens > 1 and len(specs) == 1 and isinstance(specs[0], MambaSpec):
+        # vLLM's single-group Mamba lookup reads hashes up to the prompt's last token, which
+        # lookahead hashes over more than one token do not reach: it raises IndexError.
+        raise Unsupported(
+            f"a single Mamba group with lookahead block hashes over {a.num_hash_lookahead_tokens} tokens "
+            "(vLLM's own lookup indexes past the request's hashes there)"
+        )
+    return max(0, la - 1)
 
 
 def eagle_drop_groups(a: ManagerArgs) -> list[int]:

@@ -112,6 +112,11 @@ def _specs(name: str) -> list[Any]:
                 prefill_checkpoint_alignment=1,
             ),
         ],
+        # A GDN-style "align" state: no prefill checkpoint blocks.
+        "gdn_align": [
+            full(16),
+            MambaSpec(block_size=16, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align"),
+        ],
         "gdn_partial": [
             full(64),
             MambaSpec(block_size=64, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align"),
@@ -161,7 +166,16 @@ CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("prefill context parallelism", "full", {"pcp_world_size": 2}, "prefill context parallelism"),
     ("KV cache residency metrics", "full", {"metrics_collector": object()}, None),
     ("KV cache residency metrics", "mix", {"metrics_collector": object(), "enable_kv_cache_events": True}, None),
-    ("multi-module MTP", "full", {"num_prefill_lookahead": 2}, "multi-token prefill lookahead"),
+    ("multi-module MTP", "full", {"num_prefill_lookahead": 2}, None),
+    ("multi-module MTP", "swa_retained", {"num_prefill_lookahead": 3, "use_eagle": True}, None),
+    (
+        "multi-module MTP",
+        "swa_retained",
+        {"num_prefill_lookahead": 3, "use_eagle": True, "enable_caching": False},
+        None,
+    ),
+    # vLLM's own manager raises ValueError: a lookahead over the scheduler block.
+    ("multi-module MTP", "full", {"num_prefill_lookahead": 17, "use_eagle": True}, "over a scheduler block"),
 ]
 
 
@@ -197,6 +211,40 @@ def test_eagle_block_drop_row() -> None:
     native, reason = _decide(_kwargs(_specs("mamba2_align"), use_eagle=True))
     assert not native and reason == "EAGLE/MTP prefix-cache block drop with Mamba layers", reason
     assert '"EAGLE/MTP prefix-cache block drop with Mamba layers"' in _cell(row)
+
+
+def test_multi_module_mtp_row() -> None:
+    """Multi-module MTP (``num_prefill_lookahead`` > 1) is served where vLLM's manager runs it,
+    with lookahead block hashes from 0.33 on (Mamba "align" states without prefill checkpoint
+    blocks included); what falls back gives the table's reasons, and where the adapter falls
+    back because vLLM raises, vLLM's manager raises as it would have."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from vllm_harness import HAVE_LOOKAHEAD_HASHES
+
+    cell = _cell("multi-module MTP")
+    over = dict(num_prefill_lookahead=17, use_eagle=True)
+    with pytest.raises(ValueError, match="scheduler_block_size"):
+        KVCacheManager(**_kwargs(_specs("full"), **over))
+    from hybrid_alloc.vllm.manager import HybridKVCacheManager
+
+    with pytest.raises(ValueError, match="scheduler_block_size"):
+        HybridKVCacheManager(**_kwargs(_specs("full"), **over))
+    if not HAVE_LOOKAHEAD_HASHES:
+        # 0.32: MTP drops the last block with prefix caching, its Mamba fallback included.
+        native, reason = _decide(_kwargs(_specs("mamba2_align"), num_prefill_lookahead=3, use_eagle=True))
+        assert not native and reason == "EAGLE/MTP prefix-cache block drop with Mamba layers", reason
+        return
+    la = dict(num_prefill_lookahead=3, num_hash_lookahead_tokens=3)
+    for specs in ("full", "swa_retained", "gdn_align"):
+        native, reason = _decide(_kwargs(_specs(specs), **la))
+        assert native, (specs, reason)
+    native, reason = _decide(_kwargs(_specs("mamba2_align"), **la))
+    assert not native and "Mamba prefill checkpoint blocks with 3 lookahead hash tokens" in reason, reason
+    assert "Mamba prefill checkpoint blocks with N lookahead hash tokens" in cell
+    native, reason = _decide(_kwargs(_specs("gdn_align")[1:], **la))
+    assert not native and reason.startswith("a single Mamba group with lookahead block hashes over 3 tokens"), reason
+    assert "a single Mamba group with lookahead block hashes over N tokens" in cell
 
 
 def test_kv_connector_rows(monkeypatch: pytest.MonkeyPatch) -> None:

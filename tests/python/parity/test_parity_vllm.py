@@ -91,22 +91,33 @@ def test_two_native_managers_on_the_same_requests_stay_apart() -> None:
             r.append_output_token_ids(5)
 
 
-def _scheduler_manager_flags(method: str) -> dict[str, int | bool]:
+def _scheduler_manager_flags(method: str, mtp_modules: int = 0) -> dict[str, int | bool]:
     """What the installed vLLM's ``Scheduler`` passes its KV cache manager for a speculative
     method (``use_eagle``, ``num_hash_lookahead_tokens``, ``num_prefill_lookahead``), computed
     by vLLM's own ``SpeculativeConfig`` and ``VllmConfig`` code on stand-in objects (building
-    a real drafter config needs the draft model's files)."""
+    a real drafter config needs the draft model's files). ``mtp_modules``: a draft model of
+    that many MTP modules (DeepSeek-style ``num_nextn_predict_layers``, 0.34's ``n_predict``)."""
     import types
 
     from vllm.config import SpeculativeConfig, VllmConfig
 
+    draft = None
+    if mtp_modules:
+        hf = types.SimpleNamespace(
+            model_type="deepseek_mtp",
+            num_nextn_predict_layers=mtp_modules,
+            n_predict=mtp_modules,
+            index_share_for_mtp_iteration=False,
+        )
+        draft = types.SimpleNamespace(hf_config=hf)
     spec = types.SimpleNamespace(
         method=method,
         disable_eagle_block_drop=False,
         disable_lookahead_block_hashes=False,
-        draft_model_config=None,
+        draft_model_config=draft,
         num_speculative_tokens=3,
         custom_method=None,
+        index_share_for_mtp_iteration=None,
     )
     for name in (
         "use_eagle",
@@ -115,6 +126,7 @@ def _scheduler_manager_flags(method: str) -> dict[str, int | bool]:
         "needs_eagle_block_drop",
         "use_eagle_block_drop",
         "use_multi_module_mtp",
+        "num_mtp_modules",
     ):
         if hasattr(SpeculativeConfig, name):
             setattr(spec, name, types.MethodType(getattr(SpeculativeConfig, name), spec))
@@ -175,3 +187,40 @@ def test_drafter_flags_served_natively(method: str) -> None:
         assert mgr.coordinator.eagle_group_ids == ref.coordinator.eagle_group_ids == {0}
         uses = [m.use_eagle for m in ref.coordinator.single_type_managers]
         assert [m.use_eagle for m in mgr.coordinator.single_type_managers] == uses == [True, False]
+
+
+def test_multi_module_mtp_flags_served_natively() -> None:
+    """Multi-module MTP (three modules, three draft tokens): vLLM's own config code gives a
+    prefill lookahead of 3 on every release (on 0.33/0.34 lookahead block hashes over 3
+    tokens, no drop; on 0.32 the drop), and ours serves it natively, with vLLM's
+    ``num_reprefillable_tokens`` on the coordinator and each manager's ``use_eagle``."""
+    import dataclasses
+
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from hybrid_alloc.vllm.manager import HybridKVCacheManager, native_config_or_reason
+    from vllm_harness import HAVE_LOOKAHEAD_HASHES, SETUPS
+
+    flags = _scheduler_manager_flags("mtp", mtp_modules=3)
+    assert flags["prefill"] == 3
+    assert flags["lookahead"] == (3 if HAVE_LOOKAHEAD_HASHES else 0)
+    assert flags["use_eagle"] is (not HAVE_LOOKAHEAD_HASHES)
+    base = next(s for s in SETUPS if s.name == "full_swa_bs16")
+    for specs in (base.specs, base.specs[:1]):
+        setup = dataclasses.replace(
+            base,
+            specs=specs,
+            eagle_groups=(0,),
+            lookahead=int(flags["lookahead"]),
+            prefill_lookahead=int(flags["prefill"]),
+            use_eagle=bool(flags["use_eagle"]),
+        )
+        kw = setup.manager_kwargs(events=True)
+        native, reason = native_config_or_reason(**kw)
+        assert native is not None, reason
+        assert native["reprefillable_tokens"] == 2
+        mgr, ref = HybridKVCacheManager(**kw), KVCacheManager(**kw)
+        assert type(mgr) is HybridKVCacheManager
+        assert mgr.coordinator.num_reprefillable_tokens == ref.coordinator.num_reprefillable_tokens == 2
+        uses = [m.use_eagle for m in ref.coordinator.single_type_managers]
+        assert [m.use_eagle for m in mgr.coordinator.single_type_managers] == uses

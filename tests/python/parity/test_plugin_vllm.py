@@ -255,7 +255,6 @@ def _kwargs(setup: str = "full_swa_bs16", **over):  # type: ignore[no-untyped-de
         # chunked local attention, so the plugin leaves vLLM's manager (and its error) in place.
         (dict(setup="full_chunked_bs16", use_eagle=True), "EAGLE/MTP prefix-cache block drop with chunked local"),
         (dict(setup="full_bs16", pcp_world_size=2), "prefill context parallelism"),
-        (dict(num_prefill_lookahead=3), "prefill lookahead"),
     ],
 )
 def test_fallback_returns_vllm_manager_with_one_line(over, reason, plugin_lines) -> None:  # type: ignore[no-untyped-def]

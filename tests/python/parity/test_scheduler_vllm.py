@@ -115,6 +115,16 @@ def _cases():
     cases["gemma2_eagle_drop_async"] = {**cases["gemma2_eagle_async"], "drop": True}
     cases["llama_eagle_drop_sync"] = {**cases["llama_ngram_sync"], "method": "eagle", "drop": True}
     cases["gemma2_eagle_nocache"] = {**eagle, "drop": True, "enable_prefix_caching": False}
+    # Multi-module MTP: several tokens of prefill lookahead (the scheduler never ends a chunk
+    # within them of the prompt's end; the manager leaves all but one out of its cache
+    # target): lookahead block hashes over as many tokens from 0.33 on, the drop on 0.32.
+    cases["gemma2_mtp3_sync"] = {**eagle, "prefill_lookahead": 3}
+    cases["gemma2_mtp3_async"] = {**cases["gemma2_eagle_async"], "prefill_lookahead": 3}
+    cases["gemma2_mtp3_drop_sync"] = {**eagle, "prefill_lookahead": 3, "drop": True}
+    cases["gemma2_mtp2_drop_async"] = {**cases["gemma2_eagle_async"], "prefill_lookahead": 2, "drop": True}
+    cases["llama_mtp3_sync"] = {**cases["llama_eagle_drop_sync"], "drop": False, "spec": 3, "prefill_lookahead": 3}
+    cases["llama_mtp3_drop_sync"] = {**cases["llama_eagle_drop_sync"], "spec": 3, "prefill_lookahead": 3}
+    cases["gemma2_mtp3_nocache"] = {**cases["gemma2_eagle_nocache"], "prefill_lookahead": 3}
     return cases
 
 
@@ -138,6 +148,13 @@ CASES = [
     "gemma2_eagle_drop_async",
     "llama_eagle_drop_sync",
     "gemma2_eagle_nocache",
+    "gemma2_mtp3_sync",
+    "gemma2_mtp3_async",
+    "gemma2_mtp3_drop_sync",
+    "gemma2_mtp2_drop_async",
+    "llama_mtp3_sync",
+    "llama_mtp3_drop_sync",
+    "gemma2_mtp3_nocache",
 ]
 
 
@@ -179,11 +196,13 @@ def test_real_scheduler_identical(case: str) -> None:
         if HAVE_LOOKAHEAD_HASHES and not base.async_scheduling:
             # vLLM 0.33 caches from update_from_output in sync scheduling with drafts too.
             assert ref["cache_blocks"] > 0
+    prefill = kw.get("prefill_lookahead") or (1 if kw.get("method") == "eagle" else 0)
+    assert ref["prefill_lookahead"] == prefill
     if kw.get("method") == "eagle" and (drop or not HAVE_LOOKAHEAD_HASHES):
         # The last-block drop: no lookahead hashes, vLLM's manager built with ``use_eagle``.
         assert ref["lookahead"] == 0 and ref["use_eagle"] is True
     elif kw.get("method") == "eagle":
-        assert ref["lookahead"] == 1
+        assert ref["lookahead"] == prefill
         assert any(getattr(e, "lookahead_token_ids", None) for e in ref["events"])
 
 

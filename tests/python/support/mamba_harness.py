@@ -6,6 +6,7 @@ told to zero (``take_new_block_ids``) and re-records blocks for zeroing after a 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -263,6 +264,30 @@ MAMBA_SETUPS: list[Setup] = [
         lookahead=1,
         eagle_groups=(7,),
         prefill_lookahead=1,
+    ),
+    # Multi-module MTP with three tokens of prefill lookahead (0.33/0.34): lookahead block
+    # hashes over three tokens, the prompt's checkpoint three tokens back; GDN states have no
+    # prefill checkpoint blocks (Mamba2's with several lookahead tokens fall back, and so does
+    # one Mamba group alone: vLLM's own lookup raises IndexError there).
+    Setup(
+        "qwen3next_gdn_3to1_mtp3_lookahead3_align",
+        [full(16), gdn(16, "align", 3), gdn(16, "align", 3), gdn(16, "align", 3), full(16)],
+        num_blocks=380,
+        retention_interval=None,
+        lookahead=3,
+        eagle_groups=(4,),
+        prefill_lookahead=3,
+    ),
+    # Prefix caching off (every release): nothing cached; the drop and the lookahead read by
+    # no manager.
+    dataclasses.replace(
+        _nocache(
+            "qwen35_gdn_mtp3_prefill3_nocache",
+            [full(64), gdn(spec_blocks=3), gdn(spec_blocks=3), gdn(spec_blocks=3)],
+            num_blocks=320,
+        ),
+        use_eagle=True,
+        prefill_lookahead=3,
     ),
     # Full + sliding window + Mamba: three spec groups, the hybrid hit search iterates.
     Setup(

@@ -71,6 +71,25 @@ class SpecSchedulerSetup(SchedulerSetup):
     num_spec_tokens: int = 3
     method: str = "ngram"
     disable_lookahead_block_hashes: bool = False
+    # Multi-module MTP's prefill lookahead (``VllmConfig.num_prefill_lookahead_tokens``, its
+    # ``num_speculative_tokens``): 0 keeps the method's own. A multi-module MTP drafter needs
+    # a DeepSeek-style checkpoint to configure, so the EAGLE stub stands in, with the property
+    # answering this while the scheduler is built (the scheduler, the manager's arguments and
+    # the lookahead hashes read it then, and only then).
+    prefill_lookahead: int = 0
+
+    def build(self) -> Any:
+        if not self.prefill_lookahead:
+            return super().build()
+        prop = VllmConfig.__dict__["num_prefill_lookahead_tokens"]
+        la = self.prefill_lookahead
+        VllmConfig.num_prefill_lookahead_tokens = property(lambda vc: la)  # type: ignore[method-assign,assignment]
+        try:
+            sched = super().build()
+        finally:
+            VllmConfig.num_prefill_lookahead_tokens = prop  # type: ignore[method-assign]
+        assert sched.num_prefill_lookahead == la
+        return sched
 
     def vllm_config(self) -> VllmConfig:
         mml = self.shape.max_model_len
@@ -274,6 +293,7 @@ def run_workload(
         **cache_calls,
         "cache_blocks_calls": cache_args,
         "lookahead": lookahead,
+        "prefill_lookahead": getattr(sched, "num_prefill_lookahead", 0),
         "use_eagle": getattr(sched.kv_cache_manager, "use_eagle", None),
         "steps": steps,
         "events": events,

@@ -50,9 +50,16 @@ def mla(bs: int = 16) -> MLAAttentionSpec:
     return MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
 
 
-def swa(window: int, bs: int = 16, num_kv_heads: int = 8) -> SlidingWindowSpec:
+def swa(window: int, bs: int = 16, num_kv_heads: int = 8, extra_retained_tokens: int = 0) -> SlidingWindowSpec:
+    """``extra_retained_tokens``: what vLLM's planner sets with multi-module MTP
+    (``num_prefill_lookahead_tokens - 1``)."""
     return SlidingWindowSpec(
-        block_size=bs, num_kv_heads=num_kv_heads, head_size=128, dtype=torch.bfloat16, sliding_window=window
+        block_size=bs,
+        num_kv_heads=num_kv_heads,
+        head_size=128,
+        dtype=torch.bfloat16,
+        sliding_window=window,
+        extra_retained_tokens=extra_retained_tokens,
     )
 
 
@@ -257,6 +264,57 @@ SETUPS: list[Setup] = [
     ),
     Setup("eagle_drop_swa_only_bs16", [swa(48, 16)], num_blocks=200, use_eagle=True, prefill_lookahead=1),
     # Prefix caching off: vLLM's no-prefix-cache coordinator reads none of the drop.
+    # Multi-module MTP (DeepSeek-V3-style heads drafting several tokens): the drafter reads
+    # ``num_prefill_lookahead`` prefill tokens past a chunk, so the last ``- 1`` computed
+    # tokens are not final (vLLM's ``num_reprefillable_tokens``). With prefix caching on
+    # 0.33/0.34: lookahead block hashes over as many tokens, nothing dropped; one group leaves
+    # the re-prefillable tokens out of its cache target, a hybrid's groups do not. vLLM's
+    # planner keeps ``- 1`` more tokens in each sliding window (``extra_retained_tokens``).
+    Setup("mtp3_lookahead_full_bs16", [full(16)], num_blocks=300, lookahead=3, eagle_groups=(0,), prefill_lookahead=3),
+    Setup(
+        "mtp3_lookahead_full_swa_bs16",
+        [full(16), swa(64, 16, extra_retained_tokens=2), full(16)],
+        num_blocks=500,
+        lookahead=3,
+        eagle_groups=(2,),
+        prefill_lookahead=3,
+    ),
+    # With the drop (0.32 with prefix caching; 0.33/0.34 with ``disable_lookahead_block_hashes``):
+    # a dropping group's cache limit comes from the finalized tokens.
+    Setup("mtp3_drop_full_bs16", [full(16)], num_blocks=300, use_eagle=True, prefill_lookahead=3),
+    Setup(
+        "mtp2_drop_full_swa_draft_bs16",
+        [full(16), swa(64, 16, extra_retained_tokens=1), full(16)],
+        num_blocks=500,
+        eagle_groups=(2,),
+        use_eagle=True,
+        prefill_lookahead=2,
+    ),
+    Setup(
+        "mtp3_drop_swa_bs32_over_full_bs16",
+        [full(16), swa(64, 32, extra_retained_tokens=2)],
+        num_blocks=500,
+        hash_block_size=16,
+        scheduler_block_size=32,
+        use_eagle=True,
+        prefill_lookahead=3,
+    ),
+    Setup(
+        "mtp3_drop_full_swa_retention_64",
+        [full(16), swa(40, 16, extra_retained_tokens=2)],
+        num_blocks=400,
+        retention_interval=64,
+        use_eagle=True,
+        prefill_lookahead=3,
+    ),
+    Setup(
+        "mtp3_nocache_full_swa_bs16",
+        [full(16), swa(64, 16, extra_retained_tokens=2)],
+        num_blocks=400,
+        enable_caching=False,
+        use_eagle=True,
+        prefill_lookahead=3,
+    ),
     Setup(
         "eagle_nocache_full_swa_bs16",
         [full(16), swa(64, 16)],
