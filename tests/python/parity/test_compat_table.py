@@ -117,6 +117,12 @@ def _specs(name: str) -> list[Any]:
             full(16),
             MambaSpec(block_size=16, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align"),
         ],
+        "gdn_sharded": [
+            full(16),
+            MambaSpec(
+                block_size=16, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align", dcp_sharded=True
+            ),
+        ],
         "gdn_partial": [
             full(64),
             MambaSpec(block_size=64, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align"),
@@ -162,7 +168,14 @@ CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
         {"dcp_world_size": 2, **_DCP2},
         "with a sharded",
     ),
-    ("decode context parallelism with a sharded", "mamba2_align", {"dcp_world_size": 2}, "with a Mamba group"),
+    # A replicated GDN group beside sharded full attention (16 x 2): hash 16, scheduler 32.
+    (
+        "decode context parallelism with a (replicated) Mamba",
+        "gdn_align",
+        {"dcp_world_size": 2, "hash_block_size": 16, "scheduler_block_size": 32},
+        None,
+    ),
+    ("decode context parallelism with a sharded", "gdn_sharded", {"dcp_world_size": 2}, "with a sharded"),
     ("prefill context parallelism", "full", {"pcp_world_size": 2}, "prefill context parallelism"),
     ("KV cache residency metrics", "full", {"metrics_collector": object()}, None),
     ("KV cache residency metrics", "mix", {"metrics_collector": object(), "enable_kv_cache_events": True}, None),
