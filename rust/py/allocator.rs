@@ -50,7 +50,8 @@ impl PyAllocator {
     #[pyo3(text_signature = "(num_blocks, groups, hash_block_size, scheduler_block_size, max_model_len, \
         max_in_flight_tokens=None, enable_caching=True, enable_events=False, watermark_blocks=0, \
         retention_interval=0, policy='exact', zero_new_blocks=False, hash_lookahead_tokens=0, residency_log=False, \
-        boundary_offloads=False, *, slots_per_page=1, prefix_match_unit=None, eagle_drop_groups=(), eagle_junction_tail=False)")]
+        boundary_offloads=False, *, slots_per_page=1, prefix_match_unit=None, eagle_drop_groups=(), eagle_junction_tail=False, \
+        eagle_checkpoints=False)")]
     fn new(
         num_blocks: i64,
         groups: Vec<Bound<'_, PyAny>>,

@@ -149,7 +149,7 @@ options! {
     NewOptions("Allocator") {
         max_in_flight_tokens, enable_caching, enable_events, watermark_blocks, retention_interval, policy,
         zero_new_blocks, hash_lookahead_tokens, residency_log, boundary_offloads; slots_per_page, prefix_match_unit,
-        eagle_drop_groups, eagle_junction_tail,
+        eagle_drop_groups, eagle_junction_tail, eagle_checkpoints,
     }
 }
 
@@ -239,6 +239,7 @@ impl NewOptions<'_> {
                 .transpose()?,
             eagle_drop_groups: eagle_groups(&self.eagle_drop_groups.given_or(Vec::<i64>::new())?, groups.len())?,
             eagle_junction_tail: self.eagle_junction_tail.given_or(false)?,
+            eagle_checkpoints: self.eagle_checkpoints.given_or(false)?,
             ..base
         };
         Ok((cfg, policy))
