@@ -30,6 +30,10 @@ CASES = [
     "nemotron_h_nocache",
     "qwen35_gdn_align_ngram_sync",
     "nemotron_h_align_ngram_async",
+    "qwen35_gdn_align_eagle_drop_sync",
+    "qwen35_gdn_align_eagle_drop_async",
+    "nemotron_h_align_eagle_drop_sync",
+    "qwen35_gdn_eagle_nocache",
 ]
 
 
@@ -69,12 +73,36 @@ def _setup(case: str) -> Any:
         "nemotron_h_align_ngram_async": dict(
             shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=340, spec=2, async_scheduling=True
         ),
+        # EAGLE with the prefix-cache block drop (``use_eagle``: 0.32 with prefix caching,
+        # 0.33 on with ``disable_lookahead_block_hashes``): no group is flagged (the stub draft
+        # adds no layers), so every group drops, the Mamba ones included; the scheduler and
+        # the managers move the Mamba checkpoints one block back. Prefix caching off: the
+        # managers get ``use_eagle`` and read none of it.
+        "qwen35_gdn_align_eagle_drop_sync": dict(
+            shape=shape("tiny-qwen3.5", 4, 8, "GDN_ATTN"), num_blocks=320, spec=3, method="eagle"
+        ),
+        "qwen35_gdn_align_eagle_drop_async": dict(
+            shape=shape("tiny-qwen3.5", 4, 8, "GDN_ATTN"), num_blocks=320, spec=3, method="eagle", async_scheduling=True
+        ),
+        "nemotron_h_align_eagle_drop_sync": dict(
+            shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=340, spec=2, method="eagle"
+        ),
+        "qwen35_gdn_eagle_nocache": dict(
+            shape=shape("tiny-qwen3.5", 4, 8, "GDN_ATTN"),
+            num_blocks=320,
+            spec=3,
+            method="eagle",
+            enable_prefix_caching=False,
+        ),
     }
     kw = dict(cases[case])
     spec = kw.pop("spec", 0)
     if spec:
         from sched_driver import SpecSchedulerSetup
+        from vllm_harness import HAVE_LOOKAHEAD_HASHES
 
+        if kw.get("method") == "eagle" and HAVE_LOOKAHEAD_HASHES:
+            kw["disable_lookahead_block_hashes"] = True
         return SpecSchedulerSetup(
             max_num_seqs=24, max_num_batched_tokens=512, kv_events=True, num_spec_tokens=spec, **kw
         )
@@ -162,3 +190,8 @@ def test_real_scheduler_identical_with_mamba(case: str) -> None:
 
     if mixer2 and base.enable_prefix_caching:
         assert ref["checkpoints"] > 0, f"{case}: no prefill checkpoint was reserved"
+    if getattr(base, "method", None) == "eagle":
+        # The block drop: no lookahead hashes, the managers built with ``use_eagle`` (vLLM's
+        # Mamba managers then move their checkpoints: ``drop_eagle_checkpoint_block``).
+        assert ref["lookahead"] == 0 and ref["use_eagle"] is True, f"{case}: {ref['lookahead']} {ref['use_eagle']}"
+        assert 0 < ref["accepted"] < ref["drafts"]
