@@ -54,21 +54,15 @@ def _setup(case: str) -> Any:
 
     family, block, unit, async_scheduling, num_blocks = CASES[case]
 
+    # The scheduler setup (with an EAGLE drafter for the drop cases) with the unit set.
+    base = SpecSchedulerSetup if case in EAGLE_DROP else SchedulerSetup
+
     @dataclasses.dataclass
-    class PartialSchedulerSetup(SchedulerSetup):
+    class PartialSchedulerSetup(base):  # type: ignore[misc, valid-type]
         prefix_match_unit: int = 16
 
         def vllm_config(self) -> Any:
-            vc = SchedulerSetup.vllm_config(self)
-            vc.cache_config.prefix_match_unit = self.prefix_match_unit
-            return vc
-
-    @dataclasses.dataclass
-    class PartialEagleSetup(SpecSchedulerSetup):
-        prefix_match_unit: int = 16
-
-        def vllm_config(self) -> Any:
-            vc = SpecSchedulerSetup.vllm_config(self)
+            vc = base.vllm_config(self)
             vc.cache_config.prefix_match_unit = self.prefix_match_unit
             return vc
 
@@ -88,20 +82,9 @@ def _setup(case: str) -> Any:
         f"tiny-{family}", layers, num_kv_heads=2, head_size=64, weight_bytes=0, max_model_len=2048, mamba_state=state
     )
     assert shape.attention_block_size(block) == block
+    eagle: dict[str, Any] = {}
     if case in EAGLE_DROP:
-        return PartialEagleSetup(
-            shape=shape,
-            block_size=block,
-            num_blocks=num_blocks,
-            async_scheduling=async_scheduling,
-            max_num_seqs=24,
-            max_num_batched_tokens=512,
-            kv_events=True,
-            prefix_match_unit=unit,
-            num_spec_tokens=2,
-            method="eagle",
-            disable_lookahead_block_hashes=HAVE_LOOKAHEAD_HASHES,
-        )
+        eagle = dict(num_spec_tokens=2, method="eagle", disable_lookahead_block_hashes=HAVE_LOOKAHEAD_HASHES)
     return PartialSchedulerSetup(
         shape=shape,
         block_size=block,
@@ -111,6 +94,7 @@ def _setup(case: str) -> Any:
         max_num_batched_tokens=512,
         kv_events=True,
         prefix_match_unit=unit,
+        **eagle,
     )
 
 
