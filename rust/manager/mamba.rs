@@ -31,7 +31,9 @@
 //! past a scratch block moves that block to the table's end (`_relocate_speculative_block`),
 //! so a request keeps `1 + speculative_blocks` state blocks plus the previous state. With
 //! vLLM 0.33's lookahead block hashes the prompt's checkpoint positions move back by the
-//! lookahead tokens (`get_mamba_prefill_checkpoint_position`).
+//! lookahead tokens (`get_mamba_prefill_checkpoint_position`); with EAGLE/MTP's `use_eagle`
+//! they are one hash block below the last boundary at most the tokens given
+//! (`drop_eagle_checkpoint_block`, [`crate::Config::eagle_checkpoints`]).
 //!
 //! Per request the align manager keeps, as vLLM does: `last_state_block_idx` (the state
 //! block of the previous step, freed once the step after it is processed), the number of
