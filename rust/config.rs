@@ -188,6 +188,14 @@ pub struct Config {
     /// a hybrid coordinator only in the groups dropping the EAGLE block (the others cache the
     /// aligned `num_computed_tokens`, as without it). 0: every computed token is final.
     pub reprefillable_tokens: u32,
+    /// vLLM's `MambaManager.drop_eagle_checkpoint_block`, which the coordinator sets on every
+    /// Mamba group when the scheduler passes `use_eagle` (prefix caching on or off; 0.32 does
+    /// not set it for a group flagged `is_eagle_group` alone): the Mamba "align" prefill
+    /// checkpoint positions are the last hash boundary at most the tokens given, one hash
+    /// block back (`get_mamba_prefill_checkpoint_position` with `drop_eagle_block`: the drop
+    /// already leaves tokens to recompute, and the state matches the attention groups'
+    /// replay boundary). Read by Mamba "align" groups only.
+    pub eagle_checkpoints: bool,
 }
 
 /// The largest pool: block ids and the free queue's two sentinel slots fit a `u32`.
@@ -208,8 +216,8 @@ impl Config {
     /// A config of `num_blocks` blocks (the null block included) over `groups`, hashed and
     /// scheduled at `block_size` tokens, with the defaults: prefix caching on, events off,
     /// no watermark, dense retention (`retention_interval: None`), no zeroing, no lookahead
-    /// hashes, no residency log, no boundary offloads, no EAGLE/MTP block drop, no
-    /// re-prefillable tokens, and `max_model_len` and `max_in_flight_tokens` of
+    /// hashes, no residency log, no boundary offloads, no EAGLE/MTP block drop or checkpoint
+    /// move, no re-prefillable tokens, and `max_model_len` and `max_in_flight_tokens` of
     /// [`Self::DEFAULT_MAX_MODEL_LEN`] tokens. Override a field
     /// with struct update syntax: `Config { enable_events: true, ..Config::new(..) }`.
     /// Nothing is checked here ([`Self::validate`] is, by `Allocator::new`).
@@ -236,6 +244,7 @@ impl Config {
             eagle_junction_tail: false,
             dcp_world_size: 1,
             reprefillable_tokens: 0,
+            eagle_checkpoints: false,
         }
     }
 
@@ -433,9 +442,6 @@ impl Config {
         }
         for (i, g) in self.groups.iter().enumerate() {
             match g.kind {
-                // vLLM's Mamba checkpoints move with the drop (`drop_eagle_checkpoint_block`,
-                // the scheduler's split positions): not served yet.
-                AttentionKind::Mamba { .. } => return refuse(format!("a Mamba group (group {i})")),
                 // vLLM asserts (`Hybrid KV cache is not supported for eagle + chunked local
                 // attention`) at the first lookup of a dropping chunked group.
                 AttentionKind::ChunkedLocal { .. } if self.drops_eagle_block(i) => {

@@ -75,8 +75,11 @@
 //! in `manager/sliding_window.rs`), the hybrid fixed point verifies each drop once per
 //! candidate length (`coordinator/hits.rs`), a dropping group caches one of its blocks past
 //! the aligned boundary and the retention masks keep the block past each replay boundary
-//! (`coordinator/cache_free.rs`). Not with Mamba groups, chunked local attention, R-SWA,
-//! `hit-aware` or two-level pages ([`Config::validate`] refuses them).
+//! (`coordinator/cache_free.rs`). A Mamba group in the drop set matches without dropping
+//! (vLLM's Mamba finder never drops) and caches that block past the boundary too; with
+//! `use_eagle` every Mamba "align" group's prefill checkpoint positions move one hash block
+//! back ([`Config::eagle_checkpoints`], `manager/mamba.rs`). Not with chunked local attention,
+//! R-SWA, `hit-aware` or two-level pages ([`Config::validate`] refuses them).
 //!
 //! Multi-module MTP's re-prefillable tokens ([`Config::reprefillable_tokens`], vLLM's
 //! `num_prefill_lookahead - 1`) are left out of the cache target where vLLM's coordinator leaves

@@ -218,6 +218,7 @@ impl Allocator {
                 m.set_records_new_block_ids(cfg.zero_new_blocks && g.kind.is_attention());
                 m.set_boundary_offloads(cfg.boundary_offloads);
                 m.set_eagle(cfg.drops_eagle_block(i));
+                m.set_eagle_checkpoints(cfg.eagle_checkpoints);
                 m
             })
             .collect();

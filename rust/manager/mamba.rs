@@ -31,7 +31,9 @@
 //! past a scratch block moves that block to the table's end (`_relocate_speculative_block`),
 //! so a request keeps `1 + speculative_blocks` state blocks plus the previous state. With
 //! vLLM 0.33's lookahead block hashes the prompt's checkpoint positions move back by the
-//! lookahead tokens (`get_mamba_prefill_checkpoint_position`).
+//! lookahead tokens (`get_mamba_prefill_checkpoint_position`); with EAGLE/MTP's `use_eagle`
+//! they are one hash block below the last boundary at most the tokens given
+//! (`drop_eagle_checkpoint_block`, [`crate::Config::eagle_checkpoints`]).
 //!
 //! Per request the align manager keeps, as vLLM does: `last_state_block_idx` (the state
 //! block of the previous step, freed once the step after it is processed), the number of
@@ -314,12 +316,17 @@ pub fn find_longest_cache_hit(q: &HitQuery<'_>, out: &mut [Vec<BlockId>]) -> u32
     0
 }
 
-/// vLLM's `get_mamba_prefill_checkpoint_position` without EAGLE's block drop: the last
-/// multiple of `block` at most `num_tokens - max(1, lookahead)` (0 when there is none).
-/// `lookahead` is vLLM 0.33's `num_hash_lookahead_tokens` (the checkpoint's hash covers that
-/// many tokens past it); 0.32 has none.
+/// vLLM's `get_mamba_prefill_checkpoint_position`: the last multiple of `block` at most
+/// `num_tokens - max(1, lookahead)` (0 when there is none). `lookahead` is vLLM 0.33's
+/// `num_hash_lookahead_tokens` (the checkpoint's hash covers that many tokens past it); 0.32
+/// has none. With EAGLE's block drop (`drop_eagle`, vLLM's `drop_eagle_checkpoint_block`)
+/// it is one `block` below the last multiple of `block` at most `num_tokens` (the drop
+/// already leaves tokens to recompute), 0 at least.
 #[inline]
-pub fn prefill_checkpoint_position(num_tokens: u32, block: u32, lookahead: u32) -> u32 {
+pub fn prefill_checkpoint_position(num_tokens: u32, block: u32, lookahead: u32, drop_eagle: bool) -> u32 {
+    if drop_eagle {
+        return (num_tokens / block * block).saturating_sub(block);
+    }
     match num_tokens.checked_sub(lookahead.max(1)) {
         Some(limit) => limit / block * block,
         None => 0,
@@ -329,11 +336,11 @@ pub fn prefill_checkpoint_position(num_tokens: u32, block: u32, lookahead: u32) 
 /// The prompt boundary `cache_blocks` to `num_tokens` records (`AlignState::prompt_boundary`):
 /// 0 once the prompt is computed, else its prefill checkpoint position.
 #[inline]
-fn prompt_boundary_for(num_tokens: u32, num_prompt_tokens: u32, hash_block_size: u32, lookahead: u32) -> u32 {
+fn prompt_boundary_for(num_tokens: u32, num_prompt_tokens: u32, s: &Sizes) -> u32 {
     if num_tokens >= num_prompt_tokens {
         0
     } else {
-        prefill_checkpoint_position(num_prompt_tokens, hash_block_size, lookahead)
+        s.checkpoint_position(num_prompt_tokens, s.hash_block_size)
     }
 }
 
@@ -467,10 +474,22 @@ pub(super) struct Sizes {
     hash_block_size: u32,
     /// Tokens past each block its hash covers.
     lookahead: u32,
+    /// EAGLE's block drop moves the prefill checkpoint positions one block back
+    /// (vLLM's `drop_eagle_checkpoint_block`, see [`prefill_checkpoint_position`]).
+    drop_eagle: bool,
     /// Alignment of cache hits in tokens.
     alignment: u32,
     /// The group.
     group: GroupId,
+}
+
+impl Sizes {
+    /// The group's prefill checkpoint position for `num_tokens` at `block` granularity
+    /// ([`prefill_checkpoint_position`] with its lookahead and EAGLE rule).
+    #[inline]
+    fn checkpoint_position(&self, num_tokens: u32, block: u32) -> u32 {
+        prefill_checkpoint_position(num_tokens, block, self.lookahead, self.drop_eagle)
+    }
 }
 
 /// One request's share of an align manager's shared bookkeeping, read-only (see
@@ -544,6 +563,7 @@ impl SingleTypeManager {
             block_size: self.spec.block_size,
             hash_block_size: self.hash_block_size,
             lookahead: self.hash_lookahead_tokens,
+            drop_eagle: self.eagle_checkpoints,
             alignment: self.cache_hit_alignment_tokens,
             group: self.group_id,
         }
@@ -602,7 +622,7 @@ impl SingleTypeManager {
     /// true for a group without align state. O(1).
     pub(crate) fn keeps_prompt_boundary(&self, h: Slot, num_tokens: u32, num_prompt_tokens: u32) -> bool {
         let KindState::MambaAlign(st) = &self.kind_state else { return true };
-        let b = prompt_boundary_for(num_tokens, num_prompt_tokens, self.hash_block_size, self.hash_lookahead_tokens);
+        let b = prompt_boundary_for(num_tokens, num_prompt_tokens, &self.align_sizes());
         st.prompt_boundary[h as usize] == b
     }
 
@@ -689,8 +709,8 @@ impl AlignState {
         if alignment == 0 || query_end < prefill_end {
             return 0;
         }
-        let Sizes { block_size, hash_block_size, lookahead, alignment: hit_alignment, .. } = v.sizes;
-        let pos = prefill_checkpoint_position(query_end, hit_alignment, lookahead);
+        let Sizes { block_size, hash_block_size, alignment: hit_alignment, .. } = v.sizes;
+        let pos = v.sizes.checkpoint_position(query_end, hit_alignment);
         let bs = block_size as i64;
         if !prefill_checkpoint_valid(
             query_start as i64,
@@ -931,13 +951,12 @@ impl AlignState {
     /// prompt-tail state block, and the keys cached this step.
     fn cache_blocks(&mut self, pool: &mut BlockPool, q: &mut AlignReq<'_>, c: &CacheArgs<'_>, before: u32) {
         let hs = q.h as usize;
-        let Sizes { hash_block_size, lookahead, .. } = q.sizes;
         // Read before the prompt tail: a partial tail moves `num_cached` back to its block.
         let after = q.num_cached();
         // Once the prompt is computed, the tokens to cache never come back down to its
         // checkpoint position (below the prompt's end), so the no-op limits stop watching it
         // (0: no position to watch).
-        self.prompt_boundary[hs] = prompt_boundary_for(c.num_tokens, c.num_prompt_tokens, hash_block_size, lookahead);
+        self.prompt_boundary[hs] = prompt_boundary_for(c.num_tokens, c.num_prompt_tokens, &q.sizes);
         if self.checkpoint[hs].0 > 0 {
             self.cache_checkpoint(pool, q, c);
         } else {
@@ -962,13 +981,13 @@ impl AlignState {
     /// again); 0.33 skips such a block.
     fn cache_prompt_tail(&mut self, pool: &mut BlockPool, q: &mut AlignReq<'_>, c: &CacheArgs<'_>) {
         let (req, hashes, num_tokens) = (c.req, c.hashes, c.num_tokens);
-        let Sizes { block_size: bs, hash_block_size, lookahead, group, .. } = q.sizes;
+        let Sizes { block_size: bs, hash_block_size, group, .. } = q.sizes;
         if num_tokens == 0 || num_tokens % hash_block_size != 0 {
             return;
         }
         // vLLM's shared-prefix checkpoint: also the junction the scheduler stopped at.
         let junction = GroupRetention::keys_junction_state(pool, bs, hash_block_size, num_tokens, c);
-        if num_tokens != prefill_checkpoint_position(c.num_prompt_tokens, hash_block_size, lookahead) && !junction {
+        if num_tokens != q.sizes.checkpoint_position(c.num_prompt_tokens, hash_block_size) && !junction {
             return;
         }
         let idx = (num_tokens.div_ceil(bs) - 1) as usize;
@@ -1018,8 +1037,8 @@ impl AlignState {
         // vLLM asserts the index is in the table; a count whose allocation then failed can
         // leave it past the table until the next allocation: nothing to key then.
         let Some(&b) = q.table.get(idx as usize) else { return };
-        let Sizes { block_size: bs, hash_block_size, lookahead, alignment: align, group } = q.sizes;
-        let is_prompt_checkpoint = pos == prefill_checkpoint_position(c.num_prompt_tokens, align, lookahead);
+        let Sizes { block_size: bs, hash_block_size, alignment: align, group, .. } = q.sizes;
+        let is_prompt_checkpoint = pos == q.sizes.checkpoint_position(c.num_prompt_tokens, align);
         let mut retained = false;
         if pos % bs == 0 {
             let i = pos / bs - 1;
@@ -1082,14 +1101,25 @@ mod tests {
 
     #[test]
     fn prefill_checkpoint_position_leaves_one_token() {
-        assert_eq!(prefill_checkpoint_position(0, 16, 0), 0);
-        assert_eq!(prefill_checkpoint_position(16, 16, 0), 0);
-        assert_eq!(prefill_checkpoint_position(17, 16, 0), 16);
-        assert_eq!(prefill_checkpoint_position(33, 16, 1), 32);
+        assert_eq!(prefill_checkpoint_position(0, 16, 0, false), 0);
+        assert_eq!(prefill_checkpoint_position(16, 16, 0, false), 0);
+        assert_eq!(prefill_checkpoint_position(17, 16, 0, false), 16);
+        assert_eq!(prefill_checkpoint_position(33, 16, 1, false), 32);
         // Lookahead hashes: the hash at the checkpoint covers `lookahead` more tokens.
-        assert_eq!(prefill_checkpoint_position(33, 16, 2), 16);
-        assert_eq!(prefill_checkpoint_position(34, 16, 2), 32);
-        assert_eq!(prefill_checkpoint_position(1, 16, 3), 0);
+        assert_eq!(prefill_checkpoint_position(33, 16, 2, false), 16);
+        assert_eq!(prefill_checkpoint_position(34, 16, 2, false), 32);
+        assert_eq!(prefill_checkpoint_position(1, 16, 3, false), 0);
+    }
+
+    #[test]
+    fn prefill_checkpoint_position_with_eagle_drop_is_one_block_back() {
+        // vLLM: the proof limit is `num_tokens` (the drop leaves tokens to recompute),
+        // floored to the block, then one block less, 0 at least; the lookahead is not read.
+        assert_eq!(prefill_checkpoint_position(33, 16, 0, true), 16);
+        assert_eq!(prefill_checkpoint_position(32, 16, 0, true), 16);
+        assert_eq!(prefill_checkpoint_position(31, 16, 0, true), 0);
+        assert_eq!(prefill_checkpoint_position(15, 16, 0, true), 0);
+        assert_eq!(prefill_checkpoint_position(64, 16, 3, true), 48);
     }
 
     #[test]

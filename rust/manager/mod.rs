@@ -264,6 +264,10 @@ pub struct SingleTypeManager {
     /// its hits drop the EAGLE block, the coordinator caches one block past the aligned
     /// boundary, and the retention mask keeps the block past each boundary.
     eagle: bool,
+    /// vLLM's `MambaManager.drop_eagle_checkpoint_block` ([`crate::Config::eagle_checkpoints`]):
+    /// the Mamba "align" prefill checkpoint positions move one hash block back. Read by
+    /// Mamba "align" groups only.
+    eagle_checkpoints: bool,
 }
 
 /// Marker for "no partial hit" in [`SingleTypeManager`]'s `partial_hit`.
@@ -299,7 +303,14 @@ impl SingleTypeManager {
             pending_cow: Vec::new(),
             retention: retention::GroupRetention::new(spec.kind.is_mamba_align()),
             eagle: false,
+            eagle_checkpoints: false,
         }
+    }
+
+    /// Gives this group vLLM's `drop_eagle_checkpoint_block` (at construction; see
+    /// [`crate::Config::eagle_checkpoints`]).
+    pub(crate) fn set_eagle_checkpoints(&mut self, on: bool) {
+        self.eagle_checkpoints = on;
     }
 
     /// Gives this group vLLM's `use_eagle` (at construction; see [`Self::eagle`]).

@@ -51,7 +51,7 @@ impl PyAllocator {
         max_in_flight_tokens=None, enable_caching=True, enable_events=False, watermark_blocks=0, \
         retention_interval=0, policy='exact', zero_new_blocks=False, hash_lookahead_tokens=0, residency_log=False, \
         boundary_offloads=False, *, slots_per_page=1, prefix_match_unit=None, eagle_drop_groups=(), eagle_junction_tail=False, \
-        dcp_world_size=1, admission_headroom_slots=0, reprefillable_tokens=0)")]
+        dcp_world_size=1, admission_headroom_slots=0, reprefillable_tokens=0, eagle_checkpoints=False)")]
     fn new(
         num_blocks: i64,
         groups: Vec<Bound<'_, PyAny>>,

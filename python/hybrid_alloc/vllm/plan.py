@@ -98,10 +98,20 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
         native["eagle_junction_tail"] = compat.EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE
     if reprefillable:
         native["reprefillable_tokens"] = reprefillable
+    if a.use_eagle and any(isinstance(g.kv_cache_spec, MambaSpec) for g in kvc.kv_cache_groups):
+        # vLLM's coordinator sets ``drop_eagle_checkpoint_block`` on every Mamba manager with
+        # ``use_eagle`` (prefix caching on or off): the "align" prefill checkpoint positions
+        # move one hash block back, to the attention groups' replay boundary.
+        native["eagle_checkpoints"] = True
     if a.num_hash_lookahead_tokens > 0:
         # 0.33 moves the Mamba "align" prefill checkpoint positions by the lookahead tokens.
         native["hash_lookahead_tokens"] = a.num_hash_lookahead_tokens
     policy = policy_env.policy_from_env()  # raises Unsupported on a bad value
+    if policy == "exact" and _vllm_shared_prefix_checkpoint(a):
+        raise Unsupported(
+            "enable_mamba_shared_prefix_checkpoint with EAGLE/MTP groups and partial hash hits (vLLM's "
+            "shared-prefix checkpoint: the Mamba state keyed at the junction)"
+        )
     if policy != "exact":
         native["policy"] = policy
         policy_env.policy_controls()  # validated here, so a bad control falls back at construction
@@ -140,28 +150,47 @@ def reprefillable_tokens(a: ManagerArgs) -> int:
     return max(0, la - 1)
 
 
+def _vllm_shared_prefix_checkpoint(a: ManagerArgs) -> bool:
+    """Whether vLLM's manager may turn its Mamba shared-prefix checkpoint on
+    (``KVCacheManager.mamba_shared_prefix_checkpoint``: the flag, EAGLE/MTP groups, partial
+    hash hits, no re-prefill), which the exact policy does not serve. Partial hash hits are
+    over-approximated by a Mamba "align" block above the hash block (a fallback is exact)."""
+    groups = a.kv_cache_config.kv_cache_groups
+    return (
+        bool(a.enable_mamba_shared_prefix_checkpoint)
+        and a.enable_caching
+        and (a.use_eagle or any(g.is_eagle_group for g in groups))
+        and a.num_prefill_lookahead <= 1
+        and any(
+            isinstance(g.kv_cache_spec, MambaSpec)
+            and g.kv_cache_spec.mamba_cache_mode == "align"
+            and (
+                g.kv_cache_spec.block_size > a.hash_block_size
+                # Under DCP vLLM accepts a Mamba block equal to the hash block (see ``.dcp``).
+                or (a.dcp_world_size > 1 and g.kv_cache_spec.block_size >= a.hash_block_size)
+            )
+            for g in groups
+        )
+    )
+
+
 def eagle_drop_groups(a: ManagerArgs) -> list[int]:
     """The groups in vLLM's coordinator's EAGLE/MTP drop set (0.33's
     ``drop_eagle_group_ids``, 0.32's ``eagle_group_ids``): the groups flagged
     ``is_eagle_group``, or every group when ``use_eagle`` flags none; on 0.33 only with
     ``use_eagle`` (lookahead block hashes clear it), on 0.32 always. Empty with prefix caching
-    off, where vLLM's coordinator reads none of it. Raises ``Unsupported`` for a drop the core
-    does not serve: with Mamba layers (their checkpoints move with it, and the scheduler's
-    split positions), with chunked local attention (vLLM asserts on it)."""
+    off, where vLLM's coordinator reads none of it. A Mamba group in the set matches as
+    without the drop (vLLM's Mamba finder never drops) but caches one block past the aligned
+    boundary, as every dropping group does. Raises ``Unsupported`` for a drop the core does
+    not serve: with chunked local attention (vLLM asserts on it)."""
     groups = a.kv_cache_config.kv_cache_groups
     flagged = [i for i, g in enumerate(groups) if g.is_eagle_group]
     if a.use_eagle and not flagged:
         flagged = list(range(len(groups)))
     drops = a.use_eagle or not compat.EAGLE_GROUPS_DROP_ONLY_WITH_USE_EAGLE
     specs = [g.kv_cache_spec for g in groups]
-    if a.use_eagle and any(isinstance(s, MambaSpec) and s.mamba_cache_mode == "align" for s in specs):
-        # vLLM moves the "align" prefill checkpoints back one block with ``use_eagle``,
-        # prefix caching on or off.
-        raise Unsupported("EAGLE/MTP prefix-cache block drop with Mamba layers")
     if not (a.enable_caching and drops and flagged):
         return []
-    if any(isinstance(s, MambaSpec) for s in specs):
-        raise Unsupported("EAGLE/MTP prefix-cache block drop with Mamba layers")
     if any(isinstance(s, ChunkedLocalAttentionSpec) for s in specs):
         raise Unsupported("EAGLE/MTP prefix-cache block drop with chunked local attention (vLLM asserts on it)")
     return flagged

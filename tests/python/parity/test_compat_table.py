@@ -209,7 +209,8 @@ def test_row_matches_the_adapter(row: str, specs: str, over: dict[str, Any], fra
 def test_eagle_block_drop_row() -> None:
     """The Scheduler passes ``use_eagle=True`` where vLLM drops the last block for EAGLE: on
     0.32 for every EAGLE/MTP/DFlash/DSpark run, on 0.33 when lookahead hashes are off. Served
-    without Mamba layers, prefix caching on or off; with Mamba layers it falls back."""
+    with or without Mamba layers (their "align" checkpoints moved one block back), prefix
+    caching on or off; chunked local attention dropping falls back (vLLM asserts)."""
     release = _release()
     row = "EAGLE / MTP with `disable_lookahead_block_hashes`" if release != "0.32.0" else "EAGLE / EAGLE3 / MTP"
     for specs in ("full", "mla", "swa", "swa_retained"):
@@ -221,9 +222,21 @@ def test_eagle_block_drop_row() -> None:
     native, reason = _decide(_kwargs(_specs("chunked"), use_eagle=True))
     assert not native and "with chunked local attention" in reason, reason
     assert _decide(_kwargs(_specs("chunked"), use_eagle=True, enable_caching=False))[0]
-    native, reason = _decide(_kwargs(_specs("mamba2_align"), use_eagle=True))
-    assert not native and reason == "EAGLE/MTP prefix-cache block drop with Mamba layers", reason
-    assert '"EAGLE/MTP prefix-cache block drop with Mamba layers"' in _cell(row)
+    for specs in ("mamba2_align", "gdn_partial"):
+        over = {"hash_block_size": 16, "scheduler_block_size": 64} if specs == "gdn_partial" else {}
+        native, reason = _decide(_kwargs(_specs(specs), use_eagle=True, **over))
+        assert native, (specs, reason)
+    assert _decide(_kwargs(_specs("mamba"), use_eagle=True, enable_caching=False))[0]
+    # vLLM's own shared-prefix checkpoint (its flag, EAGLE/MTP groups, partial hash hits) is
+    # not served by the default policy.
+    pmu = {"hash_block_size": 16, "scheduler_block_size": 64, "enable_mamba_shared_prefix_checkpoint": True}
+    native, reason = _decide(_kwargs(_specs("gdn_partial"), use_eagle=True, **pmu))
+    assert not native and reason.startswith("enable_mamba_shared_prefix_checkpoint with EAGLE/MTP groups"), reason
+    assert "enable_mamba_shared_prefix_checkpoint with EAGLE/MTP groups and partial hash hits" in _cell(
+        "`--prefix-match-unit` below"
+    )
+    cell = _cell(row)
+    assert "block drop with Mamba layers" not in cell and "Mamba" in cell, cell
 
 
 def test_multi_module_mtp_row() -> None:

@@ -34,22 +34,35 @@ CASES: dict[str, tuple[str, int, int, bool, int]] = {
     "nemotron_h_b128_u16_async": ("mamba2", 128, 16, True, 220),
     "nemotron_h_b128_u64_sync": ("mamba2", 128, 64, False, 220),
     "lfm2_short_conv_b64_u16_sync": ("short_conv", 64, 16, False, 300),
+    # EAGLE with the prefix-cache block drop (0.32 with prefix caching, 0.33 on with
+    # ``disable_lookahead_block_hashes``): every group drops, the Mamba checkpoints and the
+    # scheduler's split positions move one unit back.
+    "qwen35_gdn_b64_u16_eagle_drop_sync": ("gdn", 64, 16, False, 320),
+    "nemotron_h_b64_u32_eagle_drop_async": ("mamba2", 64, 32, True, 380),
 }
+
+# The cases with an EAGLE drafter (two drafts a step) and the block drop.
+EAGLE_DROP = {"qwen35_gdn_b64_u16_eagle_drop_sync", "nemotron_h_b64_u32_eagle_drop_async"}
 
 
 def _setup(case: str) -> Any:
     import torch
 
     from hybrid_alloc.bench.offline import LayerKind, MambaState, ModelShape, SchedulerSetup
+    from sched_driver import SpecSchedulerSetup
+    from vllm_harness import HAVE_LOOKAHEAD_HASHES
 
     family, block, unit, async_scheduling, num_blocks = CASES[case]
 
+    # The scheduler setup (with an EAGLE drafter for the drop cases) with the unit set.
+    base = SpecSchedulerSetup if case in EAGLE_DROP else SchedulerSetup
+
     @dataclasses.dataclass
-    class PartialSchedulerSetup(SchedulerSetup):
+    class PartialSchedulerSetup(base):  # type: ignore[misc, valid-type]
         prefix_match_unit: int = 16
 
         def vllm_config(self) -> Any:
-            vc = SchedulerSetup.vllm_config(self)
+            vc = base.vllm_config(self)
             vc.cache_config.prefix_match_unit = self.prefix_match_unit
             return vc
 
@@ -69,6 +82,9 @@ def _setup(case: str) -> Any:
         f"tiny-{family}", layers, num_kv_heads=2, head_size=64, weight_bytes=0, max_model_len=2048, mamba_state=state
     )
     assert shape.attention_block_size(block) == block
+    eagle: dict[str, Any] = {}
+    if case in EAGLE_DROP:
+        eagle = dict(num_spec_tokens=2, method="eagle", disable_lookahead_block_hashes=HAVE_LOOKAHEAD_HASHES)
     return PartialSchedulerSetup(
         shape=shape,
         block_size=block,
@@ -78,6 +94,7 @@ def _setup(case: str) -> Any:
         max_num_batched_tokens=512,
         kv_events=True,
         prefix_match_unit=unit,
+        **eagle,
     )
 
 
@@ -107,6 +124,7 @@ def _run(setup: Any) -> dict[str, Any]:
         flags["hash_block_size"] = sched.hash_block_size
         flags["mamba_partial_cache_hit"] = sched.mamba_partial_cache_hit
         flags["enable_partial_hash_hits"] = mgr.coordinator.enable_partial_hash_hits
+        flags["use_eagle_block_drop"] = sched.use_eagle_block_drop
         take = mgr.take_new_block_ids
 
         def take_new_block_ids() -> list[int]:
@@ -154,8 +172,12 @@ def test_real_scheduler_identical_with_partial_hits(case: str) -> None:
     assert_same_run(case, ref, ours)
     assert ref["zeroed"] == ours["zeroed"], f"{case}: blocks to zero differ"
     assert ref["lookups"] == ours["lookups"], f"{case}: a lookup's hit differs"
-    for k in ("hash_block_size", "mamba_partial_cache_hit", "enable_partial_hash_hits"):
+    for k in ("hash_block_size", "mamba_partial_cache_hit", "enable_partial_hash_hits", "use_eagle_block_drop"):
         assert ref[k] == ours[k], k
+    assert ref["use_eagle_block_drop"] == (case in EAGLE_DROP)
+    if case in EAGLE_DROP:
+        assert ref["use_eagle"] is True and ref["lookahead"] == 0
+        assert 0 < ref["accepted"] < ref["drafts"]
     assert ref["hash_block_size"] == unit
     assert ref["mamba_partial_cache_hit"] and ref["enable_partial_hash_hits"]
     assert ref["preemptions"] > 0, f"{case}: no preemption; make the pool smaller"

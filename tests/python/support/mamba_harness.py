@@ -289,6 +289,79 @@ MAMBA_SETUPS: list[Setup] = [
         use_eagle=True,
         prefill_lookahead=3,
     ),
+    # Multi-module MTP (three tokens of prefill lookahead) with the block drop on a GDN hybrid
+    # (0.32 with prefix caching, 0.33 on with lookahead hashes off): the checkpoints one block
+    # back and the dropping groups' cache target short of the re-prefillable tokens.
+    Setup(
+        "qwen35_gdn_3to1_mtp3_drop_all_align",
+        [full(16), gdn(16, "align", 3), gdn(16, "align", 3), gdn(16, "align", 3)],
+        num_blocks=380,
+        retention_interval=None,
+        use_eagle=True,
+        prefill_lookahead=3,
+    ),
+    # EAGLE / MTP with the prefix-cache block drop (``use_eagle``: 0.32 with prefix caching,
+    # 0.33 on with ``disable_lookahead_block_hashes``): every Mamba "align" group's prefill
+    # checkpoint positions move one block back (``drop_eagle_checkpoint_block``). With the
+    # draft layer's group flagged (Qwen3.5 / Qwen3-Next MTP), the full-attention groups drop
+    # and the GDN groups do not; with none flagged every group is in the drop set, Mamba
+    # included (its finder never drops; it caches one block past the aligned boundary).
+    Setup(
+        "qwen35_gdn_3to1_mtp1_drop_align",
+        [full(16), gdn(16, "align", 1), gdn(16, "align", 1), gdn(16, "align", 1), full(16)],
+        num_blocks=340,
+        retention_interval=None,
+        eagle_groups=(4,),
+        use_eagle=True,
+        prefill_lookahead=1,
+    ),
+    Setup(
+        "qwen3next_gdn_3to1_mtp3_drop_all_align_retention0",
+        [full(16), gdn(16, "align", 3), gdn(16, "align", 3), gdn(16, "align", 3)],
+        num_blocks=380,
+        retention_interval=0,
+        use_eagle=True,
+        prefill_lookahead=1,
+    ),
+    Setup(
+        "nemotron_h_mamba2_eagle2_drop_align",
+        [full(16)] + [mamba2(16, "align", 2) for _ in range(6)] + [full(16)],
+        num_blocks=520,
+        retention_interval=None,
+        eagle_groups=(7,),
+        use_eagle=True,
+        prefill_lookahead=1,
+    ),
+    Setup(
+        "nemotron_h_mamba2_eagle1_drop_all_align_retention64",
+        [full(16)] + [mamba2(16, "align", 1) for _ in range(6)],
+        num_blocks=460,
+        retention_interval=64,
+        use_eagle=True,
+        prefill_lookahead=1,
+    ),
+    Setup(
+        "full_swa_mamba2_eagle_drop_all_align",
+        [full(16), swa_bf16(48, 16), mamba2(16, "align", 1)],
+        num_blocks=440,
+        retention_interval=None,
+        use_eagle=True,
+        prefill_lookahead=1,
+    ),
+    Setup("mamba2_only_eagle_drop_align", [mamba2(16, "align", 1)], num_blocks=80, use_eagle=True, prefill_lookahead=1),
+    # Prefix caching off: ``use_eagle`` reaches the managers (the Mamba groups in mode "none").
+    Setup(
+        "qwen35_gdn_mtp2_eagle_nocache",
+        [full(64), gdn(spec_blocks=2), gdn(spec_blocks=2), gdn(spec_blocks=2)],
+        num_blocks=300,
+        enable_caching=False,
+        hash_block_size=MML,
+        scheduler_block_size=MML,
+        max_model_len=MML,
+        retention_interval=None,
+        use_eagle=True,
+        prefill_lookahead=1,
+    ),
     # Full + sliding window + Mamba: three spec groups, the hybrid hit search iterates.
     Setup(
         "full_swa_mamba_align",

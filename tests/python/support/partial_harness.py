@@ -45,10 +45,18 @@ class PartialSetup(Setup):
 
 
 def partial_setup(
-    name: str, specs: list[Any], block: int, unit: int, num_blocks: int, retention: int | None = None
+    name: str,
+    specs: list[Any],
+    block: int,
+    unit: int,
+    num_blocks: int,
+    retention: int | None = None,
+    use_eagle: bool = False,
 ) -> Setup:
     """Every group's block is ``block`` (vLLM aligns the attention block to the Mamba block
-    with prefix caching); requests are hashed every ``unit`` tokens."""
+    with prefix caching); requests are hashed every ``unit`` tokens. ``use_eagle``: the
+    EAGLE/MTP block drop (every group in the drop set, the Mamba checkpoints one unit back;
+    the split as vLLM's scheduler makes it then)."""
     assert block % unit == 0 and unit < block
     assert all(s.block_size == block for s in specs)
     return PartialSetup(
@@ -62,6 +70,8 @@ def partial_setup(
         # partial hit's last block by its full-block hash: IndexError when the prompt ends
         # inside that block (0.32-0.34), so no request of these traces asks for it.
         report_full=False,
+        use_eagle=use_eagle,
+        prefill_lookahead=1 if use_eagle else 0,
         extra={"block": block, "unit": unit},
     )
 
@@ -90,6 +100,10 @@ PARTIAL_SETUPS: list[Setup] = [
     partial_setup("nemotron_h_mamba2_b128_u64", _mamba2(128), 128, 64, num_blocks=120),
     partial_setup("lfm2_short_conv_b64_u16", _short_conv(64), 64, 16, num_blocks=160),
     partial_setup("lfm2_short_conv_b128_u64", _short_conv(128), 128, 64, num_blocks=110),
+    # EAGLE / MTP with the block drop (0.32 with prefix caching, 0.33 on with
+    # ``disable_lookahead_block_hashes``).
+    partial_setup("qwen35_gdn_b64_u16_eagle_drop", _gdn(64), 64, 16, num_blocks=120, use_eagle=True),
+    partial_setup("nemotron_h_mamba2_b64_u32_eagle_drop", _mamba2(64), 64, 32, num_blocks=170, use_eagle=True),
 ]
 
 
@@ -141,7 +155,7 @@ class PartialParityRun(ZeroingParityRun):
             max_num_scheduled_tokens=setup.max_in_flight_tokens,
             num_hash_lookahead_tokens=0,
             scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
-            use_eagle_block_drop=False,
+            use_eagle_block_drop=setup.use_eagle,
         )
         for k in (
             "partial_hits",
