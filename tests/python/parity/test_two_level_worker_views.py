@@ -11,7 +11,10 @@ page-aligned in the buffer, so a byte belongs to one page of one region, and an 
 and a state block share a byte only when they are in the same page of the same region (the
 allocator gives a page to a state or to slots, never both: the scheduler-level oracle). Only
 the allocation and the views are vLLM's here: on 0.33 and 0.34 (no CPU engine) nothing ran a
-forward pass over them (docs/compatibility.md says so)."""
+forward pass over them (docs/compatibility.md says so).
+
+KV cache zeroing (``support/zeroing_run.py``): vLLM's zeroers of the release, on CPU tensors,
+zero exactly the new slots with the plugin's zeroer wrapper, and a page for a slot without it."""
 
 from __future__ import annotations
 
@@ -93,30 +96,112 @@ def _vllm_cpu() -> bool:
     return True
 
 
-def test_engine_side_installs_on_the_cpu_engine_of_0_32_only(caplog: pytest.LogCaptureFixture) -> None:
-    """``engine_pages.install`` patches vLLM only on vllm-cpu 0.32.0 (the release and platform
-    a real engine proved); elsewhere it leaves vLLM as it is, with one line. Installed, it
-    answers vLLM's own plan (one page for every group) as vLLM does."""
+def test_engine_side_installs_on_every_release_it_serves(caplog: pytest.LogCaptureFixture) -> None:
+    """``engine_pages.install`` patches vLLM on every release in ``ENGINE_RELEASES`` (vllm-cpu
+    0.32.0 proven by a real engine, the others on CPU tensors only); installed, it answers
+    vLLM's own plan (one page for every group) as vLLM does, its zeroer wrapper passes vLLM's
+    ``num_blocks`` through for vLLM's own views, and ``remove`` puts every patch back."""
     from vllm.v1.engine import core as core_mod
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.worker.utils import KVBlockZeroer
 
     from hybrid_alloc.bench.offline import SHAPES, SchedulerSetup
     from hybrid_alloc.vllm import engine_pages
     from hybrid_alloc.vllm.plugin import vllm_release
 
-    before = (core_mod.get_kv_cache_configs, KVCacheConfig.num_blocks_of)
+    before = (core_mod.get_kv_cache_configs, KVCacheConfig.num_blocks_of, KVBlockZeroer.__init__)
     release = vllm_release()
+    assert engine_pages.proof(release, _vllm_cpu()) == (
+        "a real CPU engine" if (release, _vllm_cpu()) == ("0.32.0", True) else engine_pages.CPU_TENSORS_ONLY
+    )
+    assert engine_pages.proof("0.31.0", True) is None
     with caplog.at_level("WARNING", logger="vllm.hybrid_alloc"):
         ok = engine_pages.install(release)
     try:
-        assert ok == (_vllm_cpu() and release in engine_pages.ENGINE_RELEASES)
-        if not ok:
-            assert "is proven on vLLM 0.32.0's CPU engine only" in caplog.text
-            assert (core_mod.get_kv_cache_configs, KVCacheConfig.num_blocks_of) == before
-            return
+        assert ok and release in engine_pages.ENGINE_RELEASES
+        assert "vLLM's KV cache layout stays" not in caplog.text
+        assert KVBlockZeroer.__init__ is not before[2]
         setup = SchedulerSetup(SHAPES["qwen36"], kv_budget_bytes=96 * MiB, max_num_seqs=4)
         kvc = setup.kv_cache_config(setup.vllm_config())
         assert {kvc.num_blocks_of(t) for t in kvc.kv_cache_tensors} == {kvc.num_blocks}
     finally:
         engine_pages.remove()
-    assert (core_mod.get_kv_cache_configs, KVCacheConfig.num_blocks_of) == before
+    assert (core_mod.get_kv_cache_configs, KVCacheConfig.num_blocks_of, KVBlockZeroer.__init__) == before
+
+
+def test_engine_side_refuses_a_release_it_does_not_serve(caplog: pytest.LogCaptureFixture) -> None:
+    """Outside ``ENGINE_RELEASES`` nothing is patched, with one line."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from hybrid_alloc.vllm import engine_pages
+
+    before = KVCacheConfig.num_blocks_of
+    with caplog.at_level("WARNING", logger="vllm.hybrid_alloc"):
+        assert not engine_pages.install("0.31.0")
+    assert "two-level is served on vLLM 0.32.0, 0.33.0, 0.34.0 only (this is vLLM 0.31.0" in caplog.text
+    assert KVCacheConfig.num_blocks_of is before and not engine_pages.installed()
+
+
+def _zeroing(plain: bool) -> dict[str, Any]:
+    """``support/zeroing_run.py`` in a subprocess (with the plugin's wrapper, Triton's interpreter
+    on; ``plain``: without the wrapper, nor the interpreter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "support" / "zeroing_run.py"
+    env = dict(os.environ, TRITON_INTERPRET="0" if plain else "1")
+    done = subprocess.run(
+        [sys.executable, str(script), *(["--plain"] if plain else [])],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_vllm_zeroers_zero_exactly_the_new_slots() -> None:
+    """vLLM's KV block zeroing of this release, on CPU tensors, over the two-level views, with
+    the plugin's engine side installed: the GPU runners' ``KVBlockZeroer`` (its segment table
+    built by vLLM, its Triton kernel run by Triton's interpreter; also over views in 16-token
+    kernel blocks), 0.34's ``CPUKVBlockZeroer`` and 0.32/0.33's ``CPUModelRunner._zero_block_ids``
+    each zero exactly the small page of every new slot in every attention layer's region:
+    nothing of a state page in use (page 1), of another request's slot of the same page, or of a
+    state layer's bytes outside those slots."""
+    from zeroing_run import NEW_SLOTS, STATE_PAGES_IN_USE
+
+    out = _zeroing(plain=False)
+    layout = out["layout"]
+    page, small, k = layout["page"], layout["small_page"], layout["k"]
+    assert k == 17 and layout["pages"] == 4
+    expected = sorted([base + s * small, base + (s + 1) * small] for base in layout["attention"] for s in NEW_SLOTS)
+    ran = [z for z in ("gpu", "gpu16", "cpu", "cpu_runner") if out[z] is not None]
+    assert "gpu" in ran and "gpu16" in ran  # every release's GPU zeroer
+    assert ("cpu" in ran) != ("cpu_runner" in ran)  # 0.34's CPU zeroer, or 0.32/0.33's
+    for z in ran:
+        assert out[z] == expected, z
+        for lo, hi in out[z]:
+            for base in set(layout["state"]):
+                for p in STATE_PAGES_IN_USE:
+                    assert hi <= base + p * page or lo >= base + (p + 1) * page, (z, lo, hi)
+
+
+def test_vllm_zeroers_without_the_wrapper_zero_a_page_for_a_slot() -> None:
+    """The bug the wrapper fixes (and that the test above would catch): vLLM's own 0.34
+    ``CPUKVBlockZeroer`` reads slot 1 as page 1, the state in use, and zeroes all of it in
+    every region (the GPU zeroer does the same: checked by hand with Triton's interpreter);
+    0.32/0.33's CPU runner zeroes slot 1 as it is (``kv[1]`` of a slot view), which is why it
+    needs no patch."""
+    out = _zeroing(plain=True)
+    layout = out["layout"]
+    page, small = layout["page"], layout["small_page"]
+    assert out["gpu"] is None  # no interpreter in this run
+    if out["cpu"] is not None:
+        assert out["cpu"] == sorted([base + page, base + 2 * page] for base in layout["attention"])
+    if out["cpu_runner"] is not None:
+        assert out["cpu_runner"] == sorted([base + small, base + 2 * small] for base in layout["attention"])
