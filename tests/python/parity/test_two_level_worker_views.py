@@ -18,6 +18,7 @@ zero exactly the new slots with the plugin's zeroer wrapper, and a page for a sl
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -142,9 +143,10 @@ def test_engine_side_refuses_a_release_it_does_not_serve(caplog: pytest.LogCaptu
     assert KVCacheConfig.num_blocks_of is before and not engine_pages.installed()
 
 
+@functools.cache
 def _zeroing(plain: bool) -> dict[str, Any]:
     """``support/zeroing_run.py`` in a subprocess (with the plugin's wrapper, Triton's interpreter
-    on; ``plain``: without the wrapper, nor the interpreter)."""
+    on; ``plain``: without the wrapper, nor the interpreter); once per session."""
     import json
     import os
     import subprocess
@@ -205,3 +207,44 @@ def test_vllm_zeroers_without_the_wrapper_zero_a_page_for_a_slot() -> None:
         assert out["cpu"] == sorted([base + page, base + 2 * page] for base in layout["attention"])
     if out["cpu_runner"] is not None:
         assert out["cpu_runner"] == sorted([base + small, base + 2 * small] for base in layout["attention"])
+
+
+def test_vllm_copies_a_state_page_whole() -> None:
+    """vLLM's ``copy_kv_cache_blocks_inplace`` (copy-on-write of partial hits, ``prefix_match_unit``:
+    the copies the core hands the workers are state pages) over the two-level views, on CPU
+    tensors: the attention views of ``pages * k`` slots fold into pages, so exactly the
+    destination page of every region is written, with the source page's bytes."""
+    from zeroing_run import COPY
+
+    out = _zeroing(plain=False)
+    layout = out["layout"]
+    page = layout["page"]
+    dst = COPY[1]
+    regions = sorted(set(layout["state"]))
+    assert out["copies"]["intervals"] == [[base + dst * page, base + (dst + 1) * page] for base in regions]
+    assert out["copies"]["all_copied"]
+
+
+def test_vllm_slot_mappings_address_the_request_s_slots() -> None:
+    """vLLM's slot mapping kernels of this release (the V2 runner's on every release, and 0.32's
+    and 0.33's V1 runner's), run by Triton's interpreter on CPU tensors with the block sizes the
+    runners pass (the groups' ``block_size``): every scheduled token of an attention group maps to
+    ``slot * small + offset`` of the slot its block table names at ``position // small`` (a view
+    block of the small page, inside its page: the first test), across a page boundary of the
+    table; a state group maps none (its block table holds pages the Mamba layers index)."""
+    from zeroing_run import PAD, POSITIONS, TABLES
+
+    out = _zeroing(plain=False)["slot_mappings"]
+    sizes, state = out["sizes"], out["state"]
+    small = {b for b, s in zip(sizes, state, strict=True) if not s}
+    assert small == {64}
+    expected = []
+    for g, is_state in enumerate(state):
+        row = []
+        for r, (attn, _) in TABLES.items():
+            row += [PAD if is_state else attn[p // 64] * 64 + p % 64 for p in POSITIONS[r]]
+        expected.append(row)
+    ran = [k for k in ("v2", "v1") if out[k] is not None]
+    assert "v2" in ran
+    for k in ran:
+        assert out[k] == expected, k

@@ -24,7 +24,7 @@ zeroers run as they are (the bug the wrapper fixes: a slot id zeroes a page).
 
 prints one JSON line: ``{zeroer: intervals}`` for the zeroers this release has, plus the layout
 (``layout``: pages, ``k``, the page and small page in bytes, the attention and state layers'
-regions); ``--plain`` runs without the plugin's wrapper, over :data:`PLAIN_SLOTS`.
+regions), and ``copies``: :func:`copied`; ``--plain`` runs without the plugin's wrapper, over :data:`PLAIN_SLOTS`.
 """
 
 from __future__ import annotations
@@ -55,9 +55,14 @@ def views(kernel_block: int | None = None) -> tuple[Any, dict[str, Any], Any, di
     the plugin's ``num_blocks_of``; attention views in ``kernel_block``-token kernel blocks when
     given), the backing buffer as bytes (every byte :data:`SENTINEL`), and the layout."""
     import torch
+    from vllm.utils import torch_utils
     from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
+
+    # vLLM's ``async_tensor_h2d`` (the zeroer's and the copies' ids) pins its host copy where
+    # CUDA is built in; there is no driver here.
+    torch_utils.PIN_MEMORY = False
 
     from hybrid_alloc.bench.offline import SHAPES, SchedulerSetup
     from hybrid_alloc.vllm import engine_pages, pages
@@ -111,13 +116,19 @@ def _attention_groups(kvc: Any, kernel_block: int | None) -> tuple[list[Any], li
 def _interpreted(fn: Any) -> Any:
     """vLLM's Triton kernel ``fn`` (the same code) jitted by the real Triton, in interpreter mode
     (vLLM's ``triton_utils`` hands out a placeholder without a GPU, unless ``TRITON_INTERPRET``
-    made it take Triton's interpreter: then ``fn`` is already interpreted)."""
+    made it take Triton's interpreter: then ``fn`` is already interpreted). The ``@triton.jit``
+    helpers it calls (plain functions under the placeholder) are jitted the same way."""
     if not isinstance(fn, types.FunctionType):
         return fn
     import triton
     import triton.language as tl
 
     namespace = dict(fn.__globals__, tl=tl, triton=triton)
+    for name in fn.__code__.co_names:
+        helper = namespace.get(name)
+        if isinstance(helper, types.FunctionType) and helper.__globals__.get("tl") is not tl:
+            if "tl" in helper.__globals__:  # a kernel helper of vLLM's (placeholder ``tl``)
+                namespace[name] = _interpreted(helper)
     return triton.jit(types.FunctionType(fn.__code__, namespace, fn.__name__))
 
 
@@ -145,10 +156,8 @@ def zeroed(zeroer: str, slots: tuple[int, ...]) -> list[list[int]] | None:
     if zeroer in ("gpu", "gpu16"):
         if os.environ.get("TRITON_INTERPRET") != "1":
             return None
-        from vllm.utils import torch_utils
         from vllm.v1.worker import utils
 
-        torch_utils.PIN_MEMORY = False  # ``async_tensor_h2d`` pins its copy where CUDA is built in
         z = utils.KVBlockZeroer(
             cpu, attn_groups_iter=iter(groups), kernel_block_sizes=kernel, static_forward_context=ctx,
             num_blocks=kvc.num_blocks,
@@ -177,6 +186,108 @@ def zeroed(zeroer: str, slots: tuple[int, ...]) -> list[list[int]] | None:
     return _changed(buf)
 
 
+#: A copy-on-write of a partial hit (``prefix_match_unit``): the state page in use to a free page.
+COPY = (1, 2)
+COPY_BYTE = 0x3C
+
+
+def copied() -> dict[str, Any]:
+    """vLLM's ``copy_kv_cache_blocks_inplace`` (the runners' copy-on-write of partial hits, at
+    the runner's ``num_blocks``, pages) over every view of the two-level configuration, page
+    :data:`COPY` [0] (its bytes set to :data:`COPY_BYTE` in every region first) to page
+    :data:`COPY` [1]: the changed intervals, and whether every changed byte is the copied byte."""
+    from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
+
+    kvc, kv, buf, layout = views()
+    src, dst = COPY
+    page = layout["page"]
+    for base in set(layout["state"]):
+        buf[base + src * page : base + (src + 1) * page] = COPY_BYTE
+    caches = [t for v in kv.values() for t in (v if isinstance(v, (list, tuple)) else [v])]
+    copy_kv_cache_blocks_inplace(caches, kvc.num_blocks, [COPY])
+    for base in set(layout["state"]):
+        buf[base + src * page : base + (src + 1) * page] = SENTINEL  # only what the copy wrote
+    changed = _changed(buf)
+    return {"intervals": changed, "all_copied": all(bool((buf[lo:hi] == COPY_BYTE).all()) for lo, hi in changed)}
+
+
+#: Block tables of two running requests, per group (attention: slot ids of the pages 2 and 3 that
+#: hold slots; state: page 1), and the positions each schedules this step (a prefill chunk of 101
+#: tokens, a 10-token one starting at 50).
+TABLES = {"a": ([37, 52], [1]), "b": ([38, 53], [1])}
+POSITIONS = {"a": list(range(101)), "b": list(range(50, 60))}
+PAD = -1
+
+
+def slot_mappings() -> dict[str, Any]:
+    """vLLM's slot mapping kernels of this release (Triton, run by the interpreter; None without
+    ``TRITON_INTERPRET=1``) over :data:`TABLES` and :data:`POSITIONS`, at the block sizes the
+    runners pass (the groups' ``block_size``: the small block for attention, the state block for
+    the state group, whose mapping is off): ``v2``: the V2 runner's ``_compute_slot_mappings_kernel``
+    (``v1/worker/gpu/block_table.py``, every release); ``v1``: 0.32's and 0.33's
+    ``ComputeSlotMappingKernel.kernel`` (``v1/worker/block_table.py``), per group. Each: one
+    list per group, the slot of each scheduled token (``PAD`` where the group maps none)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return {"v2": None, "v1": None}
+    import importlib
+
+    import torch
+
+    kvc, _, _, _ = views()
+    sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups]
+    state = [type(g.kv_cache_spec).__name__ == "MambaSpec" for g in kvc.kv_cache_groups]
+    width = 4
+    tables = [torch.zeros(len(TABLES), width, dtype=torch.int32) for _ in sizes]
+    for r, (attn, st) in enumerate(TABLES.values()):
+        for g, t in enumerate(tables):
+            row = st if state[g] else attn
+            t[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    positions = torch.tensor([p for ps in POSITIONS.values() for p in ps], dtype=torch.int64)
+    lens = [len(ps) for ps in POSITIONS.values()]
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    n = int(qsl[-1])
+    out: dict[str, Any] = {}
+    v2 = importlib.import_module("vllm.v1.worker.gpu.block_table")
+    mappings = torch.zeros(len(sizes), n + 8, dtype=torch.int64)
+    _interpreted(v2._compute_slot_mappings_kernel)[(len(sizes), len(lens) + 1)](
+        mappings.shape[1],
+        torch.arange(len(lens), dtype=torch.int32),
+        qsl,
+        positions,
+        torch.tensor([t.data_ptr() for t in tables], dtype=torch.uint64),
+        torch.tensor([t.stride(0) for t in tables], dtype=torch.int64),
+        torch.tensor(sizes, dtype=torch.int32),
+        torch.tensor([not s for s in state], dtype=torch.bool),
+        torch.tensor([True] * len(sizes), dtype=torch.bool),
+        mappings,
+        mappings.stride(0),
+        0,
+        CP_SIZE=1,
+        CP_INTERLEAVE=1,
+        PAD_ID=PAD,
+        TRITON_BLOCK_SIZE=1024,
+    )
+    out["v2"] = mappings[:, :n].tolist()
+    out["sizes"] = sizes
+    out["state"] = state
+    try:
+        v1 = importlib.import_module("vllm.v1.worker.block_table")
+        kernel = _interpreted(v1.ComputeSlotMappingKernel.kernel)
+    except (ImportError, AttributeError):
+        out["v1"] = None
+        return out
+    per_group = []
+    for g, t in enumerate(tables):
+        if state[g]:  # vLLM's ``SlotMappingMode.NONE``: no mapping for a Mamba group
+            per_group.append([PAD] * n)
+            continue
+        m = torch.zeros(n + 8, dtype=torch.int64)
+        kernel[(len(lens) + 1,)](n, m.shape[0], qsl, positions, t, t.stride(0), m, sizes[g], 1, 0, 1, PAD, 1024)
+        per_group.append(m[:n].tolist())
+    out["v1"] = per_group
+    return out
+
+
 def run(installed: bool) -> dict[str, Any]:
     """Every zeroer's intervals (None: absent here) and the layout, with the plugin's engine
     side installed (for :data:`NEW_SLOTS`) or not (for :data:`PLAIN_SLOTS`)."""
@@ -189,6 +300,9 @@ def run(installed: bool) -> dict[str, Any]:
     try:
         for zeroer in ZEROERS if installed else PLAIN_ZEROERS:
             out[zeroer] = zeroed(zeroer, NEW_SLOTS if installed else PLAIN_SLOTS)
+        if installed:
+            out["copies"] = copied()
+            out["slot_mappings"] = slot_mappings()
     finally:
         if installed:
             engine_pages.remove()
