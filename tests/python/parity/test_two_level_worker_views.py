@@ -239,7 +239,7 @@ def test_vllm_slot_mappings_address_the_request_s_slots() -> None:
     small = {b for b, s in zip(sizes, state, strict=True) if not s}
     assert small == {64}
     expected = []
-    for g, is_state in enumerate(state):
+    for is_state in state:
         row = []
         for r, (attn, _) in TABLES.items():
             row += [PAD if is_state else attn[p // 64] * 64 + p % 64 for p in POSITIONS[r]]

@@ -72,7 +72,9 @@ def views(kernel_block: int | None = None) -> tuple[Any, dict[str, Any], Any, di
     groups = kvc.kv_cache_groups
     kernel = None
     if kernel_block is not None:
-        kernel = [g.kv_cache_spec.block_size if isinstance(g.kv_cache_spec, MambaSpec) else kernel_block for g in groups]
+        kernel = [
+            g.kv_cache_spec.block_size if isinstance(g.kv_cache_spec, MambaSpec) else kernel_block for g in groups
+        ]
     original = KVCacheConfig.num_blocks_of
     if not getattr(original, "_hybrid_alloc_wrapped", False):
         KVCacheConfig.num_blocks_of = engine_pages._num_blocks_of(original)  # what install() sets
@@ -159,7 +161,10 @@ def zeroed(zeroer: str, slots: tuple[int, ...]) -> list[list[int]] | None:
         from vllm.v1.worker import utils
 
         z = utils.KVBlockZeroer(
-            cpu, attn_groups_iter=iter(groups), kernel_block_sizes=kernel, static_forward_context=ctx,
+            cpu,
+            attn_groups_iter=iter(groups),
+            kernel_block_sizes=kernel,
+            static_forward_context=ctx,
             num_blocks=kvc.num_blocks,
         )
         utils._zero_kv_blocks_kernel = _interpreted(utils._zero_kv_blocks_kernel)
@@ -170,7 +175,10 @@ def zeroed(zeroer: str, slots: tuple[int, ...]) -> list[list[int]] | None:
         except ImportError:
             return None
         z = CPUKVBlockZeroer(
-            cpu, attn_groups_iter=iter(groups), kernel_block_sizes=kernel, static_forward_context=ctx,
+            cpu,
+            attn_groups_iter=iter(groups),
+            kernel_block_sizes=kernel,
+            static_forward_context=ctx,
             num_blocks=kvc.num_blocks,
         )
         z.zero_block_ids(list(slots))
