@@ -222,10 +222,17 @@ def zeroer_num_blocks(
 
 def _zeroer_init(original: Any) -> Any:
     """``original`` (a zeroer's ``__init__``) given :func:`zeroer_num_blocks` for its
-    ``num_blocks``: vLLM's callers pass it by keyword (``num_blocks=self.kv_cache_config.num_blocks``)."""
+    ``num_blocks``: vLLM's callers pass it by keyword (``num_blocks=self.kv_cache_config.num_blocks``).
+    Raises ``TypeError`` (at install: the engine side then does not install) when ``original``
+    does not take the arguments the wrapper reads."""
     import inspect
 
     signature = inspect.signature(original)
+    missing = {"attn_groups_iter", "kernel_block_sizes", "static_forward_context", "num_blocks"} - set(
+        signature.parameters
+    )
+    if missing:
+        raise TypeError(f"{original.__qualname__} takes no {', '.join(sorted(missing))}")
     told: list[bool] = []  # one log line per process
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -301,6 +308,7 @@ def install(release: str | None) -> bool:
         original_alignment = core_mod.resolve_cache_hit_alignment_tokens
         original_num_blocks_of = KVCacheConfig.num_blocks_of
         zeroers = [(cls, vars(cls)["__init__"]) for cls in _zeroer_classes()]
+        wrapped = [_zeroer_init(init) for _, init in zeroers]
     except Exception as e:  # noqa: BLE001
         logger.warning("hybrid_alloc: two-level pages not installed, vLLM's layout stays: %s: %s", type(e).__name__, e)
         return False
@@ -328,8 +336,8 @@ def install(release: str | None) -> bool:
     core_mod.resolve_kv_cache_block_sizes = resolve_kv_cache_block_sizes
     core_mod.resolve_cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens
     KVCacheConfig.num_blocks_of = _num_blocks_of(original_num_blocks_of)
-    for cls, init in zeroers:
-        cls.__init__ = _zeroer_init(init)
+    for (cls, _), init in zip(zeroers, wrapped, strict=True):
+        cls.__init__ = init
     _saved = (
         core_mod,
         original_plan,

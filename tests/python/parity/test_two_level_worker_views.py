@@ -248,3 +248,36 @@ def test_vllm_slot_mappings_address_the_request_s_slots() -> None:
     assert "v2" in ran
     for k in ran:
         assert out[k] == expected, k
+
+
+def test_zeroer_num_blocks_reads_the_views() -> None:
+    """The wrapper's answer (in this process, on vLLM's own views): the attention views' manager
+    blocks for two-level views (``pages * k``, in small or 16-token kernel blocks), vLLM's
+    ``num_blocks`` for views of vLLM's own plan and for a packed cache it cannot read; a zeroer
+    whose ``__init__`` takes other arguments is refused at install."""
+    import types
+
+    import torch
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from hybrid_alloc.bench.offline import SHAPES, SchedulerSetup
+    from hybrid_alloc.vllm import engine_pages
+    from zeroing_run import _attention_groups, views
+
+    for kernel_block in (None, 16):
+        kvc, kv, _, layout = views(kernel_block)
+        ctx = {name: types.SimpleNamespace(kv_cache=v) for name, v in kv.items()}
+        groups, kernel = _attention_groups(kvc, kernel_block)
+        P = kvc.num_blocks
+        assert engine_pages.zeroer_num_blocks(P, groups, kernel, ctx) == P * layout["k"]
+        groups[-1].kernel_block_stride = 2  # a packed cache: vLLM's answer
+        assert engine_pages.zeroer_num_blocks(P, groups, kernel, ctx) == P
+    setup = SchedulerSetup(SHAPES["qwen36"], kv_budget_bytes=96 * MiB, max_num_seqs=4)
+    plain = setup.kv_cache_config(setup.vllm_config())
+    kv = allocate_kv_cache(plain, torch.device("cpu"), KVCacheLayout.LBHNC)
+    ctx = {name: types.SimpleNamespace(kv_cache=v) for name, v in kv.items()}
+    groups, kernel = _attention_groups(plain, None)
+    assert engine_pages.zeroer_num_blocks(plain.num_blocks, groups, kernel, ctx) == plain.num_blocks
+    with pytest.raises(TypeError, match="takes no attn_groups_iter"):
+        engine_pages._zeroer_init(lambda self, device, num_blocks: None)
