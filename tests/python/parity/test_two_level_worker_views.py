@@ -281,3 +281,16 @@ def test_zeroer_num_blocks_reads_the_views() -> None:
     assert engine_pages.zeroer_num_blocks(plain.num_blocks, groups, kernel, ctx) == plain.num_blocks
     with pytest.raises(TypeError, match="takes no attn_groups_iter"):
         engine_pages._zeroer_init(lambda self, device, num_blocks: None)
+
+
+def test_an_extensible_kv_cache_keeps_vllm_s_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.34's extensible KV cache re-pads the tensors (its ``layer_stride == num_blocks *
+    block_stride`` assertion fails on a slot view): ``decide`` keeps vLLM's plan, with its reason."""
+    import types
+
+    from hybrid_alloc.vllm import engine_pages, plugin
+
+    monkeypatch.setattr(plugin, "applied", lambda: True)
+    config = types.SimpleNamespace(cache_config=types.SimpleNamespace(enable_extensible_kv_cache=True))
+    reshaped, why = engine_pages.decide(config, [])
+    assert reshaped is None and "an extensible KV cache" in why
