@@ -216,7 +216,23 @@ def copied() -> dict[str, Any]:
     for base in set(layout["state"]):
         buf[base + src * page : base + (src + 1) * page] = SENTINEL  # only what the copy wrote
     changed = _changed(buf)
-    return {"intervals": changed, "all_copied": all(bool((buf[lo:hi] == COPY_BYTE).all()) for lo, hi in changed)}
+    # The bytes of a state block from its page's start (the widest state view's): what a copy
+    # must cover. 0.34 copies every view's geometry (the attention views span the whole page);
+    # 0.32 and 0.33 copy one view per address (a state view: its leading bytes).
+    groups = kvc.kv_cache_groups
+    state_layers = {n for g in groups if type(g.kv_cache_spec).__name__ == "MambaSpec" for n in g.layer_names}
+    extent = 0
+    for name in state_layers:
+        for t in kv[name] if isinstance(kv[name], (list, tuple)) else [kv[name]]:
+            el = t.element_size()
+            start = t.storage_offset() * el
+            last = sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:], strict=True)) + 1
+            extent = max(extent, start % page + last * el)
+    return {
+        "intervals": changed,
+        "all_copied": all(bool((buf[lo:hi] == COPY_BYTE).all()) for lo, hi in changed),
+        "state_extent": extent,
+    }
 
 
 #: Block tables of two running requests, per group (attention: slot ids of the pages 2 and 3 that
