@@ -36,7 +36,6 @@ use crate::policy::retention::{HitAware, PoolParts};
 use crate::policy::{Retention, NUM_LEVELS};
 use crate::prefix_index::{HashKey, PrefixIndex};
 
-
 /// The pool's parts the policy works on ([`PoolParts`]), lent for one hook call; borrows
 /// the fields apart from `retention`.
 macro_rules! parts {

@@ -136,10 +136,8 @@ fn new_slots_per_page_refuses_what_it_cannot_serve() {
     };
     not_served(a.pin_prefix(&hashes(&[1, 2])));
     let h = add(&mut a, &[1, 2]);
-    let pin = hybrid_alloc::RequestHints {
-        pin: Some(hybrid_alloc::PinHint { ttl_ms: 10, tokens: 0 }),
-        ..Default::default()
-    };
+    let pin =
+        hybrid_alloc::RequestHints { pin: Some(hybrid_alloc::PinHint { ttl_ms: 10, tokens: 0 }), ..Default::default() };
     not_served(a.set_hints(h, None, &pin).map(|_| 0));
     let retain = hybrid_alloc::RequestHints {
         retain: Some(hybrid_alloc::RetainHint {
@@ -895,7 +893,8 @@ fn run_case(pages: u32, k: u32, mbs: u32, unit: bool, policy: Policy, ops: &[Op]
     for op in ops {
         w.apply(op);
         w.check();
-        for (pool, n) in [(w.a.pool(), &mut w.stats.leveled_slots), (w.a.page_pool().unwrap(), &mut w.stats.leveled_pages)]
+        for (pool, n) in
+            [(w.a.pool(), &mut w.stats.leveled_slots), (w.a.page_pool().unwrap(), &mut w.stats.leveled_pages)]
         {
             if let Some(r) = pool.retention() {
                 *n += (1..pool.num_blocks())

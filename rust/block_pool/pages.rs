@@ -29,6 +29,14 @@
 //!    the touched slot takes its reference and the others join A's queue as in rule 1.
 //! 5. State pages: S's own rules, unchanged.
 //!
+//! Under `hit-aware` (prefix caching on) each pool holds its own policy state and a levelled
+//! queue (docs/two-level-pages.md, "Hit-aware"): A's keyed free slots sit at their levels
+//! (rule 1 still takes A's front first); a free slot page sits in the page queue at the highest
+//! level among its keyed slots (at most the normal level), unkeyed pages at the front; a free
+//! keyed slot of a free page keeps its level, in no queue, until its page opens (it joins A's
+//! queue at that level) or is taken. The hooks call the policy's (`popped`, `touched`,
+//! `freed`) where a slot or a page enters or leaves a queue.
+//!
 //! Capacity: `free_pages` = pages in the page queue (what `num_free_blocks` reports);
 //! [`BlockPool::pages_needed`] turns a request's slots and state pages into pages.
 //!
@@ -433,7 +441,33 @@ mod tests {
 
     /// 4 pages of 2 slots (page 0 null): slots 2..8.
     fn pool() -> BlockPool {
-        BlockPool::try_new_paged(4, 2, true, true).unwrap()
+        BlockPool::try_new_paged(4, 2, true, true, false).unwrap()
+    }
+
+    #[test]
+    fn hit_aware_free_slot_page_queued_at_its_slots_highest_level_and_kept_while_free() {
+        use crate::policy::{LEVEL_NORMAL, LEVEL_SPECULATIVE};
+        let mut p = BlockPool::try_new_paged(4, 2, true, true, true).unwrap();
+        let mut got = Vec::new();
+        p.get_new_blocks(6, &mut got); // every page: 1, 2, 3
+        key(&mut p, &got, 600);
+        // Page 1's slots speculative, page 2's one speculative and one normal, page 3 normal.
+        for s in [2, 3, 4] {
+            p.hit_aware().unwrap().set_level(s, LEVEL_SPECULATIVE);
+        }
+        p.free_blocks([7, 6]); // page 3 first (the least recently freed)
+        p.free_blocks([5, 4]);
+        p.free_blocks([3, 2]);
+        let levels = p.page_pool().unwrap().queue().iter_levels();
+        assert_eq!(levels[LEVEL_SPECULATIVE as usize], vec![1], "page 1: every slot speculative");
+        assert_eq!(levels[LEVEL_NORMAL as usize], vec![3, 2], "pages 3 and 2 at normal, LRU");
+        assert_eq!(p.page_pool().unwrap().free_queue_order()[0], 1, "evicted first, though freed last");
+        // A level set on a slot of a free page (in no queue) is kept for when the page opens.
+        p.hit_aware().unwrap().set_level(5, LEVEL_SPECULATIVE);
+        assert_eq!(p.retention().unwrap().level(5), LEVEL_SPECULATIVE);
+        p.touch(&[4]);
+        assert_eq!(p.queue().iter_levels()[LEVEL_SPECULATIVE as usize], vec![5], "joins A's queue at its level");
+        assert_eq!(p.retention().unwrap().pinned_free(), 0);
     }
 
     fn key(p: &mut BlockPool, blocks: &[BlockId], base: u64) {

@@ -153,8 +153,9 @@ def build(shape: Any, manager: str, budget_bytes: int, max_num_seqs: int, small:
     return build_setup(setup, small if manager == "two-level" else None, manager)
 
 
-def build_setup(setup: Any, small: int | None, label: str = "two-level") -> Any:
-    """The Scheduler of ``setup`` (an ``offline.SchedulerSetup``) under the exact policy; with
+def build_setup(setup: Any, small: int | None, label: str = "two-level", policy: str = "exact") -> Any:
+    """The Scheduler of ``setup`` (an ``offline.SchedulerSetup``) under ``policy`` (the exact
+    one unless told: the content oracle runs hit-aware too); with
     ``small``, ours over the two-level form of vLLM's plan at ``small``-token attention blocks
     (:func:`hybrid_alloc.vllm.pages.two_level_kv_cache_config` on the plan ``setup`` makes,
     the same bytes: ``num_blocks`` or ``kv_budget_bytes`` size vLLM's plan first), the
@@ -176,7 +177,7 @@ def build_setup(setup: Any, small: int | None, label: str = "two-level") -> Any:
 
         setup = TwoLevelSetup(**{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
     env = {
-        "HYBRID_ALLOC_POLICY": "exact",
+        "HYBRID_ALLOC_POLICY": policy,
         pages.PAGES_ENV: "two-level" if small is not None else None,
         pages.SMALL_BLOCK_ENV: str(small) if small is not None else None,
     }
