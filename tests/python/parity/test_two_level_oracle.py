@@ -422,7 +422,9 @@ def test_content_oracle_under_hit_aware(name: str, unit: int | None, pages: int,
     counters = mgr._hint_counters.as_dict()
     assert counters["applied"] > 0 and counters.get("refused.not_served_over_pages", 0) > 0, counters
     assert oracle.hits >= 4 and oracle.hit_tokens >= 4 * (unit or oracle.state_block), (oracle.hits, oracle.hit_tokens)
-    assert not oracle.checkpoints or oracle.checkpoint_writes > 0
+    # Falcon-H1's Mamba2 prefill checkpoints: written without a unit; with one, this run's chunks
+    # (stopped at junctions, checkpoints and unit tails) end where no checkpoint is due.
+    assert not oracle.checkpoints or unit is not None or oracle.checkpoint_writes > 0
     assert preemptions >= 1, preemptions
     assert oracle.mem.overwrites > 0
     assert all(len(r.output_token_ids) == r.max_tokens for r in reqs)
