@@ -26,7 +26,10 @@
 //! runs the copies of `take_kv_cache_block_copies` (page to page) before the step's forward,
 //! as vLLM's workers do; a hit's state page must hold the state of exactly the hit's tokens.
 //!
-//! `PROPTEST_CASES` overrides the number of cases (default 64).
+//! The same workloads run under hit-aware with prefix caching (each pool with its own levels,
+//! KV hints' checkpoints and session releases, frees with a retention priority).
+//!
+//! `PROPTEST_CASES` overrides the number of cases (default 128, both policies).
 
 mod common;
 
@@ -908,30 +911,20 @@ fn run_case(pages: u32, k: u32, mbs: u32, unit: bool, policy: Policy, ops: &[Op]
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: common::proptest_cases(64), ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::proptest_cases(128), ..ProptestConfig::default() })]
 
+    /// Under `exact` and under hit-aware with prefix caching (each pool's levels change which
+    /// keys stay, never what a key holds).
     #[test]
     fn ops_two_level_pages_hold_their_content(
         k in prop::sample::select(vec![2u32, 3, 8]),
         mbs in prop::sample::select(vec![32u32, 64]),
         pages in 6u32..24,
         unit in any::<bool>(),
+        policy in prop::sample::select(vec![Policy::Exact, Policy::HitAware]),
         ops in prop::collection::vec(op(), 1..160),
     ) {
-        run_case(pages, k, mbs, unit, Policy::Exact, &ops);
-    }
-
-    /// The same oracle under hit-aware with prefix caching: each pool's levels change which
-    /// keys stay, never what a key holds.
-    #[test]
-    fn ops_two_level_pages_hold_their_content_under_hit_aware(
-        k in prop::sample::select(vec![2u32, 3, 8]),
-        mbs in prop::sample::select(vec![32u32, 64]),
-        pages in 6u32..24,
-        unit in any::<bool>(),
-        ops in prop::collection::vec(op(), 1..160),
-    ) {
-        run_case(pages, k, mbs, unit, Policy::HitAware, &ops);
+        run_case(pages, k, mbs, unit, policy, &ops);
     }
 }
 

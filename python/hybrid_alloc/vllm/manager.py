@@ -58,7 +58,14 @@ from hybrid_alloc.vllm.compat import (
 from hybrid_alloc.vllm.connector import fold_negative_external
 from hybrid_alloc.vllm.connector_hits import local_hit_for_connector
 from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
-from hybrid_alloc.vllm.hints import NOT_SERVED_OVER_PAGES, PIN_OVER_CAP, HintCounters, HintFields, read_hints, stats_line
+from hybrid_alloc.vllm.hints import (
+    NOT_SERVED_OVER_PAGES,
+    PIN_OVER_CAP,
+    HintCounters,
+    HintFields,
+    read_hints,
+    stats_line,
+)
 from hybrid_alloc.vllm.kv_events import EventLog
 from hybrid_alloc.vllm.metrics import after_call_hook
 from hybrid_alloc.vllm.plan import native_plan
