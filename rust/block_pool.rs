@@ -36,9 +36,6 @@ use crate::policy::retention::{HitAware, PoolParts};
 use crate::policy::{Retention, NUM_LEVELS};
 use crate::prefix_index::{HashKey, PrefixIndex};
 
-mod pages;
-pub(crate) use pages::Pages;
-
 /// The pool's parts the policy works on ([`PoolParts`]), lent for one hook call; borrows
 /// the fields apart from `retention`.
 macro_rules! parts {
@@ -51,6 +48,9 @@ macro_rules! parts {
         }
     };
 }
+
+mod pages;
+pub(crate) use pages::Pages;
 
 /// A KV cache event, in the order vLLM emits them. `Stored` carries what the vLLM adapter
 /// needs to build `BlockStored` (token ids and extra keys come from the request there).
@@ -282,7 +282,9 @@ impl BlockPool {
         // caching stays empty).
         let index = PrefixIndex::try_with_capacity(n).map_err(oom("the prefix index"))?;
         let hash_tokens = try_filled(n, 0).map_err(oom("block hashes"))?;
-        let mut queue = if empty {
+        let mut queue = if empty && leveled {
+            FreeQueue::try_new_empty_with_levels(num_blocks, NUM_LEVELS)
+        } else if empty {
             FreeQueue::try_new_empty(num_blocks)
         } else if leveled {
             FreeQueue::try_new_with_levels(num_blocks, NUM_LEVELS)

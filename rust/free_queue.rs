@@ -89,8 +89,22 @@ impl FreeQueue {
     /// # Errors
     /// The link arrays cannot be allocated.
     pub fn try_new_with_levels(n: u32, levels: u32) -> Result<Self, std::collections::TryReserveError> {
+        Self::with_levels(Self::try_new(n)?, levels)
+    }
+
+    /// [`Self::try_new_empty`] split into `levels` (`1..=8`) retention levels: the slot pool
+    /// of two-level pages under `hit-aware`.
+    ///
+    /// # Errors
+    /// The link arrays cannot be allocated.
+    pub fn try_new_empty_with_levels(n: u32, levels: u32) -> Result<Self, std::collections::TryReserveError> {
+        Self::with_levels(Self::try_new_empty(n)?, levels)
+    }
+
+    /// `q` (no levels yet) with the sentinels of `levels` levels added before its tail.
+    fn with_levels(mut q: Self, levels: u32) -> Result<Self, std::collections::TryReserveError> {
         assert!((1..=8).contains(&levels), "free queue: {levels} levels (1 to 8 are served)");
-        let mut q = Self::try_new(n)?;
+        let n = q.n;
         let extra = levels as usize - 1;
         q.next.try_reserve_exact(extra)?;
         q.prev.try_reserve_exact(extra)?;

@@ -104,8 +104,9 @@
 //!   page queue), a state page, or an open slot page (a slot in use); the slot pool's free
 //!   queue holds exactly the free slots of open pages; no slot of a state page is used or
 //!   keyed; a state group's ids are pages, every other group's are slots of open pages.
-//! - Under the `hit-aware` policy (`policy/`): a free cached block sits in the free-queue
-//!   segment of its retention level; the free blocks at the pinned and leased levels are
+//! - Under the `hit-aware` policy (`policy/`): a free cached block in its pool's free queue
+//!   sits in the segment of its retention level (with two-level pages each pool holds its own
+//!   levels; a free keyed slot of a free page is in no queue and keeps its level); the free blocks at the pinned and leased levels are
 //!   counted and stay within the pinned share; a free block at the leased level is the block
 //!   lookups find under a running pin lease's key (KV hints, `policy/hints.rs`).
 //!

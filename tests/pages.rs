@@ -26,7 +26,10 @@
 //! runs the copies of `take_kv_cache_block_copies` (page to page) before the step's forward,
 //! as vLLM's workers do; a hit's state page must hold the state of exactly the hit's tokens.
 //!
-//! `PROPTEST_CASES` overrides the number of cases (default 64).
+//! The same workloads run under hit-aware with prefix caching (each pool with its own levels,
+//! KV hints' checkpoints and session releases, frees with a retention priority).
+//!
+//! `PROPTEST_CASES` overrides the number of cases (default 128, both policies).
 
 mod common;
 
@@ -105,7 +108,6 @@ fn new_slots_per_page_refuses_what_it_cannot_serve() {
     refused(cfg(vec![full]), Policy::Exact, "needs a state group");
     refused(cfg(vec![state]), Policy::Exact, "needs a slot group");
     refused(cfg(vec![full, state, swa]), Policy::Exact, "sliding-window");
-    refused(cfg(vec![full, state]), Policy::HitAware, "HitAware policy");
     refused(Config { num_blocks: u32::MAX / 2, ..cfg(vec![full, state]) }, Policy::Exact, "largest pool");
     // The hash block (the slot) below the Mamba block is the layout itself, not partial hash
     // hits: hits end at state blocks.
@@ -127,8 +129,81 @@ fn new_slots_per_page_refuses_what_it_cannot_serve() {
     refused(Config { prefix_match_unit: Some(32), ..unit }, Policy::Exact, "is not the hash block size 16");
     // k == 1 is today's layout, whatever the groups.
     assert!(Allocator::new(Config { slots_per_page: 1, ..cfg(vec![full, swa]) }, Policy::HitAware).is_ok());
-    // Hit-aware with prefix caching: its levels, pins and hit units span both pools.
-    refused(cfg(vec![full, state]), Policy::HitAware, "would span the slot pool and the page pool");
+    // Hit-aware with prefix caching: served, each pool with its own levels (see
+    // `hit_aware_levels_keep_a_prefix_exact_evicts`); the user's pins are refused.
+    let mut a = Allocator::new(cfg(vec![full, state]), Policy::HitAware).unwrap();
+    assert!(a.pool().is_leveled() && a.page_pool().unwrap().is_leveled());
+    let not_served = |r: Result<u32, Error>| match r {
+        Err(Error::Unsupported(m)) => assert!(m.contains("not served with slots_per_page=4"), "{m:?}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    not_served(a.pin_prefix(&hashes(&[1, 2])));
+    let h = add(&mut a, &[1, 2]);
+    let pin =
+        hybrid_alloc::RequestHints { pin: Some(hybrid_alloc::PinHint { ttl_ms: 10, tokens: 0 }), ..Default::default() };
+    not_served(a.set_hints(h, None, &pin).map(|_| 0));
+    let retain = hybrid_alloc::RequestHints {
+        retain: Some(hybrid_alloc::RetainHint {
+            priority: hybrid_alloc::RetainPriority::Normal,
+            ttl_ms: 10,
+            tokens: 0,
+        }),
+        ..Default::default()
+    };
+    not_served(a.set_hints(h, None, &retain).map(|_| 0));
+    // Refused before any change: the hints can still be set (checkpoints are served).
+    let cp = hybrid_alloc::RequestHints { checkpoints: &[32], session: 3, ..Default::default() };
+    assert_eq!(a.set_hints(h, None, &cp).unwrap().checkpoints_applied, 1);
+    a.set_pinned_share(0.5).unwrap();
+    assert!(a.set_pinned_share(1.5).is_err());
+    a.free(h, hybrid_alloc::policy::LEVEL_PINNED).unwrap();
+    invariants::check(&a).unwrap();
+}
+
+/// Hit-aware over two-level pages decides at the new units: a state its request passed goes
+/// to the speculative level in the page queue, ahead of an older request's pages, so a new
+/// request takes it where `exact` (one LRU) takes the older request's pages. B (32 tokens)
+/// finishes first; A (64 tokens, two chunks) passes its state at 32 and finishes; C needs
+/// two pages of a full pool. Exact: B's slot page and state go, B's prompt hits nothing;
+/// hit-aware: A's passed state and one more page go, B's prompt hits all 32 tokens.
+#[test]
+fn hit_aware_levels_keep_a_prefix_exact_evicts() {
+    use hybrid_alloc::policy::LEVEL_SPECULATIVE;
+    let mut hits = Vec::new();
+    for policy in [Policy::Exact, Policy::HitAware] {
+        // 6 usable pages of 2 slots: B takes 2 (1 slot page, 1 state), A 4 (2 + 2).
+        let mut a = Allocator::new(config(7, 2, 32), policy).unwrap();
+        let b = add(&mut a, &[5, 6]);
+        a.new_step_starts();
+        a.allocate_slots(b, &args(32, 0, 0, 32, 32), NewComputed::Empty, None).unwrap().unwrap();
+        a.free(b, LEVEL_NORMAL).unwrap();
+        let h = add(&mut a, &[1, 2, 3, 4]);
+        a.new_step_starts();
+        a.allocate_slots(h, &args(32, 0, 0, 64, 64), NewComputed::Empty, None).unwrap().unwrap();
+        let passed = a.blocks(h, 1).unwrap()[0];
+        a.new_step_starts();
+        a.allocate_slots(h, &args(32, 32, 0, 64, 64), NewComputed::Empty, None).unwrap().unwrap();
+        a.new_step_starts();
+        a.remove_skipped_blocks(h, 64, Some(64)).unwrap();
+        a.free(h, LEVEL_NORMAL).unwrap();
+        invariants::check(&a).unwrap();
+        assert_eq!(a.num_free_blocks(), 6);
+        let pages = a.page_pool().unwrap();
+        assert!(pages.block_hash(passed).is_some(), "A's state at 32 is cached");
+        if policy == Policy::HitAware {
+            assert_eq!(pages.retention().unwrap().level(passed), LEVEL_SPECULATIVE, "a passed state");
+            assert_eq!(pages.free_queue_order()[0], passed, "the page queue's front");
+        }
+        // C: another prompt, 2 pages (a slot page and its state).
+        let c = add(&mut a, &[9, 10]);
+        a.new_step_starts();
+        a.allocate_slots(c, &args(32, 0, 0, 32, 32), NewComputed::Empty, None).unwrap().unwrap();
+        invariants::check(&a).unwrap();
+        let again = add(&mut a, &[5, 6, 7]);
+        a.new_step_starts();
+        hits.push(a.find_longest_cache_hit(again, 47).unwrap().num_tokens);
+    }
+    assert_eq!(hits, vec![0, 32], "exact evicts B's prefix, hit-aware keeps it");
 }
 
 /// Hit-aware with prefix caching off is served over two-level pages: nothing is cached, so
@@ -522,6 +597,8 @@ fn op() -> impl Strategy<Value = Op> {
 
 struct World {
     a: Allocator,
+    /// Hit-aware with prefix caching: each pool's levels; checkpoints as KV hints.
+    hit_aware: bool,
     k: u32,
     mbs: u32,
     /// A `prefix_match_unit` of one slot: partial hash hits.
@@ -546,13 +623,18 @@ struct Stats {
     /// Hits ending inside a state block, and copies run (partial hash hits only).
     inside: u32,
     copies: u32,
+    /// Hit-aware: keyed slots and keyed pages seen at a level other than the normal one
+    /// (summed over the checks after every operation), in each pool.
+    leveled_slots: u32,
+    leveled_pages: u32,
 }
 
 impl World {
-    fn new(pages: u32, k: u32, mbs: u32, unit: bool) -> Self {
-        let a = Allocator::new(config_unit(pages, k, mbs, unit), Policy::Exact).unwrap();
+    fn new(pages: u32, k: u32, mbs: u32, unit: bool, policy: Policy) -> Self {
+        let a = Allocator::new(config_unit(pages, k, mbs, unit), policy).unwrap();
         Self {
             a,
+            hit_aware: policy == Policy::HitAware,
             k,
             mbs,
             unit,
@@ -638,6 +720,18 @@ impl World {
             let known = r.hashes(r.prompt);
             let prompt = r.prompt;
             self.a.set_hashes(h, &known).unwrap();
+            if self.hit_aware && r.uid % 3 == 0 {
+                // KV hints: a checkpoint halfway (a junction), a session released later.
+                let cp = [prompt / 2];
+                let hints = hybrid_alloc::RequestHints {
+                    session: r.uid % 4 + 1,
+                    release_session: if r.uid % 2 == 0 { r.uid % 4 + 2 } else { 0 },
+                    checkpoints: &cp,
+                    ..Default::default()
+                };
+                self.a.set_hints(h, None, &hints).unwrap();
+                self.a.advance_clock(r.uid * 10).unwrap();
+            }
             let hit = self.a.find_longest_cache_hit(h, prompt - 1).unwrap().num_tokens;
             if hit > 0 {
                 self.check_hit(i, hit);
@@ -737,7 +831,9 @@ impl World {
             self.a.pop_blocks_for_free(h, &mut out).unwrap();
             self.popped.push(out);
         } else {
-            self.a.free(h, LEVEL_NORMAL).unwrap();
+            // A retention priority (pinned) is freed at the normal level over two-level pages.
+            let level = if self.reqs[i].uid % 2 == 0 { hybrid_alloc::policy::LEVEL_PINNED } else { LEVEL_NORMAL };
+            self.a.free(h, level).unwrap();
         }
         self.reqs.remove(i);
     }
@@ -842,47 +938,61 @@ impl World {
     }
 }
 
-fn run_case(pages: u32, k: u32, mbs: u32, unit: bool, ops: &[Op]) -> Stats {
-    let mut w = World::new(pages, k, mbs, unit);
+fn run_case(pages: u32, k: u32, mbs: u32, unit: bool, policy: Policy, ops: &[Op]) -> Stats {
+    let mut w = World::new(pages, k, mbs, unit, policy);
     for op in ops {
         w.apply(op);
         w.check();
+        for (pool, n) in
+            [(w.a.pool(), &mut w.stats.leveled_slots), (w.a.page_pool().unwrap(), &mut w.stats.leveled_pages)]
+        {
+            if let Some(r) = pool.retention() {
+                *n += (1..pool.num_blocks())
+                    .filter(|&b| pool.block_hash(b).is_some() && r.level(b) != LEVEL_NORMAL)
+                    .count() as u32;
+            }
+        }
     }
     w.teardown();
     w.stats
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: common::proptest_cases(64), ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::proptest_cases(128), ..ProptestConfig::default() })]
 
+    /// Under `exact` and under hit-aware with prefix caching (each pool's levels change which
+    /// keys stay, never what a key holds).
     #[test]
     fn ops_two_level_pages_hold_their_content(
         k in prop::sample::select(vec![2u32, 3, 8]),
         mbs in prop::sample::select(vec![32u32, 64]),
         pages in 6u32..24,
         unit in any::<bool>(),
+        policy in prop::sample::select(vec![Policy::Exact, Policy::HitAware]),
         ops in prop::collection::vec(op(), 1..160),
     ) {
-        run_case(pages, k, mbs, unit, &ops);
+        run_case(pages, k, mbs, unit, policy, &ops);
     }
 }
 
 /// 32 deterministic workloads of 120-160 operations over 12 pages of 3 slots, state blocks
 /// of 32 tokens; what they exercised, summed.
-fn guard_workloads(unit: bool) -> Stats {
+fn guard_workloads(unit: bool, policy: Policy) -> Stats {
     use proptest::strategy::ValueTree;
     use proptest::test_runner::TestRunner;
     let mut runner = TestRunner::deterministic();
     let mut total = Stats::default();
     for _ in 0..32 {
         let ops = prop::collection::vec(op(), 120..160).new_tree(&mut runner).unwrap().current();
-        let s = run_case(12, 3, 32, unit, &ops);
+        let s = run_case(12, 3, 32, unit, policy, &ops);
         total.hits += s.hits;
         total.reopened += s.reopened;
         total.slots_to_state += s.slots_to_state;
         total.state_to_slots += s.state_to_slots;
         total.inside += s.inside;
         total.copies += s.copies;
+        total.leveled_slots += s.leveled_slots;
+        total.leveled_pages += s.leveled_pages;
     }
     eprintln!("{total:?}");
     total
@@ -893,7 +1003,7 @@ fn guard_workloads(unit: bool) -> Stats {
 /// against an oracle that checks nothing).
 #[test]
 fn ops_two_level_pages_take_hits() {
-    let total = guard_workloads(false);
+    let total = guard_workloads(false, Policy::Exact);
     assert!(
         total.hits > 0 && total.reopened > 0 && total.slots_to_state > 0 && total.state_to_slots > 0,
         "a rule never exercised in 32 workloads: {total:?}"
@@ -904,11 +1014,29 @@ fn ops_two_level_pages_take_hits() {
 /// With a unit the same workloads also hit inside state blocks and copy states on write.
 #[test]
 fn ops_two_level_pages_with_a_unit_take_hits_inside_state_blocks() {
-    let total = guard_workloads(true);
+    let total = guard_workloads(true, Policy::Exact);
     assert!(
         total.hits > 0 && total.reopened > 0 && total.inside > 0 && total.copies > 0 && total.state_to_slots > 0,
         "a rule never exercised in 32 workloads: {total:?}"
     );
+}
+
+/// The same workloads under hit-aware exercise the same rules (hits, reopened pages, pages
+/// changing hands both ways, hits inside state blocks with a unit).
+#[test]
+fn ops_two_level_pages_under_hit_aware_take_hits() {
+    for unit in [false, true] {
+        let total = guard_workloads(unit, Policy::HitAware);
+        assert!(
+            total.hits > 0
+                && total.reopened > 0
+                && total.state_to_slots > 0
+                && (!unit || total.inside > 0)
+                && total.leveled_slots > 0
+                && total.leveled_pages > 0,
+            "a rule never exercised in 32 workloads (unit {unit}): {total:?}"
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------------------

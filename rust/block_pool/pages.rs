@@ -29,6 +29,14 @@
 //!    the touched slot takes its reference and the others join A's queue as in rule 1.
 //! 5. State pages: S's own rules, unchanged.
 //!
+//! Under `hit-aware` (prefix caching on) each pool holds its own policy state and a levelled
+//! queue (docs/two-level-pages.md, "Hit-aware"): A's keyed free slots sit at their levels
+//! (rule 1 still takes A's front first); a free slot page sits in the page queue at the highest
+//! level among its keyed slots (at most the normal level), unkeyed pages at the front; a free
+//! keyed slot of a free page keeps its level, in no queue, until its page opens (it joins A's
+//! queue at that level) or is taken. The hooks call the policy's (`popped`, `touched`,
+//! `freed`) where a slot or a page enters or leaves a queue.
+//!
 //! Capacity: `free_pages` = pages in the page queue (what `num_free_blocks` reports);
 //! [`BlockPool::pages_needed`] turns a request's slots and state pages into pages.
 //!
@@ -40,6 +48,8 @@
 use super::{BlockPool, Result};
 use crate::free_queue::try_filled;
 use crate::ids::{BlockId, NULL_BLOCK};
+use crate::policy::retention::PoolParts;
+use crate::policy::{LEVEL_NORMAL, LEVEL_PROBATION, LEVEL_RESUMED};
 
 /// The page pool and each page's state (two-level pages; held by the slot pool).
 #[derive(Clone, Debug)]
@@ -63,14 +73,20 @@ impl BlockPool {
     ///
     /// # Errors
     /// [`crate::Error::OutOfMemory`] when the metadata cannot be allocated.
-    pub(crate) fn try_new_paged(num_pages: u32, k: u32, enable_caching: bool, enable_events: bool) -> Result<Self> {
-        let mut s = Self::build(num_pages, enable_caching, enable_events, false, false)?;
+    pub(crate) fn try_new_paged(
+        num_pages: u32,
+        k: u32,
+        enable_caching: bool,
+        enable_events: bool,
+        leveled: bool,
+    ) -> Result<Self> {
+        let mut s = Self::build(num_pages, enable_caching, enable_events, leveled, false)?;
         s.taken = Some(Vec::new());
         let n = num_pages as usize;
         let oom = |e| crate::Error::OutOfMemory(format!("the page table of {num_pages} pages: {e}"));
         let used = try_filled(n, 0).map_err(oom)?;
         let slot_page = try_filled(n, false).map_err(oom)?;
-        let mut a = Self::build(num_pages * k, enable_caching, enable_events, false, true)?;
+        let mut a = Self::build(num_pages * k, enable_caching, enable_events, leveled, true)?;
         a.pages = Some(Box::new(Pages { s, k, used, slot_page, closed: Vec::new() }));
         Ok(a)
     }
@@ -192,6 +208,9 @@ impl BlockPool {
                     self.queue.pop_front().expect("an opened page has free slots")
                 }
             };
+            if let Some(r) = &mut self.retention {
+                r.popped(b, &self.index);
+            }
             if self.enable_caching {
                 self.maybe_evict_cached_block(b);
             }
@@ -208,6 +227,9 @@ impl BlockPool {
     /// (empty) queue.
     fn open_page(&mut self, p: &mut Pages) {
         let page = p.s.queue.pop_front().expect("a free page (the count checked it)");
+        if let Some(r) = &mut p.s.retention {
+            r.popped(page, &p.s.index);
+        }
         if p.s.index.is_keyed(page) {
             // A free state page's key goes (reported evicted to the residency log); a free
             // slot page holds no key in S, and its slots keep theirs.
@@ -220,9 +242,31 @@ impl BlockPool {
     }
 
     /// The slots of `page` but `except` join A's queue: unkeyed at the front, keyed at the
-    /// back, each in slot order.
+    /// back, each in slot order (under hit-aware, keyed ones at the back of their levels,
+    /// which they kept while the page was free).
     fn join_queue(&mut self, k: u32, page: BlockId, except: Option<BlockId>) {
         let first = page * k;
+        if self.retention.is_some() {
+            let mut front = std::mem::take(&mut self.scratch_first);
+            let mut keyed = std::mem::take(&mut self.scratch_last);
+            for s in first..first + k {
+                if Some(s) != except {
+                    if self.index.is_keyed(s) {
+                        keyed.push(s);
+                    } else {
+                        front.push(s);
+                    }
+                }
+            }
+            if let Some(r) = &mut self.retention {
+                r.freed(&front, &keyed, false, parts!(self));
+            }
+            front.clear();
+            keyed.clear();
+            self.scratch_first = front;
+            self.scratch_last = keyed;
+            return;
+        }
         for s in (first..first + k).rev() {
             if Some(s) != except && !self.index.is_keyed(s) {
                 self.queue.push_front_level(s, 0);
@@ -243,6 +287,9 @@ impl BlockPool {
             if b == NULL_BLOCK {
                 continue;
             }
+            // Whether `b` left the slot queue (a free slot of an open page): only such a slot
+            // is counted in the hit-aware pinned share.
+            let mut queued = false;
             if self.ref_cnt[b as usize] == 0 {
                 let page = b / p.k;
                 if p.used[page as usize] == 0 {
@@ -252,21 +299,27 @@ impl BlockPool {
                     self.join_queue(p.k, page, Some(b));
                 } else {
                     self.queue.remove(b);
+                    queued = true;
                 }
                 p.used[page as usize] += 1;
             }
             self.ref_cnt[b as usize] += 1;
+            if let Some(r) = &mut self.retention {
+                r.touched(b, queued, &self.index);
+            }
         }
         self.pages = Some(p);
     }
 
     /// `free_blocks` with pages: freed slots join A's queue as in vLLM (unkeyed at the
-    /// front, keyed at the back; all at the front with `evict_first`), then rule 3 for each
-    /// page whose last slot in use was freed.
+    /// front, keyed at the back; all at the front with `evict_first`; under hit-aware, keyed
+    /// ones at their levels, as one pool frees them), then rule 3 for each page whose last
+    /// slot in use was freed.
     pub(super) fn free_slots<I: IntoIterator<Item = BlockId>>(&mut self, ordered: I, evict_first: bool) {
         let mut p = self.pages.take().expect("two-level pages");
         let mut first = std::mem::take(&mut self.scratch_first);
         let mut last = std::mem::take(&mut self.scratch_last);
+        let leveled = self.retention.is_some();
         for b in ordered {
             if b == NULL_BLOCK {
                 continue;
@@ -280,35 +333,52 @@ impl BlockPool {
                 if p.used[page as usize] == 0 {
                     p.closed.push(page);
                 }
-                if evict_first || !self.enable_caching || !self.index.is_keyed(b) {
+                if (evict_first && !leveled) || !self.enable_caching || !self.index.is_keyed(b) {
                     first.push(b);
                 } else {
                     last.push(b);
                 }
             }
         }
-        self.queue.push_front_n(&first);
-        self.queue.push_back_n(&last);
+        match &mut self.retention {
+            Some(r) => r.freed(&first, &last, evict_first, parts!(self)),
+            None => {
+                self.queue.push_front_n(&first);
+                self.queue.push_back_n(&last);
+            }
+        }
         first.clear();
         last.clear();
         for &page in &p.closed {
-            let mut keyed = false;
+            // Hit-aware: the page is queued at the highest level among its keyed slots
+            // (taking it evicts them all), at most the normal level (pins and leases are not
+            // served over two-level pages); each slot leaves the slot queue, counted out.
+            let mut level = None;
             for s in page * p.k..(page + 1) * p.k {
+                if let Some(r) = &mut self.retention {
+                    r.popped(s, &self.index);
+                    if self.index.is_keyed(s) {
+                        level = level.max(Some(r.level(s).min(LEVEL_NORMAL)));
+                    }
+                } else if self.index.is_keyed(s) {
+                    level = Some(LEVEL_NORMAL);
+                }
                 self.queue.remove(s);
-                keyed |= self.index.is_keyed(s);
             }
             p.s.ref_cnt[page as usize] = 0;
-            if keyed && self.enable_caching && !evict_first {
-                last.push(page);
-            } else {
-                first.push(page);
+            match level {
+                Some(lvl) if self.enable_caching && !evict_first => match &p.s.retention {
+                    // Newest first at the probation levels, as a state page is queued there.
+                    Some(_) if lvl == LEVEL_PROBATION || lvl == LEVEL_RESUMED => p.s.queue.push_front_level(page, lvl),
+                    Some(_) => p.s.queue.push_back_level(page, lvl),
+                    None => p.s.queue.push_back(page),
+                },
+                _ => first.push(page),
             }
         }
         p.closed.clear();
         p.s.queue.push_front_n(&first);
-        p.s.queue.push_back_n(&last);
         first.clear();
-        last.clear();
         self.scratch_first = first;
         self.scratch_last = last;
         self.pages = Some(p);
@@ -356,6 +426,9 @@ impl BlockPool {
         self.index.clear();
         self.second = Default::default();
         self.hash_tokens.iter_mut().for_each(|t| *t = 0);
+        if let Some(r) = &mut self.retention {
+            r.reset();
+        }
         true
     }
 }
@@ -368,7 +441,33 @@ mod tests {
 
     /// 4 pages of 2 slots (page 0 null): slots 2..8.
     fn pool() -> BlockPool {
-        BlockPool::try_new_paged(4, 2, true, true).unwrap()
+        BlockPool::try_new_paged(4, 2, true, true, false).unwrap()
+    }
+
+    #[test]
+    fn hit_aware_free_slot_page_queued_at_its_slots_highest_level_and_kept_while_free() {
+        use crate::policy::{LEVEL_NORMAL, LEVEL_SPECULATIVE};
+        let mut p = BlockPool::try_new_paged(4, 2, true, true, true).unwrap();
+        let mut got = Vec::new();
+        p.get_new_blocks(6, &mut got); // every page: 1, 2, 3
+        key(&mut p, &got, 600);
+        // Page 1's slots speculative, page 2's one speculative and one normal, page 3 normal.
+        for s in [2, 3, 4] {
+            p.hit_aware().unwrap().set_level(s, LEVEL_SPECULATIVE);
+        }
+        p.free_blocks([7, 6]); // page 3 first (the least recently freed)
+        p.free_blocks([5, 4]);
+        p.free_blocks([3, 2]);
+        let levels = p.page_pool().unwrap().queue().iter_levels();
+        assert_eq!(levels[LEVEL_SPECULATIVE as usize], vec![1], "page 1: every slot speculative");
+        assert_eq!(levels[LEVEL_NORMAL as usize], vec![3, 2], "pages 3 and 2 at normal, LRU");
+        assert_eq!(p.page_pool().unwrap().free_queue_order()[0], 1, "evicted first, though freed last");
+        // A level set on a slot of a free page (in no queue) is kept for when the page opens.
+        p.hit_aware().unwrap().set_level(5, LEVEL_SPECULATIVE);
+        assert_eq!(p.retention().unwrap().level(5), LEVEL_SPECULATIVE);
+        p.touch(&[4]);
+        assert_eq!(p.queue().iter_levels()[LEVEL_SPECULATIVE as usize], vec![5], "joins A's queue at its level");
+        assert_eq!(p.retention().unwrap().pinned_free(), 0);
     }
 
     fn key(p: &mut BlockPool, blocks: &[BlockId], base: u64) {

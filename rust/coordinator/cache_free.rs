@@ -232,6 +232,9 @@ impl Allocator {
     /// Unknown handle (a double free is one).
     pub fn free(&mut self, h: ReqHandle, level: Level) -> Result<()> {
         let s = self.slot(h)?;
+        // Two-level pages serve no pinned level (see `refuse_pins_over_pages`): a request
+        // with a retention priority is freed at the normal level.
+        let level = if self.state_groups != 0 { level.min(crate::policy::LEVEL_NORMAL) } else { level };
         // The policy's hook (hit-aware only): the levels the blocks are freed at, and one
         // freeing order across groups. Under exact each group frees its own table.
         match self.retain_for_free(s, level) {
@@ -247,7 +250,16 @@ impl Allocator {
                 for m in self.managers.iter_mut() {
                     m.forget(s);
                 }
-                self.pool.free_blocks(blocks.iter().map(|x| x.2));
+                if self.state_groups == 0 {
+                    self.pool.free_blocks(blocks.iter().map(|x| x.2));
+                } else {
+                    // Two-level pages: the same order, each run of one pool's blocks (slots or
+                    // state pages) freed into its pool.
+                    let side = |x: &(u64, crate::ids::GroupId, BlockId)| page_side(self.state_groups, x.1);
+                    for run in blocks.chunk_by(|x, y| side(x) == side(y)) {
+                        self.pool.side(side(&run[0])).free_blocks(run.iter().map(|x| x.2));
+                    }
+                }
                 self.release_at_free(release);
             }
         }

@@ -34,7 +34,7 @@
 //! O(1) or O(log(prompt)).
 #![forbid(unsafe_code)]
 
-use super::{Allocator, HashSource, Hit};
+use super::{page_side, Allocator, HashSource, Hit};
 
 use crate::error::{Error, Result};
 use crate::ids::{BlockHash, BlockId, GroupId, ReqHandle, Slot};
@@ -264,10 +264,13 @@ impl Allocator {
     /// block of its tables as `(token position, group, block)`, tail first; at equal
     /// positions in group order (vLLM frees group after group), so a hit unit is freed
     /// together. The tables are left as they are. `None` under `exact` (nothing to decide:
-    /// each group frees its own table). O(table log table).
+    /// each group frees its own table). With two-level pages each group's rules take its
+    /// own pool's handle (slots, states). O(table log table).
     pub(super) fn retain_for_free(&mut self, s: Slot, level: Level) -> Option<Vec<(u64, GroupId, BlockId)>> {
-        let Self { pool, managers, reqs, .. } = self;
-        let mut ha = pool.hit_aware()?;
+        let Self { pool, managers, reqs, state_groups, .. } = self;
+        if !pool.is_leveled() {
+            return None;
+        }
         let mut blocks = Vec::new();
         // State-space hybrids: a request whose hit saved under half its prompt leaves
         // the blocks it computed on probation (see `LEVEL_PROBATION`).
@@ -275,6 +278,7 @@ impl Allocator {
         let mamba = managers.iter().any(|m| m.is_mamba_align());
         let probation = level <= LEVEL_NORMAL && (hit as u64) * 2 < prompt as u64 && mamba;
         for m in managers.iter() {
+            let mut ha = pool.side(page_side(*state_groups, m.group_id())).hit_aware()?;
             if mamba && m.kind().is_full() {
                 // Where a chat's next turn continues: a junction found there later is
                 // no branch point (see `Allocator::place_junction`).
@@ -304,8 +308,8 @@ impl Allocator {
     /// are noted (the hit, `num_prompt_tokens`). O(hit blocks) with a hit, else O(1).
     pub(super) fn note_allocation(&mut self, s: Slot, adopted: Option<u32>, num_prompt_tokens: u32) {
         if let Some(hit) = adopted {
-            if let Some(mut ha) = self.pool.hit_aware() {
-                for m in &self.managers {
+            for m in &self.managers {
+                if let Some(mut ha) = self.pool.side(page_side(self.state_groups, m.group_id())).hit_aware() {
                     m.promote_hit(&mut ha, s);
                 }
             }
@@ -335,6 +339,7 @@ impl Allocator {
                 "pinning a prefix needs the hit-aware policy with prefix caching on".into(),
             ));
         }
+        self.refuse_pins_over_pages("pinning a prefix")?;
         let keys = self.prefix_keys(hashes);
         match self.pool.hit_aware() {
             Some(mut ha) => ha.pin_keys(keys),
@@ -370,6 +375,14 @@ impl Allocator {
     /// [`Error::OutOfRange`] for a share outside `0.0..=1.0` or below the keys pinned.
     pub fn set_pinned_share(&mut self, share: f64) -> Result<()> {
         let num_blocks = self.pool.num_blocks();
+        if self.state_groups != 0 && self.pool.is_leveled() {
+            // Two-level pages: each pool's share (no key is pinned there: the range is the
+            // only error, the same for both).
+            Retention::pinned_cap_for(share, num_blocks)?;
+            if let Some(mut ha) = self.pool.side(true).hit_aware() {
+                ha.set_pinned_share(share)?;
+            }
+        }
         match self.pool.hit_aware() {
             Some(mut ha) => ha.set_pinned_share(share),
             // Under exact only the share's range is checked.
@@ -390,7 +403,10 @@ impl Allocator {
     pub(super) fn keep_passed_junctions(&mut self, s: Slot, hit: u32) {
         let hbs = self.cfg.hash_block_size;
         let n = ((hit / hbs) as usize).min(self.reqs[s as usize].hashes.len());
-        let states: Vec<_> = self.pool.retention().map_or(Vec::new(), |r| r.state_groups().to_vec());
+        // Two-level pages: the states are pages (the page pool's lookups and handle), the
+        // full-attention blocks slots (this pool's).
+        let sp = self.state_groups != 0;
+        let states: Vec<_> = self.pool.side_ref(sp).retention().map_or(Vec::new(), |r| r.state_groups().to_vec());
         if n == 0 || states.is_empty() {
             return;
         }
@@ -403,7 +419,7 @@ impl Allocator {
         let (mut found, mut one, mut blocks, mut sets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for i in 0..n {
             let h = self.reqs[s as usize].hashes[i];
-            if !self.pool.get_cached_block(&h, &states, &mut found) {
+            if !self.pool.side_ref(sp).get_cached_block(&h, &states, &mut found) {
                 continue;
             }
             let start = blocks.len();
@@ -415,9 +431,16 @@ impl Allocator {
             }
             sets.push((i + 1 == n, start, found.len(), whole, blocks.len()));
         }
-        let Some(mut ha) = self.pool.hit_aware() else { return };
+        let keep = |ha: &mut HitAware<'_>, b: BlockId| {
+            let lvl = ha.level(b);
+            if lvl < LEVEL_PINNED {
+                ha.set_level(b, lvl.max(LEVEL_NORMAL));
+            }
+        };
         for (last, start, k, whole, end) in sets {
             let st = &blocks[start..start + k];
+            // The states (each set's first, as one pool orders them), then the blocks.
+            let Some(mut ha) = self.pool.side(sp).hit_aware() else { return };
             if last && shared_end {
                 for &b in st {
                     ha.mark_branch(b);
@@ -427,11 +450,12 @@ impl Allocator {
             if !st.iter().any(|&b| ha.is_branch(b)) || !whole {
                 continue;
             }
-            for &b in &blocks[start..end] {
-                let lvl = ha.level(b);
-                if lvl < LEVEL_PINNED {
-                    ha.set_level(b, lvl.max(LEVEL_NORMAL));
-                }
+            for &b in st {
+                keep(&mut ha, b);
+            }
+            let Some(mut ha) = self.pool.hit_aware() else { return };
+            for &b in &blocks[start + k..end] {
+                keep(&mut ha, b);
             }
         }
     }
@@ -666,6 +690,12 @@ impl Allocator {
         if self.reqs[s as usize].hints.is_some() {
             return Err(Error::InvalidState(format!("the KV hints of request {h} are set already")));
         }
+        if hints.pin.is_some() {
+            self.refuse_pins_over_pages("a pin lease hint")?;
+        }
+        if hints.retain.is_some() {
+            self.refuse_pins_over_pages("a retain hint")?;
+        }
         if hints.checkpoints.len() > MAX_CHECKPOINTS {
             return Err(Error::OutOfRange(format!(
                 "{} checkpoints, more than the {MAX_CHECKPOINTS} a request may name",
@@ -788,6 +818,24 @@ impl Allocator {
         }
     }
 
+    /// Two-level pages (`slots_per_page = k > 1`): `what` (a pin, a lease, a retain: the
+    /// user's levels) is not served. A pinned or leased slot must outlive every free page of
+    /// lower levels and count in the pinned share while its page is free, which the page
+    /// queue does not do yet (docs/two-level-pages.md, "Hit-aware").
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] with two-level pages.
+    fn refuse_pins_over_pages(&self, what: &str) -> Result<()> {
+        if self.state_groups == 0 {
+            return Ok(());
+        }
+        Err(Error::Unsupported(format!(
+            "{what} is not served with slots_per_page={} > 1 (hit-aware over two-level pages serves \
+             its own levels, branch points and junctions, not the user's pins, leases or retains)",
+            self.cfg.slots_per_page
+        )))
+    }
+
     /// The KV hints' counters and gauges (all zero under `exact`).
     pub fn hint_stats(&self) -> HintStats {
         self.pool.retention().map_or_else(HintStats::default, |r| r.hint_stats())
@@ -813,6 +861,7 @@ impl Allocator {
     fn advance_checkpoints(&mut self, s: Slot, end: u64, boundary: u32) {
         let groups: Vec<GroupId> = self.managers.iter().filter(|m| m.is_mamba_align()).map(|m| m.group_id()).collect();
         let hbs = self.cfg.hash_block_size;
+        let sp = self.state_groups != 0;
         let Self { pool, reqs, .. } = self;
         let req = &mut reqs[s as usize];
         let Some(hints) = req.hints.as_deref_mut() else {
@@ -825,14 +874,17 @@ impl Allocator {
                 break;
             }
             let hash = req.hashes[(c / hbs) as usize - 1];
-            if !groups.is_empty() && pool.get_cached_block(&hash, &groups, &mut found) {
-                if let Some(mut ha) = pool.hit_aware() {
+            // Two-level pages: the states are in the page pool; the counters in this one's.
+            if !groups.is_empty() && pool.side_ref(sp).get_cached_block(&hash, &groups, &mut found) {
+                if let Some(mut ha) = pool.side(sp).hit_aware() {
                     for &b in &found {
                         ha.mark_branch(b);
                         if ha.level(b) < LEVEL_NORMAL {
                             ha.set_level(b, LEVEL_NORMAL);
                         }
                     }
+                }
+                if let Some(mut ha) = pool.hit_aware() {
                     ha.hint_stats_mut().checkpoint_states += 1;
                 }
             } else if c as u64 == end {

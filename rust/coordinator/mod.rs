@@ -177,19 +177,12 @@ impl Allocator {
                 cfg.reprefillable_tokens
             )));
         }
-        // Hit-aware over two-level pages with prefix caching off decides as `exact` (nothing
-        // is cached: no level, pin or hint applies), as with one pool. With caching on it is
-        // refused: its per-block state (levels, flags, pins, leases) lives in one pool's
-        // `Retention` and its hit units join a state to the full-attention blocks before it,
-        // which two-level pages put in two pools (docs/two-level-pages.md, "Hit-aware").
-        if k > 1 && leveled {
-            return Err(Error::Unsupported(format!(
-                "the {policy:?} policy with prefix caching is not served with slots_per_page={k} > 1 \
-                 (exact only: its levels, pins and hit units would span the slot pool and the page pool)"
-            )));
-        }
+        // Hit-aware over two-level pages: each pool holds its own policy state (the slot
+        // pool its slots', the page pool its states'), and each group's rules take its own
+        // pool's handle (docs/two-level-pages.md, "Hit-aware"). With prefix caching off it
+        // decides as `exact` (nothing is cached), as with one pool.
         let mut pool = if k > 1 {
-            BlockPool::try_new_paged(cfg.num_blocks, k, caching, cfg.enable_events)?
+            BlockPool::try_new_paged(cfg.num_blocks, k, caching, cfg.enable_events, leveled)?
         } else {
             BlockPool::try_new_leveled(cfg.num_blocks, caching, cfg.enable_events, leveled)?
         };

@@ -185,7 +185,8 @@ impl Retention {
 
     // --- The hooks (one per pool operation whose exact path the policy changes) ---
 
-    /// Hook of `get_new_blocks`: free block `b`, still keyed, left the front of the queue.
+    /// Hook of `get_new_blocks`: free block `b`, still keyed, left the front of the queue
+    /// (with two-level pages also when its page leaves the slot queue, see `block_pool/pages.rs`).
     #[inline]
     pub(crate) fn popped(&mut self, b: BlockId, index: &PrefixIndex) {
         if self.counts_pinned(b, index) {
@@ -484,7 +485,7 @@ impl<'a> HitAware<'a> {
         if b == NULL_BLOCK {
             return;
         }
-        let queued = self.p.ref_cnt[b as usize] == 0 && self.p.index.is_keyed(b);
+        let queued = self.is_queued(b);
         if queued {
             self.unqueue_cached(b);
         }
@@ -501,7 +502,7 @@ impl<'a> HitAware<'a> {
         if b == NULL_BLOCK {
             return;
         }
-        let queued = self.p.ref_cnt[b as usize] == 0 && self.p.index.is_keyed(b);
+        let queued = self.is_queued(b);
         if queued {
             self.unqueue_cached(b);
         }
@@ -510,6 +511,16 @@ impl<'a> HitAware<'a> {
             self.queue_cached(b);
             self.enforce_pinned_cap();
         }
+    }
+
+    /// Whether `b` is a free cached block in the queue. With one pool every free cached
+    /// block is; in the slot pool of two-level pages a free keyed slot of a free page is in
+    /// no queue (its page is in the page queue, and the slot keeps its key and level until
+    /// the page is taken: lazy eviction), so a level set on it now applies when its page
+    /// opens again. O(1).
+    #[inline]
+    fn is_queued(&self, b: BlockId) -> bool {
+        self.p.ref_cnt[b as usize] == 0 && self.p.index.is_keyed(b) && self.p.queue.contains(b)
     }
 
     /// Takes a free cached block out of the queue, keeping the count.

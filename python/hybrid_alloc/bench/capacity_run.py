@@ -156,8 +156,11 @@ def build(
     return build_setup(setup, small if manager == "two-level" else None, manager, headroom)
 
 
-def build_setup(setup: Any, small: int | None, label: str = "two-level", headroom: int | None = None) -> Any:
-    """The Scheduler of ``setup`` (an ``offline.SchedulerSetup``) under the exact policy; with
+def build_setup(
+    setup: Any, small: int | None, label: str = "two-level", headroom: int | None = None, policy: str = "exact"
+) -> Any:
+    """The Scheduler of ``setup`` (an ``offline.SchedulerSetup``) under ``policy`` (the exact
+    one unless told: the content oracle runs hit-aware too); with
     ``small``, ours over the two-level form of vLLM's plan at ``small``-token attention blocks
     (:func:`hybrid_alloc.vllm.pages.two_level_kv_cache_config` on the plan ``setup`` makes,
     the same bytes: ``num_blocks`` or ``kv_budget_bytes`` size vLLM's plan first), the
@@ -179,7 +182,7 @@ def build_setup(setup: Any, small: int | None, label: str = "two-level", headroo
 
         setup = TwoLevelSetup(**{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
     env = {
-        "HYBRID_ALLOC_POLICY": "exact",
+        "HYBRID_ALLOC_POLICY": policy,
         pages.PAGES_ENV: "two-level" if small is not None else None,
         pages.SMALL_BLOCK_ENV: str(small) if small is not None else None,
         pages.HEADROOM_ENV: str(headroom) if small is not None and headroom is not None else None,

@@ -61,6 +61,7 @@ __all__ = [
     "MAX_POSITIONS",
     "MAX_TOKENS",
     "MAX_TTL_S",
+    "NOT_SERVED_OVER_PAGES",
     "PIN",
     "PIN_OVER_CAP",
     "PRIORITIES",
@@ -119,6 +120,11 @@ XARG_KEYS = frozenset(
 #: manager counts it; nothing in this module refuses it).
 PIN_OVER_CAP = "pin_over_cap"
 
+#: A pin or retain the manager drops over two-level pages (``HYBRID_ALLOC_PAGES=two-level``),
+#: which serve hit-aware's own levels, not the user's pinned ones (the request's other hints
+#: stand; nothing in this module refuses it).
+NOT_SERVED_OVER_PAGES = "not_served_over_pages"
+
 #: Every kind of refused hint: its counter key, and what it means (the log line says it).
 REFUSED_KINDS: dict[str, str] = {
     "not_envelope": "kv_hints is not a KvHintsEnvelope (no list of actions)",
@@ -139,6 +145,8 @@ REFUSED_KINDS: dict[str, str] = {
     "session_conflict": "a second, different session for the same request (the first stands)",
     "malformed": "reading the hints raised (an object that is not what it claims to be)",
     PIN_OVER_CAP: "a pin lease that would take the pinned blocks past the pool's pinned share",
+    NOT_SERVED_OVER_PAGES: "a pin or retain over two-level pages (HYBRID_ALLOC_PAGES=two-level), which serve "
+    "hit-aware's own levels only",
 }
 
 

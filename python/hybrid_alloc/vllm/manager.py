@@ -58,7 +58,14 @@ from hybrid_alloc.vllm.compat import (
 from hybrid_alloc.vllm.connector import fold_negative_external
 from hybrid_alloc.vllm.connector_hits import local_hit_for_connector
 from hybrid_alloc.vllm.facades import NativeBlockPool, NativeCoordinator
-from hybrid_alloc.vllm.hints import PIN_OVER_CAP, HintCounters, HintFields, read_hints, stats_line
+from hybrid_alloc.vllm.hints import (
+    NOT_SERVED_OVER_PAGES,
+    PIN_OVER_CAP,
+    HintCounters,
+    HintFields,
+    read_hints,
+    stats_line,
+)
 from hybrid_alloc.vllm.kv_events import EventLog
 from hybrid_alloc.vllm.metrics import after_call_hook
 from hybrid_alloc.vllm.plan import native_plan
@@ -315,6 +322,9 @@ class HybridKVCacheManager:
         self._clock: Callable[[], float] = time.monotonic
         self._hint_counters = HintCounters(logger)
         self._hints_executed = self._alloc.policy == "hit-aware"
+        # Two-level pages serve hit-aware's own levels, not a hint's pin or retain (the core
+        # refuses them): they are dropped and counted, the request's other hints stand.
+        self._pins_over_pages = self._alloc.slots_per_page > 1
         self._clock_on = False
         # The periodic hints line (``stats_line``), with vLLM's stats (``log_stats``), at
         # vLLM's stats interval, from the step clock's reading: on once a request carried
@@ -416,6 +426,10 @@ class HybridKVCacheManager:
                 self._clock_on = True
                 self._alloc.advance_clock(self._now_ms())
             session, retain, retain_ttl_ms, retain_tokens, pin_ttl_ms, pin_tokens, release, checkpoints = plan
+            if self._pins_over_pages and not again and (retain or pin_ttl_ms):
+                counters.refuse(NOT_SERVED_OVER_PAGES, request.request_id)
+            if self._pins_over_pages:
+                retain, pin_ttl_ms = 0, 0
             sessions = self._sessions
             pin, _, refused = self._alloc.set_hints(
                 st.handle,

@@ -202,7 +202,8 @@ def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str, native: dict[
     two-level pages do not serve (this first version): a model without a state group, a KV
     connector (it moves whole blocks: a page's slots belong to other requests), decode or
     prefill context parallelism, speculative decoding (lookahead hashes or blocks, Mamba
-    speculative blocks), the hit-aware policy with prefix caching on, an attention block other than
+    speculative blocks), the hit-aware policy's pinned prefixes and retention priority with prefix
+    caching on (hit-aware itself is served), an attention block other than
     ``HYBRID_ALLOC_SMALL_BLOCK``, a configuration that is not two-level (the plugin's
     planning, :mod:`.engine_pages`, did not run), and a ``prefix_match_unit`` other than the
     small block (prefix caching on). KV cache zeroing is served: the core records the new
@@ -229,11 +230,19 @@ def two_level_slots(a: ManagerArgs, vllm_config: Any, policy: str, native: dict[
     if a.use_eagle or lookahead or mamba_spec_blocks or spec_config is not None:
         raise Unsupported(f"{on} with speculative decoding (lookahead tokens or blocks)")
     if policy != "exact" and a.enable_caching:
-        # With prefix caching off hit-aware caches nothing and decides as exact: served.
-        raise Unsupported(
-            f"{on} with {policy_env.POLICY_ENV}={policy} and prefix caching on (two-level pages serve the exact "
-            "policy only: hit-aware's levels, pins and hit units would span the slot pool and the page pool)"
-        )
+        # Hit-aware is served (each pool with its own levels), not the user's pinned levels:
+        # a pinned slot must outlive every free page of lower levels, which the page queue
+        # does not do yet. With prefix caching off hit-aware caches nothing: served as exact.
+        controls = policy_env.policy_controls()
+        for name, asked in (
+            (policy_env.PIN_PREFIXES_ENV, bool(controls.pins)),
+            (policy_env.RETAIN_PRIORITY_ENV, controls.retain_priority is not None),
+        ):
+            if asked:
+                raise Unsupported(
+                    f"{on} with {policy_env.POLICY_ENV}={policy} and {name} (two-level pages serve hit-aware's "
+                    "own levels, branch points and junctions, not pinned prefixes or retained requests)"
+                )
     if (why := pages.unit_refusal(vllm_config, small)) is not None:
         # Before "not two-level": the engine side kept vLLM's plan for this same reason.
         raise Unsupported(why)

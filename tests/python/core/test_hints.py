@@ -34,6 +34,7 @@ from hybrid_alloc.vllm.hints import (
     MAX_ACTIONS,
     MAX_POSITIONS,
     MAX_TTL_S,
+    NOT_SERVED_OVER_PAGES,
     PIN_OVER_CAP,
     REFUSED_KINDS,
     XARG_KEYS,
@@ -311,8 +312,9 @@ def test_bad_hint_refused_with_its_kind(kind: str, envelope: Any, xargs: Any, ex
 
 
 def test_every_parse_kind_is_tested() -> None:
-    # ``malformed`` is tested below; ``pin_over_cap`` is the manager's (the core's refusal).
-    assert {b[0] for b in BAD} | {"malformed", PIN_OVER_CAP} == set(REFUSED_KINDS)
+    # ``malformed`` is tested below; ``pin_over_cap`` is the manager's (the core's refusal), as
+    # is ``not_served_over_pages`` (a pin or retain over two-level pages).
+    assert {b[0] for b in BAD} | {"malformed", PIN_OVER_CAP, NOT_SERVED_OVER_PAGES} == set(REFUSED_KINDS)
 
 
 def test_a_bad_field_drops_only_its_action() -> None:

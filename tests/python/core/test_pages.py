@@ -70,11 +70,6 @@ def test_slots_per_page_ids_free_pages_and_usage() -> None:
         ),
         (
             [FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1)],
-            {"policy": "hit-aware"},
-            UnsupportedConfigError,
-        ),
-        (
-            [FullAttention(block_size=16), MambaAlign(block_size=32, spec_key=1)],
             {"slots_per_page": 0},
             InvalidConfigError,
         ),
@@ -84,6 +79,22 @@ def test_slots_per_page_refusals(groups: list[object], kw: dict[str, object], er
     kw = {"slots_per_page": K, **kw}
     with pytest.raises(error):
         Allocator(PAGES, groups, 16, 32, 4096, **kw)  # type: ignore[arg-type]
+
+
+def test_slots_per_page_serves_hit_aware_and_refuses_its_pins() -> None:
+    """Hit-aware with prefix caching over two-level pages: each pool with its own levels; a
+    freed request's slots and state stay cached; the user's pins are refused (a config error,
+    nothing changed)."""
+    a = paged(policy="hit-aware")
+    assert a.policy == "hit-aware"
+    r = a.add_request()
+    allocate(a, r, 64, new=hashes(1, 2, 3, 4), prompt=64, tokens=64)
+    slots, states = a.block_ids(r)
+    a.free(r, retain=True)  # a retention priority: freed at the normal level here
+    assert a.num_free_blocks == PAGES - 1 and a.block_hash(slots[0]) is not None
+    with pytest.raises(UnsupportedConfigError, match="not served with slots_per_page=4"):
+        a.pin_prefix(hashes(1, 2))
+    a.check_invariants()
 
 
 def test_slots_per_page_one_is_todays_layout() -> None:

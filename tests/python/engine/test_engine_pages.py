@@ -38,6 +38,13 @@ def qwen3next(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_tiny_qwen3next(tmp_path_factory.mktemp("tiny_pages") / "qwen3next")
 
 
+@pytest.fixture(scope="module")
+def vllm_cached(qwen3next: str) -> dict[str, Any]:
+    """vLLM's own manager with prefix caching on (Mamba "align"): the run both policies'
+    two-level runs compare with."""
+    return _pages_run(qwen3next, flag=False)[0]
+
+
 def _pages_run(model: str, *options: str, flag: bool, **env: str) -> tuple[dict[str, Any], str]:
     from engine_run import engine_env, run_script
 
@@ -73,11 +80,11 @@ def test_two_level_pages_run_and_match_vllm_without_prefix_caching(qwen3next: st
     assert planted["outputs"] != ours["outputs"]
 
 
-def test_two_level_pages_take_vllm_hits_with_prefix_caching(qwen3next: str) -> None:
+def test_two_level_pages_take_vllm_hits_with_prefix_caching(qwen3next: str, vllm_cached: dict[str, Any]) -> None:
     """Prefix caching on (Mamba "align"): every request hits what it hits under vLLM's manager
     (at the state block), the workers receive the state block as the hit alignment (vLLM's
     resolver would answer the small block), and the greedy outputs are vLLM's."""
-    vllm, _ = _pages_run(qwen3next, flag=False)
+    vllm = vllm_cached
     ours, log = _pages_run(qwen3next, flag=True, **TWO_LEVEL)
     assert "hybrid_alloc: two-level pages: attention at 32-token blocks" in log
     e = ours["engine"]
@@ -85,6 +92,21 @@ def test_two_level_pages_take_vllm_hits_with_prefix_caching(qwen3next: str) -> N
     assert e["cache_hit_alignment_tokens"] == state_block == vllm["engine"]["cache_hit_alignment_tokens"]
     assert ours["cached"] == vllm["cached"] and sum(ours["cached"]) > 0
     assert ours["outputs"] == vllm["outputs"]
+
+
+def test_two_level_pages_serve_hit_aware_with_prefix_caching(qwen3next: str, vllm_cached: dict[str, Any]) -> None:
+    """``HYBRID_ALLOC_POLICY=hit-aware`` over two-level pages with prefix caching on: served
+    (the plan is two-level, our manager runs it, nothing falls back); on this workload (the
+    pool holds every request, so the levels decide no eviction) every request hits what it
+    hits under vLLM's manager, and the greedy outputs are vLLM's."""
+    vllm = vllm_cached
+    ours, log = _pages_run(qwen3next, flag=True, HYBRID_ALLOC_POLICY="hit-aware", **TWO_LEVEL)
+    assert "hybrid_alloc: two-level pages: attention at 32-token blocks" in log
+    assert "falling back" not in log and "fall back" not in log
+    assert ours["engine"]["manager"] == "HybridKVCacheManager"
+    assert ours["cached"] == vllm["cached"] and sum(ours["cached"]) > 0
+    assert ours["outputs"] == vllm["outputs"]
+    assert len(ours["outputs"]) == 8 and all(len(o) == 24 for o in ours["outputs"])
 
 
 def test_two_level_pages_match_vllm_with_prefix_caching_in_a_multiprocess_engine(qwen3next: str) -> None:

@@ -276,11 +276,18 @@ def _prompts(seed: int, block: int, turns: bool = False) -> list[list[tuple[list
     return out
 
 
-def _build(name: str, two_level: bool, unit: int | None = None, pages: int = PAGES, headroom: int | None = 0) -> Any:
-    """vLLM's Scheduler over about ``pages`` pages of ``name``; two-level with the admission
-    headroom ``headroom`` (slots per running request; 0, the default here, keeps the pressure
-    these workloads were sized for: admissions to the last page, then preemptions; None: the
-    layout's default)."""
+def _build(
+    name: str,
+    two_level: bool,
+    unit: int | None = None,
+    pages: int = PAGES,
+    headroom: int | None = 0,
+    policy: str = "exact",
+) -> Any:
+    """vLLM's Scheduler over about ``pages`` pages of ``name`` under ``policy``; two-level with
+    the admission headroom ``headroom`` (slots per running request; 0, the default here, keeps
+    the pressure these workloads were sized for: admissions to the last page, then preemptions;
+    None: the layout's default)."""
     from hybrid_alloc.bench.capacity_run import build_setup
     from hybrid_alloc.bench.offline import SHAPES, SchedulerSetup
 
@@ -300,10 +307,12 @@ def _build(name: str, two_level: bool, unit: int | None = None, pages: int = PAG
         max_num_batched_tokens=8192,
         prefix_match_unit=unit,
     )
-    return build_setup(run_setup, SMALL if two_level else None, "two-level" if two_level else "ours", headroom)
+    return build_setup(
+        run_setup, SMALL if two_level else None, "two-level" if two_level else "ours", headroom=headroom, policy=policy
+    )
 
 
-def _run(sched: Any, oracle: Oracle, seed: int = 0, turns: bool = False) -> Any:
+def _run(sched: Any, oracle: Oracle, seed: int = 0, turns: bool = False, hints: bool = False) -> Any:
     from hybrid_alloc.bench.offline import fabricate_output, make_request
 
     todo = _prompts(seed, oracle.state_block, turns)
@@ -315,6 +324,13 @@ def _run(sched: Any, oracle: Oracle, seed: int = 0, turns: bool = False) -> Any:
         if nxt[c] < len(todo[c]):
             prompt, out = todo[c][nxt[c]]
             r = make_request(sched, f"c{c}-{nxt[c]}", prompt, out)
+            if hints and nxt[c] % 2 == 0:
+                # KV hints (``SamplingParams.extra_args``): a session, a checkpoint inside the
+                # prompt, and (on every other client) a pin and a retain.
+                x: dict[str, Any] = {"kv_session": f"s{c}", "kv_checkpoint": len(prompt) // 2}
+                if c % 2 == 0:
+                    x.update(kv_pin_ttl=60, kv_retain="high", kv_retain_ttl=60)
+                r.sampling_params.extra_args = x
             nxt[c] += 1
             reqs.append(r)
             live[r.request_id] = (c, r)
@@ -412,6 +428,38 @@ def test_content_oracle_with_a_prefix_match_unit(
     assert preemptions >= 1, preemptions
     assert oracle.mem.overwrites > 0
     assert all(len(r.output_token_ids) == r.max_tokens for r in reqs)
+
+
+@pytest.mark.parametrize(
+    "name, unit, pages, seed",
+    [("qwen36", None, PAGES, 0), ("falconh1", None, PAGES, 0), ("qwen36", SMALL, 24, 2), ("falconh1", SMALL, PAGES, 0)],
+    ids=["qwen36", "falconh1", "qwen36-unit", "falconh1-unit"],
+)
+def test_content_oracle_under_hit_aware(name: str, unit: int | None, pages: int, seed: int) -> None:
+    """The same oracle with ``HYBRID_ALLOC_POLICY=hit-aware`` over two-level pages (each pool
+    with its own levels, junctions at first-sighting stops and, with a unit, at the prefixes
+    other prompts went on past): the policy changes which keys stay and where prefill chunks
+    stop, never what a key holds. Hits, preemptions and memory reused by other prefixes
+    happen; with a unit, hits inside state blocks and copies too. Half the requests carry KV
+    hints: checkpoints are served, pins and retains dropped (counted)."""
+    sched = _build(name, True, unit=unit, pages=pages, policy="hit-aware")
+    mgr = sched.kv_cache_manager
+    assert (mgr._alloc.policy, mgr._alloc.slots_per_page) == ("hit-aware", 17 if name == "qwen36" else 25)
+    oracle = Oracle(sched)
+    reqs = _run(sched, oracle, seed, turns=unit is not None, hints=True)
+    preemptions = sum(getattr(r, "num_preemptions", 0) for r in reqs)
+    # The hints' checkpoints are taken; their pins and retains dropped and counted.
+    counters = mgr._hint_counters.as_dict()
+    assert counters["applied"] > 0 and counters.get("refused.not_served_over_pages", 0) > 0, counters
+    assert oracle.hits >= 4 and oracle.hit_tokens >= 4 * (unit or oracle.state_block), (oracle.hits, oracle.hit_tokens)
+    # Falcon-H1's Mamba2 prefill checkpoints: written without a unit; with one, this run's chunks
+    # (stopped at junctions, checkpoints and unit tails) end where no checkpoint is due.
+    assert not oracle.checkpoints or unit is not None or oracle.checkpoint_writes > 0
+    assert preemptions >= 1, preemptions
+    assert oracle.mem.overwrites > 0
+    assert all(len(r.output_token_ids) == r.max_tokens for r in reqs)
+    assert unit is None or (oracle.inside >= 1 and oracle.copies >= 1), (oracle.inside, oracle.copies)
+    print(f"{name} unit={unit}: hits {oracle.hits}, hit tokens {oracle.hit_tokens}, preemptions {preemptions}")
 
 
 @pytest.mark.parametrize(

@@ -269,24 +269,36 @@ def test_native_plan_refuses_what_two_level_does_not_serve(
         native_plan(_args(t), None)
     monkeypatch.delenv(pages.SMALL_BLOCK_ENV)
     monkeypatch.setenv("HYBRID_ALLOC_POLICY", "hit-aware")
-    with pytest.raises(Unsupported, match="exact policy only"):
+    monkeypatch.setenv("HYBRID_ALLOC_RETAIN_PRIORITY", "0")
+    with pytest.raises(Unsupported, match="HYBRID_ALLOC_RETAIN_PRIORITY \\(two-level pages serve hit-aware's own"):
         native_plan(_args(t), None)
 
 
-def test_native_plan_serves_hit_aware_with_caching_off_under_two_level(
-    qwen36: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+def test_native_plan_serves_hit_aware_under_two_level(
+    qwen36: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    """Hit-aware with prefix caching on is refused under two-level pages, naming why; with
-    caching off it caches nothing, decides as exact, and two-level pages are served."""
+    """Hit-aware is served under two-level pages with prefix caching on (each pool with its
+    own levels) and off (it caches nothing, decides as exact); pinned prefixes and a
+    retention priority, the user's pinned levels, are refused, naming why."""
+    import json
+
+    from hybrid_alloc import Allocator
     from hybrid_alloc.vllm.plan import native_plan
     from hybrid_alloc.vllm.unsupported import Unsupported
 
     _, t = qwen36
     monkeypatch.setenv("HYBRID_ALLOC_POLICY", "hit-aware")
-    with pytest.raises(Unsupported, match="prefix caching on .* span the slot pool and the page pool"):
-        native_plan(_args(t), None)
+    plan = native_plan(_args(t), None)
+    assert (plan["slots_per_page"], plan["policy"], plan["enable_caching"]) == (17, "hit-aware", True)
+    a = Allocator(**plan)
+    assert (a.policy, a.slots_per_page) == ("hit-aware", 17)
     plan = native_plan(_args(t, enable_caching=False), None)
     assert (plan["slots_per_page"], plan["policy"], plan["enable_caching"]) == (17, "hit-aware", False)
+    pins = tmp_path / "pins.json"
+    pins.write_text(json.dumps([[1, 2, 3]]))
+    monkeypatch.setenv("HYBRID_ALLOC_PIN_PREFIXES", str(pins))
+    with pytest.raises(Unsupported, match="HYBRID_ALLOC_PIN_PREFIXES \\(two-level pages serve hit-aware's own"):
+        native_plan(_args(t), None)
 
 
 def test_native_plan_refuses_a_kv_connector_under_two_level(qwen36: tuple[Any, Any]) -> None:
