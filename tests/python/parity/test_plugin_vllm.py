@@ -7,6 +7,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -87,6 +88,7 @@ def test_register_without_flag_imports_nothing() -> None:
 # Scheduler with whatever manager that left in place and runs two requests to the end.
 _SCHEDULE = """
 import sys
+from typing import Any
 {pre}
 from vllm.plugins import load_general_plugins
 load_general_plugins()
@@ -161,16 +163,12 @@ def test_missing_vllm_attribute_leaves_vllm_untouched_with_one_line() -> None:
     assert len(lines) == 1 and "not enabled, vLLM is left untouched: AttributeError" in lines[0], lines
 
 
-def test_adapter_raising_in_scheduler_falls_back_with_one_line(plugin_lines, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
+def _tiny_scheduler_with_the_plugin() -> Any:
+    """vLLM's Scheduler of a tiny sliding-window + full model, built with the plugin applied
+    (removed again after)."""
     from hybrid_alloc.bench.offline import LayerKind, ModelShape, SchedulerSetup
-    from hybrid_alloc.vllm import manager, plugin
+    from hybrid_alloc.vllm import plugin
 
-    def boom(*args, **kwargs):  # type: ignore[no-untyped-def]
-        raise RuntimeError("an adapter bug")
-
-    monkeypatch.setattr(manager.HybridKVCacheManager, "__new__", boom)
     shape = ModelShape(
         "tiny",
         (LayerKind("sliding_window", 64), LayerKind("full")),
@@ -181,9 +179,21 @@ def test_adapter_raising_in_scheduler_falls_back_with_one_line(plugin_lines, mon
     )
     assert plugin.apply()
     try:
-        sched = SchedulerSetup(shape, num_blocks=100, max_num_seqs=4).build_with_installed_manager()
+        return SchedulerSetup(shape, num_blocks=100, max_num_seqs=4).build_with_installed_manager()
     finally:
         plugin.remove()
+
+
+def test_adapter_raising_in_scheduler_falls_back_with_one_line(plugin_lines, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from hybrid_alloc.vllm import manager
+
+    def boom(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("an adapter bug")
+
+    monkeypatch.setattr(manager.HybridKVCacheManager, "__new__", boom)
+    sched = _tiny_scheduler_with_the_plugin()
     assert type(sched.kv_cache_manager) is KVCacheManager
     lines = [ln for ln in plugin_lines if ln.startswith("hybrid_alloc:")]
     assert lines == [
@@ -198,27 +208,14 @@ def test_fallback_reason_survives_an_unreadable_page_size(plugin_lines, monkeypa
     with the refusal's reason, not the error of the two-level check after it."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from hybrid_alloc.bench.offline import LayerKind, ModelShape, SchedulerSetup
-    from hybrid_alloc.vllm import pages, plugin
+    from hybrid_alloc.vllm import pages
 
     def unreadable(kvc):  # type: ignore[no-untyped-def]
         raise TypeError("'int' object is not iterable")
 
     monkeypatch.setattr(pages, "slots_per_page", unreadable)
     monkeypatch.setenv("HYBRID_ALLOC_POLICY", "no-such-policy")
-    shape = ModelShape(
-        "tiny",
-        (LayerKind("sliding_window", 64), LayerKind("full")),
-        num_kv_heads=2,
-        head_size=64,
-        weight_bytes=0,
-        max_model_len=512,
-    )
-    assert plugin.apply()
-    try:
-        sched = SchedulerSetup(shape, num_blocks=100, max_num_seqs=4).build_with_installed_manager()
-    finally:
-        plugin.remove()
+    sched = _tiny_scheduler_with_the_plugin()
     assert type(sched.kv_cache_manager) is KVCacheManager
     lines = [ln for ln in plugin_lines if ln.startswith("hybrid_alloc:")]
     assert len(lines) == 1, lines

@@ -300,6 +300,14 @@ MAMBA_SETUPS: list[Setup] = [
         use_eagle=True,
         prefill_lookahead=3,
     ),
+    Setup(
+        "nemotron_h_mamba2_mtp3_drop_all_align",
+        [full(16)] + [mamba2(16, "align", 1) for _ in range(6)],
+        num_blocks=460,
+        retention_interval=None,
+        use_eagle=True,
+        prefill_lookahead=3,
+    ),
     # EAGLE / MTP with the prefix-cache block drop (``use_eagle``: 0.32 with prefix caching,
     # 0.33 on with ``disable_lookahead_block_hashes``): every Mamba "align" group's prefill
     # checkpoint positions move one block back (``drop_eagle_checkpoint_block``). With the
