@@ -5,7 +5,7 @@ Installed by the plugin (:mod:`hybrid_alloc.vllm.plugin`) in every process it ru
 loads general plugins in the engine core and in the workers) when ``HYBRID_ALLOC_PAGES`` is
 ``two-level``, on the releases in :data:`ENGINE_RELEASES` (:data:`PROOF` says how each is proven:
 a real CPU engine, or vLLM's own worker-side code run on CPU tensors, no forward pass). What it
-patches (the same names on vLLM 0.32.0, 0.33.0 and 0.34.0; docs/two-level-pages.md "Engine side"):
+patches (the same names on every release in :data:`ENGINE_RELEASES`; docs/two-level-pages.md "Engine side"):
 
 - ``vllm.v1.engine.core.get_kv_cache_configs`` (``EngineCore._initialize_kv_caches`` calls it,
   then derives the scheduler's configuration from its result and hands the result to the
