@@ -12,7 +12,9 @@ the one it leaves, so the test asks the oracle's question on the bytes:
 
 - every step that starts from a state (each hit, and each first sighting's chunk after 160)
   starts from exactly the bytes the forward wrote when it reached those tokens: the restore is
-  exact (a wrong block, a stale copy or a missing copy-on-write would fail it);
+  exact (a wrong block, a stale copy or a missing copy-on-write would fail it: with the worker
+  skipping the copy-on-write copies, ``cut_run.py --plant``, all 11 recorded hits fail it and 11
+  of the 12 repeats sample other tokens);
 - each repeat samples its first sighting's tokens: with the same cuts, the hit changes nothing;
 - a cache-less engine (one 193-224-token chunk per prompt, vLLM's 5120-token block) leaves a
   state after each prompt within rounding of the cached engine's (``PROVENANCE_TOL``; a state
