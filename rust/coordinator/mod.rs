@@ -75,6 +75,12 @@ struct ReqState {
     /// KV hints (hit-aware): what the request's free applies and its checkpoints; `None`
     /// for a request without hints.
     hints: Option<Box<hit_aware::ReqHints>>,
+    /// Two-level pages: whether a slot group's table (a group not on the page side) of the
+    /// request is non-empty, i.e. the request is counted in [`Allocator::slot_holders`]. Set
+    /// by `allocate_slots` (the only call that grows a table), cleared by `release` (after
+    /// `free` / `pop_blocks_for_free` emptied every table; nothing else shortens one).
+    /// Always `false` with one pool.
+    holds_slots: bool,
 }
 
 /// A caller-supplied token count as `u32`.
@@ -143,6 +149,10 @@ pub struct Allocator {
     /// Two-level pages: bit `g` set when group `g` is a state group, whose blocks are
     /// pages of the page pool (`pool.side(true)`); 0 without pages (one pool).
     state_groups: u64,
+    /// Two-level pages: the live requests holding slots (`ReqState::holds_slots` set), so
+    /// the admission headroom is O(1) (checked against a recount by the invariant checks);
+    /// 0 with one pool, where nothing updates it.
+    slot_holders: u32,
 }
 
 /// Whether group `g` takes pages (a state group under two-level pages) in `state_groups`.
@@ -254,6 +264,7 @@ impl Allocator {
             partial_hash_hits: cfg.partial_hash_hits(),
             hit_alignment: align,
             state_groups,
+            slot_holders: 0,
             cfg,
         })
     }
