@@ -583,32 +583,15 @@ impl Allocator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{AttentionKind, Config, GroupSpec};
+    use crate::config::Config;
     use crate::ids::BlockHash;
     use crate::policy::{Policy, LEVEL_NORMAL};
 
-    /// Full attention at 16-token slots, 4 a page, + Mamba "align" at 32 tokens, over 16
-    /// pages; a headroom of 2 slots per request holding slots.
+    /// Full attention at 16-token slots, 4 a page, + Mamba "align" at 32 tokens
+    /// ([`super::super::full_and_align_config`]), over 16 pages; a headroom of 2 slots per
+    /// request holding slots.
     fn allocator() -> Allocator {
-        let groups = vec![
-            GroupSpec { kind: AttentionKind::Full, block_size: 16, spec_key: 0 },
-            GroupSpec {
-                kind: AttentionKind::Mamba {
-                    speculative_blocks: 0,
-                    align: true,
-                    rekey_cached_tail: false,
-                    checkpoint_alignment: 0,
-                },
-                block_size: 32,
-                spec_key: 1,
-            },
-        ];
-        let cfg = Config {
-            slots_per_page: 4,
-            scheduler_block_size: 32,
-            admission_headroom_slots: 2,
-            ..Config::new(16, groups, 16)
-        };
+        let cfg = Config { num_blocks: 16, admission_headroom_slots: 2, ..super::super::full_and_align_config(4) };
         Allocator::new(cfg, Policy::Exact).unwrap()
     }
 

@@ -444,30 +444,9 @@ mod tests {
     use crate::AllocateArgs;
     use crate::NewComputed;
 
-    /// Full attention at 16 tokens + Mamba "align" at 32, over `k` slots a page (1: one
-    /// pool of 32-token blocks for both).
+    /// [`super::super::full_and_align_config`] under `exact`.
     fn allocator(k: u32) -> Allocator {
-        let (attn, state) = if k == 1 { (32, 32) } else { (16, 32) };
-        let groups = vec![
-            GroupSpec { kind: AttentionKind::Full, block_size: attn, spec_key: 0 },
-            GroupSpec {
-                kind: AttentionKind::Mamba {
-                    speculative_blocks: 0,
-                    align: true,
-                    rekey_cached_tail: false,
-                    checkpoint_alignment: 0,
-                },
-                block_size: state,
-                spec_key: 1,
-            },
-        ];
-        let cfg = Config {
-            slots_per_page: k,
-            scheduler_block_size: state,
-            enable_events: true,
-            ..Config::new(64, groups, attn)
-        };
-        Allocator::new(cfg, Policy::Exact).unwrap()
+        Allocator::new(super::super::full_and_align_config(k), Policy::Exact).unwrap()
     }
 
     /// Chained hashes of `n` hash blocks of request `seed`.

@@ -155,6 +155,21 @@ pub struct Allocator {
     slot_holders: u32,
 }
 
+/// The rooms' unit tests: full attention at 16 tokens + Mamba "align" at 32, over `k` slots
+/// a page (1: one pool of 32-token blocks for both), 64 blocks (pages when `k > 1`), events on.
+#[cfg(test)]
+fn full_and_align_config(k: u32) -> Config {
+    use crate::config::GroupSpec;
+    let (attn, state) = if k == 1 { (32, 32) } else { (16, 32) };
+    let align =
+        AttentionKind::Mamba { speculative_blocks: 0, align: true, rekey_cached_tail: false, checkpoint_alignment: 0 };
+    let groups = vec![
+        GroupSpec { kind: AttentionKind::Full, block_size: attn, spec_key: 0 },
+        GroupSpec { kind: align, block_size: state, spec_key: 1 },
+    ];
+    Config { slots_per_page: k, scheduler_block_size: state, enable_events: true, ..Config::new(64, groups, attn) }
+}
+
 /// Whether group `g` takes pages (a state group under two-level pages) in `state_groups`.
 #[inline]
 pub(crate) fn page_side(state_groups: u64, g: GroupId) -> bool {
