@@ -171,7 +171,8 @@ fn check_pages(a: &Allocator) -> Result<(), String> {
 
 /// The tables against their pools: live requests only, ids in range, no freed block held,
 /// each block's references = table slots + loose references (+ 1 for the slot side's hold
-/// on an open slot page in the page pool), the no-op limits.
+/// on an open slot page in the page pool), the no-op limits, the count of requests holding
+/// slots (two-level pages' admission headroom).
 fn check_tables(a: &Allocator) -> Result<(), String> {
     for h in a.live_handles() {
         let s = (h & 0xFFFF_FFFF) as crate::ids::Slot;
@@ -207,6 +208,7 @@ fn check_tables(a: &Allocator) -> Result<(), String> {
         }
     }
     a.check_noop_limits()?;
+    a.check_slot_holders()?;
     let pools: Vec<&BlockPool> = std::iter::once(a.pool()).chain(a.pool().page_pool()).collect();
     let mut refs: Vec<Vec<u32>> = pools.iter().map(|p| vec![0u32; p.num_blocks() as usize]).collect();
     for m in a.managers() {

@@ -103,7 +103,8 @@
 //! - Two-level pages (`slots_per_page = k > 1`): every page is exactly one of free (in the
 //!   page queue), a state page, or an open slot page (a slot in use); the slot pool's free
 //!   queue holds exactly the free slots of open pages; no slot of a state page is used or
-//!   keyed; a state group's ids are pages, every other group's are slots of open pages.
+//!   keyed; a state group's ids are pages, every other group's are slots of open pages; the
+//!   count of live requests holding slots (the admission headroom's `R`) equals a recount.
 //! - Under the `hit-aware` policy (`policy/`): a free cached block in its pool's free queue
 //!   sits in the segment of its retention level (with two-level pages each pool holds its own
 //!   levels; a free keyed slot of a free page is in no queue and keeps its level); the free blocks at the pinned and leased levels are
@@ -115,6 +116,7 @@
 //! |---|---|
 //! | `allocate_slots` (decode, no new block) | O(groups), no allocation |
 //! | `allocate_slots` (new blocks) | O(new blocks + freed out-of-window blocks) |
+//! | two-level pages' admission headroom | O(1) (a count of the requests holding slots) |
 //! | `find_longest_cache_hit` | O(blocks scanned) (full: hit + 1; SWA, Mamba: right-to-left scan) |
 //! | `free` | O(table) |
 //! | pool pop / touch / free of one block | O(1) |

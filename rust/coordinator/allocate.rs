@@ -3,6 +3,8 @@
 //! external tokens, new blocks, caching), which changes nothing when a check fails.
 //!
 //! Cost: O(groups) for a decode step with no new block, else O(new blocks + freed blocks).
+//! Two-level pages' admission headroom is O(1): the requests holding slots are counted as
+//! their slot tables fill (here; O(groups) once per request) and empty (`release`).
 #![forbid(unsafe_code)]
 
 use super::{page_side, Allocator, HashSource};
@@ -176,28 +178,50 @@ impl Allocator {
 
     /// Two-level pages: the pages kept free when a waiting or preempted request is admitted
     /// while others run ([`crate::Config::admission_headroom_slots`] per request holding
-    /// slots, rounded up to pages); 0 without a headroom (every `k == 1` config). O(live
-    /// requests), paid only by such an admission.
-    #[cold]
-    #[inline(never)]
-    fn headroom_pages(&self) -> u64 {
-        let k = self.cfg.slots_per_page as u64;
-        let holds_slots = |s: Slot| {
-            self.managers.iter().any(|m| !page_side(self.state_groups, m.group_id()) && !m.blocks(s).is_empty())
-        };
-        let running =
-            self.reqs.iter().enumerate().filter(|(s, r)| r.generation != 0 && holds_slots(*s as Slot)).count() as u64;
-        (running * self.cfg.admission_headroom_slots as u64).div_ceil(k)
-    }
-
-    /// [`Self::headroom_pages`] when a headroom is configured, else 0 (one untaken branch).
+    /// slots, rounded up to pages); 0 without a headroom (every `k == 1` config). O(1): the
+    /// requests holding slots are counted as their tables fill and empty
+    /// ([`Self::note_slot_holder`], `release`).
     #[inline]
     fn admission_headroom(&self) -> u64 {
         if self.cfg.admission_headroom_slots == 0 {
             0
         } else {
-            self.headroom_pages()
+            let k = self.cfg.slots_per_page as u64;
+            (self.slot_holders as u64 * self.cfg.admission_headroom_slots as u64).div_ceil(k)
         }
+    }
+
+    /// Whether a slot group's table of `s` is non-empty (two-level pages; O(groups)).
+    fn holds_slots(&self, s: Slot) -> bool {
+        self.managers.iter().any(|m| !page_side(self.state_groups, m.group_id()) && !m.blocks(s).is_empty())
+    }
+
+    /// Two-level pages, after `s`'s tables grew: counts `s` among the requests holding slots
+    /// once a slot group's table is non-empty. O(1) once counted, else O(groups). Tables
+    /// only grow here (`remove_skipped_blocks` nulls entries out, never drops them) and
+    /// empty only when the request is released, where it is uncounted.
+    fn note_slot_holder(&mut self, s: Slot) {
+        if !self.reqs[s as usize].holds_slots && self.holds_slots(s) {
+            self.reqs[s as usize].holds_slots = true;
+            self.slot_holders += 1;
+        }
+    }
+
+    /// The count of requests holding slots against a recount over every live request, and
+    /// each request's mark against its tables (invariant checks; O(requests x groups)).
+    pub(crate) fn check_slot_holders(&self) -> std::result::Result<(), String> {
+        let mut n = 0u32;
+        for (s, r) in self.reqs.iter().enumerate() {
+            let holds = r.generation != 0 && self.state_groups != 0 && self.holds_slots(s as Slot);
+            if r.holds_slots != holds {
+                return Err(format!("slot {s}: marked holding slots {}, its tables say {holds}", r.holds_slots));
+            }
+            n += holds as u32;
+        }
+        if n != self.slot_holders {
+            return Err(format!("{n} requests hold slots, counted {}", self.slot_holders));
+        }
+        Ok(())
     }
 
     /// vLLM's coordinator passes `prefill_end` on only under retention interval 0 (under
@@ -511,6 +535,9 @@ impl Allocator {
         }
         // Two-level pages, rule 2: the pages the state groups took lose their slots' keys.
         self.pool.settle_pages();
+        if self.state_groups != 0 {
+            self.note_slot_holder(s);
+        }
         if !a.delay_cache_blocks {
             // Draft tokens are never cached (vLLM); nor are tokens past the table (a step
             // reaching past `max_model_len` gets `max_model_len` slots).
@@ -550,5 +577,134 @@ impl Allocator {
     /// Per-group counts of [`Self::new_block_ids`].
     pub fn new_block_counts(&self) -> &[u32] {
         &self.out_counts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::ids::BlockHash;
+    use crate::policy::{Policy, LEVEL_NORMAL};
+
+    /// Full attention at 16-token slots, 4 a page, + Mamba "align" at 32 tokens
+    /// ([`super::super::full_and_align_config`]), over 16 pages; a headroom of 2 slots per
+    /// request holding slots.
+    fn allocator() -> Allocator {
+        let cfg = Config { num_blocks: 16, admission_headroom_slots: 2, ..super::super::full_and_align_config(4) };
+        Allocator::new(cfg, Policy::Exact).unwrap()
+    }
+
+    /// The headroom as the pass over the request table counted it: `ceil(R x h / k)`, `R` the
+    /// live requests whose slot table is non-empty.
+    fn recounted_headroom(a: &Allocator) -> u64 {
+        let r = a.live_handles().filter(|&h| !a.blocks(h, 0).unwrap().is_empty()).count() as u64;
+        (r * a.cfg.admission_headroom_slots as u64).div_ceil(a.cfg.slots_per_page as u64)
+    }
+
+    /// The counter agrees with the recount (and every other invariant holds).
+    fn check(a: &Allocator, holders: u32) {
+        assert_eq!(a.slot_holders, holders);
+        assert_eq!(a.admission_headroom(), recounted_headroom(a));
+        crate::invariants::check(a).unwrap();
+    }
+
+    /// Chained hashes of `n` 16-token blocks of request `seed`.
+    fn hashes(seed: u64, n: usize) -> Vec<BlockHash> {
+        (0..n as u64).map(|i| BlockHash::from_u64(seed << 32 | (i + 1))).collect()
+    }
+
+    /// Admits `h` in a new step (a prompt of `prompt` tokens, its hit adopted) with the watermark's
+    /// condition, and a clone of `a` that keeps the recounted headroom as a plain watermark:
+    /// both decide alike.
+    fn admit(a: &mut Allocator, h: ReqHandle, seed: u64, prompt: u32) -> Option<u32> {
+        a.new_step_starts();
+        let hs = hashes(seed, (prompt / 16) as usize);
+        a.set_hashes(h, &hs).unwrap();
+        let hit = a.find_longest_cache_hit(h, prompt - 1).unwrap().num_tokens;
+        let mut b = a.clone();
+        b.cfg.watermark_blocks += recounted_headroom(a) as u32;
+        b.cfg.admission_headroom_slots = 0;
+        let args = AllocateArgs {
+            num_new_tokens: prompt - hit,
+            num_new_computed_tokens: hit,
+            num_prompt_tokens: prompt,
+            num_tokens: prompt,
+            apply_watermark: true,
+            ..Default::default()
+        };
+        let got = a.allocate_slots(h, &args, NewComputed::Stored, None).unwrap();
+        assert_eq!(b.allocate_slots(h, &args, NewComputed::Stored, None).unwrap(), got, "prompt {prompt}");
+        assert_eq!((a.num_free_blocks(), a.blocks(h, 0).unwrap()), (b.num_free_blocks(), b.blocks(h, 0).unwrap()));
+        got
+    }
+
+    /// The largest prompt (16-token steps) `h` could be admitted with, on a clone.
+    fn largest_admitted(a: &Allocator, h: ReqHandle, headroom: bool) -> u32 {
+        let mut best = 0;
+        for prompt in (16..=640).step_by(16) {
+            let mut t = a.clone();
+            if !headroom {
+                t.cfg.admission_headroom_slots = 0;
+            }
+            if admit(&mut t, h, 99, prompt).is_some() {
+                best = prompt;
+            }
+        }
+        best
+    }
+
+    #[test]
+    fn admission_headroom_counts_slot_holders_through_preemption_free_and_readmission() {
+        let mut a = allocator();
+        check(&a, 0);
+        let r: Vec<ReqHandle> = (0..3).map(|_| a.add_request()).collect();
+        let waiting = a.add_request();
+        check(&a, 0);
+        for (i, &h) in r.iter().enumerate() {
+            assert!(admit(&mut a, h, i as u64 + 1, 64).is_some());
+            check(&a, i as u32 + 1);
+        }
+        // A request refused at admission holds nothing and is not counted; nor is one that
+        // only waits.
+        assert_eq!(admit(&mut a, waiting, 50, 640), None);
+        check(&a, 3);
+        // The headroom (ceil(3 x 2 / 4) = 2 pages) decides: the waiting request fits a
+        // shorter prompt than it would without it.
+        let (with, without) = (largest_admitted(&a, waiting, true), largest_admitted(&a, waiting, false));
+        assert!(0 < with && with < without, "admitted {with} tokens with the headroom, {without} without");
+        // Preemption (vLLM frees the request, which waits again under a new handle).
+        a.free(r[1], LEVEL_NORMAL).unwrap();
+        check(&a, 2);
+        // Finished, its blocks popped for a later free.
+        let mut popped = Vec::new();
+        a.pop_blocks_for_free(r[2], &mut popped).unwrap();
+        check(&a, 1);
+        a.free_block_ids(&popped).unwrap();
+        check(&a, 1);
+        // Re-admission of the preempted request, one block longer: its prompt's cached
+        // blocks are a hit.
+        let again = a.add_request();
+        check(&a, 1);
+        a.set_hashes(again, &hashes(2, 5)).unwrap();
+        assert_eq!(a.find_longest_cache_hit(again, 79).unwrap().num_tokens, 64, "a hit on re-admission");
+        assert!(admit(&mut a, again, 2, 80).is_some());
+        check(&a, 2);
+        // A running request's next step: counted once.
+        let step = AllocateArgs {
+            num_new_tokens: 1,
+            num_computed_tokens: 80,
+            num_prompt_tokens: 80,
+            num_tokens: 81,
+            ..Default::default()
+        };
+        assert!(a.allocate_slots(again, &step, NewComputed::Empty, None).unwrap().is_some());
+        check(&a, 2);
+        a.free(r[0], LEVEL_NORMAL).unwrap();
+        a.free(again, LEVEL_NORMAL).unwrap();
+        check(&a, 0);
+        assert_eq!(a.admission_headroom(), 0);
+        a.free(waiting, LEVEL_NORMAL).unwrap();
+        check(&a, 0);
     }
 }

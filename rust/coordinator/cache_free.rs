@@ -444,30 +444,9 @@ mod tests {
     use crate::AllocateArgs;
     use crate::NewComputed;
 
-    /// Full attention at 16 tokens + Mamba "align" at 32, over `k` slots a page (1: one
-    /// pool of 32-token blocks for both).
+    /// [`super::super::full_and_align_config`] under `exact`.
     fn allocator(k: u32) -> Allocator {
-        let (attn, state) = if k == 1 { (32, 32) } else { (16, 32) };
-        let groups = vec![
-            GroupSpec { kind: AttentionKind::Full, block_size: attn, spec_key: 0 },
-            GroupSpec {
-                kind: AttentionKind::Mamba {
-                    speculative_blocks: 0,
-                    align: true,
-                    rekey_cached_tail: false,
-                    checkpoint_alignment: 0,
-                },
-                block_size: state,
-                spec_key: 1,
-            },
-        ];
-        let cfg = Config {
-            slots_per_page: k,
-            scheduler_block_size: state,
-            enable_events: true,
-            ..Config::new(64, groups, attn)
-        };
-        Allocator::new(cfg, Policy::Exact).unwrap()
+        Allocator::new(super::super::full_and_align_config(k), Policy::Exact).unwrap()
     }
 
     /// Chained hashes of `n` hash blocks of request `seed`.
@@ -500,58 +479,102 @@ mod tests {
         a.refresh_noop(s);
     }
 
+    /// The workload of [`decode_in_lockstep`].
+    struct Lockstep<'a> {
+        /// Prefixes the assertion messages.
+        what: &'a str,
+        /// Tokens per hash.
+        hash_block: u32,
+        /// `(seed, prompt)` of each request, run one after the other.
+        requests: &'a [(u64, u32)],
+        /// Decode until this many tokens.
+        end: u32,
+        /// [`AllocateArgs::trust_computed_tokens`] of every step.
+        trust_computed_tokens: bool,
+    }
+
+    /// Drives `fast` and `full` in lockstep through the scheduler's calls for each request
+    /// of `w`: its prefill, then decode steps of one token up to `w.end` tokens, each step an
+    /// allocation (`fast_step` on `fast`, `allocate_slots` on `full`) then `cache_blocks` at
+    /// the computed tokens (`fast` answers it through its no-op test, `full` always runs it
+    /// in full). After every step the tables of every group, the keys (events), the free
+    /// counts and the no-op limits must not differ, and `fast`'s invariants hold; `after`
+    /// sees `full`, its handle, the tokens and the step's events.
+    fn decode_in_lockstep(
+        fast: &mut Allocator,
+        full: &mut Allocator,
+        w: &Lockstep<'_>,
+        mut fast_step: impl FnMut(&mut Allocator, ReqHandle, &AllocateArgs, &Vec<BlockHash>, &CacheBlocksArgs),
+        mut after: impl FnMut(&Allocator, ReqHandle, u32, &[crate::Event]),
+    ) {
+        let Lockstep { what, hash_block, requests, end, trust_computed_tokens } = *w;
+        for &(seed, prompt) in requests {
+            let (hf, hl) = (fast.add_request(), full.add_request());
+            for computed in std::iter::once(0).chain(prompt..end) {
+                let new = if computed == 0 { prompt } else { 1 };
+                let tokens = computed + new;
+                let hs = hashes(seed, (tokens / hash_block) as usize);
+                let a = AllocateArgs {
+                    num_new_tokens: new,
+                    num_computed_tokens: computed,
+                    num_prompt_tokens: prompt,
+                    num_tokens: tokens,
+                    trust_computed_tokens,
+                    ..Default::default()
+                };
+                let c = CacheBlocksArgs {
+                    num_computed_tokens: tokens,
+                    num_prompt_tokens: prompt,
+                    shared_prefix_boundary: 0,
+                };
+                fast_step(fast, hf, &a, &hs, &c);
+                full.allocate_slots(hl, &a, NewComputed::Empty, Some(&hs)).unwrap().unwrap();
+                fast.cache_blocks(hf, &c, Some(&hs)).unwrap();
+                cache_blocks_in_full(full, hl, &c, &hs);
+                for g in 0..fast.num_groups() {
+                    assert_eq!(fast.blocks(hf, g).unwrap(), full.blocks(hl, g).unwrap(), "{what}group {g} at {tokens}");
+                }
+                let ev = events(full);
+                assert_eq!(events(fast), ev, "{what}at {tokens}");
+                assert_eq!(fast.num_free_blocks(), full.num_free_blocks(), "{what}at {tokens}");
+                assert_eq!(fast.noop_limits(hf).unwrap(), full.noop_limits(hl).unwrap(), "{what}at {tokens}");
+                after(full, hl, tokens, &ev);
+                crate::invariants::check(fast).unwrap();
+            }
+            fast.free(hf, crate::policy::LEVEL_NORMAL).unwrap();
+            full.free(hl, crate::policy::LEVEL_NORMAL).unwrap();
+        }
+    }
+
     #[test]
     fn cache_blocks_answered_as_a_no_op_changes_nothing_the_full_call_would() {
-        // Two allocators in lockstep through the scheduler's calls of a decode (the step's
-        // `allocate_slots`, then `cache_blocks` at the computed tokens): one answers
-        // `cache_blocks` through its no-op test, the other always runs it in full. Tables,
-        // keys (events), free counts and the no-op limits must not differ.
+        // The scheduler's calls of a decode (the step's `allocate_slots`, then `cache_blocks`
+        // at the computed tokens), in lockstep against an allocator that runs every call in
+        // full.
         for k in [1u32, 4] {
             let hash_block = if k == 1 { 32 } else { 16 };
             let (mut fast, mut full) = (allocator(k), allocator(k));
             let (mut answered, mut calls) = (0, 0);
-            for (seed, prompt) in [(7u64, 40u32), (9, 56), (11, 64)] {
-                let (hf, hl) = (fast.add_request(), full.add_request());
-                for computed in std::iter::once(0).chain(prompt..200) {
-                    let new = if computed == 0 { prompt } else { 1 };
-                    let tokens = computed + new;
-                    let hs = hashes(seed, (tokens / hash_block) as usize);
-                    let a = AllocateArgs {
-                        num_new_tokens: new,
-                        num_computed_tokens: computed,
-                        num_prompt_tokens: prompt,
-                        num_tokens: tokens,
-                        ..Default::default()
-                    };
-                    for (x, h) in [(&mut fast, hf), (&mut full, hl)] {
-                        x.allocate_slots(h, &a, NewComputed::Empty, Some(&hs)).unwrap().unwrap();
-                    }
-                    let c = CacheBlocksArgs {
-                        num_computed_tokens: tokens,
-                        num_prompt_tokens: prompt,
-                        shared_prefix_boundary: 0,
-                    };
+            let w = Lockstep {
+                what: &format!("k={k} "),
+                hash_block,
+                requests: &[(7, 40), (9, 56), (11, 64)],
+                end: 200,
+                trust_computed_tokens: false,
+            };
+            decode_in_lockstep(
+                &mut fast,
+                &mut full,
+                &w,
+                |x, h, a, hs, c| {
+                    x.allocate_slots(h, a, NewComputed::Empty, Some(hs)).unwrap().unwrap();
                     calls += 1;
-                    if fast.caches_nothing(fast.slot(hf).unwrap(), &c) {
+                    if x.caches_nothing(x.slot(h).unwrap(), c) {
                         answered += 1;
                     }
-                    fast.cache_blocks(hf, &c, Some(&hs)).unwrap();
-                    cache_blocks_in_full(&mut full, hl, &c, &hs);
-                    for g in 0..2 {
-                        assert_eq!(
-                            fast.blocks(hf, g).unwrap(),
-                            full.blocks(hl, g).unwrap(),
-                            "k={k} group {g} at {tokens}"
-                        );
-                    }
-                    assert_eq!(fast.num_free_blocks(), full.num_free_blocks(), "k={k} at {tokens}");
-                    assert_eq!(fast.noop_limits(hf).unwrap(), full.noop_limits(hl).unwrap(), "k={k} at {tokens}");
-                    assert_eq!(events(&mut fast), events(&mut full), "k={k} at {tokens}");
-                    crate::invariants::check(&fast).unwrap();
-                }
-                fast.free(hf, crate::policy::LEVEL_NORMAL).unwrap();
-                full.free(hl, crate::policy::LEVEL_NORMAL).unwrap();
-            }
+                },
+                |_, _, _, _| {},
+            );
             // Every call but those at a new state block's end (every 32 tokens) and the
             // prompt's: most of them.
             assert!(answered * 10 >= calls * 8, "k={k}: {answered} of {calls} answered as no-ops");
@@ -646,47 +669,33 @@ mod tests {
         };
         let (mut fast, mut full) = (new(), new());
         let (mut noops, mut cached) = (0, 0);
-        for (seed, prompt) in [(3u64, 30u32), (5, 47), (8, 64)] {
-            let (hf, hl) = (fast.add_request(), full.add_request());
-            for computed in std::iter::once(0).chain(prompt..160) {
-                let n = if computed == 0 { prompt } else { 1 };
-                let tokens = computed + n;
-                let hs = hashes(seed, (tokens / 16) as usize);
-                let a = AllocateArgs {
-                    num_new_tokens: n,
-                    num_computed_tokens: computed,
-                    num_prompt_tokens: prompt,
-                    num_tokens: tokens,
-                    trust_computed_tokens: true,
-                    ..Default::default()
-                };
-                if computed == 0 {
-                    fast.allocate_slots(hf, &a, NewComputed::Empty, Some(&hs)).unwrap().unwrap();
-                } else if fast.plain_step(hf, n as i64, 0, &Step(&a, &hs)).unwrap() == super::super::PlainStep::NoOp {
+        let w = Lockstep {
+            what: "",
+            hash_block: 16,
+            requests: &[(3, 30), (5, 47), (8, 64)],
+            end: 160,
+            trust_computed_tokens: true,
+        };
+        decode_in_lockstep(
+            &mut fast,
+            &mut full,
+            &w,
+            |x, h, a, hs, _| {
+                if a.num_computed_tokens == 0 {
+                    x.allocate_slots(h, a, NewComputed::Empty, Some(hs)).unwrap().unwrap();
+                } else if x.plain_step(h, a.num_new_tokens as i64, 0, &Step(a, hs)).unwrap()
+                    == super::super::PlainStep::NoOp
+                {
                     noops += 1;
                 }
-                full.allocate_slots(hl, &a, NewComputed::Empty, Some(&hs)).unwrap().unwrap();
-                let c = CacheBlocksArgs {
-                    num_computed_tokens: tokens,
-                    num_prompt_tokens: prompt,
-                    shared_prefix_boundary: 0,
-                };
-                fast.cache_blocks(hf, &c, Some(&hs)).unwrap();
-                cache_blocks_in_full(&mut full, hl, &c, &hs);
-                assert_eq!(fast.blocks(hf, 0).unwrap(), full.blocks(hl, 0).unwrap(), "at {tokens}");
-                let ev = events(&mut full);
-                assert_eq!(events(&mut fast), ev, "at {tokens}");
+            },
+            |x, h, tokens, ev| {
                 cached += ev.len();
-                assert_eq!(fast.num_free_blocks(), full.num_free_blocks(), "at {tokens}");
-                assert_eq!(fast.noop_limits(hf).unwrap(), full.noop_limits(hl).unwrap(), "at {tokens}");
                 // Only the blocks wholly below the finalized tokens are cached.
-                let s = full.slot(hl).unwrap();
-                assert_eq!(full.managers[0].num_cached(s), (tokens - 2) / 16, "at {tokens}");
-                crate::invariants::check(&fast).unwrap();
-            }
-            fast.free(hf, crate::policy::LEVEL_NORMAL).unwrap();
-            full.free(hl, crate::policy::LEVEL_NORMAL).unwrap();
-        }
+                let s = x.slot(h).unwrap();
+                assert_eq!(x.managers[0].num_cached(s), (tokens - 2) / 16, "at {tokens}");
+            },
+        );
         assert!(noops > 100 && cached > 0, "{noops} no-op steps, {cached} events");
     }
 }

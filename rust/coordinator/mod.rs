@@ -75,6 +75,12 @@ struct ReqState {
     /// KV hints (hit-aware): what the request's free applies and its checkpoints; `None`
     /// for a request without hints.
     hints: Option<Box<hit_aware::ReqHints>>,
+    /// Two-level pages: whether a slot group's table (a group not on the page side) of the
+    /// request is non-empty, i.e. the request is counted in [`Allocator::slot_holders`]. Set
+    /// by `allocate_slots` (the only call that grows a table), cleared by `release` (after
+    /// `free` / `pop_blocks_for_free` emptied every table; nothing else shortens one).
+    /// Always `false` with one pool.
+    holds_slots: bool,
 }
 
 /// A caller-supplied token count as `u32`.
@@ -143,6 +149,25 @@ pub struct Allocator {
     /// Two-level pages: bit `g` set when group `g` is a state group, whose blocks are
     /// pages of the page pool (`pool.side(true)`); 0 without pages (one pool).
     state_groups: u64,
+    /// Two-level pages: the live requests holding slots (`ReqState::holds_slots` set), so
+    /// the admission headroom is O(1) (checked against a recount by the invariant checks);
+    /// 0 with one pool, where nothing updates it.
+    slot_holders: u32,
+}
+
+/// The rooms' unit tests: full attention at 16 tokens + Mamba "align" at 32, over `k` slots
+/// a page (1: one pool of 32-token blocks for both), 64 blocks (pages when `k > 1`), events on.
+#[cfg(test)]
+fn full_and_align_config(k: u32) -> Config {
+    use crate::config::GroupSpec;
+    let (attn, state) = if k == 1 { (32, 32) } else { (16, 32) };
+    let align =
+        AttentionKind::Mamba { speculative_blocks: 0, align: true, rekey_cached_tail: false, checkpoint_alignment: 0 };
+    let groups = vec![
+        GroupSpec { kind: AttentionKind::Full, block_size: attn, spec_key: 0 },
+        GroupSpec { kind: align, block_size: state, spec_key: 1 },
+    ];
+    Config { slots_per_page: k, scheduler_block_size: state, enable_events: true, ..Config::new(64, groups, attn) }
 }
 
 /// Whether group `g` takes pages (a state group under two-level pages) in `state_groups`.
@@ -254,6 +279,7 @@ impl Allocator {
             partial_hash_hits: cfg.partial_hash_hits(),
             hit_alignment: align,
             state_groups,
+            slot_holders: 0,
             cfg,
         })
     }

@@ -126,6 +126,11 @@ impl Allocator {
         st.noop = NoopLimits::default();
         st.hit_aware = Default::default();
         st.hints = None;
+        if st.holds_slots {
+            // Two-level pages: its tables were emptied (`free`, `pop_blocks_for_free`).
+            st.holds_slots = false;
+            self.slot_holders -= 1;
+        }
         self.free_slots.push(s);
     }
 
