@@ -69,6 +69,7 @@ fn check_pool(pool: &BlockPool, queued_when: impl Fn(BlockId, u32) -> bool) -> R
             }
         }
         r.check_holds().map_err(|e| format!("KV hints' retains: {e}"))?;
+        r.check_pin_filter()?;
         if pinned > r.pinned_cap() {
             return Err(format!("{pinned} free pinned blocks above the pinned share {}", r.pinned_cap()));
         }

@@ -936,26 +936,24 @@ impl Allocator {
         }
     }
 
-    /// The cached blocks a retain of `s`'s first `tokens` tokens (0: all it hashed) holds,
-    /// each with its own key: the blocks of the prefix a hit there needs in each attention
+    /// The cached blocks a retain of `s`'s first `tokens` tokens (0: all it hashed) holds
+    /// (each keyed now: `retain` reads its key for itself): the blocks of the prefix a hit there needs in each attention
     /// group (every block, or a window's tail), and the furthest state set at or before its
     /// end cached in every Mamba "align" group, with the full-attention block keyed there
     /// (inside a block, with partial hash hits). The pool's lookups only (second keys
     /// count). An attention group's block is read from `s`'s own table where it is the one
     /// the lookup would find (the pool's `is_first_cached`, no hashing), else looked up.
     /// O(prefix blocks x groups).
-    fn retained_blocks(&self, s: Slot, tokens: u32) -> Vec<(BlockId, HashKey)> {
+    fn retained_blocks(&self, s: Slot, tokens: u32) -> Vec<BlockId> {
         let hbs = self.cfg.hash_block_size;
         let all = &self.reqs[s as usize].hashes;
         let n = if tokens == 0 { all.len() } else { ((tokens / hbs) as usize).min(all.len()) };
         let hashes = &all[..n];
         let (mut out, mut found) = (Vec::with_capacity(2 * n + 4), Vec::new());
         let pool = &self.pool;
-        let mut take = |hash: &BlockHash, g: GroupId, out: &mut Vec<(BlockId, HashKey)>| {
-            if pool.get_cached_block(hash, &[g], &mut found) {
-                if let Some(&key) = pool.block_hash(found[0]) {
-                    out.push((found[0], key));
-                }
+        let mut take = |hash: &BlockHash, g: GroupId, out: &mut Vec<BlockId>| {
+            if pool.get_cached_block(hash, &[g], &mut found) && pool.block_hash(found[0]).is_some() {
+                out.push(found[0]);
             }
         };
         let attention = || {
@@ -971,7 +969,7 @@ impl Allocator {
             for i in from..k {
                 let key = (view.get(i), g);
                 match table.get(i as usize) {
-                    Some(&b) if pool.is_first_cached(b, &key) => out.push((b, key)),
+                    Some(&b) if pool.is_first_cached(b, &key) => out.push(b),
                     _ => take(&key.0, g, &mut out),
                 }
             }
@@ -985,7 +983,7 @@ impl Allocator {
             if !pool.get_cached_block(&hashes[j - 1], &states, &mut set) {
                 continue;
             }
-            out.extend(set.iter().filter_map(|&b| pool.block_hash(b).map(|&k| (b, k))));
+            out.extend(set.iter().copied().filter(|&b| pool.block_hash(b).is_some()));
             let end = j as u64 * hbs as u64;
             for m in attention().filter(|m| end % m.block_size() as u64 != 0) {
                 take(&hashes[j - 1], m.group_id(), &mut out);

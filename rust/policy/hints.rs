@@ -2,11 +2,15 @@
 //! application's hints leave on the pool, each until its TTL on the manager's clock or its
 //! session's release.
 //!
-//! - A *lease* (a pin lease) holds hash keys: each key counts its running leases in
-//!   `Retention::pinned_keys` (two leases on one prefix hold it twice), and the block a
-//!   lookup finds under a leased key is freed at [`LEVEL_LEASED`]. A lease whose new keys
-//!   would take the pinned keys past the pinned share is refused (counted); it never
-//!   demotes another lease.
+//! - A *lease* (a pin lease) holds hash keys through a *lease set*: leases on the same keys
+//!   as the last lease taken, while a lease of that one's set still runs (every request pinning
+//!   one shared system prompt), share its set, which counts them. Each key counts the lease
+//!   sets naming it in `Retention::pinned_keys` (a key's pin reads only whether that count is
+//!   0, which counting sets instead of leases leaves as it was), so a lease that joins a live
+//!   set, and one that leaves it while another still runs, touch no key. The block a lookup
+//!   finds under a leased key is freed at [`LEVEL_LEASED`]. A lease whose new keys would take
+//!   the pinned keys past the pinned share is refused (counted); it never demotes another
+//!   lease.
 //! - A *retain* holds blocks at a level it chose, each in the key life it found it in
 //!   (`Retention::keygen`, which the block's loss of its key moves on): each block counts
 //!   the running retains holding it (`Retention::held`, reset when it loses its key), and a
@@ -23,15 +27,17 @@
 //!
 //! Invariants: a live hold is in the heap once under its generation (entries of ended holds
 //! are skipped, and never left at the top); a hold with a session is in that session's list
-//! at `sess_pos`; `held[b]` counts the live retains whose recorded key life of `b` is its
-//! current one, and `FLAG_HELD` is set exactly where it is not 0; `stats`' gauges equal what
-//! the holds hold.
+//! at `sess_pos`; a lease set's `leases` counts the live leases naming it, and a set is in
+//! use exactly while that is above 0 (its keys' counts include it then); `held[b]` counts
+//! the live retains whose recorded key life of `b` is its current one, and `FLAG_HELD` is set
+//! exactly where it is not 0; `stats`' gauges equal what the holds hold.
 //!
-//! Cost: a lease O(keys) (plus O(keys log keys) to sort them, unless they are the last
-//! lease's); a retain O(blocks); the clock
-//! O(1) when nothing is due, else O(log holds + keys) per hold ended; a release O(keys of the
-//! session's holds). Memory: a hold's keys (40 bytes each) and blocks until it ends, and the
-//! last lease's keys twice.
+//! Cost: a lease O(keys) to compare its keys with the last lease's, and no hashing when it
+//! joins that one's live set; else O(keys) hashed (plus O(keys log keys) to sort them, unless
+//! they are the last lease's); a retain O(blocks); the clock O(1) when nothing is due, else
+//! O(log holds) per hold ended, plus O(keys) for the last lease of a set and O(blocks) for a
+//! retain; a release O(keys of the session's holds). Memory: a lease set's keys (40 bytes
+//! each) and a retain's blocks until they end, and the last lease's keys as given.
 #![forbid(unsafe_code)]
 
 use std::cmp::Reverse;
@@ -126,14 +132,23 @@ struct Hold {
     session: u64,
     /// Its index in its session's list.
     sess_pos: u32,
-    /// A lease's keys; empty for a retain.
-    keys: Vec<HashKey>,
+    /// A lease's set (an index into `Holds::sets`); 0 for a retain.
+    set: u32,
     /// A retain's blocks; empty for a lease.
     blocks: Vec<BlockId>,
     /// The key life of each of `blocks` when the retain took it (`Retention::keygen`).
     gens: Vec<u32>,
     /// State blocks among `blocks`.
     states: u32,
+}
+
+/// The keys of one or more running leases (see the module docs).
+#[derive(Clone, Debug, Default)]
+struct LeaseSet {
+    /// The keys, sorted and without repeats (`sort_keys`).
+    keys: Vec<HashKey>,
+    /// Live leases naming this set (0: the slot is free).
+    leases: u32,
 }
 
 /// The holds of a pool (see the module docs), kept in the policy's state.
@@ -152,9 +167,13 @@ pub(crate) struct Holds {
     sessions: FxHashMap<u64, Vec<u32>>,
     /// The counters and gauges (`leased_free_blocks` is read from the retention state).
     stats: HintStats,
-    /// The last lease's keys as given, and sorted (`sort_keys`): a lease on the same keys
-    /// (a shared prompt every request pins) takes the sorted ones without sorting again.
-    last_lease: (Vec<HashKey>, Vec<HashKey>),
+    /// Slab of lease sets; `free_sets` lists the slots not in use.
+    sets: Vec<LeaseSet>,
+    free_sets: Vec<u32>,
+    /// The last lease's keys as given, and its set (`None`: no lease yet, or that set
+    /// ended): a lease on the same keys (a shared prompt every request pins) joins that set
+    /// while it is live, without sorting or hashing a key.
+    last_lease: (Vec<HashKey>, Option<u32>),
 }
 
 impl Holds {
@@ -239,17 +258,44 @@ impl Holds {
         hold
     }
 
-    /// `keys` sorted and without repeats (`sort_keys`); the last lease's answer when its
-    /// keys were the same. O(keys) then, else O(keys log keys).
-    fn sorted_keys(&mut self, mut keys: Vec<HashKey>) -> Vec<HashKey> {
-        let (given, sorted) = &mut self.last_lease;
-        if keys == *given {
-            return sorted.clone();
+    /// The set a lease on `keys` joins: `(set, true)` for the last lease's set when the
+    /// keys are the same as it was given and the set is live (its keys counted already);
+    /// else `(set, false)` for a new set of `keys` sorted and without repeats (`sort_keys`),
+    /// with no lease yet, now the last lease's: the caller counts its keys in, or drops it
+    /// ([`Self::drop_set`]). O(keys) to compare, plus O(keys log keys) to sort a new set.
+    fn lease_set(&mut self, mut keys: Vec<HashKey>) -> (u32, bool) {
+        let (given, last) = &mut self.last_lease;
+        let same = keys == *given;
+        if let (true, Some(set)) = (same, *last) {
+            return (set, true);
         }
-        given.clone_from(&keys);
+        if !same {
+            given.clone_from(&keys);
+        }
         sort_keys(&mut keys);
-        sorted.clone_from(&keys);
-        keys
+        let set = LeaseSet { keys, leases: 0 };
+        let i = match self.free_sets.pop() {
+            Some(i) => {
+                self.sets[i as usize] = set;
+                i
+            }
+            None => {
+                self.sets.push(set);
+                (self.sets.len() - 1) as u32
+            }
+        };
+        self.last_lease.1 = Some(i);
+        (i, false)
+    }
+
+    /// Frees lease set `i` (no lease names it any more), returning its keys.
+    fn drop_set(&mut self, i: u32) -> Vec<HashKey> {
+        let set = std::mem::take(&mut self.sets[i as usize]);
+        self.free_sets.push(i);
+        if self.last_lease.1 == Some(i) {
+            self.last_lease.1 = None;
+        }
+        set.keys
     }
 
     /// Pops the heap's stale entries off its top.
@@ -274,9 +320,11 @@ enum End {
 
 /// The hints' decisions on the pool, through the policy's handle.
 impl super::retention::Retention {
-    /// Invariant checks of the retains' per-block counts (see the module docs): `held[b]`
-    /// is the number of live retains whose recorded key life of `b` is its current one, and
-    /// `FLAG_HELD` is set exactly where it is not 0. O(blocks + held blocks).
+    /// Invariant checks of the holds' counts (see the module docs): a lease set's `leases`
+    /// is the number of live leases naming it, a pinned key's `leases` the number of live
+    /// sets naming it; `held[b]` is the number of live retains whose recorded key life of
+    /// `b` is its current one, and `FLAG_HELD` is set exactly where it is not 0.
+    /// O(blocks + held blocks + lease sets' keys).
     pub(crate) fn check_holds(&self) -> std::result::Result<(), String> {
         let mut want = vec![0u32; self.held.len()];
         for hold in &self.holds.slots {
@@ -288,6 +336,31 @@ impl super::retention::Retention {
                     want[b as usize] += 1;
                 }
             }
+        }
+        // Lease sets: each counts the live leases naming it; each key the live sets naming it.
+        let mut leases = vec![0u32; self.holds.sets.len()];
+        for hold in self.holds.slots.iter().filter(|h| h.gen != 0 && h.lease) {
+            leases[hold.set as usize] += 1;
+        }
+        let mut sets_of: FxHashMap<HashKey, u32> = FxHashMap::default();
+        for (i, (set, &n)) in self.holds.sets.iter().zip(&leases).enumerate() {
+            if set.leases != n {
+                return Err(format!("lease set {i}: {n} live leases name it, counted {}", set.leases));
+            }
+            if n > 0 {
+                for k in &set.keys {
+                    *sets_of.entry(*k).or_default() += 1;
+                }
+            }
+        }
+        for (k, p) in &self.pinned_keys {
+            let n = sets_of.remove(k).unwrap_or(0);
+            if p.leases != n {
+                return Err(format!("key {k:?}: in {n} live lease sets, counted {}", p.leases));
+            }
+        }
+        if let Some((k, n)) = sets_of.into_iter().next() {
+            return Err(format!("key {k:?}: in {n} live lease sets, not pinned"));
         }
         for (b, (&w, &h)) in want.iter().zip(&self.held).enumerate() {
             if w != h {
@@ -308,38 +381,55 @@ impl HitAware<'_> {
     }
 
     /// A pin lease on `keys` (a request's prefix: see `Allocator::set_hints`) for `session`
-    /// (0: none) until `expiry_ms`: each key counts one more lease, and the block a lookup
-    /// finds under it moves to [`LEVEL_LEASED`] now (or when freed). Returns false, changing
-    /// nothing but the counter, when the keys not pinned yet would take the pinned keys past
-    /// the pinned share. O(keys log keys); O(keys) for the last lease's keys again.
+    /// (0: none) until `expiry_ms`: the block a lookup finds under each key moves to
+    /// [`LEVEL_LEASED`] now (or when freed), the key counted under a lease until the lease
+    /// ends. Returns false, changing nothing but the counter, when the keys not pinned yet
+    /// would take the pinned keys past the pinned share. A lease on the last lease's keys
+    /// while its set is live joins that set: O(keys) to compare, no key hashed (every key of
+    /// a live set is leased already, so none is new). Else O(keys log keys); O(keys) for the
+    /// last lease's keys again.
     pub(crate) fn lease(&mut self, keys: Vec<HashKey>, session: u64, expiry_ms: u64) -> bool {
-        let keys = self.r.holds.sorted_keys(keys);
-        let new = keys.iter().filter(|k| !self.r.pinned_keys.contains_key(k)).count() as u64;
-        if self.r.pinned_keys.len() as u64 + new > self.r.pinned_cap() as u64 {
-            self.r.holds.stats.leases_refused_over_cap += 1;
-            return false;
-        }
-        for k in &keys {
-            let p = self.r.pinned_keys.entry(*k).or_default();
-            p.leases += 1;
-            if p.leases == 1 {
-                self.r.holds.stats.leased_keys += 1;
-                if let Some(b) = self.p.index.get_one(k) {
-                    self.set_level(b, LEVEL_LEASED);
+        let (set, live) = self.r.holds.lease_set(keys);
+        if live {
+            // Its keys are all pinned (leased): none is new.
+            if self.r.pinned_keys.len() as u64 > self.r.pinned_cap() as u64 {
+                self.r.holds.stats.leases_refused_over_cap += 1;
+                return false;
+            }
+        } else {
+            let keys = &self.r.holds.sets[set as usize].keys;
+            let new = keys.iter().filter(|k| !self.r.pinned_keys.contains_key(k)).count() as u64;
+            if self.r.pinned_keys.len() as u64 + new > self.r.pinned_cap() as u64 {
+                self.r.holds.drop_set(set);
+                self.r.holds.stats.leases_refused_over_cap += 1;
+                return false;
+            }
+            let keys = std::mem::take(&mut self.r.holds.sets[set as usize].keys);
+            for k in &keys {
+                let p = self.r.pin_entry(*k);
+                p.leases += 1;
+                if p.leases == 1 {
+                    self.r.holds.stats.leased_keys += 1;
+                    if let Some(b) = self.p.index.get_one(k) {
+                        self.set_level(b, LEVEL_LEASED);
+                    }
                 }
             }
+            self.r.holds.sets[set as usize].keys = keys;
         }
-        let hold = Hold { lease: true, level: LEVEL_LEASED, session, keys, ..Hold::default() };
+        self.r.holds.sets[set as usize].leases += 1;
+        let hold = Hold { lease: true, level: LEVEL_LEASED, session, set, ..Hold::default() };
         self.r.holds.insert(hold, expiry_ms);
         self.r.holds.stats.leases_applied += 1;
         true
     }
 
-    /// A retain of `blocks` (each cached under the key given with it) at `level` for
+    /// A retain of `blocks` (each one cached: an unkeyed one is passed by) at `level` for
     /// `session` (0: none) until `expiry_ms`: each block gets `level` (a pinned one within
     /// the pinned share: past it the oldest pinned blocks are demoted, as for any pinned
-    /// block; a leased key's block stays leased) and is marked held. O(blocks).
-    pub(crate) fn retain(&mut self, blocks: &[(BlockId, HashKey)], level: Level, session: u64, expiry_ms: u64) {
+    /// block; a leased key's block stays leased) and is marked held, in the key life it is
+    /// in now. O(blocks).
+    pub(crate) fn retain(&mut self, blocks: &[BlockId], level: Level, session: u64, expiry_ms: u64) {
         let mut hold = Hold {
             level,
             session,
@@ -347,15 +437,13 @@ impl HitAware<'_> {
             gens: Vec::with_capacity(blocks.len()),
             ..Hold::default()
         };
-        for &(b, key) in blocks {
-            if self.p.index.key_of(b) != Some(&key) {
-                continue;
-            }
+        for &b in blocks {
+            let Some(&(_, group)) = self.p.index.key_of(b) else { continue };
             self.set_level(b, level);
             let i = b as usize;
             self.r.flags[i] |= FLAG_HELD;
             self.r.held[i] += 1;
-            hold.states += u32::from(self.r.state_groups().contains(&key.1));
+            hold.states += u32::from(self.r.state_groups().contains(&group));
             hold.blocks.push(b);
             hold.gens.push(self.r.keygen[i]);
         }
@@ -416,7 +504,14 @@ impl HitAware<'_> {
             (false, End::Released) => st.retains_released += 1,
         }
         if hold.lease {
-            for key in &hold.keys {
+            let set = &mut self.r.holds.sets[hold.set as usize];
+            set.leases -= 1;
+            if set.leases > 0 {
+                // Another lease on the same keys runs on: every key stays leased.
+                return;
+            }
+            let keys = self.r.holds.drop_set(hold.set);
+            for key in &keys {
                 // One hash of the key: the count, its removal, and what `leave` would read.
                 let Entry::Occupied(mut p) = self.r.pinned_keys.entry(*key) else { continue };
                 p.get_mut().leases -= 1;
@@ -427,6 +522,7 @@ impl HitAware<'_> {
                 let permanent = p.get().permanent;
                 if !permanent {
                     p.remove();
+                    self.r.pin_filter.remove(key);
                 }
                 if let Some(b) = self.p.index.get_one(key) {
                     if self.r.level(b) == LEVEL_LEASED {
@@ -456,9 +552,11 @@ impl HitAware<'_> {
             }
             self.r.flags[i] &= !FLAG_HELD;
             if end == End::Released || self.r.level(b) == hold.level {
-                // Same key life: the key it was held under.
-                let Some(&key) = self.p.index.key_of(b) else { continue };
-                self.leave(b, &key, end);
+                // Same key life: the key it was held under (read through the index's own
+                // reference, not copied).
+                let index = self.p.index;
+                let Some(key) = index.key_of(b) else { continue };
+                self.leave(b, key, end);
             }
         }
     }
@@ -469,7 +567,7 @@ impl HitAware<'_> {
     /// still needs it. A block still pinned (a permanent pin, another lease) or held by
     /// another retain only leaves the leased level. O(1).
     fn leave(&mut self, b: BlockId, key: &HashKey, end: End) {
-        if let Some(p) = self.r.pinned_keys.get(key) {
+        if let Some(p) = self.r.pinned(key) {
             if p.leases == 0 && self.r.level(b) == LEVEL_LEASED {
                 self.set_level(b, LEVEL_PINNED);
             }
@@ -478,25 +576,26 @@ impl HitAware<'_> {
         self.leave_unpinned(b, end);
     }
 
-    /// [`Self::leave`] of a block whose key no pin or lease names. O(1).
+    /// [`Self::leave`] of a block whose key no pin or lease names (the caller looked: the
+    /// level is set without looking again, `set_level_unpinned`). O(1).
     fn leave_unpinned(&mut self, b: BlockId, end: End) {
         let lvl = self.r.level(b);
         if self.r.is_held(b) {
             if lvl == LEVEL_LEASED {
-                self.set_level(b, LEVEL_NORMAL);
+                self.set_level_unpinned(b, LEVEL_NORMAL);
             }
             return;
         }
         match end {
             End::Expired => {
                 if lvl != LEVEL_NORMAL {
-                    self.set_level(b, LEVEL_NORMAL);
+                    self.set_level_unpinned(b, LEVEL_NORMAL);
                 }
             }
             End::Released if self.r.is_branch(b) || self.r.unit_support(b) > 1 => {
                 // A shared prefix's block: it leaves the hold's level only.
                 if lvl >= LEVEL_PINNED {
-                    self.set_level(b, LEVEL_NORMAL);
+                    self.set_level_unpinned(b, LEVEL_NORMAL);
                 }
             }
             End::Released => self.demote_front(b, LEVEL_SPECULATIVE),
@@ -510,7 +609,7 @@ mod tests {
     use crate::ids::BlockHash;
 
     #[test]
-    fn sorted_keys_same_keys_again_gives_the_same_sort() {
+    fn lease_set_same_keys_while_live_joins_the_set() {
         let keys =
             |xs: &[u64]| -> Vec<HashKey> { xs.iter().map(|&x| (BlockHash::from_u64(x), (x % 2) as u32)).collect() };
         let sorted = |mut k: Vec<HashKey>| {
@@ -518,8 +617,32 @@ mod tests {
             k
         };
         let mut holds = Holds::default();
-        for xs in [&[5, 3, 9, 3, 1][..], &[5, 3, 9, 3, 1], &[2, 8], &[5, 3, 9, 3, 1], &[], &[]] {
-            assert_eq!(holds.sorted_keys(keys(xs)), sorted(keys(xs)), "{xs:?}");
-        }
+        // No lease yet: even no keys (equal to the empty "last keys") make a new set.
+        let (s0, live) = holds.lease_set(Vec::new());
+        assert!(!live);
+        assert_eq!(holds.drop_set(s0), Vec::new());
+        let a = [5, 3, 9, 3, 1];
+        let (s1, live) = holds.lease_set(keys(&a));
+        assert!(!live);
+        assert_eq!(holds.sets[s1 as usize].keys, sorted(keys(&a)));
+        holds.sets[s1 as usize].leases += 1;
+        // The same keys while the set is live: joined.
+        assert_eq!(holds.lease_set(keys(&a)), (s1, true));
+        // Other keys: a set of their own; the first one is no longer the last.
+        let (s2, live) = holds.lease_set(keys(&[2, 8]));
+        assert!(!live && s2 != s1);
+        assert_eq!(holds.sets[s2 as usize].keys, sorted(keys(&[2, 8])));
+        holds.sets[s2 as usize].leases += 1;
+        let (s3, live) = holds.lease_set(keys(&a));
+        assert!(!live && s3 != s1 && s3 != s2);
+        holds.sets[s3 as usize].leases += 1;
+        // The last set ended: the same keys again make a new set, sorted.
+        assert_eq!(holds.drop_set(s3), sorted(keys(&a)));
+        let (s4, live) = holds.lease_set(keys(&a));
+        assert!(!live);
+        assert_eq!(holds.sets[s4 as usize].keys, sorted(keys(&a)));
+        let (s5, live) = holds.lease_set(Vec::new());
+        assert!(!live);
+        assert!(holds.sets[s5 as usize].keys.is_empty());
     }
 }

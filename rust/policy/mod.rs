@@ -82,8 +82,9 @@
 //!
 //!   9. *KV hints (issue 38, `hints.rs`).* An application's per-request hints ride on the
 //!      same levels, each for a TTL of the manager's clock: a *pin lease* holds the
-//!      request's prefix keys at [`LEVEL_LEASED`] (above [`LEVEL_PINNED`]; two leases on a
-//!      key count twice; a lease past the pinned share is refused, never demoting another);
+//!      request's prefix keys at [`LEVEL_LEASED`] (above [`LEVEL_PINNED`]; a key stays leased
+//!      until its last lease ends, leases on the same keys sharing one count; a lease past
+//!      the pinned share is refused, never demoting another);
 //!      a *retain* frees the request's prefix and the state at its end at a chosen level
 //!      (high: pinned, normal: kept from the policy's demotions, low: speculative); a
 //!      session's *release* demotes what its requests retained or leased to the speculative

@@ -26,12 +26,15 @@
 //! [`LEVEL_LEASED`], and stays within `pinned_cap` after every pool operation; the pinned
 //! keys (permanent pins and leased keys together) are at most `pinned_cap`; a block at
 //! [`LEVEL_LEASED`] while free is the block a lookup finds under a leased key, so the free
-//! leased blocks never exceed the pinned share and its overflow never demotes one.
+//! leased blocks never exceed the pinned share and its overflow never demotes one; the pin
+//! filter (`PinFilter`) counts exactly the pinned keys.
 //!
 //! Cost: every hook O(1) a block (`freed` O(blocks freed), plus O(demoted) when the pinned
-//! share overflows); `unkeying` O(members) when it dissolves a hit unit; `reset`
-//! O(`num_blocks`); a decision O(1) (`set_level` plus O(demoted)), `form_unit` O(members),
-//! `pin_keys` O(keys); memory 2 bytes a block plus the hit units' two words a block.
+//! share overflows; while a pin or lease runs, a freed cached block's pin check hashes its
+//! key only when the pin filter's counter for it is not 0); `unkeying` O(members) when it
+//! dissolves a hit unit; `reset` O(`num_blocks`); a decision O(1) (`set_level` plus
+//! O(demoted)), `form_unit` O(members), `pin_keys` O(keys); memory 2 bytes a block plus the
+//! hit units' two words a block, and the pin filter's 4 KiB.
 #![forbid(unsafe_code)]
 
 use super::hints::Holds;
@@ -62,9 +65,71 @@ pub(super) const FLAG_HELD: u8 = 8;
 pub(super) struct Pin {
     /// Pinned by `pin_prefix` (for the allocator's life).
     pub(super) permanent: bool,
-    /// Running leases on the key (a block cached under it is freed at [`LEVEL_LEASED`]
-    /// while this is above 0).
+    /// Live lease sets naming the key (`hints.rs`: leases on the same keys share a set; a
+    /// block cached under the key is freed at [`LEVEL_LEASED`] while this is above 0, the
+    /// only thing read of it).
     pub(super) leases: u32,
+}
+
+/// A counting filter over the pinned keys (`Retention::pinned_keys`): each counter counts
+/// the pinned keys whose first hash bytes and group map to it, so a key whose counter is 0 is
+/// not pinned, known without hashing it. A freed cached block's pin check (every one, while a
+/// pin or lease runs) so costs a multiply for most keys instead of a map lookup. 1,024
+/// counters (4 KiB); a collision only sends the check on to the map.
+#[derive(Clone, Debug)]
+pub(super) struct PinFilter {
+    /// Invariant: `counts[i]` is the number of keys of `pinned_keys` with `slot(key) == i`.
+    counts: Vec<u32>,
+}
+
+impl PinFilter {
+    const BITS: u32 = 10;
+
+    fn new() -> Self {
+        Self { counts: vec![0; 1 << Self::BITS] }
+    }
+
+    /// The counter of `key`: its hash's first 8 bytes (a cryptographic or xxhash digest in
+    /// vLLM: spread already) and its group, mixed by a multiply. O(1).
+    #[inline]
+    fn slot(key: &HashKey) -> usize {
+        let bytes = key.0.as_bytes();
+        let mut w = [0u8; 8];
+        let n = bytes.len().min(8);
+        w[..n].copy_from_slice(&bytes[..n]);
+        let x = (u64::from_le_bytes(w) ^ u64::from(key.1)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        (x >> (64 - Self::BITS)) as usize
+    }
+
+    /// `key` was added to the pinned keys.
+    #[inline]
+    pub(super) fn add(&mut self, key: &HashKey) {
+        self.counts[Self::slot(key)] += 1;
+    }
+
+    /// `key` was removed from the pinned keys.
+    #[inline]
+    pub(super) fn remove(&mut self, key: &HashKey) {
+        self.counts[Self::slot(key)] -= 1;
+    }
+
+    /// False when `key` is certainly not pinned; true when it may be.
+    #[inline]
+    pub(super) fn maybe(&self, key: &HashKey) -> bool {
+        self.counts[Self::slot(key)] != 0
+    }
+
+    /// Checks the invariant against `keys`.
+    fn check<'k>(&self, keys: impl Iterator<Item = &'k HashKey>) -> std::result::Result<(), String> {
+        let mut want = vec![0u32; self.counts.len()];
+        for k in keys {
+            want[Self::slot(k)] += 1;
+        }
+        if want != self.counts {
+            return Err("the pinned keys' filter does not count the pinned keys".into());
+        }
+        Ok(())
+    }
 }
 
 /// The parts of the pool the policy works on, lent for one hook call or for a [`HitAware`]
@@ -117,8 +182,11 @@ pub struct Retention {
     state_groups: Vec<GroupId>,
     /// Hash keys of pinned prefixes and of running pin leases: a block cached under a leased
     /// one (the one a lookup finds) is freed at `LEVEL_LEASED`, under a permanently pinned
-    /// one at `LEVEL_PINNED`. At most `pinned_cap` keys.
+    /// one at `LEVEL_PINNED`. At most `pinned_cap` keys. Keys are added only through
+    /// [`Self::pin_entry`] and removed with `pin_filter.remove`.
     pub(super) pinned_keys: FxHashMap<HashKey, Pin>,
+    /// The pinned keys' counting filter (invariant: counts `pinned_keys`).
+    pub(super) pin_filter: PinFilter,
     /// Free cached blocks at `LEVEL_PINNED` or `LEVEL_LEASED` (invariant: equals the count
     /// in the queue).
     pinned_free: u32,
@@ -158,6 +226,7 @@ impl Retention {
             units: HitUnits::try_new(n).map_err(oom("hit units"))?,
             state_groups: Vec::new(),
             pinned_keys: FxHashMap::default(),
+            pin_filter: PinFilter::new(),
             pinned_free: 0,
             leased_free: 0,
             pinned_cap: Self::default_pinned_cap(num_blocks),
@@ -268,12 +337,37 @@ impl Retention {
 
     /// Whether `key` is a pinned prefix's or under a running pin lease.
     pub fn is_pinned_key(&self, key: &HashKey) -> bool {
-        !self.pinned_keys.is_empty() && self.pinned_keys.contains_key(key)
+        self.pinned(key).is_some()
     }
 
     /// Whether `key` is under a running pin lease (a KV hint).
     pub fn is_leased_key(&self, key: &HashKey) -> bool {
-        !self.pinned_keys.is_empty() && self.pinned_keys.get(key).is_some_and(|p| p.leases > 0)
+        self.pinned(key).is_some_and(|p| p.leases > 0)
+    }
+
+    /// What pins `key`, if anything: the filter first, then the map. O(1).
+    #[inline]
+    pub(super) fn pinned(&self, key: &HashKey) -> Option<&Pin> {
+        if self.pinned_keys.is_empty() || !self.pin_filter.maybe(key) {
+            return None;
+        }
+        self.pinned_keys.get(key)
+    }
+
+    /// `key`'s pin, added (no pin, no lease) when it has none. O(1).
+    pub(super) fn pin_entry(&mut self, key: HashKey) -> &mut Pin {
+        match self.pinned_keys.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                self.pin_filter.add(&key);
+                e.insert(Pin::default())
+            }
+        }
+    }
+
+    /// Invariant check of the pinned keys' filter. O(pinned keys).
+    pub(crate) fn check_pin_filter(&self) -> std::result::Result<(), String> {
+        self.pin_filter.check(self.pinned_keys.keys())
     }
 
     /// Whether `b` is held by a running retain hint.
@@ -509,7 +603,30 @@ impl<'a> HitAware<'a> {
         self.r.level[b as usize] = lvl;
         if queued {
             self.queue_cached(b);
-            self.enforce_pinned_cap();
+            if self.r.pinned_free > self.r.pinned_cap {
+                self.enforce_pinned_cap();
+            }
+        }
+    }
+
+    /// [`Self::set_level`] of a block whose key no pin or lease names (the caller knows: it
+    /// looked the key up, or removed its pin), without looking the key up again: the same
+    /// decision as `set_level`'s (its pin check would find nothing). O(1) plus O(demoted).
+    pub(super) fn set_level_unpinned(&mut self, b: BlockId, lvl: Level) {
+        if b == NULL_BLOCK {
+            return;
+        }
+        debug_assert!(self.p.index.key_of(b).is_none_or(|k| !self.r.pinned_keys.contains_key(k)));
+        let queued = self.is_queued(b);
+        if queued {
+            self.unqueue_cached(b);
+        }
+        self.r.level[b as usize] = lvl;
+        if queued {
+            self.queue_at_level(b);
+            if self.r.pinned_free > self.r.pinned_cap {
+                self.enforce_pinned_cap();
+            }
         }
     }
 
@@ -538,7 +655,7 @@ impl<'a> HitAware<'a> {
         let r = &mut *self.r;
         if !r.pinned_keys.is_empty() {
             if let Some(k) = self.p.index.key_of(b) {
-                if let Some(p) = r.pinned_keys.get(k) {
+                if let Some(p) = r.pinned(k) {
                     if p.leases > 0 && self.p.index.get_one(k) == Some(b) {
                         r.level[b as usize] = LEVEL_LEASED;
                     } else if p.permanent {
@@ -547,6 +664,14 @@ impl<'a> HitAware<'a> {
                 }
             }
         }
+        self.queue_at_level(b);
+    }
+
+    /// [`Self::queue_cached`] past its pin check: queues a free cached block at the back
+    /// of its level as it is (the front for `LEVEL_PROBATION` and `LEVEL_RESUMED`), keeping
+    /// the count.
+    fn queue_at_level(&mut self, b: BlockId) {
+        let r = &mut *self.r;
         if r.counts_pinned(b, self.p.index) {
             r.pinned_free += 1;
             r.leased_free += u32::from(r.level[b as usize] == LEVEL_LEASED);
@@ -607,7 +732,7 @@ impl<'a> HitAware<'a> {
             )));
         }
         for k in &keys {
-            let p = self.r.pinned_keys.entry(*k).or_default();
+            let p = self.r.pin_entry(*k);
             p.permanent = true;
             let leased = p.leases > 0;
             if let Some(b) = self.p.index.get_one(k) {
