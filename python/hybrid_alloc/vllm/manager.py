@@ -333,9 +333,6 @@ class HybridKVCacheManager:
         self._hint_log_interval_s = _log_stats_interval_s()
         self._hint_log_at = -math.inf
         self._hint_logged = ""
-        # Session names -> the ints the core takes (from 1; a released session's is dropped).
-        self._sessions: dict[str, int] = {}
-        self._next_session = 1
         # The scheduler's hot call goes straight to Rust (see ``allocate_slots``): an instance
         # attribute over the method on purpose, and the stub types the Rust callable loosely.
         alloc = self._alloc
@@ -430,17 +427,17 @@ class HybridKVCacheManager:
                 counters.refuse(NOT_SERVED_OVER_PAGES, request.request_id)
             if self._pins_over_pages:
                 retain, pin_ttl_ms = 0, 0
-            sessions = self._sessions
+            session_id = self._session_id
             pin, _, refused = self._alloc.set_hints(
                 st.handle,
                 block_hashes=request.block_hashes,
-                session=0 if session is None else sessions.get(session) or self._session_id(session),
+                session=session_id(session),
                 retain=retain,
                 retain_ttl_ms=retain_ttl_ms,
                 retain_tokens=retain_tokens,
                 pin_ttl_ms=0 if again else pin_ttl_ms,
                 pin_tokens=pin_tokens,
-                release_session=0 if release is None else sessions.get(release) or self._session_id(release),
+                release_session=session_id(release),
                 checkpoints=checkpoints,
             )
             st.hinted = True
@@ -453,15 +450,16 @@ class HybridKVCacheManager:
         except Exception:  # noqa: BLE001 - no hint may raise into the engine
             counters.refuse("malformed", request.request_id)
 
-    def _session_id(self, name: str | None) -> int:
-        """The core's int for a session name (0: none), interned."""
+    @staticmethod
+    def _session_id(name: str | None) -> int:
+        """The core's int for a session name (0: none): the name's hash, 63 bits, never 0. No
+        table of names is kept, so nothing grows with the sessions a long-running server sees
+        (an interned table dropped a name only at its release). The manager lives in one
+        process, whose string hashes are stable; two names would share an id, and so each
+        other's release, with a chance of about 1 in 10^18 a pair."""
         if name is None:
             return 0
-        sid = self._sessions.get(name)
-        if sid is None:
-            sid = self._sessions[name] = self._next_session
-            self._next_session += 1
-        return sid
+        return (hash(name) & 0x7FFF_FFFF_FFFF_FFFF) or 1
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
@@ -469,14 +467,10 @@ class HybridKVCacheManager:
     def _hints_at_free(self, request: Request, st: RequestState) -> None:
         """Before freeing a request whose hints the core took: a request vLLM preempted (not
         finished) drops them (its next lookup takes them again); a finished one keeps them
-        for the free, and the session it releases is forgotten here."""
+        for the free."""
         try:
             if not request.is_finished():
                 self._alloc.clear_hints(st.handle)
-            else:
-                plan: _HintPlan | None = getattr(request, _HINTS_ATTR, None)
-                if plan and plan[6] is not None:
-                    self._sessions.pop(plan[6], None)
         except Exception:  # noqa: BLE001 - no hint may raise into the engine
             self._hint_counters.refuse("malformed", request.request_id)
 

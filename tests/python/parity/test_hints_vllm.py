@@ -275,3 +275,19 @@ def test_a_preempted_request_takes_its_hints_again_without_a_second_lease(monkey
     st = mgr.hint_stats()
     assert st["leases_applied"] == 1 and st["retains_applied"] == 1 and st["applied"] == 1, st
     mgr.check_invariants()
+
+
+def test_session_ids_keep_no_table_of_names() -> None:
+    """A session name maps to the core's int by its hash: the same name to the same id (so a
+    release finds the holds of a session seen long before), distinct names to distinct ids,
+    never 0 (no session) and within the core's range. (An interned table of names grew with
+    every session a long-running server saw that was never released.)"""
+    from hybrid_alloc.vllm.manager import HybridKVCacheManager
+
+    sid = HybridKVCacheManager._session_id
+    names = [f"chat-{i}" for i in range(100_000)]
+    ids = [sid(n) for n in names]
+    assert sid(None) == 0
+    assert all(0 < i < 2**63 for i in ids)
+    assert len(set(ids)) == len(names)
+    assert [sid(n) for n in names[:100]] == ids[:100]
