@@ -11,9 +11,8 @@ use common::{chain_from, hash_bytes};
 use hybrid_alloc::invariants;
 use hybrid_alloc::policy::LEVEL_NORMAL;
 use hybrid_alloc::{
-    AllocateArgs, Allocator, AttentionKind, BlockCountArgs, BlockHash, BlockId, CacheBlocksArgs, Config, Error, GroupSpec,
-    NewComputed,
-    Policy, ReqHandle, NULL_BLOCK,
+    AllocateArgs, Allocator, AttentionKind, BlockCountArgs, BlockHash, BlockId, CacheBlocksArgs, Config, Error,
+    GroupSpec, NewComputed, Policy, ReqHandle, NULL_BLOCK,
 };
 
 const BS: u32 = 16;
@@ -593,7 +592,10 @@ fn shared_prefix_checkpoint_keys_the_junction_state_in_the_chunk_that_computes_i
     assert!(!base.shared_prefix_checkpoint(), "off without the flag");
     assert!(!Config { reprefillable_tokens: 2, ..cfg.clone() }.shared_prefix_checkpoint(), "off with MTP re-prefill");
     let one_block = config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, true, false);
-    assert!(!Config { mamba_shared_prefix_checkpoint: true, ..one_block }.shared_prefix_checkpoint(), "no partial hits");
+    assert!(
+        !Config { mamba_shared_prefix_checkpoint: true, ..one_block }.shared_prefix_checkpoint(),
+        "no partial hits"
+    );
     let prompt = 200;
     let junction = 3 * BS;
     for on in [true, false] {

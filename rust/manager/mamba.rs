@@ -20,7 +20,10 @@
 //! (`--prefix-match-unit`, [`crate::Config::partial_hash_hits`]: the hit is the last cached
 //! hash-block boundary, inside a block or not; a hit inside a block is copied on write by the
 //! next allocation, and the prompt's last hash boundary is keyed inside its block, its key
-//! moving to a copy before the request's next forward overwrites it), with or without prefill
+//! moving to a copy before the request's next forward overwrites it; so is the request's
+//! junction, `shared_prefix_boundary`, under vLLM's shared-prefix checkpoint
+//! ([`crate::Config::shared_prefix_checkpoint`]) when a prompt chunk computes it, and no
+//! prefill step is then proved a no-op), with or without prefill
 //! checkpoint blocks (vLLM's `MambaMixer2` always has them): a prefill chunk spanning more than
 //! one block past its initial state reserves one more block, just before the running state
 //! block, where the worker exports the state at the chunk's last cacheable boundary;

@@ -319,6 +319,8 @@ class HybridKVCacheManager:
         self.mamba_shared_prefix_checkpoint = bool(self._alloc.shared_prefix_checkpoint) or (
             self._partial_hash_hits and self._alloc.policy == "hit-aware"
         )
+        if self._alloc.shared_prefix_checkpoint:
+            self.cache_blocks = self._cache_blocks_reading_computed  # type: ignore[method-assign]
         # KV hints (issue 38, ``hints``): read at a request's first lookup; under hit-aware
         # (with prefix caching: no lookup without it) the core executes them, under exact
         # they are counted as ignored. The clock is read at most once per step, in
@@ -774,6 +776,23 @@ class HybridKVCacheManager:
         return self._alloc.estimate_cached_tokens(st.handle)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        st = self._state(request)
+        self._alloc.cache_blocks(
+            st.handle,
+            num_computed_tokens,
+            block_hashes=request.block_hashes,
+            num_prompt_tokens=request.num_prompt_tokens,
+            shared_prefix_boundary=request.shared_prefix_boundary,
+        )
+        if self._after_call is not None:
+            self._after_call(request)
+
+    def _cache_blocks_reading_computed(self, request: Request, num_computed_tokens: int) -> None:
+        """``cache_blocks`` under vLLM's shared-prefix checkpoint, which also reads
+        ``request.num_computed_tokens`` (the junction is keyed only by a call past it); the
+        instance's ``cache_blocks`` then (one read and one argument fewer elsewhere)."""
         if not self.enable_caching:
             return
         st = self._state(request)
