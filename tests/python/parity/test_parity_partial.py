@@ -13,7 +13,10 @@ OffloadingConnector ``kv_transfer_config``), so the boundary states a connector 
 partial tails among them) and the producer partial tails ``finalize_partial_tail_offloads``
 hands it at every finish and abort are compared too. Each trace must reach hits that end inside
 a block, copies, partial-block prefix entries, copy-on-write boundary offloads and finalized
-partial tails.
+partial tails. The ``spc`` setups turn vLLM's shared-prefix checkpoint on
+(``enable_mamba_shared_prefix_checkpoint`` with EAGLE/MTP groups: the split ends chunks at the
+junction, the Mamba state is keyed there; ``mamba_shared_prefix_checkpoint`` compared), and
+must end chunks at junctions inside a block.
 
 ``HYBRID_ALLOC_PARITY_OPS`` sets the operations per configuration (default 100000);
 ``HYBRID_ALLOC_PARTIAL_VLLM_TWICE=1`` runs vLLM's manager on both sides (a check of the traces

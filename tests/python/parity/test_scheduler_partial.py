@@ -8,6 +8,9 @@ vLLM's KVCacheManager and once with ours on the same seeded workload, whose prom
 extend earlier ones (so hits end inside a block): the SchedulerOutputs (the copy-on-write
 ``kv_cache_block_copies`` too), KV events, usage, every lookup's hit, the scheduler's
 ``cache_blocks`` calls and the block ids handed out for zeroing must be identical at every step.
+The ``spc`` cases turn vLLM's shared-prefix checkpoint on (the scheduler ends a prefill chunk at
+the junction inside a block, the Mamba state is keyed there): every lookup's junction and the
+scheduler's ``mamba_shared_prefix_checkpoint`` are compared too.
 
 ``HYBRID_ALLOC_PARTIAL_VLLM_TWICE=1`` runs vLLM's manager in both runs (a check of the
 workload itself)."""
