@@ -219,6 +219,7 @@ impl Running {
                 num_computed_tokens: num_tokens,
                 num_prompt_tokens: self.prompt,
                 shared_prefix_boundary: 0,
+                ..Default::default()
             },
             None,
         )

@@ -196,6 +196,15 @@ pub struct Config {
     /// already leaves tokens to recompute, and the state matches the attention groups'
     /// replay boundary). Read by Mamba "align" groups only.
     pub eagle_checkpoints: bool,
+    /// vLLM's `enable_mamba_shared_prefix_checkpoint` as the scheduler passes it, narrowed by
+    /// the caller to a config with EAGLE/MTP groups (vLLM's `bool(eagle_group_ids)`: a group
+    /// flagged `is_eagle_group`, or `use_eagle`); the core narrows it further to what
+    /// vLLM's `KVCacheManager.mamba_shared_prefix_checkpoint` holds
+    /// ([`Self::shared_prefix_checkpoint`]: partial hash hits, no re-prefillable tokens).
+    /// Where it holds, a Mamba "align" group also keys the state at the request's junction
+    /// (`shared_prefix_boundary`) when a prompt chunk computes it: the junction the scheduler
+    /// ends a chunk at, so a sibling sharing the prefix resumes there.
+    pub mamba_shared_prefix_checkpoint: bool,
 }
 
 /// The largest pool: block ids and the free queue's two sentinel slots fit a `u32`.
@@ -217,8 +226,8 @@ impl Config {
     /// scheduled at `block_size` tokens, with the defaults: prefix caching on, events off,
     /// no watermark, dense retention (`retention_interval: None`), no zeroing, no lookahead
     /// hashes, no residency log, no boundary offloads, no EAGLE/MTP block drop or checkpoint
-    /// move, no re-prefillable tokens, and `max_model_len` and `max_in_flight_tokens` of
-    /// [`Self::DEFAULT_MAX_MODEL_LEN`] tokens. Override a field
+    /// move, no re-prefillable tokens, no shared-prefix checkpoint, and `max_model_len` and
+    /// `max_in_flight_tokens` of [`Self::DEFAULT_MAX_MODEL_LEN`] tokens. Override a field
     /// with struct update syntax: `Config { enable_events: true, ..Config::new(..) }`.
     /// Nothing is checked here ([`Self::validate`] is, by `Allocator::new`).
     pub fn new(num_blocks: u32, groups: Vec<GroupSpec>, block_size: u32) -> Self {
@@ -245,6 +254,7 @@ impl Config {
             dcp_world_size: 1,
             reprefillable_tokens: 0,
             eagle_checkpoints: false,
+            mamba_shared_prefix_checkpoint: false,
         }
     }
 
@@ -364,6 +374,15 @@ impl Config {
                 .groups
                 .iter()
                 .all(|g| !g.kind.is_prefix_cacheable() || g.kind.fine_grained_lookup() || g.block_size == hbs)
+    }
+
+    /// vLLM's `KVCacheManager.mamba_shared_prefix_checkpoint` (0.32-0.34: the flag with
+    /// EAGLE/MTP groups, [`Self::mamba_shared_prefix_checkpoint`], the coordinator's partial
+    /// hash hits, and no re-prefillable tokens, whose chunk end `cache_blocks` is not handed):
+    /// the Mamba "align" groups key the state at the junction a prompt chunk computes, and the
+    /// scheduler ends chunks there.
+    pub fn shared_prefix_checkpoint(&self) -> bool {
+        self.mamba_shared_prefix_checkpoint && self.partial_hash_hits() && self.reprefillable_tokens == 0
     }
 
     /// Whether some group keys blocks at hash boundaries inside them (vLLM's

@@ -67,6 +67,10 @@
 //!   chunk there and full attention and the Mamba groups key their blocks there, so a third
 //!   prompt sharing a system prompt hits all of it (see [`policy`], rule 8). A KV hint's
 //!   checkpoint is a junction the application names ([`Allocator::set_hints`], rule 9).
+//!   Under `exact`, vLLM's own shared-prefix checkpoint
+//!   ([`Config::mamba_shared_prefix_checkpoint`], with EAGLE/MTP groups): the Mamba "align"
+//!   groups key the state at the junction vLLM's lookup reported when a prompt chunk computes
+//!   it, and the no-op limits prove no prefill step (a step ending there keys it).
 //!
 //! ## The EAGLE/MTP block drop
 //! With vLLM's `use_eagle` ([`Config::eagle_drop_groups`]: EAGLE/MTP on vLLM 0.32 with prefix

@@ -11,8 +11,8 @@ use common::{chain_from, hash_bytes};
 use hybrid_alloc::invariants;
 use hybrid_alloc::policy::LEVEL_NORMAL;
 use hybrid_alloc::{
-    AllocateArgs, Allocator, AttentionKind, BlockCountArgs, BlockHash, BlockId, Config, Error, GroupSpec, NewComputed,
-    Policy, ReqHandle, NULL_BLOCK,
+    AllocateArgs, Allocator, AttentionKind, BlockCountArgs, BlockHash, BlockId, CacheBlocksArgs, Config, Error,
+    GroupSpec, NewComputed, Policy, ReqHandle, NULL_BLOCK,
 };
 
 const BS: u32 = 16;
@@ -577,5 +577,67 @@ fn finalize_partial_tail_offloads_returns_a_producer_tail_once_and_the_copy_on_w
     a.free(r2, LEVEL_NORMAL).unwrap();
     assert!(matches!(a.finalize_partial_tail_offloads(r2, 80, 0), Err(Error::UnknownRequest(_))));
     assert_ne!(tail, tail2);
+    ok(&a);
+}
+
+#[test]
+fn shared_prefix_checkpoint_keys_the_junction_state_in_the_chunk_that_computes_it() {
+    // Full attention and Mamba "align" at four hash blocks each (vLLM's partial hash hits)
+    // with vLLM's shared-prefix checkpoint: the chunk ending at the request's junction (48
+    // tokens, inside block 0) keys the Mamba state there, as vLLM's
+    // `MambaManager._cache_partial_tail_block` does.
+    let base = config(&[(AttentionKind::Full, 4 * BS), (mamba(true, 0), 4 * BS)], 64, true, false);
+    let cfg = Config { mamba_shared_prefix_checkpoint: true, ..base.clone() };
+    assert!(cfg.shared_prefix_checkpoint());
+    assert!(!base.shared_prefix_checkpoint(), "off without the flag");
+    assert!(!Config { reprefillable_tokens: 2, ..cfg.clone() }.shared_prefix_checkpoint(), "off with MTP re-prefill");
+    let one_block = config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, true, false);
+    assert!(
+        !Config { mamba_shared_prefix_checkpoint: true, ..one_block }.shared_prefix_checkpoint(),
+        "no partial hits"
+    );
+    let prompt = 200;
+    let junction = 3 * BS;
+    for on in [true, false] {
+        let mut a = Allocator::new(if on { cfg.clone() } else { base.clone() }, Policy::Exact).unwrap();
+        let r = add(&mut a, prompt, 7);
+        let step = |num_new: u32, computed: u32| AllocateArgs {
+            shared_prefix_boundary: junction,
+            ..args(num_new, computed, prompt, prompt)
+        };
+        a.allocate_slots(r, &step(BS, 0), NewComputed::Empty, None).unwrap().unwrap();
+        let st = table(&a, r, 1);
+        assert!(a.pool().block_hash(st[0]).is_none());
+        // The next chunk ends at the junction inside the block the table already holds: a
+        // step that allocates nothing, which must still key the state (not a no-op).
+        a.new_step_starts();
+        a.allocate_slots(r, &step(junction - BS, BS), NewComputed::Empty, None).unwrap().unwrap();
+        let keyed = a.pool().block_hash(st[0]).is_some();
+        assert_eq!(keyed, on, "flag {on}");
+        if on {
+            assert_eq!(a.pool().block_hash_num_tokens(st[0]), junction);
+            assert!(a.pool().block_hash(table(&a, r, 0)[0]).is_none(), "full attention keys only its prompt tail");
+        }
+        ok(&a);
+    }
+    // A call that reaches the junction without computing it (the request's own count at or
+    // past it, as the scheduler's `cache_blocks(request, request.num_computed_tokens)` after
+    // a load) keys nothing there.
+    let mut a = Allocator::new(cfg, Policy::Exact).unwrap();
+    let r = add(&mut a, prompt, 7);
+    let mut x = args(BS, 0, prompt, prompt);
+    x.delay_cache_blocks = true;
+    x.num_external_computed_tokens = junction;
+    a.allocate_slots(r, &x, NewComputed::Empty, None).unwrap().unwrap();
+    let c = CacheBlocksArgs {
+        num_computed_tokens: junction,
+        num_prompt_tokens: prompt,
+        shared_prefix_boundary: junction,
+        request_computed_tokens: junction,
+    };
+    a.cache_blocks(r, &c, None).unwrap();
+    assert!(a.pool().block_hash(table(&a, r, 1)[0]).is_none());
+    a.cache_blocks(r, &CacheBlocksArgs { request_computed_tokens: junction - BS, ..c }, None).unwrap();
+    assert_eq!(a.pool().block_hash_num_tokens(table(&a, r, 1)[0]), junction);
     ok(&a);
 }

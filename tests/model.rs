@@ -1004,6 +1004,7 @@ impl Harness {
                     num_computed_tokens: r.computed,
                     num_prompt_tokens: r.num_prompt_tokens,
                     shared_prefix_boundary: 0,
+                    ..Default::default()
                 },
                 None,
             )
@@ -1137,7 +1138,7 @@ impl Harness {
                 .a
                 .cache_blocks(
                     dead,
-                    &CacheBlocksArgs { num_computed_tokens: 16, num_prompt_tokens: 16, shared_prefix_boundary: 0 },
+                    &CacheBlocksArgs { num_computed_tokens: 16, num_prompt_tokens: 16, ..Default::default() },
                     None,
                 )
                 .is_err(),

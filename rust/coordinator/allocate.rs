@@ -7,7 +7,7 @@
 //! their slot tables fill (here; O(groups) once per request) and empty (`release`).
 #![forbid(unsafe_code)]
 
-use super::{page_side, Allocator, HashSource};
+use super::{page_side, Allocator, CacheBlocksArgs, HashSource};
 
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, ReqHandle, Slot};
@@ -542,7 +542,13 @@ impl Allocator {
             // Draft tokens are never cached (vLLM); nor are tokens past the table (a step
             // reaching past `max_model_len` gets `max_model_len` slots).
             let to_cache = main.min(a.num_tokens).min(need_slot);
-            self.cache_blocks_inner(s, to_cache, a.num_prompt_tokens, a.shared_prefix_boundary);
+            let c = CacheBlocksArgs {
+                num_computed_tokens: to_cache,
+                num_prompt_tokens: a.num_prompt_tokens,
+                shared_prefix_boundary: a.shared_prefix_boundary,
+                request_computed_tokens: a.num_computed_tokens,
+            };
+            self.cache_blocks_inner(s, &c);
         }
         Some(self.out_ids.len() as u32)
     }

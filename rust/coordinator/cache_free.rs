@@ -24,6 +24,10 @@ pub struct CacheBlocksArgs {
     pub num_prompt_tokens: u32,
     /// `request.shared_prefix_boundary` (0: none).
     pub shared_prefix_boundary: u32,
+    /// `request.num_computed_tokens` (read only under [`crate::Config::shared_prefix_checkpoint`]:
+    /// a Mamba "align" group keys the junction only in a call past it, `request_computed_tokens
+    /// < junction`; `allocate_slots` passes its own).
+    pub request_computed_tokens: u32,
 }
 
 impl Allocator {
@@ -65,13 +69,10 @@ impl Allocator {
         self.group_cache_target(g, num_tokens.min(self.reqs[s as usize].unwritten_from.unwrap_or(u32::MAX)))
     }
 
-    pub(super) fn cache_blocks_inner(
-        &mut self,
-        s: Slot,
-        num_tokens: u32,
-        num_prompt_tokens: u32,
-        shared_prefix_boundary: u32,
-    ) {
+    /// Caches the full blocks of `s` up to `c.num_computed_tokens` in every group, unchecked
+    /// (vLLM's `coordinator.cache_blocks`).
+    pub(super) fn cache_blocks_inner(&mut self, s: Slot, c: &CacheBlocksArgs) {
+        let CacheBlocksArgs { num_computed_tokens: num_tokens, num_prompt_tokens, shared_prefix_boundary, .. } = *c;
         if !self.cfg.enable_caching {
             return;
         }
@@ -118,6 +119,7 @@ impl Allocator {
                 reachable_boundaries: &buf[..nbg],
                 num_prompt_tokens,
                 shared_prefix_boundary,
+                request_computed_tokens: c.request_computed_tokens,
                 eagle,
             };
             let m = &mut self.managers[g];
@@ -133,7 +135,7 @@ impl Allocator {
     /// Unknown handle; an invalid hash; a full block the request's table does not hold
     /// (nothing changes).
     pub fn cache_blocks(&mut self, h: ReqHandle, c: &CacheBlocksArgs, hashes: Option<&dyn HashSource>) -> Result<()> {
-        let CacheBlocksArgs { num_computed_tokens, num_prompt_tokens, shared_prefix_boundary } = *c;
+        let num_computed_tokens = c.num_computed_tokens;
         let s = self.slot(h)?;
         let undo = match hashes {
             Some(src) => Some(self.sync_hashes(s, src)?),
@@ -161,7 +163,7 @@ impl Allocator {
                 }
             }
         }
-        self.cache_blocks_inner(s, num_computed_tokens, num_prompt_tokens, shared_prefix_boundary);
+        self.cache_blocks_inner(s, c);
         self.refresh_noop(s);
         Ok(())
     }
@@ -475,7 +477,7 @@ mod tests {
     fn cache_blocks_in_full(a: &mut Allocator, h: ReqHandle, c: &CacheBlocksArgs, hs: &dyn HashSource) {
         let s = a.slot(h).unwrap();
         a.sync_hashes(s, hs).unwrap();
-        a.cache_blocks_inner(s, c.num_computed_tokens, c.num_prompt_tokens, c.shared_prefix_boundary);
+        a.cache_blocks_inner(s, c);
         a.refresh_noop(s);
     }
 
@@ -526,6 +528,7 @@ mod tests {
                     num_computed_tokens: tokens,
                     num_prompt_tokens: prompt,
                     shared_prefix_boundary: 0,
+                    ..Default::default()
                 };
                 fast_step(fast, hf, &a, &hs, &c);
                 full.allocate_slots(hl, &a, NewComputed::Empty, Some(&hs)).unwrap().unwrap();

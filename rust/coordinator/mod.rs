@@ -237,6 +237,7 @@ impl Allocator {
                 m.set_boundary_offloads(cfg.boundary_offloads);
                 m.set_eagle(cfg.drops_eagle_block(i));
                 m.set_eagle_checkpoints(cfg.eagle_checkpoints);
+                m.set_shared_prefix_checkpoint(cfg.shared_prefix_checkpoint());
                 m
             })
             .collect();

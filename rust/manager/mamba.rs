@@ -20,7 +20,10 @@
 //! (`--prefix-match-unit`, [`crate::Config::partial_hash_hits`]: the hit is the last cached
 //! hash-block boundary, inside a block or not; a hit inside a block is copied on write by the
 //! next allocation, and the prompt's last hash boundary is keyed inside its block, its key
-//! moving to a copy before the request's next forward overwrites it), with or without prefill
+//! moving to a copy before the request's next forward overwrites it; so is the request's
+//! junction, `shared_prefix_boundary`, under vLLM's shared-prefix checkpoint
+//! ([`crate::Config::shared_prefix_checkpoint`]) when a prompt chunk computes it, and no
+//! prefill step is then proved a no-op), with or without prefill
 //! checkpoint blocks (vLLM's `MambaMixer2` always has them): a prefill chunk spanning more than
 //! one block past its initial state reserves one more block, just before the running state
 //! block, where the worker exports the state at the chunk's last cacheable boundary;
@@ -334,13 +337,15 @@ pub fn prefill_checkpoint_position(num_tokens: u32, block: u32, lookahead: u32, 
 }
 
 /// The prompt boundary `cache_blocks` to `num_tokens` records (`AlignState::prompt_boundary`):
-/// 0 once the prompt is computed, else its prefill checkpoint position.
+/// 0 once the prompt is computed, else its prefill checkpoint position (at least 1 under
+/// vLLM's shared-prefix checkpoint, [`Sizes::junction`], so the no-op limits tell a prompt
+/// still being computed, which may key its junction, from a computed one).
 #[inline]
 fn prompt_boundary_for(num_tokens: u32, num_prompt_tokens: u32, s: &Sizes) -> u32 {
     if num_tokens >= num_prompt_tokens {
         0
     } else {
-        s.checkpoint_position(num_prompt_tokens, s.hash_block_size)
+        s.checkpoint_position(num_prompt_tokens, s.hash_block_size).max(s.junction as u32)
     }
 }
 
@@ -481,6 +486,9 @@ pub(super) struct Sizes {
     alignment: u32,
     /// The group.
     group: GroupId,
+    /// vLLM's `shared_prefix_checkpoint` ([`crate::Config::shared_prefix_checkpoint`]): the
+    /// prompt chunk that computes the request's junction keys the state there.
+    junction: bool,
 }
 
 impl Sizes {
@@ -566,6 +574,7 @@ impl SingleTypeManager {
             drop_eagle: self.eagle_checkpoints,
             alignment: self.cache_hit_alignment_tokens,
             group: self.group_id,
+            junction: self.shared_prefix_checkpoint,
         }
     }
 
@@ -778,7 +787,10 @@ impl AlignState {
         }
         let mut cached = (v.num_cached as u64 + 1) * bs;
         let pb = self.prompt_boundary[hs];
-        if pb == NONE {
+        if pb == NONE || (pb != 0 && v.sizes.junction) {
+            // Under vLLM's shared-prefix checkpoint a step of a prompt not yet computed may
+            // end at its junction (`shared_prefix_boundary`, which the limits do not read),
+            // keyed then: no such step is proved a no-op.
             cached = 0;
         } else if pb != 0 && (pb as u64) < cached {
             cached = pb as u64;
@@ -985,8 +997,13 @@ impl AlignState {
         if num_tokens == 0 || num_tokens % hash_block_size != 0 {
             return;
         }
-        // vLLM's shared-prefix checkpoint: also the junction the scheduler stopped at.
-        let junction = GroupRetention::keys_junction_state(pool, bs, hash_block_size, num_tokens, c);
+        // vLLM's shared-prefix checkpoint: also the junction the scheduler stopped at, when
+        // this prompt chunk computed it (hit-aware keys it whenever it is reached).
+        let junction = (q.sizes.junction
+            && num_tokens == c.shared_prefix_boundary
+            && c.request_computed_tokens < num_tokens
+            && num_tokens <= c.num_prompt_tokens)
+            || GroupRetention::keys_junction_state(pool, bs, hash_block_size, num_tokens, c);
         if num_tokens != q.sizes.checkpoint_position(c.num_prompt_tokens, hash_block_size) && !junction {
             return;
         }

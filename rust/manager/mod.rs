@@ -210,6 +210,9 @@ pub struct CacheArgs<'a> {
     pub num_prompt_tokens: u32,
     /// `request.shared_prefix_boundary`.
     pub shared_prefix_boundary: u32,
+    /// `request.num_computed_tokens` (vLLM's shared-prefix checkpoint keys the junction only
+    /// past it).
+    pub request_computed_tokens: u32,
     /// The group's manager is vLLM's `use_eagle` one ([`SingleTypeManager::eagle`]): its
     /// retention mask keeps the block matched past each boundary, and full attention keys
     /// the prompt's partial tail at the whole prompt.
@@ -268,6 +271,10 @@ pub struct SingleTypeManager {
     /// the Mamba "align" prefill checkpoint positions move one hash block back. Read by
     /// Mamba "align" groups only.
     eagle_checkpoints: bool,
+    /// vLLM's `MambaManager.shared_prefix_checkpoint`
+    /// ([`crate::Config::shared_prefix_checkpoint`]): the state at the request's junction is
+    /// keyed by the prompt chunk that computes it. Read by Mamba "align" groups only.
+    shared_prefix_checkpoint: bool,
 }
 
 /// Marker for "no partial hit" in [`SingleTypeManager`]'s `partial_hit`.
@@ -304,7 +311,14 @@ impl SingleTypeManager {
             retention: retention::GroupRetention::new(spec.kind.is_mamba_align()),
             eagle: false,
             eagle_checkpoints: false,
+            shared_prefix_checkpoint: false,
         }
+    }
+
+    /// Gives this group vLLM's `shared_prefix_checkpoint` (at construction; see
+    /// [`crate::Config::shared_prefix_checkpoint`]).
+    pub(crate) fn set_shared_prefix_checkpoint(&mut self, on: bool) {
+        self.shared_prefix_checkpoint = on;
     }
 
     /// Gives this group vLLM's `drop_eagle_checkpoint_block` (at construction; see

@@ -51,7 +51,8 @@ impl PyAllocator {
         max_in_flight_tokens=None, enable_caching=True, enable_events=False, watermark_blocks=0, \
         retention_interval=0, policy='exact', zero_new_blocks=False, hash_lookahead_tokens=0, residency_log=False, \
         boundary_offloads=False, *, slots_per_page=1, prefix_match_unit=None, eagle_drop_groups=(), eagle_junction_tail=False, \
-        dcp_world_size=1, admission_headroom_slots=0, reprefillable_tokens=0, eagle_checkpoints=False)")]
+        dcp_world_size=1, admission_headroom_slots=0, reprefillable_tokens=0, eagle_checkpoints=False, \
+        mamba_shared_prefix_checkpoint=False)")]
     fn new(
         num_blocks: i64,
         groups: Vec<Bound<'_, PyAny>>,
@@ -346,9 +347,11 @@ impl PyAllocator {
         Ok(core(slf)?.noop_limits(handle_arg(handle)?)?.into())
     }
 
-    /// Syncs the request's `block_hashes` and caches full blocks up to `num_computed_tokens`.
+    /// Syncs the request's `block_hashes` and caches full blocks up to `num_computed_tokens`
+    /// (`request_computed_tokens`: the request's own `num_computed_tokens`, read only by
+    /// vLLM's shared-prefix checkpoint).
     #[pyo3(signature = (handle, num_computed_tokens, *, block_hashes=None, num_prompt_tokens=None,
-        shared_prefix_boundary=0))]
+        shared_prefix_boundary=0, request_computed_tokens=0))]
     fn cache_blocks(
         slf: &Bound<'_, Self>,
         handle: i64,
@@ -356,10 +359,16 @@ impl PyAllocator {
         block_hashes: Option<&Bound<'_, PyList>>,
         num_prompt_tokens: Option<i64>,
         shared_prefix_boundary: i64,
+        request_computed_tokens: i64,
     ) -> PyResult<()> {
         let h = handle_arg(handle)?;
         let (n, p, s) = api::cache_blocks_counts(num_computed_tokens, num_prompt_tokens, shared_prefix_boundary)?;
-        let c = CacheBlocksArgs { num_computed_tokens: n, num_prompt_tokens: p, shared_prefix_boundary: s };
+        let c = CacheBlocksArgs {
+            num_computed_tokens: n,
+            num_prompt_tokens: p,
+            shared_prefix_boundary: s,
+            request_computed_tokens: u32_arg("request_computed_tokens", request_computed_tokens)?,
+        };
         let mut core = core(slf)?;
         let src = block_hashes.map(PyHashes);
         Ok(core.cache_blocks(h, &c, src.as_ref().map(|s| s as &dyn HashSource))?)

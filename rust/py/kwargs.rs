@@ -150,7 +150,7 @@ options! {
         max_in_flight_tokens, enable_caching, enable_events, watermark_blocks, retention_interval, policy,
         zero_new_blocks, hash_lookahead_tokens, residency_log, boundary_offloads; slots_per_page, prefix_match_unit,
         eagle_drop_groups, eagle_junction_tail, dcp_world_size, admission_headroom_slots, reprefillable_tokens,
-        eagle_checkpoints,
+        eagle_checkpoints, mamba_shared_prefix_checkpoint,
     }
 }
 
@@ -244,6 +244,7 @@ impl NewOptions<'_> {
             dcp_world_size: u32_arg("dcp_world_size", self.dcp_world_size.given_or(1)?)?,
             reprefillable_tokens: u32_arg("reprefillable_tokens", self.reprefillable_tokens.given_or(0)?)?,
             eagle_checkpoints: self.eagle_checkpoints.given_or(false)?,
+            mamba_shared_prefix_checkpoint: self.mamba_shared_prefix_checkpoint.given_or(false)?,
             ..base
         };
         Ok((cfg, policy))

@@ -134,6 +134,13 @@ impl PyAllocatorBase {
         Ok(self.core()?.config().partial_hash_hits())
     }
 
+    /// Whether vLLM's manager would turn its Mamba shared-prefix checkpoint on for this config
+    /// (``KVCacheManager.mamba_shared_prefix_checkpoint``; see ``Config::shared_prefix_checkpoint``).
+    #[getter]
+    fn shared_prefix_checkpoint(&self) -> PyResult<bool> {
+        Ok(self.core()?.config().shared_prefix_checkpoint())
+    }
+
     /// The retention policy: "exact" or "hit-aware".
     #[getter]
     fn policy(&self) -> PyResult<&'static str> {

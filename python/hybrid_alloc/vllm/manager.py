@@ -310,11 +310,17 @@ class HybridKVCacheManager:
         # then copied on write (``take_kv_cache_block_copies``).
         self._partial_hash_hits = bool(self._alloc.partial_hash_hits)
         self.coordinator.enable_partial_hash_hits = self._partial_hash_hits
-        # Hit-aware with partial hash hits: the scheduler ends a prefill chunk at a junction
-        # inside a block (vLLM's shared-prefix checkpoint, which vLLM itself turns on only
-        # for EAGLE), where the core keys the state and the full-attention block, so the next
-        # request sharing the prefix hits all of it (see the README's state-space hits).
-        self.mamba_shared_prefix_checkpoint = self._partial_hash_hits and self._alloc.policy == "hit-aware"
+        # vLLM's shared-prefix checkpoint (``enable_mamba_shared_prefix_checkpoint`` with
+        # EAGLE/MTP groups, partial hash hits, no re-prefill): the scheduler ends a prefill
+        # chunk at the junction, where the core keys the Mamba state, as vLLM's manager says.
+        # Hit-aware with partial hash hits turns it on too, without EAGLE: there the core keys
+        # the state and the full-attention block at the junction, so the next request sharing
+        # the prefix hits all of it (see the README's state-space hits).
+        self.mamba_shared_prefix_checkpoint = bool(self._alloc.shared_prefix_checkpoint) or (
+            self._partial_hash_hits and self._alloc.policy == "hit-aware"
+        )
+        if self._alloc.shared_prefix_checkpoint:
+            self.cache_blocks = self._cache_blocks_reading_computed  # type: ignore[method-assign]
         # KV hints (issue 38, ``hints``): read at a request's first lookup; under hit-aware
         # (with prefix caching: no lookup without it) the core executes them, under exact
         # they are counted as ignored. The clock is read at most once per step, in
@@ -773,6 +779,24 @@ class HybridKVCacheManager:
             block_hashes=request.block_hashes,
             num_prompt_tokens=request.num_prompt_tokens,
             shared_prefix_boundary=request.shared_prefix_boundary,
+        )
+        if self._after_call is not None:
+            self._after_call(request)
+
+    def _cache_blocks_reading_computed(self, request: Request, num_computed_tokens: int) -> None:
+        """``cache_blocks`` under vLLM's shared-prefix checkpoint, which also reads
+        ``request.num_computed_tokens`` (the junction is keyed only by a call past it); the
+        instance's ``cache_blocks`` then (one read and one argument fewer elsewhere)."""
+        if not self.enable_caching:
+            return
+        st = self._state(request)
+        self._alloc.cache_blocks(
+            st.handle,
+            num_computed_tokens,
+            block_hashes=request.block_hashes,
+            num_prompt_tokens=request.num_prompt_tokens,
+            shared_prefix_boundary=request.shared_prefix_boundary,
+            request_computed_tokens=request.num_computed_tokens,
         )
         if self._after_call is not None:
             self._after_call(request)

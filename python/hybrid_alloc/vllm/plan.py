@@ -106,12 +106,12 @@ def native_plan(a: ManagerArgs, vllm_config: Any) -> dict[str, Any]:
     if a.num_hash_lookahead_tokens > 0:
         # 0.33 moves the Mamba "align" prefill checkpoint positions by the lookahead tokens.
         native["hash_lookahead_tokens"] = a.num_hash_lookahead_tokens
+    if a.enable_mamba_shared_prefix_checkpoint and (a.use_eagle or any(g.is_eagle_group for g in kvc.kv_cache_groups)):
+        # vLLM's shared-prefix checkpoint, as its ``KVCacheManager`` narrows the flag: EAGLE/MTP
+        # groups (its coordinator's ``eagle_group_ids``) here, partial hash hits and no
+        # re-prefillable tokens in the core (``Config::shared_prefix_checkpoint``).
+        native["mamba_shared_prefix_checkpoint"] = True
     policy = policy_env.policy_from_env()  # raises Unsupported on a bad value
-    if policy == "exact" and _vllm_shared_prefix_checkpoint(a):
-        raise Unsupported(
-            "enable_mamba_shared_prefix_checkpoint with EAGLE/MTP groups and partial hash hits (vLLM's "
-            "shared-prefix checkpoint: the Mamba state keyed at the junction)"
-        )
     if policy != "exact":
         native["policy"] = policy
         policy_env.policy_controls()  # validated here, so a bad control falls back at construction
@@ -148,30 +148,6 @@ def reprefillable_tokens(a: ManagerArgs) -> int:
             "(vLLM's own lookup indexes past the request's hashes there)"
         )
     return max(0, la - 1)
-
-
-def _vllm_shared_prefix_checkpoint(a: ManagerArgs) -> bool:
-    """Whether vLLM's manager may turn its Mamba shared-prefix checkpoint on
-    (``KVCacheManager.mamba_shared_prefix_checkpoint``: the flag, EAGLE/MTP groups, partial
-    hash hits, no re-prefill), which the exact policy does not serve. Partial hash hits are
-    over-approximated by a Mamba "align" block above the hash block (a fallback is exact)."""
-    groups = a.kv_cache_config.kv_cache_groups
-    return (
-        bool(a.enable_mamba_shared_prefix_checkpoint)
-        and a.enable_caching
-        and (a.use_eagle or any(g.is_eagle_group for g in groups))
-        and a.num_prefill_lookahead <= 1
-        and any(
-            isinstance(g.kv_cache_spec, MambaSpec)
-            and g.kv_cache_spec.mamba_cache_mode == "align"
-            and (
-                g.kv_cache_spec.block_size > a.hash_block_size
-                # Under DCP vLLM accepts a Mamba block equal to the hash block (see ``.dcp``).
-                or (a.dcp_world_size > 1 and g.kv_cache_spec.block_size >= a.hash_block_size)
-            )
-            for g in groups
-        )
-    )
 
 
 def eagle_drop_groups(a: ManagerArgs) -> list[int]:

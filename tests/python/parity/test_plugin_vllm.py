@@ -276,7 +276,8 @@ def test_partial_hash_hits_served_under_both_policies(plugin_lines, monkeypatch)
     # A Mamba block of two hash blocks in cache mode "align" (vLLM's partial hash hits,
     # ``--prefix-match-unit``) is served natively (issue 30) under both policies; hit-aware
     # asks vLLM's scheduler to end a prefill chunk at a junction inside a block (vLLM's
-    # shared-prefix checkpoint), exact does not (vLLM's own manager turns it on for EAGLE only).
+    # shared-prefix checkpoint), exact only where vLLM's own manager does (its flag with
+    # EAGLE/MTP groups and at most one token of prefill lookahead; issue 39).
     mamba = MambaSpec(
         block_size=32, shapes=((16, 16),), dtypes=(torch.float32,), mamba_cache_mode="align", num_speculative_blocks=1
     )
@@ -296,6 +297,20 @@ def test_partial_hash_hits_served_under_both_policies(plugin_lines, monkeypatch)
     m = HybridKVCacheManager(**kw)
     assert type(m) is HybridKVCacheManager and m._alloc.policy == "hit-aware"
     assert m.coordinator.enable_partial_hash_hits and m.mamba_shared_prefix_checkpoint
+    monkeypatch.setenv("HYBRID_ALLOC_POLICY", "exact")
+    for use_eagle, flag, lookahead in [(True, True, 1), (True, True, 3), (True, False, 1), (False, True, 0)]:
+        kw = _kwargs(
+            kv_cache_config=cfg,
+            enable_caching=True,
+            scheduler_block_size=32,
+            use_eagle=use_eagle,
+            num_prefill_lookahead=lookahead,
+            enable_mamba_shared_prefix_checkpoint=flag,
+        )
+        m, ref = HybridKVCacheManager(**kw), KVCacheManager(**kw)
+        assert type(m) is HybridKVCacheManager
+        assert m.mamba_shared_prefix_checkpoint == ref.mamba_shared_prefix_checkpoint, (use_eagle, flag, lookahead)
+        assert ref.mamba_shared_prefix_checkpoint == (use_eagle and flag and lookahead <= 1)
     assert not any("falling back" in ln for ln in plugin_lines)
 
 

@@ -8,6 +8,9 @@ vLLM's KVCacheManager and once with ours on the same seeded workload, whose prom
 extend earlier ones (so hits end inside a block): the SchedulerOutputs (the copy-on-write
 ``kv_cache_block_copies`` too), KV events, usage, every lookup's hit, the scheduler's
 ``cache_blocks`` calls and the block ids handed out for zeroing must be identical at every step.
+The ``spc`` cases turn vLLM's shared-prefix checkpoint on (the scheduler ends a prefill chunk at
+the junction inside a block, the Mamba state is keyed there): every lookup's junction and the
+scheduler's ``mamba_shared_prefix_checkpoint`` are compared too.
 
 ``HYBRID_ALLOC_PARTIAL_VLLM_TWICE=1`` runs vLLM's manager in both runs (a check of the
 workload itself)."""
@@ -39,10 +42,17 @@ CASES: dict[str, tuple[str, int, int, bool, int]] = {
     # scheduler's split positions move one unit back.
     "qwen35_gdn_b64_u16_eagle_drop_sync": ("gdn", 64, 16, False, 320),
     "nemotron_h_b64_u32_eagle_drop_async": ("mamba2", 64, 32, True, 380),
+    # The same with vLLM's shared-prefix checkpoint (``enable_mamba_shared_prefix_checkpoint``):
+    # the scheduler ends a prefill chunk at the junction inside a block, where the Mamba
+    # state is keyed.
+    "qwen35_gdn_b64_u16_eagle_drop_spc_sync": ("gdn", 64, 16, False, 320),
+    "nemotron_h_b64_u16_eagle_drop_spc_async": ("mamba2", 64, 16, True, 380),
 }
 
+# The cases with vLLM's shared-prefix checkpoint on.
+SPC = {"qwen35_gdn_b64_u16_eagle_drop_spc_sync", "nemotron_h_b64_u16_eagle_drop_spc_async"}
 # The cases with an EAGLE drafter (two drafts a step) and the block drop.
-EAGLE_DROP = {"qwen35_gdn_b64_u16_eagle_drop_sync", "nemotron_h_b64_u32_eagle_drop_async"}
+EAGLE_DROP = {"qwen35_gdn_b64_u16_eagle_drop_sync", "nemotron_h_b64_u32_eagle_drop_async"} | SPC
 
 
 def _setup(case: str) -> Any:
@@ -60,10 +70,12 @@ def _setup(case: str) -> Any:
     @dataclasses.dataclass
     class PartialSchedulerSetup(base):  # type: ignore[misc, valid-type]
         prefix_match_unit: int = 16
+        shared_prefix_checkpoint: bool = False
 
         def vllm_config(self) -> Any:
             vc = base.vllm_config(self)
             vc.cache_config.prefix_match_unit = self.prefix_match_unit
+            vc.cache_config.enable_mamba_shared_prefix_checkpoint = self.shared_prefix_checkpoint
             return vc
 
     every, n, mamba_type = {"gdn": (4, 8, "GDN_ATTN"), "mamba2": (7, 14, "MAMBA2"), "short_conv": (3, 9, "SHORT_CONV")}[
@@ -94,6 +106,7 @@ def _setup(case: str) -> Any:
         max_num_batched_tokens=512,
         kv_events=True,
         prefix_match_unit=unit,
+        shared_prefix_checkpoint=case in SPC,
         **eagle,
     )
 
@@ -115,6 +128,7 @@ def _run(setup: Any) -> dict[str, Any]:
 
     zeroed: list[list[int]] = []
     lookups: list[tuple[str, int]] = []
+    junctions: list[int] = []
     flags: dict[str, Any] = {}
     orig = type(setup).build
 
@@ -125,6 +139,15 @@ def _run(setup: Any) -> dict[str, Any]:
         flags["mamba_partial_cache_hit"] = sched.mamba_partial_cache_hit
         flags["enable_partial_hash_hits"] = mgr.coordinator.enable_partial_hash_hits
         flags["use_eagle_block_drop"] = sched.use_eagle_block_drop
+        flags["mamba_shared_prefix_checkpoint"] = sched.mamba_shared_prefix_checkpoint
+        get_computed_blocks = mgr.get_computed_blocks
+
+        def computed_blocks(request: Any, *args: Any) -> Any:
+            out = get_computed_blocks(request, *args)
+            junctions.append(out[2])
+            return out
+
+        mgr.get_computed_blocks = computed_blocks
         take = mgr.take_new_block_ids
 
         def take_new_block_ids() -> list[int]:
@@ -155,6 +178,7 @@ def _run(setup: Any) -> dict[str, Any]:
     )
     out["zeroed"] = zeroed
     out["lookups"] = lookups
+    out["junctions"] = junctions
     out.update(flags)
     return out
 
@@ -172,9 +196,20 @@ def test_real_scheduler_identical_with_partial_hits(case: str) -> None:
     assert_same_run(case, ref, ours)
     assert ref["zeroed"] == ours["zeroed"], f"{case}: blocks to zero differ"
     assert ref["lookups"] == ours["lookups"], f"{case}: a lookup's hit differs"
-    for k in ("hash_block_size", "mamba_partial_cache_hit", "enable_partial_hash_hits", "use_eagle_block_drop"):
+    for k in (
+        "hash_block_size",
+        "mamba_partial_cache_hit",
+        "enable_partial_hash_hits",
+        "use_eagle_block_drop",
+        "mamba_shared_prefix_checkpoint",
+        "junctions",
+    ):
         assert ref[k] == ours[k], k
     assert ref["use_eagle_block_drop"] == (case in EAGLE_DROP)
+    assert ref["mamba_shared_prefix_checkpoint"] == (case in SPC)
+    if case in SPC:
+        # Junctions inside a block, where the scheduler ends a chunk and the state is keyed.
+        assert any(j % block for j in ref["junctions"]), f"{case}: no junction inside a block"
     if case in EAGLE_DROP:
         assert ref["use_eagle"] is True and ref["lookahead"] == 0
         assert 0 < ref["accepted"] < ref["drafts"]

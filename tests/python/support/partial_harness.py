@@ -38,6 +38,13 @@ VLLM_TWICE = os.environ.get("HYBRID_ALLOC_PARTIAL_VLLM_TWICE", "") not in ("", "
 
 
 class PartialSetup(Setup):
+    def manager_kwargs(self, events: bool = True) -> dict[str, Any]:
+        # ``extra["shared_prefix_checkpoint"]``: the scheduler's
+        # ``enable_mamba_shared_prefix_checkpoint`` (vLLM's shared-prefix checkpoint).
+        kw = super().manager_kwargs(events)
+        kw["enable_mamba_shared_prefix_checkpoint"] = bool(self.extra.get("shared_prefix_checkpoint"))
+        return kw
+
     def build(self, events: bool = True) -> tuple[Any, Any]:
         if VLLM_TWICE:
             return KVCacheManager(**self.manager_kwargs(events)), KVCacheManager(**self.manager_kwargs(events))
@@ -52,11 +59,17 @@ def partial_setup(
     num_blocks: int,
     retention: int | None = None,
     use_eagle: bool = False,
+    lookahead: int = 0,
+    eagle_groups: tuple[int, ...] = (),
+    shared_prefix_checkpoint: bool = False,
 ) -> Setup:
     """Every group's block is ``block`` (vLLM aligns the attention block to the Mamba block
     with prefix caching); requests are hashed every ``unit`` tokens. ``use_eagle``: the
     EAGLE/MTP block drop (every group in the drop set, the Mamba checkpoints one unit back;
-    the split as vLLM's scheduler makes it then)."""
+    the split as vLLM's scheduler makes it then). ``lookahead`` with ``eagle_groups``: 0.33's
+    lookahead block hashes with the draft layer's group flagged (MTP without the drop).
+    ``shared_prefix_checkpoint``: vLLM's ``enable_mamba_shared_prefix_checkpoint`` (the
+    scheduler's split also ends a chunk at the junction; the Mamba state is keyed there)."""
     assert block % unit == 0 and unit < block
     assert all(s.block_size == block for s in specs)
     return PartialSetup(
@@ -71,8 +84,10 @@ def partial_setup(
         # inside that block (0.32-0.34), so no request of these traces asks for it.
         report_full=False,
         use_eagle=use_eagle,
-        prefill_lookahead=1 if use_eagle else 0,
-        extra={"block": block, "unit": unit},
+        prefill_lookahead=1 if use_eagle or lookahead else 0,
+        lookahead=lookahead,
+        eagle_groups=eagle_groups,
+        extra={"block": block, "unit": unit, "shared_prefix_checkpoint": shared_prefix_checkpoint},
     )
 
 
@@ -104,6 +119,40 @@ PARTIAL_SETUPS: list[Setup] = [
     # ``disable_lookahead_block_hashes``).
     partial_setup("qwen35_gdn_b64_u16_eagle_drop", _gdn(64), 64, 16, num_blocks=120, use_eagle=True),
     partial_setup("nemotron_h_mamba2_b64_u32_eagle_drop", _mamba2(64), 64, 32, num_blocks=170, use_eagle=True),
+    # vLLM's shared-prefix checkpoint (``enable_mamba_shared_prefix_checkpoint``) with EAGLE /
+    # MTP: the scheduler ends a prefill chunk at the junction (``shared_prefix_boundary``, a
+    # hash boundary inside a block) and the Mamba state is keyed there. With the block drop
+    # (every release), and with 0.33's lookahead block hashes (the MTP draft layer's
+    # full-attention group flagged, no drop; 0.33 and 0.34 only).
+    partial_setup(
+        "qwen35_gdn_b64_u16_eagle_drop_spc",
+        _gdn(64),
+        64,
+        16,
+        num_blocks=120,
+        use_eagle=True,
+        shared_prefix_checkpoint=True,
+    ),
+    partial_setup(
+        "nemotron_h_mamba2_b64_u16_eagle_drop_spc",
+        _mamba2(64),
+        64,
+        16,
+        num_blocks=170,
+        use_eagle=True,
+        shared_prefix_checkpoint=True,
+    ),
+    partial_setup(
+        "qwen35_gdn_b128_u32_mtp_lookahead_spc_retention0",
+        [full(128)] + [gdn(128, "align", 1) for _ in range(3)] + [full(128)],
+        128,
+        32,
+        num_blocks=100,
+        retention=0,
+        lookahead=1,
+        eagle_groups=(4,),
+        shared_prefix_checkpoint=True,
+    ),
 ]
 
 
@@ -139,6 +188,12 @@ class PartialParityRun(ZeroingParityRun):
             self.ours.coordinator.enable_partial_hash_hits,
         )
         assert self.ref.coordinator.enable_partial_hash_hits, f"{setup.name}: vLLM did not enable partial hits"
+        self.eq(
+            "mamba_shared_prefix_checkpoint",
+            self.ref.mamba_shared_prefix_checkpoint,
+            self.ours.mamba_shared_prefix_checkpoint,
+        )
+        assert self.ref.mamba_shared_prefix_checkpoint == bool(setup.extra.get("shared_prefix_checkpoint"))
         mamba = [s for s in setup.specs if isinstance(s, MambaSpec)]
         ckpt = mamba[0].prefill_checkpoint_alignment
         # The attributes vLLM's Scheduler._mamba_block_aligned_split reads (0.32-0.34).
@@ -151,9 +206,10 @@ class PartialParityRun(ZeroingParityRun):
             mamba_partial_cache_hit=self.ref.coordinator.enable_partial_hash_hits
             and self.unit < setup.scheduler_block_size,
             mamba_prefill_checkpoint_alignment=ckpt,
-            mamba_shared_prefix_checkpoint=False,
+            # vLLM's scheduler stops at the junction where its manager keys the state there.
+            mamba_shared_prefix_checkpoint=self.ref.mamba_shared_prefix_checkpoint,
             max_num_scheduled_tokens=setup.max_in_flight_tokens,
-            num_hash_lookahead_tokens=0,
+            num_hash_lookahead_tokens=setup.lookahead,
             scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
             use_eagle_block_drop=setup.use_eagle,
         )
@@ -167,6 +223,7 @@ class PartialParityRun(ZeroingParityRun):
             "finalize_calls",
             "boundary_states",
             "boundary_partial",
+            "junction_stops",
         ):
             self.stats[k] = 0
 
@@ -184,7 +241,13 @@ class PartialParityRun(ZeroingParityRun):
     # ---- the scheduler's shape of the calls ------------------------------------------------
 
     def clip_chunk(self, req: Request, num_new: int, num_new_computed: int) -> int:
-        return Scheduler._mamba_block_aligned_split(self.split_self, req, num_new, num_new_computed)  # type: ignore[arg-type]
+        n = Scheduler._mamba_block_aligned_split(self.split_self, req, num_new, num_new_computed)  # type: ignore[arg-type]
+        # A chunk ending at the junction inside a block (vLLM's shared-prefix checkpoint:
+        # where the Mamba state is keyed only because of it).
+        j = req.shared_prefix_boundary
+        if j % self.block and req.num_computed_tokens + num_new_computed + n == j <= req.num_prompt_tokens:
+            self.stats["junction_stops"] += 1
+        return n
 
     def new_request(self) -> Request:
         """Prompts that repeat an earlier prompt, extend one (a conversation's next turn), or
