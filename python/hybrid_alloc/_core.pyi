@@ -302,7 +302,6 @@ class Allocator(AllocatorBase):
     def set_hints(
         self,
         handle: int,
-        *,
         block_hashes: list[bytes] | None = None,
         session: int = 0,
         retain: int = 0,

@@ -29,6 +29,9 @@ use crate::error::Error;
 /// per-group hit lengths or None, hit block ids per group)`.
 type ConnectorHitResult = (u32, u32, Option<Vec<u32>>, Py<PyAny>);
 
+/// `set_hints`' arguments, `handle` included: at most this many by position.
+const HINT_ARGS: usize = 10;
+
 /// The native allocator: one per vLLM `KVCacheManager`. Its state is its base's.
 #[pyclass(module = "hybrid_alloc._core", name = "Allocator", extends = PyAllocatorBase, frozen)]
 pub struct PyAllocator;
@@ -238,13 +241,28 @@ impl PyAllocator {
     /// pin lease on its first `pin_tokens` tokens (0: all) from now. `release_session`: a
     /// session released when the request is freed (0: none). `checkpoints`: prompt
     /// positions where the prefill stops and the state is kept. TTLs count on the
-    /// allocator's clock (`advance_clock`). Returns `(pin, checkpoints_applied,
+    /// allocator's clock (`advance_clock`). Every argument may be passed by position, in
+    /// this order (the adapter's call), or by keyword. Returns `(pin, checkpoints_applied,
     /// checkpoints_refused)`, `pin` 0 not asked, 1 applied, 2 refused over the pinned share.
-    #[pyo3(signature = (handle, **keywords))]
-    #[pyo3(text_signature = "($self, handle, *, block_hashes=None, session=0, retain=0, retain_ttl_ms=0, \
+    #[pyo3(signature = (*args, **keywords))]
+    #[pyo3(text_signature = "($self, handle, block_hashes=None, session=0, retain=0, retain_ttl_ms=0, \
         retain_tokens=0, pin_ttl_ms=0, pin_tokens=0, release_session=0, checkpoints=...)")]
-    fn set_hints(slf: &Bound<'_, Self>, handle: i64, keywords: Option<&Bound<'_, PyDict>>) -> PyResult<(u8, u32, u32)> {
-        let o = HintOptions::parse(None, keywords)?;
+    fn set_hints<'py>(
+        slf: &Bound<'_, Self>,
+        args: &Bound<'py, PyTuple>,
+        keywords: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<(u8, u32, u32)> {
+        // Read here, not by pyo3's parser, as `allocate_slots` (see `kwargs`): pyo3 hands over
+        // CPython's tuple and dict untouched only for a signature of exactly `*args, **kwargs`,
+        // and a positional call then matches no name at all.
+        if args.len() > HINT_ARGS {
+            return Err(PyTypeError::new_err(format!(
+                "set_hints() takes at most {HINT_ARGS} positional arguments but {} were given",
+                args.len()
+            )));
+        }
+        let o = HintOptions::parse(Some(args), keywords)?;
+        let handle: i64 = o.handle.required()?;
         let block_hashes: Option<Bound<'_, PyList>> = o.block_hashes.opt()?;
         let retain: i64 = o.retain.given_or(0)?;
         let retain_ttl_ms: i64 = o.retain_ttl_ms.given_or(0)?;

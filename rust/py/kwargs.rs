@@ -9,7 +9,9 @@
 //! parameter, its two required ones included): pyo3 then hands over CPython's own tuple and
 //! dict, where any other signature with `**kwargs` has pyo3 match every keyword against the
 //! named parameters and copy it into a new dict first (7.6 k instructions of an admission's
-//! call with 17 keywords, `benches/binding_calls.py --kind admission`). What each
+//! call with 17 keywords, `benches/binding_calls.py --kind admission`). `set_hints` takes
+//! its arguments the same way, and the adapter passes them by position (no name matched).
+//! What each
 //! option means is the core's ([`crate::api`]); this only finds and converts it. O(options
 //! given): each name is matched once, by a `match` on its string.
 #![forbid(unsafe_code)]
@@ -173,9 +175,9 @@ options! {
 }
 
 options! {
-    /// `set_hints`' keyword-only options.
+    /// `set_hints`' arguments, each positional-or-keyword, `handle` (required) first.
     HintOptions("set_hints") {
-        block_hashes, session, retain, retain_ttl_ms, retain_tokens, pin_ttl_ms, pin_tokens, release_session,
+        handle, block_hashes, session, retain, retain_ttl_ms, retain_tokens, pin_ttl_ms, pin_tokens, release_session,
         checkpoints,
     }
 }

@@ -125,10 +125,23 @@ def _ttl_ms(ttl_s: float | None) -> int:
     return 0 if ttl_s is None else max(1, math.ceil(ttl_s * 1000))
 
 
-# What a request's hints ask of the core, as ``set_hints`` takes it (session names still to
-# intern): ``(session, retain, retain_ttl_ms, retain_tokens, pin_ttl_ms, pin_tokens, release,
-# checkpoints)``; ``()`` when they ask nothing of it (refused, or a session alone).
-_HintPlan = tuple[()] | tuple[str | None, int, int, int, int, int, str | None, tuple[int, ...]]
+# What a request's hints ask of the core, as ``set_hints`` takes them by position after the
+# handle and the block hashes: ``(session, retain, retain_ttl_ms, retain_tokens, pin_ttl_ms,
+# pin_tokens, release_session, checkpoints)``, the sessions already the core's ints
+# (``_session_int``); ``()`` when they ask nothing of it (refused, or a session alone).
+_Plan = tuple[int, int, int, int, int, int, int, tuple[int, ...]]
+_HintPlan = tuple[()] | _Plan
+
+
+def _session_int(name: str | None) -> int:
+    """The core's int for a session name (0: none): the name's hash, 63 bits, never 0. No
+    table of names is kept, so nothing grows with the sessions a long-running server sees
+    (an interned table dropped a name only at its release). The manager lives in one
+    process, whose string hashes are stable; two names would share an id, and so each
+    other's release, with a chance of about 1 in 10^18 a pair."""
+    if name is None:
+        return 0
+    return (hash(name) & 0x7FFF_FFFF_FFFF_FFFF) or 1
 
 
 def _hint_plan(fields: HintFields) -> _HintPlan:
@@ -138,13 +151,13 @@ def _hint_plan(fields: HintFields) -> _HintPlan:
     if retain is None and pin_ttl_s is None and release is None and not checkpoints:
         return ()
     return (
-        session,
+        _session_int(session),
         0 if retain is None else _RETAIN_LEVEL[retain],
         _ttl_ms(retain_ttl_s),
         retain_tokens or 0,
         _ttl_ms(pin_ttl_s),
         pin_tokens or 0,
-        release,
+        _session_int(release),
         checkpoints,
     )
 
@@ -428,24 +441,10 @@ class HybridKVCacheManager:
                 # The clock's first reading: TTLs count from it (then once per step).
                 self._clock_on = True
                 self._alloc.advance_clock(self._now_ms())
-            session, retain, retain_ttl_ms, retain_tokens, pin_ttl_ms, pin_tokens, release, checkpoints = plan
-            if self._pins_over_pages and not again and (retain or pin_ttl_ms):
-                counters.refuse(NOT_SERVED_OVER_PAGES, request.request_id)
-            if self._pins_over_pages:
-                retain, pin_ttl_ms = 0, 0
-            session_id = self._session_id
-            pin, _, refused = self._alloc.set_hints(
-                st.handle,
-                block_hashes=request.block_hashes,
-                session=session_id(session),
-                retain=retain,
-                retain_ttl_ms=retain_ttl_ms,
-                retain_tokens=retain_tokens,
-                pin_ttl_ms=0 if again else pin_ttl_ms,
-                pin_tokens=pin_tokens,
-                release_session=session_id(release),
-                checkpoints=checkpoints,
-            )
+            if again or self._pins_over_pages:
+                plan = self._adjusted_plan(request, plan, again)
+            # By position (the core's order): no keyword for the binding to match.
+            pin, _, refused = self._alloc.set_hints(st.handle, request.block_hashes, *plan)
             st.hinted = True
             if not again:
                 counters.applied += 1
@@ -456,16 +455,20 @@ class HybridKVCacheManager:
         except Exception:  # noqa: BLE001 - no hint may raise into the engine
             counters.refuse("malformed", request.request_id)
 
-    @staticmethod
-    def _session_id(name: str | None) -> int:
-        """The core's int for a session name (0: none): the name's hash, 63 bits, never 0. No
-        table of names is kept, so nothing grows with the sessions a long-running server sees
-        (an interned table dropped a name only at its release). The manager lives in one
-        process, whose string hashes are stable; two names would share an id, and so each
-        other's release, with a chance of about 1 in 10^18 a pair."""
-        if name is None:
-            return 0
-        return (hash(name) & 0x7FFF_FFFF_FFFF_FFFF) or 1
+    def _adjusted_plan(self, request: Request, plan: _Plan, again: bool) -> _Plan:
+        """``plan`` for a request seen ``again`` (vLLM preempted it: no second pin lease) or
+        over two-level pages (no pin, no retain; counted at its first sighting)."""
+        session, retain, retain_ttl_ms, retain_tokens, pin_ttl_ms, pin_tokens, release, checkpoints = plan
+        if self._pins_over_pages:
+            if not again and (retain or pin_ttl_ms):
+                self._hint_counters.refuse(NOT_SERVED_OVER_PAGES, request.request_id)
+            retain, pin_ttl_ms = 0, 0
+        if again:
+            pin_ttl_ms = 0
+        return (session, retain, retain_ttl_ms, retain_tokens, pin_ttl_ms, pin_tokens, release, checkpoints)
+
+    #: The core's int for a session name (:func:`_session_int`).
+    _session_id = staticmethod(_session_int)
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)

@@ -40,6 +40,52 @@ def test_pin_lease_retain_and_release_through_the_binding() -> None:
     a.check_invariants()
 
 
+def test_hints_by_position_do_what_the_same_keywords_do() -> None:
+    """The adapter passes ``set_hints``' arguments by position (no keyword for the binding to
+    match); the keyword form and any mix of the two give the same state. Python's rules hold:
+    at most 10 positionals, none given twice, ``handle`` required, no unknown name."""
+    args = (hashes(1, 2, 3, 4), 9, 3, 2_000, 0, 1_000, 0, 0, (33,))
+    names = (
+        "block_hashes",
+        "session",
+        "retain",
+        "retain_ttl_ms",
+        "retain_tokens",
+        "pin_ttl_ms",
+        "pin_tokens",
+        "release_session",
+        "checkpoints",
+    )
+    states = []
+    for split in (0, 4, 9):
+        a = hit_aware()
+        a.advance_clock(5_000)
+        h = a.add_request()
+        kw: dict[str, object] = dict(zip(names[split:], args[split:], strict=True))
+        assert a.set_hints(h, *args[:split], **kw) == (1, 1, 0)  # type: ignore[arg-type]
+        prompt(a, h, 70)
+        a.free(h)
+        a.check_invariants()
+        states.append((a.hint_stats(), a.free_queue_order()))
+    assert states[0] == states[1] == states[2]
+    a = hit_aware()
+    h = a.add_request()
+    before = a.hint_stats()
+    bad: list[tuple[tuple[object, ...], dict[str, object]]] = [
+        ((h, None, 0, 0, 0, 0, 0, 0, 0, (), 1), {}),
+        ((h, None, 9), {"session": 9}),
+        ((), {"session": 9}),
+        ((h,), {"sesion": 9}),
+        ((h, None, "9"), {}),
+    ]
+    for pos, kws in bad:
+        with pytest.raises(TypeError):
+            a.set_hints(*pos, **kws)  # type: ignore[arg-type]
+    assert a.hint_stats() == before
+    assert a.set_hints(h, None, 0, 0, 0, 0, 1_000) == (1, 0, 0)
+    a.check_invariants()
+
+
 def test_checkpoints_are_rounded_refused_at_zero_and_moved_after_each_chunk() -> None:
     groups = [("full", 16, 0, 0, 0), ("mamba_align", 16, 1, 0, 0, 0)]
     a = Allocator(64, groups, 16, 16, 4096, 4096, True, True, 0, 0, policy="hit-aware")
