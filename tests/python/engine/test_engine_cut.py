@@ -3,8 +3,8 @@
 engines computing along different paths?
 
 The tiny Qwen3-Next-style GDN hybrid (seed 0, bfloat16 model and SSM state: vLLM's block is 160
-tokens), ``prefix_match_unit`` 32, vLLM's own manager (``HYBRID_ALLOC`` unset). Twelve prompts of
-193-224 tokens, one request at a time (``cut_run.py``): each prompt's first sighting (no hit;
+tokens), ``prefix_match_unit`` 32, vLLM's own manager (``HYBRID_ALLOC`` unset). Four prompts of
+193-224 tokens (``cut_run.CI_LENGTHS``; the script's default is twelve), one request at a time (``cut_run.py``): each prompt's first sighting (no hit;
 vLLM cuts its prefill at 160, the state block, and at 192, its last unit boundary), then the
 same prompt again (a hit at 192, inside the second state block, copied on write). A wrapper
 around vLLM's CPU GDN forward records the conv and SSM state each prefill step starts from and
@@ -20,13 +20,14 @@ the one it leaves, so the test asks the oracle's question on the bytes:
   state after each prompt within rounding of the cached engine's (``PROVENANCE_TOL``; a state
   of other tokens is 1.3-1.8 away).
 
-What the last comparison measured (2026-12-07, Intel Xeon with AVX-512 BF16 and AMX, the numbers
+What the comparison measured with the script's twelve prompts (2026-12-07, Intel Xeon with AVX-512 BF16 and AMX, the numbers
 printed): the states after the prompts are bit-identical with and without the cuts (vLLM's CPU
 GDN kernel gives the same bytes when a prefill is cut at a multiple of 32), yet 2 of the 24
 requests (one prompt's sighting and its hit alike) sample another 2nd token: the rest of the
 path differs (vLLM's block, 160 against 5120 tokens; the chunks), not the state, and not the hit.
 The tokens against the cache-less engine are printed, not asserted: which way a near-tie goes
-depends on the host's kernels. Two engines, about 3 minutes.
+depends on the host's kernels. Two engines; about 3 minutes with twelve prompts alone, 16 under
+CI's load, hence four here.
 """
 
 from __future__ import annotations
@@ -43,9 +44,11 @@ SUPPORT = Path(__file__).resolve().parent.parent / "support"
 
 
 def _cut_run(model: str, dump: Path, *options: str) -> dict[str, Any]:
+    from cut_run import CI_LENGTHS
     from engine_run import engine_env, run_script
 
-    cmd = [sys.executable, str(SUPPORT / "cut_run.py"), model, "--mamba-ssm-dtype", "bfloat16"]
+    lengths = ",".join(map(str, CI_LENGTHS))
+    cmd = [sys.executable, str(SUPPORT / "cut_run.py"), model, "--mamba-ssm-dtype", "bfloat16", "--lengths", lengths]
     result, _ = run_script([*cmd, "--dump", str(dump), *options], engine_env(False))
     return result
 
@@ -58,7 +61,7 @@ def _rel(a: Any, b: Any) -> float:
 def test_engine_sub_block_hits_restore_the_exact_state_and_the_same_tokens(tmp_path: Path) -> None:
     import torch
 
-    from cut_run import CUT_LENGTHS
+    from cut_run import CI_LENGTHS
     from engine_record import PROVENANCE_TOL
     from engine_run import save_tiny_qwen3next
 
@@ -68,7 +71,7 @@ def test_engine_sub_block_hits_restore_the_exact_state_and_the_same_tokens(tmp_p
     e = cached["engine"]
     assert e["ssm_dtype"] == "bfloat16" and e["partial_hash_hits"]
     assert (e["block_size"], e["hash_block_size"]) == (160, 32)
-    n = len(CUT_LENGTHS)
+    n = len(CI_LENGTHS)
     # Every repeat hits at 192, inside a state block; no first sighting hits.
     assert cached["cached"] == [0, 192] * n
     assert 192 % e["block_size"]
