@@ -33,8 +33,9 @@
 //! share overflows; while a pin or lease runs, a freed cached block's pin check hashes its
 //! key only when the pin filter's counter for it is not 0); `unkeying` O(members) when it
 //! dissolves a hit unit; `reset` O(`num_blocks`); a decision O(1) (`set_level` plus
-//! O(demoted)), `form_unit` O(members), `pin_keys` O(keys); memory 2 bytes a block plus the
-//! hit units' two words a block, and the pin filter's 4 KiB.
+//! O(demoted)), `form_unit` O(members), `pin_keys` O(keys); memory 2 bytes a block (level,
+//! flags), the retains' 8 (`held`, `keygen`), the hit units' two words a block, and the pin
+//! filter's 4 KiB.
 #![forbid(unsafe_code)]
 
 use super::hints::Holds;
