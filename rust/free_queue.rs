@@ -245,6 +245,33 @@ impl FreeQueue {
         (b != self.tail && !self.is_sentinel(b)).then_some(b)
     }
 
+    /// The block after queued block `b` in its retention level (`None` at the level's end).
+    /// O(1).
+    #[inline]
+    pub fn next_in_level(&self, b: BlockId) -> Option<BlockId> {
+        let n = self.next[b as usize];
+        (!self.is_sentinel(n)).then_some(n)
+    }
+
+    /// Moves the end of retention level `level` past the front of level `level + 1` through
+    /// block `last` (a block of level `level + 1`): those blocks join the back of `level`
+    /// in their order, exactly as if each, front first, were removed and pushed at the back
+    /// of `level` ([`Self::push_back_level`]). No block moves; only the sentinel does. O(1).
+    pub fn extend_level_through(&mut self, level: u8, last: BlockId) {
+        let k = level as usize;
+        debug_assert!(k + 1 < self.ends.len(), "free queue: level {level} has no level after it");
+        debug_assert!(self.contains(last));
+        let s = self.ends[k];
+        let (p, n) = (self.prev[s as usize], self.next[s as usize]);
+        self.next[p as usize] = n;
+        self.prev[n as usize] = p;
+        let after = self.next[last as usize];
+        self.next[last as usize] = s;
+        self.prev[s as usize] = last;
+        self.next[s as usize] = after;
+        self.prev[after as usize] = s;
+    }
+
     /// Appends `blocks` at the back, in order.
     pub fn push_back_n(&mut self, blocks: &[BlockId]) {
         for &b in blocks {
@@ -373,6 +400,48 @@ mod tests {
         assert_eq!(q.pop_front(), Some(4));
         assert_eq!(q.pop_front(), Some(1));
         assert_eq!(q.len(), 2);
+    }
+
+    #[test]
+    fn extend_level_through_equals_moving_each_block() {
+        // Levels 0..3 filled: level 1 = [1, 2], level 2 = [3, 4, 5, 6], level 3 = [7].
+        let build = || {
+            let mut q = FreeQueue::try_new_with_levels(8, 4).unwrap();
+            for _ in 0..8 {
+                q.pop_front();
+            }
+            for (b, l) in [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 2), (6, 2), (7, 3)] {
+                q.push_back_level(b, l);
+            }
+            q
+        };
+        for through in [3, 4, 6] {
+            let mut batched = build();
+            batched.extend_level_through(1, through);
+            let mut each = build();
+            let mut b = each.first_in_level(2);
+            while let Some(x) = b {
+                let next = each.next_in_level(x);
+                each.remove(x);
+                each.push_back_level(x, 1);
+                if x == through {
+                    break;
+                }
+                b = next;
+            }
+            assert_eq!(batched.iter_levels(), each.iter_levels(), "through {through}");
+            assert_eq!(batched.len(), 8);
+            // The queue stays whole: pushes at either end of each level still land there.
+            batched.remove(0);
+            batched.push_back_level(0, 2);
+            let levels = batched.iter_levels();
+            assert_eq!(levels[2].last(), Some(&0));
+            assert_eq!(levels.iter().map(Vec::len).sum::<usize>(), 8);
+        }
+        let q = build();
+        assert_eq!(q.next_in_level(3), Some(4));
+        assert_eq!(q.next_in_level(6), None);
+        assert_eq!(q.next_in_level(7), None);
     }
 
     #[test]

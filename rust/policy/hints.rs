@@ -28,7 +28,7 @@
 //! Invariants: a live hold is in the heap once under its generation (entries of ended holds
 //! are skipped, and never left at the top); a hold with a session is in that session's list
 //! at `sess_pos`; a lease set's `leases` counts the live leases naming it, and a set is in
-//! use exactly while that is above 0 (its keys' counts include it then); `held[b]` counts
+//! use exactly while that is above 0 (its keys' counts include it then); `meta[b].held` counts
 //! the live retains whose recorded key life of `b` is its current one, and `FLAG_HELD` is set
 //! exactly where it is not 0; `stats`' gauges equal what the holds hold.
 //!
@@ -322,17 +322,17 @@ enum End {
 impl super::retention::Retention {
     /// Invariant checks of the holds' counts (see the module docs): a lease set's `leases`
     /// is the number of live leases naming it, a pinned key's `leases` the number of live
-    /// sets naming it; `held[b]` is the number of live retains whose recorded key life of
+    /// sets naming it; `meta[b].held` is the number of live retains whose recorded key life of
     /// `b` is its current one, and `FLAG_HELD` is set exactly where it is not 0.
     /// O(blocks + held blocks + lease sets' keys).
     pub(crate) fn check_holds(&self) -> std::result::Result<(), String> {
-        let mut want = vec![0u32; self.held.len()];
+        let mut want = vec![0u32; self.meta.len()];
         for hold in &self.holds.slots {
             if hold.gen == 0 || hold.lease {
                 continue;
             }
             for (&b, &gen) in hold.blocks.iter().zip(&hold.gens) {
-                if self.keygen[b as usize] == gen {
+                if self.meta[b as usize].keygen == gen {
                     want[b as usize] += 1;
                 }
             }
@@ -362,12 +362,12 @@ impl super::retention::Retention {
         if let Some((k, n)) = sets_of.into_iter().next() {
             return Err(format!("key {k:?}: in {n} live lease sets, not pinned"));
         }
-        for (b, (&w, &h)) in want.iter().zip(&self.held).enumerate() {
+        for (b, (&w, h)) in want.iter().zip(self.meta.iter().map(|m| m.held)).enumerate() {
             if w != h {
                 return Err(format!("block {b}: held by {w} live retains, counted {h}"));
             }
-            if (self.flags[b] & FLAG_HELD != 0) != (h > 0) {
-                return Err(format!("block {b}: held {h} times, flag {}", self.flags[b] & FLAG_HELD != 0));
+            if (self.meta[b].flags & FLAG_HELD != 0) != (h > 0) {
+                return Err(format!("block {b}: held {h} times, flag {}", self.meta[b].flags & FLAG_HELD != 0));
             }
         }
         Ok(())
@@ -441,11 +441,11 @@ impl HitAware<'_> {
             let Some(&(_, group)) = self.p.index.key_of(b) else { continue };
             self.set_level(b, level);
             let i = b as usize;
-            self.r.flags[i] |= FLAG_HELD;
-            self.r.held[i] += 1;
+            self.r.meta[i].flags |= FLAG_HELD;
+            self.r.meta[i].held += 1;
             hold.states += u32::from(self.r.state_groups().contains(&group));
             hold.blocks.push(b);
-            hold.gens.push(self.r.keygen[i]);
+            hold.gens.push(self.r.meta[i].keygen);
         }
         let st = &mut self.r.holds.stats;
         st.retains_applied += 1;
@@ -543,14 +543,14 @@ impl HitAware<'_> {
         st.retained_states -= hold.states as u64;
         for (&b, &gen) in hold.blocks.iter().zip(&hold.gens) {
             let i = b as usize;
-            if self.r.keygen[i] != gen {
+            if self.r.meta[i].keygen != gen {
                 continue; // it lost the key it was held under: its count was reset then
             }
-            self.r.held[i] -= 1;
-            if self.r.held[i] > 0 {
+            self.r.meta[i].held -= 1;
+            if self.r.meta[i].held > 0 {
                 continue;
             }
-            self.r.flags[i] &= !FLAG_HELD;
+            self.r.meta[i].flags &= !FLAG_HELD;
             if end == End::Released || self.r.level(b) == hold.level {
                 // Same key life: the key it was held under (read through the index's own
                 // reference, not copied).

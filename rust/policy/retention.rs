@@ -33,8 +33,8 @@
 //! share overflows; while a pin or lease runs, a freed cached block's pin check hashes its
 //! key only when the pin filter's counter for it is not 0); `unkeying` O(members) when it
 //! dissolves a hit unit; `reset` O(`num_blocks`); a decision O(1) (`set_level` plus
-//! O(demoted)), `form_unit` O(members), `pin_keys` O(keys); memory 2 bytes a block (level,
-//! flags), the retains' 8 (`held`, `keygen`), the hit units' two words a block, and the pin
+//! O(demoted)), `form_unit` O(members), `pin_keys` O(keys); memory 12 bytes a block (level,
+//! flags, and the retains' `held` and `keygen`, one record a block), the hit units' two words a block, and the pin
 //! filter's 4 KiB.
 #![forbid(unsafe_code)]
 
@@ -170,13 +170,9 @@ impl std::ops::Deref for HitAware<'_> {
 /// The hit-aware policy's state: see the module docs.
 #[derive(Clone, Debug)]
 pub struct Retention {
-    /// Retention level of each block: where a cached block goes when freed.
-    level: Vec<Level>,
-    /// What a block proved since it was cached, as bits: [`FLAG_REUSED`] (served in a cache
-    /// hit: never put on `LEVEL_PROBATION`), [`FLAG_BRANCH`] (a Mamba state where requests
-    /// branch off: kept when a request passes it), [`FLAG_TAIL`] and [`FLAG_HELD`]. Cleared
-    /// when the block loses its hash.
-    pub(super) flags: Vec<u8>,
+    /// Each block's level, flags and retain counts ([`BlockMeta`]), one record a block so a
+    /// decision on a block reads one cache line of this state, not four.
+    pub(super) meta: Vec<BlockMeta>,
     /// State-space hybrids: the hit units of the cached blocks (see [`HitUnits`]).
     units: HitUnits,
     /// The Mamba "align" groups that cached a state (a unit holds a state in each).
@@ -199,12 +195,28 @@ pub struct Retention {
     pinned_cap: u32,
     /// The KV hints' leases and retains, their clock and counters (`hints.rs`).
     pub(super) holds: Holds,
-    /// `held[b]`: the live retains holding block `b` in its current key life (`hints.rs`);
-    /// 0 when it loses its key.
-    pub(super) held: Vec<u32>,
-    /// `keygen[b]`: how many times block `b` lost its key (wrapping), so a retain that
-    /// recorded an older value knows the block it held is gone from under it.
-    pub(super) keygen: Vec<u32>,
+}
+
+/// A block's hit-aware state (one element of `Retention::meta`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct BlockMeta {
+    /// `held`: the live retains holding the block in its current key life (`hints.rs`); 0
+    /// when it loses its key.
+    pub(super) held: u32,
+    /// `keygen`: how many times the block lost its key (wrapping), so a retain that recorded
+    /// an older value knows the block it held is gone from under it.
+    pub(super) keygen: u32,
+    /// Retention level: where the block goes when freed cached.
+    pub(super) level: Level,
+    /// What the block proved since it was cached, as bits: [`FLAG_REUSED`] (served in a
+    /// cache hit: never put on `LEVEL_PROBATION`), [`FLAG_BRANCH`] (a Mamba state where
+    /// requests branch off: kept when a request passes it), [`FLAG_TAIL`] and [`FLAG_HELD`].
+    /// Cleared when the block loses its hash.
+    pub(super) flags: u8,
+}
+
+impl BlockMeta {
+    const NEW: Self = Self { held: 0, keygen: 0, level: LEVEL_NORMAL, flags: 0 };
 }
 
 impl Retention {
@@ -222,8 +234,7 @@ impl Retention {
         };
         let n = num_blocks as usize;
         Ok(Self {
-            level: try_filled(n, LEVEL_NORMAL).map_err(oom("block levels"))?,
-            flags: try_filled(n, 0u8).map_err(oom("block flags"))?,
+            meta: try_filled(n, BlockMeta::NEW).map_err(oom("block levels"))?,
             units: HitUnits::try_new(n).map_err(oom("hit units"))?,
             state_groups: Vec::new(),
             pinned_keys: FxHashMap::default(),
@@ -232,8 +243,6 @@ impl Retention {
             leased_free: 0,
             pinned_cap: Self::default_pinned_cap(num_blocks),
             holds: Holds::default(),
-            held: try_filled(n, 0u32).map_err(oom("block holds"))?,
-            keygen: try_filled(n, 0u32).map_err(oom("block holds"))?,
         })
     }
 
@@ -270,7 +279,7 @@ impl Retention {
         if was_free && self.counts_pinned(b, index) {
             self.count_out(b);
         }
-        self.flags[b as usize] |= FLAG_REUSED;
+        self.meta[b as usize].flags |= FLAG_REUSED;
     }
 
     /// Hook of `free_blocks`: `uncached` (in order) and `cached` (in order) lost their last
@@ -306,9 +315,9 @@ impl Retention {
             HitAware { r: self, p }.orphan_unit_of(b);
         }
         if keyed {
-            self.flags[b as usize] = 0;
-            self.held[b as usize] = 0;
-            self.keygen[b as usize] = self.keygen[b as usize].wrapping_add(1);
+            self.meta[b as usize].flags = 0;
+            self.meta[b as usize].held = 0;
+            self.meta[b as usize].keygen = self.meta[b as usize].keygen.wrapping_add(1);
         }
     }
 
@@ -317,17 +326,17 @@ impl Retention {
     /// whatever level its previous life left (a level outlives the key).
     #[inline]
     pub(crate) fn keyed(&mut self, b: BlockId) {
-        self.level[b as usize] = LEVEL_NORMAL;
+        self.meta[b as usize].level = LEVEL_NORMAL;
     }
 
     /// Hook of `reset_prefix_cache`: forgets every flag, unit and free pinned block (the
     /// levels and pinned keys stay).
     pub(crate) fn reset(&mut self) {
-        self.flags.fill(0);
-        // Every key is gone: no retain holds a block any more (each one's hold skips it).
-        self.held.fill(0);
-        for g in &mut self.keygen {
-            *g = g.wrapping_add(1);
+        for m in &mut self.meta {
+            m.flags = 0;
+            // Every key is gone: no retain holds a block any more (each one's hold skips it).
+            m.held = 0;
+            m.keygen = m.keygen.wrapping_add(1);
         }
         self.units.clear();
         self.pinned_free = 0;
@@ -373,22 +382,22 @@ impl Retention {
 
     /// Whether `b` is held by a running retain hint.
     pub fn is_held(&self, b: BlockId) -> bool {
-        self.flags.get(b as usize).is_some_and(|f| f & FLAG_HELD != 0)
+        self.meta.get(b as usize).is_some_and(|m| m.flags & FLAG_HELD != 0)
     }
 
     /// Whether `b` was served in a cache hit since it was cached.
     pub fn reused(&self, b: BlockId) -> bool {
-        self.flags.get(b as usize).is_some_and(|f| f & FLAG_REUSED != 0)
+        self.meta.get(b as usize).is_some_and(|m| m.flags & FLAG_REUSED != 0)
     }
 
     /// Whether `b` (a Mamba state) was marked a branch point since it was cached.
     pub fn is_branch(&self, b: BlockId) -> bool {
-        self.flags.get(b as usize).is_some_and(|f| f & FLAG_BRANCH != 0)
+        self.meta.get(b as usize).is_some_and(|m| m.flags & FLAG_BRANCH != 0)
     }
 
     /// Whether `b` ended a finished request's cached sequence since it was cached.
     pub fn is_tail(&self, b: BlockId) -> bool {
-        self.flags.get(b as usize).is_some_and(|f| f & FLAG_TAIL != 0)
+        self.meta.get(b as usize).is_some_and(|m| m.flags & FLAG_TAIL != 0)
     }
 
     /// The Mamba "align" groups that cached a state.
@@ -404,20 +413,20 @@ impl Retention {
     /// Retention level of `b`.
     #[inline]
     pub fn level(&self, b: BlockId) -> Level {
-        self.level.get(b as usize).copied().unwrap_or(LEVEL_NORMAL)
+        self.meta.get(b as usize).map_or(LEVEL_NORMAL, |m| m.level)
     }
 
     /// A free block counted in `pinned_free` (checked by the caller) leaves the queue.
     #[inline]
     fn count_out(&mut self, b: BlockId) {
         self.pinned_free -= 1;
-        self.leased_free -= u32::from(self.level[b as usize] == LEVEL_LEASED);
+        self.leased_free -= u32::from(self.meta[b as usize].level == LEVEL_LEASED);
     }
 
     /// Whether `b` (free) counts in `pinned_free`.
     #[inline]
     fn counts_pinned(&self, b: BlockId, index: &PrefixIndex) -> bool {
-        self.level[b as usize] >= LEVEL_PINNED && index.is_keyed(b)
+        self.meta[b as usize].level >= LEVEL_PINNED && index.is_keyed(b)
     }
 
     /// The pinned share in blocks.
@@ -496,8 +505,8 @@ impl<'a> HitAware<'a> {
 
     fn set_flag(&mut self, b: BlockId, flag: u8) {
         if self.p.index.is_keyed(b) {
-            if let Some(f) = self.r.flags.get_mut(b as usize) {
-                *f |= flag;
+            if let Some(m) = self.r.meta.get_mut(b as usize) {
+                m.flags |= flag;
             }
         }
     }
@@ -566,8 +575,8 @@ impl<'a> HitAware<'a> {
     /// points and blocks a retain hint holds keep their level.
     pub(crate) fn evict_first(&mut self, b: BlockId) {
         if b == NULL_BLOCK
-            || self.r.level[b as usize] >= LEVEL_PINNED
-            || self.r.flags[b as usize] & (FLAG_BRANCH | FLAG_HELD) != 0
+            || self.r.meta[b as usize].level >= LEVEL_PINNED
+            || self.r.meta[b as usize].flags & (FLAG_BRANCH | FLAG_HELD) != 0
         {
             return;
         }
@@ -584,7 +593,7 @@ impl<'a> HitAware<'a> {
         if queued {
             self.unqueue_cached(b);
         }
-        self.r.level[b as usize] = lvl;
+        self.r.meta[b as usize].level = lvl;
         if queued {
             self.p.queue.push_front_level(b, lvl);
         }
@@ -601,7 +610,7 @@ impl<'a> HitAware<'a> {
         if queued {
             self.unqueue_cached(b);
         }
-        self.r.level[b as usize] = lvl;
+        self.r.meta[b as usize].level = lvl;
         if queued {
             self.queue_cached(b);
             if self.r.pinned_free > self.r.pinned_cap {
@@ -622,7 +631,7 @@ impl<'a> HitAware<'a> {
         if queued {
             self.unqueue_cached(b);
         }
-        self.r.level[b as usize] = lvl;
+        self.r.meta[b as usize].level = lvl;
         if queued {
             self.queue_at_level(b);
             if self.r.pinned_free > self.r.pinned_cap {
@@ -658,9 +667,9 @@ impl<'a> HitAware<'a> {
             if let Some(k) = self.p.index.key_of(b) {
                 if let Some(p) = r.pinned(k) {
                     if p.leases > 0 && self.p.index.get_one(k) == Some(b) {
-                        r.level[b as usize] = LEVEL_LEASED;
+                        r.meta[b as usize].level = LEVEL_LEASED;
                     } else if p.permanent {
-                        r.level[b as usize] = LEVEL_PINNED;
+                        r.meta[b as usize].level = LEVEL_PINNED;
                     }
                 }
             }
@@ -675,9 +684,9 @@ impl<'a> HitAware<'a> {
         let r = &mut *self.r;
         if r.counts_pinned(b, self.p.index) {
             r.pinned_free += 1;
-            r.leased_free += u32::from(r.level[b as usize] == LEVEL_LEASED);
+            r.leased_free += u32::from(r.meta[b as usize].level == LEVEL_LEASED);
         }
-        let lvl = r.level[b as usize];
+        let lvl = r.meta[b as usize].level;
         if lvl == LEVEL_PROBATION || lvl == LEVEL_RESUMED {
             // Newest first: under a cyclic load larger than the cache (round-robin chat) the
             // unproven sessions that waited longest, and come back next, keep their blocks.
@@ -691,8 +700,27 @@ impl<'a> HitAware<'a> {
     /// `pinned_cap` are free (a pinned key's block too: the share is a bound). Blocks at
     /// `LEVEL_LEASED` go last: there are never more of them than leased keys, which are
     /// within the share, so none is demoted while `LEVEL_PINNED` holds a block.
+    ///
+    /// The oldest keyed blocks at `LEVEL_PINNED` (the front of its segment, which follows
+    /// `LEVEL_NORMAL`'s in the queue) are demoted as one run: their levels are written and the
+    /// end of `LEVEL_NORMAL` moves past them (`FreeQueue::extend_level_through`), the order
+    /// that taking each out and queuing it at the back of `LEVEL_NORMAL` gives. The rest (an
+    /// unkeyed block, the leased level) goes one block at a time.
     pub(super) fn enforce_pinned_cap(&mut self) {
         let (r, queue, index) = (&mut *self.r, &mut *self.p.queue, self.p.index);
+        let (mut run_end, mut next) = (None, queue.first_in_level(LEVEL_PINNED));
+        while r.pinned_free > r.pinned_cap {
+            let Some(b) = next.filter(|&b| index.is_keyed(b)) else { break };
+            // Keyed at `LEVEL_PINNED`: it counts in `pinned_free` (`counts_pinned`).
+            r.count_out(b);
+            r.meta[b as usize].level = LEVEL_NORMAL;
+            run_end = Some(b);
+            next = queue.next_in_level(b);
+        }
+        if let Some(last) = run_end {
+            const _: () = assert!(LEVEL_PINNED == LEVEL_NORMAL + 1, "the pinned segment follows the normal one");
+            queue.extend_level_through(LEVEL_NORMAL, last);
+        }
         while r.pinned_free > r.pinned_cap {
             // The count never exceeds the two levels' length (the invariants check it); were
             // it to, demoting stops here rather than panicking inside vLLM's step.
@@ -703,7 +731,7 @@ impl<'a> HitAware<'a> {
                 r.count_out(b);
             }
             queue.remove(b);
-            r.level[b as usize] = LEVEL_NORMAL;
+            r.meta[b as usize].level = LEVEL_NORMAL;
             if index.is_keyed(b) {
                 queue.push_back_level(b, LEVEL_NORMAL);
             } else {
