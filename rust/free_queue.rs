@@ -278,6 +278,27 @@ impl FreeQueue {
         })
     }
 
+    /// Up to `max` queued blocks after `after` (from the front when `None`), front to back,
+    /// appended to `out` (vLLM's `FreeKVCacheBlockQueue.iter_blocks_after`, one chunk of it).
+    /// Nothing when `after` is not queued (vLLM's removed block has no `next_free_block`).
+    /// O(blocks returned + level sentinels passed).
+    pub fn extend_after(&self, after: Option<BlockId>, max: usize, out: &mut Vec<BlockId>) {
+        let start = match after {
+            None => self.head,
+            Some(b) if b < self.n && self.contains(b) => b,
+            Some(_) => return,
+        };
+        let mut cur = self.next[start as usize];
+        let mut n = 0;
+        while n < max && cur != self.tail {
+            if !self.is_sentinel(cur) {
+                out.push(cur);
+                n += 1;
+            }
+            cur = self.next[cur as usize];
+        }
+    }
+
     /// The queued blocks of each level, front to back (tests, invariants).
     pub fn iter_levels(&self) -> Vec<Vec<BlockId>> {
         let mut out = vec![Vec::new()];

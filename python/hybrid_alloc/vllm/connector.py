@@ -125,15 +125,30 @@ def _unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> st
     if name == "LMCacheMPConnector":
         return _lmcache_mp_unserved(extra)
     if name == "SimpleCPUOffloadConnector":
-        # Its scheduler side (vllm/v1/simple_kv_offload/manager.py) is bound to the scheduler's
-        # BlockPool and works on it as its owner would.
-        return (
-            "SimpleCPUOffloadConnector (it reads and changes the scheduler's block pool: blocks[i], "
-            "touch, free_blocks, get_cached_block, free_block_queue, cached_block_hashes_by_block)"
-        )
+        return _simple_cpu_offload_unserved()
     if name in SINGLE_GROUP_CONNECTORS:
         return _single_group_unserved(str(name), kvc)
     return None if name in NATIVE_CONNECTORS else str(name)
+
+
+def _simple_cpu_offload_unserved() -> str | None:
+    """``SimpleCPUOffloadConnector``'s scheduler side (``vllm/v1/simple_kv_offload/manager.py``,
+    the same reads in 0.32, 0.33 and 0.34) is bound to the scheduler's block pool and works on it
+    as its owner would: ``blocks[i]`` (``block_id``, ``block_hash``, ``block_hash_num_tokens``,
+    ``is_null``), ``touch`` (pins what it copies), ``free_blocks`` (with ``evict_first`` in lazy
+    mode), ``free_block_queue.iter_blocks_after`` (lazy mode), ``get_cached_block`` and
+    ``cached_block_hashes_by_block``, all of which the manager's facade serves
+    (:mod:`.facades`). Not with two-level pages (``HYBRID_ALLOC_PAGES=two-level``), whose pool
+    refuses ``touch``."""
+    from hybrid_alloc.vllm.pages import pages_from_env
+
+    try:
+        two_level = pages_from_env() == "two-level"
+    except Exception:  # noqa: BLE001 - the plan reports a bad value itself
+        two_level = False
+    if two_level:
+        return "SimpleCPUOffloadConnector (with two-level pages, whose block pool does not serve touch)"
+    return None
 
 
 def _single_group_unserved(label: str, kvc: KVCacheConfig) -> str | None:

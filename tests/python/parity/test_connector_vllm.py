@@ -125,6 +125,23 @@ def test_connector_scheduler_identical(case: str) -> None:
             # Behind a local hit too (the Gemma-like model's sliding-window group leaves none
             # with an external one at these sizes).
             assert calls["alloc_local_and_external"] > 0
+    elif conn in ("simple", "simple_lazy"):
+        # SimpleCPUOffload: store events (eager: the requests' computed blocks; lazy: the free
+        # queue's front, given back ``evict_first``) and async loads of the CPU hits, behind
+        # local hits too (not on the Gemma-like model at these sizes), with preemption; the
+        # connector's own pins and frees on the pool were compared call by call above.
+        pool = ref["pool_calls"]
+        assert c["store_events"] > 20 and c["load_events"] > 5 and c["recv"] > 5 and c["preempted"] > 0
+        assert calls["alloc_external"] > 30 and ref["connector_events"]
+        assert sum(p[0] == "touch" for p in pool) > 30 and sum(p[0] == "free" for p in pool) > 30
+        assert (sum(p[0] == "free" and p[2] for p in pool) > 20) == (conn == "simple_lazy")
+        if CASES[case][0] == "llama":
+            assert calls["alloc_local_and_external"] > 100
+        if CASES[case][0] == "qwen":
+            assert c["boundary_states"] > 10, c
+        if case in PREFIX_MATCH_UNIT:
+            # Stored blocks holding second keys, which the connector registers on the CPU.
+            assert c["second_keys"] > 5, c
     elif conn == "multi_offload":
         # Both children load: NIXL for the remote prefills, offloading for local prefixes.
         assert c["jobs"] > 20 and c["load_jobs"] > 0 and c["recv"] > 10
