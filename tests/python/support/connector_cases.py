@@ -129,6 +129,10 @@ CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
     "gemma_simple_lazy_async": ("gemma", "kv_both", 90, True, "recompute", "simple_lazy"),
     "qwen_simple": ("qwen", "kv_both", 120, False, "recompute", "simple"),
     "qwen_simple_lazy": ("qwen", "kv_both", 120, False, "recompute", "simple_lazy"),
+    # A MultiConnector over NixlConnector and SimpleCPUOffloadConnector: remote prefills load
+    # through NIXL, local requests' stored prefixes from the CPU.
+    "llama_multi_simple": ("llama", "kv_both", 80, False, "recompute", "multi_simple"),
+    "llama_multi_simple_lazy": ("llama", "kv_both", 80, False, "fail", "multi_simple_lazy"),
 }
 # The workload's seed and share of remote requests, where a case needs others than the
 # default to show what it claims (the Gemma-like consumers: local hits joined with remote ones).
@@ -306,6 +310,20 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             kv_role=role,
             kv_connector_extra_config={"cpu_bytes_to_use": 1 << 22, "lazy_offload": conn == "simple_lazy"},
         )
+    elif conn in ("multi_simple", "multi_simple_lazy"):
+        simple_child = {
+            "kv_connector": "SimpleCPUOffloadConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 22, "lazy_offload": conn == "multi_simple_lazy"},
+        }
+        ktc = KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role=role,
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config={
+                "connectors": [{"kv_connector": "NixlConnector", "kv_role": role}, simple_child]
+            },
+        )
     elif conn == "module_hashstore":
         ktc = KVTransferConfig(
             kv_connector="HashStoreConnector", kv_connector_module_path="module_connectors", kv_role=role
@@ -377,6 +395,19 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             max_tokens=(1, 40) if shape == "gemma" else (1, 60),
         )
         return setup, w, role
+    if conn in ("multi_simple", "multi_simple_lazy"):
+        w = PDWorkload(
+            num_requests=30,
+            remote_share=0.4,
+            repeat_share=0.4,
+            simple_cpu=True,
+            simple_child=1,
+            fail={"req3", "req7"},
+            abort_waiting={"req5"},
+            abort_running={"req2", "req13"},
+            batch_queue=2 if overlap else 1,
+        )
+        return setup, w, "kv_consumer"
     if conn == "multi_offload":
         w = PDWorkload(
             num_requests=30,
