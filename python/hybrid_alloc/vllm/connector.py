@@ -31,11 +31,18 @@ vLLM's semantics:
   lmcache release from 0.4.7 to 0.5.6 has together (``CudaIPCWrapper`` and
   ``IPCCacheEngineKey`` from ``lmcache.v1.multiprocess.custom_types``, ``lmcache.config``), so
   it is not tested;
+- ``SimpleCPUOffloadConnector``, eager or lazy, with or without Mamba layers: its scheduler
+  side is bound to the scheduler's block pool (``bind_gpu_block_pool``) and pins, frees, walks
+  and looks up its blocks through the manager's pool facade (:mod:`.facades`: ``blocks[i]``,
+  ``touch``, ``free_blocks`` with ``evict_first``, ``free_block_queue.iter_blocks_after``,
+  ``get_cached_block``, ``cached_block_hashes_by_block``), the same reads on 0.32, 0.33 and
+  0.34 (``test_connector_vllm.py``'s ``*simple*`` cases compare every call it makes on the pool
+  with vLLM's manager); not with two-level pages, whose pool refuses ``touch``;
 - ``MultiConnector`` whose children are all served.
 
 Anything else falls back to vLLM's own manager with one line naming the connector:
 connectors whose scheduler side reaches into vLLM's ``BlockPool`` / coordinator internals
-(SimpleCPUOffload, UMBP, MooncakeStore, HiSparse, ...; LMCacheMPConnector, whose lazy offload
+(UMBP, MooncakeStore, HiSparse, ...; LMCacheMPConnector, whose lazy offload
 reads the ``BlockPool``'s free queue and blocks: lmcache's ``lazy_offload_policy/eviction_aware.py``), connectors
 loaded from a module path, and, with Mamba layers, any connector but
 NixlConnector (its variants) and the OffloadingConnector, alone or under MultiConnectors over
