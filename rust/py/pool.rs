@@ -310,7 +310,12 @@ impl PyAllocatorBase {
     /// eviction order: one chunk of vLLM's `free_block_queue.iter_blocks_after`. Empty when
     /// `after` is not a free block. O(blocks returned).
     #[pyo3(signature = (after, max_blocks))]
-    fn free_queue_after<'py>(&self, py: Python<'py>, after: Option<i64>, max_blocks: usize) -> PyResult<Bound<'py, PyList>> {
+    fn free_queue_after<'py>(
+        &self,
+        py: Python<'py>,
+        after: Option<i64>,
+        max_blocks: usize,
+    ) -> PyResult<Bound<'py, PyList>> {
         let after = after.map(|b| u32::try_from(b).unwrap_or(u32::MAX));
         PyList::new(py, self.core()?.pool().free_queue_after(after, max_blocks))
     }

@@ -32,10 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.core import kv_cache_coordinator as _vllm_kvc
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-
-from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from hybrid_alloc.vllm.blocks import BlockViews, NativeBlock
 from hybrid_alloc.vllm.state import LiveBlocks

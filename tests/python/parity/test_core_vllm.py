@@ -182,7 +182,7 @@ def test_block_pool_touch_and_free_queue_walk_match_vllm() -> None:
         pool = mgr.block_pool
         snaps: list[Any] = []
 
-        def snap(pool: Any = pool) -> None:
+        def snap(pool: Any = pool, snaps: list[Any] = snaps) -> None:
             q = pool.free_block_queue
             walk = [b.block_id for b in q.iter_blocks_after(None)]
             first = [b.block_id for _, b in zip(range(5), q.iter_blocks_after(None))]
