@@ -1,9 +1,11 @@
 //! Caching and freeing: `cache_blocks`, `remove_skipped_blocks`, `free` (one body; under
 //! hit-aware its hook, `retain_for_free` in [`super::hit_aware`], sets the levels and one
-//! freeing order across groups), `pop_blocks_for_free` / `free_block_ids`, `evict_blocks`,
+//! freeing order across groups), `pop_blocks_for_free` / `free_block_ids`, `touch_block_ids` (a
+//! connector's pins, vLLM's `block_pool.touch`, given back by `free_block_ids`), `evict_blocks`,
 //! `reset_prefix_cache`.
 //!
-//! Cost: caching O(blocks cached); `free` O(table) (O(table log table) under hit-aware).
+//! Cost: caching O(blocks cached); `free` O(table) (O(table log table) under hit-aware);
+//! `touch_block_ids`, `free_block_ids` O(blocks given).
 #![forbid(unsafe_code)]
 
 use super::{page_side, Allocator, HashSource};

@@ -294,6 +294,21 @@ def test_boundary_state_offloads_planted_bug_is_caught(monkeypatch: pytest.Monke
         assert_same_pd("qwen_offload", ref, ours)
 
 
+@pytest.mark.parametrize("case", ["llama_simple_lazy", "qwen_simple_pmu"])
+def test_simple_cpu_offload_under_hit_aware_keeps_invariants(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the hit-aware policy (no parity: it evicts by its own order) SimpleCPUOffload's
+    pins, walks of the leveled free queue and ``evict_first`` frees keep the core's invariants
+    (checked after every step) and the workload runs to its end with stores and loads."""
+    from connector_driver import run_pd
+
+    monkeypatch.setenv("HYBRID_ALLOC_POLICY", "hit-aware")
+    setup, w, role = setup_case(case)
+    res = run_pd(dataclasses.replace(setup, manager="hybrid_alloc"), role, w)
+    assert res["native"] == "HybridKVCacheManager" and res["finished"]
+    c = res["counters"]
+    assert c["store_events"] > 20 and c["load_events"] > 5 and c["preempted"] > 0, c
+
+
 @pytest.mark.parametrize("bug", ["walk_skips_front", "evict_first_ignored", "touch_skips_last"])
 def test_simple_cpu_offload_planted_bug_is_caught(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A block pool facade that walks the free queue from its second block, queues the blocks
