@@ -312,6 +312,14 @@ def test_kv_connector_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     native, reason = _decide(_kwargs(_specs("gdn_align")), vllm_config=simple)
     assert not native and f'"{reason}"' in _cell("`SimpleCPUOffloadConnector`"), reason
     monkeypatch.delenv("HYBRID_ALLOC_PAGES")
+    # MooncakeStoreConnector: served with attention groups of one block size only.
+    store = vc(kv_connector="MooncakeStoreConnector", kv_role="kv_both")
+    cell = _cell("`MooncakeStoreConnector`")
+    assert cell.startswith("native")
+    for specs in ("full", "swa_retained"):
+        assert _decide(_kwargs(_specs(specs)), vllm_config=store) == (True, ""), specs
+    native, reason = _decide(_kwargs(_specs("gdn_align")), vllm_config=store)
+    assert not native and f'"{reason}"' in cell, reason
     # MooncakeConnector: served as NixlConnector (its scheduler side reads KVCacheBlocks only).
     mooncake = vc(kv_connector="MooncakeConnector", kv_role="kv_both")
     assert _decide(_kwargs(_specs("swa_retained")), vllm_config=mooncake) == (True, "")

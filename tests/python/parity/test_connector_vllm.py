@@ -155,6 +155,16 @@ def test_connector_scheduler_identical(case: str) -> None:
         if case in PREFIX_MATCH_UNIT:
             # Stored blocks holding second keys, which the connector registers on the CPU.
             assert c["second_keys"] > 5, c
+    elif conn == "mooncake_store":
+        # Store jobs (each pinning its blocks until done: the touches and frees compared
+        # call by call above) and async loads of the stored prefixes, behind local hits too
+        # (not on the Gemma-like model at these sizes), with preemption.
+        pool = ref["pool_calls"]
+        assert c["store_events"] > 20 and c["load_events"] > 10 and c["recv"] > 10 and c["preempted"] > 0
+        assert sum(p[0] == "touch" for p in pool) == sum(p[0] == "free" for p in pool) > 20
+        assert calls["alloc_external"] > 30
+        if CASES[case][0] == "llama":
+            assert calls["alloc_local_and_external"] > 100
     elif conn in ("multi_simple", "multi_simple_lazy"):
         # Both children load: NIXL for the remote prefills (two failing), SimpleCPUOffload
         # for local requests' stored prefixes; its pins and frees compared call by call.
@@ -309,12 +319,21 @@ def test_simple_cpu_offload_under_hit_aware_keeps_invariants(case: str, monkeypa
     assert c["store_events"] > 20 and c["load_events"] > 5 and c["preempted"] > 0, c
 
 
-@pytest.mark.parametrize("bug", ["walk_skips_front", "evict_first_ignored", "touch_skips_last"])
-def test_simple_cpu_offload_planted_bug_is_caught(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("bug", "case"),
+    [
+        ("walk_skips_front", "llama_simple_lazy"),
+        ("evict_first_ignored", "llama_simple_lazy"),
+        ("touch_skips_last", "llama_simple_lazy"),
+        ("touch_skips_last", "llama_mooncake_store"),
+    ],
+)
+def test_pool_facade_planted_bug_is_caught(bug: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A block pool facade that walks the free queue from its second block, queues the blocks
     the lazy stores give back at the back instead of the front, or pins one block fewer fails
     the step-by-step comparison with vLLM's manager (the store decisions in the metadata, the
-    pool calls, the allocations that follow, or a free the core refuses)."""
+    pool calls, the allocations that follow, or a free the core refuses), with
+    SimpleCPUOffload and with MooncakeStore."""
     from connector_driver import assert_same_pd
     from hybrid_alloc.vllm import facades
 
@@ -337,13 +356,15 @@ def test_simple_cpu_offload_planted_bug_is_caught(bug: str, monkeypatch: pytest.
     else:
         orig_touch = facades.NativeBlockPool.touch
         monkeypatch.setattr(facades.NativeBlockPool, "touch", lambda self, blocks: orig_touch(self, list(blocks)[:-1]))
+    from hybrid_alloc.errors import InvalidBlockError
+
     try:
-        ref, ours = _pair("llama_simple_lazy")
-    except Exception as e:  # noqa: BLE001 - the core refuses a free of a reference never taken
-        assert bug == "touch_skips_last", e
+        ref, ours = _pair(case)
+    except InvalidBlockError as e:  # the core refuses a free of a reference never taken
+        assert bug == "touch_skips_last" and "freed more times" in str(e), e
         return
     with pytest.raises(AssertionError, match="differs"):
-        assert_same_pd("llama_simple_lazy", ref, ours)
+        assert_same_pd(case, ref, ours)
 
 
 @pytest.mark.parametrize("case", ["llama_consumer", "gemma_consumer", "gemma_multi_offload"])

@@ -133,6 +133,11 @@ CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
     # through NIXL, local requests' stored prefixes from the CPU.
     "llama_multi_simple": ("llama", "kv_both", 80, False, "recompute", "multi_simple"),
     "llama_multi_simple_lazy": ("llama", "kv_both", 80, False, "fail", "multi_simple_lazy"),
+    # MooncakeStoreConnector (its lookups faked: ``connector_driver.FakeMooncakeLookup``): store
+    # jobs pin the blocks they read (``touch``) until every rank reports them done.
+    "llama_mooncake_store": ("llama", "kv_both", 60, False, "recompute", "mooncake_store"),
+    "gemma_mooncake_store": ("gemma", "kv_both", 70, False, "recompute", "mooncake_store"),
+    "llama_mooncake_store_async": ("llama", "kv_both", 60, True, "recompute", "mooncake_store"),
 }
 # The workload's seed and share of remote requests, where a case needs others than the
 # default to show what it claims (the Gemma-like consumers: local hits joined with remote ones).
@@ -324,6 +329,8 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
                 "connectors": [{"kv_connector": "NixlConnector", "kv_role": role}, simple_child]
             },
         )
+    elif conn == "mooncake_store":
+        ktc = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role=role)
     elif conn == "module_hashstore":
         ktc = KVTransferConfig(
             kv_connector="HashStoreConnector", kv_connector_module_path="module_connectors", kv_role=role
@@ -390,6 +397,17 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             remote_share=0.0,
             repeat_share=0.5,
             simple_cpu=True,
+            abort_running={"req2", "req13"},
+            batch_queue=2 if overlap else 1,
+            max_tokens=(1, 40) if shape == "gemma" else (1, 60),
+        )
+        return setup, w, role
+    if conn == "mooncake_store":
+        w = PDWorkload(
+            num_requests=30,
+            remote_share=0.0,
+            repeat_share=0.5,
+            mooncake_store=True,
             abort_running={"req2", "req13"},
             batch_queue=2 if overlap else 1,
             max_tokens=(1, 40) if shape == "gemma" else (1, 60),

@@ -146,6 +146,12 @@ class PDWorkload:
     # steps after; under a MultiConnector, the child ``simple_child``.
     simple_cpu: bool = False
     simple_child: int | None = None
+    # MooncakeStoreConnector: its lookups (``LookupKeyClient``, ZMQ to rank 0's worker in vLLM)
+    # answered by :class:`FakeMooncakeLookup` over the keys of the store jobs completed so far;
+    # each store job (``ReqMeta.store_job_id``) completes ``send_delay`` steps after the
+    # metadata carries it (``MooncakeStoreWorkerMetadata.completed_saves``), each load
+    # ``recv_delay`` steps after (``finished_recving``).
+    mooncake_store: bool = False
     # The remote requests' ``kv_transfer_params`` as this connector reads them: "nixl"
     # (NixlConnector's) or "mooncake" (MooncakeConnector's: a bootstrap address and a
     # transfer id instead of remote block ids).
@@ -268,6 +274,47 @@ def _record_connector(sched: Any, calls: dict[str, int]) -> tuple[list[Any], lis
     return events, raised
 
 
+class FakeMooncakeLookup:
+    """Stands for MooncakeStore's ``LookupKeyClient``: the worker's ``lookup`` (the longest hit
+    of the store coordinator over the ``(group, hash)`` keys present, recomputing the last
+    token) over the keys ``stored`` holds, which the fake worker adds when a store job
+    completes: every store group's hash keys up to the job's ``token_len_chunk``."""
+
+    #: The keys present (shared by the run: set by ``run_pd``).
+    stored: set[tuple[int, bytes]] = set()
+    #: The scheduler side whose store coordinator answers (set at its first lookup).
+    coord: Any = None
+
+    def __init__(self, vllm_config: Any) -> None:
+        del vllm_config
+
+    def lookup(self, req_id: str, num_tokens: int, block_hashes: Any, non_block: bool = False) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import ExternalCachedBlockPool
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import MooncakeLookupResult
+
+        coord = type(self).coord
+        token_len = coord.align_lookup_length(num_tokens)
+        if not block_hashes or token_len <= 0:
+            return MooncakeLookupResult(0)
+        pool = ExternalCachedBlockPool(coord.hash_block_size, set(type(self).stored))
+        _, hit = coord.find_longest_cache_hit(block_hashes, token_len, pool)
+        if hit >= num_tokens:
+            usable = coord.align_lookup_length(num_tokens - 1)
+            if usable <= 0:
+                return MooncakeLookupResult(0)
+            _, hit = coord.find_longest_cache_hit(block_hashes, usable, pool)
+        return MooncakeLookupResult(hit)
+
+    def prefetch(self, req_id: str, num_tokens: int, block_hashes: Any) -> bool:
+        return False
+
+    def discard(self, req_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _record_pool(pool: Any, caller: str = "vllm.v1.simple_kv_offload.") -> list[Any]:
     """Wraps the block pool's ``touch`` and ``free_blocks``: each call made from a module
     under ``caller`` (the connector bound to the pool; vLLM's manager touches its own pool for
@@ -305,7 +352,20 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         # Each run starts with nothing saved.
         shutil.rmtree(w.example_storage, ignore_errors=True)
         os.makedirs(w.example_storage)
-    sched = setup.build()
+    if w.mooncake_store:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import scheduler as moon_sched
+
+        FakeMooncakeLookup.stored = set()
+        orig_client = moon_sched.LookupKeyClient
+        moon_sched.LookupKeyClient = FakeMooncakeLookup  # type: ignore[misc]
+        try:
+            sched = setup.build()
+        finally:
+            moon_sched.LookupKeyClient = orig_client  # type: ignore[misc]
+        moon = sched.connector.connector_scheduler
+        FakeMooncakeLookup.coord = moon._store_coord
+    else:
+        sched = setup.build()
     mgr = sched.kv_cache_manager
     lmc = None
     if w.lmcache:
@@ -333,7 +393,11 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     ):
         count(name)
     connector_events, junctions = _record_connector(sched, calls)
-    pool_calls = _record_pool(mgr.block_pool) if w.simple_cpu else []
+    pool_calls: list[Any] = []
+    if w.simple_cpu:
+        pool_calls = _record_pool(mgr.block_pool)
+    elif w.mooncake_store:
+        pool_calls = _record_pool(mgr.block_pool, "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.")
     second_keys = {"n": 0}
     if w.simple_cpu:
         # The stored blocks that hold second keys (partial hash hits), as the connector reads
@@ -438,6 +502,8 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     recv_due: dict[str, int] = {}  # request -> step its load completes
     jobs_due: dict[int, tuple[int, str | None]] = {}  # offloading job -> (step, request of an async load)
     stores_due: dict[int, int] = {}  # SimpleCPUOffload store event -> step it completes
+    # MooncakeStore store job -> (step it completes, the keys it stores)
+    saves_due: dict[int, tuple[int, set[tuple[int, bytes]]]] = {}
     send_due: dict[str, int] = {}
     loaded: dict[str, int] = {}  # request -> step its load was reported done
     steps: list[dict[str, Any]] = []
@@ -531,6 +597,13 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             metas[w.offload_child] = worker_meta
             worker_meta = MultiKVConnectorWorkerMetadata(metadata=tuple(metas))
         stored = sorted(e for e, s in stores_due.items() if s <= step)
+        if w.mooncake_store:
+            from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import MooncakeStoreWorkerMetadata
+
+            stored = sorted(j for j, (s, _) in saves_due.items() if s <= step)
+            for j in stored:
+                FakeMooncakeLookup.stored |= saves_due.pop(j)[1]
+            worker_meta = MooncakeStoreWorkerMetadata(completed_saves={j: 1 for j in stored})
         if w.simple_cpu:
             from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
@@ -574,7 +647,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
 
     step = 0
     while (
-        pending or sched.get_num_unfinished_requests() or recv_due or send_due or jobs_due or stores_due
+        pending or sched.get_num_unfinished_requests() or recv_due or send_due or jobs_due or stores_due or saves_due
     ) and step < max_steps:
         while pending and pending[0][0] <= step:
             _, rid, toks, mt, params = pending.pop(0)
@@ -623,6 +696,19 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                 counters["store_events"] += 1
                 counters["stored_blocks"] += len(sm.store_gpu_blocks)
                 stores_due[sm.store_event] = step + w.send_delay
+        if w.mooncake_store:
+            hbs = FakeMooncakeLookup.coord.hash_block_size
+            groups = range(len(sched.kv_cache_config.kv_cache_groups))
+            for rm in meta.requests:
+                if rm.load_spec is not None and rm.load_spec.can_load:
+                    counters["load_events"] += 1
+                    recv_due[rm.req_id] = step + w.recv_delay
+                if rm.can_save and rm.store_job_id is not None and rm.store_job_id not in saves_due:
+                    counters["store_events"] += 1
+                    n = min(rm.token_len_chunk // hbs, len(rm.block_hashes))
+                    keys = {(g, bytes(rm.block_hashes[i])) for g in groups for i in range(n)}
+                    counters["stored_blocks"] += n
+                    saves_due[rm.store_job_id] = (step + w.send_delay, keys)
         if w.example_storage is not None:
             reqs = (meta if w.example_child is None else meta.metadata[w.example_child]).requests
             stores = [m for m in reqs if m.is_store]
