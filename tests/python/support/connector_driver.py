@@ -1,9 +1,13 @@
 """Drives the installed vLLM's (a supported release's) real Scheduler (sync or async) with a
 KV connector configured (NixlConnector as KV consumer or producer, the OffloadingConnector,
-MultiConnectors over them, ...) through a seeded workload of P/D lifecycles, faking the worker
-side as vLLM's own connector unit tests do: each step's ``ModelRunnerOutput`` carries a
-``KVConnectorOutput`` with ``finished_recving``, ``finished_sending``, ``invalid_block_ids``
-and ``failed_recving``; optionally with speculative decoding (drafts, accepted in part).
+MultiConnectors over them, SimpleCPUOffloadConnector, MooncakeStoreConnector, ...) through a
+seeded workload of P/D lifecycles, faking the worker side as vLLM's own connector unit tests do:
+each step's ``ModelRunnerOutput`` carries a ``KVConnectorOutput`` with ``finished_recving``,
+``finished_sending``, ``invalid_block_ids``, ``failed_recving`` and the connector's worker
+metadata (transfer jobs, store events, store jobs completed); MooncakeStore's lookups are
+answered by :class:`FakeMooncakeLookup`; optionally with speculative decoding (drafts,
+accepted in part). With a connector bound to the scheduler's pool (SimpleCPUOffload,
+MooncakeStore) a run also records every ``touch`` and ``free_blocks`` it makes on the pool.
 
 A run records, per step, the SchedulerOutput digest, the connector metadata the scheduler
 built (times dropped: they are wall-clock), the free block count, the requests whose blocks
