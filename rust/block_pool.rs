@@ -193,9 +193,10 @@ pub struct BlockPool {
     num_blocks: u32,
     /// Reference count of each block: table slots holding it plus `loose[b]`.
     ref_cnt: Vec<u32>,
-    /// References no table holds any more: blocks handed out by `pop_blocks_for_free` and
-    /// not yet given back to `free_block_ids`. Only these may be freed by id, so a block a
-    /// live table holds can never get a second owner.
+    /// References no table holds: blocks handed out by `pop_blocks_for_free`, or pinned by
+    /// `touch_block_ids` (a connector's `block_pool.touch`), not yet given back to
+    /// `free_block_ids`. Only these may be freed by id, so a block a live table holds can
+    /// never get a second owner.
     loose: Vec<u32>,
     /// Prefix tokens the block's hash covers (`block_hash_num_tokens`), 0 when unhashed.
     hash_tokens: Vec<u32>,
@@ -464,9 +465,27 @@ impl BlockPool {
         self.hash_tokens[b as usize]
     }
 
+    /// The keys `b` holds besides its own (partial hash hits' second keys), in the order they
+    /// were added (vLLM's `cached_block_hashes_by_block[b]`); empty for most blocks. O(keys).
+    pub fn second_keys_of(&self, b: BlockId) -> &[HashKey] {
+        if self.second.is_empty() {
+            return &[];
+        }
+        self.second.by_block.get(&b).map_or(&[], Vec::as_slice)
+    }
+
     /// Free blocks in eviction order (tests).
     pub fn free_queue_order(&self) -> Vec<BlockId> {
         self.queue.iter().collect()
+    }
+
+    /// Up to `max` free blocks after `after` (from the front when `None`), in eviction order:
+    /// one chunk of vLLM's `free_block_queue.iter_blocks_after`; empty when `after` is not
+    /// free. O(blocks returned).
+    pub fn free_queue_after(&self, after: Option<BlockId>, max: usize) -> Vec<BlockId> {
+        let mut out = Vec::with_capacity(max.min(self.queue.len() as usize));
+        self.queue.extend_after(after, max, &mut out);
+        out
     }
 
     /// The free queue (invariant checks).

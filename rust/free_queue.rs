@@ -13,7 +13,8 @@
 //! or iterated. A queue without levels (the `exact` policy) is exactly vLLM's queue.
 //!
 //! Cost: `pop_front` (O(levels) worst case: it steps over empty segments), `remove`,
-//! `push_back`, `push_back_level`, `push_front` are O(1); the `_n` forms O(n).
+//! `push_back`, `push_back_level`, `push_front` are O(1); the `_n` forms O(n); `extend_after`
+//! (one chunk of a walk from the front or from a queued block) O(blocks read + sentinels passed).
 //! No allocation after construction.
 #![forbid(unsafe_code)]
 
@@ -305,6 +306,27 @@ impl FreeQueue {
         })
     }
 
+    /// Up to `max` queued blocks after `after` (from the front when `None`), front to back,
+    /// appended to `out` (vLLM's `FreeKVCacheBlockQueue.iter_blocks_after`, one chunk of it).
+    /// Nothing when `after` is not queued (vLLM's removed block has no `next_free_block`).
+    /// O(blocks returned + level sentinels passed).
+    pub fn extend_after(&self, after: Option<BlockId>, max: usize, out: &mut Vec<BlockId>) {
+        let start = match after {
+            None => self.head,
+            Some(b) if b < self.n && self.contains(b) => b,
+            Some(_) => return,
+        };
+        let mut cur = self.next[start as usize];
+        let mut n = 0;
+        while n < max && cur != self.tail {
+            if !self.is_sentinel(cur) {
+                out.push(cur);
+                n += 1;
+            }
+            cur = self.next[cur as usize];
+        }
+    }
+
     /// The queued blocks of each level, front to back (tests, invariants).
     pub fn iter_levels(&self) -> Vec<Vec<BlockId>> {
         let mut out = vec![Vec::new()];
@@ -374,6 +396,35 @@ mod tests {
         flat.pop_front();
         flat.push_front_level(0, 3);
         assert_eq!(flat.iter().collect::<Vec<_>>(), vec![0, 1]);
+    }
+
+    #[test]
+    fn extend_after_walks_chunks_across_levels_as_iter() {
+        // Chunks of 2 from the front, each after the last block read, join into `iter`'s
+        // order, the level sentinels stepped over; after a block not queued: nothing.
+        let mut q = FreeQueue::try_new_with_levels(6, 3).unwrap();
+        for _ in 0..6 {
+            q.pop_front();
+        }
+        for (b, level) in [(1, 2), (2, 1), (3, 2), (4, 0), (0, 1)] {
+            q.push_back_level(b, level);
+        }
+        let (mut walked, mut cursor) = (Vec::new(), None);
+        loop {
+            let mut chunk = Vec::new();
+            q.extend_after(cursor, 2, &mut chunk);
+            if chunk.is_empty() {
+                break;
+            }
+            cursor = chunk.last().copied();
+            walked.extend(chunk);
+        }
+        assert_eq!(walked, q.iter().collect::<Vec<_>>());
+        let mut out = Vec::new();
+        q.extend_after(Some(5), 2, &mut out);
+        q.extend_after(Some(6), 2, &mut out);
+        q.extend_after(Some(u32::MAX), 2, &mut out);
+        assert!(out.is_empty());
     }
 
     #[test]

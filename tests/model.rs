@@ -270,6 +270,7 @@ enum Op {
     RemoveSkipped { pick: u16 },
     FindOnly { pick: u16 },
     Evict { ids: Vec<u8> },
+    Touch { ids: Vec<u8> },
     Reset,
     Bad { kind: u8, pick: u16 },
 }
@@ -299,6 +300,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => any::<u16>().prop_map(|pick| Op::RemoveSkipped { pick }),
         1 => any::<u16>().prop_map(|pick| Op::FindOnly { pick }),
         1 => prop::collection::vec(any::<u8>(), 0..4).prop_map(|ids| Op::Evict { ids }),
+        1 => prop::collection::vec(any::<u8>(), 0..5).prop_map(|ids| Op::Touch { ids }),
         1 => Just(Op::Reset),
         3 => (0u8..17, any::<u16>()).prop_map(|(kind, pick)| Op::Bad { kind, pick }),
     ]
@@ -1043,6 +1045,28 @@ impl Harness {
         assert_eq!((after.queue, after.rc, after.hashes), (before.queue, before.rc, before.hashes), "a search touched");
     }
 
+    /// A connector's pins (`touch_block_ids`, vLLM's `block_pool.touch`): each non-null block
+    /// gains a reference, a free one leaves the queue; the pins are given back later as a
+    /// popped batch (`free_block_ids`).
+    fn touch(&mut self, ids: &[u8]) {
+        let ids: Vec<BlockId> = ids.iter().map(|&x| x as u32 % self.num_blocks()).collect();
+        let before = self.snap_pool();
+        let (mut q, mut rc) = (before.queue.clone(), before.rc.clone());
+        for &b in ids.iter().filter(|&&b| b != NULL_BLOCK) {
+            if rc[b as usize] == 0 {
+                q.retain(|&x| x != b);
+            }
+            rc[b as usize] += 1;
+        }
+        self.a.touch_block_ids(&ids).unwrap();
+        let after = self.snap_pool();
+        assert_eq!((after.queue, after.rc), (q, rc), "touch_block_ids");
+        let pins: Vec<BlockId> = ids.into_iter().filter(|&b| b != NULL_BLOCK).collect();
+        if !pins.is_empty() {
+            self.popped.push(pins);
+        }
+    }
+
     fn evict(&mut self, ids: &[u8]) {
         let ids: Vec<BlockId> = ids.iter().map(|&x| x as u32 % self.num_blocks()).collect();
         let before = self.snapshot();
@@ -1118,7 +1142,7 @@ impl Harness {
             3 => {
                 let mut ids: Vec<BlockId> = (0..nb).step_by(3).collect();
                 ids.insert(pick as usize % (ids.len() + 1), nb + pick as u32 % 5);
-                self.a.evict_blocks(&ids).is_err()
+                self.a.evict_blocks(&ids).is_err() && self.a.touch_block_ids(&ids).is_err()
             }
             4 => {
                 let mut ids = self.popped.first().cloned().unwrap_or_default();
@@ -1234,6 +1258,7 @@ impl Harness {
             Op::RemoveSkipped { pick } => self.remove_skipped(pick),
             Op::FindOnly { pick } => self.find_only(pick),
             Op::Evict { ref ids } => self.evict(ids),
+            Op::Touch { ref ids } => self.touch(ids),
             Op::Reset => self.reset(),
             Op::Bad { kind, pick } => self.bad(kind, pick),
         }

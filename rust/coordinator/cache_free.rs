@@ -1,9 +1,11 @@
 //! Caching and freeing: `cache_blocks`, `remove_skipped_blocks`, `free` (one body; under
 //! hit-aware its hook, `retain_for_free` in [`super::hit_aware`], sets the levels and one
-//! freeing order across groups), `pop_blocks_for_free` / `free_block_ids`, `evict_blocks`,
+//! freeing order across groups), `pop_blocks_for_free` / `free_block_ids`, `touch_block_ids` (a
+//! connector's pins, vLLM's `block_pool.touch`, given back by `free_block_ids`), `evict_blocks`,
 //! `reset_prefix_cache`.
 //!
-//! Cost: caching O(blocks cached); `free` O(table) (O(table log table) under hit-aware).
+//! Cost: caching O(blocks cached); `free` O(table) (O(table log table) under hit-aware);
+//! `touch_block_ids`, `free_block_ids` O(blocks given).
 #![forbid(unsafe_code)]
 
 use super::{page_side, Allocator, HashSource};
@@ -345,6 +347,33 @@ impl Allocator {
         } else {
             self.pool.free_loose(ids);
         }
+        Ok(())
+    }
+
+    /// Takes one reference on each block, outside any table (vLLM's `BlockPool.touch`, which
+    /// KV connectors call to keep blocks from being reused while they copy them): a free block
+    /// leaves the free queue; the null block is skipped, as vLLM's. Each reference is loose:
+    /// [`Self::free_block_ids`] gives it back. The residency log notes each block accessed, as
+    /// vLLM's pool tells its metrics collector. O(blocks given).
+    ///
+    /// # Errors
+    /// A block id out of range, or two-level pages (not served: a slot and its page would both
+    /// be pinned); checked before any change.
+    pub fn touch_block_ids(&mut self, ids: &[BlockId]) -> Result<()> {
+        if self.state_groups != 0 {
+            return Err(Error::Unsupported("touch of block ids with two-level pages".into()));
+        }
+        let n = self.pool.num_blocks();
+        if let Some(&b) = ids.iter().find(|&&b| b >= n) {
+            return Err(Error::InvalidBlock(format!("block id {b} >= num_blocks {n}")));
+        }
+        if ids.contains(&NULL_BLOCK) {
+            let ids: Vec<BlockId> = ids.iter().copied().filter(|&b| b != NULL_BLOCK).collect();
+            self.pool.touch(&ids);
+        } else {
+            self.pool.touch(ids);
+        }
+        self.pool.loosen(ids);
         Ok(())
     }
 
@@ -700,5 +729,93 @@ mod tests {
             },
         );
         assert!(noops > 100 && cached > 0, "{noops} no-op steps, {cached} events");
+    }
+
+    /// An allocator of one full-attention group (blocks of 16 tokens) holding one request
+    /// with `tokens` tokens cached under `seed`'s hashes, then freed: its blocks sit at the
+    /// back of the free queue, keyed.
+    fn freed_cached_request(num_blocks: u32, tokens: u32, seed: u64) -> Allocator {
+        let mut a = Allocator::new(Config::new(num_blocks, vec![full(16, 0)], 16), Policy::Exact).unwrap();
+        let h = a.add_request();
+        let hs = hashes(seed, (tokens / 16) as usize);
+        let args = AllocateArgs {
+            num_new_tokens: tokens,
+            num_prompt_tokens: tokens,
+            num_tokens: tokens,
+            ..Default::default()
+        };
+        a.allocate_slots(h, &args, NewComputed::Empty, Some(&hs)).unwrap().unwrap();
+        let c = CacheBlocksArgs { num_computed_tokens: tokens, num_prompt_tokens: tokens, ..Default::default() };
+        a.cache_blocks(h, &c, Some(&hs)).unwrap();
+        a.free(h, crate::policy::LEVEL_NORMAL).unwrap();
+        a
+    }
+
+    #[test]
+    fn touch_block_ids_of_free_blocks_pulls_them_out_and_free_puts_them_back() {
+        // vLLM's `BlockPool.touch` then `free_blocks`: a touched free block leaves the queue
+        // (ref 1), a second touch adds a reference; freeing gives both back, the cached
+        // block to the back of the queue (or the front with `evict_first`).
+        let mut a = freed_cached_request(16, 64, 7);
+        let order = a.pool().free_queue_order();
+        let free = a.num_free_blocks();
+        let (b1, b2) = (order[order.len() - 1], order[order.len() - 2]);
+        a.touch_block_ids(&[b1, NULL_BLOCK, b2, b1]).unwrap();
+        crate::invariants::check(&a).unwrap();
+        assert_eq!((a.pool().ref_cnt(b1), a.pool().ref_cnt(b2)), (2, 1));
+        assert_eq!(a.num_free_blocks(), free - 2);
+        assert!(!a.pool().free_queue_order().contains(&b1));
+        a.free_block_ids(&[b1]).unwrap();
+        assert!(!a.pool().free_queue_order().contains(&b1), "one reference left");
+        a.free_block_ids_ordered(&[b2, b1], true).unwrap();
+        crate::invariants::check(&a).unwrap();
+        let after = a.pool().free_queue_order();
+        assert_eq!(&after[..2], &[b2, b1], "evict_first puts them at the front, in order");
+        assert_eq!(a.num_free_blocks(), free);
+        assert!(a.pool().block_hash(b1).is_some(), "still cached");
+        // More frees than touches are refused.
+        assert!(matches!(a.free_block_ids(&[b1]), Err(Error::InvalidBlock(_))));
+    }
+
+    #[test]
+    fn touch_block_ids_out_of_range_changes_nothing() {
+        let mut a = freed_cached_request(16, 64, 7);
+        let before = (a.pool().free_queue_order(), a.num_free_blocks());
+        let b = before.0[0];
+        let err = a.touch_block_ids(&[b, 16]).unwrap_err();
+        assert!(matches!(err, Error::InvalidBlock(_)), "{err}");
+        assert_eq!((a.pool().free_queue_order(), a.num_free_blocks()), before);
+        assert_eq!(a.pool().ref_cnt(b), 0);
+        crate::invariants::check(&a).unwrap();
+    }
+
+    #[test]
+    fn touch_block_ids_with_two_level_pages_is_refused() {
+        let mut a = allocator(4);
+        let err = a.touch_block_ids(&[1]).unwrap_err();
+        assert!(matches!(err, Error::Unsupported(_)), "{err}");
+        crate::invariants::check(&a).unwrap();
+    }
+
+    #[test]
+    fn free_queue_after_walks_in_chunks_as_the_whole_order() {
+        let mut a = freed_cached_request(16, 64, 7);
+        a.touch_block_ids(&[3]).unwrap();
+        let whole = a.pool().free_queue_order();
+        let mut walked = Vec::new();
+        let mut cursor = None;
+        loop {
+            let chunk = a.pool().free_queue_after(cursor, 4);
+            if chunk.is_empty() {
+                break;
+            }
+            cursor = chunk.last().copied();
+            walked.extend(chunk);
+        }
+        assert_eq!(walked, whole);
+        // After a block that is not free (or out of range): nothing, as vLLM's cursor.
+        assert!(a.pool().free_queue_after(Some(3), 4).is_empty());
+        assert!(a.pool().free_queue_after(Some(NULL_BLOCK), 4).is_empty());
+        assert!(a.pool().free_queue_after(Some(99), 4).is_empty());
     }
 }

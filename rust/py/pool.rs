@@ -156,6 +156,15 @@ impl PyAllocatorBase {
         Ok(self.core()?.free_block_ids_ordered(&ids, evict_first)?)
     }
 
+    /// Takes one reference on each block outside any table (vLLM's `BlockPool.touch`): a free
+    /// block leaves the free queue; the null block is skipped. Given back by
+    /// `free_block_ids`. `InvalidBlockError` for an id outside the pool, `UnsupportedConfigError`
+    /// with two-level pages; nothing changes then.
+    fn touch_block_ids(&self, ids: Vec<i64>) -> PyResult<()> {
+        let ids = block_ids_arg(&ids)?;
+        Ok(self.core()?.touch_block_ids(&ids)?)
+    }
+
     /// Drops the prefix-cache hashes of these blocks.
     fn evict_blocks(&self, ids: Vec<i64>) -> PyResult<()> {
         let ids = block_ids_arg(&ids)?;
@@ -295,6 +304,28 @@ impl PyAllocatorBase {
     /// Free blocks in eviction order.
     fn free_queue_order<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         PyList::new(py, self.core()?.pool().free_queue_order())
+    }
+
+    /// Up to `max_blocks` free blocks after block `after` (from the front when None), in
+    /// eviction order: one chunk of vLLM's `free_block_queue.iter_blocks_after`. Empty when
+    /// `after` is not a free block. O(blocks returned).
+    #[pyo3(signature = (after, max_blocks))]
+    fn free_queue_after<'py>(
+        &self,
+        py: Python<'py>,
+        after: Option<i64>,
+        max_blocks: usize,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let after = after.map(|b| u32::try_from(b).unwrap_or(u32::MAX));
+        PyList::new(py, self.core()?.pool().free_queue_after(after, max_blocks))
+    }
+
+    /// `(hash bytes, group)` of each key a block holds besides its own (partial hash hits'
+    /// second keys; vLLM's `cached_block_hashes_by_block`), in the order they were added.
+    fn second_keys<'py>(&self, py: Python<'py>, block_id: i64) -> PyResult<Vec<(Bound<'py, PyBytes>, u32)>> {
+        let core = self.core()?;
+        let (pool, b) = Self::block(&core, block_id)?;
+        Ok(pool.second_keys_of(b).iter().map(|(h, g)| (PyBytes::new(py, h.as_bytes()), *g)).collect())
     }
 
     /// Takes the queued events (see `hybrid_alloc.events`).

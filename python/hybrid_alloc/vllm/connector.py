@@ -31,11 +31,21 @@ vLLM's semantics:
   lmcache release from 0.4.7 to 0.5.6 has together (``CudaIPCWrapper`` and
   ``IPCCacheEngineKey`` from ``lmcache.v1.multiprocess.custom_types``, ``lmcache.config``), so
   it is not tested;
+- ``SimpleCPUOffloadConnector``, eager or lazy, with or without Mamba layers: its scheduler
+  side is bound to the scheduler's block pool (``bind_gpu_block_pool``) and pins, frees, walks
+  and looks up its blocks through the manager's pool facade (:mod:`.facades`: ``blocks[i]``,
+  ``touch``, ``free_blocks`` with ``evict_first``, ``free_block_queue.iter_blocks_after``,
+  ``get_cached_block``, ``cached_block_hashes_by_block``), the same reads on 0.32, 0.33 and
+  0.34 (``test_connector_vllm.py``'s ``*simple*`` cases compare every call it makes on the pool
+  with vLLM's manager); not with two-level pages, whose pool refuses ``touch``;
+- ``MooncakeStoreConnector`` with attention groups of one block size: its store jobs pin the
+  blocks they read (``blocks[i]``, ``touch``) and give them back (``free_blocks``); its hits
+  come from the store (``*_mooncake_store*`` cases, its lookups faked);
 - ``MultiConnector`` whose children are all served.
 
 Anything else falls back to vLLM's own manager with one line naming the connector:
 connectors whose scheduler side reaches into vLLM's ``BlockPool`` / coordinator internals
-(SimpleCPUOffload, UMBP, MooncakeStore, HiSparse, ...; LMCacheMPConnector, whose lazy offload
+(UMBP, HiSparse, ...; LMCacheMPConnector, whose lazy offload
 reads the ``BlockPool``'s free queue and blocks: lmcache's ``lazy_offload_policy/eviction_aware.py``), connectors
 loaded from a module path, and, with Mamba layers, any connector but
 NixlConnector (its variants) and the OffloadingConnector, alone or under MultiConnectors over
@@ -125,15 +135,57 @@ def _unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> st
     if name == "LMCacheMPConnector":
         return _lmcache_mp_unserved(extra)
     if name == "SimpleCPUOffloadConnector":
-        # Its scheduler side (vllm/v1/simple_kv_offload/manager.py) is bound to the scheduler's
-        # BlockPool and works on it as its owner would.
-        return (
-            "SimpleCPUOffloadConnector (it reads and changes the scheduler's block pool: blocks[i], "
-            "touch, free_blocks, get_cached_block, free_block_queue, cached_block_hashes_by_block)"
-        )
+        return _simple_cpu_offload_unserved()
+    if name == "MooncakeStoreConnector":
+        return _mooncake_store_unserved(kvc)
     if name in SINGLE_GROUP_CONNECTORS:
         return _single_group_unserved(str(name), kvc)
     return None if name in NATIVE_CONNECTORS else str(name)
+
+
+def _simple_cpu_offload_unserved() -> str | None:
+    """``SimpleCPUOffloadConnector``'s scheduler side (``vllm/v1/simple_kv_offload/manager.py``,
+    the same reads in 0.32, 0.33 and 0.34) is bound to the scheduler's block pool and works on it
+    as its owner would: ``blocks[i]`` (``block_id``, ``block_hash``, ``block_hash_num_tokens``,
+    ``is_null``), ``touch`` (pins what it copies), ``free_blocks`` (with ``evict_first`` in lazy
+    mode), ``free_block_queue.iter_blocks_after`` (lazy mode), ``get_cached_block`` and
+    ``cached_block_hashes_by_block``, all of which the manager's facade serves
+    (:mod:`.facades`). Not with two-level pages (``HYBRID_ALLOC_PAGES=two-level``), whose pool
+    refuses ``touch``."""
+    if _pages_two_level():
+        return "SimpleCPUOffloadConnector (with two-level pages, whose block pool does not serve touch)"
+    return None
+
+
+def _mooncake_store_unserved(kvc: KVCacheConfig) -> str | None:
+    """``MooncakeStoreConnector`` (vLLM 0.34; its scheduler side,
+    ``mooncake/store/scheduler.py``): its store jobs pin the blocks they read in the scheduler's
+    pool (``blocks[i]``, ``touch``) and give them back when every rank is done
+    (``free_blocks``), which the pool facade serves; its hits come from the store (a lookup
+    over ZMQ), not from the manager. Served where a parity test runs it (its lookups faked:
+    ``test_connector_vllm.py``'s ``*_mooncake_store*`` cases): attention groups of one block
+    size. With Mamba groups it also stores the boundary states and partial tails the manager
+    hands it, and with groups of different block sizes partial-block keys: not tested, so
+    not served."""
+    groups = kvc.kv_cache_groups
+    if any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups):
+        return "MooncakeStoreConnector (with Mamba layers: not tested with hybrid_alloc)"
+    if len({g.kv_cache_spec.block_size for g in groups}) > 1:
+        return "MooncakeStoreConnector (with groups of different block sizes: not tested with hybrid_alloc)"
+    if _pages_two_level():
+        return "MooncakeStoreConnector (with two-level pages, whose block pool does not serve touch)"
+    return None
+
+
+def _pages_two_level() -> bool:
+    """Whether two-level pages are asked for (``HYBRID_ALLOC_PAGES``; a bad value counts as
+    not: the plan reports it itself)."""
+    from hybrid_alloc.vllm.pages import pages_from_env
+
+    try:
+        return pages_from_env() == "two-level"
+    except Exception:  # noqa: BLE001 - the plan reports a bad value itself
+        return False
 
 
 def _single_group_unserved(label: str, kvc: KVCacheConfig) -> str | None:

@@ -5,7 +5,9 @@ methods vLLM's scheduler, connectors and stats, vLLM's own tests of the manager
 in vLLM's shapes, served by the manager's native core.
 
 - ``block_pool.blocks[i]``: the block's one view (:class:`~hybrid_alloc.vllm.blocks.BlockViews`);
-  ``block_pool.free_block_queue``: the free queue, read-only (:class:`NativeFreeBlockQueue`);
+  ``block_pool.free_block_queue``: the free queue, read-only (:class:`NativeFreeBlockQueue`),
+  walked in chunks; ``block_pool.touch`` / ``free_blocks`` (a connector's pins, given back);
+  ``block_pool.cached_block_hashes_by_block``: a block's second keys (:class:`CachedBlockHashesByBlock`);
 - ``single_type_managers[g]``: an instance of a class registered as a virtual subclass of the
   vLLM manager class vLLM would build for the group (``isinstance(m, MambaManager)`` and
   ``isinstance(m, CrossAttentionManager)`` hold as with vLLM's), with ``block_size``,
@@ -18,7 +20,8 @@ in vLLM's shapes, served by the manager's native core.
 
 Cost: nothing on the scheduler's hot path. Construction is O(groups); attributes are fixed
 values or properties read on access; ``req_to_blocks`` and the free queue are built when read
-(one crossing, O(blocks) for what is read); each lookup method is one crossing into the core
+(one crossing, O(blocks) for what is read; ``iter_blocks_after`` one per chunk, O(blocks
+walked)); ``touch`` one crossing, O(blocks); each lookup method is one crossing into the core
 (`find_longest_cache_hit(_per_group)`, off the scheduler's path, three).
 """
 
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.core import kv_cache_coordinator as _vllm_kvc
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
@@ -39,6 +43,7 @@ if TYPE_CHECKING:
     from hybrid_alloc.vllm.state import ManagerView
 
 __all__ = [
+    "CachedBlockHashesByBlock",
     "NativeBlockPool",
     "NativeCoordinator",
     "NativeFreeBlockQueue",
@@ -49,8 +54,19 @@ __all__ = [
 
 class NativeFreeBlockQueue:
     """``block_pool.free_block_queue`` as callers read it (vLLM's ``FreeKVCacheBlockQueue``;
-    the SimpleCPUOffload connector walks it from the front): the free blocks' views in
-    eviction order (front first), made from the core's queue when read. Read-only."""
+    the SimpleCPUOffload connector's lazy mode walks it from the front each step and stops
+    early): the free blocks' views in eviction order (front first), read from the core's
+    queue. Read-only.
+
+    ``iter_blocks_after`` reads the queue in chunks (one crossing each: 16 blocks, then twice
+    as many each time, up to 1024), so walking the first k blocks costs O(k) and O(log k)
+    crossings, not O(free blocks). Each chunk is read when the walk reaches it: a block that
+    leaves the queue while the walk is inside a chunk already read is still yielded (vLLM's
+    linked walk would skip it); no caller changes the queue mid-walk."""
+
+    #: The first chunk's size; each later chunk doubles, up to ``_MAX_CHUNK``.
+    _FIRST_CHUNK = 16
+    _MAX_CHUNK = 1024
 
     def __init__(self, views: BlockViews) -> None:
         self._views = views
@@ -64,11 +80,52 @@ class NativeFreeBlockQueue:
         return self._views.many(self._views._alloc.free_queue_order())
 
     def iter_blocks_after(self, block: NativeBlock | None) -> Iterator[NativeBlock]:
-        """The free blocks after ``block`` (from the front when ``None``), front to back."""
-        order = self._views._alloc.free_queue_order()
-        start = 0 if block is None else order.index(block._key) + 1
+        """The free blocks after ``block`` (from the front when ``None``), front to back;
+        nothing when ``block`` is not free (as vLLM's, whose removed block has no next)."""
         views = self._views
-        return (views[b] for b in order[start:])
+        alloc = views._alloc
+        cursor = None if block is None else block._key
+        n = self._FIRST_CHUNK
+        while True:
+            ids = alloc.free_queue_after(cursor, n)
+            yield from views.many(ids)
+            if len(ids) < n:
+                return
+            cursor = ids[-1]
+            n = min(2 * n, self._MAX_CHUNK)
+
+
+class CachedBlockHashesByBlock:
+    """``block_pool.cached_block_hashes_by_block`` as callers read it (vLLM's
+    ``dict[block_id, set[BlockHashWithGroupId]]``: the keys a block holds besides its own,
+    which only partial hash hits add; the SimpleCPUOffload connector reads ``.get(id, ())``):
+    a block's second keys read from the core when asked (one crossing, O(its keys)), as a
+    fresh set in the order they were added. A block without any is absent, as in vLLM.
+    Read-only; only lookups by block id are served (no iteration: that would be O(blocks))."""
+
+    def __init__(self, views: BlockViews) -> None:
+        self._views = views
+
+    def _keys(self, block_id: object) -> set[bytes] | None:
+        if not isinstance(block_id, int) or isinstance(block_id, bool):
+            return None
+        if not 0 <= block_id < len(self._views):
+            return None
+        keys = self._views._alloc.second_keys(block_id)
+        return {make_block_hash_with_group_id(h, g) for h, g in keys} if keys else None
+
+    def get(self, block_id: int, default: Any = None) -> Any:
+        keys = self._keys(block_id)
+        return default if keys is None else keys
+
+    def __getitem__(self, block_id: int) -> set[bytes]:
+        keys = self._keys(block_id)
+        if keys is None:
+            raise KeyError(block_id)
+        return keys
+
+    def __contains__(self, block_id: object) -> bool:
+        return self._keys(block_id) is not None
 
 
 class NativeBlockPool:
@@ -89,10 +146,22 @@ class NativeBlockPool:
     def free_block_queue(self) -> NativeFreeBlockQueue:
         return NativeFreeBlockQueue(self.blocks)
 
+    @property
+    def cached_block_hashes_by_block(self) -> CachedBlockHashesByBlock:
+        return CachedBlockHashesByBlock(self.blocks)
+
+    def touch(self, blocks: Iterable[Any]) -> None:
+        """vLLM's ``BlockPool.touch`` (the SimpleCPUOffload connector pins the blocks it copies
+        with it): one reference more on each block, a free one leaving the free queue; the null
+        block is skipped. ``free_blocks`` gives the references back. One crossing, O(blocks);
+        an id outside the pool raises ``InvalidBlockError`` and changes nothing."""
+        self._alloc.touch_block_ids([b._key for b in blocks])
+
     def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
-        """vLLM's ``BlockPool.free_blocks``. ``evict_first`` (0.34; its only caller is the
-        SimpleCPUOffload connector's manager, which falls back) queues the freed blocks at the
-        front of the free queue instead of the back, as vLLM's."""
+        """vLLM's ``BlockPool.free_blocks``: gives back references that ``pop_blocks_for_free``
+        handed out or ``touch`` took. ``evict_first`` (0.34; the SimpleCPUOffload connector's
+        lazy mode) queues the freed blocks at the front of the free queue instead of the back,
+        as vLLM's."""
         ids = [b._key for b in ordered_blocks]
         if evict_first:
             self._alloc.free_block_ids(ids, evict_first=True)

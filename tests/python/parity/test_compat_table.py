@@ -302,6 +302,24 @@ def test_kv_connector_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     # Its reason says why (its multiprocess server untested, or vLLM's in-tree copy).
     assert not native and reason.startswith("KV connector LMCacheMPConnector (") and reason.endswith(") is configured")
     assert '"KV connector <name> is configured"' in _cell("other KV connectors")
+    # SimpleCPUOffloadConnector: served (its pool facade), but not with two-level pages.
+    simple = vc(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both")
+    monkeypatch.delenv("HYBRID_ALLOC_PAGES", raising=False)
+    for specs in ("full", "swa_retained", "gdn_align"):
+        assert _decide(_kwargs(_specs(specs)), vllm_config=simple) == (True, ""), specs
+    assert _cell("`SimpleCPUOffloadConnector`").startswith("native")
+    monkeypatch.setenv("HYBRID_ALLOC_PAGES", "two-level")
+    native, reason = _decide(_kwargs(_specs("gdn_align")), vllm_config=simple)
+    assert not native and f'"{reason}"' in _cell("`SimpleCPUOffloadConnector`"), reason
+    monkeypatch.delenv("HYBRID_ALLOC_PAGES")
+    # MooncakeStoreConnector: served with attention groups of one block size only.
+    store = vc(kv_connector="MooncakeStoreConnector", kv_role="kv_both")
+    cell = _cell("`MooncakeStoreConnector`")
+    assert cell.startswith("native")
+    for specs in ("full", "swa_retained"):
+        assert _decide(_kwargs(_specs(specs)), vllm_config=store) == (True, ""), specs
+    native, reason = _decide(_kwargs(_specs("gdn_align")), vllm_config=store)
+    assert not native and f'"{reason}"' in cell, reason
     # MooncakeConnector: served as NixlConnector (its scheduler side reads KVCacheBlocks only).
     mooncake = vc(kv_connector="MooncakeConnector", kv_role="kv_both")
     assert _decide(_kwargs(_specs("swa_retained")), vllm_config=mooncake) == (True, "")

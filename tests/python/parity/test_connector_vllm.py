@@ -69,6 +69,19 @@ def _lmcache_reads_this_vllm() -> bool:
     return bool(names & {"resumed_req_ids", "resumed_from_preemption"})
 
 
+def _has_evict_first() -> bool:
+    """Whether this vLLM's ``BlockPool.free_blocks`` takes ``evict_first`` (0.34: the
+    SimpleCPUOffload connector's lazy mode gives its pins back at the free queue's front)."""
+    import inspect
+
+    from vllm.v1.core.block_pool import BlockPool
+
+    return "evict_first" in inspect.signature(BlockPool.free_blocks).parameters
+
+
+_EVICT_FIRST = _has_evict_first()
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_connector_scheduler_identical(case: str) -> None:
     from connector_driver import assert_same_pd
@@ -125,6 +138,41 @@ def test_connector_scheduler_identical(case: str) -> None:
             # Behind a local hit too (the Gemma-like model's sliding-window group leaves none
             # with an external one at these sizes).
             assert calls["alloc_local_and_external"] > 0
+    elif conn in ("simple", "simple_lazy"):
+        # SimpleCPUOffload: store events (eager: the requests' computed blocks; lazy: the free
+        # queue's front, given back ``evict_first``) and async loads of the CPU hits, behind
+        # local hits too (not on the Gemma-like model at these sizes), with preemption; the
+        # connector's own pins and frees on the pool were compared call by call above.
+        pool = ref["pool_calls"]
+        assert c["store_events"] > 20 and c["load_events"] > 5 and c["recv"] > 5 and c["preempted"] > 0
+        assert calls["alloc_external"] > 30 and ref["connector_events"]
+        assert sum(p[0] == "touch" for p in pool) > 30 and sum(p[0] == "free" for p in pool) > 30
+        assert (sum(p[0] == "free" and p[2] for p in pool) > 20) == (conn == "simple_lazy" and _EVICT_FIRST)
+        if CASES[case][0] == "llama":
+            assert calls["alloc_local_and_external"] > 100
+        if CASES[case][0] == "qwen":
+            assert c["boundary_states"] > 10, c
+        if case in PREFIX_MATCH_UNIT:
+            # Stored blocks holding second keys, which the connector registers on the CPU.
+            assert c["second_keys"] > 5, c
+    elif conn == "mooncake_store":
+        # Store jobs (each pinning its blocks until done: the touches and frees compared
+        # call by call above) and async loads of the stored prefixes, behind local hits too
+        # (not on the Gemma-like model at these sizes), with preemption.
+        pool = ref["pool_calls"]
+        assert c["store_events"] > 20 and c["load_events"] > 10 and c["recv"] > 10 and c["preempted"] > 0
+        assert sum(p[0] == "touch" for p in pool) == sum(p[0] == "free" for p in pool) > 20
+        assert calls["alloc_external"] > 30
+        if CASES[case][0] == "llama":
+            assert calls["alloc_local_and_external"] > 100
+    elif conn in ("multi_simple", "multi_simple_lazy"):
+        # Both children load: NIXL for the remote prefills (two failing), SimpleCPUOffload
+        # for local requests' stored prefixes; its pins and frees compared call by call.
+        pool = ref["pool_calls"]
+        assert c["store_events"] > 10 and c["load_events"] >= 4 and c["recv"] > 10
+        assert c["failed"] == 2 and c["aborted_waiting"] == 1 and ref["connector_events"]
+        assert sum(p[0] == "touch" for p in pool) > 20 and calls["alloc_local_and_external"] > 100
+        assert (sum(p[0] == "free" and p[2] for p in pool) > 10) == (conn == "multi_simple_lazy" and _EVICT_FIRST)
     elif conn == "multi_offload":
         # Both children load: NIXL for the remote prefills, offloading for local prefixes.
         assert c["jobs"] > 20 and c["load_jobs"] > 0 and c["recv"] > 10
@@ -256,6 +304,69 @@ def test_boundary_state_offloads_planted_bug_is_caught(monkeypatch: pytest.Monke
         assert_same_pd("qwen_offload", ref, ours)
 
 
+@pytest.mark.parametrize("case", ["llama_simple_lazy", "qwen_simple_pmu"])
+def test_simple_cpu_offload_under_hit_aware_keeps_invariants(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the hit-aware policy (no parity: it evicts by its own order) SimpleCPUOffload's
+    pins, walks of the leveled free queue and ``evict_first`` frees keep the core's invariants
+    (checked after every step) and the workload runs to its end with stores and loads."""
+    from connector_driver import run_pd
+
+    monkeypatch.setenv("HYBRID_ALLOC_POLICY", "hit-aware")
+    setup, w, role = setup_case(case)
+    res = run_pd(dataclasses.replace(setup, manager="hybrid_alloc"), role, w)
+    assert res["native"] == "HybridKVCacheManager" and res["finished"]
+    c = res["counters"]
+    assert c["store_events"] > 20 and c["load_events"] > 5 and c["preempted"] > 0, c
+
+
+@pytest.mark.parametrize(
+    ("bug", "case"),
+    [
+        ("walk_skips_front", "llama_simple_lazy"),
+        ("evict_first_ignored", "llama_simple_lazy"),
+        ("touch_skips_last", "llama_simple_lazy"),
+        ("touch_skips_last", "llama_mooncake_store"),
+    ],
+)
+def test_pool_facade_planted_bug_is_caught(bug: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block pool facade that walks the free queue from its second block, queues the blocks
+    the lazy stores give back at the back instead of the front, or pins one block fewer fails
+    the step-by-step comparison with vLLM's manager (the store decisions in the metadata, the
+    pool calls, the allocations that follow, or a free the core refuses), with
+    SimpleCPUOffload and with MooncakeStore."""
+    from connector_driver import assert_same_pd
+    from hybrid_alloc.vllm import facades
+
+    if bug == "walk_skips_front":
+        orig_walk = facades.NativeFreeBlockQueue.iter_blocks_after
+
+        def walk(self: Any, block: Any) -> Any:
+            it = orig_walk(self, block)
+            next(it, None)
+            return it
+
+        monkeypatch.setattr(facades.NativeFreeBlockQueue, "iter_blocks_after", walk)
+    elif bug == "evict_first_ignored":
+        if not _EVICT_FIRST:
+            pytest.skip("this vLLM's BlockPool.free_blocks has no evict_first (0.34 has)")
+        orig_free = facades.NativeBlockPool.free_blocks
+        monkeypatch.setattr(
+            facades.NativeBlockPool, "free_blocks", lambda self, blocks, evict_first=False: orig_free(self, blocks)
+        )
+    else:
+        orig_touch = facades.NativeBlockPool.touch
+        monkeypatch.setattr(facades.NativeBlockPool, "touch", lambda self, blocks: orig_touch(self, list(blocks)[:-1]))
+    from hybrid_alloc.errors import InvalidBlockError
+
+    try:
+        ref, ours = _pair(case)
+    except InvalidBlockError as e:  # the core refuses a free of a reference never taken
+        assert bug == "touch_skips_last" and "freed more times" in str(e), e
+        return
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same_pd(case, ref, ours)
+
+
 @pytest.mark.parametrize("case", ["llama_consumer", "gemma_consumer", "gemma_multi_offload"])
 def test_cache_blocks_after_async_load(case: str) -> None:
     """Right after the scheduler caches a finished async load (``cache_blocks`` while the
@@ -339,41 +450,73 @@ def _fallback_line(
     return name, lines
 
 
-@pytest.mark.parametrize(
-    "conn",
-    ["SimpleCPUOffloadConnector", "MultiConnector", "module_path", "module_pins", "module_hands_off"],
-)
-def test_unserved_connector_falls_back_with_one_line(conn: str, caplog: pytest.LogCaptureFixture) -> None:
-    """A connector whose scheduler side is not served (SimpleCPUOffload, which reaches into
-    vLLM's BlockPool; a MultiConnector over it; vLLM's own SimpleCPUOffload from its module
-    path; a connector from a module path that pins blocks, ``block_pool.touch``, or hands the
-    pool to code outside its package) builds vLLM's own manager, with one line naming the
-    connector and, for a module path, what it reads."""
+_SIMPLE_CPU = {
+    "kv_connector": "SimpleCPUOffloadConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 24},
+}
+
+
+@pytest.mark.parametrize("conn", ["SimpleCPUOffloadConnector", "MultiConnector", "module_path"])
+@pytest.mark.parametrize("shape", ["gemma", "qwen"])
+def test_simple_cpu_offload_served_without_a_fallback_line(
+    conn: str, shape: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SimpleCPUOffloadConnector (alone, under a MultiConnector over NixlConnector, and vLLM's
+    own class from its module path) is served: its scheduler side works on the manager's block
+    pool facade (the ``*simple*`` cases of ``test_connector_scheduler_identical`` compare it
+    with vLLM's manager)."""
     from vllm.config import KVTransferConfig
 
-    off = {
-        "kv_connector": "SimpleCPUOffloadConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 24},
-    }
-    simple = (
-        "SimpleCPUOffloadConnector (it reads and changes the scheduler's block pool: blocks[i], touch, "
-        "free_blocks, get_cached_block, free_block_queue, cached_block_hashes_by_block)"
-    )
+    monkeypatch.delenv("HYBRID_ALLOC_PAGES", raising=False)
     if conn == "SimpleCPUOffloadConnector":
-        ktc, expect = KVTransferConfig(**off), f"KV connector {simple} is configured"
+        ktc = KVTransferConfig(**_SIMPLE_CPU)
     elif conn == "MultiConnector":
         ktc = KVTransferConfig(
             kv_connector="MultiConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}, off]},
+            kv_connector_extra_config={
+                "connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}, _SIMPLE_CPU]
+            },
         )
-        expect = f"KV connector MultiConnector over {simple} is configured"
-    elif conn == "module_path":
+    else:
         path = "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector"
-        ktc = KVTransferConfig(**off, kv_connector_module_path=path)
-        expect = f"KV connector SimpleCPUOffloadConnector (from {path}): {simple} is configured"
-    elif conn == "module_pins":
+        ktc = KVTransferConfig(**_SIMPLE_CPU, kv_connector_module_path=path)
+    name, lines = _fallback_line(caplog, ktc, shape)
+    assert name == "HybridKVCacheManager" and not lines, lines
+
+
+def test_simple_cpu_offload_with_two_level_pages_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two-level pages the pool refuses ``touch`` (the core's ``touch_block_ids``), so
+    SimpleCPUOffloadConnector is not served there: the reason names both."""
+    from vllm.config import KVTransferConfig
+
+    from hybrid_alloc.vllm.connector import connector_reason
+
+    class _Config:
+        kv_transfer_config = KVTransferConfig(**_SIMPLE_CPU)
+
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    kvc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[])
+    monkeypatch.setenv("HYBRID_ALLOC_PAGES", "two-level")
+    reason = connector_reason(_Config(), kvc)
+    assert reason == (
+        "KV connector SimpleCPUOffloadConnector (with two-level pages, whose block pool does not serve "
+        "touch) is configured"
+    )
+    monkeypatch.setenv("HYBRID_ALLOC_PAGES", "off")
+    assert connector_reason(_Config(), kvc) is None
+
+
+@pytest.mark.parametrize("conn", ["module_pins", "module_hands_off"])
+def test_unserved_connector_falls_back_with_one_line(conn: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A connector from a module path that pins blocks (``block_pool.touch``) outside what the
+    manager vets, or hands the pool to code outside its package, builds vLLM's own manager,
+    with one line naming the connector and what it reads."""
+    from vllm.config import KVTransferConfig
+
+    if conn == "module_pins":
         ktc = KVTransferConfig(
             kv_connector="PinningConnector", kv_connector_module_path="module_connectors", kv_role="kv_both"
         )

@@ -161,3 +161,128 @@ def test_free_blocks_evict_first_matches_vllm() -> None:
     assert len(cached_in_front) >= 2, cached_in_front
     assert out["vllm"][1] > 64
     assert out["ours"] == out["vllm"]
+
+
+def test_block_pool_touch_and_free_queue_walk_match_vllm() -> None:
+    """``block_pool.touch`` (the SimpleCPUOffload connector pins the blocks it copies), the
+    free queue walked with ``iter_blocks_after`` (its lazy mode, from the front, stopping
+    early) and ``free_blocks`` of the pins (then with ``evict_first`` where vLLM has it) against vLLM's
+    real ``BlockPool``: touched free blocks leave the queue (cached ones from its back, a block
+    a request holds gains a reference), the null block is skipped; after every call the same
+    free queue, the same ref counts, the same walk from the front and from a cursor; then the
+    same hit, the same new blocks and the same events."""
+    import inspect
+
+    from vllm.v1.core.block_pool import BlockPool
+
+    evict_first = "evict_first" in inspect.signature(BlockPool.free_blocks).parameters
+    setup = Setup("touch", [full(16), swa(32, 16)], num_blocks=48, retention_interval=None)
+    out = {}
+    for name, mgr in zip(("vllm", "ours"), setup.build(events=True)):
+        pool = mgr.block_pool
+        snaps: list[Any] = []
+
+        def snap(pool: Any = pool, snaps: list[Any] = snaps) -> None:
+            q = pool.free_block_queue
+            walk = [b.block_id for b in q.iter_blocks_after(None)]
+            first = [b.block_id for _, b in zip(range(5), q.iter_blocks_after(None))]
+            after = [b.block_id for b in q.iter_blocks_after(pool.blocks[walk[3]])] if len(walk) > 3 else []
+            refs = [pool.blocks[i].ref_cnt for i in range(1, 48)]
+            snaps.append((walk, first, after, refs, pool.get_num_free_blocks()))
+
+        shared = list(range(1, 65))
+        r1 = setup.make_request("r1", shared + list(range(500, 536)))
+        assert mgr.allocate_slots(r1, 100) is not None
+        r2 = setup.make_request("r2", list(range(900, 950)))
+        assert mgr.allocate_slots(r2, 50) is not None
+        held = mgr.get_block_ids("r2")[0][:2]
+        mgr.free(r1)  # its cached blocks at the back of the queue
+        snap()
+        cached = [b for b in pool.free_block_queue.iter_blocks_after(None) if b.block_hash is not None]
+        pinned = [pool.null_block, cached[-1], cached[0], pool.blocks[held[0]], cached[-1]]
+        pool.touch(pinned)
+        snap()
+        # A walk from a block no longer free yields nothing, as vLLM's removed block's.
+        assert list(pool.free_block_queue.iter_blocks_after(cached[0])) == []
+        pool.free_blocks([pool.blocks[held[0]], cached[-1]])
+        snap()
+        if evict_first:
+            pool.free_blocks([cached[0], cached[-1]], evict_first=True)
+        else:
+            pool.free_blocks([cached[0], cached[-1]])
+        snap()
+        again = setup.make_request("again", shared + list(range(500, 536)))
+        _, hit, _ = mgr.get_computed_blocks(again)
+        r3 = setup.make_request("r3", list(range(2000, 2300)))
+        new = mgr.allocate_slots(r3, 300)
+        assert new is not None
+        pins = [cached[0].block_id, cached[-1].block_id]
+        out[name] = (snaps, hit, pins, new.get_block_ids(), [repr(e) for e in mgr.take_events()])
+        if name == "ours":
+            mgr.check_invariants()
+    snaps, hit, pins = out["vllm"][:3]
+    # Not vacuous: the touch took two free blocks out of the queue (the held one gained a
+    # reference), and the last free put them at its front (evict_first, 0.34) or back, still
+    # cached: a hit.
+    assert snaps[1][4] == snaps[0][4] - 2 and not set(pins) & set(snaps[1][0])
+    assert (snaps[3][0][:2] if evict_first else snaps[3][0][-2:]) == pins and snaps[0][0][-1] == pins[1]
+    assert hit > 0
+    assert out["ours"] == out["vllm"]
+
+
+def test_block_pool_touch_refuses_bad_ids_and_changes_nothing() -> None:
+    """An id outside the pool raises the core's ``InvalidBlockError`` and changes nothing (no
+    ref count, no free queue change), also when valid ids come first; a view of another
+    pool's block is refused the same way."""
+    import pytest
+
+    from hybrid_alloc.errors import InvalidBlockError
+
+    setup = Setup("touch_bad", [full(16)], num_blocks=32, retention_interval=None)
+    _, ours = setup.build(events=False)
+    pool = ours.block_pool
+    r1 = setup.make_request("r1", list(range(1, 65)))
+    assert ours.allocate_slots(r1, 64) is not None
+    ours.free(r1)
+    before = (list(ours._alloc.free_queue_order()), [pool.blocks[i].ref_cnt for i in range(1, 32)])
+    big = HybridKVCacheManager(**Setup("big", [full(16)], num_blocks=64).manager_kwargs()).block_pool.blocks[40]
+    for bad in ([pool.blocks[3], big], [big]):
+        with pytest.raises(InvalidBlockError, match="block id 40"):
+            pool.touch(bad)
+        assert (list(ours._alloc.free_queue_order()), [pool.blocks[i].ref_cnt for i in range(1, 32)]) == before
+    with pytest.raises(InvalidBlockError):
+        ours._alloc.touch_block_ids([-1])
+    with pytest.raises(InvalidBlockError):
+        pool.free_blocks([pool.blocks[3]])  # never touched: no reference to give back
+    ours.check_invariants()
+
+
+def test_free_queue_walk_reads_in_chunks() -> None:
+    """``iter_blocks_after`` reads the core's queue one chunk per crossing (16 blocks, then
+    32, ...): walking k blocks crosses O(log k) times and reads O(k) blocks, not the whole
+    queue; the chunks join into the whole order."""
+    import types
+
+    from hybrid_alloc.vllm.facades import NativeFreeBlockQueue
+
+    setup = Setup("walk", [full(16)], num_blocks=400, retention_interval=None)
+    _, ours = setup.build(events=False)
+    views = ours.block_pool.blocks
+    reads: list[int] = []
+
+    class Counting:
+        def free_queue_after(self, after: int | None, n: int) -> list[int]:
+            ids = ours._alloc.free_queue_after(after, n)
+            reads.append(len(ids))
+            return ids
+
+    q = NativeFreeBlockQueue(types.SimpleNamespace(_alloc=Counting(), many=views.many))  # type: ignore[arg-type]
+    assert [b for _, b in zip(range(5), q.iter_blocks_after(None))] == views.many(range(1, 6))
+    assert reads == [16]
+    reads.clear()
+    assert len([b for _, b in zip(range(40), q.iter_blocks_after(None))]) == 40
+    assert reads == [16, 32]
+    reads.clear()
+    whole = [b.block_id for b in q.iter_blocks_after(None)]
+    assert whole == list(ours._alloc.free_queue_order()) and len(whole) == 399
+    assert reads == [16, 32, 64, 128, 159]

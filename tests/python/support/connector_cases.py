@@ -116,6 +116,28 @@ CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
     "llama_mooncake_consumer": ("llama", "kv_consumer", 120, False, "fail", "mooncake"),
     "gemma_mooncake_consumer_async": ("gemma", "kv_consumer", 100, True, "recompute", "mooncake"),
     "gemma_mooncake_producer": ("gemma", "kv_producer", 80, False, "recompute", "mooncake"),
+    # SimpleCPUOffloadConnector (its scheduler side pins, walks and frees the scheduler's
+    # block pool: ``touch``, ``free_block_queue.iter_blocks_after``, ``free_blocks`` with
+    # ``evict_first``, ``get_cached_block``, ``cached_block_hashes_by_block``): eager mode
+    # (stores each request's computed blocks) and lazy mode (stores the blocks near the free
+    # queue's front), loads of the CPU hits as async loads.
+    "llama_simple": ("llama", "kv_both", 60, False, "recompute", "simple"),
+    "llama_simple_lazy": ("llama", "kv_both", 60, False, "recompute", "simple_lazy"),
+    "gemma_simple": ("gemma", "kv_both", 70, False, "recompute", "simple"),
+    "gemma_simple_lazy": ("gemma", "kv_both", 70, False, "recompute", "simple_lazy"),
+    "llama_simple_async": ("llama", "kv_both", 60, True, "recompute", "simple"),
+    "gemma_simple_lazy_async": ("gemma", "kv_both", 90, True, "recompute", "simple_lazy"),
+    "qwen_simple": ("qwen", "kv_both", 120, False, "recompute", "simple"),
+    "qwen_simple_lazy": ("qwen", "kv_both", 120, False, "recompute", "simple_lazy"),
+    # A MultiConnector over NixlConnector and SimpleCPUOffloadConnector: remote prefills load
+    # through NIXL, local requests' stored prefixes from the CPU.
+    "llama_multi_simple": ("llama", "kv_both", 80, False, "recompute", "multi_simple"),
+    "llama_multi_simple_lazy": ("llama", "kv_both", 80, False, "fail", "multi_simple_lazy"),
+    # MooncakeStoreConnector (its lookups faked: ``connector_driver.FakeMooncakeLookup``): store
+    # jobs pin the blocks they read (``touch``) until every rank reports them done.
+    "llama_mooncake_store": ("llama", "kv_both", 60, False, "recompute", "mooncake_store"),
+    "gemma_mooncake_store": ("gemma", "kv_both", 70, False, "recompute", "mooncake_store"),
+    "llama_mooncake_store_async": ("llama", "kv_both", 60, True, "recompute", "mooncake_store"),
 }
 # The workload's seed and share of remote requests, where a case needs others than the
 # default to show what it claims (the Gemma-like consumers: local hits joined with remote ones).
@@ -181,6 +203,9 @@ for _case, _spec in {
     "qwen_producer_pmu_async": ("qwen", "kv_producer", 120, True, "recompute", "nixl"),
     "qwen_consumer_pmu": ("qwen", "kv_consumer", 120, False, "recompute", "nixl"),
     "qwen_consumer_pmu_async": ("qwen", "kv_consumer", 120, True, "fail", "nixl"),
+    # SimpleCPUOffload's eager mode stores a prompt's partial tail block, found by its second
+    # key (``cached_block_hashes_by_block``), and registers every key of a stored block.
+    "qwen_simple_pmu": ("qwen", "kv_both", 120, False, "recompute", "simple"),
 }.items():
     CASES[_case] = _spec
     PREFIX_MATCH_UNIT[_case] = 8
@@ -284,6 +309,28 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
         ktc = KVTransferConfig(kv_connector="NixlPushConnector", kv_role=role, kv_load_failure_policy=policy)
     elif conn == "mooncake":
         ktc = KVTransferConfig(kv_connector="MooncakeConnector", kv_role=role, kv_load_failure_policy=policy)
+    elif conn in ("simple", "simple_lazy"):
+        ktc = KVTransferConfig(
+            kv_connector="SimpleCPUOffloadConnector",
+            kv_role=role,
+            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 22, "lazy_offload": conn == "simple_lazy"},
+        )
+    elif conn in ("multi_simple", "multi_simple_lazy"):
+        simple_child = {
+            "kv_connector": "SimpleCPUOffloadConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 22, "lazy_offload": conn == "multi_simple_lazy"},
+        }
+        ktc = KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role=role,
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config={
+                "connectors": [{"kv_connector": "NixlConnector", "kv_role": role}, simple_child]
+            },
+        )
+    elif conn == "mooncake_store":
+        ktc = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role=role)
     elif conn == "module_hashstore":
         ktc = KVTransferConfig(
             kv_connector="HashStoreConnector", kv_connector_module_path="module_connectors", kv_role=role
@@ -342,6 +389,43 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             max_tokens=(1, 40) if shape == "gemma" else (1, 60),
         )
         return setup, w, role
+    if conn in ("simple", "simple_lazy"):
+        # Local requests only, repeating earlier prompts: the stored prefixes come back as
+        # async loads once the pool evicted the local copies.
+        w = PDWorkload(
+            num_requests=30,
+            remote_share=0.0,
+            repeat_share=0.5,
+            simple_cpu=True,
+            abort_running={"req2", "req13"},
+            batch_queue=2 if overlap else 1,
+            max_tokens=(1, 40) if shape == "gemma" else (1, 60),
+        )
+        return setup, w, role
+    if conn == "mooncake_store":
+        w = PDWorkload(
+            num_requests=30,
+            remote_share=0.0,
+            repeat_share=0.5,
+            mooncake_store=True,
+            abort_running={"req2", "req13"},
+            batch_queue=2 if overlap else 1,
+            max_tokens=(1, 40) if shape == "gemma" else (1, 60),
+        )
+        return setup, w, role
+    if conn in ("multi_simple", "multi_simple_lazy"):
+        w = PDWorkload(
+            num_requests=30,
+            remote_share=0.4,
+            repeat_share=0.4,
+            simple_cpu=True,
+            simple_child=1,
+            fail={"req3", "req7"},
+            abort_waiting={"req5"},
+            abort_running={"req2", "req13"},
+            batch_queue=2 if overlap else 1,
+        )
+        return setup, w, "kv_consumer"
     if conn == "multi_offload":
         w = PDWorkload(
             num_requests=30,

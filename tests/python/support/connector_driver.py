@@ -1,9 +1,13 @@
 """Drives the installed vLLM's (a supported release's) real Scheduler (sync or async) with a
 KV connector configured (NixlConnector as KV consumer or producer, the OffloadingConnector,
-MultiConnectors over them, ...) through a seeded workload of P/D lifecycles, faking the worker
-side as vLLM's own connector unit tests do: each step's ``ModelRunnerOutput`` carries a
-``KVConnectorOutput`` with ``finished_recving``, ``finished_sending``, ``invalid_block_ids``
-and ``failed_recving``; optionally with speculative decoding (drafts, accepted in part).
+MultiConnectors over them, SimpleCPUOffloadConnector, MooncakeStoreConnector, ...) through a
+seeded workload of P/D lifecycles, faking the worker side as vLLM's own connector unit tests do:
+each step's ``ModelRunnerOutput`` carries a ``KVConnectorOutput`` with ``finished_recving``,
+``finished_sending``, ``invalid_block_ids``, ``failed_recving`` and the connector's worker
+metadata (transfer jobs, store events, store jobs completed); MooncakeStore's lookups are
+answered by :class:`FakeMooncakeLookup`; optionally with speculative decoding (drafts,
+accepted in part). With a connector bound to the scheduler's pool (SimpleCPUOffload,
+MooncakeStore) a run also records every ``touch`` and ``free_blocks`` it makes on the pool.
 
 A run records, per step, the SchedulerOutput digest, the connector metadata the scheduler
 built (times dropped: they are wall-clock), the free block count, the requests whose blocks
@@ -21,6 +25,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,6 +144,18 @@ class PDWorkload:
     # outputs carry the accepted share of the scheduled drafts, and in sync scheduling the
     # proposer's drafts are handed to the scheduler after each step, as ``sched_driver`` does.
     spec_tokens: int = 0
+    # SimpleCPUOffloadConnector: its worker finishes each load event's requests
+    # (``finished_recving``) ``recv_delay`` steps after the metadata asks for it, and each
+    # store event (``SimpleCPUOffloadWorkerMetadata.completed_store_events``) ``send_delay``
+    # steps after; under a MultiConnector, the child ``simple_child``.
+    simple_cpu: bool = False
+    simple_child: int | None = None
+    # MooncakeStoreConnector: its lookups (``LookupKeyClient``, ZMQ to rank 0's worker in vLLM)
+    # answered by :class:`FakeMooncakeLookup` over the keys of the store jobs completed so far;
+    # each store job (``ReqMeta.store_job_id``) completes ``send_delay`` steps after the
+    # metadata carries it (``MooncakeStoreWorkerMetadata.completed_saves``), each load
+    # ``recv_delay`` steps after (``finished_recving``).
+    mooncake_store: bool = False
     # The remote requests' ``kv_transfer_params`` as this connector reads them: "nixl"
     # (NixlConnector's) or "mooncake" (MooncakeConnector's: a bootstrap address and a
     # transfer id instead of remote block ids).
@@ -261,6 +278,77 @@ def _record_connector(sched: Any, calls: dict[str, int]) -> tuple[list[Any], lis
     return events, raised
 
 
+class FakeMooncakeLookup:
+    """Stands for MooncakeStore's ``LookupKeyClient``: the worker's ``lookup`` (the longest hit
+    of the store coordinator over the ``(group, hash)`` keys present, recomputing the last
+    token) over the keys ``stored`` holds, which the fake worker adds when a store job
+    completes: every store group's hash keys up to the job's ``token_len_chunk``."""
+
+    #: The keys present (shared by the run: set by ``run_pd``).
+    stored: set[tuple[int, bytes]] = set()
+    #: The scheduler side whose store coordinator answers (set at its first lookup).
+    coord: Any = None
+
+    def __init__(self, vllm_config: Any) -> None:
+        del vllm_config
+
+    def lookup(self, req_id: str, num_tokens: int, block_hashes: Any, non_block: bool = False) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import ExternalCachedBlockPool
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import MooncakeLookupResult
+
+        coord = type(self).coord
+        token_len = coord.align_lookup_length(num_tokens)
+        if not block_hashes or token_len <= 0:
+            return MooncakeLookupResult(0)
+        pool = ExternalCachedBlockPool(coord.hash_block_size, set(type(self).stored))
+        _, hit = coord.find_longest_cache_hit(block_hashes, token_len, pool)
+        if hit >= num_tokens:
+            usable = coord.align_lookup_length(num_tokens - 1)
+            if usable <= 0:
+                return MooncakeLookupResult(0)
+            _, hit = coord.find_longest_cache_hit(block_hashes, usable, pool)
+        return MooncakeLookupResult(hit)
+
+    def prefetch(self, req_id: str, num_tokens: int, block_hashes: Any) -> bool:
+        return False
+
+    def discard(self, req_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _record_pool(pool: Any, caller: str = "vllm.v1.simple_kv_offload.") -> list[Any]:
+    """Wraps the block pool's ``touch`` and ``free_blocks``: each call made from a module
+    under ``caller`` (the connector bound to the pool; vLLM's manager touches its own pool for
+    hits, which ours does inside its core), with its block ids, in order, and ``evict_first``."""
+    out: list[Any] = []
+    orig_touch, orig_free = pool.touch, pool.free_blocks
+
+    def _ours() -> bool:
+        return str(sys._getframe(2).f_globals.get("__name__", "")).startswith(caller)
+
+    def touch(blocks: Any) -> None:
+        blocks = list(blocks)
+        if _ours():
+            out.append(("touch", [b.block_id for b in blocks]))
+        orig_touch(blocks)
+
+    def free_blocks(blocks: Any, evict_first: bool = False) -> None:
+        blocks = list(blocks)
+        if _ours():
+            out.append(("free", [b.block_id for b in blocks], evict_first))
+        if evict_first:
+            orig_free(blocks, evict_first=True)
+        else:
+            orig_free(blocks)
+
+    pool.touch = touch
+    pool.free_blocks = free_blocks
+    return out
+
+
 def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600) -> dict[str, Any]:
     """One run; returns per-step records and counters (see the module docstring)."""
     rng = random.Random(w.seed)
@@ -268,7 +356,20 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         # Each run starts with nothing saved.
         shutil.rmtree(w.example_storage, ignore_errors=True)
         os.makedirs(w.example_storage)
-    sched = setup.build()
+    if w.mooncake_store:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import scheduler as moon_sched
+
+        FakeMooncakeLookup.stored = set()
+        orig_client = moon_sched.LookupKeyClient
+        moon_sched.LookupKeyClient = FakeMooncakeLookup  # type: ignore[misc]
+        try:
+            sched = setup.build()
+        finally:
+            moon_sched.LookupKeyClient = orig_client  # type: ignore[misc]
+        moon = sched.connector.connector_scheduler
+        FakeMooncakeLookup.coord = moon._store_coord
+    else:
+        sched = setup.build()
     mgr = sched.kv_cache_manager
     lmc = None
     if w.lmcache:
@@ -296,6 +397,25 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     ):
         count(name)
     connector_events, junctions = _record_connector(sched, calls)
+    pool_calls: list[Any] = []
+    if w.simple_cpu:
+        pool_calls = _record_pool(mgr.block_pool)
+    elif w.mooncake_store:
+        pool_calls = _record_pool(mgr.block_pool, "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.")
+    second_keys = {"n": 0}
+    if w.simple_cpu:
+        # The stored blocks that hold second keys (partial hash hits), as the connector reads
+        # them from the pool when a store completes (``cached_block_hashes_by_block``).
+        simple = sched.connector if w.simple_child is None else sched.connector._connectors[w.simple_child]
+        simple_mgr = simple.scheduler_manager
+        orig_completion = simple_mgr._process_store_completion
+
+        def completion(gpu_ids: list[int], *a: Any, **k: Any) -> Any:
+            by_block = simple_mgr._gpu_block_pool.cached_block_hashes_by_block
+            second_keys["n"] += sum(1 for b in gpu_ids if by_block.get(b, ()))
+            return orig_completion(gpu_ids, *a, **k)
+
+        simple_mgr._process_store_completion = completion
     # What the cache holds right after the scheduler caches an async load (before the next
     # allocation would re-cache the same blocks): a probe with the same prompt looks it up.
     after_load: list[tuple[str, int, int]] = []
@@ -385,6 +505,9 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     pending.sort(key=lambda p: p[0])
     recv_due: dict[str, int] = {}  # request -> step its load completes
     jobs_due: dict[int, tuple[int, str | None]] = {}  # offloading job -> (step, request of an async load)
+    stores_due: dict[int, int] = {}  # SimpleCPUOffload store event -> step it completes
+    # MooncakeStore store job -> (step it completes, the keys it stores)
+    saves_due: dict[int, tuple[int, set[tuple[int, bytes]]]] = {}
     send_due: dict[str, int] = {}
     loaded: dict[str, int] = {}  # request -> step its load was reported done
     steps: list[dict[str, Any]] = []
@@ -411,6 +534,10 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         "boundary_partial": 0,
         "cow_copies": 0,
         "drafts": 0,
+        "store_events": 0,
+        "load_events": 0,
+        "stored_blocks": 0,
+        "loaded_blocks": 0,
     }
     # ExampleConnector: the prompts to save (folders to create) and the first block of each
     # sync load, for the step whose output is next processed.
@@ -473,6 +600,24 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             metas: list[Any] = [None] * w.num_children
             metas[w.offload_child] = worker_meta
             worker_meta = MultiKVConnectorWorkerMetadata(metadata=tuple(metas))
+        stored = sorted(e for e, s in stores_due.items() if s <= step)
+        if w.mooncake_store:
+            from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import MooncakeStoreWorkerMetadata
+
+            stored = sorted(j for j, (s, _) in saves_due.items() if s <= step)
+            for j in stored:
+                FakeMooncakeLookup.stored |= saves_due.pop(j)[1]
+            worker_meta = MooncakeStoreWorkerMetadata(completed_saves={j: 1 for j in stored})
+        if w.simple_cpu:
+            from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+            for e in stored:
+                del stores_due[e]
+            worker_meta = SimpleCPUOffloadWorkerMetadata(completed_store_events={e: 1 for e in stored})
+            if w.simple_child is not None:
+                metas = [None] * w.num_children
+                metas[w.simple_child] = worker_meta
+                worker_meta = MultiKVConnectorWorkerMetadata(metadata=tuple(metas))
         out.kv_connector_output = KVConnectorOutput(
             finished_sending=finished_sending or None,
             finished_recving=finished_recving or None,
@@ -486,6 +631,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             sorted(invalid),
             sorted(failed),
             sorted(completed),
+            stored,
         )
         counters["jobs"] += len(completed)
         sched.update_from_output(so, out)
@@ -504,7 +650,9 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         d["usage"] = mgr.usage
 
     step = 0
-    while (pending or sched.get_num_unfinished_requests() or recv_due or send_due or jobs_due) and step < max_steps:
+    while (
+        pending or sched.get_num_unfinished_requests() or recv_due or send_due or jobs_due or stores_due or saves_due
+    ) and step < max_steps:
         while pending and pending[0][0] <= step:
             _, rid, toks, mt, params = pending.pop(0)
             sched.add_request(_make_request(sched, rid, toks, mt, params))
@@ -541,6 +689,30 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                 jobs_due[jid] = (step if sync else step + w.recv_delay, None if sync else job.req_id)
             for jid in getattr(off_meta, "store_jobs", {}):
                 jobs_due[jid] = (step + w.send_delay, None)
+        if w.simple_cpu:
+            sm = meta if w.simple_child is None else meta.metadata[w.simple_child]
+            if sm.load_event >= 0:
+                counters["load_events"] += 1
+                counters["loaded_blocks"] += len(sm.load_gpu_blocks)
+                for rid in sm.load_event_to_reqs.get(sm.load_event, ()):
+                    recv_due[rid] = step + w.recv_delay
+            if sm.store_event >= 0:
+                counters["store_events"] += 1
+                counters["stored_blocks"] += len(sm.store_gpu_blocks)
+                stores_due[sm.store_event] = step + w.send_delay
+        if w.mooncake_store:
+            hbs = FakeMooncakeLookup.coord.hash_block_size
+            groups = range(len(sched.kv_cache_config.kv_cache_groups))
+            for rm in meta.requests:
+                if rm.load_spec is not None and rm.load_spec.can_load:
+                    counters["load_events"] += 1
+                    recv_due[rm.req_id] = step + w.recv_delay
+                if rm.can_save and rm.store_job_id is not None and rm.store_job_id not in saves_due:
+                    counters["store_events"] += 1
+                    n = min(rm.token_len_chunk // hbs, len(rm.block_hashes))
+                    keys = {(g, bytes(rm.block_hashes[i])) for g in groups for i in range(n)}
+                    counters["stored_blocks"] += n
+                    saves_due[rm.store_job_id] = (step + w.send_delay, keys)
         if w.example_storage is not None:
             reqs = (meta if w.example_child is None else meta.metadata[w.example_child]).requests
             stores = [m for m in reqs if m.is_store]
@@ -588,6 +760,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         step += 1
     while in_flight:
         process(*in_flight.pop(), step)
+    counters["second_keys"] = second_keys["n"]
     deferred = bool(getattr(sched, "defer_block_free", False))
     groups = [
         (type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None))
@@ -603,6 +776,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         "per_group": per_group,
         "events": events,
         "connector_events": connector_events,
+        "pool_calls": pool_calls,
         "junctions": junctions,
         "lookahead": getattr(sched, "num_hash_lookahead_tokens", 0),
         "calls": calls,
@@ -629,6 +803,9 @@ def assert_same_pd(case: str, ref: dict[str, Any], ours: dict[str, Any]) -> None
     assert len(ref["local_hits"]) == len(ours["local_hits"]), case
     assert ref["events"] == ours["events"], f"{case}: KV events differ"
     assert ref["connector_events"] == ours["connector_events"], f"{case}: the connector's KV events differ"
+    for i, (a, b) in enumerate(zip(ref["pool_calls"], ours["pool_calls"])):
+        assert a == b, f"{case}: block pool call {i} differs:\n vllm: {a}\n ours: {b}"
+    assert len(ref["pool_calls"]) == len(ours["pool_calls"]), case
     assert ref["junctions"] == ours["junctions"], f"{case}: the junctions the connector raised differ"
     assert ref["lookahead"] == ours["lookahead"]
     assert ref["calls"] == ours["calls"], (ref["calls"], ours["calls"])

@@ -130,7 +130,9 @@ def _gcd(a: int, b: int) -> int:
 
 
 class PinningConnector(HashStoreConnector):
-    """Pins a finished request's blocks in the GPU pool (``block_pool.touch``: not served)."""
+    """Pins a finished request's blocks in the GPU pool (``block_pool.touch``: the pool facade
+    serves it for SimpleCPUOffloadConnector, whose pins it gives back, but a module-path
+    connector's own pins are not vetted, so the source read does not serve it)."""
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
