@@ -603,37 +603,35 @@ impl<'a> HitAware<'a> {
     /// new level now. No-op for the null block. O(1) plus O(demoted) when the pinned share
     /// overflows.
     pub(crate) fn set_level(&mut self, b: BlockId, lvl: Level) {
-        if b == NULL_BLOCK {
-            return;
-        }
-        let queued = self.is_queued(b);
-        if queued {
-            self.unqueue_cached(b);
-        }
-        self.r.meta[b as usize].level = lvl;
-        if queued {
-            self.queue_cached(b);
-            if self.r.pinned_free > self.r.pinned_cap {
-                self.enforce_pinned_cap();
-            }
-        }
+        self.relevel(b, lvl, true);
     }
 
     /// [`Self::set_level`] of a block whose key no pin or lease names (the caller knows: it
     /// looked the key up, or removed its pin), without looking the key up again: the same
     /// decision as `set_level`'s (its pin check would find nothing). O(1) plus O(demoted).
     pub(super) fn set_level_unpinned(&mut self, b: BlockId, lvl: Level) {
+        debug_assert!(self.p.index.key_of(b).is_none_or(|k| !self.r.pinned_keys.contains_key(k)));
+        self.relevel(b, lvl, false);
+    }
+
+    /// The body of [`Self::set_level`] (`pin_check`: queue a free block through
+    /// `queue_cached`'s pin check) and [`Self::set_level_unpinned`] (straight to its level).
+    #[inline]
+    fn relevel(&mut self, b: BlockId, lvl: Level, pin_check: bool) {
         if b == NULL_BLOCK {
             return;
         }
-        debug_assert!(self.p.index.key_of(b).is_none_or(|k| !self.r.pinned_keys.contains_key(k)));
         let queued = self.is_queued(b);
         if queued {
             self.unqueue_cached(b);
         }
         self.r.meta[b as usize].level = lvl;
         if queued {
-            self.queue_at_level(b);
+            if pin_check {
+                self.queue_cached(b);
+            } else {
+                self.queue_at_level(b);
+            }
             if self.r.pinned_free > self.r.pinned_cap {
                 self.enforce_pinned_cap();
             }
