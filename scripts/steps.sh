@@ -19,7 +19,7 @@ PY_LINT_PATHS=(python/hybrid_alloc tests/python benches examples)
 # The test files that call the compiled module directly, type-checked against python/hybrid_alloc's
 # stub (_core.pyi), as a user's code would be: a stub that types a parameter too narrowly fails here.
 MYPY_TEST_FILES=(tests/python/core/test_api.py tests/python/core/test_stateful.py tests/python/bench/test_bench_noplot.py
-  tests/python/core/test_typed_boundary.py tests/python/core/test_api_defects.py)
+  tests/python/core/test_typed_boundary.py tests/python/core/test_api_defects.py tests/python/core/test_hints_core.py)
 
 run() {
   local name=$1 rc start

@@ -87,7 +87,10 @@ def test_hints_by_position_do_what_the_same_keywords_do() -> None:
 
 
 def test_checkpoints_are_rounded_refused_at_zero_and_moved_after_each_chunk() -> None:
-    groups = [("full", 16, 0, 0, 0), ("mamba_align", 16, 1, 0, 0, 0)]
+    groups: list[tuple[str, int, int, int, int] | tuple[str, int, int, int, int, int]] = [
+        ("full", 16, 0, 0, 0),
+        ("mamba_align", 16, 1, 0, 0, 0),
+    ]
     a = Allocator(64, groups, 16, 16, 4096, 4096, True, True, 0, 0, policy="hit-aware")
     h = a.add_request()
     assert a.set_hints(h, block_hashes=hashes(*range(1, 7)), checkpoints=[40, 10, 33]) == (0, 2, 1)
