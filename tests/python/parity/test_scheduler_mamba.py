@@ -5,7 +5,9 @@ Mamba2 + attention, with prefix caching on (cache mode "align", where the schedu
 prefill chunks at Mamba block boundaries) and off (mode "none", one state block per request
 of ``max_model_len`` tokens). Nemotron-H's Mamba2 layers carry MambaMixer2's prefill
 checkpoint block (alignment 1): the scheduler then does not split a prefill at block
-boundaries, and the manager reserves a block for the state at the chunk's last boundary. The SchedulerOutputs, KV events, usage, hits and the block ids
+boundaries, and the manager reserves a block for the state at the chunk's last boundary (with
+0.33's lookahead block hashes over three tokens, multi-module MTP, sometimes one block past that
+boundary, keyed at it as vLLM keys it). The SchedulerOutputs, KV events, usage, hits and the block ids
 handed to the model runner for zeroing must be identical at every step.
 
 The model folders are config-only (vLLM's planner groups and sizes the specs that
@@ -40,6 +42,8 @@ CASES = [
     "nemotron_h_align_mtp3_sync",
     "nemotron_h_align_mtp3_async",
 ]
+# Cases about 0.33's lookahead block hashes: skipped on 0.32.
+LOOKAHEAD_HASHES_ONLY = {"nemotron_h_align_mtp3_sync", "nemotron_h_align_mtp3_async"}
 
 
 def _setup(case: str) -> Any:
@@ -123,8 +127,7 @@ def _setup(case: str) -> Any:
         # Multi-module MTP on Nemotron-H (MambaMixer2's prefill checkpoint blocks): with 0.33's
         # lookahead block hashes over three tokens every checkpoint moves three tokens back, so
         # a chunk ending one or two tokens past a block boundary reserves its checkpoint block
-        # one block past the position; 0.32 drops the block instead (the checkpoints one block
-        # back).
+        # one block past the position (0.33 on only: 0.32 drops the block instead).
         "nemotron_h_align_mtp3_sync": dict(
             shape=shape("tiny-nemotron-h", 7, 14, "MAMBA2"), num_blocks=340, spec=3, method="eagle", prefill_lookahead=3
         ),
@@ -221,6 +224,11 @@ def test_real_scheduler_identical_with_mamba(case: str) -> None:
     from sched_driver import assert_same_run
     from vllm_harness import HAVE_LOOKAHEAD_HASHES
 
+    if case in LOOKAHEAD_HASHES_ONLY and not HAVE_LOOKAHEAD_HASHES:
+        pytest.skip(
+            f"{case}: lookahead block hashes exist from vLLM 0.33 on (0.32's drop on Mamba2 is "
+            "nemotron_h_align_eagle_drop_sync; with MTP-3 its hits depend on PYTHONHASHSEED, none for some)"
+        )
     base = _setup(case)
     spec = getattr(base, "num_spec_tokens", 0)
     ref = _run(dataclasses.replace(base, manager="vllm"))
