@@ -439,6 +439,10 @@ class ZeroingParityRun(ParityRun):
         self.boundary = setup.enable_caching and any(
             isinstance(s, MambaSpec) and s.mamba_cache_mode == "align" for s in setup.specs
         )
+        self.init_checkpoint_watch(setup)
+
+    def init_checkpoint_watch(self, setup: Setup) -> None:
+        """Sets up the checkpoint counters (see ``after_allocate``)."""
         # The first Mamba "align" group with prefill checkpoint blocks (all such groups act
         # alike): vLLM's manager there is watched for the checkpoints it reserves.
         self.ckpt_group = next(
