@@ -336,12 +336,13 @@ fn config_mamba_align_with_partial_hits_or_checkpoints_inside_a_block_is_unsuppo
     let mut c = config(&[(AttentionKind::Full, BS), (ckpt, BS)], 64, true, false);
     c.scheduler_block_size = 2 * BS;
     assert!(matches!(Allocator::new(c, Policy::Exact), Err(Error::Unsupported(_))));
-    // ... and at most one lookahead hash token (more would key the checkpoint inside its block).
+    // Lookahead hashes over one token or more are served (more key some checkpoints one block
+    // before the end of the block reserved for them, as vLLM does).
     let mut c = config(&[(AttentionKind::Full, BS), (ckpt, BS)], 64, true, false);
-    c.hash_lookahead_tokens = 1;
-    assert!(Allocator::new(c.clone(), Policy::Exact).is_ok());
-    c.hash_lookahead_tokens = 2;
-    assert!(matches!(Allocator::new(c, Policy::Exact), Err(Error::Unsupported(_))));
+    for lookahead in [1, 2, 3] {
+        c.hash_lookahead_tokens = lookahead;
+        assert!(Allocator::new(c.clone(), Policy::Exact).is_ok());
+    }
     let c = config(&[(AttentionKind::Full, BS), (mamba(false, 0), BS)], 64, true, false);
     assert!(matches!(Allocator::new(c, Policy::Exact), Err(Error::Unsupported(_))));
     let c = config(&[(AttentionKind::Full, BS), (mamba(true, 0), BS)], 64, false, false);
@@ -430,6 +431,43 @@ fn allocate_slots_mamba_align_reserves_a_prefill_checkpoint_block_before_the_run
     ok(&a);
     a.free(h, LEVEL_NORMAL).unwrap();
     ok(&a);
+}
+
+#[test]
+fn allocate_slots_mamba_align_keys_a_lookahead_checkpoint_a_block_before_its_reserved_block_ends() {
+    // vLLM 0.33's lookahead block hashes over two tokens (multi-module MTP): a chunk of 33
+    // tokens proves the state at 16 only (`33 - 2` floored to the block), yet reserves its
+    // checkpoint block at column `cdiv(33, 16) - 2 = 1`, the block ending at 32. vLLM keys it
+    // at 16, replacing the full-block key (32) this step's caching gave it
+    // (`cache_partial_block(replace_existing_hashes=True)`).
+    let ckpt =
+        AttentionKind::Mamba { speculative_blocks: 0, align: true, rekey_cached_tail: false, checkpoint_alignment: 1 };
+    let mut c = config(&[(AttentionKind::Full, BS), (ckpt, BS)], 64, true, false);
+    c.hash_lookahead_tokens = 2;
+    let mut a = Allocator::new(c, Policy::Exact).unwrap();
+    let h = add(&mut a, 100, 3);
+    assert!(a.allocate_slots(h, &args(33, 0, 100, 100), NewComputed::Empty, None).unwrap().is_some());
+    let t = table(&a, h, 1);
+    assert_eq!(t.len(), 3);
+    assert_eq!(t[0], NULL_BLOCK);
+    assert!(t[1] != NULL_BLOCK && t[2] != NULL_BLOCK);
+    assert_eq!(a.pool().block_hash_num_tokens(t[1]), 16, "keyed at the checkpoint, not at its block's end");
+    ok(&a);
+    // A request with the same prefix hits that state at 16 tokens (the block at index 0), not
+    // at 32: no Mamba state is keyed for 32 tokens.
+    a.new_step_starts();
+    let r2 = add(&mut a, 100, 3);
+    assert_eq!(a.find_longest_cache_hit(r2, 99).unwrap().num_tokens, 16);
+    assert_eq!(a.stored_hit(r2, 1).unwrap(), &[t[1]]);
+    let mut x = args(40, 0, 100, 100);
+    x.num_new_computed_tokens = 16;
+    assert!(a.allocate_slots(r2, &x, NewComputed::Stored, None).unwrap().is_some());
+    assert_eq!(table(&a, r2, 1)[0], t[1]);
+    ok(&a);
+    a.free(h, LEVEL_NORMAL).unwrap();
+    a.free(r2, LEVEL_NORMAL).unwrap();
+    ok(&a);
+    assert_eq!(a.num_free_blocks(), 63);
 }
 
 #[test]

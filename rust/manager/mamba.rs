@@ -34,7 +34,10 @@
 //! past a scratch block moves that block to the table's end (`_relocate_speculative_block`),
 //! so a request keeps `1 + speculative_blocks` state blocks plus the previous state. With
 //! vLLM 0.33's lookahead block hashes the prompt's checkpoint positions move back by the
-//! lookahead tokens (`get_mamba_prefill_checkpoint_position`); with EAGLE/MTP's `use_eagle`
+//! lookahead tokens (`get_mamba_prefill_checkpoint_position`), the prefill checkpoints too:
+//! over several tokens (multi-module MTP) a chunk ending less than the lookahead past a block
+//! boundary keys its reserved checkpoint block one block before that block's end, as vLLM
+//! does; with EAGLE/MTP's `use_eagle`
 //! they are one hash block below the last boundary at most the tokens given
 //! (`drop_eagle_checkpoint_block`, [`crate::Config::eagle_checkpoints`]).
 //!
@@ -176,13 +179,6 @@ impl KindRules for MambaAlign {
     }
 
     fn check_with_caching(&self, cfg: &Config, i: usize, g: &GroupSpec) -> Result<()> {
-        if self.checkpoint_alignment > 0 && cfg.hash_lookahead_tokens > 1 {
-            return Err(Error::Unsupported(format!(
-                "group {i}: Mamba prefill checkpoint blocks with {} lookahead hash tokens (the \
-                 checkpoint would be keyed inside its block, then promoted)",
-                cfg.hash_lookahead_tokens
-            )));
-        }
         if self.checkpoint_alignment > 0 && g.block_size != cfg.scheduler_block_size {
             return Err(Error::Unsupported(format!(
                 "group {i}: Mamba prefill checkpoint blocks with a Mamba block size ({}) other than \
@@ -1048,7 +1044,10 @@ impl AlignState {
     /// that state is reusable: the prompt's checkpoint, a retained boundary (every one under
     /// dense retention) or the shared-prefix junction. Otherwise the state is transient and
     /// any key the block got this step is dropped. The scheduler block size is the Mamba
-    /// block size here (the config requires it), so the position ends the block.
+    /// block size here (the config requires it), so the position is a block boundary; it ends
+    /// the reserved block unless lookahead hashes over several tokens moved it a block back
+    /// (a chunk ending less than the lookahead past a boundary): the block is keyed there all
+    /// the same, as vLLM keys it, replacing the full-block key this step's caching gave it.
     fn cache_checkpoint(&mut self, pool: &mut BlockPool, q: &mut AlignReq<'_>, c: &CacheArgs<'_>) {
         let (pos, idx) = self.checkpoint[q.h as usize];
         // vLLM asserts the index is in the table; a count whose allocation then failed can

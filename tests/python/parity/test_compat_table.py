@@ -240,8 +240,8 @@ def test_eagle_block_drop_row() -> None:
 
 def test_multi_module_mtp_row() -> None:
     """Multi-module MTP (``num_prefill_lookahead`` > 1) is served where vLLM's manager runs it,
-    with lookahead block hashes from 0.33 on (Mamba "align" states without prefill checkpoint
-    blocks included); what falls back gives the table's reasons, and where the adapter falls
+    with lookahead block hashes from 0.33 on (Mamba "align" states with or without prefill
+    checkpoint blocks included); what falls back gives the table's reasons, and where the adapter falls
     back because vLLM raises, vLLM's manager raises as it would have."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
@@ -263,13 +263,13 @@ def test_multi_module_mtp_row() -> None:
             native, reason = _decide(_kwargs(_specs(specs), num_prefill_lookahead=3, use_eagle=True))
             assert native, (specs, reason)
         return
-    la = dict(num_prefill_lookahead=3, num_hash_lookahead_tokens=3)
-    for specs in ("full", "swa_retained", "gdn_align"):
-        native, reason = _decide(_kwargs(_specs(specs), **la))
-        assert native, (specs, reason)
-    native, reason = _decide(_kwargs(_specs("mamba2_align"), **la))
-    assert not native and "Mamba prefill checkpoint blocks with 3 lookahead hash tokens" in reason, reason
-    assert "Mamba prefill checkpoint blocks with N lookahead hash tokens" in cell
+    for n in (2, 3):
+        la = dict(num_prefill_lookahead=n, num_hash_lookahead_tokens=n)
+        # Mamba2's prefill checkpoint blocks included (issue 39).
+        for specs in ("full", "swa_retained", "gdn_align", "mamba2_align"):
+            native, reason = _decide(_kwargs(_specs(specs), **la))
+            assert native, (specs, n, reason)
+    assert "lookahead hash tokens" not in cell and "Mamba2-style (MambaMixer2's prefill checkpoint blocks" in cell, cell
     native, reason = _decide(_kwargs(_specs("gdn_align")[1:], **la))
     assert not native and reason.startswith("a single Mamba group with lookahead block hashes over 3 tokens"), reason
     assert "a single Mamba group with lookahead block hashes over N tokens" in cell

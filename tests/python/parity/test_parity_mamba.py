@@ -38,7 +38,7 @@ def test_mamba_parity_random_trace(name: str) -> None:
 
     setup = next(s for s in MAMBA_SETUPS if s.name == name)
     if not setup.available:
-        pytest.skip(f"{name} is served natively only on vLLM 0.33 (lookahead hashes / no drop for flagged groups)")
+        pytest.skip(f"{name} is served natively only from vLLM 0.33 on (lookahead hashes / no drop for flagged groups)")
     total = run_seeds(ZeroingParityRun, setup, 2000, NUM_OPS)
     assert total["finish"] > 0
     assert total["reset_ok"] > 0
@@ -70,6 +70,17 @@ def test_mamba_parity_random_trace(name: str) -> None:
     )
     # Mamba2 in "align" reserves prefill checkpoint blocks (and only it).
     assert (total.get("checkpoints", 0) > 0) == checkpoints, f"{name}: checkpoints {total.get('checkpoints', 0)}"
+    off_end = total.get("checkpoints_off_block_end", 0)
+    if checkpoints and setup.lookahead > 1:
+        # Lookahead hashes over several tokens: a chunk ending less than that past a block
+        # boundary reserves its checkpoint block one block past the position, keyed there
+        # (its full-block key of that step replaced), and later requests hit that state.
+        assert off_end > 0, f"{name}: every checkpoint ended its block"
+        assert total.get("checkpoints_off_block_end_keyed", 0) > 0, f"{name}: no such checkpoint was keyed"
+        assert total.get("off_block_end_checkpoint_hits", 0) > 0, f"{name}: no hit on such a checkpoint"
+    elif checkpoints and not setup.use_eagle:
+        # One lookahead token at most and no block drop: the position ends the reserved block.
+        assert off_end == 0, f"{name}: {off_end} checkpoints off their block's end"
 
 
 def test_mamba_groups_are_served_natively() -> None:

@@ -267,8 +267,8 @@ MAMBA_SETUPS: list[Setup] = [
     ),
     # Multi-module MTP with three tokens of prefill lookahead (0.33/0.34): lookahead block
     # hashes over three tokens, the prompt's checkpoint three tokens back; GDN states have no
-    # prefill checkpoint blocks (Mamba2's with several lookahead tokens fall back, and so does
-    # one Mamba group alone: vLLM's own lookup raises IndexError there).
+    # prefill checkpoint blocks (one Mamba group alone falls back: vLLM's own lookup raises
+    # IndexError there).
     Setup(
         "qwen3next_gdn_3to1_mtp3_lookahead3_align",
         [full(16), gdn(16, "align", 3), gdn(16, "align", 3), gdn(16, "align", 3), full(16)],
@@ -276,6 +276,38 @@ MAMBA_SETUPS: list[Setup] = [
         retention_interval=None,
         lookahead=3,
         eagle_groups=(4,),
+        prefill_lookahead=3,
+    ),
+    # Nemotron-H-style Mamba2 (MambaMixer2's prefill checkpoint blocks) with multi-module MTP
+    # (0.33/0.34): lookahead block hashes over two and three tokens move every prefill
+    # checkpoint back by as many tokens, so a chunk ending less than that past a block
+    # boundary reserves its checkpoint block one block past the position (keyed there, the
+    # block's full-block key of that step replaced).
+    Setup(
+        "nemotron_h_mamba2_mtp2_lookahead2_align",
+        [full(16)] + [mamba2(16, "align", 2) for _ in range(6)] + [full(16)],
+        num_blocks=520,
+        retention_interval=None,
+        lookahead=2,
+        eagle_groups=(7,),
+        prefill_lookahead=2,
+    ),
+    Setup(
+        "nemotron_h_mamba2_mtp3_lookahead3_align",
+        [full(16)] + [mamba2(16, "align", 3) for _ in range(6)] + [full(16)],
+        num_blocks=560,
+        retention_interval=None,
+        lookahead=3,
+        eagle_groups=(7,),
+        prefill_lookahead=3,
+    ),
+    Setup(
+        "nemotron_h_mamba2_mtp3_lookahead3_align_retention64",
+        [full(16)] + [mamba2(16, "align", 3) for _ in range(6)] + [full(16)],
+        num_blocks=560,
+        retention_interval=64,
+        lookahead=3,
+        eagle_groups=(7,),
         prefill_lookahead=3,
     ),
     # Prefix caching off (every release): nothing cached; the drop and the lookahead read by
@@ -407,6 +439,74 @@ class ZeroingParityRun(ParityRun):
         self.boundary = setup.enable_caching and any(
             isinstance(s, MambaSpec) and s.mamba_cache_mode == "align" for s in setup.specs
         )
+        self.init_checkpoint_watch(setup)
+
+    def init_checkpoint_watch(self, setup: Setup) -> None:
+        """Sets up the checkpoint counters (see ``after_allocate``)."""
+        # The first Mamba "align" group with prefill checkpoint blocks (all such groups act
+        # alike): vLLM's manager there is watched for the checkpoints it reserves.
+        self.ckpt_group = next(
+            (
+                g
+                for g, s in enumerate(setup.specs)
+                if setup.enable_caching
+                and isinstance(s, MambaSpec)
+                and s.mamba_cache_mode == "align"
+                and s.num_prefill_checkpoint_blocks > 0
+                and s.prefill_checkpoint_alignment
+            ),
+            None,
+        )
+        # vLLM's ``_checkpoints`` after the last count, and the checkpoints reserved where
+        # the position does not end the reserved block (request id -> (position, index)),
+        # waiting to be keyed; then the blocks keyed so (block id -> its key).
+        self.ckpt_seen: dict[str, tuple[int, int]] = {}
+        self.ckpt_pending: dict[str, tuple[int, int]] = {}
+        self.ckpt_keyed: dict[int, Any] = {}
+
+    def after_allocate(self) -> None:
+        super().after_allocate()
+        if self.ckpt_group is None:
+            return
+        m = self.ref.coordinator.single_type_managers[self.ckpt_group]
+        now = dict(m._checkpoints)
+        bs = m.block_size
+        for rid, (pos, idx) in now.items():
+            if self.ckpt_seen.get(rid) == (pos, idx):
+                continue
+            # A new reservation (a later one of the same request is always further on).
+            self.stats["checkpoints_reserved"] = self.stats.get("checkpoints_reserved", 0) + 1
+            if pos != (idx + 1) * bs:
+                self.stats["checkpoints_off_block_end"] = self.stats.get("checkpoints_off_block_end", 0) + 1
+                self.ckpt_pending[rid] = (pos, idx)
+        self.ckpt_seen = now
+
+    def watch_checkpoints(self) -> None:
+        """Moves the off-end checkpoints vLLM keyed (the reserved block keyed at the
+        position) from pending to keyed."""
+        m = self.ref.coordinator.single_type_managers[self.ckpt_group]
+        for rid, (pos, idx) in list(self.ckpt_pending.items()):
+            blocks = m.req_to_blocks.get(rid)
+            if blocks is None or idx >= len(blocks):
+                if blocks is None:
+                    del self.ckpt_pending[rid]
+                continue
+            b = blocks[idx]
+            if not b.is_null and b.block_hash is not None and b.block_hash_num_tokens == pos:
+                self.stats["checkpoints_off_block_end_keyed"] = self.stats.get("checkpoints_off_block_end_keyed", 0) + 1
+                self.ckpt_keyed[b.block_id] = b.block_hash
+                del self.ckpt_pending[rid]
+            elif self.ckpt_seen.get(rid) != (pos, idx):
+                del self.ckpt_pending[rid]
+
+    def on_hit(self, hit: Any) -> None:
+        """Counts the hits whose state is a checkpoint vLLM keyed off its block's end (the
+        block still holding that key)."""
+        if self.ckpt_group is None or not self.ckpt_keyed:
+            return
+        blocks = hit.blocks[self.ckpt_group]
+        if blocks and self.ckpt_keyed.get(blocks[-1].block_id) == blocks[-1].block_hash:
+            self.stats["off_block_end_checkpoint_hits"] = self.stats.get("off_block_end_checkpoint_hits", 0) + 1
 
     def after_op(self) -> None:
         a, b = self.ref.take_new_block_ids(), self.ours.take_new_block_ids()
@@ -424,6 +524,8 @@ class ZeroingParityRun(ParityRun):
         self.stats["checkpoints"] = self.stats.get("checkpoints", 0) + sum(
             len(getattr(m, "_checkpoints", ())) for m in self.ref.coordinator.single_type_managers
         )
+        if self.ckpt_pending:
+            self.watch_checkpoints()
         super().after_op()
 
     def on_boundary_offloads(self, offloads: dict[str, list[tuple[int, int, int]]]) -> None:

@@ -70,6 +70,9 @@ class ParityRun:
     def on_events(self, events: list[Any]) -> None:
         """Sees the (compared) KV cache events of every operation."""
 
+    def on_hit(self, hit: Any) -> None:
+        """Sees vLLM's (compared) cache-hit blocks of every admission that hit."""
+
     def fail(self, what: str, a: Any, b: Any) -> None:
         raise Mismatch(
             f"[{self.setup.name}] seed={self.seed} op={self.ops}: {what} differs\n vllm: {a!r}\n ours: {b!r}"
@@ -176,6 +179,7 @@ class ParityRun:
             if n_ref:
                 self.stats["hits"] += 1
                 self.stats["hit_tokens"] += n_ref
+                self.on_hit(hit_ref)
         remaining = req.num_tokens - req.num_computed_tokens - n_ref
         num_new = self.clip_chunk(req, min(remaining, r.choice(self.admit_chunks)), n_ref)
         if num_new == 0:

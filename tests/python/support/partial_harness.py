@@ -62,6 +62,7 @@ def partial_setup(
     lookahead: int = 0,
     eagle_groups: tuple[int, ...] = (),
     shared_prefix_checkpoint: bool = False,
+    prefill_lookahead: int | None = None,
 ) -> Setup:
     """Every group's block is ``block`` (vLLM aligns the attention block to the Mamba block
     with prefix caching); requests are hashed every ``unit`` tokens. ``use_eagle``: the
@@ -69,7 +70,9 @@ def partial_setup(
     the split as vLLM's scheduler makes it then). ``lookahead`` with ``eagle_groups``: 0.33's
     lookahead block hashes with the draft layer's group flagged (MTP without the drop).
     ``shared_prefix_checkpoint``: vLLM's ``enable_mamba_shared_prefix_checkpoint`` (the
-    scheduler's split also ends a chunk at the junction; the Mamba state is keyed there)."""
+    scheduler's split also ends a chunk at the junction; the Mamba state is keyed there).
+    ``prefill_lookahead``: the scheduler's ``num_prefill_lookahead`` (default 1 with EAGLE or
+    lookahead hashes, else 0)."""
     assert block % unit == 0 and unit < block
     assert all(s.block_size == block for s in specs)
     return PartialSetup(
@@ -84,7 +87,7 @@ def partial_setup(
         # inside that block (0.32-0.34), so no request of these traces asks for it.
         report_full=False,
         use_eagle=use_eagle,
-        prefill_lookahead=1 if use_eagle or lookahead else 0,
+        prefill_lookahead=prefill_lookahead if prefill_lookahead is not None else 1 if use_eagle or lookahead else 0,
         lookahead=lookahead,
         eagle_groups=eagle_groups,
         extra={"block": block, "unit": unit, "shared_prefix_checkpoint": shared_prefix_checkpoint},
@@ -164,6 +167,7 @@ class PartialParityRun(ZeroingParityRun):
         # builds it), so it records the boundary states and partial tails a connector is
         # handed; they are compared after every operation and at every finish.
         ParityRun.__init__(self, setup, seed, full_check_every)
+        self.init_checkpoint_watch(setup)
         self.boundary_ops = 0
         self.boundary = True
         self.boundary_every = 1
