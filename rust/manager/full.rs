@@ -91,8 +91,9 @@ struct Inside {
 /// Full attention's per-request state: the prompt's partial-tail boundary (partial hash
 /// hits; vLLM's `FullAttentionManager._cache_partial_tail_block`).
 ///
-/// Invariant: `pending[h]` is 0 or a boundary not yet reached by the tokens cached, which
-/// the no-op limits stop at; `boundary[h]` is 0 or the partial tail `h` keyed.
+/// Invariant: `pending[h]` is 0 or a boundary not yet keyed (not yet reached by the tokens
+/// cached, or, with lookahead hashes, by the request's hashes), which the no-op limits stop
+/// at; `boundary[h]` is 0 or the partial tail `h` keyed.
 #[derive(Clone, Debug, Default)]
 pub struct FullState {
     /// `pending[h]`: the prompt's partial-tail boundary (or, under hit-aware, the junction
@@ -137,11 +138,20 @@ impl FullState {
     /// most the hashes; with the EAGLE drop `num_prompt_tokens`, as an EAGLE lookup reads
     /// the whole prompt before dropping a hash unit) lies inside a block and within the
     /// tokens cached, `h`'s block holding it (in `table`) is keyed there too.
+    ///
+    /// With lookahead block hashes over several tokens (vLLM 0.33+), the request's hashes
+    /// stop short of the prompt's last boundary until the lookahead tokens past it arrive
+    /// (decode steps): vLLM's caching call at each step keys the boundary its hashes reach
+    /// then. Until they reach the prompt's, that boundary stays pending (no step is a no-op:
+    /// a few steps), so the call that sees the hash keys it, as vLLM's does.
     fn cache_partial_tail(&mut self, pool: &mut BlockPool, h: Slot, table: &[BlockId], z: Inside, c: &CacheArgs<'_>) {
         let (hbs, bs) = (z.hash_block_size, z.block_size);
         let limit = if c.eagle { c.num_prompt_tokens } else { c.num_prompt_tokens.saturating_sub(1) };
+        let prompt_boundary = limit / hbs * hbs;
         let boundary = (limit / hbs).min(c.hashes.len() as u32) * hbs;
-        self.pending[h as usize] = 0;
+        // The prompt's boundary, inside a block, that hashes still to come will reach.
+        let later = if prompt_boundary > boundary && prompt_boundary % bs != 0 { prompt_boundary } else { 0 };
+        self.pending[h as usize] = later;
         if boundary == 0 || boundary % bs == 0 {
             return;
         }

@@ -156,6 +156,40 @@ PARTIAL_SETUPS: list[Setup] = [
         eagle_groups=(4,),
         shared_prefix_checkpoint=True,
     ),
+    # Multi-module MTP: lookahead block hashes over 3 tokens (0.33 and 0.34). A prompt's last
+    # hash boundary inside a full-attention block is keyed only once the lookahead tokens past
+    # it arrive (decode steps: vLLM bounds the partial tail by the request's hashes). GDN
+    # states; Mamba2 with its prefill checkpoint blocks; Mamba2 with a prefill lookahead of 1.
+    partial_setup(
+        "qwen35_gdn_b64_u16_mtp3_lookahead3",
+        [full(64)] + [gdn(64, "align", 3) for _ in range(3)] + [full(64)],
+        64,
+        16,
+        num_blocks=160,
+        lookahead=3,
+        eagle_groups=(4,),
+        prefill_lookahead=3,
+    ),
+    partial_setup(
+        "nemotron_h_mamba2_b64_u16_mtp3_lookahead3",
+        [full(64)] + [mamba2(64, "align", 3) for _ in range(6)] + [full(64)],
+        64,
+        16,
+        num_blocks=200,
+        lookahead=3,
+        eagle_groups=(7,),
+        prefill_lookahead=3,
+    ),
+    partial_setup(
+        "nemotron_h_mamba2_b64_u16_lookahead3_prefill1",
+        [full(64)] + [mamba2(64, "align", 3) for _ in range(6)] + [full(64)],
+        64,
+        16,
+        num_blocks=200,
+        lookahead=3,
+        eagle_groups=(7,),
+        prefill_lookahead=1,
+    ),
 ]
 
 
