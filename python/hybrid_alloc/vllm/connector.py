@@ -41,11 +41,16 @@ vLLM's semantics:
 - ``MooncakeStoreConnector`` with attention groups of one block size: its store jobs pin the
   blocks they read (``blocks[i]``, ``touch``) and give them back (``free_blocks``); its hits
   come from the store (``*_mooncake_store*`` cases, its lookups faked);
+- ``UMBPStoreConnector`` (vLLM 0.34 by name, 0.33 from its module path) with attention groups
+  of one block size, without its ``enable_partial_hash_hits``: its store events pin and give
+  back blocks as MooncakeStore's jobs do, and with several groups its lookup asks the pool
+  which blocks are local (``get_cached_block``); its hits come from the ``umbp`` runtime
+  (``*_umbp*`` cases, the runtime faked);
 - ``MultiConnector`` whose children are all served.
 
 Anything else falls back to vLLM's own manager with one line naming the connector:
 connectors whose scheduler side reaches into vLLM's ``BlockPool`` / coordinator internals
-(UMBP, HiSparse, ...; LMCacheMPConnector, whose lazy offload
+(HiSparse, ...; LMCacheMPConnector, whose lazy offload
 reads the ``BlockPool``'s free queue and blocks: lmcache's ``lazy_offload_policy/eviction_aware.py``), connectors
 loaded from a module path, and, with Mamba layers, any connector but
 NixlConnector (its variants) and the OffloadingConnector, alone or under MultiConnectors over
@@ -138,6 +143,8 @@ def _unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> st
         return _simple_cpu_offload_unserved()
     if name == "MooncakeStoreConnector":
         return _mooncake_store_unserved(kvc)
+    if name == "UMBPStoreConnector":
+        return _umbp_unserved(extra, kvc)
     if name in SINGLE_GROUP_CONNECTORS:
         return _single_group_unserved(str(name), kvc)
     return None if name in NATIVE_CONNECTORS else str(name)
@@ -174,6 +181,35 @@ def _mooncake_store_unserved(kvc: KVCacheConfig) -> str | None:
         return "MooncakeStoreConnector (with groups of different block sizes: not tested with hybrid_alloc)"
     if _pages_two_level():
         return "MooncakeStoreConnector (with two-level pages, whose block pool does not serve touch)"
+    return None
+
+
+def _umbp_unserved(extra: Any, kvc: KVCacheConfig) -> str | None:
+    """``UMBPStoreConnector`` (vLLM 0.33 and 0.34; its scheduler side, ``umbp/scheduler.py``):
+    its store events pin the blocks they read in the scheduler's pool (``blocks[i]``,
+    ``touch``) and give them back when every worker is done (``free_blocks``); with several
+    groups its lookup asks the manager's ``coordinator.single_type_managers[g].block_pool
+    .get_cached_block`` which blocks are local; its hits come from the ``umbp`` runtime
+    (``UMBPSchedulerHandle.lookup``), not from the manager. All of it the pool facade serves.
+    Served where a parity test runs it (its runtime faked: ``test_connector_vllm.py``'s
+    ``*_umbp*`` cases): attention groups of one block size, without its
+    ``enable_partial_hash_hits``. With Mamba groups it also stores the boundary states and
+    partial tails the manager hands it (``register_finished_partial_tail`` pins them), and with
+    groups of different block sizes or partial hash hits it loads partial blocks: not tested,
+    so not served."""
+    import importlib.util
+
+    if importlib.util.find_spec(_UMBP_MODULE) is None:  # vLLM 0.32 (its factory refuses the name too)
+        return "UMBPStoreConnector (not in this vLLM release)"
+    groups = kvc.kv_cache_groups
+    if any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups):
+        return "UMBPStoreConnector (with Mamba layers: not tested with hybrid_alloc)"
+    if len({g.kv_cache_spec.block_size for g in groups}) > 1:
+        return "UMBPStoreConnector (with groups of different block sizes: not tested with hybrid_alloc)"
+    if (extra or {}).get("enable_partial_hash_hits", False):
+        return "UMBPStoreConnector (enable_partial_hash_hits: not tested with hybrid_alloc)"
+    if _pages_two_level():
+        return "UMBPStoreConnector (with two-level pages, whose block pool does not serve touch)"
     return None
 
 
@@ -221,14 +257,23 @@ def _lmcache_mp_unserved(extra: Any) -> str:
     return "LMCacheMPConnector (its LMCache multiprocess server is not tested with hybrid_alloc)"
 
 
+# vLLM's connectors that a release has without registering their name (loaded from a module
+# path there): name -> the class's module. vLLM 0.33's UMBPStoreConnector (0.34 registers it).
+_UMBP_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.umbp"
+_UNREGISTERED: dict[str, str] = {"UMBPStoreConnector": f"{_UMBP_MODULE}.connector"}
+
+
 def _registered_name(cls: type) -> str | None:
     """The name vLLM's connector registry resolves to exactly ``cls``, if any (a module path
     naming one of vLLM's own connectors, or the ``lmcache`` package's ``LMCacheMPConnector``,
-    which vLLM's registered name resolves to when it imports)."""
+    which vLLM's registered name resolves to when it imports), or the name of one of vLLM's
+    connectors its release does not register (``_UNREGISTERED``)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     registry = getattr(KVConnectorFactory, "_registry", {})
     name = cls.__name__
+    if name not in registry and _UNREGISTERED.get(name) == cls.__module__:
+        return name
     if name in registry:
         try:
             if registry[name]() is cls:

@@ -82,6 +82,15 @@ def _has_evict_first() -> bool:
 _EVICT_FIRST = _has_evict_first()
 
 
+def _skip_without_umbp(case: str) -> None:
+    """UMBPStoreConnector is in vLLM 0.33 and 0.34, not 0.32."""
+    if "umbp" in CASES[case][5] and importlib.util.find_spec(_UMBP) is None:
+        pytest.skip("this vLLM has no UMBPStoreConnector (0.33 and 0.34 have)")
+
+
+_UMBP = "vllm.distributed.kv_transfer.kv_connector.v1.umbp"
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_connector_scheduler_identical(case: str) -> None:
     from connector_driver import assert_same_pd
@@ -99,6 +108,7 @@ def test_connector_scheduler_identical(case: str) -> None:
             "CachedRequestData.resumed_req_ids or .resumed_from_preemption, which this vLLM "
             "(0.34) has neither of: it raises with vLLM's own manager too"
         )
+    _skip_without_umbp(case)
     ref, ours = _pair(case)
     assert_same_pd(case, ref, ours)
     c, calls = ref["counters"], ref["calls"]
@@ -163,6 +173,22 @@ def test_connector_scheduler_identical(case: str) -> None:
         assert c["store_events"] > 20 and c["load_events"] > 10 and c["recv"] > 10 and c["preempted"] > 0
         assert sum(p[0] == "touch" for p in pool) == sum(p[0] == "free" for p in pool) > 20
         assert calls["alloc_external"] > 30
+        if CASES[case][0] == "llama":
+            assert calls["alloc_local_and_external"] > 100
+    elif conn.startswith("umbp"):
+        # Store events (each pinning its blocks until done: the touches and frees compared
+        # call by call above) and loads of the stored prefixes (async, or in the step with
+        # ``load_async`` false), behind local hits too (not on the Gemma-like model at these
+        # sizes), with preemption; with ``lookup_async``, lookups answered a step later.
+        pool = ref["pool_calls"]
+        assert c["store_events"] > 20 and c["load_events"] > 5 and c["preempted"] > 0
+        assert sum(p[0] == "touch" for p in pool) == sum(p[0] == "free" for p in pool) > 20
+        assert calls["alloc_external"] > 30 and ref["connector_events"]
+        if conn == "umbp_sync":
+            assert c["sync_loads"] == c["load_events"] and c["recv"] == 0
+        else:
+            assert c["recv"] == c["load_events"] and calls["alloc_delay_cache"] > 30
+        assert (calls.get("connector_pending", 0) > 5) == (conn == "umbp_lookup_async")
         if CASES[case][0] == "llama":
             assert calls["alloc_local_and_external"] > 100
     elif conn in ("multi_simple", "multi_simple_lazy"):
@@ -326,6 +352,7 @@ def test_simple_cpu_offload_under_hit_aware_keeps_invariants(case: str, monkeypa
         ("evict_first_ignored", "llama_simple_lazy"),
         ("touch_skips_last", "llama_simple_lazy"),
         ("touch_skips_last", "llama_mooncake_store"),
+        ("touch_skips_last", "llama_umbp"),
     ],
 )
 def test_pool_facade_planted_bug_is_caught(bug: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -333,10 +360,11 @@ def test_pool_facade_planted_bug_is_caught(bug: str, case: str, monkeypatch: pyt
     the lazy stores give back at the back instead of the front, or pins one block fewer fails
     the step-by-step comparison with vLLM's manager (the store decisions in the metadata, the
     pool calls, the allocations that follow, or a free the core refuses), with
-    SimpleCPUOffload and with MooncakeStore."""
+    SimpleCPUOffload, MooncakeStore and UMBP."""
     from connector_driver import assert_same_pd
     from hybrid_alloc.vllm import facades
 
+    _skip_without_umbp(case)
     if bug == "walk_skips_front":
         orig_walk = facades.NativeFreeBlockQueue.iter_blocks_after
 

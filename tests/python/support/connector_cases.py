@@ -138,6 +138,18 @@ CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
     "llama_mooncake_store": ("llama", "kv_both", 60, False, "recompute", "mooncake_store"),
     "gemma_mooncake_store": ("gemma", "kv_both", 70, False, "recompute", "mooncake_store"),
     "llama_mooncake_store_async": ("llama", "kv_both", 60, True, "recompute", "mooncake_store"),
+    # UMBPStoreConnector (vLLM 0.33 and 0.34; its runtime faked: ``connector_driver.FakeUMBPRuntime``):
+    # store events pin the blocks they read (``touch``) until done (``free_blocks``); the hits
+    # come back as async loads.
+    "llama_umbp": ("llama", "kv_both", 60, False, "recompute", "umbp"),
+    "gemma_umbp": ("gemma", "kv_both", 70, False, "recompute", "umbp"),
+    "llama_umbp_async": ("llama", "kv_both", 60, True, "recompute", "umbp"),
+    "gemma_umbp_async": ("gemma", "kv_both", 70, True, "recompute", "umbp"),
+    # Its other options that change what reaches the manager: loads in the step
+    # (``load_async`` false) with decode blocks stored too, and lookups answered a step later
+    # (``lookup_async``: ``get_num_new_matched_tokens`` first returns ``None``).
+    "llama_umbp_sync": ("llama", "kv_both", 60, False, "recompute", "umbp_sync"),
+    "gemma_umbp_lookup_async": ("gemma", "kv_both", 70, False, "recompute", "umbp_lookup_async"),
 }
 # The workload's seed and share of remote requests, where a case needs others than the
 # default to show what it claims (the Gemma-like consumers: local hits joined with remote ones).
@@ -331,6 +343,24 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
         )
     elif conn == "mooncake_store":
         ktc = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role=role)
+    elif conn.startswith("umbp"):
+        # An explicit namespace: the scheduler side binds its runtime at construction (with
+        # "auto" it waits for the workers' handshake, which the driver does not fake).
+        umbp_extra: dict[str, Any] = {"key_namespace": "parity"}
+        if conn == "umbp_sync":
+            umbp_extra.update(load_async=False, save_decode_cache=True)
+        if conn == "umbp_lookup_async":
+            umbp_extra["lookup_async"] = True
+        # vLLM 0.33 has the connector but does not register its name: a module path loads it.
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        registered = "UMBPStoreConnector" in getattr(KVConnectorFactory, "_registry", {})
+        ktc = KVTransferConfig(
+            kv_connector="UMBPStoreConnector",
+            kv_connector_module_path=None if registered else "vllm.distributed.kv_transfer.kv_connector.v1.umbp",
+            kv_role=role,
+            kv_connector_extra_config=umbp_extra,
+        )
     elif conn == "module_hashstore":
         ktc = KVTransferConfig(
             kv_connector="HashStoreConnector", kv_connector_module_path="module_connectors", kv_role=role
@@ -408,6 +438,17 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             remote_share=0.0,
             repeat_share=0.5,
             mooncake_store=True,
+            abort_running={"req2", "req13"},
+            batch_queue=2 if overlap else 1,
+            max_tokens=(1, 40) if shape == "gemma" else (1, 60),
+        )
+        return setup, w, role
+    if conn.startswith("umbp"):
+        w = PDWorkload(
+            num_requests=30,
+            remote_share=0.0,
+            repeat_share=0.5,
+            umbp=True,
             abort_running={"req2", "req13"},
             batch_queue=2 if overlap else 1,
             max_tokens=(1, 40) if shape == "gemma" else (1, 60),

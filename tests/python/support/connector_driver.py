@@ -156,6 +156,13 @@ class PDWorkload:
     # metadata carries it (``MooncakeStoreWorkerMetadata.completed_saves``), each load
     # ``recv_delay`` steps after (``finished_recving``).
     mooncake_store: bool = False
+    # UMBPStoreConnector: its runtime (the ``umbp`` package's, built through vLLM's
+    # ``UMBPRuntimeFactory``) replaced by :class:`FakeUMBPRuntime`, whose scheduler handle answers
+    # ``lookup(keys)`` from the keys of the store events completed so far; each store event
+    # (``UMBPConnectorMetadata.store_event``) completes ``send_delay`` steps after the metadata
+    # carries it (``UMBPConnectorWorkerMetadata.store_events``), each async load ``recv_delay``
+    # steps after (``finished_recving``).
+    umbp: bool = False
     # The remote requests' ``kv_transfer_params`` as this connector reads them: "nixl"
     # (NixlConnector's) or "mooncake" (MooncakeConnector's: a bootstrap address and a
     # transfer id instead of remote block ids).
@@ -253,7 +260,8 @@ def _record_connector(sched: Any, calls: dict[str, int]) -> tuple[list[Any], lis
     and each ``get_num_new_matched_tokens`` call that raised the request's
     ``shared_prefix_boundary`` (vLLM 0.34's OffloadingConnector does where a sliding-window or
     Mamba group cut the external hit below the full-attention boundary): (request, the
-    junction the local lookup set, the connector's)."""
+    junction the local lookup set, the connector's). Counts the lookups not answered yet
+    (``None``) in ``calls["connector_pending"]``."""
     conn = sched.connector
     events: list[Any] = []
     raised: list[tuple[str, int, int]] = []
@@ -268,6 +276,9 @@ def _record_connector(sched: Any, calls: dict[str, int]) -> tuple[list[Any], lis
     def get_num_new_matched_tokens(request: Request, *a: Any, **k: Any) -> Any:
         before = request.shared_prefix_boundary
         res = orig_match(request, *a, **k)
+        if res[0] is None:
+            # The connector's lookup is not answered yet (UMBP's ``lookup_async``).
+            calls["connector_pending"] = calls.get("connector_pending", 0) + 1
         if request.shared_prefix_boundary != before:
             raised.append((request.request_id, before, request.shared_prefix_boundary))
             calls["junction_raised"] = calls.get("junction_raised", 0) + 1
@@ -319,6 +330,59 @@ class FakeMooncakeLookup:
         pass
 
 
+class _SyncExecutor:
+    """Runs what is submitted at once (a done future): UMBP's scheduler submits its KV event
+    residency checks to a thread pool and reads the answer the next step only if it is done,
+    which with threads would depend on timing; with this it always is."""
+
+    def submit(self, fn: Any, *a: Any, **k: Any) -> Any:
+        from concurrent.futures import Future
+
+        fut: Future[Any] = Future()
+        try:
+            fut.set_result(fn(*a, **k))
+        except Exception as e:  # noqa: BLE001 - handed to the caller through the future
+            fut.set_exception(e)
+        return fut
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+
+class FakeUMBPHandle:
+    """Stands for the ``umbp`` runtime's ``UMBPSchedulerHandle``: ``lookup(keys)`` answers, per
+    key, whether it is among the keys ``stored`` holds (which the fake worker adds when a store
+    event completes: every plan's key). Nothing is ever evicted."""
+
+    #: The keys present (shared by the run: set by ``run_pd``).
+    stored: set[str] = set()
+
+    def lookup(self, keys: Any) -> list[bool]:
+        return [k in type(self).stored for k in keys]
+
+    def clear(self) -> bool:
+        type(self).stored.clear()
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class FakeUMBPRuntime:
+    """Stands for the runtime vLLM's ``UMBPRuntimeFactory`` builds (MORI's, not installed):
+    the scheduler's handle only (the worker side is faked by the driver)."""
+
+    def __init__(self, config: Any) -> None:
+        del config
+
+    def create_scheduler_handle(self, namespace: str, topology: Any, layout: Any) -> FakeUMBPHandle:
+        del namespace, topology, layout
+        return FakeUMBPHandle()
+
+    def create_worker_handle(self, *a: Any, **k: Any) -> Any:
+        raise AssertionError("the driver fakes the worker side")
+
+
 def _record_pool(pool: Any, caller: str = "vllm.v1.simple_kv_offload.") -> list[Any]:
     """Wraps the block pool's ``touch`` and ``free_blocks``: each call made from a module
     under ``caller`` (the connector bound to the pool; vLLM's manager touches its own pool for
@@ -368,6 +432,28 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             moon_sched.LookupKeyClient = orig_client  # type: ignore[misc]
         moon = sched.connector.connector_scheduler
         FakeMooncakeLookup.coord = moon._store_coord
+    elif w.umbp:
+        from vllm.distributed.kv_transfer.kv_connector.v1.umbp.runtime import UMBPRuntimeFactory
+
+        FakeUMBPHandle.stored = set()
+        # vLLM 0.34 registers its MORI-backed runtimes; 0.33 none (the ``umbp`` package would).
+        builders = UMBPRuntimeFactory._builders
+        orig_builder = builders.get("embedded")
+        builders["embedded"] = FakeUMBPRuntime
+        try:
+            sched = setup.build()
+        finally:
+            if orig_builder is None:
+                del builders["embedded"]
+            else:
+                builders["embedded"] = orig_builder
+        umbp = sched.connector.connector_scheduler
+        umbp._lookup_executor.shutdown(wait=True)
+        umbp._lookup_executor = _SyncExecutor()
+        # Its re-checks of published objects run at most once a wall-clock second; the fake
+        # store never evicts, so they would answer nothing new: off, so that a run does not
+        # depend on the clock.
+        umbp._next_event_reconcile = float("inf")
     else:
         sched = setup.build()
     mgr = sched.kv_cache_manager
@@ -402,6 +488,8 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         pool_calls = _record_pool(mgr.block_pool)
     elif w.mooncake_store:
         pool_calls = _record_pool(mgr.block_pool, "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.")
+    elif w.umbp:
+        pool_calls = _record_pool(mgr.block_pool, "vllm.distributed.kv_transfer.kv_connector.v1.umbp.")
     second_keys = {"n": 0}
     if w.simple_cpu:
         # The stored blocks that hold second keys (partial hash hits), as the connector reads
@@ -508,6 +596,8 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     stores_due: dict[int, int] = {}  # SimpleCPUOffload store event -> step it completes
     # MooncakeStore store job -> (step it completes, the keys it stores)
     saves_due: dict[int, tuple[int, set[tuple[int, bytes]]]] = {}
+    # UMBP store event -> (step it completes, the keys it stores)
+    umbp_due: dict[int, tuple[int, set[str]]] = {}
     send_due: dict[str, int] = {}
     loaded: dict[str, int] = {}  # request -> step its load was reported done
     steps: list[dict[str, Any]] = []
@@ -608,6 +698,18 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             for j in stored:
                 FakeMooncakeLookup.stored |= saves_due.pop(j)[1]
             worker_meta = MooncakeStoreWorkerMetadata(completed_saves={j: 1 for j in stored})
+        if w.umbp:
+            from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import (
+                StoreEventResult,
+                UMBPConnectorWorkerMetadata,
+            )
+
+            stored = sorted(e for e, (s, _) in umbp_due.items() if s <= step)
+            for e in stored:
+                FakeUMBPHandle.stored |= umbp_due.pop(e)[1]
+            worker_meta = UMBPConnectorWorkerMetadata(
+                store_events={e: StoreEventResult(completed_workers=1) for e in stored}
+            )
         if w.simple_cpu:
             from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
@@ -651,7 +753,14 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
 
     step = 0
     while (
-        pending or sched.get_num_unfinished_requests() or recv_due or send_due or jobs_due or stores_due or saves_due
+        pending
+        or sched.get_num_unfinished_requests()
+        or recv_due
+        or send_due
+        or jobs_due
+        or stores_due
+        or saves_due
+        or umbp_due
     ) and step < max_steps:
         while pending and pending[0][0] <= step:
             _, rid, toks, mt, params = pending.pop(0)
@@ -713,6 +822,19 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                     keys = {(g, bytes(rm.block_hashes[i])) for g in groups for i in range(n)}
                     counters["stored_blocks"] += n
                     saves_due[rm.store_job_id] = (step + w.send_delay, keys)
+        if w.umbp:
+            for rid in meta.load_requests:
+                counters["load_events"] += 1
+                req = sched.requests.get(rid)
+                if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    recv_due[rid] = step + w.recv_delay
+                else:
+                    counters["sync_loads"] += 1
+            if meta.store_event >= 0:
+                counters["store_events"] += 1
+                keys = {p.key for p in meta.iter_store_plans()}
+                counters["stored_blocks"] += len(keys)
+                umbp_due[meta.store_event] = (step + w.send_delay, keys)
         if w.example_storage is not None:
             reqs = (meta if w.example_child is None else meta.metadata[w.example_child]).requests
             stores = [m for m in reqs if m.is_store]
