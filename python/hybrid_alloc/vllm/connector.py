@@ -46,11 +46,14 @@ vLLM's semantics:
   back blocks as MooncakeStore's jobs do, and with several groups its lookup asks the pool
   which blocks are local (``get_cached_block``); its hits come from the ``umbp`` runtime
   (``*_umbp*`` cases, the runtime faked);
+- ``LMCacheMPConnector`` (the ``lmcache`` package's) without lazy offload, with attention
+  groups of one block size, on 0.32 and 0.33: its scheduler side asks its multiprocess server
+  and reads none of the manager (``*_lmcache_mp*`` cases, the server's client faked);
 - ``MultiConnector`` whose children are all served.
 
 Anything else falls back to vLLM's own manager with one line naming the connector:
 connectors whose scheduler side reaches into vLLM's ``BlockPool`` / coordinator internals
-(HiSparse, ...; LMCacheMPConnector, whose lazy offload
+(HiSparse, ...; LMCacheMPConnector with lazy offload, which
 reads the ``BlockPool``'s free queue and blocks: lmcache's ``lazy_offload_policy/eviction_aware.py``), connectors
 loaded from a module path, and, with Mamba layers, any connector but
 NixlConnector (its variants) and the OffloadingConnector, alone or under MultiConnectors over
@@ -138,7 +141,7 @@ def _unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> st
     if name == "LMCacheConnectorV1" and (extra or {}).get("use_native", False):
         return "LMCacheConnectorV1 (use_native: vLLM's in-tree lmcache_integration copy)"
     if name == "LMCacheMPConnector":
-        return _lmcache_mp_unserved(extra)
+        return _lmcache_mp_unserved(extra, kvc)
     if name == "SimpleCPUOffloadConnector":
         return _simple_cpu_offload_unserved()
     if name == "MooncakeStoreConnector":
@@ -236,15 +239,26 @@ def _single_group_unserved(label: str, kvc: KVCacheConfig) -> str | None:
     return None
 
 
-def _lmcache_mp_unserved(extra: Any) -> str:
-    """``LMCacheMPConnector`` falls back. vLLM resolves the name to the ``lmcache`` package's
-    connector when that imports (else to its in-tree ``LMCacheMPConnectorUpstream``, which needs
-    vLLM's ``lmcache_integration`` copy). The package's scheduler side reads none of the
-    manager but with ``lmcache.mp.lazy_offload``, whose store queue walks the pool's free list
-    (``free_block_queue.fake_free_list_head``, ``next_free_block``) and pins blocks
-    (``block_pool.touch``); without it, it asks an LMCache multiprocess server, which no test
-    here runs, so it is not served either (the reason says which)."""
+def _lmcache_mp_unserved(extra: Any, kvc: KVCacheConfig | None) -> str | None:
+    """``LMCacheMPConnector``. vLLM resolves the name to the ``lmcache`` package's connector
+    when that imports (0.32 and 0.33 through their in-tree module, which re-exports it; 0.34
+    directly; else to vLLM's in-tree ``LMCacheMPConnectorUpstream``, which needs vLLM's
+    ``lmcache_integration`` copy: falls back). The package's scheduler side (tested with
+    lmcache 0.5.6, ``lmcache/integration/vllm/lmcache_mp_connector.py``) without
+    ``lmcache.mp.lazy_offload`` reads none of the manager: it asks its LMCache multiprocess
+    server (``LMCacheMPSchedulerAdapter``: lookups, locks, sessions) and tracks each request's
+    blocks from ``update_state_after_alloc`` and the SchedulerOutput; as a producer it holds every
+    finished request until its stores are done (``finished_sending``). Served where a parity test
+    runs it (its server's client faked: ``test_connector_vllm.py``'s ``*_lmcache_mp*`` cases):
+    attention groups of one block size, on releases whose ``CachedRequestData`` has
+    ``resumed_req_ids`` (0.32, 0.33; lmcache 0.5.6 reads it, so on 0.34 it raises with vLLM's
+    manager too). With lazy offload its store queue walks the pool's free list
+    (``free_block_queue.fake_free_list_head``, ``next_free_block``), which the facade does not
+    serve: falls back; so do Mamba layers and mixed block sizes (not tested)."""
+    import dataclasses
+
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.core.sched.output import CachedRequestData
 
     try:
         cls = KVConnectorFactory.get_connector_class_by_name("LMCacheMPConnector")
@@ -254,7 +268,17 @@ def _lmcache_mp_unserved(extra: Any) -> str:
         return f"LMCacheMPConnector ({cls.__name__}: vLLM's in-tree copy, without the lmcache package's)"
     if (extra or {}).get("lmcache.mp.lazy_offload", False):
         return "LMCacheMPConnector (lmcache.mp.lazy_offload: it walks the block pool's free list and pins blocks)"
-    return "LMCacheMPConnector (its LMCache multiprocess server is not tested with hybrid_alloc)"
+    if "resumed_req_ids" not in {f.name for f in dataclasses.fields(CachedRequestData)}:
+        return (
+            "LMCacheMPConnector (the lmcache package reads CachedRequestData.resumed_req_ids, "
+            "which this vLLM does not have: not tested with hybrid_alloc)"
+        )
+    groups = kvc.kv_cache_groups if kvc is not None else []
+    if any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups):
+        return "LMCacheMPConnector (with Mamba layers: not tested with hybrid_alloc)"
+    if len({g.kv_cache_spec.block_size for g in groups}) > 1:
+        return "LMCacheMPConnector (with groups of different block sizes: not tested with hybrid_alloc)"
+    return None
 
 
 # vLLM's connectors that a release has without registering their name (loaded from a module

@@ -104,7 +104,8 @@ def test_connector_scheduler_identical(case: str) -> None:
         # Not the manager's: vLLM's own manager fails the same way, in the first step that
         # schedules a running request.
         pytest.skip(
-            "lmcache's scheduler side (vllm_v1_adapter.build_connector_meta) reads "
+            "lmcache's scheduler side (vllm_v1_adapter.build_connector_meta, "
+            "lmcache_mp_connector._process_cached_requests) reads "
             "CachedRequestData.resumed_req_ids or .resumed_from_preemption, which this vLLM "
             "(0.34) has neither of: it raises with vLLM's own manager too"
         )
@@ -127,6 +128,15 @@ def test_connector_scheduler_identical(case: str) -> None:
         if policy == "fail":
             # And hits behind a longer local one (a negative external count).
             assert calls["evict_blocks"] > 0 and calls["alloc_negative_external"] > 0
+    elif conn == "lmcache_mp":
+        # Stores of whole chunks, every finished request held until its stores are done
+        # (delayed frees), async loads of the stored prefixes behind local hits (not on the
+        # Gemma-like model at these sizes), lookups answered a step later, preemption.
+        assert c["store_events"] > 20 and c["load_events"] > 5 and c["recv"] == c["load_events"]
+        assert c["sent"] == c["delayed_free"] == 30 and any(s["held"] for s in ref["steps"])
+        assert calls["connector_pending"] > 20 and calls["alloc_delay_cache"] > 30
+        if CASES[case][0] == "llama":
+            assert calls["alloc_local_and_external"] > 100 and c["preempted"] > 0
     elif "lmcache" in conn:
         # One unified group, chunk-prefix hits (mostly behind a local hit) loaded in the step,
         # two loads failing; partial chunks give external counts that are not whole blocks.
@@ -220,7 +230,8 @@ def test_connector_scheduler_identical(case: str) -> None:
         assert c["overlapped"] > 0
     if overlap and role in ("kv_consumer", "kv_both"):
         assert ref["defer_block_free"]
-        assert calls["pop_blocks_for_free"] > 0
+        # (LMCacheMP holds every finished request for its stores: none is freed deferred.)
+        assert calls.get("pop_blocks_for_free", 0) > 0 or conn == "lmcache_mp"
     if CASES[case][0] == "qwen" and "offload" in CASES[case][5]:
         _assert_boundary_lifecycles(ref, partial=case in PREFIX_MATCH_UNIT)
     if case in PREFIX_MATCH_UNIT:
@@ -828,15 +839,24 @@ def test_boundary_state_offloads_dropped_with_freed_blocks() -> None:
     assert out["vllm"][1] == out["hybrid_alloc"][1]
 
 
-def test_lmcache_mp_connector_falls_back_with_its_reason() -> None:
-    """``LMCacheMPConnector`` is not served: with ``lmcache.mp.lazy_offload`` it walks the pool's
-    free list, and without it its multiprocess server is untested here (or vLLM's in-tree copy is
-    what the name resolves to, without the lmcache package)."""
+def test_lmcache_mp_connector_served_or_its_reason() -> None:
+    """``LMCacheMPConnector`` (the lmcache package's) without lazy offload is served on releases
+    whose ``CachedRequestData`` has ``resumed_req_ids`` (the ``*_lmcache_mp*`` cases prove it);
+    with ``lmcache.mp.lazy_offload`` (it walks the pool's free list), on 0.34, with Mamba layers
+    or without the package (vLLM's in-tree copy) it falls back with its reason."""
+    from vllm.v1.core.sched.output import CachedRequestData
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
     from hybrid_alloc.vllm.connector import _unserved
 
-    plain = _unserved("LMCacheMPConnector", None, {}, None)
-    lazy = _unserved("LMCacheMPConnector", None, {"lmcache.mp.lazy_offload": True}, None)
-    assert plain is not None and plain.startswith("LMCacheMPConnector ("), plain
-    if importlib.util.find_spec("lmcache") is not None and "in-tree" not in plain:
-        assert "multiprocess server" in plain, plain
-        assert lazy is not None and "lazy_offload" in lazy, lazy
+    kvc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[])
+    plain = _unserved("LMCacheMPConnector", None, {}, kvc)
+    lazy = _unserved("LMCacheMPConnector", None, {"lmcache.mp.lazy_offload": True}, kvc)
+    if importlib.util.find_spec("lmcache") is None:
+        assert plain is not None and "in-tree" in plain, plain
+        return
+    assert lazy is not None and "lazy_offload" in lazy, lazy
+    if "resumed_req_ids" in {f.name for f in dataclasses.fields(CachedRequestData)}:
+        assert plain is None, plain
+    else:
+        assert plain is not None and "resumed_req_ids" in plain, plain

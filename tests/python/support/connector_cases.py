@@ -150,6 +150,12 @@ CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
     # (``lookup_async``: ``get_num_new_matched_tokens`` first returns ``None``).
     "llama_umbp_sync": ("llama", "kv_both", 60, False, "recompute", "umbp_sync"),
     "gemma_umbp_lookup_async": ("gemma", "kv_both", 70, False, "recompute", "umbp_lookup_async"),
+    # LMCacheMPConnector without lazy offload (vLLM 0.32 and 0.33; its server's client faked:
+    # ``connector_driver.FakeLMCacheMPAdapter``): stores of whole chunks, every finished request
+    # held until its stores are done (``finished_sending``), hits loaded async.
+    "llama_lmcache_mp": ("llama", "kv_both", 60, False, "recompute", "lmcache_mp"),
+    "gemma_lmcache_mp": ("gemma", "kv_both", 70, False, "recompute", "lmcache_mp"),
+    "llama_lmcache_mp_async": ("llama", "kv_both", 60, True, "recompute", "lmcache_mp"),
 }
 # The workload's seed and share of remote requests, where a case needs others than the
 # default to show what it claims (the Gemma-like consumers: local hits joined with remote ones).
@@ -299,7 +305,7 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
                 kv_load_failure_policy=policy,
                 kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": role}, example]},
             )
-    elif "lmcache" in conn:
+    elif "lmcache" in conn and conn != "lmcache_mp":
         # Both keys every time: the package's configuration is one object per process.
         lmc: dict[str, Any] = {"lmcache.chunk_size": 64, "lmcache.save_unfull_chunk": conn == "lmcache_unfull"}
         # A lookup that timed out would count as a miss in one run only.
@@ -361,6 +367,8 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             kv_role=role,
             kv_connector_extra_config=umbp_extra,
         )
+    elif conn == "lmcache_mp":
+        ktc = KVTransferConfig(kv_connector="LMCacheMPConnector", kv_role=role)
     elif conn == "module_hashstore":
         ktc = KVTransferConfig(
             kv_connector="HashStoreConnector", kv_connector_module_path="module_connectors", kv_role=role
@@ -391,7 +399,7 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             max_tokens=(1, 40) if shape == "gemma" else (1, 60),
         )
         return setup, w, role
-    if conn in ("example", "multi_example") or "lmcache" in conn:
+    if conn in ("example", "multi_example") or ("lmcache" in conn and conn != "lmcache_mp"):
         multi = conn.startswith("multi_")
         w = PDWorkload(
             num_requests=30,
@@ -438,6 +446,17 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             remote_share=0.0,
             repeat_share=0.5,
             mooncake_store=True,
+            abort_running={"req2", "req13"},
+            batch_queue=2 if overlap else 1,
+            max_tokens=(1, 40) if shape == "gemma" else (1, 60),
+        )
+        return setup, w, role
+    if conn == "lmcache_mp":
+        w = PDWorkload(
+            num_requests=30,
+            remote_share=0.0,
+            repeat_share=0.5,
+            lmcache_mp=True,
             abort_running={"req2", "req13"},
             batch_queue=2 if overlap else 1,
             max_tokens=(1, 40) if shape == "gemma" else (1, 60),

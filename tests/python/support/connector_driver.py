@@ -163,6 +163,13 @@ class PDWorkload:
     # carries it (``UMBPConnectorWorkerMetadata.store_events``), each async load ``recv_delay``
     # steps after (``finished_recving``).
     umbp: bool = False
+    # LMCacheMPConnector (the ``lmcache`` package's, without lazy offload): its LMCache
+    # multiprocess server's client (``LMCacheMPSchedulerAdapter``) replaced by
+    # :class:`FakeLMCacheMPAdapter`, whose lookups answer from the chunks of the stores completed
+    # so far; each store op completes ``send_delay`` steps after the metadata carries it, each
+    # retrieve ``recv_delay`` steps after (``finished_recving``), and each finished request
+    # (held: the connector stores as a producer) is reported sent once its stores are done.
+    lmcache_mp: bool = False
     # The remote requests' ``kv_transfer_params`` as this connector reads them: "nixl"
     # (NixlConnector's) or "mooncake" (MooncakeConnector's: a bootstrap address and a
     # transfer id instead of remote block ids).
@@ -383,6 +390,67 @@ class FakeUMBPRuntime:
         raise AssertionError("the driver fakes the worker side")
 
 
+class FakeLMCacheMPAdapter:
+    """Stands for ``LMCacheMPSchedulerAdapter`` (the LMCache multiprocess server's client on the
+    scheduler, ZMQ in lmcache): a lookup submitted is answered at the next check after the one
+    that submitted it (``None`` first, as a server still prefetching), with the longest prefix
+    of whole chunks whose keys ``stored`` holds at submission; the rest (locks, sessions,
+    telemetry) does nothing. A chunk's key is the prompt's tokens up to its end."""
+
+    #: The chunks present (shared by the run: set by ``run_pd``).
+    stored: set[tuple[int, ...]] = set()
+    chunk: int = 64
+
+    def __init__(self, **kw: Any) -> None:
+        self.lmcache_tokens_per_chunk = type(self).chunk
+        self.blocks_in_chunk = self.lmcache_tokens_per_chunk // int(kw["vllm_block_size"])
+        self._lookups: dict[str, list[int]] = {}  # request -> [hit, checks so far]
+
+    def maybe_submit_lookup_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        cache_salt: str = "",
+        request_configs: Any = None,
+        reserve_last_token: bool = False,
+    ) -> None:
+        if request_id in self._lookups:
+            return
+        n = len(token_ids) - (1 if reserve_last_token else 0)
+        c, hit = self.lmcache_tokens_per_chunk, 0
+        while hit + c <= n and tuple(token_ids[: hit + c]) in type(self).stored:
+            hit += c
+        self._lookups[request_id] = [hit, 0]
+
+    def check_lookup_result(self, request_id: str) -> int | None:
+        entry = self._lookups.get(request_id)
+        if entry is None:
+            return None
+        entry[1] += 1
+        return None if entry[1] == 1 else entry[0]
+
+    def cleanup_lookup_result(self, request_id: str) -> None:
+        self._lookups.pop(request_id, None)
+
+    def num_blocks_per_chunk(self) -> int:
+        return self.blocks_in_chunk
+
+    def free_lookup_locks(self, **kw: Any) -> None:
+        pass
+
+    def end_session(self, request_id: str) -> None:
+        pass
+
+    def report_block_allocations(self, records: Any) -> None:
+        pass
+
+    def reset_cache(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
 def _record_pool(pool: Any, caller: str = "vllm.v1.simple_kv_offload.") -> list[Any]:
     """Wraps the block pool's ``touch`` and ``free_blocks``: each call made from a module
     under ``caller`` (the connector bound to the pool; vLLM's manager touches its own pool for
@@ -432,6 +500,16 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             moon_sched.LookupKeyClient = orig_client  # type: ignore[misc]
         moon = sched.connector.connector_scheduler
         FakeMooncakeLookup.coord = moon._store_coord
+    elif w.lmcache_mp:
+        from lmcache.integration.vllm import lmcache_mp_connector as lmc_mp
+
+        FakeLMCacheMPAdapter.stored = set()
+        orig_adapter = lmc_mp.LMCacheMPSchedulerAdapter
+        lmc_mp.LMCacheMPSchedulerAdapter = FakeLMCacheMPAdapter  # type: ignore[misc]
+        try:
+            sched = setup.build()
+        finally:
+            lmc_mp.LMCacheMPSchedulerAdapter = orig_adapter  # type: ignore[misc]
     elif w.umbp:
         from vllm.distributed.kv_transfer.kv_connector.v1.umbp.runtime import UMBPRuntimeFactory
 
@@ -598,6 +676,10 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     saves_due: dict[int, tuple[int, set[tuple[int, bytes]]]] = {}
     # UMBP store event -> (step it completes, the keys it stores)
     umbp_due: dict[int, tuple[int, set[str]]] = {}
+    # LMCacheMP store op -> (step it completes, the chunks it stores); request -> its last
+    # store's step
+    mp_due: dict[int, tuple[int, set[tuple[int, ...]]]] = {}
+    mp_last_store: dict[str, int] = {}
     send_due: dict[str, int] = {}
     loaded: dict[str, int] = {}  # request -> step its load was reported done
     steps: list[dict[str, Any]] = []
@@ -698,6 +780,9 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             for j in stored:
                 FakeMooncakeLookup.stored |= saves_due.pop(j)[1]
             worker_meta = MooncakeStoreWorkerMetadata(completed_saves={j: 1 for j in stored})
+        if w.lmcache_mp:
+            for j in sorted(j for j, (s, _) in mp_due.items() if s <= step):
+                FakeLMCacheMPAdapter.stored |= mp_due.pop(j)[1]
         if w.umbp:
             from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import (
                 StoreEventResult,
@@ -742,7 +827,10 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         # Finished requests still held (their blocks wait for finished_sending).
         held = sorted(r for r, q in sched.requests.items() if q.is_finished())
         for r in held:
-            if r not in send_due and r in remote and role == "kv_producer":
+            if r not in send_due and w.lmcache_mp:
+                send_due[r] = max(step + w.send_delay, mp_last_store.get(r, 0))
+                counters["delayed_free"] += 1
+            elif r not in send_due and r in remote and role == "kv_producer":
                 send_due[r] = step + w.send_delay
                 counters["delayed_free"] += 1
         d["held"] = held
@@ -822,6 +910,19 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                     keys = {(g, bytes(rm.block_hashes[i])) for g in groups for i in range(n)}
                     counters["stored_blocks"] += n
                     saves_due[rm.store_job_id] = (step + w.send_delay, keys)
+        if w.lmcache_mp:
+            for rm in meta.requests:
+                op = rm.op
+                if rm.direction == "RETRIEVE":
+                    counters["load_events"] += 1
+                    recv_due[rm.request_id] = step + w.recv_delay
+                    continue
+                counters["store_events"] += 1
+                c = FakeLMCacheMPAdapter.chunk
+                chunks = {tuple(op.token_ids[:e]) for e in range(op.start + c, op.end + 1, c)}
+                counters["stored_blocks"] += len(chunks)
+                mp_due[len(mp_due) + counters["store_events"] * 100000] = (step + w.send_delay, chunks)
+                mp_last_store[rm.request_id] = step + w.send_delay
         if w.umbp:
             for rid in meta.load_requests:
                 counters["load_events"] += 1
