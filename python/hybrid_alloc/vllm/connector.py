@@ -46,15 +46,16 @@ vLLM's semantics:
   back blocks as MooncakeStore's jobs do, and with several groups its lookup asks the pool
   which blocks are local (``get_cached_block``); its hits come from the ``umbp`` runtime
   (``*_umbp*`` cases, the runtime faked);
-- ``LMCacheMPConnector`` (the ``lmcache`` package's) without lazy offload, with attention
-  groups of one block size, on 0.32 and 0.33: its scheduler side asks its multiprocess server
-  and reads none of the manager (``*_lmcache_mp*`` cases, the server's client faked);
+- ``LMCacheMPConnector`` (the ``lmcache`` package's) with attention groups of one block size,
+  on 0.32 and 0.33: its scheduler side asks its multiprocess server and reads none of the
+  manager (``*_lmcache_mp*`` cases, the server's client faked); with lazy offload (one group
+  only) it walks the free queue's front (``fake_free_list_head``, ``next_free_block``) and pins
+  the blocks it stores;
 - ``MultiConnector`` whose children are all served.
 
 Anything else falls back to vLLM's own manager with one line naming the connector:
 connectors whose scheduler side reaches into vLLM's ``BlockPool`` / coordinator internals
-(HiSparse, ...; LMCacheMPConnector with lazy offload, which
-reads the ``BlockPool``'s free queue and blocks: lmcache's ``lazy_offload_policy/eviction_aware.py``), connectors
+(HiSparse, ...), connectors
 loaded from a module path, and, with Mamba layers, any connector but
 NixlConnector (its variants) and the OffloadingConnector, alone or under MultiConnectors over
 them only. With Mamba layers NixlConnector's local hit is vLLM's per-group one
@@ -252,9 +253,13 @@ def _lmcache_mp_unserved(extra: Any, kvc: KVCacheConfig | None) -> str | None:
     runs it (its server's client faked: ``test_connector_vllm.py``'s ``*_lmcache_mp*`` cases):
     attention groups of one block size, on releases whose ``CachedRequestData`` has
     ``resumed_req_ids`` (0.32, 0.33; lmcache 0.5.6 reads it, so on 0.34 it raises with vLLM's
-    manager too). With lazy offload its store queue walks the pool's free list
-    (``free_block_queue.fake_free_list_head``, ``next_free_block``), which the facade does not
-    serve: falls back; so do Mamba layers and mixed block sizes (not tested)."""
+    manager too). With ``lmcache.mp.lazy_offload`` its eviction-aware policy walks the front of
+    the pool's free queue each step (``free_block_queue.fake_free_list_head``, then
+    ``next_free_block``, one crossing per link: :class:`~hybrid_alloc.vllm.blocks.FreeListEnd`)
+    and pins the blocks it stores (``blocks[i]``, ``touch``, ``free_blocks``), which the facade
+    serves: served with one KV cache group (``*_lmcache_mp_lazy*`` cases), not with several
+    (not tested) nor with two-level pages (no ``touch``). Mamba layers and mixed block sizes
+    fall back (not tested)."""
     import dataclasses
 
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -266,8 +271,8 @@ def _lmcache_mp_unserved(extra: Any, kvc: KVCacheConfig | None) -> str | None:
         return "LMCacheMPConnector (does not import here)"
     if not cls.__module__.startswith("lmcache."):
         return f"LMCacheMPConnector ({cls.__name__}: vLLM's in-tree copy, without the lmcache package's)"
-    if (extra or {}).get("lmcache.mp.lazy_offload", False):
-        return "LMCacheMPConnector (lmcache.mp.lazy_offload: it walks the block pool's free list and pins blocks)"
+    if (extra or {}).get("lmcache.mp.lazy_offload", False) and _pages_two_level():
+        return "LMCacheMPConnector (lazy offload with two-level pages, whose block pool does not serve touch)"
     if "resumed_req_ids" not in {f.name for f in dataclasses.fields(CachedRequestData)}:
         return (
             "LMCacheMPConnector (the lmcache package reads CachedRequestData.resumed_req_ids, "
@@ -278,6 +283,8 @@ def _lmcache_mp_unserved(extra: Any, kvc: KVCacheConfig | None) -> str | None:
         return "LMCacheMPConnector (with Mamba layers: not tested with hybrid_alloc)"
     if len({g.kv_cache_spec.block_size for g in groups}) > 1:
         return "LMCacheMPConnector (with groups of different block sizes: not tested with hybrid_alloc)"
+    if (extra or {}).get("lmcache.mp.lazy_offload", False) and len(groups) > 1:
+        return "LMCacheMPConnector (lazy offload with several KV cache groups: not tested with hybrid_alloc)"
     return None
 
 

@@ -128,6 +128,16 @@ def test_connector_scheduler_identical(case: str) -> None:
         if policy == "fail":
             # And hits behind a longer local one (a negative external count).
             assert calls["evict_blocks"] > 0 and calls["alloc_negative_external"] > 0
+    elif conn == "lmcache_mp_lazy":
+        # Lazy offload: stores of the blocks near the free queue's front, each walk of it
+        # (``fake_free_list_head`` / ``next_free_block``: the blocks and their ranks) and every
+        # pin and unpin compared call by call above; async loads, preemption; no delayed frees.
+        pool = ref["pool_calls"]
+        walks = [p for p in pool if p[0] == "walk"]
+        assert c["store_events"] > 10 and c["load_events"] > 5 and c["recv"] == c["load_events"]
+        assert len(walks) > 100 and sum(len(p[2]) for p in walks) > 1000
+        assert sum(p[0] == "touch" for p in pool) > 10 and sum(p[0] == "free" for p in pool) > 10
+        assert c["delayed_free"] == 0 and c["preempted"] > 0 and calls["alloc_local_and_external"] > 50
     elif conn == "lmcache_mp":
         # Stores of whole chunks, every finished request held until its stores are done
         # (delayed frees), async loads of the stored prefixes behind local hits (not on the
@@ -364,6 +374,8 @@ def test_simple_cpu_offload_under_hit_aware_keeps_invariants(case: str, monkeypa
         ("touch_skips_last", "llama_simple_lazy"),
         ("touch_skips_last", "llama_mooncake_store"),
         ("touch_skips_last", "llama_umbp"),
+        ("next_skips_one", "llama_lmcache_mp_lazy"),
+        ("touch_skips_last", "llama_lmcache_mp_lazy"),
     ],
 )
 def test_pool_facade_planted_bug_is_caught(bug: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -371,12 +383,26 @@ def test_pool_facade_planted_bug_is_caught(bug: str, case: str, monkeypatch: pyt
     the lazy stores give back at the back instead of the front, or pins one block fewer fails
     the step-by-step comparison with vLLM's manager (the store decisions in the metadata, the
     pool calls, the allocations that follow, or a free the core refuses), with
-    SimpleCPUOffload, MooncakeStore and UMBP."""
+    SimpleCPUOffload, MooncakeStore and UMBP; a free-queue link that skips a block fails it with
+    LMCacheMP's lazy offload (its walks, compared call by call)."""
     from connector_driver import assert_same_pd
     from hybrid_alloc.vllm import facades
 
     _skip_without_umbp(case)
-    if bug == "walk_skips_front":
+    if "lmcache" in case and (importlib.util.find_spec("lmcache") is None or not _lmcache_reads_this_vllm()):
+        pytest.skip("lmcache's scheduler side does not run on this vLLM (0.34) or is not installed")
+    if bug == "next_skips_one":
+        from hybrid_alloc.vllm import blocks
+
+        orig_next = blocks.NativeBlock.next_free_block.fget
+        assert orig_next is not None
+
+        def next_skips_one(self: Any) -> Any:
+            nxt = orig_next(self)
+            return orig_next(nxt) if isinstance(nxt, blocks.NativeBlock) else nxt
+
+        monkeypatch.setattr(blocks.NativeBlock, "next_free_block", property(next_skips_one))
+    elif bug == "walk_skips_front":
         orig_walk = facades.NativeFreeBlockQueue.iter_blocks_after
 
         def walk(self: Any, block: Any) -> Any:
@@ -839,24 +865,28 @@ def test_boundary_state_offloads_dropped_with_freed_blocks() -> None:
     assert out["vllm"][1] == out["hybrid_alloc"][1]
 
 
-def test_lmcache_mp_connector_served_or_its_reason() -> None:
-    """``LMCacheMPConnector`` (the lmcache package's) without lazy offload is served on releases
-    whose ``CachedRequestData`` has ``resumed_req_ids`` (the ``*_lmcache_mp*`` cases prove it);
-    with ``lmcache.mp.lazy_offload`` (it walks the pool's free list), on 0.34, with Mamba layers
-    or without the package (vLLM's in-tree copy) it falls back with its reason."""
+def test_lmcache_mp_connector_served_or_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LMCacheMPConnector`` (the lmcache package's) is served, with or without lazy offload, on
+    releases whose ``CachedRequestData`` has ``resumed_req_ids`` (the ``*_lmcache_mp*`` cases
+    prove it); on 0.34, with lazy offload under two-level pages (no ``touch``) or without the
+    package (vLLM's in-tree copy) it falls back with its reason."""
     from vllm.v1.core.sched.output import CachedRequestData
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from hybrid_alloc.vllm.connector import _unserved
 
     kvc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[])
+    lazy_extra = {"lmcache.mp.lazy_offload": True}
     plain = _unserved("LMCacheMPConnector", None, {}, kvc)
-    lazy = _unserved("LMCacheMPConnector", None, {"lmcache.mp.lazy_offload": True}, kvc)
+    lazy = _unserved("LMCacheMPConnector", None, lazy_extra, kvc)
     if importlib.util.find_spec("lmcache") is None:
         assert plain is not None and "in-tree" in plain, plain
         return
-    assert lazy is not None and "lazy_offload" in lazy, lazy
     if "resumed_req_ids" in {f.name for f in dataclasses.fields(CachedRequestData)}:
-        assert plain is None, plain
+        assert plain is None and lazy is None, (plain, lazy)
     else:
         assert plain is not None and "resumed_req_ids" in plain, plain
+    monkeypatch.setenv("HYBRID_ALLOC_PAGES", "two-level")
+    paged = _unserved("LMCacheMPConnector", None, lazy_extra, kvc)
+    assert paged is not None and "two-level pages" in paged, paged
+    assert _unserved("LMCacheMPConnector", None, {}, kvc) == plain

@@ -156,6 +156,12 @@ CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
     "llama_lmcache_mp": ("llama", "kv_both", 60, False, "recompute", "lmcache_mp"),
     "gemma_lmcache_mp": ("gemma", "kv_both", 70, False, "recompute", "lmcache_mp"),
     "llama_lmcache_mp_async": ("llama", "kv_both", 60, True, "recompute", "lmcache_mp"),
+    # With ``lmcache.mp.lazy_offload`` (its eviction-aware policy): stores deferred until the
+    # blocks near the free queue's front (``fake_free_list_head`` / ``next_free_block``), pinned
+    # while stored (``touch``, ``free_blocks``), completions in the worker metadata. (On the
+    # Gemma-like model at these sizes it stores nothing: not a case, and not served there.)
+    "llama_lmcache_mp_lazy": ("llama", "kv_both", 60, False, "recompute", "lmcache_mp_lazy"),
+    "llama_lmcache_mp_lazy_async": ("llama", "kv_both", 60, True, "recompute", "lmcache_mp_lazy"),
 }
 # The workload's seed and share of remote requests, where a case needs others than the
 # default to show what it claims (the Gemma-like consumers: local hits joined with remote ones).
@@ -305,7 +311,7 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
                 kv_load_failure_policy=policy,
                 kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": role}, example]},
             )
-    elif "lmcache" in conn and conn != "lmcache_mp":
+    elif "lmcache" in conn and not conn.startswith("lmcache_mp"):
         # Both keys every time: the package's configuration is one object per process.
         lmc: dict[str, Any] = {"lmcache.chunk_size": 64, "lmcache.save_unfull_chunk": conn == "lmcache_unfull"}
         # A lookup that timed out would count as a miss in one run only.
@@ -367,8 +373,12 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             kv_role=role,
             kv_connector_extra_config=umbp_extra,
         )
-    elif conn == "lmcache_mp":
-        ktc = KVTransferConfig(kv_connector="LMCacheMPConnector", kv_role=role)
+    elif conn in ("lmcache_mp", "lmcache_mp_lazy"):
+        ktc = KVTransferConfig(
+            kv_connector="LMCacheMPConnector",
+            kv_role=role,
+            kv_connector_extra_config={"lmcache.mp.lazy_offload": conn == "lmcache_mp_lazy"},
+        )
     elif conn == "module_hashstore":
         ktc = KVTransferConfig(
             kv_connector="HashStoreConnector", kv_connector_module_path="module_connectors", kv_role=role
@@ -399,7 +409,7 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             max_tokens=(1, 40) if shape == "gemma" else (1, 60),
         )
         return setup, w, role
-    if conn in ("example", "multi_example") or ("lmcache" in conn and conn != "lmcache_mp"):
+    if conn in ("example", "multi_example") or ("lmcache" in conn and not conn.startswith("lmcache_mp")):
         multi = conn.startswith("multi_")
         w = PDWorkload(
             num_requests=30,
@@ -451,7 +461,7 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             max_tokens=(1, 40) if shape == "gemma" else (1, 60),
         )
         return setup, w, role
-    if conn == "lmcache_mp":
+    if conn in ("lmcache_mp", "lmcache_mp_lazy"):
         w = PDWorkload(
             num_requests=30,
             remote_share=0.0,

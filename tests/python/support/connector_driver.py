@@ -441,6 +441,9 @@ class FakeLMCacheMPAdapter:
     def end_session(self, request_id: str) -> None:
         pass
 
+    def update_pending_store_count(self, req_id: str, count: int) -> bool:
+        return count >= 1  # one worker
+
     def report_block_allocations(self, records: Any) -> None:
         pass
 
@@ -568,6 +571,21 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         pool_calls = _record_pool(mgr.block_pool, "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.")
     elif w.umbp:
         pool_calls = _record_pool(mgr.block_pool, "vllm.distributed.kv_transfer.kv_connector.v1.umbp.")
+    elif w.lmcache_mp:
+        pool_calls = _record_pool(mgr.block_pool, "lmcache.integration.vllm.")
+        lazy = getattr(sched.connector, "_lazy_offload_manager", None)
+        policy = getattr(lazy, "_policy", None)
+        if policy is not None and hasattr(policy, "_free_queue_ranks"):
+            # Its eviction-aware policy's walks of the free queue's front (through
+            # ``fake_free_list_head`` / ``next_free_block``): each walk's blocks and ranks.
+            orig_ranks = policy._free_queue_ranks
+
+            def free_queue_ranks(depth: int) -> dict[int, int]:
+                ranks = orig_ranks(depth)
+                pool_calls.append(("walk", depth, sorted(ranks.items())))
+                return ranks
+
+            policy._free_queue_ranks = free_queue_ranks
     second_keys = {"n": 0}
     if w.simple_cpu:
         # The stored blocks that hold second keys (partial hash hits), as the connector reads
@@ -678,7 +696,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     umbp_due: dict[int, tuple[int, set[str]]] = {}
     # LMCacheMP store op -> (step it completes, the chunks it stores); request -> its last
     # store's step
-    mp_due: dict[int, tuple[int, set[tuple[int, ...]]]] = {}
+    mp_due: dict[int, tuple[int, set[tuple[int, ...]], str]] = {}
     mp_last_store: dict[str, int] = {}
     send_due: dict[str, int] = {}
     loaded: dict[str, int] = {}  # request -> step its load was reported done
@@ -781,8 +799,15 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                 FakeMooncakeLookup.stored |= saves_due.pop(j)[1]
             worker_meta = MooncakeStoreWorkerMetadata(completed_saves={j: 1 for j in stored})
         if w.lmcache_mp:
-            for j in sorted(j for j, (s, _) in mp_due.items() if s <= step):
-                FakeLMCacheMPAdapter.stored |= mp_due.pop(j)[1]
+            from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPWorkerMetadata
+
+            done: dict[str, int] = {}
+            for j in sorted(j for j, (s, _, _) in mp_due.items() if s <= step):
+                _, chunks, rid = mp_due.pop(j)
+                FakeLMCacheMPAdapter.stored |= chunks
+                done[rid] = 1
+            # (Read in lazy mode only: each request's coalesced store of the step, done.)
+            worker_meta = LMCacheMPWorkerMetadata(completed_store_requests=done, failed_store_requests=set())
         if w.umbp:
             from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import (
                 StoreEventResult,
@@ -921,7 +946,7 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                 c = FakeLMCacheMPAdapter.chunk
                 chunks = {tuple(op.token_ids[:e]) for e in range(op.start + c, op.end + 1, c)}
                 counters["stored_blocks"] += len(chunks)
-                mp_due[len(mp_due) + counters["store_events"] * 100000] = (step + w.send_delay, chunks)
+                mp_due[counters["store_events"]] = (step + w.send_delay, chunks, rm.request_id)
                 mp_last_store[rm.request_id] = step + w.send_delay
         if w.umbp:
             for rid in meta.load_requests:
