@@ -51,7 +51,7 @@ vLLM's semantics:
   manager (``*_lmcache_mp*`` cases, the server's client faked); with lazy offload (one group
   only) it walks the free queue's front (``fake_free_list_head``, ``next_free_block``) and pins
   the blocks it stores;
-- ``MultiConnector`` whose children are all served.
+- ``MultiConnector`` whose children are all served (UMBP and LMCacheMP alone only).
 
 Anything else falls back to vLLM's own manager with one line naming the connector:
 connectors whose scheduler side reaches into vLLM's ``BlockPool`` / coordinator internals
@@ -109,6 +109,10 @@ NATIVE_CONNECTORS: frozenset[str] = frozenset(
 SINGLE_GROUP_CONNECTORS: frozenset[str] = frozenset({"ExampleConnector", "LMCacheConnectorV1"})
 
 
+# Served alone only: no parity case runs them under a MultiConnector.
+_NOT_UNDER_MULTI = frozenset({"UMBPStoreConnector", "LMCacheMPConnector"})
+
+
 def _offloads_every_cached_group(kvc: KVCacheConfig) -> bool:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
 
@@ -136,6 +140,10 @@ def _unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> st
             )
             if bad is not None:
                 return f"MultiConnector over {bad}"
+            if c.get("kv_connector") in _NOT_UNDER_MULTI:
+                return (
+                    f"MultiConnector over {c.get('kv_connector')} (not tested with hybrid_alloc under a MultiConnector)"
+                )
         return None
     if name == "OffloadingConnector":
         return None if _offloads_every_cached_group(kvc) else "OffloadingConnector (with groups it does not offload)"

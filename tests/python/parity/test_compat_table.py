@@ -365,6 +365,13 @@ def test_kv_connector_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         native, reason = _decide(_kwargs(_specs("full")), vllm_config=partial)
         assert not native and reason.startswith("KV connector UMBPStoreConnector (enable_partial_hash_hits"), reason
         assert "(enable_partial_hash_hits: not tested with hybrid_alloc)" in cell
+        multi = vc(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"connectors": [{"kv_connector": "UMBPStoreConnector", "kv_role": "kv_both"}]},
+        )
+        native, reason = _decide(_kwargs(_specs("full")), vllm_config=multi)
+        assert not native and f'"{reason}"' in cell, reason
     # MooncakeConnector: served as NixlConnector (its scheduler side reads KVCacheBlocks only).
     mooncake = vc(kv_connector="MooncakeConnector", kv_role="kv_both")
     assert _decide(_kwargs(_specs("swa_retained")), vllm_config=mooncake) == (True, "")
