@@ -1,7 +1,8 @@
 """The ``KVCacheBlocks`` the adapter hands to vLLM, and the block views behind them.
 
 - :class:`NativeBlock`: one block as ``KVCacheBlocks.blocks`` shows it (``block_id``,
-  ``is_null``, ``ref_cnt``, ``block_hash``), made on demand, never on the hot path;
+  ``is_null``, ``ref_cnt``, ``block_hash``, ``next_free_block``), made on demand, never on
+  the hot path; :class:`FreeListEnd`: the free queue's fake head and tail (their links only);
 - :class:`BlockViews`: one manager's views, one per block id, made on first read and then
   the same object wherever a block is handed out (``KVCacheBlocks.blocks``,
   ``block_pool.blocks[i]``, ``pop_blocks_for_free``, ``req_to_blocks``...), as vLLM hands out
@@ -29,7 +30,15 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from hybrid_alloc._core import Allocator, BlockIds, EmptyBlockIds, GetBlockIds
 
-__all__ = ["BlockViews", "EmptyKVCacheBlocks", "HitBlocks", "NativeBlock", "NativeKVCacheBlocks", "views_of"]
+__all__ = [
+    "BlockViews",
+    "EmptyKVCacheBlocks",
+    "FreeListEnd",
+    "HitBlocks",
+    "NativeBlock",
+    "NativeKVCacheBlocks",
+    "views_of",
+]
 
 
 class NativeBlock:
@@ -62,6 +71,19 @@ class NativeBlock:
     def block_hash_num_tokens(self) -> int | None:
         return self._alloc.block_hash_num_tokens(self._key)
 
+    @property
+    def next_free_block(self) -> NativeBlock | FreeListEnd | None:
+        """vLLM's link in the free queue (``KVCacheBlock.next_free_block``; LMCacheMP's lazy
+        offload walks the queue's front through it): the free block after this one, the
+        queue's tail sentinel after the last, ``None`` for a block not in the queue. One
+        crossing (two after the queue's last block). Read-only."""
+        ids = self._alloc.free_queue_after(self._key, 1)
+        if ids:
+            return views_of(self._alloc)[ids[0]]
+        if self.block_id != 0 and self._alloc.ref_cnt(self._key) == 0:
+            return FreeListEnd.TAIL
+        return None
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, NativeBlock) and other._key == self._key
 
@@ -70,6 +92,31 @@ class NativeBlock:
 
     def __repr__(self) -> str:
         return f"NativeBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class FreeListEnd:
+    """vLLM's free queue's fake head or tail (``free_block_queue.fake_free_list_head`` /
+    ``fake_free_list_tail``, ``KVCacheBlock`` with ``block_id`` -1): the head's
+    ``next_free_block`` is the queue's first block (the tail when it is empty), the tail's is
+    ``None``. Only the links are served."""
+
+    __slots__ = ("_alloc",)
+    TAIL: FreeListEnd
+    block_id = -1
+    block_hash = None
+
+    def __init__(self, alloc: Allocator | None) -> None:
+        self._alloc = alloc  # the head's allocator; None for the tail
+
+    @property
+    def next_free_block(self) -> NativeBlock | FreeListEnd | None:
+        if self._alloc is None:
+            return None
+        ids = self._alloc.free_queue_after(None, 1)
+        return views_of(self._alloc)[ids[0]] if ids else FreeListEnd.TAIL
+
+
+FreeListEnd.TAIL = FreeListEnd(None)
 
 
 class BlockViews(Sequence[NativeBlock]):

@@ -41,12 +41,21 @@ vLLM's semantics:
 - ``MooncakeStoreConnector`` with attention groups of one block size: its store jobs pin the
   blocks they read (``blocks[i]``, ``touch``) and give them back (``free_blocks``); its hits
   come from the store (``*_mooncake_store*`` cases, its lookups faked);
-- ``MultiConnector`` whose children are all served.
+- ``UMBPStoreConnector`` (vLLM 0.34 by name, 0.33 from its module path) with attention groups
+  of one block size, without its ``enable_partial_hash_hits``: its store events pin and give
+  back blocks as MooncakeStore's jobs do, and with several groups its lookup asks the pool
+  which blocks are local (``get_cached_block``); its hits come from the ``umbp`` runtime
+  (``*_umbp*`` cases, the runtime faked);
+- ``LMCacheMPConnector`` (the ``lmcache`` package's) with attention groups of one block size,
+  on 0.32 and 0.33: its scheduler side asks its multiprocess server and reads none of the
+  manager (``*_lmcache_mp*`` cases, the server's client faked); with lazy offload (one group
+  only) it walks the free queue's front (``fake_free_list_head``, ``next_free_block``) and pins
+  the blocks it stores;
+- ``MultiConnector`` whose children are all served (UMBP and LMCacheMP alone only).
 
 Anything else falls back to vLLM's own manager with one line naming the connector:
 connectors whose scheduler side reaches into vLLM's ``BlockPool`` / coordinator internals
-(UMBP, HiSparse, ...; LMCacheMPConnector, whose lazy offload
-reads the ``BlockPool``'s free queue and blocks: lmcache's ``lazy_offload_policy/eviction_aware.py``), connectors
+(HiSparse, ...), connectors
 loaded from a module path, and, with Mamba layers, any connector but
 NixlConnector (its variants) and the OffloadingConnector, alone or under MultiConnectors over
 them only. With Mamba layers NixlConnector's local hit is vLLM's per-group one
@@ -100,6 +109,10 @@ NATIVE_CONNECTORS: frozenset[str] = frozenset(
 SINGLE_GROUP_CONNECTORS: frozenset[str] = frozenset({"ExampleConnector", "LMCacheConnectorV1"})
 
 
+# Served alone only: no parity case runs them under a MultiConnector.
+_NOT_UNDER_MULTI = frozenset({"UMBPStoreConnector", "LMCacheMPConnector"})
+
+
 def _offloads_every_cached_group(kvc: KVCacheConfig) -> bool:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
 
@@ -127,17 +140,23 @@ def _unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> st
             )
             if bad is not None:
                 return f"MultiConnector over {bad}"
+            if c.get("kv_connector") in _NOT_UNDER_MULTI:
+                return (
+                    f"MultiConnector over {c.get('kv_connector')} (not tested with hybrid_alloc under a MultiConnector)"
+                )
         return None
     if name == "OffloadingConnector":
         return None if _offloads_every_cached_group(kvc) else "OffloadingConnector (with groups it does not offload)"
     if name == "LMCacheConnectorV1" and (extra or {}).get("use_native", False):
         return "LMCacheConnectorV1 (use_native: vLLM's in-tree lmcache_integration copy)"
     if name == "LMCacheMPConnector":
-        return _lmcache_mp_unserved(extra)
+        return _lmcache_mp_unserved(extra, kvc)
     if name == "SimpleCPUOffloadConnector":
         return _simple_cpu_offload_unserved()
     if name == "MooncakeStoreConnector":
         return _mooncake_store_unserved(kvc)
+    if name == "UMBPStoreConnector":
+        return _umbp_unserved(extra, kvc)
     if name in SINGLE_GROUP_CONNECTORS:
         return _single_group_unserved(str(name), kvc)
     return None if name in NATIVE_CONNECTORS else str(name)
@@ -177,6 +196,35 @@ def _mooncake_store_unserved(kvc: KVCacheConfig) -> str | None:
     return None
 
 
+def _umbp_unserved(extra: Any, kvc: KVCacheConfig) -> str | None:
+    """``UMBPStoreConnector`` (vLLM 0.33 and 0.34; its scheduler side, ``umbp/scheduler.py``):
+    its store events pin the blocks they read in the scheduler's pool (``blocks[i]``,
+    ``touch``) and give them back when every worker is done (``free_blocks``); with several
+    groups its lookup asks the manager's ``coordinator.single_type_managers[g].block_pool
+    .get_cached_block`` which blocks are local; its hits come from the ``umbp`` runtime
+    (``UMBPSchedulerHandle.lookup``), not from the manager. All of it the pool facade serves.
+    Served where a parity test runs it (its runtime faked: ``test_connector_vllm.py``'s
+    ``*_umbp*`` cases): attention groups of one block size, without its
+    ``enable_partial_hash_hits``. With Mamba groups it also stores the boundary states and
+    partial tails the manager hands it (``register_finished_partial_tail`` pins them), and with
+    groups of different block sizes or partial hash hits it loads partial blocks: not tested,
+    so not served."""
+    import importlib.util
+
+    if importlib.util.find_spec(_UMBP_MODULE) is None:  # vLLM 0.32 (its factory refuses the name too)
+        return "UMBPStoreConnector (not in this vLLM release)"
+    groups = kvc.kv_cache_groups
+    if any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups):
+        return "UMBPStoreConnector (with Mamba layers: not tested with hybrid_alloc)"
+    if len({g.kv_cache_spec.block_size for g in groups}) > 1:
+        return "UMBPStoreConnector (with groups of different block sizes: not tested with hybrid_alloc)"
+    if (extra or {}).get("enable_partial_hash_hits", False):
+        return "UMBPStoreConnector (enable_partial_hash_hits: not tested with hybrid_alloc)"
+    if _pages_two_level():
+        return "UMBPStoreConnector (with two-level pages, whose block pool does not serve touch)"
+    return None
+
+
 def _pages_two_level() -> bool:
     """Whether two-level pages are asked for (``HYBRID_ALLOC_PAGES``; a bad value counts as
     not: the plan reports it itself)."""
@@ -200,15 +248,30 @@ def _single_group_unserved(label: str, kvc: KVCacheConfig) -> str | None:
     return None
 
 
-def _lmcache_mp_unserved(extra: Any) -> str:
-    """``LMCacheMPConnector`` falls back. vLLM resolves the name to the ``lmcache`` package's
-    connector when that imports (else to its in-tree ``LMCacheMPConnectorUpstream``, which needs
-    vLLM's ``lmcache_integration`` copy). The package's scheduler side reads none of the
-    manager but with ``lmcache.mp.lazy_offload``, whose store queue walks the pool's free list
-    (``free_block_queue.fake_free_list_head``, ``next_free_block``) and pins blocks
-    (``block_pool.touch``); without it, it asks an LMCache multiprocess server, which no test
-    here runs, so it is not served either (the reason says which)."""
+def _lmcache_mp_unserved(extra: Any, kvc: KVCacheConfig | None) -> str | None:
+    """``LMCacheMPConnector``. vLLM resolves the name to the ``lmcache`` package's connector
+    when that imports (0.32 and 0.33 through their in-tree module, which re-exports it; 0.34
+    directly; else to vLLM's in-tree ``LMCacheMPConnectorUpstream``, which needs vLLM's
+    ``lmcache_integration`` copy: falls back). The package's scheduler side (tested with
+    lmcache 0.5.6, ``lmcache/integration/vllm/lmcache_mp_connector.py``) without
+    ``lmcache.mp.lazy_offload`` reads none of the manager: it asks its LMCache multiprocess
+    server (``LMCacheMPSchedulerAdapter``: lookups, locks, sessions) and tracks each request's
+    blocks from ``update_state_after_alloc`` and the SchedulerOutput; as a producer it holds every
+    finished request until its stores are done (``finished_sending``). Served where a parity test
+    runs it (its server's client faked: ``test_connector_vllm.py``'s ``*_lmcache_mp*`` cases):
+    attention groups of one block size, on releases whose ``CachedRequestData`` has
+    ``resumed_req_ids`` (0.32, 0.33; lmcache 0.5.6 reads it, so on 0.34 it raises with vLLM's
+    manager too). With ``lmcache.mp.lazy_offload`` its eviction-aware policy walks the front of
+    the pool's free queue each step (``free_block_queue.fake_free_list_head``, then
+    ``next_free_block``, one crossing per link: :class:`~hybrid_alloc.vllm.blocks.FreeListEnd`)
+    and pins the blocks it stores (``blocks[i]``, ``touch``, ``free_blocks``), which the facade
+    serves: served with one KV cache group (``*_lmcache_mp_lazy*`` cases), not with several
+    (not tested) nor with two-level pages (no ``touch``). Mamba layers and mixed block sizes
+    fall back (not tested)."""
+    import dataclasses
+
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.core.sched.output import CachedRequestData
 
     try:
         cls = KVConnectorFactory.get_connector_class_by_name("LMCacheMPConnector")
@@ -216,19 +279,40 @@ def _lmcache_mp_unserved(extra: Any) -> str:
         return "LMCacheMPConnector (does not import here)"
     if not cls.__module__.startswith("lmcache."):
         return f"LMCacheMPConnector ({cls.__name__}: vLLM's in-tree copy, without the lmcache package's)"
-    if (extra or {}).get("lmcache.mp.lazy_offload", False):
-        return "LMCacheMPConnector (lmcache.mp.lazy_offload: it walks the block pool's free list and pins blocks)"
-    return "LMCacheMPConnector (its LMCache multiprocess server is not tested with hybrid_alloc)"
+    if (extra or {}).get("lmcache.mp.lazy_offload", False) and _pages_two_level():
+        return "LMCacheMPConnector (lazy offload with two-level pages, whose block pool does not serve touch)"
+    if "resumed_req_ids" not in {f.name for f in dataclasses.fields(CachedRequestData)}:
+        return (
+            "LMCacheMPConnector (the lmcache package reads CachedRequestData.resumed_req_ids, "
+            "which this vLLM does not have: not tested with hybrid_alloc)"
+        )
+    groups = kvc.kv_cache_groups if kvc is not None else []
+    if any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups):
+        return "LMCacheMPConnector (with Mamba layers: not tested with hybrid_alloc)"
+    if len({g.kv_cache_spec.block_size for g in groups}) > 1:
+        return "LMCacheMPConnector (with groups of different block sizes: not tested with hybrid_alloc)"
+    if (extra or {}).get("lmcache.mp.lazy_offload", False) and len(groups) > 1:
+        return "LMCacheMPConnector (lazy offload with several KV cache groups: not tested with hybrid_alloc)"
+    return None
+
+
+# vLLM's connectors that a release has without registering their name (loaded from a module
+# path there): name -> the class's module. vLLM 0.33's UMBPStoreConnector (0.34 registers it).
+_UMBP_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.umbp"
+_UNREGISTERED: dict[str, str] = {"UMBPStoreConnector": f"{_UMBP_MODULE}.connector"}
 
 
 def _registered_name(cls: type) -> str | None:
     """The name vLLM's connector registry resolves to exactly ``cls``, if any (a module path
     naming one of vLLM's own connectors, or the ``lmcache`` package's ``LMCacheMPConnector``,
-    which vLLM's registered name resolves to when it imports)."""
+    which vLLM's registered name resolves to when it imports), or the name of one of vLLM's
+    connectors its release does not register (``_UNREGISTERED``)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     registry = getattr(KVConnectorFactory, "_registry", {})
     name = cls.__name__
+    if name not in registry and _UNREGISTERED.get(name) == cls.__module__:
+        return name
     if name in registry:
         try:
             if registry[name]() is cls:

@@ -6,7 +6,7 @@ in vLLM's shapes, served by the manager's native core.
 
 - ``block_pool.blocks[i]``: the block's one view (:class:`~hybrid_alloc.vllm.blocks.BlockViews`);
   ``block_pool.free_block_queue``: the free queue, read-only (:class:`NativeFreeBlockQueue`),
-  walked in chunks; ``block_pool.touch`` / ``free_blocks`` (a connector's pins, given back);
+  walked in chunks, or link by link from ``fake_free_list_head`` (``next_free_block``); ``block_pool.touch`` / ``free_blocks`` (a connector's pins, given back);
   ``block_pool.cached_block_hashes_by_block``: a block's second keys (:class:`CachedBlockHashesByBlock`);
 - ``single_type_managers[g]``: an instance of a class registered as a virtual subclass of the
   vLLM manager class vLLM would build for the group (``isinstance(m, MambaManager)`` and
@@ -36,7 +36,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from hybrid_alloc.vllm.blocks import BlockViews, NativeBlock
+from hybrid_alloc.vllm.blocks import BlockViews, FreeListEnd, NativeBlock
 from hybrid_alloc.vllm.state import LiveBlocks
 
 if TYPE_CHECKING:
@@ -74,6 +74,16 @@ class NativeFreeBlockQueue:
     @property
     def num_free_blocks(self) -> int:
         return self._views._alloc.num_free_blocks
+
+    @property
+    def fake_free_list_head(self) -> FreeListEnd:
+        """vLLM's sentinel before the queue's first block: walked through ``next_free_block``
+        (one crossing per link; LMCacheMP's lazy offload reads a bounded prefix each step)."""
+        return FreeListEnd(self._views._alloc)
+
+    @property
+    def fake_free_list_tail(self) -> FreeListEnd:
+        return FreeListEnd.TAIL
 
     def get_all_free_blocks(self) -> list[NativeBlock]:
         """The free blocks, front (evicted first) to back. One crossing, O(free blocks)."""

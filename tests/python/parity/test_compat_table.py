@@ -6,6 +6,7 @@ is the one quoted in that row's cell for this release."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any
@@ -296,11 +297,27 @@ def test_kv_connector_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     off = vc(kv_connector="OffloadingConnector", kv_role="kv_both")
     assert _decide(_kwargs(_specs("swa_retained")), vllm_config=off) == (True, "")
     assert _cell("the native `OffloadingConnector`").startswith("native")
-    native, reason = _decide(
-        _kwargs(_specs("full")), vllm_config=vc(kv_connector="LMCacheMPConnector", kv_role="kv_both")
+    # LMCacheMPConnector: served where lmcache's scheduler side runs (0.32, 0.33), its lazy
+    # offload with one group only; 0.34 and Mamba layers fall back with their reason.
+    mp = vc(kv_connector="LMCacheMPConnector", kv_role="kv_both")
+    lazy = vc(
+        kv_connector="LMCacheMPConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"lmcache.mp.lazy_offload": True},
     )
-    # Its reason says why (its multiprocess server untested, or vLLM's in-tree copy).
-    assert not native and reason.startswith("KV connector LMCacheMPConnector (") and reason.endswith(") is configured")
+    cell = _cell("`LMCacheMPConnector`")
+    if importlib.util.find_spec("lmcache") is not None:
+        native, reason = _decide(_kwargs(_specs("swa_retained")), vllm_config=lazy)
+        assert not native and f'"{reason}"' in cell, reason
+        native, reason = _decide(_kwargs(_specs("full")), vllm_config=mp)
+        if cell.startswith("native"):
+            assert native and reason == "", reason
+            assert _decide(_kwargs(_specs("full")), vllm_config=lazy) == (True, "")
+            assert _decide(_kwargs(_specs("swa_retained")), vllm_config=mp) == (True, "")
+            native, reason = _decide(_kwargs(_specs("gdn_align")), vllm_config=mp)
+            assert not native and f'"{reason}"' in cell, reason
+        else:
+            assert not native and f'"{reason}"' in cell, reason
     assert '"KV connector <name> is configured"' in _cell("other KV connectors")
     # SimpleCPUOffloadConnector: served (its pool facade), but not with two-level pages.
     simple = vc(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both")
@@ -320,6 +337,41 @@ def test_kv_connector_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         assert _decide(_kwargs(_specs(specs)), vllm_config=store) == (True, ""), specs
     native, reason = _decide(_kwargs(_specs("gdn_align")), vllm_config=store)
     assert not native and f'"{reason}"' in cell, reason
+    # UMBPStoreConnector (0.33 on): served with attention groups of one block size, without its
+    # partial hash hits.
+    umbp = vc(kv_connector="UMBPStoreConnector", kv_role="kv_both")
+    cell = _cell("`UMBPStoreConnector`")
+    if importlib.util.find_spec("vllm.distributed.kv_transfer.kv_connector.v1.umbp") is None:
+        native, reason = _decide(_kwargs(_specs("full")), vllm_config=umbp)
+        assert not native and f'"{reason}"' in cell, reason
+    else:
+        assert cell.startswith("native")
+        # By its name (0.34 registers it) or from its module path (how 0.33 loads it).
+        by_path = vc(
+            kv_connector="UMBPStoreConnector",
+            kv_connector_module_path="vllm.distributed.kv_transfer.kv_connector.v1.umbp",
+            kv_role="kv_both",
+        )
+        for specs in ("full", "swa_retained"):
+            assert _decide(_kwargs(_specs(specs)), vllm_config=umbp) == (True, ""), specs
+            assert _decide(_kwargs(_specs(specs)), vllm_config=by_path) == (True, ""), specs
+        native, reason = _decide(_kwargs(_specs("gdn_align")), vllm_config=umbp)
+        assert not native and f'"{reason}"' in cell, reason
+        partial = vc(
+            kv_connector="UMBPStoreConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"enable_partial_hash_hits": True},
+        )
+        native, reason = _decide(_kwargs(_specs("full")), vllm_config=partial)
+        assert not native and reason.startswith("KV connector UMBPStoreConnector (enable_partial_hash_hits"), reason
+        assert "(enable_partial_hash_hits: not tested with hybrid_alloc)" in cell
+        multi = vc(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"connectors": [{"kv_connector": "UMBPStoreConnector", "kv_role": "kv_both"}]},
+        )
+        native, reason = _decide(_kwargs(_specs("full")), vllm_config=multi)
+        assert not native and f'"{reason}"' in cell, reason
     # MooncakeConnector: served as NixlConnector (its scheduler side reads KVCacheBlocks only).
     mooncake = vc(kv_connector="MooncakeConnector", kv_role="kv_both")
     assert _decide(_kwargs(_specs("swa_retained")), vllm_config=mooncake) == (True, "")

@@ -82,6 +82,15 @@ def _has_evict_first() -> bool:
 _EVICT_FIRST = _has_evict_first()
 
 
+def _skip_without_umbp(case: str) -> None:
+    """UMBPStoreConnector is in vLLM 0.33 and 0.34, not 0.32."""
+    if "umbp" in CASES[case][5] and importlib.util.find_spec(_UMBP) is None:
+        pytest.skip("this vLLM has no UMBPStoreConnector (0.33 and 0.34 have)")
+
+
+_UMBP = "vllm.distributed.kv_transfer.kv_connector.v1.umbp"
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_connector_scheduler_identical(case: str) -> None:
     from connector_driver import assert_same_pd
@@ -95,10 +104,12 @@ def test_connector_scheduler_identical(case: str) -> None:
         # Not the manager's: vLLM's own manager fails the same way, in the first step that
         # schedules a running request.
         pytest.skip(
-            "lmcache's scheduler side (vllm_v1_adapter.build_connector_meta) reads "
+            "lmcache's scheduler side (vllm_v1_adapter.build_connector_meta, "
+            "lmcache_mp_connector._process_cached_requests) reads "
             "CachedRequestData.resumed_req_ids or .resumed_from_preemption, which this vLLM "
             "(0.34) has neither of: it raises with vLLM's own manager too"
         )
+    _skip_without_umbp(case)
     ref, ours = _pair(case)
     assert_same_pd(case, ref, ours)
     c, calls = ref["counters"], ref["calls"]
@@ -117,6 +128,25 @@ def test_connector_scheduler_identical(case: str) -> None:
         if policy == "fail":
             # And hits behind a longer local one (a negative external count).
             assert calls["evict_blocks"] > 0 and calls["alloc_negative_external"] > 0
+    elif conn == "lmcache_mp_lazy":
+        # Lazy offload: stores of the blocks near the free queue's front, each walk of it
+        # (``fake_free_list_head`` / ``next_free_block``: the blocks and their ranks) and every
+        # pin and unpin compared call by call above; async loads, preemption; no delayed frees.
+        pool = ref["pool_calls"]
+        walks = [p for p in pool if p[0] == "walk"]
+        assert c["store_events"] > 10 and c["load_events"] > 5 and c["recv"] == c["load_events"]
+        assert len(walks) > 100 and sum(len(p[2]) for p in walks) > 1000
+        assert sum(p[0] == "touch" for p in pool) > 10 and sum(p[0] == "free" for p in pool) > 10
+        assert c["delayed_free"] == 0 and c["preempted"] > 0 and calls["alloc_local_and_external"] > 50
+    elif conn == "lmcache_mp":
+        # Stores of whole chunks, every finished request held until its stores are done
+        # (delayed frees), async loads of the stored prefixes behind local hits (not on the
+        # Gemma-like model at these sizes), lookups answered a step later, preemption.
+        assert c["store_events"] > 20 and c["load_events"] > 5 and c["recv"] == c["load_events"]
+        assert c["sent"] == c["delayed_free"] == 30 and any(s["held"] for s in ref["steps"])
+        assert calls["connector_pending"] > 20 and calls["alloc_delay_cache"] > 30
+        if CASES[case][0] == "llama":
+            assert calls["alloc_local_and_external"] > 100 and c["preempted"] > 0
     elif "lmcache" in conn:
         # One unified group, chunk-prefix hits (mostly behind a local hit) loaded in the step,
         # two loads failing; partial chunks give external counts that are not whole blocks.
@@ -165,6 +195,22 @@ def test_connector_scheduler_identical(case: str) -> None:
         assert calls["alloc_external"] > 30
         if CASES[case][0] == "llama":
             assert calls["alloc_local_and_external"] > 100
+    elif conn.startswith("umbp"):
+        # Store events (each pinning its blocks until done: the touches and frees compared
+        # call by call above) and loads of the stored prefixes (async, or in the step with
+        # ``load_async`` false), behind local hits too (not on the Gemma-like model at these
+        # sizes), with preemption; with ``lookup_async``, lookups answered a step later.
+        pool = ref["pool_calls"]
+        assert c["store_events"] > 20 and c["load_events"] > 5 and c["preempted"] > 0
+        assert sum(p[0] == "touch" for p in pool) == sum(p[0] == "free" for p in pool) > 20
+        assert calls["alloc_external"] > 30 and ref["connector_events"]
+        if conn == "umbp_sync":
+            assert c["sync_loads"] == c["load_events"] and c["recv"] == 0
+        else:
+            assert c["recv"] == c["load_events"] and calls["alloc_delay_cache"] > 30
+        assert (calls.get("connector_pending", 0) > 5) == (conn == "umbp_lookup_async")
+        if CASES[case][0] == "llama":
+            assert calls["alloc_local_and_external"] > 100
     elif conn in ("multi_simple", "multi_simple_lazy"):
         # Both children load: NIXL for the remote prefills (two failing), SimpleCPUOffload
         # for local requests' stored prefixes; its pins and frees compared call by call.
@@ -194,7 +240,8 @@ def test_connector_scheduler_identical(case: str) -> None:
         assert c["overlapped"] > 0
     if overlap and role in ("kv_consumer", "kv_both"):
         assert ref["defer_block_free"]
-        assert calls["pop_blocks_for_free"] > 0
+        # (LMCacheMP holds every finished request for its stores: none is freed deferred.)
+        assert calls.get("pop_blocks_for_free", 0) > 0 or conn == "lmcache_mp"
     if CASES[case][0] == "qwen" and "offload" in CASES[case][5]:
         _assert_boundary_lifecycles(ref, partial=case in PREFIX_MATCH_UNIT)
     if case in PREFIX_MATCH_UNIT:
@@ -326,6 +373,9 @@ def test_simple_cpu_offload_under_hit_aware_keeps_invariants(case: str, monkeypa
         ("evict_first_ignored", "llama_simple_lazy"),
         ("touch_skips_last", "llama_simple_lazy"),
         ("touch_skips_last", "llama_mooncake_store"),
+        ("touch_skips_last", "llama_umbp"),
+        ("next_skips_one", "llama_lmcache_mp_lazy"),
+        ("touch_skips_last", "llama_lmcache_mp_lazy"),
     ],
 )
 def test_pool_facade_planted_bug_is_caught(bug: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -333,11 +383,26 @@ def test_pool_facade_planted_bug_is_caught(bug: str, case: str, monkeypatch: pyt
     the lazy stores give back at the back instead of the front, or pins one block fewer fails
     the step-by-step comparison with vLLM's manager (the store decisions in the metadata, the
     pool calls, the allocations that follow, or a free the core refuses), with
-    SimpleCPUOffload and with MooncakeStore."""
+    SimpleCPUOffload, MooncakeStore and UMBP; a free-queue link that skips a block fails it with
+    LMCacheMP's lazy offload (its walks, compared call by call)."""
     from connector_driver import assert_same_pd
     from hybrid_alloc.vllm import facades
 
-    if bug == "walk_skips_front":
+    _skip_without_umbp(case)
+    if "lmcache" in case and (importlib.util.find_spec("lmcache") is None or not _lmcache_reads_this_vllm()):
+        pytest.skip("lmcache's scheduler side does not run on this vLLM (0.34) or is not installed")
+    if bug == "next_skips_one":
+        from hybrid_alloc.vllm import blocks
+
+        orig_next = blocks.NativeBlock.next_free_block.fget
+        assert orig_next is not None
+
+        def next_skips_one(self: Any) -> Any:
+            nxt = orig_next(self)
+            return orig_next(nxt) if isinstance(nxt, blocks.NativeBlock) else nxt
+
+        monkeypatch.setattr(blocks.NativeBlock, "next_free_block", property(next_skips_one))
+    elif bug == "walk_skips_front":
         orig_walk = facades.NativeFreeBlockQueue.iter_blocks_after
 
         def walk(self: Any, block: Any) -> Any:
@@ -800,15 +865,28 @@ def test_boundary_state_offloads_dropped_with_freed_blocks() -> None:
     assert out["vllm"][1] == out["hybrid_alloc"][1]
 
 
-def test_lmcache_mp_connector_falls_back_with_its_reason() -> None:
-    """``LMCacheMPConnector`` is not served: with ``lmcache.mp.lazy_offload`` it walks the pool's
-    free list, and without it its multiprocess server is untested here (or vLLM's in-tree copy is
-    what the name resolves to, without the lmcache package)."""
+def test_lmcache_mp_connector_served_or_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LMCacheMPConnector`` (the lmcache package's) is served, with or without lazy offload, on
+    releases whose ``CachedRequestData`` has ``resumed_req_ids`` (the ``*_lmcache_mp*`` cases
+    prove it); on 0.34, with lazy offload under two-level pages (no ``touch``) or without the
+    package (vLLM's in-tree copy) it falls back with its reason."""
+    from vllm.v1.core.sched.output import CachedRequestData
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
     from hybrid_alloc.vllm.connector import _unserved
 
-    plain = _unserved("LMCacheMPConnector", None, {}, None)
-    lazy = _unserved("LMCacheMPConnector", None, {"lmcache.mp.lazy_offload": True}, None)
-    assert plain is not None and plain.startswith("LMCacheMPConnector ("), plain
-    if importlib.util.find_spec("lmcache") is not None and "in-tree" not in plain:
-        assert "multiprocess server" in plain, plain
-        assert lazy is not None and "lazy_offload" in lazy, lazy
+    kvc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[])
+    lazy_extra = {"lmcache.mp.lazy_offload": True}
+    plain = _unserved("LMCacheMPConnector", None, {}, kvc)
+    lazy = _unserved("LMCacheMPConnector", None, lazy_extra, kvc)
+    if importlib.util.find_spec("lmcache") is None:
+        assert plain is not None and "in-tree" in plain, plain
+        return
+    if "resumed_req_ids" in {f.name for f in dataclasses.fields(CachedRequestData)}:
+        assert plain is None and lazy is None, (plain, lazy)
+    else:
+        assert plain is not None and "resumed_req_ids" in plain, plain
+    monkeypatch.setenv("HYBRID_ALLOC_PAGES", "two-level")
+    paged = _unserved("LMCacheMPConnector", None, lazy_extra, kvc)
+    assert paged is not None and "two-level pages" in paged, paged
+    assert _unserved("LMCacheMPConnector", None, {}, kvc) == plain

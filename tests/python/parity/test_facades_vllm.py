@@ -157,6 +157,27 @@ def test_req_to_blocks_and_views_answer_as_vllms(name: str) -> None:
     )
     assert pool.free_block_queue.num_free_blocks == ref.block_pool.free_block_queue.num_free_blocks
 
+    # Linked walk (LMCacheMP's lazy offload): from the fake head through ``next_free_block`` to
+    # the fake tail, whose successor is None; a block in use has none either.
+    def walk(queue: Any) -> list[int]:
+        out, block = [], queue.fake_free_list_head.next_free_block
+        while block.next_free_block is not None:
+            out.append(block.block_id)
+            block = block.next_free_block
+        assert block.block_id == -1 and block.next_free_block is None
+        return out
+
+    assert walk(pool.free_block_queue) == walk(ref.block_pool.free_block_queue)
+    assert walk(pool.free_block_queue) == ids(pool.free_block_queue.get_all_free_blocks())
+    for m in (ref, ours):  # a request holding blocks again: their links are None in both
+        c = setup.make_request("c", [11] * (2 * setup.scheduler_block_size))
+        hit, n, _ = m.get_computed_blocks(c)
+        assert m.allocate_slots(c, c.num_tokens - n, n, hit) is not None
+    held_r = ref.coordinator.single_type_managers[0].req_to_blocks["c"]
+    held_o = ours.coordinator.single_type_managers[0].req_to_blocks["c"]
+    assert held_r and ids(held_o) == ids(held_r)
+    assert [b.next_free_block for b in held_o] == [b.next_free_block for b in held_r] == [None] * len(held_r)
+
 
 @pytest.mark.parametrize("name", NAMES + MAMBA_NAMES)
 def test_find_longest_cache_hit_answers_as_vllms(name: str) -> None:

@@ -138,6 +138,30 @@ CASES: dict[str, tuple[str, str, int, bool, str, str]] = {
     "llama_mooncake_store": ("llama", "kv_both", 60, False, "recompute", "mooncake_store"),
     "gemma_mooncake_store": ("gemma", "kv_both", 70, False, "recompute", "mooncake_store"),
     "llama_mooncake_store_async": ("llama", "kv_both", 60, True, "recompute", "mooncake_store"),
+    # UMBPStoreConnector (vLLM 0.33 and 0.34; its runtime faked: ``connector_driver.FakeUMBPRuntime``):
+    # store events pin the blocks they read (``touch``) until done (``free_blocks``); the hits
+    # come back as async loads.
+    "llama_umbp": ("llama", "kv_both", 60, False, "recompute", "umbp"),
+    "gemma_umbp": ("gemma", "kv_both", 70, False, "recompute", "umbp"),
+    "llama_umbp_async": ("llama", "kv_both", 60, True, "recompute", "umbp"),
+    "gemma_umbp_async": ("gemma", "kv_both", 70, True, "recompute", "umbp"),
+    # Its other options that change what reaches the manager: loads in the step
+    # (``load_async`` false) with decode blocks stored too, and lookups answered a step later
+    # (``lookup_async``: ``get_num_new_matched_tokens`` first returns ``None``).
+    "llama_umbp_sync": ("llama", "kv_both", 60, False, "recompute", "umbp_sync"),
+    "gemma_umbp_lookup_async": ("gemma", "kv_both", 70, False, "recompute", "umbp_lookup_async"),
+    # LMCacheMPConnector without lazy offload (vLLM 0.32 and 0.33; its server's client faked:
+    # ``connector_driver.FakeLMCacheMPAdapter``): stores of whole chunks, every finished request
+    # held until its stores are done (``finished_sending``), hits loaded async.
+    "llama_lmcache_mp": ("llama", "kv_both", 60, False, "recompute", "lmcache_mp"),
+    "gemma_lmcache_mp": ("gemma", "kv_both", 70, False, "recompute", "lmcache_mp"),
+    "llama_lmcache_mp_async": ("llama", "kv_both", 60, True, "recompute", "lmcache_mp"),
+    # With ``lmcache.mp.lazy_offload`` (its eviction-aware policy): stores deferred until the
+    # blocks near the free queue's front (``fake_free_list_head`` / ``next_free_block``), pinned
+    # while stored (``touch``, ``free_blocks``), completions in the worker metadata. (On the
+    # Gemma-like model at these sizes it stores nothing: not a case, and not served there.)
+    "llama_lmcache_mp_lazy": ("llama", "kv_both", 60, False, "recompute", "lmcache_mp_lazy"),
+    "llama_lmcache_mp_lazy_async": ("llama", "kv_both", 60, True, "recompute", "lmcache_mp_lazy"),
 }
 # The workload's seed and share of remote requests, where a case needs others than the
 # default to show what it claims (the Gemma-like consumers: local hits joined with remote ones).
@@ -287,7 +311,7 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
                 kv_load_failure_policy=policy,
                 kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": role}, example]},
             )
-    elif "lmcache" in conn:
+    elif "lmcache" in conn and not conn.startswith("lmcache_mp"):
         # Both keys every time: the package's configuration is one object per process.
         lmc: dict[str, Any] = {"lmcache.chunk_size": 64, "lmcache.save_unfull_chunk": conn == "lmcache_unfull"}
         # A lookup that timed out would count as a miss in one run only.
@@ -331,6 +355,30 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
         )
     elif conn == "mooncake_store":
         ktc = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role=role)
+    elif conn.startswith("umbp"):
+        # An explicit namespace: the scheduler side binds its runtime at construction (with
+        # "auto" it waits for the workers' handshake, which the driver does not fake).
+        umbp_extra: dict[str, Any] = {"key_namespace": "parity"}
+        if conn == "umbp_sync":
+            umbp_extra.update(load_async=False, save_decode_cache=True)
+        if conn == "umbp_lookup_async":
+            umbp_extra["lookup_async"] = True
+        # vLLM 0.33 has the connector but does not register its name: a module path loads it.
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        registered = "UMBPStoreConnector" in getattr(KVConnectorFactory, "_registry", {})
+        ktc = KVTransferConfig(
+            kv_connector="UMBPStoreConnector",
+            kv_connector_module_path=None if registered else "vllm.distributed.kv_transfer.kv_connector.v1.umbp",
+            kv_role=role,
+            kv_connector_extra_config=umbp_extra,
+        )
+    elif conn in ("lmcache_mp", "lmcache_mp_lazy"):
+        ktc = KVTransferConfig(
+            kv_connector="LMCacheMPConnector",
+            kv_role=role,
+            kv_connector_extra_config={"lmcache.mp.lazy_offload": conn == "lmcache_mp_lazy"},
+        )
     elif conn == "module_hashstore":
         ktc = KVTransferConfig(
             kv_connector="HashStoreConnector", kv_connector_module_path="module_connectors", kv_role=role
@@ -361,7 +409,7 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             max_tokens=(1, 40) if shape == "gemma" else (1, 60),
         )
         return setup, w, role
-    if conn in ("example", "multi_example") or "lmcache" in conn:
+    if conn in ("example", "multi_example") or ("lmcache" in conn and not conn.startswith("lmcache_mp")):
         multi = conn.startswith("multi_")
         w = PDWorkload(
             num_requests=30,
@@ -408,6 +456,28 @@ def _setup_case(case: str) -> tuple[Any, Any, str]:
             remote_share=0.0,
             repeat_share=0.5,
             mooncake_store=True,
+            abort_running={"req2", "req13"},
+            batch_queue=2 if overlap else 1,
+            max_tokens=(1, 40) if shape == "gemma" else (1, 60),
+        )
+        return setup, w, role
+    if conn in ("lmcache_mp", "lmcache_mp_lazy"):
+        w = PDWorkload(
+            num_requests=30,
+            remote_share=0.0,
+            repeat_share=0.5,
+            lmcache_mp=True,
+            abort_running={"req2", "req13"},
+            batch_queue=2 if overlap else 1,
+            max_tokens=(1, 40) if shape == "gemma" else (1, 60),
+        )
+        return setup, w, role
+    if conn.startswith("umbp"):
+        w = PDWorkload(
+            num_requests=30,
+            remote_share=0.0,
+            repeat_share=0.5,
+            umbp=True,
             abort_running={"req2", "req13"},
             batch_queue=2 if overlap else 1,
             max_tokens=(1, 40) if shape == "gemma" else (1, 60),

@@ -156,6 +156,20 @@ class PDWorkload:
     # metadata carries it (``MooncakeStoreWorkerMetadata.completed_saves``), each load
     # ``recv_delay`` steps after (``finished_recving``).
     mooncake_store: bool = False
+    # UMBPStoreConnector: its runtime (the ``umbp`` package's, built through vLLM's
+    # ``UMBPRuntimeFactory``) replaced by :class:`FakeUMBPRuntime`, whose scheduler handle answers
+    # ``lookup(keys)`` from the keys of the store events completed so far; each store event
+    # (``UMBPConnectorMetadata.store_event``) completes ``send_delay`` steps after the metadata
+    # carries it (``UMBPConnectorWorkerMetadata.store_events``), each async load ``recv_delay``
+    # steps after (``finished_recving``).
+    umbp: bool = False
+    # LMCacheMPConnector (the ``lmcache`` package's, without lazy offload): its LMCache
+    # multiprocess server's client (``LMCacheMPSchedulerAdapter``) replaced by
+    # :class:`FakeLMCacheMPAdapter`, whose lookups answer from the chunks of the stores completed
+    # so far; each store op completes ``send_delay`` steps after the metadata carries it, each
+    # retrieve ``recv_delay`` steps after (``finished_recving``), and each finished request
+    # (held: the connector stores as a producer) is reported sent once its stores are done.
+    lmcache_mp: bool = False
     # The remote requests' ``kv_transfer_params`` as this connector reads them: "nixl"
     # (NixlConnector's) or "mooncake" (MooncakeConnector's: a bootstrap address and a
     # transfer id instead of remote block ids).
@@ -253,7 +267,8 @@ def _record_connector(sched: Any, calls: dict[str, int]) -> tuple[list[Any], lis
     and each ``get_num_new_matched_tokens`` call that raised the request's
     ``shared_prefix_boundary`` (vLLM 0.34's OffloadingConnector does where a sliding-window or
     Mamba group cut the external hit below the full-attention boundary): (request, the
-    junction the local lookup set, the connector's)."""
+    junction the local lookup set, the connector's). Counts the lookups not answered yet
+    (``None``) in ``calls["connector_pending"]``."""
     conn = sched.connector
     events: list[Any] = []
     raised: list[tuple[str, int, int]] = []
@@ -268,6 +283,9 @@ def _record_connector(sched: Any, calls: dict[str, int]) -> tuple[list[Any], lis
     def get_num_new_matched_tokens(request: Request, *a: Any, **k: Any) -> Any:
         before = request.shared_prefix_boundary
         res = orig_match(request, *a, **k)
+        if res[0] is None:
+            # The connector's lookup is not answered yet (UMBP's ``lookup_async``).
+            calls["connector_pending"] = calls.get("connector_pending", 0) + 1
         if request.shared_prefix_boundary != before:
             raised.append((request.request_id, before, request.shared_prefix_boundary))
             calls["junction_raised"] = calls.get("junction_raised", 0) + 1
@@ -316,6 +334,123 @@ class FakeMooncakeLookup:
         pass
 
     def close(self) -> None:
+        pass
+
+
+class _SyncExecutor:
+    """Runs what is submitted at once (a done future): UMBP's scheduler submits its KV event
+    residency checks to a thread pool and reads the answer the next step only if it is done,
+    which with threads would depend on timing; with this it always is."""
+
+    def submit(self, fn: Any, *a: Any, **k: Any) -> Any:
+        from concurrent.futures import Future
+
+        fut: Future[Any] = Future()
+        try:
+            fut.set_result(fn(*a, **k))
+        except Exception as e:  # noqa: BLE001 - handed to the caller through the future
+            fut.set_exception(e)
+        return fut
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+
+class FakeUMBPHandle:
+    """Stands for the ``umbp`` runtime's ``UMBPSchedulerHandle``: ``lookup(keys)`` answers, per
+    key, whether it is among the keys ``stored`` holds (which the fake worker adds when a store
+    event completes: every plan's key). Nothing is ever evicted."""
+
+    #: The keys present (shared by the run: set by ``run_pd``).
+    stored: set[str] = set()
+
+    def lookup(self, keys: Any) -> list[bool]:
+        return [k in type(self).stored for k in keys]
+
+    def clear(self) -> bool:
+        type(self).stored.clear()
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class FakeUMBPRuntime:
+    """Stands for the runtime vLLM's ``UMBPRuntimeFactory`` builds (MORI's, not installed):
+    the scheduler's handle only (the worker side is faked by the driver)."""
+
+    def __init__(self, config: Any) -> None:
+        del config
+
+    def create_scheduler_handle(self, namespace: str, topology: Any, layout: Any) -> FakeUMBPHandle:
+        del namespace, topology, layout
+        return FakeUMBPHandle()
+
+    def create_worker_handle(self, *a: Any, **k: Any) -> Any:
+        raise AssertionError("the driver fakes the worker side")
+
+
+class FakeLMCacheMPAdapter:
+    """Stands for ``LMCacheMPSchedulerAdapter`` (the LMCache multiprocess server's client on the
+    scheduler, ZMQ in lmcache): a lookup submitted is answered at the next check after the one
+    that submitted it (``None`` first, as a server still prefetching), with the longest prefix
+    of whole chunks whose keys ``stored`` holds at submission; the rest (locks, sessions,
+    telemetry) does nothing. A chunk's key is the prompt's tokens up to its end."""
+
+    #: The chunks present (shared by the run: set by ``run_pd``).
+    stored: set[tuple[int, ...]] = set()
+    chunk: int = 64
+
+    def __init__(self, **kw: Any) -> None:
+        self.lmcache_tokens_per_chunk = type(self).chunk
+        self.blocks_in_chunk = self.lmcache_tokens_per_chunk // int(kw["vllm_block_size"])
+        self._lookups: dict[str, list[int]] = {}  # request -> [hit, checks so far]
+
+    def maybe_submit_lookup_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        cache_salt: str = "",
+        request_configs: Any = None,
+        reserve_last_token: bool = False,
+    ) -> None:
+        if request_id in self._lookups:
+            return
+        n = len(token_ids) - (1 if reserve_last_token else 0)
+        c, hit = self.lmcache_tokens_per_chunk, 0
+        while hit + c <= n and tuple(token_ids[: hit + c]) in type(self).stored:
+            hit += c
+        self._lookups[request_id] = [hit, 0]
+
+    def check_lookup_result(self, request_id: str) -> int | None:
+        entry = self._lookups.get(request_id)
+        if entry is None:
+            return None
+        entry[1] += 1
+        return None if entry[1] == 1 else entry[0]
+
+    def cleanup_lookup_result(self, request_id: str) -> None:
+        self._lookups.pop(request_id, None)
+
+    def num_blocks_per_chunk(self) -> int:
+        return self.blocks_in_chunk
+
+    def free_lookup_locks(self, **kw: Any) -> None:
+        pass
+
+    def end_session(self, request_id: str) -> None:
+        pass
+
+    def update_pending_store_count(self, req_id: str, count: int) -> bool:
+        return count >= 1  # one worker
+
+    def report_block_allocations(self, records: Any) -> None:
+        pass
+
+    def reset_cache(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
         pass
 
 
@@ -368,6 +503,38 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             moon_sched.LookupKeyClient = orig_client  # type: ignore[misc]
         moon = sched.connector.connector_scheduler
         FakeMooncakeLookup.coord = moon._store_coord
+    elif w.lmcache_mp:
+        from lmcache.integration.vllm import lmcache_mp_connector as lmc_mp
+
+        FakeLMCacheMPAdapter.stored = set()
+        orig_adapter = lmc_mp.LMCacheMPSchedulerAdapter
+        lmc_mp.LMCacheMPSchedulerAdapter = FakeLMCacheMPAdapter  # type: ignore[misc]
+        try:
+            sched = setup.build()
+        finally:
+            lmc_mp.LMCacheMPSchedulerAdapter = orig_adapter  # type: ignore[misc]
+    elif w.umbp:
+        from vllm.distributed.kv_transfer.kv_connector.v1.umbp.runtime import UMBPRuntimeFactory
+
+        FakeUMBPHandle.stored = set()
+        # vLLM 0.34 registers its MORI-backed runtimes; 0.33 none (the ``umbp`` package would).
+        builders = UMBPRuntimeFactory._builders
+        orig_builder = builders.get("embedded")
+        builders["embedded"] = FakeUMBPRuntime
+        try:
+            sched = setup.build()
+        finally:
+            if orig_builder is None:
+                del builders["embedded"]
+            else:
+                builders["embedded"] = orig_builder
+        umbp = sched.connector.connector_scheduler
+        umbp._lookup_executor.shutdown(wait=True)
+        umbp._lookup_executor = _SyncExecutor()
+        # Its re-checks of published objects run at most once a wall-clock second; the fake
+        # store never evicts, so they would answer nothing new: off, so that a run does not
+        # depend on the clock.
+        umbp._next_event_reconcile = float("inf")
     else:
         sched = setup.build()
     mgr = sched.kv_cache_manager
@@ -402,6 +569,23 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         pool_calls = _record_pool(mgr.block_pool)
     elif w.mooncake_store:
         pool_calls = _record_pool(mgr.block_pool, "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.")
+    elif w.umbp:
+        pool_calls = _record_pool(mgr.block_pool, "vllm.distributed.kv_transfer.kv_connector.v1.umbp.")
+    elif w.lmcache_mp:
+        pool_calls = _record_pool(mgr.block_pool, "lmcache.integration.vllm.")
+        lazy = getattr(sched.connector, "_lazy_offload_manager", None)
+        policy = getattr(lazy, "_policy", None)
+        if policy is not None and hasattr(policy, "_free_queue_ranks"):
+            # Its eviction-aware policy's walks of the free queue's front (through
+            # ``fake_free_list_head`` / ``next_free_block``): each walk's blocks and ranks.
+            orig_ranks = policy._free_queue_ranks
+
+            def free_queue_ranks(depth: int) -> dict[int, int]:
+                ranks = orig_ranks(depth)
+                pool_calls.append(("walk", depth, sorted(ranks.items())))
+                return ranks
+
+            policy._free_queue_ranks = free_queue_ranks
     second_keys = {"n": 0}
     if w.simple_cpu:
         # The stored blocks that hold second keys (partial hash hits), as the connector reads
@@ -508,6 +692,12 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
     stores_due: dict[int, int] = {}  # SimpleCPUOffload store event -> step it completes
     # MooncakeStore store job -> (step it completes, the keys it stores)
     saves_due: dict[int, tuple[int, set[tuple[int, bytes]]]] = {}
+    # UMBP store event -> (step it completes, the keys it stores)
+    umbp_due: dict[int, tuple[int, set[str]]] = {}
+    # LMCacheMP store op -> (step it completes, the chunks it stores); request -> its last
+    # store's step
+    mp_due: dict[int, tuple[int, set[tuple[int, ...]], str]] = {}
+    mp_last_store: dict[str, int] = {}
     send_due: dict[str, int] = {}
     loaded: dict[str, int] = {}  # request -> step its load was reported done
     steps: list[dict[str, Any]] = []
@@ -608,6 +798,28 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
             for j in stored:
                 FakeMooncakeLookup.stored |= saves_due.pop(j)[1]
             worker_meta = MooncakeStoreWorkerMetadata(completed_saves={j: 1 for j in stored})
+        if w.lmcache_mp:
+            from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPWorkerMetadata
+
+            done: dict[str, int] = {}
+            for j in sorted(j for j, (s, _, _) in mp_due.items() if s <= step):
+                _, chunks, rid = mp_due.pop(j)
+                FakeLMCacheMPAdapter.stored |= chunks
+                done[rid] = 1
+            # (Read in lazy mode only: each request's coalesced store of the step, done.)
+            worker_meta = LMCacheMPWorkerMetadata(completed_store_requests=done, failed_store_requests=set())
+        if w.umbp:
+            from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import (
+                StoreEventResult,
+                UMBPConnectorWorkerMetadata,
+            )
+
+            stored = sorted(e for e, (s, _) in umbp_due.items() if s <= step)
+            for e in stored:
+                FakeUMBPHandle.stored |= umbp_due.pop(e)[1]
+            worker_meta = UMBPConnectorWorkerMetadata(
+                store_events={e: StoreEventResult(completed_workers=1) for e in stored}
+            )
         if w.simple_cpu:
             from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
@@ -640,7 +852,10 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         # Finished requests still held (their blocks wait for finished_sending).
         held = sorted(r for r, q in sched.requests.items() if q.is_finished())
         for r in held:
-            if r not in send_due and r in remote and role == "kv_producer":
+            if r not in send_due and w.lmcache_mp:
+                send_due[r] = max(step + w.send_delay, mp_last_store.get(r, 0))
+                counters["delayed_free"] += 1
+            elif r not in send_due and r in remote and role == "kv_producer":
                 send_due[r] = step + w.send_delay
                 counters["delayed_free"] += 1
         d["held"] = held
@@ -651,7 +866,14 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
 
     step = 0
     while (
-        pending or sched.get_num_unfinished_requests() or recv_due or send_due or jobs_due or stores_due or saves_due
+        pending
+        or sched.get_num_unfinished_requests()
+        or recv_due
+        or send_due
+        or jobs_due
+        or stores_due
+        or saves_due
+        or umbp_due
     ) and step < max_steps:
         while pending and pending[0][0] <= step:
             _, rid, toks, mt, params = pending.pop(0)
@@ -713,6 +935,32 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
                     keys = {(g, bytes(rm.block_hashes[i])) for g in groups for i in range(n)}
                     counters["stored_blocks"] += n
                     saves_due[rm.store_job_id] = (step + w.send_delay, keys)
+        if w.lmcache_mp:
+            for rm in meta.requests:
+                op = rm.op
+                if rm.direction == "RETRIEVE":
+                    counters["load_events"] += 1
+                    recv_due[rm.request_id] = step + w.recv_delay
+                    continue
+                counters["store_events"] += 1
+                c = FakeLMCacheMPAdapter.chunk
+                chunks = {tuple(op.token_ids[:e]) for e in range(op.start + c, op.end + 1, c)}
+                counters["stored_blocks"] += len(chunks)
+                mp_due[counters["store_events"]] = (step + w.send_delay, chunks, rm.request_id)
+                mp_last_store[rm.request_id] = step + w.send_delay
+        if w.umbp:
+            for rid in meta.load_requests:
+                counters["load_events"] += 1
+                req = sched.requests.get(rid)
+                if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    recv_due[rid] = step + w.recv_delay
+                else:
+                    counters["sync_loads"] += 1
+            if meta.store_event >= 0:
+                counters["store_events"] += 1
+                keys = {p.key for p in meta.iter_store_plans()}
+                counters["stored_blocks"] += len(keys)
+                umbp_due[meta.store_event] = (step + w.send_delay, keys)
         if w.example_storage is not None:
             reqs = (meta if w.example_child is None else meta.metadata[w.example_child]).requests
             stores = [m for m in reqs if m.is_store]
