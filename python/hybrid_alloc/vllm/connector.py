@@ -51,7 +51,7 @@ vLLM's semantics:
   manager (``*_lmcache_mp*`` cases, the server's client faked); with lazy offload (one group
   only) it walks the free queue's front (``fake_free_list_head``, ``next_free_block``) and pins
   the blocks it stores;
-- ``MultiConnector`` whose children are all served (UMBP and LMCacheMP alone only).
+- ``MultiConnector`` whose children are all served (MooncakeStore, UMBP and LMCacheMP alone only).
 
 Anything else falls back to vLLM's own manager with one line naming the connector:
 connectors whose scheduler side reaches into vLLM's ``BlockPool`` / coordinator internals
@@ -110,7 +110,7 @@ SINGLE_GROUP_CONNECTORS: frozenset[str] = frozenset({"ExampleConnector", "LMCach
 
 
 # Served alone only: no parity case runs them under a MultiConnector.
-_NOT_UNDER_MULTI = frozenset({"UMBPStoreConnector", "LMCacheMPConnector"})
+_NOT_UNDER_MULTI = frozenset({"MooncakeStoreConnector", "UMBPStoreConnector", "LMCacheMPConnector"})
 
 
 def _offloads_every_cached_group(kvc: KVCacheConfig) -> bool:

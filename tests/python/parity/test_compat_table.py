@@ -337,6 +337,14 @@ def test_kv_connector_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         assert _decide(_kwargs(_specs(specs)), vllm_config=store) == (True, ""), specs
     native, reason = _decide(_kwargs(_specs("gdn_align")), vllm_config=store)
     assert not native and f'"{reason}"' in cell, reason
+    # Alone only: no parity case runs it under a MultiConnector.
+    multi_store = vc(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"connectors": [{"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}]},
+    )
+    native, reason = _decide(_kwargs(_specs("full")), vllm_config=multi_store)
+    assert not native and f'"{reason}"' in cell, reason
     # UMBPStoreConnector (0.33 on): served with attention groups of one block size, without its
     # partial hash hits.
     umbp = vc(kv_connector="UMBPStoreConnector", kv_role="kv_both")
