@@ -164,7 +164,7 @@ def _unserved(name: Any, module_path: Any, extra: Any, kvc: KVCacheConfig) -> st
 
 def _simple_cpu_offload_unserved() -> str | None:
     """``SimpleCPUOffloadConnector``'s scheduler side (``vllm/v1/simple_kv_offload/manager.py``,
-    the same reads in 0.32, 0.33 and 0.34) is bound to the scheduler's block pool and works on it
+    the same reads in every supported release) is bound to the scheduler's block pool and works on it
     as its owner would: ``blocks[i]`` (``block_id``, ``block_hash``, ``block_hash_num_tokens``,
     ``is_null``), ``touch`` (pins what it copies), ``free_blocks`` (with ``evict_first`` in lazy
     mode), ``free_block_queue.iter_blocks_after`` (lazy mode), ``get_cached_block`` and

@@ -322,14 +322,16 @@ def test_fallback_for_kv_connector(plugin_lines) -> None:  # type: ignore[no-unt
 
     from hybrid_alloc.vllm import manager
 
-    ktc = KVTransferConfig(kv_connector="LMCacheMPConnector", kv_role="kv_both")
+    # A connector no release's plugin serves (LMCacheMPConnector, the one here before, is served
+    # on 0.32 and 0.33 now).
+    ktc = KVTransferConfig(kv_connector="FlexKVConnectorV1", kv_role="kv_both")
     manager.current_vllm_config = SimpleNamespace(kv_transfer_config=ktc)
     try:
         m = manager.HybridKVCacheManager(**_kwargs())
     finally:
         manager.current_vllm_config = None
     assert type(m) is KVCacheManager
-    assert any("KV connector LMCacheMPConnector (" in ln and ln.endswith("is configured") for ln in plugin_lines)
+    assert any(ln.endswith("KV connector FlexKVConnectorV1 is configured") for ln in plugin_lines)
 
 
 def test_native_manager_logs_one_serving_line(plugin_lines) -> None:  # type: ignore[no-untyped-def]
