@@ -29,6 +29,7 @@ import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -495,39 +496,25 @@ def run_pd(setup: SchedulerSetup, role: str, w: PDWorkload, max_steps: int = 600
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import scheduler as moon_sched
 
         FakeMooncakeLookup.stored = set()
-        orig_client = moon_sched.LookupKeyClient
-        moon_sched.LookupKeyClient = FakeMooncakeLookup  # type: ignore[misc]
-        try:
+        with mock.patch.object(moon_sched, "LookupKeyClient", FakeMooncakeLookup):
             sched = setup.build()
-        finally:
-            moon_sched.LookupKeyClient = orig_client  # type: ignore[misc]
         moon = sched.connector.connector_scheduler
         FakeMooncakeLookup.coord = moon._store_coord
     elif w.lmcache_mp:
         from lmcache.integration.vllm import lmcache_mp_connector as lmc_mp
 
         FakeLMCacheMPAdapter.stored = set()
-        orig_adapter = lmc_mp.LMCacheMPSchedulerAdapter
-        lmc_mp.LMCacheMPSchedulerAdapter = FakeLMCacheMPAdapter  # type: ignore[misc]
-        try:
+        with mock.patch.object(lmc_mp, "LMCacheMPSchedulerAdapter", FakeLMCacheMPAdapter):
             sched = setup.build()
-        finally:
-            lmc_mp.LMCacheMPSchedulerAdapter = orig_adapter  # type: ignore[misc]
     elif w.umbp:
         from vllm.distributed.kv_transfer.kv_connector.v1.umbp.runtime import UMBPRuntimeFactory
 
         FakeUMBPHandle.stored = set()
-        # vLLM 0.34 registers its MORI-backed runtimes; 0.33 none (the ``umbp`` package would).
-        builders = UMBPRuntimeFactory._builders
-        orig_builder = builders.get("embedded")
-        builders["embedded"] = FakeUMBPRuntime
-        try:
+        # vLLM 0.34 registers its MORI-backed runtimes; 0.33 none (the ``umbp`` package would):
+        # the fake is the "embedded" one while the scheduler is built (patch.dict restores the
+        # registry as it was, the key removed if it was absent).
+        with mock.patch.dict(UMBPRuntimeFactory._builders, {"embedded": FakeUMBPRuntime}):
             sched = setup.build()
-        finally:
-            if orig_builder is None:
-                del builders["embedded"]
-            else:
-                builders["embedded"] = orig_builder
         umbp = sched.connector.connector_scheduler
         umbp._lookup_executor.shutdown(wait=True)
         umbp._lookup_executor = _SyncExecutor()
